@@ -1,0 +1,69 @@
+"""Agents, their scoped tokens, and the audit trail of everything done in Sigil."""
+
+from __future__ import annotations
+
+from django.db import models
+from django.utils import timezone
+
+
+class Agent(models.Model):
+    """An AI agent: owns the capabilities under its name prefix (`{name}--*`)."""
+
+    name = models.CharField(max_length=31, unique=True)
+    is_active = models.BooleanField(default=True, help_text="A disabled agent's tokens stop working at once.")
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Scope(models.TextChoices):
+    DEPLOY = "deploy", "deploy"
+    INVOKE = "invoke", "invoke"
+
+
+class Token(models.Model):
+    """A bearer token of one agent with one scope. Only its sha256 is stored."""
+
+    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="tokens")
+    scope = models.CharField(max_length=8, choices=Scope.choices)
+    label = models.CharField(max_length=100, blank=True)
+    prefix = models.CharField(max_length=16, editable=False, help_text="The first characters, to recognise it.")
+    secret_hash = models.CharField(max_length=64, unique=True, editable=False)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
+    last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.agent.name}, {self.scope})"
+
+    def is_usable(self, now) -> bool:
+        return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
+
+
+class AuditEvent(models.Model):
+    """Who did what to which capability, token or agent, and when.
+
+    The subject is named by text (a capability's full name, a token's prefix), so the
+    trail outlives the rows it speaks of.
+    """
+
+    created_at = models.DateTimeField(default=timezone.now, db_index=True, editable=False)
+    actor = models.CharField(max_length=100, help_text="agent:NAME, owner:USERNAME or system")
+    agent_name = models.CharField(max_length=31, db_index=True, blank=True)
+    action = models.CharField(max_length=40, db_index=True)
+    subject = models.CharField(max_length=100, db_index=True, blank=True)
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action} {self.subject}"

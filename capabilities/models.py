@@ -1,0 +1,90 @@
+"""The registry: capabilities and every version of their code."""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+from agents.models import Agent
+
+
+class CapabilityType(models.TextChoices):
+    PERSISTENT = "persistent", "persistent"
+    NORMAL = "normal", "normal"
+    EPHEMERAL = "ephemeral", "ephemeral"
+
+
+class State(models.TextChoices):
+    LIVE = "live", "live"  # placed on the runtime and served
+    PAGED_OUT = "paged_out", "paged out"  # registered, not on the runtime; a call pages it in
+    EVICTING = "evicting", "evicting"  # chosen as a victim; still served until deleted
+    FAILED = "failed", "failed"  # the last placement failed for good
+    REMOVED = "removed", "removed"  # removed by its agent, the owner or TTL expiry
+
+
+class BreakerState(models.TextChoices):
+    CLOSED = "closed", "closed"
+    OPEN = "open", "open"
+
+
+class Capability(models.Model):
+    """A named Worker script owned by an agent. At most one non-removed row per full name."""
+
+    agent = models.ForeignKey(Agent, on_delete=models.PROTECT, related_name="capabilities")
+    name = models.CharField(max_length=41)
+    full_name = models.CharField(max_length=73, db_index=True)
+    type = models.CharField(max_length=10, choices=CapabilityType.choices)
+    is_public = models.BooleanField(default=False)
+    bindings = models.JSONField(default=list, blank=True)
+    state = models.CharField(max_length=10, choices=State.choices, default=State.PAGED_OUT, db_index=True)
+    slot = models.CharField(max_length=80, blank=True, help_text="The runtime's name for the placement.")
+    placed_sha = models.CharField(max_length=64, blank=True, help_text="The code sha the runtime holds.")
+    current_version = models.ForeignKey(
+        "CapabilityVersion", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    updated_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    removed_at = models.DateTimeField(null=True, blank=True)
+    # Flushed from Redis by the stats task; the hot path never writes these rows.
+    last_access_at = models.DateTimeField(null=True, blank=True)
+    calls_total = models.BigIntegerField(default=0)
+    errors_total = models.BigIntegerField(default=0)
+    latency_ms_total = models.FloatField(default=0.0)
+    breaker_state = models.CharField(max_length=8, choices=BreakerState.choices, default=BreakerState.CLOSED)
+    breaker_opened_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "capabilities"
+        ordering = ["full_name"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["full_name"], condition=~Q(state="removed"), name="one_current_capability_per_name"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return self.full_name
+
+    @property
+    def is_ephemeral(self) -> bool:
+        return self.type == CapabilityType.EPHEMERAL
+
+
+class CapabilityVersion(models.Model):
+    """One deployed code of a capability, numbered from 1: the seeds' `code:` backup."""
+
+    capability = models.ForeignKey(Capability, on_delete=models.CASCADE, related_name="versions")
+    number = models.PositiveIntegerField()
+    code = models.TextField()
+    sha = models.CharField(max_length=64)
+    size_bytes = models.PositiveIntegerField()
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["capability", "-number"]
+        constraints = [models.UniqueConstraint(fields=["capability", "number"], name="one_version_number")]
+
+    def __str__(self) -> str:
+        return f"{self.capability.full_name} v{self.number}"

