@@ -1,0 +1,71 @@
+"""What every Runtime guarantees. Subclasses provide a `runtime` fixture; each test places
+real code and sends a real request to it."""
+
+from __future__ import annotations
+
+import urllib3
+
+from capabilities.runtimes.base import CodeBundle, Route
+
+HELLO = "export default { async fetch(request) { return new Response('hello ' + new URL(request.url).pathname) } }"
+SECOND = "export default { async fetch() { return new Response('second version') } }"
+ECHO_HEADERS = """export default { async fetch(request) {
+  return Response.json(Object.fromEntries(request.headers));
+} }"""
+
+_http = urllib3.PoolManager(retries=False, timeout=10)
+
+
+def call(route: Route, path: str = "/", method: str = "GET", headers: dict | None = None):
+    all_headers = dict(route.headers)
+    if route.host_header:
+        all_headers["Host"] = route.host_header
+    all_headers.update(headers or {})
+    return _http.request(method, route.base_url + path, headers=all_headers)
+
+
+class RuntimeContract:
+    def test_forward_reaches_placed_code(self, runtime):
+        bundle = CodeBundle.from_code(HELLO)
+        slot = runtime.slot_for("alice--hello")
+        runtime.place(slot=slot, bundle=bundle)
+        response = call(runtime.route(slot=slot, sha=bundle.sha), "/some/path")
+        assert response.status == 200
+        assert response.data == b"hello /some/path"
+
+    def test_new_code_gets_a_fresh_isolate_and_old_id_keeps_nothing(self, runtime):
+        slot = runtime.slot_for("alice--versioned")
+        first, second = CodeBundle.from_code(HELLO), CodeBundle.from_code(SECOND)
+        runtime.place(slot=slot, bundle=first)
+        assert call(runtime.route(slot=slot, sha=first.sha)).data == b"hello /"
+        runtime.place(slot=slot, bundle=second)
+        assert call(runtime.route(slot=slot, sha=second.sha)).data == b"second version"
+
+    def test_placing_the_same_code_twice_is_a_no_op(self, runtime):
+        slot = runtime.slot_for("alice--twice")
+        bundle = CodeBundle.from_code(HELLO)
+        runtime.place(slot=slot, bundle=bundle)
+        runtime.place(slot=slot, bundle=bundle)
+        assert runtime.list_slots().count(slot) == 1
+        assert call(runtime.route(slot=slot, sha=bundle.sha)).status == 200
+
+    def test_removed_slot_is_not_listed(self, runtime):
+        slot = runtime.slot_for("alice--gone")
+        runtime.place(slot=slot, bundle=CodeBundle.from_code(HELLO))
+        assert slot in runtime.list_slots()
+        runtime.remove(slot=slot)
+        assert slot not in runtime.list_slots()
+
+    def test_removing_a_missing_slot_is_not_an_error(self, runtime):
+        runtime.remove(slot=runtime.slot_for("alice--never-placed"))
+
+    def test_internal_headers_do_not_reach_the_capability(self, runtime):
+        slot = runtime.slot_for("alice--headers")
+        bundle = CodeBundle.from_code(ECHO_HEADERS)
+        runtime.place(slot=slot, bundle=bundle)
+        seen = call(runtime.route(slot=slot, sha=bundle.sha), headers={"X-Custom": "kept"}).json()
+        assert seen["x-custom"] == "kept"
+        assert not [name for name in seen if name.startswith("x-sigil")]
+
+    def test_check_passes_when_the_runtime_serves(self, runtime):
+        runtime.check()

@@ -1,0 +1,35 @@
+import pytest
+import urllib3
+
+from capabilities.runtimes.base import CodeBundle
+from capabilities.runtimes.local import LocalRuntime
+from capabilities.tests.runtimes.contract import HELLO, RuntimeContract, call
+
+
+@pytest.fixture
+def runtime(workerd_host, settings):
+    return LocalRuntime(code_dir=workerd_host.code_dir, workerd_url=workerd_host.url, secret=settings.SIGIL_INTERNAL_SECRET)
+
+
+class TestLocalRuntime(RuntimeContract):
+    pass
+
+
+def test_workerd_refuses_requests_without_the_secret(runtime):
+    slot = "alice--guarded"
+    bundle = CodeBundle.from_code(HELLO)
+    runtime.place(slot=slot, bundle=bundle)
+    route = runtime.route(slot=slot, sha=bundle.sha)
+    response = urllib3.request("GET", route.base_url + "/", headers={"X-Sigil-Loader-Id": f"{slot}@{bundle.sha}"})
+    assert response.status == 403
+    assert response.headers["x-sigil-error"] == "forbidden"
+
+
+def test_two_slots_with_the_same_code_share_one_bundle(runtime):
+    bundle = CodeBundle.from_code(HELLO.replace("hello", "shared"))
+    runtime.place(slot="alice--one", bundle=bundle)
+    runtime.place(slot="bob--two", bundle=bundle)
+    runtime.remove(slot="alice--one")
+    assert call(runtime.route(slot="bob--two", sha=bundle.sha)).data == b"shared /"
+    runtime.remove(slot="bob--two")
+    assert not (runtime.code_dir / f"{bundle.sha}.json").exists()

@@ -1,0 +1,37 @@
+"""pytest plugin loaded before pytest-django (`-p testsupport.environment` in pytest.ini):
+chooses the services' addresses before Django's settings are read.
+
+Every pytest-xdist worker gets its own var directory, its own embedded Redis (or its own
+database number on REDIS_URL), and its own workerd port.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import tempfile
+from pathlib import Path
+
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+_worker_index = int(_worker[2:]) if _worker[2:].isdigit() else 0
+
+_VAR_DIR = Path(tempfile.mkdtemp(prefix=f"sigil-test-{_worker}-"))
+os.environ["SIGIL_VAR_DIR"] = str(_VAR_DIR)
+os.environ.setdefault("SECRET_KEY", "sigil-test-suite-only")
+
+if os.environ.get("REDIS_URL"):
+    # A shared server (CI): one database number per xdist worker, so flushes stay private.
+    _base = os.environ["REDIS_URL"].rstrip("/")
+    _base = _base.rsplit("/", 1)[0] if _base.count("/") > 2 else _base
+    os.environ["REDIS_URL"] = f"{_base}/{1 + _worker_index}"
+else:
+    from sigil_site.embedded_redis import EmbeddedRedis
+
+    _embedded_redis = EmbeddedRedis(_VAR_DIR / "redis")
+    _embedded_redis.start()
+    atexit.register(_embedded_redis.stop)
+    os.environ["REDIS_URL"] = _embedded_redis.url
+
+from capabilities.workerd import free_port  # noqa: E402
+
+os.environ["SIGIL_WORKERD_PORT"] = str(free_port())
