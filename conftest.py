@@ -34,3 +34,88 @@ def redis_client():
     client.flushdb()
     yield client
     client.close()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_redis_and_runtime():
+    """Each test starts with an empty Redis and a runtime built from its own settings."""
+    import redis
+    from django.conf import settings
+
+    from capabilities.runtimes import get_runtime
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.flushdb()
+    client.close()
+    get_runtime.cache_clear()
+    yield
+    get_runtime.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_host):
+    """Sigil's WSGI application (gateway in front of Django) on a free loopback port."""
+    from django.test.testcases import LiveServerThread
+
+    from sigil_site.wsgi import SigilApplication
+
+    holder = {}
+
+    def wrap(django_handler):
+        holder["app"] = SigilApplication(django_handler)
+        return holder["app"]
+
+    with django_db_blocker.unblock():
+        thread = LiveServerThread("127.0.0.1", static_handler=wrap, port=0)
+        thread.daemon = True
+        thread.start()
+        thread.is_ready.wait()
+        if thread.error:
+            raise thread.error
+    yield thread, holder["app"]
+    thread.terminate()
+
+
+class SigilServer:
+    def __init__(self, url: str, app) -> None:
+        self.url = url
+        self.app = app
+
+
+@pytest.fixture
+def sigil(_sigil_server_thread, transactional_db):
+    """The running server for this test; its gateway is rebuilt from this test's settings."""
+    thread, app = _sigil_server_thread
+    app.gateway = None
+    yield SigilServer(f"http://127.0.0.1:{thread.port}", app)
+    app.gateway = None
+
+
+@pytest.fixture(scope="session")
+def celery_worker_session(django_db_setup, django_db_blocker):
+    """A real Celery worker consuming from the test Redis, in this process (threads pool)."""
+    from celery.contrib.testing.worker import start_worker
+
+    from sigil_site.celery import app
+
+    app.loader.import_default_modules()
+    with django_db_blocker.unblock():
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=10) as worker:
+            yield worker
+
+
+@pytest.fixture
+def alice(sigil, settings):
+    """The acting agent. Deploy cool-down is off unless a test turns it on."""
+    from testsupport.cast import make_agent
+
+    settings.SIGIL_DEPLOY_COOLDOWN_SECONDS = 0
+    return make_agent("alice", sigil.url)
+
+
+@pytest.fixture
+def bob(sigil):
+    """A second agent, who must not see alice's private capabilities."""
+    from testsupport.cast import make_agent
+
+    return make_agent("bob", sigil.url)

@@ -84,6 +84,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "agents",
     "capabilities",
 ]
@@ -201,6 +202,12 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
+    "SERVE_AUTHENTICATION": [],
+    # Swagger UI's files are served by Sigil itself, so the page works without a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # --- Sigil ------------------------------------------------------------------------------
@@ -214,6 +221,9 @@ SIGIL_EPHEMERAL_MAX_PER_AGENT = env_int("SIGIL_EPHEMERAL_MAX_PER_AGENT", 20)
 SIGIL_EPHEMERAL_DEFAULT_TTL_SECONDS = env_int("SIGIL_EPHEMERAL_DEFAULT_TTL_SECONDS", 3600)
 SIGIL_EPHEMERAL_MAX_TTL_SECONDS = env_int("SIGIL_EPHEMERAL_MAX_TTL_SECONDS", 86400)
 SIGIL_SCRIPT_MAX_BYTES = env_int("SIGIL_SCRIPT_MAX_BYTES", 10 * 1024 * 1024)
+# A deploy's JSON body: the script plus its escaping and the other fields.
+SIGIL_DEPLOY_MAX_BODY_BYTES = env_int("SIGIL_DEPLOY_MAX_BODY_BYTES", 16 * 1024 * 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = SIGIL_DEPLOY_MAX_BODY_BYTES
 SIGIL_INVOKE_MAX_BODY_BYTES = env_int("SIGIL_INVOKE_MAX_BODY_BYTES", 100 * 1024 * 1024)
 SIGIL_INVOKE_TIMEOUT_SECONDS = env_float("SIGIL_INVOKE_TIMEOUT_SECONDS", 30.0)
 SIGIL_BREAKER_THRESHOLD = env_int("SIGIL_BREAKER_THRESHOLD", 5)

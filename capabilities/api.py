@@ -1,0 +1,262 @@
+"""The control API of API.md: thin views that translate JSON, call one service, translate back."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import connection
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import serializers
+from rest_framework.pagination import LimitOffsetPagination
+from rest_framework.parsers import JSONParser
+from rest_framework.permissions import AllowAny
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from agents.models import Agent
+from agents.permissions import HasDeployScope
+from capabilities import selectors, services
+from capabilities.models import Capability, State
+from capabilities.runtimes import get_runtime
+from capabilities.runtimes.base import RuntimeUnavailable
+from sigil_site.errors import InvalidRequest, TooLarge
+from sigil_site.redis_client import get_redis
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """Only JSON true/false: "yes" or 1 for a flag is a mistake worth a 400."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            self.fail("invalid", input=data)
+        return data
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """Only JSON integers: "3600" or 3600.5 for a ttl is a mistake worth a 400."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictCharField(serializers.CharField):
+    """Only JSON strings: DRF would otherwise turn 42 into "42"."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class LimitedJSONParser(JSONParser):
+    """JSON with a size cap, read without trusting Content-Length: over the cap is a 413."""
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        limit = settings.SIGIL_DEPLOY_MAX_BODY_BYTES
+        raw = stream.read(limit + 1) if stream is not None else b""
+        if len(raw) > limit:
+            raise TooLarge(f"the request body is over {limit} bytes")
+        import io
+
+        return super().parse(io.BytesIO(raw), media_type, parser_context)
+
+
+def capability_url(request, capability: Capability) -> str:
+    base = settings.SIGIL_PUBLIC_URL.rstrip("/") or request.build_absolute_uri("/").rstrip("/")
+    return f"{base}/{capability.agent.name}/{capability.name}"
+
+
+class CapabilitySerializer(serializers.ModelSerializer):
+    """A capability as agents see it; the code only for its owner."""
+
+    capability = serializers.CharField(source="full_name")
+    agent = serializers.CharField(source="agent.name")
+    version = serializers.IntegerField(source="current_version.number", allow_null=True)
+    sha256 = serializers.CharField(source="current_version.sha", allow_null=True)
+    public = serializers.BooleanField(source="is_public")
+    url = serializers.SerializerMethodField()
+    breaker = serializers.CharField(source="breaker_state")
+    stats = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Capability
+        fields = [
+            "capability", "agent", "name", "type", "public", "state", "version", "sha256", "bindings",
+            "url", "created_at", "updated_at", "expires_at", "last_access_at", "breaker", "stats",
+        ]
+
+    def get_url(self, obj) -> str:
+        return capability_url(self.context["request"], obj)
+
+    def get_stats(self, obj) -> dict:
+        calls = obj.calls_total
+        return {
+            "calls": calls,
+            "errors": obj.errors_total,
+            "mean_latency_ms": round(obj.latency_ms_total / calls, 3) if calls else None,
+        }
+
+
+class CapabilityDetailSerializer(CapabilitySerializer):
+    code = serializers.SerializerMethodField()
+
+    class Meta(CapabilitySerializer.Meta):
+        fields = CapabilitySerializer.Meta.fields + ["code"]
+
+    def get_code(self, obj) -> str | None:
+        owner = obj.agent_id == self.context["request"].user.agent_id
+        return obj.current_version.code if owner and obj.current_version else None
+
+
+class CapabilityDeployApi(APIView):
+    permission_classes = [HasDeployScope]
+    parser_classes = [LimitedJSONParser]
+
+    class InputSerializer(serializers.Serializer):
+        agent = StrictCharField(required=False, allow_null=True)
+        name = StrictCharField(required=False, allow_null=True)
+        code = StrictCharField(trim_whitespace=False)
+        type = serializers.ChoiceField(choices=["persistent", "normal", "ephemeral"], required=False, allow_null=True)
+        ttl = StrictIntegerField(required=False, allow_null=True)
+        bindings = serializers.ListField(child=StrictCharField(), required=False, default=list)
+        public = StrictBooleanField(required=False, default=False)
+
+    class OutputSerializer(serializers.Serializer):
+        capability = serializers.CharField()
+        url = serializers.CharField()
+        version = serializers.IntegerField()
+        expires_at = serializers.DateTimeField(allow_null=True)
+        cold_start = serializers.BooleanField()
+        evicted = serializers.CharField(allow_null=True)
+
+    @extend_schema(request=InputSerializer, responses={200: OutputSerializer, 201: OutputSerializer})
+    def post(self, request):
+        if not isinstance(request.data, dict):
+            raise InvalidRequest("the body must be a JSON object")
+        unknown = set(request.data) - set(self.InputSerializer().fields)
+        if unknown:
+            raise InvalidRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
+        serializer = self.InputSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        result = services.capability_deploy(
+            principal=request.user,
+            agent=data.get("agent"),
+            name=data.get("name"),
+            code=data["code"],
+            type=data.get("type"),
+            ttl=data.get("ttl"),
+            bindings=data["bindings"],
+            is_public=data["public"],
+        )
+        body = {
+            "capability": result.capability.full_name,
+            "url": capability_url(request, result.capability),
+            "version": result.version.number,
+            "expires_at": result.capability.expires_at,
+            "cold_start": result.cold_start,
+            "evicted": result.evicted,
+        }
+        return Response(self.OutputSerializer(body).data, status=201 if result.created else 200)
+
+
+class CapabilityPagination(LimitOffsetPagination):
+    default_limit = 50
+    max_limit = 200
+
+
+class CapabilityListApi(APIView):
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("type", str, enum=["persistent", "normal", "ephemeral"]),
+            OpenApiParameter("state", str, enum=State.values),
+            OpenApiParameter("agent", str),
+            OpenApiParameter("limit", int),
+            OpenApiParameter("offset", int),
+        ],
+        responses=CapabilitySerializer(many=True),
+    )
+    def get(self, request):
+        query = selectors.capability_list_visible(
+            principal=request.user,
+            type=request.query_params.get("type"),
+            state=request.query_params.get("state"),
+            agent=request.query_params.get("agent"),
+        )
+        paginator = CapabilityPagination()
+        page = paginator.paginate_queryset(query, request, view=self)
+        return paginator.get_paginated_response(CapabilitySerializer(page, many=True, context={"request": request}).data)
+
+
+class CapabilityDetailApi(APIView):
+    def get_permissions(self):
+        return [HasDeployScope()] if self.request.method == "DELETE" else super().get_permissions()
+
+    @extend_schema(responses=CapabilityDetailSerializer)
+    def get(self, request, full: str):
+        capability = selectors.capability_get_visible(principal=request.user, full=full)
+        return Response(CapabilityDetailSerializer(capability, context={"request": request}).data)
+
+    @extend_schema(responses={204: None})
+    def delete(self, request, full: str):
+        services.capability_remove(principal=request.user, full=full)
+        return Response(status=204)
+
+
+class StatusApi(APIView):
+    @extend_schema(
+        responses=inline_serializer(
+            "Status",
+            {
+                "backend": serializers.CharField(),
+                "total_slots": serializers.IntegerField(allow_null=True),
+                "used_slots": serializers.IntegerField(),
+                "agents": serializers.IntegerField(),
+                "lru_enabled": serializers.BooleanField(),
+                "eviction_count": serializers.IntegerField(),
+            },
+        )
+    )
+    def get(self, request):
+        return Response(selectors.backend_status())
+
+
+class CapabilityWarmingStatusApi(APIView):
+    """GET /_status/{full}: whether a capability being paged in is ready."""
+
+    @extend_schema(responses=inline_serializer("Warming", {"status": serializers.CharField()}))
+    def get(self, request, full: str):
+        capability = selectors.capability_get_visible(principal=request.user, full=full)
+        ready = capability.state in (State.LIVE, State.EVICTING)
+        return Response({"status": "ready" if ready else "warming", "capability": capability.full_name})
+
+
+class HealthApi(APIView):
+    authentication_classes = []
+    permission_classes = [AllowAny]
+
+    @extend_schema(responses=inline_serializer("Health", {"status": serializers.CharField()}))
+    def get(self, request):
+        checks = {"database": "ok", "redis": "ok", "runtime": "ok"}
+        counts = {"capabilities": None, "agents": None}
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+            counts = {
+                "capabilities": Capability.objects.exclude(state=State.REMOVED).count(),
+                "agents": Agent.objects.count(),
+            }
+        except Exception as exc:  # noqa: BLE001 - any database failure is what this check reports
+            checks["database"] = f"failing: {exc.__class__.__name__}"
+        try:
+            get_redis().ping()
+        except Exception as exc:  # noqa: BLE001 - same for Redis
+            checks["redis"] = f"failing: {exc.__class__.__name__}"
+        try:
+            get_runtime().check()
+        except RuntimeUnavailable as exc:
+            checks["runtime"] = f"failing: {exc}"
+        healthy = all(value == "ok" for value in checks.values())
+        body = {"status": "ok" if healthy else "failing", "backend": settings.SIGIL_BACKEND, **counts, "checks": checks}
+        return Response(body, status=200 if healthy else 503)

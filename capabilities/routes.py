@@ -1,0 +1,83 @@
+"""The Redis copy of each capability's route, read by the gateway on every call.
+
+`sigil:route:{full}` holds a small JSON document (owner, visibility, expiry, state, slot,
+code sha) or a tombstone `-`. Services write it after their transaction commits
+(write-through, never just delete), and the gateway fills a missing entry from the
+database with SET NX, so a fill that raced a deploy can never hide the new version.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from capabilities.models import Capability, State
+from sigil_site.redis_client import get_redis
+
+TOMBSTONE = b"-"
+TTL_SECONDS = 3600
+NEGATIVE_TTL_SECONDS = 30
+SERVED_STATES = (State.LIVE, State.EVICTING)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRoute:
+    capability_id: int
+    agent: str
+    is_public: bool
+    expires_epoch: float | None
+    state: str
+    slot: str
+    sha: str
+
+
+def key(full: str) -> str:
+    return f"sigil:route:{full}"
+
+
+def encode(capability: Capability) -> bytes:
+    return json.dumps(
+        {
+            "id": capability.pk,
+            "agent": capability.agent.name,
+            "public": capability.is_public,
+            "exp": capability.expires_at.timestamp() if capability.expires_at else None,
+            "state": capability.state,
+            "slot": capability.slot,
+            "sha": capability.placed_sha,
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def decode(raw: bytes) -> CachedRoute | None:
+    if raw == TOMBSTONE:
+        return None
+    data = json.loads(raw)
+    return CachedRoute(data["id"], data["agent"], data["public"], data["exp"], data["state"], data["slot"], data["sha"])
+
+
+def route_publish(capability: Capability) -> None:
+    """Make the gateway see `capability` as it is now (call after the commit)."""
+    if capability.state == State.REMOVED:
+        route_withdraw(capability.full_name)
+    else:
+        get_redis().set(key(capability.full_name), encode(capability), ex=TTL_SECONDS)
+
+
+def route_withdraw(full: str) -> None:
+    """Make the gateway answer 404 for `full` (call after the commit)."""
+    get_redis().set(key(full), TOMBSTONE, ex=NEGATIVE_TTL_SECONDS)
+
+
+def route_load(full: str) -> bytes:
+    """Read the route from the database and cache it unless a writer got there first."""
+    capability = Capability.objects.select_related("agent").exclude(state=State.REMOVED).filter(full_name=full).first()
+    if capability is None:
+        value, ttl = TOMBSTONE, NEGATIVE_TTL_SECONDS
+    else:
+        value, ttl = encode(capability), TTL_SECONDS
+    redis = get_redis()
+    if not redis.set(key(full), value, ex=ttl, nx=True):
+        value = redis.get(key(full)) or value
+    return value

@@ -1,0 +1,432 @@
+"""Writes on capabilities: deploy, remove, page in, expiry, stats and breaker bookkeeping.
+
+Every rule of the seeds lives here (or in names.py); API views, tasks, the admin and
+commands call these functions and translate their results.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F, Max
+from django.utils import timezone
+
+from agents.models import Agent, Token
+from agents.services import audit_record
+from agents.tokens import Principal
+from capabilities import names, routes, stats
+from capabilities.models import BreakerState, Capability, CapabilityType, CapabilityVersion, State
+from capabilities.runtimes import get_runtime
+from capabilities.runtimes.base import CodeBundle, RuntimeRejected, RuntimeUnavailable, ScriptTooLarge, code_sha
+from capabilities.tasks import capability_release_slot as capability_release_slot_task
+from sigil_site.errors import (
+    Conflict,
+    Cooldown,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    RateLimited,
+    TooLarge,
+    UpstreamError,
+)
+from sigil_site.redis_client import get_redis
+
+logger = logging.getLogger(__name__)
+
+BINDING = re.compile(r"(KV|D1|R2|SECRET|VAR|SERVICE|QUEUE|AI):[A-Z][A-Z0-9_]{0,63}")
+# Longer than the slowest placement (a Cloudflare upload with its retries), so a lock is
+# never lost while its holder still works; released by the holder as soon as it is done.
+PLACEMENT_LOCK_SECONDS = 180
+
+
+@dataclass(frozen=True)
+class DeployResult:
+    capability: Capability
+    version: CapabilityVersion
+    created: bool
+    cold_start: bool
+    evicted: str | None
+
+
+def _actor(principal: Principal) -> str:
+    return f"agent:{principal.agent_name}"
+
+
+def _placement_lock(full: str, *, blocking: bool):
+    return get_redis().lock(
+        f"sigil:lock:place:{full}", timeout=PLACEMENT_LOCK_SECONDS, blocking=blocking, blocking_timeout=PLACEMENT_LOCK_SECONDS
+    )
+
+
+def _validate_deploy(
+    *, principal: Principal, agent: str | None, name: str | None, code: str, type: str | None, ttl: int | None,
+    bindings: list[str],
+) -> tuple[str, str | None, int | None]:
+    """Check a deploy's input against the rules; return (type, name, ttl). Raises on the first broken rule."""
+    if not principal.can_deploy:
+        raise Forbidden("deploying needs a token with the deploy scope")
+    if agent is not None and agent != principal.agent_name:
+        raise Forbidden(f"this token belongs to {principal.agent_name!r}; it cannot deploy for {agent!r}")
+    if type is None:
+        type = CapabilityType.EPHEMERAL if name is None else CapabilityType.PERSISTENT
+    if type not in CapabilityType.values:
+        raise InvalidRequest(f"type must be one of {', '.join(CapabilityType.values)}")
+    if name is None and type != CapabilityType.EPHEMERAL:
+        raise InvalidRequest(f"name is required for {type} capabilities (null names are for ephemerals)")
+    if name is not None:
+        names.validate_capability_name(name, ephemeral=type == CapabilityType.EPHEMERAL)
+        if type == CapabilityType.EPHEMERAL and not name.startswith(names.EPHEMERAL_PREFIX):
+            raise InvalidRequest("ephemeral capabilities are named t-{hash6} by Sigil: send name null")
+    if type == CapabilityType.EPHEMERAL:
+        ttl = settings.SIGIL_EPHEMERAL_DEFAULT_TTL_SECONDS if ttl is None else ttl
+        if not 1 <= ttl <= settings.SIGIL_EPHEMERAL_MAX_TTL_SECONDS:
+            raise InvalidRequest(f"ttl must be between 1 and {settings.SIGIL_EPHEMERAL_MAX_TTL_SECONDS} seconds")
+    elif ttl is not None:
+        raise InvalidRequest("ttl applies to ephemeral capabilities only")
+    if not code.strip():
+        raise InvalidRequest("code must be a non-empty ES module Worker script")
+    size = len(code.encode())
+    if size > settings.SIGIL_SCRIPT_MAX_BYTES:
+        raise TooLarge(f"code is {size} bytes; the limit is {settings.SIGIL_SCRIPT_MAX_BYTES} bytes")
+    for binding in bindings:
+        if not BINDING.fullmatch(binding):
+            raise InvalidRequest(f"binding {binding!r} must look like KIND:NAME, e.g. KV:CACHE")
+    return type, name, ttl
+
+
+def _claim_cooldown(agent_name: str) -> None:
+    """One real deploy per agent per cool-down. Raises Cooldown with the time left."""
+    window_ms = int(settings.SIGIL_DEPLOY_COOLDOWN_SECONDS * 1000)
+    if window_ms <= 0:
+        return
+    redis = get_redis()
+    key = f"sigil:cooldown:{agent_name}"
+    if not redis.set(key, 1, nx=True, px=window_ms):
+        left_ms = max(redis.pttl(key), 1)
+        raise Cooldown(
+            f"{agent_name} deployed less than {settings.SIGIL_DEPLOY_COOLDOWN_SECONDS:g} s ago; retry later",
+            retry_after=left_ms / 1000,
+        )
+
+
+def _place(full: str, bundle: CodeBundle) -> str:
+    """Put `bundle` on the runtime for `full`; return the slot. Runtime errors become API errors."""
+    runtime = get_runtime()
+    slot = runtime.slot_for(full)
+    try:
+        runtime.place(slot=slot, bundle=bundle)
+    except ScriptTooLarge as exc:
+        raise TooLarge(f"the runtime refused the script as too large: {exc}") from exc
+    except RuntimeRejected as exc:
+        raise InvalidRequest(f"the runtime refused the script: {exc}") from exc
+    except RuntimeUnavailable as exc:
+        raise UpstreamError(f"the runtime could not place {full}: {exc}") from exc
+    return slot
+
+
+def capability_deploy(
+    *,
+    principal: Principal,
+    code: str,
+    name: str | None = None,
+    agent: str | None = None,
+    type: str | None = None,
+    ttl: int | None = None,
+    bindings: list[str] | None = None,
+    is_public: bool = False,
+    now: datetime | None = None,
+) -> DeployResult:
+    """Deploy a new capability or a new version of one, and place it on the runtime.
+
+    The same code again is idempotent: no new version, no runtime call, no cool-down.
+    Raises InvalidRequest, Forbidden, TooLarge, Conflict (another type holds the name, or a
+    concurrent deploy of it), Cooldown, RateLimited (too many ephemerals), UpstreamError.
+    """
+    now = now or timezone.now()
+    bindings = list(bindings or [])
+    type, name, ttl = _validate_deploy(
+        principal=principal, agent=agent, name=name, code=code, type=type, ttl=ttl, bindings=bindings
+    )
+    sha = code_sha(code)
+    owner = Agent.objects.get(pk=principal.agent_id)
+
+    existing = None
+    if name is not None:
+        full = names.full_name(owner.name, name)
+        existing = (
+            Capability.objects.select_related("current_version")
+            .exclude(state=State.REMOVED)
+            .filter(full_name=full)
+            .first()
+        )
+        if existing is None and type == CapabilityType.EPHEMERAL:
+            raise NotFound(f"no ephemeral capability {full}: deploy with name null to create one")
+        if existing is not None and existing.type != type:
+            raise Conflict(f"{full} is a {existing.type} capability; it cannot be redeployed as {type}")
+        if existing is not None and existing.current_version and existing.current_version.sha == sha:
+            return _redeploy_unchanged(existing, principal=principal, bindings=bindings, is_public=is_public)
+    elif type == CapabilityType.EPHEMERAL:
+        live_ephemerals = Capability.objects.filter(
+            agent=owner, type=CapabilityType.EPHEMERAL, expires_at__gt=now
+        ).exclude(state=State.REMOVED)
+        if live_ephemerals.count() >= settings.SIGIL_EPHEMERAL_MAX_PER_AGENT:
+            raise RateLimited(
+                f"{owner.name} already has {settings.SIGIL_EPHEMERAL_MAX_PER_AGENT} live ephemeral capabilities"
+            )
+        full = _unused_ephemeral_name(owner.name)
+
+    _claim_cooldown(owner.name)
+    lock = _placement_lock(full, blocking=False)
+    if not lock.acquire():
+        raise Conflict(f"{full} is being deployed by another request; retry when it is done")
+    try:
+        bundle = CodeBundle.from_code(code)
+        slot = _place(full, bundle)
+        capability, version, created = _record_deploy(
+            owner=owner, existing=existing, full=full, type=type, ttl=ttl, code=code, sha=sha, slot=slot,
+            bindings=bindings, is_public=is_public, now=now, principal=principal,
+        )
+        routes.route_publish(capability)
+    finally:
+        lock.release()
+    return DeployResult(capability=capability, version=version, created=created, cold_start=False, evicted=None)
+
+
+def _unused_ephemeral_name(agent_name: str) -> str:
+    for _ in range(20):
+        full = names.full_name(agent_name, names.new_ephemeral_name())
+        if not Capability.objects.filter(full_name=full).exists():
+            return full
+    raise Conflict("could not find a free ephemeral name; retry")
+
+
+def _record_deploy(
+    *, owner: Agent, existing: Capability | None, full: str, type: str, ttl: int | None, code: str, sha: str,
+    slot: str, bindings: list[str], is_public: bool, now: datetime, principal: Principal,
+) -> tuple[Capability, CapabilityVersion, bool]:
+    with transaction.atomic():
+        if existing is None:
+            try:
+                with transaction.atomic():
+                    capability = Capability.objects.create(
+                        agent=owner,
+                        name=full.split(names.SEPARATOR, 1)[1],
+                        full_name=full,
+                        type=type,
+                        is_public=is_public,
+                        bindings=bindings,
+                        state=State.LIVE,
+                        slot=slot,
+                        placed_sha=sha,
+                        expires_at=now + timedelta(seconds=ttl) if ttl is not None else None,
+                        created_at=now,
+                        updated_at=now,
+                    )
+            except IntegrityError as exc:
+                raise Conflict(f"{full} was created by a concurrent request") from exc
+            number = 1
+        else:
+            capability = Capability.objects.select_for_update().get(pk=existing.pk)
+            number = (capability.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+        version = CapabilityVersion.objects.create(
+            capability=capability, number=number, code=code, sha=sha, size_bytes=len(code.encode()), created_at=now
+        )
+        capability.current_version = version
+        capability.is_public = is_public
+        capability.bindings = bindings
+        capability.state = State.LIVE
+        capability.slot = slot
+        capability.placed_sha = sha
+        capability.updated_at = now
+        capability.save()
+        audit_record(
+            actor=_actor(principal),
+            action="capability.created" if existing is None else "capability.deployed",
+            agent_name=owner.name,
+            subject=full,
+            detail={"version": number, "sha": sha, "type": type, "public": is_public, "bindings": bindings},
+        )
+    capability.agent = owner
+    return capability, version, existing is None
+
+
+def _redeploy_unchanged(
+    capability: Capability, *, principal: Principal, bindings: list[str], is_public: bool
+) -> DeployResult:
+    """Same code again: keep the version; only the public flag and bindings may change."""
+    if capability.is_public != is_public or capability.bindings != bindings:
+        with transaction.atomic():
+            Capability.objects.filter(pk=capability.pk).update(
+                is_public=is_public, bindings=bindings, updated_at=timezone.now()
+            )
+            audit_record(
+                actor=_actor(principal),
+                action="capability.updated",
+                agent_name=principal.agent_name,
+                subject=capability.full_name,
+                detail={"public": is_public, "bindings": bindings},
+            )
+        capability.refresh_from_db()
+        routes.route_publish(capability)
+    return DeployResult(
+        capability=capability, version=capability.current_version, created=False, cold_start=False, evicted=None
+    )
+
+
+def capability_remove(*, principal: Principal, full: str, actor: str | None = None) -> Capability:
+    """Stop serving `full` now and delete it from the runtime in the background.
+
+    The row and its versions stay (state removed) for the audit trail. Raises Forbidden
+    (not the caller's prefix, or no deploy scope) or NotFound.
+    """
+    agent_name, _ = names.split_full_name(full)
+    if not principal.can_deploy:
+        raise Forbidden("removing needs a token with the deploy scope")
+    if agent_name != principal.agent_name:
+        raise Forbidden(f"{full} is not under {principal.agent_name}'s prefix")
+    return _remove(full=full, actor=actor or _actor(principal), action="capability.removed")
+
+
+def _remove(*, full: str, actor: str, action: str, only_if_expired_by: datetime | None = None) -> Capability:
+    now = timezone.now()
+    with transaction.atomic():
+        query = Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(full_name=full)
+        if only_if_expired_by is not None:
+            query = query.filter(expires_at__lte=only_if_expired_by)
+        capability = query.first()
+        if capability is None:
+            raise NotFound(f"no capability {full}")
+        capability.state = State.REMOVED
+        capability.removed_at = now
+        capability.updated_at = now
+        capability.save(update_fields=["state", "removed_at", "updated_at"])
+        audit_record(actor=actor, action=action, agent_name=capability.agent.name, subject=full)
+        capability_release_slot_task.delay_on_commit(capability_id=capability.pk)
+    routes.route_withdraw(full)
+    return capability
+
+
+def capability_release_slot(*, capability_id: int) -> bool:
+    """Delete a removed capability's code from the runtime. Idempotent.
+
+    Does nothing when the capability is not removed, or when a newer capability of the same
+    name already holds the slot. Raises RuntimeUnavailable (transient) for the task to retry.
+    """
+    capability = Capability.objects.filter(pk=capability_id).first()
+    if capability is None or capability.state != State.REMOVED or not capability.slot:
+        return False
+    with _placement_lock(capability.full_name, blocking=True):
+        successor = Capability.objects.exclude(state=State.REMOVED).filter(slot=capability.slot).exists()
+        if successor:
+            return False
+        get_runtime().remove(slot=capability.slot)
+    return True
+
+
+def capability_expire_ephemerals(*, now: datetime | None = None, batch_size: int = 200) -> int:
+    """Remove ephemerals whose TTL has passed; return how many. Safe to overlap with itself."""
+    now = now or timezone.now()
+    expired = list(
+        Capability.objects.filter(type=CapabilityType.EPHEMERAL, expires_at__lte=now)
+        .exclude(state=State.REMOVED)
+        .values_list("full_name", flat=True)[:batch_size]
+    )
+    count = 0
+    for full in expired:
+        try:
+            _remove(full=full, actor="system", action="capability.expired", only_if_expired_by=now)
+        except NotFound:
+            continue  # removed meanwhile by its agent or a concurrent expiry run
+        count += 1
+    return count
+
+
+def capability_flush_stats(*, batch_size: int = 500) -> int:
+    """Move the hot path's counters from Redis into the database; return how many capabilities.
+
+    Counters are read-and-reset atomically, so a second run right after changes nothing.
+    """
+    redis = get_redis()
+    fulls = [m.decode() for m in redis.spop(stats.DIRTY_KEY, batch_size) or []]
+    for full in fulls:
+        taken = stats.stats_take(full)
+        if taken.calls == 0 and taken.last_access_epoch is None:
+            continue
+        updates = {
+            "calls_total": F("calls_total") + taken.calls,
+            "errors_total": F("errors_total") + taken.errors,
+            "latency_ms_total": F("latency_ms_total") + taken.latency_ms,
+        }
+        if taken.last_access_epoch is not None:
+            updates["last_access_at"] = datetime.fromtimestamp(taken.last_access_epoch, tz=timezone.utc)
+        Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).update(**updates)
+    _flush_token_use(redis)
+    return len(fulls)
+
+
+def _flush_token_use(redis) -> None:
+    pipe = redis.pipeline(transaction=True)
+    pipe.hgetall(stats.TOKENS_USED_KEY)
+    pipe.delete(stats.TOKENS_USED_KEY)
+    used, _ = pipe.execute()
+    for token_hash, stamp in used.items():
+        Token.objects.filter(secret_hash=token_hash.decode()).update(
+            last_used_at=datetime.fromtimestamp(float(stamp), tz=timezone.utc)
+        )
+
+
+def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None:
+    """Persist a breaker transition seen by the gateway, with an audit event. Idempotent."""
+    opened_at = datetime.fromtimestamp(at_epoch, tz=timezone.utc) if state == BreakerState.OPEN else None
+    with transaction.atomic():
+        capability = Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).first()
+        if capability is None or capability.breaker_state == state:
+            return
+        capability.breaker_state = state
+        capability.breaker_opened_at = opened_at
+        capability.save(update_fields=["breaker_state", "breaker_opened_at"])
+        audit_record(
+            actor="system",
+            action="capability.degraded" if state == BreakerState.OPEN else "capability.recovered",
+            agent_name=capability.agent.name,
+            subject=full,
+        )
+
+
+def capability_reset_breaker(*, capability: Capability, actor: str) -> None:
+    """Close a capability's breaker now (the owner's reset). Idempotent."""
+    get_redis().delete(stats.breaker_key(capability.full_name), stats.failures_key(capability.full_name))
+    capability_record_breaker(full=capability.full_name, state=BreakerState.CLOSED, at_epoch=timezone.now().timestamp())
+    audit_record(actor=actor, action="capability.breaker_reset", agent_name=capability.agent.name, subject=capability.full_name)
+
+
+def capability_page_in(*, full: str) -> routes.CachedRoute:
+    """Make `full` live on the runtime (the cold path) and return its fresh route.
+
+    Concurrent callers for the same capability wait on one lock, so one placement serves
+    them all. Raises NotFound, UpstreamError.
+    """
+    with _placement_lock(full, blocking=True):
+        capability = (
+            Capability.objects.select_related("agent", "current_version")
+            .exclude(state=State.REMOVED)
+            .filter(full_name=full)
+            .first()
+        )
+        if capability is None or capability.current_version is None:
+            raise NotFound(f"no capability {full}")
+        if capability.state not in routes.SERVED_STATES:
+            version = capability.current_version
+            slot = _place(full, CodeBundle.from_code(version.code))
+            Capability.objects.filter(pk=capability.pk).update(
+                state=State.LIVE, slot=slot, placed_sha=version.sha, updated_at=timezone.now()
+            )
+            capability.refresh_from_db()
+            audit_record(actor="system", action="capability.paged_in", agent_name=capability.agent.name, subject=full)
+        routes.route_publish(capability)
+    return routes.decode(routes.encode(capability))

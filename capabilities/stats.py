@@ -1,0 +1,88 @@
+"""What each call leaves behind in Redis (counters, access stamp, breaker), written in one
+round trip after the response, and read back in batches by the flush task."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sigil_site.redis_client import get_redis
+
+DIRTY_KEY = "sigil:stats:dirty"
+TOKENS_USED_KEY = "sigil:tokens:used"
+
+
+def stats_key(full: str) -> str:
+    return f"sigil:stats:{full}"
+
+
+def failures_key(full: str) -> str:
+    return f"sigil:breaker:failures:{full}"
+
+
+def breaker_key(full: str) -> str:
+    """Holds the epoch until which the breaker stays open; absent means closed."""
+    return f"sigil:breaker:open:{full}"
+
+
+def trial_key(full: str) -> str:
+    return f"sigil:breaker:trial:{full}"
+
+
+# KEYS: stats, failures, breaker, trial, dirty set, tokens-used hash
+# ARGV: full name, token hash, now (epoch s), latency ms, ok (1/0), is trial (1/0),
+#       threshold, cool-down seconds
+# Returns "opened" or "closed" when the breaker changed, "" otherwise.
+RECORD_CALL = """
+local stats, failures, breaker, trial, dirty, used = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local full, token, now, latency = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local ok, is_trial = ARGV[5] == '1', ARGV[6] == '1'
+local threshold, cooldown = tonumber(ARGV[7]), tonumber(ARGV[8])
+redis.call('HINCRBY', stats, 'calls', 1)
+redis.call('HINCRBYFLOAT', stats, 'latency_ms', latency)
+redis.call('HSET', stats, 'last_access', ARGV[3])
+redis.call('SADD', dirty, full)
+redis.call('HSET', used, token, ARGV[3])
+if is_trial then redis.call('DEL', trial) end
+if ok then
+  redis.call('DEL', failures)
+  if redis.call('DEL', breaker) == 1 then return 'closed' end
+  return ''
+end
+redis.call('HINCRBY', stats, 'errors', 1)
+local count = redis.call('INCR', failures)
+if is_trial or count >= threshold then
+  local was_open = redis.call('EXISTS', breaker)
+  redis.call('SET', breaker, tostring(now + cooldown))
+  if was_open == 1 and not is_trial then return '' end
+  return 'opened'
+end
+return ''
+"""
+
+# KEYS: stats hash. Reads and clears the counters in one step, so that calls made while a
+# flush runs are counted by the next one rather than lost.
+TAKE_STATS = """
+local values = redis.call('HGETALL', KEYS[1])
+redis.call('DEL', KEYS[1])
+return values
+"""
+
+
+@dataclass(frozen=True)
+class CallStats:
+    calls: int
+    errors: int
+    latency_ms: float
+    last_access_epoch: float | None
+
+
+def stats_take(full: str) -> CallStats:
+    """Read and reset the counters recorded for `full` since the last flush."""
+    raw = get_redis().eval(TAKE_STATS, 1, stats_key(full))
+    values = {raw[i].decode(): raw[i + 1].decode() for i in range(0, len(raw), 2)}
+    return CallStats(
+        calls=int(values.get("calls", 0)),
+        errors=int(values.get("errors", 0)),
+        latency_ms=float(values.get("latency_ms", 0.0)),
+        last_access_epoch=float(values["last_access"]) if "last_access" in values else None,
+    )

@@ -1,0 +1,74 @@
+"""Deploy and call capabilities end to end: HTTP to Sigil, real workerd running the code."""
+
+import pytest
+
+from capabilities.models import Capability, CapabilityVersion
+
+PONG = "export default { async fetch() { return new Response('pong') } }"
+PONG2 = "export default { async fetch() { return new Response('pong v2') } }"
+ECHO = """export default { async fetch(request) {
+  const url = new URL(request.url);
+  return Response.json({
+    method: request.method, path: url.pathname, query: url.search,
+    headers: Object.fromEntries(request.headers), body: await request.text(),
+  }, { status: 207, headers: { 'x-echo': 'yes', 'set-cookie': 'a=b' } });
+} }"""
+
+
+def test_deploy_then_invoke_then_new_version_then_invoke(alice):
+    created = alice.deploy(name="ping", code=PONG)
+    assert created.status_code == 201, created.text
+    body = created.json()
+    assert body["capability"] == "alice--ping"
+    assert body["version"] == 1
+    assert body["url"].endswith("/alice/ping")
+    assert body["cold_start"] is False and body["evicted"] is None and body["expires_at"] is None
+
+    first = alice.call("/alice/ping")
+    assert first.status_code == 200 and first.text == "pong"
+    assert first.headers["X-Sigil-Capability"] == "alice--ping"
+    assert "sigil;dur=" in first.headers["Server-Timing"]
+
+    updated = alice.deploy(name="ping", code=PONG2)
+    assert updated.status_code == 200 and updated.json()["version"] == 2
+    assert alice.call("/alice/ping").text == "pong v2"
+    assert list(CapabilityVersion.objects.filter(capability__full_name="alice--ping").values_list("number", flat=True)) == [2, 1]
+
+
+def test_deploy_of_same_code_makes_no_new_version(alice):
+    alice.deploy(name="ping", code=PONG)
+    again = alice.deploy(name="ping", code=PONG)
+    assert again.status_code == 200
+    assert again.json()["version"] == 1
+    assert CapabilityVersion.objects.filter(capability__full_name="alice--ping").count() == 1
+
+
+def test_method_path_query_headers_and_body_pass_through(alice):
+    alice.deploy(name="echo", code=ECHO)
+    response = alice.call(
+        "/alice/echo/deep/path%20x?q=1&r=two",
+        method="PUT",
+        data=b"payload-bytes",
+        headers={"X-Custom": "value", "Content-Type": "text/plain", "X-Sigil-Secret": "forged"},
+    )
+    assert response.status_code == 207
+    assert response.headers["x-echo"] == "yes"
+    assert response.headers["set-cookie"] == "a=b"
+    seen = response.json()
+    assert seen["method"] == "PUT"
+    assert seen["path"] == "/deep/path%20x"
+    assert seen["query"] == "?q=1&r=two"
+    assert seen["body"] == "payload-bytes"
+    assert seen["headers"]["x-custom"] == "value"
+    assert seen["headers"]["content-type"] == "text/plain"
+    assert "authorization" not in seen["headers"]
+    assert not [h for h in seen["headers"] if h.startswith("x-sigil")]
+
+
+def test_capability_that_throws_answers_in_the_envelope(alice):
+    alice.deploy(name="boom", code="export default { async fetch() { throw new Error('kaput') } }")
+    response = alice.call("/alice/boom")
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["code"] == "capability_error"
+    assert "kaput" in error["message"]
