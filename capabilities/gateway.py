@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 import urllib3
 from django.conf import settings
+from django.db import close_old_connections, connection
 
 from agents import tokens
 from agents.selectors import parse_bearer, token_authenticate
@@ -66,10 +67,16 @@ class Gateway:
 
     def __call__(self, environ, start_response):
         started = time.perf_counter()
+        connection_was_open = _db_connection_open()
         try:
             return self.handle(environ, start_response, started)
         except SigilError as error:
             return self.reply_error(start_response, error)
+        finally:
+            if _db_connection_open() != connection_was_open:
+                # The cold path touched the database: end the connection's life as Django
+                # does after a request (CONN_MAX_AGE), since no Django handler runs here.
+                close_old_connections()
 
     def handle(self, environ, start_response, started: float):
         agent, name, rest = split_path(environ.get("PATH_INFO", ""))
@@ -292,6 +299,11 @@ def read_limited(stream, limit: int) -> bytes:
     if len(data) > limit:
         raise TooLarge(f"the request body is over {limit} bytes")
     return data
+
+
+def _db_connection_open() -> bool:
+    """Whether this thread holds an open database connection (cheap: no I/O)."""
+    return connection.connection is not None
 
 
 def _exception_text(host_message: str) -> str:

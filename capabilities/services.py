@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -363,7 +363,7 @@ def capability_flush_stats(*, batch_size: int = 500) -> int:
             "latency_ms_total": F("latency_ms_total") + taken.latency_ms,
         }
         if taken.last_access_epoch is not None:
-            updates["last_access_at"] = datetime.fromtimestamp(taken.last_access_epoch, tz=timezone.utc)
+            updates["last_access_at"] = datetime.fromtimestamp(taken.last_access_epoch, tz=UTC)
         Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).update(**updates)
     _flush_token_use(redis)
     return len(fulls)
@@ -376,13 +376,13 @@ def _flush_token_use(redis) -> None:
     used, _ = pipe.execute()
     for token_hash, stamp in used.items():
         Token.objects.filter(secret_hash=token_hash.decode()).update(
-            last_used_at=datetime.fromtimestamp(float(stamp), tz=timezone.utc)
+            last_used_at=datetime.fromtimestamp(float(stamp), tz=UTC)
         )
 
 
 def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None:
     """Persist a breaker transition seen by the gateway, with an audit event. Idempotent."""
-    opened_at = datetime.fromtimestamp(at_epoch, tz=timezone.utc) if state == BreakerState.OPEN else None
+    opened_at = datetime.fromtimestamp(at_epoch, tz=UTC) if state == BreakerState.OPEN else None
     with transaction.atomic():
         capability = Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).first()
         if capability is None or capability.breaker_state == state:

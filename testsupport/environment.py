@@ -18,10 +18,17 @@ _worker_index = int(_worker[2:]) if _worker[2:].isdigit() else 0
 _VAR_DIR = Path(tempfile.mkdtemp(prefix=f"sigil-test-{_worker}-"))
 os.environ["SIGIL_VAR_DIR"] = str(_VAR_DIR)
 os.environ.setdefault("SECRET_KEY", "sigil-test-suite-only")
+# Server and worker threads close their connections after each request or task, so the
+# test database can be dropped at the end of the session.
+os.environ["SIGIL_DB_CONN_MAX_AGE"] = "0"
 
-if os.environ.get("REDIS_URL"):
+# The URL the suite was started with, kept aside before this module rewrites REDIS_URL, so
+# that xdist workers (which inherit the rewritten environment) decide the same way.
+os.environ.setdefault("SIGIL_TEST_REDIS_BASE", os.environ.get("REDIS_URL", ""))
+
+if os.environ["SIGIL_TEST_REDIS_BASE"]:
     # A shared server (CI): one database number per xdist worker, so flushes stay private.
-    _base = os.environ["REDIS_URL"].rstrip("/")
+    _base = os.environ["SIGIL_TEST_REDIS_BASE"].rstrip("/")
     _base = _base.rsplit("/", 1)[0] if _base.count("/") > 2 else _base
     os.environ["REDIS_URL"] = f"{_base}/{1 + _worker_index}"
 else:

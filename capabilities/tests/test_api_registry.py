@@ -1,0 +1,135 @@
+"""List, inspect, remove, status, health and the schema, over HTTP."""
+
+import pytest
+import requests
+
+from agents.models import AuditEvent
+from capabilities.models import Capability
+from capabilities.runtimes import get_runtime
+
+PONG = "export default { async fetch() { return new Response('pong') } }"
+
+
+def get(client, path, token=None):
+    return client.session.get(f"{client.base_url}{path}", headers=client.headers(token or client.invoke_token), timeout=30)
+
+
+def test_list_shows_own_and_public_with_filters_and_pages(alice, bob):
+    alice.deploy(name="a-private", code=PONG)
+    alice.deploy(name="a-public", code=PONG, public=True, type="normal")
+    bob.deploy(name="b-private", code=PONG)
+    bob.deploy(name="b-public", code=PONG, public=True)
+
+    listed = get(alice, "/_api/capabilities").json()
+    assert [c["capability"] for c in listed["results"]] == ["alice--a-private", "alice--a-public", "bob--b-public"]
+    assert listed["count"] == 3
+
+    assert [c["capability"] for c in get(alice, "/_api/capabilities?type=normal").json()["results"]] == ["alice--a-public"]
+    assert [c["capability"] for c in get(alice, "/_api/capabilities?agent=bob").json()["results"]] == ["bob--b-public"]
+
+    page = get(alice, "/_api/capabilities?limit=2").json()
+    assert len(page["results"]) == 2 and page["next"] is not None
+    second = requests.get(page["next"], headers=alice.headers(alice.invoke_token), timeout=30).json()
+    assert [c["capability"] for c in second["results"]] == ["bob--b-public"]
+
+
+def test_list_rejects_unknown_filter_values(alice):
+    response = get(alice, "/_api/capabilities?type=forever")
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_request"
+
+
+def test_inspect_shows_metadata_and_own_code(alice):
+    alice.deploy(name="ping", code=PONG, bindings=["KV:CACHE"])
+    seen = get(alice, "/_api/capabilities/alice--ping").json()
+    assert seen["capability"] == "alice--ping"
+    assert seen["version"] == 1 and seen["type"] == "persistent" and seen["state"] == "live"
+    assert seen["bindings"] == ["KV:CACHE"]
+    assert seen["code"] == PONG
+    assert seen["url"].endswith("/alice/ping")
+
+
+def test_inspect_of_a_malformed_name_is_a_400(alice):
+    response = get(alice, "/_api/capabilities/not-a-full-name")
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_request"
+
+
+def test_remove_stops_serving_and_keeps_the_trail(alice, celery_worker_session):
+    from testsupport.cast import wait_for
+
+    alice.deploy(name="ping", code=PONG)
+    assert alice.call("/alice/ping").status_code == 200
+    removed = alice.session.delete(f"{alice.base_url}/_api/capabilities/alice--ping", headers=alice.headers(alice.deploy_token))
+    assert removed.status_code == 204
+    assert alice.call("/alice/ping").status_code == 404
+    assert get(alice, "/_api/capabilities/alice--ping").status_code == 404
+    capability = Capability.objects.get(full_name="alice--ping")
+    assert capability.state == "removed" and capability.versions.count() == 1
+    assert AuditEvent.objects.filter(subject="alice--ping", action="capability.removed").exists()
+    # The worker deletes the code from the runtime in the background.
+    wait_for(lambda: "alice--ping" not in get_runtime().list_slots(), message="the slot to be released")
+
+
+def test_remove_twice_is_not_found_the_second_time(alice):
+    alice.deploy(name="ping", code=PONG)
+    url = f"{alice.base_url}/_api/capabilities/alice--ping"
+    assert alice.session.delete(url, headers=alice.headers(alice.deploy_token)).status_code == 204
+    second = alice.session.delete(url, headers=alice.headers(alice.deploy_token))
+    assert second.status_code == 404 and second.json()["error"]["code"] == "not_found"
+
+
+def test_a_removed_name_can_be_deployed_again(alice):
+    alice.deploy(name="ping", code=PONG)
+    alice.session.delete(f"{alice.base_url}/_api/capabilities/alice--ping", headers=alice.headers(alice.deploy_token))
+    again = alice.deploy(name="ping", code=PONG.replace("pong", "reborn"))
+    assert again.status_code == 201 and again.json()["version"] == 1
+    assert alice.call("/alice/ping").text == "reborn"
+
+
+def test_status_reports_the_local_backend(alice):
+    alice.deploy(name="ping", code=PONG)
+    status = get(alice, "/_api/status").json()
+    assert status == {
+        "backend": "local",
+        "total_slots": None,
+        "used_slots": 1,
+        "agents": 1,
+        "lru_enabled": False,
+        "eviction_count": 0,
+    }
+
+
+def test_health_checks_every_dependency(sigil, alice):
+    alice.deploy(name="ping", code=PONG)
+    health = requests.get(f"{sigil.url}/_health", timeout=10)
+    assert health.status_code == 200
+    assert health.json() == {
+        "status": "ok",
+        "backend": "local",
+        "capabilities": 1,
+        "agents": 1,
+        "checks": {"database": "ok", "redis": "ok", "runtime": "ok"},
+    }
+
+
+def test_health_fails_with_the_runtime_named_when_workerd_is_unreachable(sigil, settings):
+    from capabilities.workerd import free_port
+
+    settings.SIGIL_WORKERD_PORT = free_port()  # nothing listens there
+    health = requests.get(f"{sigil.url}/_health", timeout=10)
+    assert health.status_code == 503
+    assert health.json()["checks"]["runtime"].startswith("failing")
+    assert health.json()["checks"]["database"] == "ok"
+
+
+def test_schema_describes_the_control_api(sigil):
+    schema = requests.get(f"{sigil.url}/_api/schema?format=json", timeout=10)
+    assert schema.status_code == 200
+    paths = schema.json()["paths"]
+    assert {"/_api/deploy", "/_api/capabilities", "/_api/capabilities/{full}", "/_api/status"} <= set(paths)
+    docs = requests.get(f"{sigil.url}/_api/schema/docs", timeout=10)
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+
+
+def test_unknown_paths_outside_the_gateway_answer_in_the_envelope(sigil):
+    response = requests.get(f"{sigil.url}/_api/nothing-here", timeout=10)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"

@@ -1,0 +1,156 @@
+"""The gateway under failure and load: timeouts, the circuit breaker, expiry, concurrency,
+and the warm path's promise of no SQL."""
+
+import io
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from agents.models import AuditEvent
+from capabilities import stats
+from capabilities.models import Capability
+from testsupport.cast import wait_for
+
+PONG = "export default { async fetch() { return new Response('pong') } }"
+FLAKY = """export default { async fetch(request) {
+  if (new URL(request.url).searchParams.has('fail')) return new Response('broken', { status: 500 });
+  return new Response('fine');
+} }"""
+HANGS = "export default { async fetch() { await new Promise(r => setTimeout(r, 60000)); return new Response('late') } }"
+
+
+def assert_error(response, status, code):
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["code"] == code
+
+
+@pytest.mark.slow
+def test_a_hung_capability_answers_504_and_counts_as_a_failure(alice, settings, redis_client):
+    settings.SIGIL_INVOKE_TIMEOUT_SECONDS = 1
+    alice.deploy(name="hangs", code=HANGS)
+    started = time.monotonic()
+    response = alice.call("/alice/hangs")
+    assert_error(response, 504, "timeout")
+    assert time.monotonic() - started < 5
+    assert redis_client.get(stats.failures_key("alice--hangs")) == b"1"
+
+
+def test_breaker_opens_after_consecutive_failures_then_half_opens_and_closes(alice, settings, celery_worker_session):
+    settings.SIGIL_BREAKER_THRESHOLD = 5
+    settings.SIGIL_BREAKER_COOLDOWN_SECONDS = 1
+    alice.deploy(name="flaky", code=FLAKY)
+
+    for _ in range(5):
+        response = alice.call("/alice/flaky?fail=1")
+        assert response.status_code == 500 and response.text == "broken"  # passed through unchanged
+    refused = alice.call("/alice/flaky")
+    assert_error(refused, 503, "degraded")
+    assert int(refused.headers["Retry-After"]) >= 1
+    wait_for(lambda: Capability.objects.get(full_name="alice--flaky").breaker_state == "open", message="breaker open in the registry")
+
+    time.sleep(1.1)
+    # Half-open: the trial fails, so the breaker opens again for another cool-down.
+    assert alice.call("/alice/flaky?fail=1").status_code == 500
+    assert_error(alice.call("/alice/flaky"), 503, "degraded")
+
+    time.sleep(1.1)
+    trial = alice.call("/alice/flaky")
+    assert trial.status_code == 200 and trial.text == "fine"
+    assert alice.call("/alice/flaky").status_code == 200
+    wait_for(lambda: Capability.objects.get(full_name="alice--flaky").breaker_state == "closed", message="breaker closed in the registry")
+    actions = set(AuditEvent.objects.filter(subject="alice--flaky").values_list("action", flat=True))
+    assert {"capability.degraded", "capability.recovered"} <= actions
+
+
+def test_successes_between_failures_keep_the_breaker_closed(alice, settings):
+    settings.SIGIL_BREAKER_THRESHOLD = 3
+    alice.deploy(name="flaky", code=FLAKY)
+    for _ in range(4):
+        assert alice.call("/alice/flaky?fail=1").status_code == 500
+        assert alice.call("/alice/flaky?fail=1").status_code == 500
+        assert alice.call("/alice/flaky").status_code == 200
+
+
+def test_an_expired_ephemeral_answers_404_at_once(alice):
+    full = alice.deploy(code=PONG, ttl=1).json()["capability"]
+    path = "/" + full.replace("--", "/")
+    assert alice.call(path).text == "pong"
+    time.sleep(1.1)
+    assert_error(alice.call(path), 404, "not_found")
+
+
+def test_two_hundred_concurrent_invokes_all_succeed(alice):
+    alice.deploy(name="ping", code=PONG)
+    url = f"{alice.base_url}/alice/ping"
+    headers = alice.headers(alice.invoke_token)
+
+    def call(_):
+        response = requests.get(url, headers=headers, timeout=60)
+        return response.status_code, response.text
+
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        results = list(pool.map(call, range(200)))
+    assert results == [(200, "pong")] * 200
+
+
+def test_a_warm_call_runs_no_sql(alice):
+    from sigil_site.wsgi import SigilApplication, django_application
+
+    alice.deploy(name="ping", code=PONG)
+    app = SigilApplication(django_application)
+
+    def call():
+        captured = {}
+
+        def start_response(status, headers):
+            captured["status"] = status
+
+        environ = {
+            "REQUEST_METHOD": "GET", "PATH_INFO": "/alice/ping", "QUERY_STRING": "", "SERVER_NAME": "127.0.0.1",
+            "SERVER_PORT": "80", "HTTP_HOST": "127.0.0.1", "HTTP_AUTHORIZATION": f"Bearer {alice.invoke_token}",
+            "wsgi.input": io.BytesIO(b""), "wsgi.url_scheme": "http",
+        }
+        result = app(environ, start_response)
+        body = b"".join(result)
+        result.close()
+        return captured["status"], body
+
+    assert call() == ("200 OK", b"pong")  # cold: fills the token and route caches
+    with CaptureQueriesContext(connection) as queries:
+        assert call() == ("200 OK", b"pong")
+    assert len(queries) == 0, [q["sql"] for q in queries]
+
+
+@pytest.mark.slow
+def test_ttl_expiry_runs_on_beat_and_a_worker(alice, settings, celery_worker_session, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from capabilities.runtimes import get_runtime
+
+    full = alice.deploy(code=PONG, ttl=1).json()["capability"]
+    assert full in get_runtime().list_slots()
+    env = {
+        **os.environ,
+        "SIGIL_TTL_EXPIRY_INTERVAL_SECONDS": "0.5",
+        "SIGIL_STATS_FLUSH_INTERVAL_SECONDS": "0.5",
+    }
+    beat = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "sigil_site", "beat", "--schedule", str(tmp_path / "beat-schedule"),
+         "--loglevel", "WARNING"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: Capability.objects.get(full_name=full).state == "removed", timeout=15, message="expiry through beat")
+        assert AuditEvent.objects.filter(subject=full, action="capability.expired", actor="system").exists()
+        wait_for(lambda: full not in get_runtime().list_slots(), timeout=10, message="the expired slot to be released")
+    finally:
+        beat.terminate()
+        beat.wait(timeout=10)

@@ -1,0 +1,119 @@
+"""Services and tasks run directly: stats flush, slot release, expiry, and their idempotency."""
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from agents.models import Token
+from capabilities import services, tasks
+from capabilities.models import Capability
+from capabilities.runtimes import get_runtime
+
+PONG = "export default { async fetch() { return new Response('pong') } }"
+
+
+def test_flush_moves_call_counts_into_the_registry_once(alice):
+    alice.deploy(name="ping", code=PONG)
+    for _ in range(3):
+        assert alice.call("/alice/ping").status_code == 200
+    assert alice.call("/alice/ping?x", headers={"X-Ignored": "1"}).status_code == 200
+
+    tasks.capability_flush_stats()
+    capability = Capability.objects.get(full_name="alice--ping")
+    assert capability.calls_total == 4 and capability.errors_total == 0
+    assert capability.latency_ms_total > 0
+    assert capability.last_access_at is not None
+    assert Token.objects.get(agent__name="alice", scope="invoke").last_used_at is not None
+
+    tasks.capability_flush_stats()  # a second run finds nothing new
+    capability.refresh_from_db()
+    assert capability.calls_total == 4
+
+
+def test_release_slot_runs_twice_safely_and_spares_a_successor(alice):
+    alice.deploy(name="ping", code=PONG)
+    old = Capability.objects.get(full_name="alice--ping")
+    alice.session.delete(f"{alice.base_url}/_api/capabilities/alice--ping", headers=alice.headers(alice.deploy_token))
+    alice.deploy(name="ping", code=PONG.replace("pong", "new"))
+
+    # The old row's release must not delete the slot the new capability now holds.
+    assert services.capability_release_slot(capability_id=old.pk) is False
+    assert "alice--ping" in get_runtime().list_slots()
+    assert alice.call("/alice/ping").text == "new"
+
+
+def test_release_slot_of_a_removed_capability_is_idempotent(alice):
+    alice.deploy(name="ping", code=PONG)
+    capability = Capability.objects.get(full_name="alice--ping")
+    alice.session.delete(f"{alice.base_url}/_api/capabilities/alice--ping", headers=alice.headers(alice.deploy_token))
+    tasks.capability_release_slot(capability_id=capability.pk)
+    assert "alice--ping" not in get_runtime().list_slots()
+    tasks.capability_release_slot(capability_id=capability.pk)
+    assert "alice--ping" not in get_runtime().list_slots()
+
+
+def test_expiry_removes_only_expired_ephemerals_and_is_idempotent(alice):
+    short = alice.deploy(code=PONG, ttl=1).json()["capability"]
+    long = alice.deploy(code=PONG.replace("pong", "long"), ttl=3600).json()["capability"]
+    persistent = alice.deploy(name="keep", code=PONG).json()["capability"]
+
+    later = timezone.now() + timedelta(seconds=5)
+    assert services.capability_expire_ephemerals(now=later) == 1
+    assert services.capability_expire_ephemerals(now=later) == 0
+    states = dict(Capability.objects.values_list("full_name", "state"))
+    assert states == {short: "removed", long: "live", persistent: "live"}
+
+
+def test_createagent_prints_the_agent_and_two_working_tokens(sigil, capsys):
+    import json
+
+    import requests
+    from django.core.management import call_command
+
+    call_command("createagent", "carol", "--json")
+    printed = json.loads(capsys.readouterr().out)
+    assert set(printed) == {"agent", "deploy_token", "invoke_token"} and printed["agent"] == "carol"
+    deployed = requests.post(
+        f"{sigil.url}/_api/deploy",
+        json={"name": "hi", "code": PONG},
+        headers={"Authorization": f"Bearer {printed['deploy_token']}"},
+        timeout=30,
+    )
+    assert deployed.status_code == 201
+    called = requests.get(f"{sigil.url}/carol/hi", headers={"Authorization": f"Bearer {printed['invoke_token']}"}, timeout=30)
+    assert called.text == "pong"
+    assert Token.objects.filter(agent__name="carol").count() == 2
+    assert not Token.objects.filter(secret_hash=printed["deploy_token"]).exists()  # only the hash is stored
+
+
+@pytest.mark.parametrize("name", ["Carol", "admin", "a--b", "9lives", ""])
+def test_createagent_refuses_bad_names(db, name):
+    from django.core.management import CommandError, call_command
+
+    with pytest.raises(CommandError):
+        call_command("createagent", name, "--json")
+
+
+def test_at_most_eight_agents(db, settings):
+    from agents.services import agent_create
+    from sigil_site.errors import QuotaExceeded
+
+    settings.SIGIL_MAX_AGENTS = 2
+    agent_create(name="one", actor="owner:test")
+    agent_create(name="two", actor="owner:test")
+    with pytest.raises(QuotaExceeded):
+        agent_create(name="three", actor="owner:test")
+
+
+def test_remove_enqueues_the_slot_release_only_after_commit(db, workerd_host, django_capture_on_commit_callbacks):
+    from agents import services as agent_services
+    from agents.tokens import Principal
+
+    agent = agent_services.agent_create(name="dave", actor="owner:test")
+    principal = Principal(agent.pk, agent.name, "deploy", "test")
+    services.capability_deploy(principal=principal, name="ping", code=PONG)
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        services.capability_remove(principal=principal, full="dave--ping")
+    assert len(callbacks) == 1
+    assert "dave--ping" in get_runtime().list_slots()  # nothing deleted before the commit
