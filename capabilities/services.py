@@ -278,18 +278,23 @@ def _redeploy_unchanged(
     )
 
 
-def capability_remove(*, principal: Principal, full: str, actor: str | None = None) -> Capability:
-    """Stop serving `full` now and delete it from the runtime in the background.
+def capability_remove(*, principal: Principal, full: str) -> Capability:
+    """An agent removes one of its capabilities: stop serving now, delete from the runtime
+    in the background. The row and its versions stay (state removed) for the audit trail.
 
-    The row and its versions stay (state removed) for the audit trail. Raises Forbidden
-    (not the caller's prefix, or no deploy scope) or NotFound.
+    Raises Forbidden (not the caller's prefix, or no deploy scope) or NotFound.
     """
     agent_name, _ = names.split_full_name(full)
     if not principal.can_deploy:
         raise Forbidden("removing needs a token with the deploy scope")
     if agent_name != principal.agent_name:
         raise Forbidden(f"{full} is not under {principal.agent_name}'s prefix")
-    return _remove(full=full, actor=actor or _actor(principal), action="capability.removed")
+    return _remove(full=full, actor=_actor(principal), action="capability.removed")
+
+
+def capability_remove_as_owner(*, full: str, actor: str) -> Capability:
+    """The owner removes any capability, as capability_remove does. Raises NotFound."""
+    return _remove(full=full, actor=actor, action="capability.removed")
 
 
 def _remove(*, full: str, actor: str, action: str, only_if_expired_by: datetime | None = None) -> Capability:
