@@ -72,3 +72,57 @@ def test_capability_that_throws_answers_in_the_envelope(alice):
     error = response.json()["error"]
     assert error["code"] == "capability_error"
     assert "kaput" in error["message"]
+
+
+STREAMS = """export default { async fetch() {
+  const encoder = new TextEncoder();
+  const stream = new ReadableStream({
+    async start(controller) {
+      controller.enqueue(encoder.encode('first;'));
+      await new Promise(r => setTimeout(r, 1500));
+      controller.enqueue(encoder.encode('second'));
+      controller.close();
+    }
+  });
+  return new Response(stream, { headers: { 'content-type': 'text/plain' } });
+} }"""
+
+COUNTS = """export default { async fetch(request) {
+  let total = 0;
+  const reader = request.body.getReader();
+  for (;;) { const { done, value } = await reader.read(); if (done) break; total += value.byteLength; }
+  return new Response(String(total));
+} }"""
+
+
+def test_response_body_streams_to_the_caller(alice):
+    import time
+
+    alice.deploy(name="streams", code=STREAMS)
+    started = time.monotonic()
+    response = alice.call("/alice/streams", stream=True)
+    first = response.raw.read(len(b"first;"))
+    first_at = time.monotonic() - started
+    rest = response.raw.read()
+    assert first == b"first;" and rest == b"second"
+    assert first_at < 1.0  # the first chunk arrived before the capability finished
+
+
+def test_large_request_body_reaches_the_capability(alice):
+    alice.deploy(name="counts", code=COUNTS)
+    payload = b"x" * (8 * 1024 * 1024)
+    response = alice.call("/alice/counts", method="POST", data=payload)
+    assert response.status_code == 200 and response.text == str(len(payload))
+
+
+def test_request_body_over_the_invoke_limit_is_a_413(alice, settings):
+    settings.SIGIL_INVOKE_MAX_BODY_BYTES = 1024
+    alice.deploy(name="counts", code=COUNTS)
+    response = alice.call("/alice/counts", method="POST", data=b"x" * 2048)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "too_large"
+
+
+@pytest.mark.parametrize("path", ["/alice", "/alice/", "/Alice/ping", "/alice/no--such", "/alice/missing"])
+def test_paths_that_name_no_capability_are_404(alice, path):
+    response = alice.call(path)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
