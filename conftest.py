@@ -38,7 +38,10 @@ def redis_client():
 
 @pytest.fixture(autouse=True)
 def _fresh_redis_and_runtime():
-    """Each test starts with an empty Redis and a runtime built from its own settings."""
+    """Each test starts with an empty Redis, no local placements (the database is emptied
+    too), and a runtime built from its own settings."""
+    import shutil
+
     import redis
     from django.conf import settings
 
@@ -47,6 +50,7 @@ def _fresh_redis_and_runtime():
     client = redis.Redis.from_url(settings.REDIS_URL)
     client.flushdb()
     client.close()
+    shutil.rmtree(settings.SIGIL_CODE_DIR / "slots", ignore_errors=True)
     get_runtime.cache_clear()
     yield
     get_runtime.cache_clear()

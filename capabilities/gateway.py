@@ -8,6 +8,7 @@ access stamp and breaker update go back in one script call after the response is
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from urllib.parse import quote
@@ -18,7 +19,7 @@ from django.db import close_old_connections, connection
 
 from agents import tokens
 from agents.selectors import parse_bearer, token_authenticate
-from capabilities import names, routes, stats
+from capabilities import names, pager, routes, stats
 from capabilities.models import BreakerState
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import Route
@@ -47,6 +48,23 @@ HOP_BY_HOP = frozenset(
 # credentials, and (below) anything posing as Sigil's internal headers.
 DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"authorization"}
 STREAM_CHUNK = 64 * 1024
+# What a 202 tells the caller to expect: a page-in is one upload, usually about a second.
+WARMING_ETA_SECONDS = 3
+
+
+class Call:
+    """What one call holds while it is served, and must give back however it ends."""
+
+    __slots__ = ("full", "capability_type", "token_hash", "started", "is_trial", "holds_inflight", "finished")
+
+    def __init__(self, full: str, capability_type: str, token_hash: str, started: float, is_trial: bool) -> None:
+        self.full = full
+        self.capability_type = capability_type
+        self.token_hash = token_hash
+        self.started = started
+        self.is_trial = is_trial
+        self.holds_inflight = False
+        self.finished = False
 
 
 class Gateway:
@@ -60,6 +78,9 @@ class Gateway:
         self.max_body = settings.SIGIL_INVOKE_MAX_BODY_BYTES
         self.breaker_threshold = settings.SIGIL_BREAKER_THRESHOLD
         self.breaker_cooldown = settings.SIGIL_BREAKER_COOLDOWN_SECONDS
+        # The pager deletes a victim only once no call to it is in flight; unbounded
+        # runtimes never page out, so they skip the counting.
+        self.tracks_inflight = self.runtime.total_slots is not None
         # One keep-alive pool per upstream origin; block=False lets bursts open extra
         # connections instead of queueing behind the pool size.
         self.pools = urllib3.PoolManager(num_pools=64, maxsize=32, block=False, retries=False)
@@ -96,43 +117,70 @@ class Gateway:
         if route.expires_epoch is not None and route.expires_epoch <= now:
             raise NotFound(f"{full} has expired")
 
-        is_trial = False
-        if open_until is not None:
-            is_trial = self.enter_open_breaker(full, float(open_until), now)
-
-        cold = False
-        if route.state not in routes.SERVED_STATES:
-            from capabilities.services import capability_page_in
-
-            route = capability_page_in(full=full)
-            cold = True
-
-        target = self.target(route)
-        upstream_started = time.perf_counter()
+        is_trial = self.enter_open_breaker(full, float(open_until), now) if open_until is not None else False
+        call = Call(full, route.type, token_hash, started, is_trial)
         try:
-            upstream = self.send(environ, target, rest)
-        except urllib3.exceptions.TimeoutError as exc:
-            self.finish(full, token_hash, started, ok=False, is_trial=is_trial)
-            raise Timeout(f"{full} did not answer within {self.timeout.read_timeout:g} s") from exc
-        except urllib3.exceptions.HTTPError as exc:
-            self.release_trial(full, is_trial)
-            raise UpstreamError(f"the runtime could not be reached for {full}: {exc.__class__.__name__}") from exc
+            return self.forward(environ, start_response, call, route, rest)
+        finally:
+            if not call.finished:
+                self.abandon(call)
+
+    def forward(self, environ, start_response, call: Call, route: routes.CachedRoute, rest: str):
+        page_in_ms = None
+        if route.state not in routes.SERVED_STATES:
+            if "respond-async" in environ.get("HTTP_PREFER", ""):
+                return self.reply_warming(start_response, call)
+            route, page_in_ms = self.page_in(call.full)
+        if self.tracks_inflight:
+            self.redis.incr(pager.inflight_key(call.full))
+            call.holds_inflight = True
+
+        upstream_started = time.perf_counter()
+        upstream = self.send_once(environ, call, route, rest)
+        if page_in_ms is None and self.runtime.is_missing(upstream) and not environ.get("CONTENT_LENGTH"):
+            # The runtime lost a script Sigil thought live: a miss after all. Page it in
+            # and retry once (only bodiless calls: a body cannot be sent twice).
+            upstream.drain_conn()
+            upstream.release_conn()
+            from capabilities.services import capability_mark_missing
+
+            capability_mark_missing(full=call.full)
+            route, page_in_ms = self.page_in(call.full)
+            upstream_started = time.perf_counter()
+            upstream = self.send_once(environ, call, route, rest)
         upstream_ms = (time.perf_counter() - upstream_started) * 1000
 
         failure = upstream.headers.get("x-sigil-error")
         if failure is not None:
-            return self.reply_runtime_failure(
-                start_response, upstream, failure, full=full, token_hash=token_hash, started=started, is_trial=is_trial
-            )
+            return self.reply_runtime_failure(start_response, upstream, failure, call)
 
         headers = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP]
-        sigil_ms = (time.perf_counter() - started) * 1000 - upstream_ms
-        headers.append(("X-Sigil-Capability", full))
-        headers.append(("Server-Timing", f"sigil;dur={sigil_ms:.2f}, capability;dur={upstream_ms:.2f}"))
-        if cold:
+        sigil_ms = (time.perf_counter() - call.started) * 1000 - upstream_ms - (page_in_ms or 0)
+        timing = f"sigil;dur={sigil_ms:.2f}, capability;dur={upstream_ms:.2f}"
+        headers.append(("X-Sigil-Capability", call.full))
+        if page_in_ms is not None:
             headers.append(("X-Sigil-Cold-Start", "1"))
+            timing += f", page-in;dur={page_in_ms:.2f}"
+        headers.append(("Server-Timing", timing))
         start_response(f"{upstream.status} {upstream.reason or ''}".rstrip(), headers)
-        return ResponseBody(self, upstream, full, token_hash, started, ok=upstream.status < 500, is_trial=is_trial)
+        call.finished = True  # from here ResponseBody.close() records the call
+        return ResponseBody(self, upstream, call, ok=upstream.status < 500)
+
+    def page_in(self, full: str) -> tuple[routes.CachedRoute, float]:
+        from capabilities.services import capability_page_in
+
+        started = time.perf_counter()
+        route, _ = capability_page_in(full=full)
+        return route, (time.perf_counter() - started) * 1000
+
+    def send_once(self, environ, call: Call, route: routes.CachedRoute, rest: str) -> urllib3.BaseHTTPResponse:
+        try:
+            return self.send(environ, self.target(route), rest)
+        except urllib3.exceptions.TimeoutError as exc:
+            self.finish(call, ok=False)
+            raise Timeout(f"{call.full} did not answer within {self.timeout.read_timeout:g} s") from exc
+        except urllib3.exceptions.HTTPError as exc:
+            raise UpstreamError(f"the runtime could not be reached for {call.full}: {exc.__class__.__name__}") from exc
 
     def enter_open_breaker(self, full: str, open_until: float, now: float) -> bool:
         """While open, refuse; after the cool-down let exactly one trial call through."""
@@ -142,10 +190,6 @@ class Gateway:
         if not self.redis.set(stats.trial_key(full), 1, nx=True, px=ttl_ms):
             raise Degraded(f"{full} is degraded; a trial call is in progress", retry_after=1)
         return True
-
-    def release_trial(self, full: str, is_trial: bool) -> None:
-        if is_trial:
-            self.redis.delete(stats.trial_key(full))
 
     def target(self, route: routes.CachedRoute) -> Route:
         key = (route.slot, route.sha)
@@ -190,37 +234,66 @@ class Gateway:
             assert_same_host=False,
         )
 
-    def reply_runtime_failure(self, start_response, upstream, failure: str, *, full, token_hash, started, is_trial):
-        message = upstream.data.decode(errors="replace")[:2000]
-        upstream.release_conn()
-        if failure == "exception":
-            self.finish(full, token_hash, started, ok=False, is_trial=is_trial)
-            error: SigilError = CapabilityError(f"{full} threw: {_exception_text(message)}")
-        else:
-            self.release_trial(full, is_trial)
-            logger.error("runtime refused a call to %s: %s %s", full, failure, message)
-            error = UpstreamError(f"the runtime failed to run {full} ({failure})")
-        return self.reply_error(start_response, error)
-
-    def finish(self, full: str, token_hash: str, started: float, *, ok: bool, is_trial: bool) -> None:
-        """Record the call in Redis; persist a breaker transition through Celery."""
+    def finish(self, call: Call, *, ok: bool) -> None:
+        """Record a call that reached the capability, in one Redis round trip; persist a
+        breaker transition through Celery."""
+        call.finished = True
         now = time.time()
-        latency_ms = (time.perf_counter() - started) * 1000
+        latency_ms = (time.perf_counter() - call.started) * 1000
         change = self.record_call(
             keys=[
-                stats.stats_key(full),
-                stats.failures_key(full),
-                stats.breaker_key(full),
-                stats.trial_key(full),
+                stats.stats_key(call.full),
+                stats.failures_key(call.full),
+                stats.breaker_key(call.full),
+                stats.trial_key(call.full),
                 stats.DIRTY_KEY,
                 stats.TOKENS_USED_KEY,
+                pager.lru_key(call.capability_type),
+                pager.inflight_key(call.full),
             ],
-            args=[full, token_hash, f"{now:.6f}", f"{latency_ms:.3f}", int(ok), int(is_trial),
-                  self.breaker_threshold, self.breaker_cooldown],
+            args=[call.full, call.token_hash, f"{now:.6f}", f"{latency_ms:.3f}", int(ok), int(call.is_trial),
+                  self.breaker_threshold, self.breaker_cooldown, int(call.holds_inflight)],
         )
         if change:
             state = BreakerState.OPEN if change == b"opened" else BreakerState.CLOSED
-            capability_record_breaker_task.delay(full=full, state=state, at_epoch=now)
+            capability_record_breaker_task.delay(full=call.full, state=state, at_epoch=now)
+
+    def abandon(self, call: Call) -> None:
+        """A call that ended before the capability answered: give back what it holds."""
+        call.finished = True
+        if not (call.is_trial or call.holds_inflight):
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        if call.is_trial:
+            pipe.delete(stats.trial_key(call.full))
+        if call.holds_inflight:
+            pipe.decr(pager.inflight_key(call.full))
+        pipe.execute()
+
+    def reply_runtime_failure(self, start_response, upstream, failure: str, call: Call):
+        message = upstream.data.decode(errors="replace")[:2000]
+        upstream.release_conn()
+        if failure == "exception":
+            self.finish(call, ok=False)
+            error: SigilError = CapabilityError(f"{call.full} threw: {_exception_text(message)}")
+        else:
+            logger.error("runtime refused a call to %s: %s %s", call.full, failure, message)
+            error = UpstreamError(f"the runtime failed to run {call.full} ({failure})")
+        return self.reply_error(start_response, error)
+
+    def reply_warming(self, start_response, call: Call):
+        """`Prefer: respond-async` on a cold capability: page it in behind a 202."""
+        from capabilities.tasks import capability_page_in as capability_page_in_task
+
+        capability_page_in_task.delay(full=call.full)
+        body = json.dumps(
+            {"status": "warming", "callback": f"/_status/{call.full}", "eta_seconds": WARMING_ETA_SECONDS}
+        ).encode()
+        start_response(
+            "202 Accepted",
+            [("Content-Type", "application/json"), ("Content-Length", str(len(body))), ("Preference-Applied", "respond-async")],
+        )
+        return [body]
 
     @staticmethod
     def reply_error(start_response, error: SigilError):
@@ -234,27 +307,24 @@ class Gateway:
 class ResponseBody:
     """Streams the capability's body to the caller; records the call once it has been sent."""
 
-    def __init__(self, gateway: Gateway, upstream, full: str, token_hash: str, started: float, *, ok: bool, is_trial: bool):
+    def __init__(self, gateway: Gateway, upstream, call: Call, *, ok: bool) -> None:
         self.gateway = gateway
         self.upstream = upstream
-        self.full = full
-        self.token_hash = token_hash
-        self.started = started
+        self.call = call
         self.ok = ok
-        self.is_trial = is_trial
 
     def __iter__(self):
         try:
             yield from self.upstream.stream(STREAM_CHUNK, decode_content=False)
         except urllib3.exceptions.TimeoutError:
             self.ok = False  # the capability stalled mid-body; the caller sees a cut response
-            logger.warning("%s stalled while streaming its response", self.full)
+            logger.warning("%s stalled while streaming its response", self.call.full)
 
     def close(self) -> None:
         # WSGI servers call close() after the last byte is written, so this bookkeeping is
         # off the caller's latency.
         self.upstream.release_conn()
-        self.gateway.finish(self.full, self.token_hash, self.started, ok=self.ok, is_trial=self.is_trial)
+        self.gateway.finish(self.call, ok=self.ok)
 
 
 STATUS_TEXT = {
@@ -307,8 +377,6 @@ def _db_connection_open() -> bool:
 
 
 def _exception_text(host_message: str) -> str:
-    import json
-
     try:
         return json.loads(host_message)["message"].splitlines()[0][:500]
     except (ValueError, KeyError, IndexError, TypeError):

@@ -24,6 +24,7 @@ SERVED_STATES = (State.LIVE, State.EVICTING)
 class CachedRoute:
     capability_id: int
     agent: str
+    type: str
     is_public: bool
     expires_epoch: float | None
     state: str
@@ -40,6 +41,7 @@ def encode(capability: Capability) -> bytes:
         {
             "id": capability.pk,
             "agent": capability.agent.name,
+            "type": capability.type,
             "public": capability.is_public,
             "exp": capability.expires_at.timestamp() if capability.expires_at else None,
             "state": capability.state,
@@ -54,7 +56,9 @@ def decode(raw: bytes) -> CachedRoute | None:
     if raw == TOMBSTONE:
         return None
     data = json.loads(raw)
-    return CachedRoute(data["id"], data["agent"], data["public"], data["exp"], data["state"], data["slot"], data["sha"])
+    return CachedRoute(
+        data["id"], data["agent"], data["type"], data["public"], data["exp"], data["state"], data["slot"], data["sha"]
+    )
 
 
 def route_publish(capability: Capability) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -19,10 +20,11 @@ from django.utils import timezone
 from agents.models import Agent, Token
 from agents.services import audit_record
 from agents.tokens import Principal
-from capabilities import names, routes, stats
+from capabilities import names, pager, routes, stats
 from capabilities.models import BreakerState, Capability, CapabilityType, CapabilityVersion, State
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import CodeBundle, RuntimeRejected, RuntimeUnavailable, ScriptTooLarge, code_sha
+from capabilities.tasks import capability_page_out as capability_page_out_task
 from capabilities.tasks import capability_release_slot as capability_release_slot_task
 from sigil_site.errors import (
     Conflict,
@@ -31,6 +33,7 @@ from sigil_site.errors import (
     InvalidRequest,
     NotFound,
     RateLimited,
+    SigilError,
     TooLarge,
     UpstreamError,
 )
@@ -114,6 +117,72 @@ def _claim_cooldown(agent_name: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Placement:
+    slot: str
+    cold_start: bool  # this placement paged the capability in (bounded runtimes only)
+    evicted: str | None  # the victim chosen to make room, if any
+
+
+# How long a page-in waits for background page-outs to free the safety margin.
+ROOM_WAIT_SECONDS = 30
+
+
+def _place_with_room(
+    *, full: str, capability_type: str, expires_at: datetime | None, bundle: CodeBundle, was_evicting: bool
+) -> Placement:
+    """Place `bundle` for `full`; on a runtime with a slot limit, claim a slot first and
+    evict the least recently used capability when the runtime is full.
+
+    Call with the capability's placement lock held. Raises the errors of `_place`, and
+    UpstreamError when no room frees up in time.
+    """
+    runtime = get_runtime()
+    if runtime.total_slots is None:
+        return Placement(slot=_place(full, bundle), cold_start=False, evicted=None)
+    if was_evicting:
+        pager.pager_drop_evicting(full)
+    deadline = time.monotonic() + ROOM_WAIT_SECONDS
+    while True:
+        claim = pager.pager_claim_slot(
+            full=full,
+            capability_type=capability_type,
+            now=time.time(),
+            slots=runtime.total_slots,
+            safety_margin=runtime.safety_margin,
+            expires_epoch=expires_at.timestamp() if expires_at else None,
+        )
+        if claim.outcome != "full":
+            break
+        if time.monotonic() > deadline:
+            raise UpstreamError(f"no room on the runtime for {full}: every slot is live and page-outs are pending")
+        time.sleep(0.05)
+    if claim.victim:
+        _mark_evicting(claim.victim)
+    try:
+        slot = _place(full, bundle)
+    except SigilError:
+        if claim.outcome != "live":
+            pager.pager_forget(full)
+        raise
+    return Placement(slot=slot, cold_start=claim.outcome != "live", evicted=claim.victim)
+
+
+def _mark_evicting(victim: str) -> None:
+    """The victim keeps serving while its page-out runs in the background."""
+    with transaction.atomic():
+        capability = (
+            Capability.objects.select_for_update().select_related("agent").filter(full_name=victim, state=State.LIVE).first()
+        )
+        if capability is None:
+            return
+        capability.state = State.EVICTING
+        capability.updated_at = timezone.now()
+        capability.save(update_fields=["state", "updated_at"])
+        capability_page_out_task.delay_on_commit(full=victim)
+    routes.route_publish(capability)
+
+
 def _place(full: str, bundle: CodeBundle) -> str:
     """Put `bundle` on the runtime for `full`; return the slot. Runtime errors become API errors."""
     runtime = get_runtime()
@@ -185,16 +254,24 @@ def capability_deploy(
     if not lock.acquire():
         raise Conflict(f"{full} is being deployed by another request; retry when it is done")
     try:
-        bundle = CodeBundle.from_code(code)
-        slot = _place(full, bundle)
+        expires_at = existing.expires_at if existing else (now + timedelta(seconds=ttl) if ttl is not None else None)
+        placement = _place_with_room(
+            full=full,
+            capability_type=type,
+            expires_at=expires_at,
+            bundle=CodeBundle.from_code(code),
+            was_evicting=existing is not None and existing.state == State.EVICTING,
+        )
         capability, version, created = _record_deploy(
-            owner=owner, existing=existing, full=full, type=type, ttl=ttl, code=code, sha=sha, slot=slot,
-            bindings=bindings, is_public=is_public, now=now, principal=principal,
+            owner=owner, existing=existing, full=full, type=type, expires_at=expires_at, code=code, sha=sha,
+            slot=placement.slot, bindings=bindings, is_public=is_public, now=now, principal=principal,
         )
         routes.route_publish(capability)
     finally:
         lock.release()
-    return DeployResult(capability=capability, version=version, created=created, cold_start=False, evicted=None)
+    return DeployResult(
+        capability=capability, version=version, created=created, cold_start=placement.cold_start, evicted=placement.evicted
+    )
 
 
 def _unused_ephemeral_name(agent_name: str) -> str:
@@ -206,8 +283,8 @@ def _unused_ephemeral_name(agent_name: str) -> str:
 
 
 def _record_deploy(
-    *, owner: Agent, existing: Capability | None, full: str, type: str, ttl: int | None, code: str, sha: str,
-    slot: str, bindings: list[str], is_public: bool, now: datetime, principal: Principal,
+    *, owner: Agent, existing: Capability | None, full: str, type: str, expires_at: datetime | None, code: str,
+    sha: str, slot: str, bindings: list[str], is_public: bool, now: datetime, principal: Principal,
 ) -> tuple[Capability, CapabilityVersion, bool]:
     with transaction.atomic():
         if existing is None:
@@ -223,7 +300,7 @@ def _record_deploy(
                         state=State.LIVE,
                         slot=slot,
                         placed_sha=sha,
-                        expires_at=now + timedelta(seconds=ttl) if ttl is not None else None,
+                        expires_at=expires_at,
                         created_at=now,
                         updated_at=now,
                     )
@@ -313,6 +390,8 @@ def _remove(*, full: str, actor: str, action: str, only_if_expired_by: datetime 
         audit_record(actor=actor, action=action, agent_name=capability.agent.name, subject=full)
         capability_release_slot_task.delay_on_commit(capability_id=capability.pk)
     routes.route_withdraw(full)
+    if get_runtime().total_slots is not None:
+        pager.pager_mark_leaving(full)
     return capability
 
 
@@ -330,6 +409,8 @@ def capability_release_slot(*, capability_id: int) -> bool:
         if successor:
             return False
         get_runtime().remove(slot=capability.slot)
+        if not Capability.objects.exclude(state=State.REMOVED).filter(full_name=capability.full_name).exists():
+            pager.pager_drop_evicting(capability.full_name)
     return True
 
 
@@ -410,8 +491,9 @@ def capability_reset_breaker(*, capability: Capability, actor: str) -> None:
     audit_record(actor=actor, action="capability.breaker_reset", agent_name=capability.agent.name, subject=capability.full_name)
 
 
-def capability_page_in(*, full: str) -> routes.CachedRoute:
-    """Make `full` live on the runtime (the cold path) and return its fresh route.
+def capability_page_in(*, full: str) -> tuple[routes.CachedRoute, bool]:
+    """Make `full` live on the runtime (the cold path); return its fresh route and whether
+    this call placed it.
 
     Concurrent callers for the same capability wait on one lock, so one placement serves
     them all. Raises NotFound, UpstreamError.
@@ -425,13 +507,135 @@ def capability_page_in(*, full: str) -> routes.CachedRoute:
         )
         if capability is None or capability.current_version is None:
             raise NotFound(f"no capability {full}")
-        if capability.state not in routes.SERVED_STATES:
+        placed = capability.state not in routes.SERVED_STATES
+        if placed:
+            started = time.perf_counter()
             version = capability.current_version
-            slot = _place(full, CodeBundle.from_code(version.code))
-            Capability.objects.filter(pk=capability.pk).update(
-                state=State.LIVE, slot=slot, placed_sha=version.sha, updated_at=timezone.now()
+            placement = _place_with_room(
+                full=full,
+                capability_type=capability.type,
+                expires_at=capability.expires_at,
+                bundle=CodeBundle.from_code(version.code),
+                was_evicting=False,
             )
+            with transaction.atomic():
+                Capability.objects.filter(pk=capability.pk).update(
+                    state=State.LIVE, slot=placement.slot, placed_sha=version.sha, updated_at=timezone.now()
+                )
+                audit_record(
+                    actor="system",
+                    action="capability.paged_in",
+                    agent_name=capability.agent.name,
+                    subject=full,
+                    detail={"evicted": placement.evicted, "ms": round((time.perf_counter() - started) * 1000, 1)},
+                )
             capability.refresh_from_db()
-            audit_record(actor="system", action="capability.paged_in", agent_name=capability.agent.name, subject=full)
         routes.route_publish(capability)
-    return routes.decode(routes.encode(capability))
+    return routes.decode(routes.encode(capability)), placed
+
+
+# A victim still answering calls is deleted once they finish, or after this many checks
+# (the gateway treats a call that then finds no script as a miss and pages in again).
+PAGE_OUT_INFLIGHT_CHECKS = 50
+
+
+class StillInFlight(Exception):
+    """The victim is still serving calls; the page-out task retries shortly."""
+
+
+def capability_page_out(*, full: str, attempt: int = 0) -> bool:
+    """Delete an evicting capability's script from the runtime and mark it paged out.
+
+    Idempotent: does nothing unless `full` is still evicting (a deploy may have made it
+    live again, or it was removed). Raises StillInFlight while calls to it are in flight,
+    RuntimeUnavailable when the runtime fails transiently.
+    """
+    with _placement_lock(full, blocking=True):
+        capability = Capability.objects.select_related("agent").filter(full_name=full, state=State.EVICTING).first()
+        if capability is None:
+            return False
+        if pager.pager_inflight(full) > 0 and attempt < PAGE_OUT_INFLIGHT_CHECKS:
+            raise StillInFlight(full)
+        get_runtime().remove(slot=capability.slot)
+        with transaction.atomic():
+            changed = Capability.objects.filter(pk=capability.pk, state=State.EVICTING).update(
+                state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now()
+            )
+            if changed:
+                audit_record(actor="system", action="capability.evicted", agent_name=capability.agent.name, subject=full)
+        pager.pager_drop_evicting(full)
+        capability.refresh_from_db()
+        routes.route_publish(capability)
+    return bool(changed)
+
+
+def _placement_in_progress(full: str) -> bool:
+    return bool(get_redis().exists(f"sigil:lock:place:{full}"))
+
+
+def capability_reconcile() -> dict[str, int]:
+    """Compare what the runtime holds with the registry, and repair both sides.
+
+    Scripts no capability should have (a worker killed mid-page-in, a lost delete) are
+    deleted; capabilities the registry thinks live but the runtime lacks are marked paged
+    out, so their next call pages them in. Placements in progress are left alone. The
+    pager's sets are then rebuilt from the registry. Safe to run at any time.
+    Raises RuntimeUnavailable when the runtime cannot list its slots.
+    """
+    runtime = get_runtime()
+    placed = set(runtime.list_slots())
+    served = dict(
+        Capability.objects.filter(state__in=routes.SERVED_STATES).values_list("slot", "full_name")
+    )
+    owners: dict[str, list[str]] = {}
+    for slot, full in Capability.objects.filter(slot__in=placed - set(served)).values_list("slot", "full_name"):
+        owners.setdefault(slot, []).append(full)
+
+    orphans = 0
+    for slot in sorted(placed - set(served)):
+        if any(_placement_in_progress(full) for full in owners.get(slot, [])):
+            continue
+        runtime.remove(slot=slot)
+        audit_record(actor="system", action="runtime.orphan_removed", subject=slot, detail={"owners": owners.get(slot, [])})
+        orphans += 1
+
+    repaired = 0
+    for slot, full in served.items():
+        if slot in placed or _placement_in_progress(full):
+            continue
+        with transaction.atomic():
+            capability = Capability.objects.select_related("agent").filter(
+                full_name=full, state__in=routes.SERVED_STATES
+            ).first()
+            if capability is None:
+                continue
+            capability.state = State.PAGED_OUT
+            capability.placed_sha = ""
+            capability.updated_at = timezone.now()
+            capability.save(update_fields=["state", "placed_sha", "updated_at"])
+            audit_record(
+                actor="system", action="capability.repaired", agent_name=capability.agent.name, subject=full,
+                detail={"reason": "not on the runtime", "slot": slot},
+            )
+        routes.route_publish(capability)
+        repaired += 1
+
+    corrected = pager.pager_sync(is_placing=_placement_in_progress) if runtime.total_slots is not None else 0
+    return {"orphans_removed": orphans, "repaired": repaired, "pager_corrected": corrected}
+
+
+def capability_mark_missing(*, full: str) -> None:
+    """The runtime answered that `full`'s script is gone: record it as paged out so the
+    next placement puts it back. Idempotent."""
+    with transaction.atomic():
+        capability = Capability.objects.select_related("agent").filter(
+            full_name=full, state__in=routes.SERVED_STATES
+        ).first()
+        if capability is None:
+            return
+        Capability.objects.filter(pk=capability.pk).update(state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now())
+        audit_record(
+            actor="system", action="capability.repaired", agent_name=capability.agent.name, subject=full,
+            detail={"reason": "the runtime no longer had its script"},
+        )
+    pager.pager_forget(full)

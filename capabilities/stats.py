@@ -28,15 +28,20 @@ def trial_key(full: str) -> str:
     return f"sigil:breaker:trial:{full}"
 
 
-# KEYS: stats, failures, breaker, trial, dirty set, tokens-used hash
+# KEYS: stats, failures, breaker, trial, dirty set, tokens-used hash, the pager's LRU set for
+#       the capability's type, its in-flight counter
 # ARGV: full name, token hash, now (epoch s), latency ms, ok (1/0), is trial (1/0),
-#       threshold, cool-down seconds
+#       threshold, cool-down seconds, held an in-flight count (1/0)
 # Returns "opened" or "closed" when the breaker changed, "" otherwise.
 RECORD_CALL = """
 local stats, failures, breaker, trial, dirty, used = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local lru, inflight = KEYS[7], KEYS[8]
 local full, token, now, latency = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local ok, is_trial = ARGV[5] == '1', ARGV[6] == '1'
 local threshold, cooldown = tonumber(ARGV[7]), tonumber(ARGV[8])
+-- XX: stamp only capabilities the pager holds as live; an unbounded runtime has no set.
+redis.call('ZADD', lru, 'XX', now, full)
+if ARGV[9] == '1' then redis.call('DECR', inflight) end
 redis.call('HINCRBY', stats, 'calls', 1)
 redis.call('HINCRBYFLOAT', stats, 'latency_ms', latency)
 redis.call('HSET', stats, 'last_access', ARGV[3])

@@ -41,3 +41,29 @@ def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None
     from capabilities import services
 
     services.capability_record_breaker(full=full, state=state, at_epoch=at_epoch)
+
+
+@shared_task(
+    name="capabilities.capability_page_out", bind=True, acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT
+)
+def capability_page_out(self, *, full: str) -> None:
+    from capabilities import services
+
+    try:
+        services.capability_page_out(full=full, attempt=self.request.retries)
+    except services.StillInFlight as exc:
+        raise self.retry(exc=exc, countdown=0.2, max_retries=services.PAGE_OUT_INFLIGHT_CHECKS + 8) from exc
+
+
+@shared_task(name="capabilities.capability_page_in", acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT)
+def capability_page_in(*, full: str) -> None:
+    from capabilities import services
+
+    services.capability_page_in(full=full)
+
+
+@shared_task(name="capabilities.capability_reconcile", acks_late=True, reject_on_worker_lost=True)
+def capability_reconcile() -> None:
+    from capabilities import services
+
+    services.capability_reconcile()

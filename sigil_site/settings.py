@@ -174,6 +174,7 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 
 SIGIL_TTL_EXPIRY_INTERVAL_SECONDS = env_float("SIGIL_TTL_EXPIRY_INTERVAL_SECONDS", 60.0)
 SIGIL_STATS_FLUSH_INTERVAL_SECONDS = env_float("SIGIL_STATS_FLUSH_INTERVAL_SECONDS", 10.0)
+SIGIL_RECONCILE_INTERVAL_SECONDS = env_float("SIGIL_RECONCILE_INTERVAL_SECONDS", 300.0)
 
 CELERY_BEAT_SCHEDULE = {
     "capability-expire-ephemerals": {
@@ -183,6 +184,10 @@ CELERY_BEAT_SCHEDULE = {
     "capability-flush-stats": {
         "task": "capabilities.capability_flush_stats",
         "schedule": SIGIL_STATS_FLUSH_INTERVAL_SECONDS,
+    },
+    "capability-reconcile": {
+        "task": "capabilities.capability_reconcile",
+        "schedule": SIGIL_RECONCILE_INTERVAL_SECONDS,
     },
 }
 
@@ -244,6 +249,14 @@ if not SIGIL_INTERNAL_SECRET:
 SIGIL_WORKERD_BIN = env_str("SIGIL_WORKERD_BIN", str(BASE_DIR / "node_modules" / ".bin" / "workerd"))
 SIGIL_WORKERD_PORT = env_int("SIGIL_WORKERD_PORT", 8788)
 SIGIL_CODE_DIR = Path(env_str("SIGIL_CODE_DIR", str(VAR_DIR / "code")))
+# 0 keeps every capability resident; a number caps the live ones and turns the LRU pager on
+# (to try paging without Cloudflare).
+SIGIL_LOCAL_SLOTS = env_int("SIGIL_LOCAL_SLOTS", 0)
+
+# --- The LRU pager (runtimes with a slot limit) -----------------------------------------
+
+# Scripts a runtime may hold beyond its slots while victims are deleted in the background.
+SIGIL_POOL_SAFETY_MARGIN = env_int("SIGIL_POOL_SAFETY_MARGIN", 5)
 
 # --- Logging ----------------------------------------------------------------------------
 

@@ -18,6 +18,8 @@ def build_runtime(backend: str) -> Runtime:
             code_dir=settings.SIGIL_CODE_DIR,
             workerd_url=f"http://127.0.0.1:{settings.SIGIL_WORKERD_PORT}",
             secret=settings.SIGIL_INTERNAL_SECRET,
+            max_slots=settings.SIGIL_LOCAL_SLOTS or None,
+            safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
         )
     raise ValueError(f"unknown SIGIL_BACKEND {backend!r}")
 

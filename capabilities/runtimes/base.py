@@ -92,8 +92,13 @@ class Runtime(ABC):
 
     @property
     def total_slots(self) -> int | None:
-        """How many capabilities can be live at once; None means no limit."""
+        """How many capabilities can be live at once; None means no limit (no paging)."""
         return None
+
+    @property
+    def safety_margin(self) -> int:
+        """Scripts allowed beyond total_slots while victims are deleted in the background."""
+        return 0
 
     @abstractmethod
     def slot_for(self, full_name: str) -> str:
@@ -114,6 +119,13 @@ class Runtime(ABC):
     @abstractmethod
     def route(self, *, slot: str, sha: str) -> Route:
         """Where the gateway sends requests for `slot` running code `sha`. No I/O."""
+
+    def is_missing(self, response) -> bool:
+        """Whether an upstream response says the placed script is gone (a miss, not an error).
+
+        The loader host marks it; runtimes whose upstream says it differently override this.
+        """
+        return response.status == 404 and response.headers.get("x-sigil-error") == "missing-code"
 
     @abstractmethod
     def list_slots(self) -> list[str]:

@@ -20,12 +20,24 @@ class LocalRuntime(Runtime):
 
     name = "local"
 
-    def __init__(self, *, code_dir: Path, workerd_url: str, secret: str) -> None:
+    def __init__(
+        self, *, code_dir: Path, workerd_url: str, secret: str, max_slots: int | None = None, safety_margin: int = 0
+    ) -> None:
+        self.max_slots = max_slots
+        self.margin = safety_margin
         self.code_dir = Path(code_dir)
         self.slots_dir = self.code_dir / "slots"
         self.workerd_url = workerd_url.rstrip("/")
         self._secret = secret
         self._probe = urllib3.PoolManager(timeout=urllib3.Timeout(connect=1.0, read=2.0), retries=False)
+
+    @property
+    def total_slots(self) -> int | None:
+        return self.max_slots
+
+    @property
+    def safety_margin(self) -> int:
+        return self.margin
 
     def slot_for(self, full_name: str) -> str:
         return full_name

@@ -41,6 +41,11 @@ async function readBundle(env, sha) {
   return response.json();
 }
 
+// The loader caches a failed load under its id too. When code was missing (placed later,
+// or restored after a loss), the next load must use a fresh id; the suffix is counted per
+// id so ids only multiply on such failures.
+const retriesAfterMissingCode = new Map();
+
 class MissingCode extends Error {
   constructor(sha) {
     super(`no code stored for ${sha}`);
@@ -64,7 +69,9 @@ export default {
     const forwarded = new Request(request, { headers });
 
     let missing = false;
-    const worker = env.LOADER.get(loaderId, async () => {
+    const retry = retriesAfterMissingCode.get(loaderId) || 0;
+    const cacheId = retry ? `${loaderId}#${retry}` : loaderId;
+    const worker = env.LOADER.get(cacheId, async () => {
       let bundle;
       try {
         bundle = await readBundle(env, sha);
@@ -84,7 +91,10 @@ export default {
     try {
       return await worker.getEntrypoint().fetch(forwarded);
     } catch (error) {
-      if (missing) return refuse(404, "missing-code", String(error && error.message));
+      if (missing) {
+        retriesAfterMissingCode.set(loaderId, retry + 1);
+        return refuse(404, "missing-code", String(error && error.message));
+      }
       return refuse(500, "exception", String((error && error.stack) || error));
     }
   },

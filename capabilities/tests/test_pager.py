@@ -1,0 +1,146 @@
+"""The LRU pager on a runtime with a slot limit (the local runtime capped at a few slots):
+eviction order, page-in on demand, background page-out, and reconcile."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from agents.models import AuditEvent
+from capabilities import services
+from capabilities.models import Capability
+from capabilities.runtimes import get_runtime
+from testsupport.cast import wait_for
+
+
+def code(text: str) -> str:
+    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"
+
+
+@pytest.fixture
+def capped(settings):
+    settings.SIGIL_LOCAL_SLOTS = 3
+    settings.SIGIL_POOL_SAFETY_MARGIN = 2
+    return settings
+
+
+def deploy(agent, name, text, **body):
+    response = agent.deploy(name=name, code=code(text), **body)
+    assert response.status_code in (200, 201), response.text
+    return response.json()
+
+
+def state(full):
+    return Capability.objects.get(full_name=full).state
+
+
+def test_eviction_follows_the_seed_order(capped, alice, celery_worker_session):
+    deploy(alice, "keep", "p", type="persistent")
+    deploy(alice, "norm", "n", type="normal")
+    ephemeral = deploy(alice, None, "e", type="ephemeral")["capability"]
+    time.sleep(0.01)
+    for path in ("/alice/norm", "/alice/keep"):
+        assert alice.call(path).status_code == 200
+
+    # Full: the ephemeral goes first even though it is not the least recently used.
+    first = deploy(alice, "norm2", "n2", type="normal")
+    assert first["cold_start"] is True and first["evicted"] == ephemeral
+    # Then the least recently used normal, before any persistent.
+    second = deploy(alice, "norm3", "n3", type="normal")
+    assert second["evicted"] == "alice--norm"
+    third = deploy(alice, "norm4", "n4", type="normal")
+    assert third["evicted"] == "alice--norm2"
+
+    wait_for(lambda: state("alice--norm2") == "paged_out", message="background page-out")
+    assert state("alice--keep") == "live"
+    assert len(get_runtime().list_slots()) <= 3 + 2
+    evicted = set(AuditEvent.objects.filter(action="capability.evicted").values_list("subject", flat=True))
+    assert evicted == {ephemeral, "alice--norm", "alice--norm2"}
+
+
+def test_expired_ephemerals_are_evicted_before_live_ones(capped, alice, celery_worker_session):
+    old = deploy(alice, None, "old", ttl=3600)["capability"]
+    expiring = deploy(alice, None, "expiring", ttl=1)["capability"]
+    deploy(alice, "keep", "p")
+    assert alice.call("/" + old.replace("--", "/")).status_code == 200  # the older access is not what counts
+    time.sleep(1.1)
+    assert deploy(alice, "next", "x")["evicted"] == expiring
+
+
+def test_an_evicted_capability_pages_back_in_on_its_next_call(capped, alice, celery_worker_session):
+    for name in ("a", "b", "c"):
+        deploy(alice, name, name, type="normal")
+    assert deploy(alice, "d", "d", type="normal")["evicted"] == "alice--a"
+    wait_for(lambda: state("alice--a") == "paged_out", message="a paged out")
+
+    response = alice.call("/alice/a")
+    assert response.status_code == 200 and response.text == "a"
+    assert response.headers["X-Sigil-Cold-Start"] == "1"
+    assert "page-in;dur=" in response.headers["Server-Timing"]
+    assert state("alice--a") == "live"
+    assert alice.call("/alice/a").headers.get("X-Sigil-Cold-Start") is None
+    assert Capability.objects.get(full_name="alice--a").slot == "alice--a"
+
+
+def test_a_burst_on_one_cold_capability_places_it_once(capped, alice, celery_worker_session):
+    for name in ("a", "b", "c", "d"):
+        deploy(alice, name, name, type="normal")
+    wait_for(lambda: state("alice--a") == "paged_out", message="a paged out")
+
+    def call(_):
+        response = alice.call("/alice/a", token=alice.invoke_token)
+        return response.status_code, response.text
+
+    with ThreadPoolExecutor(max_workers=25) as pool:
+        results = list(pool.map(call, range(50)))
+    assert results == [(200, "a")] * 50
+    assert AuditEvent.objects.filter(action="capability.paged_in", subject="alice--a").count() == 1
+
+
+def test_respond_async_gets_202_and_a_callback_that_turns_ready(capped, alice, celery_worker_session):
+    for name in ("a", "b", "c", "d"):
+        deploy(alice, name, name, type="normal")
+    wait_for(lambda: state("alice--a") == "paged_out", message="a paged out")
+
+    warming = alice.call("/alice/a", headers={"Prefer": "respond-async"})
+    assert warming.status_code == 202
+    assert warming.json() == {"status": "warming", "callback": "/_status/alice--a", "eta_seconds": 3}
+    wait_for(lambda: alice.call("/_status/alice--a").json()["status"] == "ready", message="warming to finish")
+    assert alice.call("/alice/a").text == "a"
+
+
+def test_status_reports_slots_and_evictions(capped, alice, celery_worker_session):
+    for name in ("a", "b", "c", "d"):
+        deploy(alice, name, name, type="normal")
+    wait_for(lambda: state("alice--a") == "paged_out", message="a paged out")
+    status = alice.call("/_api/status").json()
+    assert status["total_slots"] == 3 and status["lru_enabled"] is True
+    assert status["used_slots"] == 3 and status["eviction_count"] == 1
+
+
+def test_reconcile_removes_orphans_and_repairs_lost_placements(capped, alice):
+    from capabilities.runtimes.base import CodeBundle
+
+    deploy(alice, "a", "a")
+    deploy(alice, "b", "b")
+    runtime = get_runtime()
+    runtime.place(slot="alice--ghost", bundle=CodeBundle.from_code(code("ghost")))  # nobody's
+    runtime.remove(slot="alice--b")  # lost behind Sigil's back
+
+    result = services.capability_reconcile()
+    assert result["orphans_removed"] == 1 and result["repaired"] == 1
+    assert set(runtime.list_slots()) == {"alice--a"}
+    assert state("alice--b") == "paged_out"
+    assert alice.call("/alice/b").text == "b"  # its next call pages it back in
+    assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0}
+
+
+def test_a_call_that_finds_its_script_gone_pages_in_and_retries(alice):
+    deploy(alice, "a", "never-called-before")  # so no warm isolate hides the loss
+    capability = Capability.objects.get(full_name="alice--a")
+    (get_runtime().code_dir / f"{capability.placed_sha}.json").unlink()
+    (get_runtime().code_dir / "slots" / "alice--a").unlink()
+    response = alice.call("/alice/a")
+    assert response.status_code == 200 and response.text == "never-called-before", response.text
+    assert response.headers["X-Sigil-Cold-Start"] == "1"
+    assert AuditEvent.objects.filter(subject="alice--a", action="capability.repaired").exists()
