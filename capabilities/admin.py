@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from django import forms
 from django.contrib import admin, messages
 from django.utils import timezone
 
+from agents.services import audit_record
+from capabilities import bindings as binding_rules
+
 from capabilities import services
-from capabilities.models import Capability, CapabilityVersion, State
+from capabilities.models import Binding, BindingKind, Capability, CapabilityVersion, State
 from sigil_site.errors import SigilError
 
 
@@ -71,3 +75,51 @@ class CapabilityAdmin(admin.ModelAdmin):
         for capability in queryset.select_related("agent"):
             services.capability_reset_breaker(capability=capability, actor=f"owner:{request.user.username}")
         self.message_user(request, f"Reset the breaker of {queryset.count()} capabilities.")
+
+
+class BindingForm(forms.ModelForm):
+    secret_value = forms.CharField(
+        required=False,
+        widget=forms.PasswordInput(render_value=False),
+        help_text="For SECRET: the secret itself, stored encrypted and never shown again. "
+        "Leave empty to keep the stored one, or use the environment variable field instead.",
+    )
+
+    class Meta:
+        model = Binding
+        fields = ["kind", "name", "value", "secret_env", "secret_value", "description"]
+
+    def clean(self):
+        data = super().clean()
+        kind, name = data.get("kind"), data.get("name")
+        if name:
+            if not binding_rules.DECLARATION.fullmatch(f"{kind}:{name}"):
+                self.add_error("name", "upper case letters, digits and _, starting with a letter")
+        if kind == BindingKind.SECRET:
+            has_stored = bool(self.instance.secret_encrypted)
+            if not (data.get("secret_env") or data.get("secret_value") or has_stored):
+                self.add_error("secret_value", "a secret needs a value or an environment variable")
+        elif not data.get("value"):
+            self.add_error("value", "this kind needs a value (a resource id, a name or the text)")
+        return data
+
+
+@admin.register(Binding)
+class BindingAdmin(admin.ModelAdmin):
+    form = BindingForm
+    list_display = ["__str__", "kind", "description", "updated_at"]
+    list_filter = ["kind"]
+    search_fields = ["name", "description"]
+
+    def save_model(self, request, obj, form, change) -> None:
+        secret = form.cleaned_data.get("secret_value")
+        if secret:
+            obj.secret_encrypted = binding_rules.secret_encrypt(secret)
+            obj.secret_env = ""
+        obj.updated_at = timezone.now()
+        super().save_model(request, obj, form, change)
+        audit_record(
+            actor=f"owner:{request.user.username}",
+            action="binding.changed" if change else "binding.created",
+            subject=str(obj),
+        )

@@ -88,3 +88,41 @@ class CapabilityVersion(models.Model):
 
     def __str__(self) -> str:
         return f"{self.capability.full_name} v{self.number}"
+
+
+class BindingKind(models.TextChoices):
+    VAR = "VAR", "plain text variable"
+    SECRET = "SECRET", "secret text"
+    KV = "KV", "Workers KV namespace"
+    D1 = "D1", "D1 database"
+    R2 = "R2", "R2 bucket"
+    SERVICE = "SERVICE", "service (another Worker)"
+    QUEUE = "QUEUE", "queue"
+
+
+class Binding(models.Model):
+    """A resource the owner offers to capabilities under one name, e.g. `KV:CACHE`.
+
+    A capability declares the bindings it needs and gets exactly those. `value` is what the
+    kind needs (a KV namespace id, a D1 database id, a bucket, a service or queue name, or
+    the text of a variable); a secret is kept encrypted, or named by an environment
+    variable of the Sigil processes.
+    """
+
+    kind = models.CharField(max_length=8, choices=BindingKind.choices)
+    name = models.CharField(max_length=64, help_text="The name the capability sees in env, e.g. CACHE.")
+    value = models.TextField(blank=True)
+    secret_env = models.CharField(
+        max_length=100, blank=True, help_text="For SECRET: the environment variable holding the secret."
+    )
+    secret_encrypted = models.TextField(blank=True, editable=False)
+    description = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    updated_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["kind", "name"]
+        constraints = [models.UniqueConstraint(fields=["kind", "name"], name="one_binding_per_kind_and_name")]
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.name}"

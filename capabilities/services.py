@@ -7,7 +7,6 @@ commands call these functions and translate their results.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -20,6 +19,7 @@ from django.utils import timezone
 from agents.models import Agent, Token
 from agents.services import audit_record
 from agents.tokens import Principal
+from capabilities import bindings as binding_rules
 from capabilities import names, pager, routes, stats
 from capabilities.models import BreakerState, Capability, CapabilityType, CapabilityVersion, State
 from capabilities.runtimes import get_runtime
@@ -41,7 +41,6 @@ from sigil_site.redis_client import get_redis
 
 logger = logging.getLogger(__name__)
 
-BINDING = re.compile(r"(KV|D1|R2|SECRET|VAR|SERVICE|QUEUE|AI):[A-Z][A-Z0-9_]{0,63}")
 # Longer than the slowest placement (a Cloudflare upload with its retries), so a lock is
 # never lost while its holder still works; released by the holder as soon as it is done.
 PLACEMENT_LOCK_SECONDS = 180
@@ -97,8 +96,7 @@ def _validate_deploy(
     if size > settings.SIGIL_SCRIPT_MAX_BYTES:
         raise TooLarge(f"code is {size} bytes; the limit is {settings.SIGIL_SCRIPT_MAX_BYTES} bytes")
     for binding in bindings:
-        if not BINDING.fullmatch(binding):
-            raise InvalidRequest(f"binding {binding!r} must look like KIND:NAME, e.g. KV:CACHE")
+        binding_rules.parse_declaration(binding)
     return type, name, ttl
 
 
@@ -222,6 +220,7 @@ def capability_deploy(
         principal=principal, agent=agent, name=name, code=code, type=type, ttl=ttl, bindings=bindings
     )
     sha = code_sha(code)
+    resolved = binding_rules.bindings_resolve(bindings, supported_kinds=get_runtime().binding_kinds)
     owner = Agent.objects.get(pk=principal.agent_id)
 
     existing = None
@@ -237,8 +236,9 @@ def capability_deploy(
             raise NotFound(f"no ephemeral capability {full}: deploy with name null to create one")
         if existing is not None and existing.type != type:
             raise Conflict(f"{full} is a {existing.type} capability; it cannot be redeployed as {type}")
-        if existing is not None and existing.current_version and existing.current_version.sha == sha:
-            return _redeploy_unchanged(existing, principal=principal, bindings=bindings, is_public=is_public)
+        unchanged = existing is not None and existing.current_version and existing.current_version.sha == sha
+        if unchanged and existing.bindings == bindings:
+            return _redeploy_unchanged(existing, principal=principal, is_public=is_public)
     elif type == CapabilityType.EPHEMERAL:
         live_ephemerals = Capability.objects.filter(
             agent=owner, type=CapabilityType.EPHEMERAL, expires_at__gt=now
@@ -259,12 +259,13 @@ def capability_deploy(
             full=full,
             capability_type=type,
             expires_at=expires_at,
-            bundle=CodeBundle.from_code(code),
+            bundle=(bundle := CodeBundle.from_code(code, bindings=resolved)),
             was_evicting=existing is not None and existing.state == State.EVICTING,
         )
         capability, version, created = _record_deploy(
             owner=owner, existing=existing, full=full, type=type, expires_at=expires_at, code=code, sha=sha,
-            slot=placement.slot, bindings=bindings, is_public=is_public, now=now, principal=principal,
+            slot=placement.slot, bundle_sha=bundle.sha, bindings=bindings, is_public=is_public, now=now,
+            principal=principal,
         )
         routes.route_publish(capability)
     finally:
@@ -284,7 +285,7 @@ def _unused_ephemeral_name(agent_name: str) -> str:
 
 def _record_deploy(
     *, owner: Agent, existing: Capability | None, full: str, type: str, expires_at: datetime | None, code: str,
-    sha: str, slot: str, bindings: list[str], is_public: bool, now: datetime, principal: Principal,
+    sha: str, slot: str, bundle_sha: str, bindings: list[str], is_public: bool, now: datetime, principal: Principal,
 ) -> tuple[Capability, CapabilityVersion, bool]:
     with transaction.atomic():
         if existing is None:
@@ -299,7 +300,7 @@ def _record_deploy(
                         bindings=bindings,
                         state=State.LIVE,
                         slot=slot,
-                        placed_sha=sha,
+                        placed_sha=bundle_sha,
                         expires_at=expires_at,
                         created_at=now,
                         updated_at=now,
@@ -318,7 +319,7 @@ def _record_deploy(
         capability.bindings = bindings
         capability.state = State.LIVE
         capability.slot = slot
-        capability.placed_sha = sha
+        capability.placed_sha = bundle_sha
         capability.updated_at = now
         capability.save()
         audit_record(
@@ -332,21 +333,17 @@ def _record_deploy(
     return capability, version, existing is None
 
 
-def _redeploy_unchanged(
-    capability: Capability, *, principal: Principal, bindings: list[str], is_public: bool
-) -> DeployResult:
-    """Same code again: keep the version; only the public flag and bindings may change."""
-    if capability.is_public != is_public or capability.bindings != bindings:
+def _redeploy_unchanged(capability: Capability, *, principal: Principal, is_public: bool) -> DeployResult:
+    """Same code and bindings again: keep the version; only the public flag may change."""
+    if capability.is_public != is_public:
         with transaction.atomic():
-            Capability.objects.filter(pk=capability.pk).update(
-                is_public=is_public, bindings=bindings, updated_at=timezone.now()
-            )
+            Capability.objects.filter(pk=capability.pk).update(is_public=is_public, updated_at=timezone.now())
             audit_record(
                 actor=_actor(principal),
                 action="capability.updated",
                 agent_name=principal.agent_name,
                 subject=capability.full_name,
-                detail={"public": is_public, "bindings": bindings},
+                detail={"public": is_public},
             )
         capability.refresh_from_db()
         routes.route_publish(capability)
@@ -510,17 +507,20 @@ def capability_page_in(*, full: str) -> tuple[routes.CachedRoute, bool]:
         placed = capability.state not in routes.SERVED_STATES
         if placed:
             started = time.perf_counter()
-            version = capability.current_version
+            bundle = CodeBundle.from_code(
+                capability.current_version.code,
+                bindings=binding_rules.bindings_resolve(capability.bindings, supported_kinds=get_runtime().binding_kinds),
+            )
             placement = _place_with_room(
                 full=full,
                 capability_type=capability.type,
                 expires_at=capability.expires_at,
-                bundle=CodeBundle.from_code(version.code),
+                bundle=bundle,
                 was_evicting=False,
             )
             with transaction.atomic():
                 Capability.objects.filter(pk=capability.pk).update(
-                    state=State.LIVE, slot=placement.slot, placed_sha=version.sha, updated_at=timezone.now()
+                    state=State.LIVE, slot=placement.slot, placed_sha=bundle.sha, updated_at=timezone.now()
                 )
                 audit_record(
                     actor="system",

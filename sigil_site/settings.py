@@ -244,6 +244,9 @@ if not SIGIL_INTERNAL_SECRET:
 
     SIGIL_INTERNAL_SECRET = hashlib.sha256(f"sigil-internal:{SECRET_KEY}".encode()).hexdigest()
 
+# Fernet key for binding secrets stored in the database; empty derives one from SECRET_KEY.
+SIGIL_SECRETS_KEY = env_secret("SIGIL_SECRETS_KEY")
+
 # --- Local runtime (workerd) ------------------------------------------------------------
 
 SIGIL_WORKERD_BIN = env_str("SIGIL_WORKERD_BIN", str(BASE_DIR / "node_modules" / ".bin" / "workerd"))

@@ -33,27 +33,49 @@ class SlotsExhausted(RuntimeRejected):
 
 
 @dataclass(frozen=True)
-class CodeBundle:
-    """What a runtime places: one ES module Worker and what it is given.
+class ResolvedBinding:
+    """One binding as a runtime gives it: kind (VAR, SECRET, KV, ...), its name in `env`,
+    and its value (a resource id, or the text of a variable or secret)."""
 
-    `sha` is the sha256 of the code; with the capability's full name it forms the loader
-    id, so a new version always gets a fresh isolate.
+    kind: str
+    name: str
+    value: str
+
+    @property
+    def declaration(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+
+# The kinds that become plain values in `env` rather than resources.
+TEXT_BINDING_KINDS = frozenset({"VAR", "SECRET"})
+
+
+@dataclass(frozen=True)
+class CodeBundle:
+    """What a runtime places: one ES module Worker and the bindings it declared.
+
+    `sha` is the sha256 of the stored form, so it changes with the code and with any
+    binding value; with the capability's full name it forms the loader id, so a new version
+    (or a rotated secret) always gets a fresh isolate.
     """
 
     main_module: str
     modules: dict[str, str]
-    sha: str
     compatibility_date: str = "2025-01-01"
-    env: dict[str, str] = field(default_factory=dict)
+    bindings: tuple[ResolvedBinding, ...] = ()
+    sha: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha256(self.to_json()).hexdigest())
 
     @classmethod
-    def from_code(cls, code: str, *, env: dict[str, str] | None = None) -> CodeBundle:
-        return cls(
-            main_module="main.js",
-            modules={"main.js": code},
-            sha=code_sha(code),
-            env=dict(env or {}),
-        )
+    def from_code(cls, code: str, *, bindings: tuple[ResolvedBinding, ...] | list[ResolvedBinding] = ()) -> CodeBundle:
+        return cls(main_module="main.js", modules={"main.js": code}, bindings=tuple(bindings))
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The text bindings, as the loader host puts them in `env`."""
+        return {b.name: b.value for b in self.bindings if b.kind in TEXT_BINDING_KINDS}
 
     def to_json(self) -> bytes:
         """The stored form read by the loader host (see runtimes/host/host.js)."""
@@ -65,6 +87,7 @@ class CodeBundle:
                 "env": self.env,
             },
             separators=(",", ":"),
+            sort_keys=True,
         ).encode()
 
 
@@ -99,6 +122,9 @@ class Runtime(ABC):
     def safety_margin(self) -> int:
         """Scripts allowed beyond total_slots while victims are deleted in the background."""
         return 0
+
+    #: binding kinds this runtime can give a capability; None means every kind
+    binding_kinds: frozenset[str] | None = None
 
     @abstractmethod
     def slot_for(self, full_name: str) -> str:

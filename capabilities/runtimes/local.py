@@ -8,7 +8,7 @@ from pathlib import Path
 
 import urllib3
 
-from capabilities.runtimes.base import CodeBundle, Route, Runtime, RuntimeUnavailable
+from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route, Runtime, RuntimeUnavailable
 
 
 class LocalRuntime(Runtime):
@@ -19,6 +19,8 @@ class LocalRuntime(Runtime):
     """
 
     name = "local"
+    # workerd on this machine has no Cloudflare account behind it: only values can be given.
+    binding_kinds = TEXT_BINDING_KINDS
 
     def __init__(
         self, *, code_dir: Path, workerd_url: str, secret: str, max_slots: int | None = None, safety_margin: int = 0

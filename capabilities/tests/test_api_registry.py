@@ -39,11 +39,14 @@ def test_list_rejects_unknown_filter_values(alice):
 
 
 def test_inspect_shows_metadata_and_own_code(alice):
-    alice.deploy(name="ping", code=PONG, bindings=["KV:CACHE"])
+    from capabilities.models import Binding
+
+    Binding.objects.create(kind="VAR", name="GREETING", value="hello")
+    alice.deploy(name="ping", code=PONG, bindings=["VAR:GREETING"])
     seen = get(alice, "/_api/capabilities/alice--ping").json()
     assert seen["capability"] == "alice--ping"
     assert seen["version"] == 1 and seen["type"] == "persistent" and seen["state"] == "live"
-    assert seen["bindings"] == ["KV:CACHE"]
+    assert seen["bindings"] == ["VAR:GREETING"]
     assert seen["code"] == PONG
     assert seen["url"].endswith("/alice/ping")
 

@@ -1,0 +1,88 @@
+"""Bindings: turning a capability's declared `KIND:NAME` list into what a runtime gives it.
+
+Least privilege: a capability gets exactly the bindings it declared, each of which the
+owner must have configured; nothing else reaches its `env`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+
+from cryptography.fernet import Fernet, InvalidToken
+from django.conf import settings
+
+from capabilities.models import Binding, BindingKind
+from capabilities.runtimes.base import ResolvedBinding
+from sigil_site.errors import InvalidRequest
+
+DECLARATION = re.compile(r"(?P<kind>[A-Z0-9]+):(?P<name>[A-Z][A-Z0-9_]{0,63})")
+
+
+def parse_declaration(declaration: str) -> tuple[str, str]:
+    """`KV:CACHE` → ("KV", "CACHE"). Raises InvalidRequest naming the form."""
+    match = DECLARATION.fullmatch(declaration) if isinstance(declaration, str) else None
+    if match is None or match["kind"] not in BindingKind.values:
+        raise InvalidRequest(
+            f"binding {declaration!r} must look like KIND:NAME with KIND one of {', '.join(BindingKind.values)}"
+            " and NAME in upper case, e.g. KV:CACHE"
+        )
+    return match["kind"], match["name"]
+
+
+def bindings_resolve(declarations: list[str], *, supported_kinds: frozenset[str] | None) -> list[ResolvedBinding]:
+    """Resolve declared bindings against the owner's configuration.
+
+    Raises InvalidRequest for a malformed or duplicate declaration, one the owner has not
+    configured, or a kind the runtime cannot provide (`supported_kinds`, None = all).
+    """
+    wanted = [parse_declaration(d) for d in declarations]
+    if len(set(name for _, name in wanted)) != len(wanted):
+        raise InvalidRequest("two bindings cannot share a name: each becomes one entry of env")
+    if not wanted:
+        return []
+    configured = {(b.kind, b.name): b for b in Binding.objects.filter(name__in=[name for _, name in wanted])}
+    resolved = []
+    for kind, name in wanted:
+        if supported_kinds is not None and kind not in supported_kinds:
+            raise InvalidRequest(
+                f"binding {kind}:{name}: this runtime cannot provide {kind} bindings"
+                f" (it provides {', '.join(sorted(supported_kinds))})"
+            )
+        binding = configured.get((kind, name))
+        if binding is None:
+            raise InvalidRequest(f"binding {kind}:{name} is not configured; the owner adds bindings in the admin")
+        resolved.append(ResolvedBinding(kind, name, _value_of(binding)))
+    return resolved
+
+
+def _value_of(binding: Binding) -> str:
+    if binding.kind != BindingKind.SECRET:
+        return binding.value
+    if binding.secret_env:
+        value = os.environ.get(binding.secret_env)
+        if value is None:
+            raise InvalidRequest(f"binding SECRET:{binding.name} reads ${binding.secret_env}, which is not set")
+        return value
+    return secret_decrypt(binding.secret_encrypted)
+
+
+def _fernet() -> Fernet:
+    key = settings.SIGIL_SECRETS_KEY or base64.urlsafe_b64encode(
+        hashlib.sha256(f"sigil-bindings:{settings.SECRET_KEY}".encode()).digest()
+    ).decode()
+    return Fernet(key)
+
+
+def secret_encrypt(plain: str) -> str:
+    return _fernet().encrypt(plain.encode()).decode()
+
+
+def secret_decrypt(token: str) -> str:
+    """Raises InvalidRequest when the secret was encrypted under another key."""
+    try:
+        return _fernet().decrypt(token.encode()).decode()
+    except InvalidToken as exc:
+        raise InvalidRequest("a secret binding cannot be decrypted: SIGIL_SECRETS_KEY changed since it was stored") from exc

@@ -1,0 +1,65 @@
+"""Declared bindings, least privilege: a capability gets exactly what it declared."""
+
+import pytest
+
+from capabilities import bindings
+from capabilities.models import Binding, Capability
+
+READS_ENV = """export default { async fetch(request, env) {
+  return Response.json({ greeting: env.GREETING ?? null, key: env.API_KEY ?? null, names: Object.keys(env).sort() });
+} }"""
+
+
+@pytest.fixture
+def configured(db, monkeypatch):
+    monkeypatch.setenv("SIGIL_TEST_API_KEY", "from-the-environment")
+    Binding.objects.create(kind="VAR", name="GREETING", value="hello")
+    Binding.objects.create(kind="SECRET", name="API_KEY", secret_env="SIGIL_TEST_API_KEY")
+    Binding.objects.create(kind="SECRET", name="TOKEN", secret_encrypted=bindings.secret_encrypt("stored-encrypted"))
+    Binding.objects.create(kind="KV", name="CACHE", value="0123456789abcdef0123456789abcdef")
+
+
+def test_a_capability_sees_exactly_the_bindings_it_declared(configured, alice):
+    assert alice.deploy(name="greets", code=READS_ENV, bindings=["VAR:GREETING", "SECRET:API_KEY"]).status_code == 201
+    assert alice.deploy(name="plain", code=READS_ENV).status_code == 201
+    assert alice.call("/alice/greets").json() == {
+        "greeting": "hello", "key": "from-the-environment", "names": ["API_KEY", "GREETING"]
+    }
+    assert alice.call("/alice/plain").json() == {"greeting": None, "key": None, "names": []}
+
+
+def test_an_encrypted_secret_reaches_the_capability_and_not_the_api(configured, alice):
+    code = "export default { async fetch(request, env) { return new Response(env.TOKEN) } }"
+    alice.deploy(name="secretive", code=code, bindings=["SECRET:TOKEN"])
+    assert alice.call("/alice/secretive").text == "stored-encrypted"
+    seen = alice.call("/_api/capabilities/alice--secretive").json()
+    assert seen["bindings"] == ["SECRET:TOKEN"]
+    assert "stored-encrypted" not in alice.call("/_api/capabilities/alice--secretive").text
+    assert "stored-encrypted" not in Binding.objects.get(name="TOKEN").secret_encrypted
+
+
+def test_an_unconfigured_binding_is_a_400_and_creates_nothing(configured, alice):
+    response = alice.deploy(name="wants", code=READS_ENV, bindings=["VAR:MISSING"])
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_request"
+    assert "not configured" in response.json()["error"]["message"]
+    assert not Capability.objects.exists()
+
+
+def test_a_kind_the_local_runtime_cannot_provide_is_a_clear_400(configured, alice):
+    response = alice.deploy(name="wants", code=READS_ENV, bindings=["KV:CACHE"])
+    assert response.status_code == 400
+    assert "cannot provide KV" in response.json()["error"]["message"]
+    assert not Capability.objects.exists()
+
+
+def test_changing_bindings_places_a_new_bundle_with_the_same_code(configured, alice):
+    alice.deploy(name="greets", code=READS_ENV)
+    assert alice.call("/alice/greets").json()["greeting"] is None
+    again = alice.deploy(name="greets", code=READS_ENV, bindings=["VAR:GREETING"])
+    assert again.status_code == 200 and again.json()["version"] == 2
+    assert alice.call("/alice/greets").json()["greeting"] == "hello"
+
+
+def test_two_bindings_cannot_share_a_name(configured, alice):
+    response = alice.deploy(name="dup", code=READS_ENV, bindings=["VAR:GREETING", "VAR:GREETING"])
+    assert response.status_code == 400 and "share a name" in response.json()["error"]["message"]
