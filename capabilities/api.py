@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django.conf import settings
+from django.utils import timezone
 from django.db import connection
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers
@@ -89,7 +92,10 @@ class CapabilitySerializer(serializers.ModelSerializer):
     def get_url(self, obj) -> str:
         return capability_url(self.context["request"], obj)
 
-    def get_stats(self, obj) -> dict:
+    def get_stats(self, obj) -> dict | None:
+        """Totals since the capability was created; its owner's to read."""
+        if obj.agent_id != self.context["request"].user.agent_id:
+            return None
         calls = obj.calls_total
         return {
             "calls": calls,
@@ -100,9 +106,16 @@ class CapabilitySerializer(serializers.ModelSerializer):
 
 class CapabilityDetailSerializer(CapabilitySerializer):
     code = serializers.SerializerMethodField()
+    recent = serializers.SerializerMethodField()
 
     class Meta(CapabilitySerializer.Meta):
-        fields = CapabilitySerializer.Meta.fields + ["code"]
+        fields = CapabilitySerializer.Meta.fields + ["recent", "code"]
+
+    def get_recent(self, obj) -> dict | None:
+        """The last 24 hours' calls, errors and latency percentiles, for the owner only."""
+        if obj.agent_id != self.context["request"].user.agent_id:
+            return None
+        return selectors.capability_stats(capability=obj, since=timezone.now() - timedelta(hours=24))
 
     def get_code(self, obj) -> str | None:
         owner = obj.agent_id == self.context["request"].user.agent_id

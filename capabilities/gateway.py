@@ -55,7 +55,9 @@ WARMING_ETA_SECONDS = 3
 class Call:
     """What one call holds while it is served, and must give back however it ends."""
 
-    __slots__ = ("full", "capability_type", "token_hash", "started", "is_trial", "holds_inflight", "finished")
+    __slots__ = (
+        "full", "capability_type", "token_hash", "started", "is_trial", "holds_inflight", "finished", "page_in_ms"
+    )
 
     def __init__(self, full: str, capability_type: str, token_hash: str, started: float, is_trial: bool) -> None:
         self.full = full
@@ -65,6 +67,7 @@ class Call:
         self.is_trial = is_trial
         self.holds_inflight = False
         self.finished = False
+        self.page_in_ms: float | None = None
 
 
 class Gateway:
@@ -149,6 +152,7 @@ class Gateway:
             upstream_started = time.perf_counter()
             upstream = self.send_once(environ, call, route, rest)
         upstream_ms = (time.perf_counter() - upstream_started) * 1000
+        call.page_in_ms = page_in_ms
 
         failure = upstream.headers.get("x-sigil-error")
         if failure is not None:
@@ -252,7 +256,8 @@ class Gateway:
                 pager.inflight_key(call.full),
             ],
             args=[call.full, call.token_hash, f"{now:.6f}", f"{latency_ms:.3f}", int(ok), int(call.is_trial),
-                  self.breaker_threshold, self.breaker_cooldown, int(call.holds_inflight)],
+                  self.breaker_threshold, self.breaker_cooldown, int(call.holds_inflight),
+                  stats.bucket_field(latency_ms), "" if call.page_in_ms is None else f"{call.page_in_ms:.3f}"],
         )
         if change:
             state = BreakerState.OPEN if change == b"opened" else BreakerState.CLOSED

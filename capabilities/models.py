@@ -126,3 +126,25 @@ class Binding(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.name}"
+
+
+class CapabilityStatsWindow(models.Model):
+    """One minute of a capability's calls, flushed from Redis: the dashboard's and the
+    agents' source for rates and percentiles over time."""
+
+    full_name = models.CharField(max_length=73)
+    agent_name = models.CharField(max_length=31, db_index=True)
+    window_start = models.DateTimeField(db_index=True)
+    calls = models.PositiveIntegerField(default=0)
+    errors = models.PositiveIntegerField(default=0)
+    cold_calls = models.PositiveIntegerField(default=0)
+    latency_ms_sum = models.FloatField(default=0.0)
+    page_in_ms_sum = models.FloatField(default=0.0)
+    latency_buckets = models.JSONField(default=list, help_text="Counts per bucket of stats.LATENCY_BUCKETS_MS.")
+
+    class Meta:
+        ordering = ["-window_start", "full_name"]
+        constraints = [models.UniqueConstraint(fields=["full_name", "window_start"], name="one_stats_window")]
+
+    def __str__(self) -> str:
+        return f"{self.full_name} @ {self.window_start:%Y-%m-%d %H:%M}"

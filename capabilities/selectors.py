@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from django.db.models import Q, QuerySet
 
 from agents.models import Agent, AuditEvent
 from agents.tokens import Principal
-from capabilities import names
-from capabilities.models import Capability, CapabilityType, State
+from capabilities import names, stats
+from capabilities.models import Capability, CapabilityStatsWindow, CapabilityType, State
 from capabilities.runtimes import get_runtime
 from sigil_site.errors import InvalidRequest, NotFound
 
@@ -63,4 +65,32 @@ def backend_status() -> dict:
         "agents": Agent.objects.count(),
         "lru_enabled": runtime.total_slots is not None,
         "eviction_count": AuditEvent.objects.filter(action="capability.evicted").count(),
+    }
+
+
+def capability_stats(*, capability: Capability, since: datetime) -> dict:
+    """Calls, errors, cold calls and latency percentiles of `capability` since `since`,
+    from the flushed minute windows (the last few seconds may not be flushed yet)."""
+    windows = CapabilityStatsWindow.objects.filter(full_name=capability.full_name, window_start__gte=since)
+    calls = errors = cold = 0
+    page_in_ms = 0.0
+    buckets: list[int] = []
+    for window in windows:
+        calls += window.calls
+        errors += window.errors
+        cold += window.cold_calls
+        page_in_ms += window.page_in_ms_sum
+        buckets = stats.add_buckets(buckets, window.latency_buckets)
+    return {
+        "since": since,
+        "calls": calls,
+        "errors": errors,
+        "error_rate": round(errors / calls, 4) if calls else None,
+        "cold_calls": cold,
+        "p50_ms": stats.percentile_ms(buckets, 0.50),
+        "p95_ms": stats.percentile_ms(buckets, 0.95),
+        "mean_page_in_ms": round(page_in_ms / cold, 2) if cold else None,
+        "last_access_at": capability.last_access_at,
+        "state": capability.state,
+        "breaker": capability.breaker_state,
     }

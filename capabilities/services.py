@@ -21,7 +21,14 @@ from agents.services import audit_record
 from agents.tokens import Principal
 from capabilities import bindings as binding_rules
 from capabilities import names, pager, routes, stats
-from capabilities.models import BreakerState, Capability, CapabilityType, CapabilityVersion, State
+from capabilities.models import (
+    BreakerState,
+    Capability,
+    CapabilityStatsWindow,
+    CapabilityType,
+    CapabilityVersion,
+    State,
+)
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import CodeBundle, RuntimeRejected, RuntimeUnavailable, ScriptTooLarge, code_sha
 from capabilities.tasks import capability_page_out as capability_page_out_task
@@ -429,16 +436,19 @@ def capability_expire_ephemerals(*, now: datetime | None = None, batch_size: int
     return count
 
 
-def capability_flush_stats(*, batch_size: int = 500) -> int:
+def capability_flush_stats(*, batch_size: int = 500, now: datetime | None = None) -> int:
     """Move the hot path's counters from Redis into the database; return how many capabilities.
 
+    Each capability's totals grow, and the calls land in the current minute's stats window.
     Counters are read-and-reset atomically, so a second run right after changes nothing.
     """
+    now = now or timezone.now()
+    window_start = now.replace(second=0, microsecond=0)
     redis = get_redis()
     fulls = [m.decode() for m in redis.spop(stats.DIRTY_KEY, batch_size) or []]
     for full in fulls:
         taken = stats.stats_take(full)
-        if taken.calls == 0 and taken.last_access_epoch is None:
+        if taken.calls == 0:
             continue
         updates = {
             "calls_total": F("calls_total") + taken.calls,
@@ -447,7 +457,20 @@ def capability_flush_stats(*, batch_size: int = 500) -> int:
         }
         if taken.last_access_epoch is not None:
             updates["last_access_at"] = datetime.fromtimestamp(taken.last_access_epoch, tz=UTC)
-        Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).update(**updates)
+        with transaction.atomic():
+            Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).update(**updates)
+            window, _ = CapabilityStatsWindow.objects.select_for_update().get_or_create(
+                full_name=full,
+                window_start=window_start,
+                defaults={"agent_name": full.split(names.SEPARATOR, 1)[0]},
+            )
+            window.calls += taken.calls
+            window.errors += taken.errors
+            window.cold_calls += taken.cold_calls
+            window.latency_ms_sum += taken.latency_ms
+            window.page_in_ms_sum += taken.page_in_ms
+            window.latency_buckets = stats.add_buckets(window.latency_buckets, taken.buckets)
+            window.save()
     _flush_token_use(redis)
     return len(fulls)
 

@@ -3,9 +3,13 @@ round trip after the response, and read back in batches by the flush task."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
 from sigil_site.redis_client import get_redis
+
+# Upper bounds (ms) of the latency histogram's buckets; one more bucket holds the rest.
+LATENCY_BUCKETS_MS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 
 DIRTY_KEY = "sigil:stats:dirty"
 TOKENS_USED_KEY = "sigil:tokens:used"
@@ -28,10 +32,16 @@ def trial_key(full: str) -> str:
     return f"sigil:breaker:trial:{full}"
 
 
+def bucket_field(latency_ms: float) -> str:
+    """The stats hash field counting calls in the histogram bucket of `latency_ms`."""
+    return f"b{bisect.bisect_left(LATENCY_BUCKETS_MS, latency_ms)}"
+
+
 # KEYS: stats, failures, breaker, trial, dirty set, tokens-used hash, the pager's LRU set for
 #       the capability's type, its in-flight counter
 # ARGV: full name, token hash, now (epoch s), latency ms, ok (1/0), is trial (1/0),
-#       threshold, cool-down seconds, held an in-flight count (1/0)
+#       threshold, cool-down seconds, held an in-flight count (1/0), histogram bucket field,
+#       page-in ms ('' for a warm call)
 # Returns "opened" or "closed" when the breaker changed, "" otherwise.
 RECORD_CALL = """
 local stats, failures, breaker, trial, dirty, used = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -44,6 +54,11 @@ redis.call('ZADD', lru, 'XX', now, full)
 if ARGV[9] == '1' then redis.call('DECR', inflight) end
 redis.call('HINCRBY', stats, 'calls', 1)
 redis.call('HINCRBYFLOAT', stats, 'latency_ms', latency)
+redis.call('HINCRBY', stats, ARGV[10], 1)
+if ARGV[11] ~= '' then
+  redis.call('HINCRBY', stats, 'cold', 1)
+  redis.call('HINCRBYFLOAT', stats, 'page_in_ms', ARGV[11])
+end
 redis.call('HSET', stats, 'last_access', ARGV[3])
 redis.call('SADD', dirty, full)
 redis.call('HSET', used, token, ARGV[3])
@@ -79,6 +94,9 @@ class CallStats:
     errors: int
     latency_ms: float
     last_access_epoch: float | None
+    cold_calls: int = 0
+    page_in_ms: float = 0.0
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_MS) + 1))
 
 
 def stats_take(full: str) -> CallStats:
@@ -90,4 +108,29 @@ def stats_take(full: str) -> CallStats:
         errors=int(values.get("errors", 0)),
         latency_ms=float(values.get("latency_ms", 0.0)),
         last_access_epoch=float(values["last_access"]) if "last_access" in values else None,
+        cold_calls=int(values.get("cold", 0)),
+        page_in_ms=float(values.get("page_in_ms", 0.0)),
+        buckets=[int(values.get(f"b{i}", 0)) for i in range(len(LATENCY_BUCKETS_MS) + 1)],
     )
+
+
+def percentile_ms(buckets: list[int], fraction: float) -> float | None:
+    """Estimate a latency percentile from histogram counts (linear within a bucket)."""
+    total = sum(buckets)
+    if total == 0:
+        return None
+    rank = fraction * total
+    seen = 0
+    for index, count in enumerate(buckets):
+        if count and seen + count >= rank:
+            lower = LATENCY_BUCKETS_MS[index - 1] if index else 0.0
+            upper = LATENCY_BUCKETS_MS[index] if index < len(LATENCY_BUCKETS_MS) else LATENCY_BUCKETS_MS[-1] * 2
+            return round(lower + (upper - lower) * (rank - seen) / count, 3)
+        seen += count
+    return float(LATENCY_BUCKETS_MS[-1])
+
+
+def add_buckets(a: list[int], b: list[int]) -> list[int]:
+    width = len(LATENCY_BUCKETS_MS) + 1
+    a = (a or []) + [0] * (width - len(a or []))
+    return [x + y for x, y in zip(a, b, strict=False)]

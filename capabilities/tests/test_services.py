@@ -117,3 +117,24 @@ def test_remove_enqueues_the_slot_release_only_after_commit(db, workerd_host, dj
         services.capability_remove(principal=principal, full="dave--ping")
     assert len(callbacks) == 1
     assert "dave--ping" in get_runtime().list_slots()  # nothing deleted before the commit
+
+
+def test_inspect_reports_recent_calls_errors_and_percentiles_to_the_owner_only(alice, bob):
+    alice.deploy(name="flaky", public=True, code="""export default { async fetch(request) {
+      return new Response('x', { status: new URL(request.url).searchParams.has('fail') ? 500 : 200 });
+    } }""")
+    for _ in range(8):
+        assert alice.call("/alice/flaky").status_code == 200
+    for _ in range(2):
+        assert alice.call("/alice/flaky?fail=1").status_code == 500
+    tasks.capability_flush_stats()
+
+    seen = alice.call("/_api/capabilities/alice--flaky").json()
+    recent = seen["recent"]
+    assert recent["calls"] == 10 and recent["errors"] == 2 and recent["error_rate"] == 0.2
+    assert recent["cold_calls"] == 0
+    assert 0 < recent["p50_ms"] <= recent["p95_ms"]
+    assert seen["stats"]["calls"] == 10
+
+    other = bob.call("/_api/capabilities/alice--flaky").json()
+    assert other["recent"] is None and other["stats"] is None
