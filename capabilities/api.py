@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from datetime import timedelta
 
 from django.conf import settings
@@ -273,3 +274,19 @@ class HealthApi(APIView):
         healthy = all(value == "ok" for value in checks.values())
         body = {"status": "ok" if healthy else "failing", "backend": settings.SIGIL_BACKEND, **counts, "checks": checks}
         return Response(body, status=200 if healthy else 503)
+
+
+def metrics_view(request):
+    """Prometheus scrape endpoint, behind SIGIL_METRICS_TOKEN (off while it is empty)."""
+    from django.http import HttpResponse
+
+    from capabilities.metrics import metrics_render
+    from sigil_site.errors import NotFound, Unauthenticated, error_response
+
+    expected = settings.SIGIL_METRICS_TOKEN
+    if not expected:
+        return error_response(NotFound("metrics are off: set SIGIL_METRICS_TOKEN to turn them on"))
+    given = request.META.get("HTTP_AUTHORIZATION", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {expected}".encode()):
+        return error_response(Unauthenticated("send Authorization: Bearer <SIGIL_METRICS_TOKEN>"))
+    return HttpResponse(metrics_render(), content_type="text/plain; version=0.0.4; charset=utf-8")

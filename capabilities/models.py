@@ -52,6 +52,9 @@ class Capability(models.Model):
     calls_total = models.BigIntegerField(default=0)
     errors_total = models.BigIntegerField(default=0)
     latency_ms_total = models.FloatField(default=0.0)
+    cold_calls_total = models.BigIntegerField(default=0)
+    page_in_ms_total = models.FloatField(default=0.0)
+    latency_buckets_total = models.JSONField(default=list, blank=True)
     breaker_state = models.CharField(max_length=8, choices=BreakerState.choices, default=BreakerState.CLOSED)
     breaker_opened_at = models.DateTimeField(null=True, blank=True)
 

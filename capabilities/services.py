@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F, Max
+from django.db.models import Max
 from django.utils import timezone
 
 from agents.models import Agent, Token
@@ -450,15 +450,23 @@ def capability_flush_stats(*, batch_size: int = 500, now: datetime | None = None
         taken = stats.stats_take(full)
         if taken.calls == 0:
             continue
-        updates = {
-            "calls_total": F("calls_total") + taken.calls,
-            "errors_total": F("errors_total") + taken.errors,
-            "latency_ms_total": F("latency_ms_total") + taken.latency_ms,
-        }
-        if taken.last_access_epoch is not None:
-            updates["last_access_at"] = datetime.fromtimestamp(taken.last_access_epoch, tz=UTC)
         with transaction.atomic():
-            Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).update(**updates)
+            capability = Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(full_name=full).first()
+            if capability is not None:
+                capability.calls_total += taken.calls
+                capability.errors_total += taken.errors
+                capability.latency_ms_total += taken.latency_ms
+                capability.cold_calls_total += taken.cold_calls
+                capability.page_in_ms_total += taken.page_in_ms
+                capability.latency_buckets_total = stats.add_buckets(capability.latency_buckets_total, taken.buckets)
+                if taken.last_access_epoch is not None:
+                    capability.last_access_at = datetime.fromtimestamp(taken.last_access_epoch, tz=UTC)
+                capability.save(
+                    update_fields=[
+                        "calls_total", "errors_total", "latency_ms_total", "cold_calls_total", "page_in_ms_total",
+                        "latency_buckets_total", "last_access_at",
+                    ]
+                )
             window, _ = CapabilityStatsWindow.objects.select_for_update().get_or_create(
                 full_name=full,
                 window_start=window_start,

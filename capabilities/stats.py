@@ -130,7 +130,9 @@ def percentile_ms(buckets: list[int], fraction: float) -> float | None:
     return float(LATENCY_BUCKETS_MS[-1])
 
 
-def add_buckets(a: list[int], b: list[int]) -> list[int]:
+def add_buckets(a: list[int] | None, b: list[int] | None) -> list[int]:
+    """Bucket-wise sum of two histograms; a missing or short one counts as zeros."""
     width = len(LATENCY_BUCKETS_MS) + 1
-    a = (a or []) + [0] * (width - len(a or []))
-    return [x + y for x, y in zip(a, b, strict=False)]
+    a = list(a or []) + [0] * (width - len(a or []))
+    b = list(b or []) + [0] * (width - len(b or []))
+    return [x + y for x, y in zip(a, b, strict=True)]

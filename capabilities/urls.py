@@ -9,4 +9,5 @@ urlpatterns = [
     path("_api/status", api.StatusApi.as_view(), name="status"),
     path("_status/<str:full>", api.CapabilityWarmingStatusApi.as_view(), name="capability-warming-status"),
     path("_health", api.HealthApi.as_view(), name="health"),
+    path("metrics", api.metrics_view, name="metrics"),
 ]

@@ -244,6 +244,8 @@ if not SIGIL_INTERNAL_SECRET:
 
     SIGIL_INTERNAL_SECRET = hashlib.sha256(f"sigil-internal:{SECRET_KEY}".encode()).hexdigest()
 
+# Bearer token that GET /metrics requires; empty turns the endpoint off.
+SIGIL_METRICS_TOKEN = env_secret("SIGIL_METRICS_TOKEN")
 # Fernet key for binding secrets stored in the database; empty derives one from SECRET_KEY.
 SIGIL_SECRETS_KEY = env_secret("SIGIL_SECRETS_KEY")
 

@@ -1,0 +1,80 @@
+"""`GET /metrics`: Sigil's counters and gauges in the Prometheus text format."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from django.db.models import Count
+
+from agents.models import Agent, AuditEvent
+from capabilities import stats
+from capabilities.models import Capability, State
+from capabilities.runtimes import get_runtime
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _family(name: str, kind: str, help_text: str) -> Iterator[str]:
+    yield f"# HELP {name} {help_text}"
+    yield f"# TYPE {name} {kind}"
+
+
+def metrics_render() -> str:
+    """Every metric, from the registry as last flushed (calls reach it every few seconds)."""
+    lines: list[str] = []
+    capabilities = list(
+        Capability.objects.exclude(state=State.REMOVED)
+        .select_related("agent")
+        .only(
+            "full_name", "agent__name", "calls_total", "errors_total", "cold_calls_total", "latency_ms_total",
+            "page_in_ms_total", "latency_buckets_total",
+        )
+    )
+    per_capability = [
+        ("sigil_capability_calls_total", "counter", "Calls that reached the capability.", "calls_total"),
+        ("sigil_capability_errors_total", "counter", "Calls answered 5xx, thrown or timed out.", "errors_total"),
+        ("sigil_capability_cold_calls_total", "counter", "Calls that paged the capability in.", "cold_calls_total"),
+        ("sigil_capability_page_in_ms_total", "counter", "Time spent paging the capability in.", "page_in_ms_total"),
+    ]
+    for name, kind, help_text, attribute in per_capability:
+        lines.extend(_family(name, kind, help_text))
+        for capability in capabilities:
+            labels = f'capability="{_escape(capability.full_name)}",agent="{_escape(capability.agent.name)}"'
+            lines.append(f"{name}{{{labels}}} {getattr(capability, attribute)}")
+
+    lines.extend(_family("sigil_capability_latency_ms", "histogram", "Call latency through the gateway."))
+    for capability in capabilities:
+        labels = f'capability="{_escape(capability.full_name)}",agent="{_escape(capability.agent.name)}"'
+        buckets = stats.add_buckets(capability.latency_buckets_total, [])
+        cumulative = 0
+        for bound, count in zip((*stats.LATENCY_BUCKETS_MS, "+Inf"), buckets, strict=True):
+            cumulative += count
+            lines.append(f'sigil_capability_latency_ms_bucket{{{labels},le="{bound}"}} {cumulative}')
+        lines.append(f"sigil_capability_latency_ms_sum{{{labels}}} {capability.latency_ms_total}")
+        lines.append(f"sigil_capability_latency_ms_count{{{labels}}} {cumulative}")
+
+    lines.extend(_family("sigil_capabilities", "gauge", "Registered capabilities by state."))
+    by_state = dict(Capability.objects.values_list("state").annotate(n=Count("id")))
+    for state in State.values:
+        lines.append(f'sigil_capabilities{{state="{state}"}} {by_state.get(state, 0)}')
+
+    runtime = get_runtime()
+    lines.extend(_family("sigil_agents", "gauge", "Registered agents."))
+    lines.append(f"sigil_agents {Agent.objects.count()}")
+    lines.extend(_family("sigil_slots_used", "gauge", "Capabilities placed on the runtime."))
+    lines.append(f"sigil_slots_used {by_state.get(State.LIVE, 0) + by_state.get(State.EVICTING, 0)}")
+    if runtime.total_slots is not None:
+        lines.extend(_family("sigil_slots_total", "gauge", "Slots the runtime offers."))
+        lines.append(f"sigil_slots_total {runtime.total_slots}")
+    events = dict(
+        AuditEvent.objects.filter(action__in=("capability.evicted", "capability.paged_in"))
+        .values_list("action")
+        .annotate(n=Count("id"))
+    )
+    lines.extend(_family("sigil_evictions_total", "counter", "Capabilities paged out to make room."))
+    lines.append(f"sigil_evictions_total {events.get('capability.evicted', 0)}")
+    lines.extend(_family("sigil_page_ins_total", "counter", "Capabilities paged in on demand."))
+    lines.append(f"sigil_page_ins_total {events.get('capability.paged_in', 0)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,55 @@
+"""GET /metrics: valid Prometheus text whose counters match the calls made."""
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from capabilities import tasks
+
+
+def scrape(sigil, token="scrape-me"):
+    return requests.get(f"{sigil.url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+
+
+def samples(text):
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+def test_metrics_parse_and_count_the_calls_made(sigil, alice, settings):
+    settings.SIGIL_METRICS_TOKEN = "scrape-me"
+    alice.deploy(name="ok", code="export default { async fetch() { return new Response('ok') } }")
+    alice.deploy(name="bad", code="export default { async fetch() { return new Response('no', { status: 503 }) } }")
+    for _ in range(5):
+        alice.call("/alice/ok")
+    for _ in range(2):
+        alice.call("/alice/bad")
+    tasks.capability_flush_stats()
+
+    response = scrape(sigil)
+    assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/plain")
+    found = samples(response.text)
+    ok = (("agent", "alice"), ("capability", "alice--ok"))
+    bad = (("agent", "alice"), ("capability", "alice--bad"))
+    assert found[("sigil_capability_calls_total", ok)] == 5
+    assert found[("sigil_capability_errors_total", ok)] == 0
+    assert found[("sigil_capability_calls_total", bad)] == 2
+    assert found[("sigil_capability_errors_total", bad)] == 2
+    assert found[("sigil_capability_latency_ms_count", ok)] == 5
+    assert found[("sigil_capability_latency_ms_bucket", ok + (("le", "+Inf"),))] == 5
+    assert found[("sigil_slots_used", ())] == 2
+    assert found[("sigil_agents", ())] == 1
+
+
+def test_metrics_need_the_configured_token(sigil, settings):
+    settings.SIGIL_METRICS_TOKEN = "scrape-me"
+    assert scrape(sigil, token="wrong").status_code == 401
+    assert requests.get(f"{sigil.url}/metrics", timeout=10).status_code == 401
+
+
+def test_metrics_are_off_without_a_token(sigil, settings):
+    settings.SIGIL_METRICS_TOKEN = ""
+    response = scrape(sigil)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
