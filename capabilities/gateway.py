@@ -39,6 +39,7 @@ from sigil_site.errors import (
 from sigil_site.redis_client import get_redis
 
 logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("sigil.access")
 
 # RFC 9110 §7.6.1 connection-specific fields, never forwarded by a proxy in either direction.
 HOP_BY_HOP = frozenset(
@@ -92,10 +93,22 @@ class Gateway:
     def __call__(self, environ, start_response):
         started = time.perf_counter()
         connection_was_open = _db_connection_open()
+        sent = []
+
+        def start_and_remember(status, headers, exc_info=None):
+            sent.append(status)
+            return start_response(status, headers, exc_info)
+
         try:
-            return self.handle(environ, start_response, started)
+            result = self.handle(environ, start_and_remember, started)
         except SigilError as error:
-            return self.reply_error(start_response, error)
+            result = self.reply_error(start_and_remember, error)
+        try:
+            if isinstance(result, ResponseBody):
+                result.environ = environ  # logged when the body has been sent
+            else:
+                log_access(environ, int(sent[0][:3]), started, capability=None, page_in_ms=None)
+            return result
         finally:
             if _db_connection_open() != connection_was_open:
                 # The cold path touched the database: end the connection's life as Django
@@ -313,6 +326,7 @@ class ResponseBody:
     """Streams the capability's body to the caller; records the call once it has been sent."""
 
     def __init__(self, gateway: Gateway, upstream, call: Call, *, ok: bool) -> None:
+        self.environ: dict = {}
         self.gateway = gateway
         self.upstream = upstream
         self.call = call
@@ -330,6 +344,9 @@ class ResponseBody:
         # off the caller's latency.
         self.upstream.release_conn()
         self.gateway.finish(self.call, ok=self.ok)
+        log_access(
+            self.environ, self.upstream.status, self.call.started, capability=self.call.full, page_in_ms=self.call.page_in_ms
+        )
 
 
 STATUS_TEXT = {
@@ -337,6 +354,26 @@ STATUS_TEXT = {
     413: "Content Too Large", 429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway",
     503: "Service Unavailable", 504: "Gateway Timeout",
 }
+
+
+def log_access(environ, status: int, started: float, *, capability: str | None, page_in_ms: float | None) -> None:
+    """One JSON line per gateway request (logger `sigil.access`)."""
+    if not access_logger.isEnabledFor(logging.INFO):
+        return
+    access_logger.info(
+        json.dumps(
+            {
+                "method": environ.get("REQUEST_METHOD"),
+                "path": environ.get("PATH_INFO"),
+                "capability": capability,
+                "status": status,
+                "cold": page_in_ms is not None,
+                "page_in_ms": None if page_in_ms is None else round(page_in_ms, 3),
+                "ms": round((time.perf_counter() - started) * 1000, 3),
+            },
+            separators=(",", ":"),
+        )
+    )
 
 
 def split_path(path: str) -> tuple[str, str, str]:

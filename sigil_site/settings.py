@@ -268,8 +268,22 @@ SIGIL_POOL_SAFETY_MARGIN = env_int("SIGIL_POOL_SAFETY_MARGIN", 5)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+        # The gateway's access lines are JSON already; only the time is put in front.
+        "access": {"format": '{"time":"%(asctime)s","request":%(message)s}'},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "plain"},
+        "access": {"class": "logging.StreamHandler", "formatter": "access"},
+    },
     "root": {"handlers": ["console"], "level": env_str("SIGIL_LOG_LEVEL", "INFO")},
-    "loggers": {"django.server": {"level": "WARNING"}},
+    "loggers": {
+        "django.server": {"level": "WARNING"},
+        "sigil.access": {
+            "handlers": ["access"],
+            "level": "INFO" if env_bool("SIGIL_ACCESS_LOG", True) else "WARNING",
+            "propagate": False,
+        },
+    },
 }

@@ -106,7 +106,7 @@ def test_a_warm_call_runs_no_sql(alice):
     def call():
         captured = {}
 
-        def start_response(status, headers):
+        def start_response(status, headers, exc_info=None):
             captured["status"] = status
 
         environ = {

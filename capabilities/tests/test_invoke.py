@@ -126,3 +126,24 @@ def test_request_body_over_the_invoke_limit_is_a_413(alice, settings):
 def test_paths_that_name_no_capability_are_404(alice, path):
     response = alice.call(path)
     assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+
+
+def test_each_call_leaves_one_json_access_line(alice, caplog):
+    import json
+    import logging
+
+    alice.deploy(name="ping", code=PONG)
+    access = logging.getLogger("sigil.access")  # it does not propagate to the root logger
+    access.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="sigil.access"):
+            assert alice.call("/alice/ping").status_code == 200
+            assert alice.call("/alice/missing").status_code == 404
+    finally:
+        access.removeHandler(caplog.handler)
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "sigil.access"]
+    assert [(line["path"], line["status"], line["capability"], line["cold"]) for line in lines] == [
+        ("/alice/ping", 200, "alice--ping", False),
+        ("/alice/missing", 404, None, False),
+    ]
+    assert all(line["ms"] > 0 for line in lines)
