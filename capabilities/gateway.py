@@ -171,7 +171,9 @@ class Gateway:
         if failure is not None:
             return self.reply_runtime_failure(start_response, upstream, failure, call)
 
-        headers = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP]
+        headers = [
+            (k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP and not k.lower().startswith("x-sigil-")
+        ]
         sigil_ms = (time.perf_counter() - call.started) * 1000 - upstream_ms - (page_in_ms or 0)
         timing = f"sigil;dur={sigil_ms:.2f}, capability;dur={upstream_ms:.2f}"
         headers.append(("X-Sigil-Capability", call.full))

@@ -188,10 +188,26 @@ def _mark_evicting(victim: str) -> None:
     routes.route_publish(capability)
 
 
+def _slot_for(full: str) -> str:
+    """The runtime slot `full` uses: the one it was given before (so a pooled script keeps its
+    workers.dev name across evictions), else the runtime's name for it, made longer while
+    another capability already holds that name (a hash collision never overwrites)."""
+    current = Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).values_list("slot", flat=True).first()
+    if current:
+        return current
+    runtime = get_runtime()
+    for attempt in range(8):
+        slot = runtime.slot_for(full, attempt=attempt)
+        taken = Capability.objects.exclude(state=State.REMOVED).exclude(full_name=full).filter(slot=slot).exists()
+        if not taken:
+            return slot
+    raise Conflict(f"no free runtime name for {full}")
+
+
 def _place(full: str, bundle: CodeBundle) -> str:
     """Put `bundle` on the runtime for `full`; return the slot. Runtime errors become API errors."""
     runtime = get_runtime()
-    slot = runtime.slot_for(full)
+    slot = _slot_for(full)
     try:
         runtime.place(slot=slot, bundle=bundle)
     except ScriptTooLarge as exc:

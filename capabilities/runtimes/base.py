@@ -127,8 +127,9 @@ class Runtime(ABC):
     binding_kinds: frozenset[str] | None = None
 
     @abstractmethod
-    def slot_for(self, full_name: str) -> str:
-        """The runtime's name for a capability's placement. Pure and stable."""
+    def slot_for(self, full_name: str, *, attempt: int = 0) -> str:
+        """The runtime's name for a capability's placement. Pure and stable; a higher
+        `attempt` gives another name, for when the first is taken."""
 
     @abstractmethod
     def place(self, *, slot: str, bundle: CodeBundle) -> None:

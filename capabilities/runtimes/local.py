@@ -41,8 +41,8 @@ class LocalRuntime(Runtime):
     def safety_margin(self) -> int:
         return self.margin
 
-    def slot_for(self, full_name: str) -> str:
-        return full_name
+    def slot_for(self, full_name: str, *, attempt: int = 0) -> str:
+        return full_name  # full names are unique, so they never collide
 
     def place(self, *, slot: str, bundle: CodeBundle) -> None:
         """Store the bundle (once per sha) and point the slot at it. Idempotent."""
