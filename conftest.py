@@ -171,3 +171,22 @@ def cf_settings(settings, cf_emulator_fresh):
     settings.CF_ACCOUNT_ID = cf_emulator_fresh.account_id
     settings.CF_API_TOKEN = cf_emulator_fresh.token
     return settings
+
+
+@pytest.fixture
+def cf_client(cf_emulator_fresh, redis_client):
+    """A CloudflareClient on the fresh emulator and the test's Redis, with short backoffs."""
+    from capabilities.cloudflare import CloudflareClient
+
+    client = CloudflareClient(
+        base_url=cf_emulator_fresh.api_base,
+        account_id=cf_emulator_fresh.account_id,
+        api_token=cf_emulator_fresh.token,
+        redis=redis_client,
+        max_retries=4,
+        max_rate_wait_seconds=10.0,
+        backoff_base_seconds=0.01,
+        backoff_max_seconds=0.1,
+    )
+    yield client
+    client.close()
