@@ -198,6 +198,11 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._send(413, b"request body too large", "text/plain")
             return
+        except ValueError:
+            # A Content-Length or chunk size that is not a number: the stream cannot be trusted.
+            self.close_connection = True
+            self._send(400, b"malformed request body framing", "text/plain")
+            return
         host = (self.headers.get("Host") or "").split(":", 1)[0].lower()
         if host.endswith(_WORKER_HOST_SUFFIXES):
             self._serve_worker(host, split, body)

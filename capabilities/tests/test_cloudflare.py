@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -116,8 +117,6 @@ def test_script_quota_is_slots_exhausted_not_retried_and_never_exceeded(cf_clien
 
 def test_script_too_large_is_script_too_large(cf_client, cf_emulator_fresh):
     cf_emulator_fresh.configure(script_max_bytes=1024)
-    import os
-
     with pytest.raises(CloudflareScriptTooLarge) as too_large:
         upload(cf_client, "huge", HELLO + "//" + os.urandom(4096).hex())
     assert isinstance(too_large.value, ScriptTooLarge) and too_large.value.code == 10027

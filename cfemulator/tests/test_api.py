@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -198,6 +199,14 @@ def test_malformed_uploads_are_rejected(api, headers, body, code):
     response = api.call("PUT", "/workers/scripts/broken", headers=headers, data=body)
     assert (response.status_code, first_error(response)) == (400, code)
     assert api.call("GET", "/workers/scripts").json()["result"] == []
+
+
+def test_malformed_chunked_framing_is_a_400_not_an_emulator_failure(cf_emulator_fresh):
+    port = int(cf_emulator_fresh.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"PUT /client/v4/x HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+        answer = sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 400 ")
 
 
 def test_upload_without_metadata_is_rejected(api):
