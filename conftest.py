@@ -123,3 +123,70 @@ def bob(sigil):
     from testsupport.cast import make_agent
 
     return make_agent("bob", sigil.url)
+
+
+@pytest.fixture(scope="session")
+def cf_emulator():
+    """One Cloudflare emulator for the whole session (per xdist worker), over real HTTP.
+
+    It listens on a free port of 127.0.0.1 with its own workerd; yields an EmulatorControl
+    (`api_base`, `token`, `account_id`, `configure()`, `reset()`, `api_calls()`, ...).
+    Tests normally take `cf_emulator_fresh`, which resets it first.
+    """
+    from django.conf import settings
+
+    from capabilities.workerd import free_port
+    from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
+    from cfemulator.control import EmulatorControl
+    from cfemulator.server import EmulatorServer
+
+    server = EmulatorServer.build(
+        workerd_binary=settings.SIGIL_WORKERD_BIN,
+        state_dir=settings.VAR_DIR / "cfemulator",
+        token=DEV_TOKEN,
+        account_id=DEV_ACCOUNT_ID,
+        config=EmulatorConfig(),
+        workerd_port=free_port(),
+    )
+    server.start()
+    yield EmulatorControl(url=server.url, token=DEV_TOKEN, account_id=DEV_ACCOUNT_ID)
+    server.stop()
+
+
+@pytest.fixture
+def cf_emulator_fresh(cf_emulator):
+    """The session's Cloudflare emulator, reset: no scripts, start config, empty request log.
+
+    Change its config for one test with `cf_emulator_fresh.configure(script_limit=3, ...)`;
+    the next test's reset undoes it.
+    """
+    cf_emulator.reset()
+    return cf_emulator
+
+
+@pytest.fixture
+def cf_settings(settings, cf_emulator_fresh):
+    """Django settings pointed at the fresh emulator, for code that builds its client from settings."""
+    settings.CF_API_BASE = cf_emulator_fresh.api_base
+    settings.CF_ACCOUNT_ID = cf_emulator_fresh.account_id
+    settings.CF_API_TOKEN = cf_emulator_fresh.token
+    return settings
+
+
+@pytest.fixture
+def cf_client(cf_emulator_fresh, redis_client):
+    """A CloudflareClient on the fresh emulator and the test's Redis, with short backoffs."""
+    from capabilities.cloudflare import CloudflareClient
+
+    client = CloudflareClient(
+        base_url=cf_emulator_fresh.api_base,
+        account_id=cf_emulator_fresh.account_id,
+        api_token=cf_emulator_fresh.token,
+        redis=redis_client,
+        max_retries=4,
+        max_rate_wait_seconds=10.0,
+        backoff_base_seconds=0.01,
+        backoff_max_seconds=0.1,
+    )
+    yield client
+    client.close()

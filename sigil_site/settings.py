@@ -87,6 +87,7 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "agents",
     "capabilities",
+    "cfemulator",
 ]
 
 MIDDLEWARE = [
@@ -262,6 +263,25 @@ SIGIL_LOCAL_SLOTS = env_int("SIGIL_LOCAL_SLOTS", 0)
 
 # Scripts a runtime may hold beyond its slots while victims are deleted in the background.
 SIGIL_POOL_SAFETY_MARGIN = env_int("SIGIL_POOL_SAFETY_MARGIN", 5)
+
+# --- Cloudflare -------------------------------------------------------------------------
+
+# The REST API base; point it at `manage.py cfemulator` (http://127.0.0.1:8787/client/v4)
+# to develop without an account.
+CF_API_BASE = env_str("CF_API_BASE", "https://api.cloudflare.com/client/v4")
+CF_ACCOUNT_ID = env_str("CF_ACCOUNT_ID", "")
+CF_API_TOKEN = env_secret("CF_API_TOKEN")
+# Cloudflare allows 1200 API requests per 5 minutes per token; every Sigil process draws on
+# one budget kept in Redis, so a burst queues instead of tripping a 5-minute lockout.
+SIGIL_CF_RATE_LIMIT = env_int("SIGIL_CF_RATE_LIMIT", 1200)
+SIGIL_CF_RATE_WINDOW_SECONDS = env_float("SIGIL_CF_RATE_WINDOW_SECONDS", 300.0)
+# How long a call may wait for room in that budget before it fails as rate limited.
+SIGIL_CF_MAX_RATE_WAIT_SECONDS = env_float("SIGIL_CF_MAX_RATE_WAIT_SECONDS", 30.0)
+# Retries of one call on 429, 5xx and connection errors, with exponential backoff.
+SIGIL_CF_MAX_RETRIES = env_int("SIGIL_CF_MAX_RETRIES", 4)
+SIGIL_CF_TIMEOUT_SECONDS = env_float("SIGIL_CF_TIMEOUT_SECONDS", 60.0)
+# Where `manage.py cfemulator` listens (always on 127.0.0.1).
+CF_EMULATOR_PORT = env_int("CF_EMULATOR_PORT", 8787)
 
 # --- Logging ----------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@
 const SECRET_HEADER = "x-sigil-secret";
 const LOADER_ID_HEADER = "x-sigil-loader-id";
 const ERROR_HEADER = "x-sigil-error";
-const LOADER_ID = /^[a-z0-9][a-z0-9-]*(?:--[a-z0-9][a-z0-9-]*)?@[0-9a-f]{64}$/;
+// `_` is allowed because Cloudflare script names (which the emulator uses as the name) may hold it.
+const LOADER_ID = /^[a-z0-9_][a-z0-9_-]*(?:--[a-z0-9][a-z0-9-]*)?@[0-9a-f]{64}$/;
 
 function refuse(status, kind, message) {
   return new Response(JSON.stringify({ error: kind, message }), {

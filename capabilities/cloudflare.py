@@ -1,0 +1,712 @@
+"""The one Cloudflare REST client: envelopes, error codes, retries, and the shared rate budget.
+
+Every call to the Cloudflare API from any Sigil process goes through `CloudflareClient`. It
+parses Cloudflare's `{"success", "errors", "messages", "result"}` envelope, maps Cloudflare's
+error codes to the runtime error types (so runtimes raise only those), retries what is
+transient with exponential backoff and jitter (honouring `Retry-After`), and draws every
+request from one rate budget kept in Redis, shared by all processes of the deployment.
+
+The API token is held only in the session's `Authorization` header. It is never logged, never
+part of an exception message (messages echoed from the server are redacted too) and never in
+a repr.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import redis
+import requests
+from requests.adapters import HTTPAdapter
+
+from capabilities.runtimes.base import (
+    RuntimeFailure,
+    RuntimeRejected,
+    RuntimeUnavailable,
+    ScriptTooLarge,
+    SlotsExhausted,
+)
+
+logger = logging.getLogger(__name__)
+
+# Cloudflare's error codes (reference §7.1) that the client treats specially.
+CODE_RATE_LIMITED = 971
+CODE_AUTHENTICATION = 10000
+CODE_INTERNAL = 10002
+CODE_NOT_FOUND = 10007
+CODE_KV_KEY_NOT_FOUND = 10009
+CODE_KV_NAMESPACE_NOT_FOUND = 10013
+CODE_UNAUTHORIZED = 10023
+CODE_SCRIPT_TOO_LARGE = 10027
+CODE_CONCURRENT_CHANGE = 10035
+CODE_TOO_MANY_SCRIPTS = 10037
+
+_NOT_FOUND_CODES = frozenset({CODE_NOT_FOUND, CODE_KV_KEY_NOT_FOUND, CODE_KV_NAMESPACE_NOT_FOUND})
+_AUTH_CODES = frozenset({CODE_AUTHENTICATION, CODE_UNAUTHORIZED})
+# 10035: "multiple attempts to modify a resource at the same time"; waiting resolves it.
+_TRANSIENT_CODES = frozenset({CODE_INTERNAL, CODE_CONCURRENT_CHANGE})
+# Statuses worth another attempt, as Cloudflare's own SDK decides (reference §0), less 409:
+# Cloudflare also uses 409 for real conflicts, and 10035 covers the transient one by code.
+_RETRY_STATUSES = frozenset({408, 429})
+
+# Content types of module parts, by file extension (Wrangler's mapping, reference §1.1).
+_MODULE_TYPES = {
+    ".js": "application/javascript+module",
+    ".mjs": "application/javascript+module",
+    ".cjs": "application/javascript",
+    ".wasm": "application/wasm",
+    ".map": "application/source-map",
+    ".txt": "text/plain",
+    ".html": "text/plain",
+    ".json": "text/plain",
+}
+
+# Wrangler sends this header on the per-script subdomain toggle (reference §3.2).
+_SCRIPT_API_DATE = ("Cloudflare-Workers-Script-Api-Date", "2025-08-01")
+
+
+# --- errors -----------------------------------------------------------------------------
+
+
+class CloudflareError(RuntimeFailure):
+    """An answer (or the lack of one) from the Cloudflare API that is not a success.
+
+    `status` is the HTTP status (None when no answer came), `code` the first Cloudflare
+    error code of the envelope (None when there was none).
+    """
+
+    def __init__(
+        self, message: str, *, status: int | None = None, code: int | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.retry_after = retry_after
+
+
+class CloudflareUnavailable(CloudflareError, RuntimeUnavailable):
+    """Transient: a connection error, a timeout, a 5xx or a concurrent change. Retry later."""
+
+
+class CloudflareRateLimited(CloudflareUnavailable):
+    """The rate budget (Sigil's shared one, or Cloudflare's, code 971) has no room.
+
+    `retry_after` says in how many seconds to try again.
+    """
+
+
+class CloudflareRejected(CloudflareError, RuntimeRejected):
+    """Cloudflare refused the request for good (validation, bad name, no route, ...)."""
+
+
+class CloudflareNotFound(CloudflareRejected):
+    """The script, subdomain, namespace or KV key does not exist (10007, 10009, 10013)."""
+
+
+class CloudflareAuthFailure(CloudflareRejected):
+    """The API token is invalid, expired or lacks a permission (10000, 10023)."""
+
+
+class CloudflareScriptTooLarge(CloudflareRejected, ScriptTooLarge):
+    """The script is over the account's size limit (10027)."""
+
+
+class CloudflareSlotsExhausted(CloudflareRejected, SlotsExhausted):
+    """The account holds as many Workers as its plan allows (10037)."""
+
+
+# --- results ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScriptInfo:
+    """What Sigil reads of a Worker script; Cloudflare returns more and it is ignored."""
+
+    id: str
+    etag: str = ""
+    created_on: str = ""
+    modified_on: str = ""
+
+    @classmethod
+    def from_result(cls, result: Mapping[str, Any]) -> ScriptInfo:
+        return cls(
+            id=str(result.get("id", "")),
+            etag=str(result.get("etag") or ""),
+            created_on=str(result.get("created_on") or ""),
+            modified_on=str(result.get("modified_on") or ""),
+        )
+
+
+# --- the shared rate budget ---------------------------------------------------------------
+
+# A sliding-window log in one sorted set: members are requests, scores their time (ms, Redis's
+# clock, so hosts with skewed clocks agree). Returns 0 and records the request when there is
+# room, else how many ms until the oldest request leaves the window. A pause key, set after
+# Cloudflare answered 429, makes every process wait out Retry-After. (Reading TIME in a script
+# that writes needs Redis 5 or later, which replicates effects rather than scripts.)
+_BUDGET_SCRIPT = """
+local paused = redis.call('PTTL', KEYS[2])
+if paused > 0 then return paused end
+local limit = tonumber(ARGV[1])
+local window = tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+if redis.call('ZCARD', KEYS[1]) < limit then
+  redis.call('ZADD', KEYS[1], now, ARGV[3])
+  redis.call('PEXPIRE', KEYS[1], window)
+  return 0
+end
+local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+return math.max(1, tonumber(oldest[2]) + window - now)
+"""
+
+# Cloudflare counts a request when it arrives, which is after Sigil admitted it. Stamping it
+# again when it has finished keeps Sigil's window ending after Cloudflare's, so a burst one
+# window after another can never land inside Cloudflare's window (and lock the token out).
+_SETTLE_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], 'XX', now, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 0
+"""
+
+
+class RateBudget:
+    """`limit` requests per `window_seconds`, shared by every process using the same Redis.
+
+    `acquire` waits for room up to `max_wait_seconds`, then raises CloudflareRateLimited;
+    `settle` is called when the request has been answered (or has failed).
+    """
+
+    def __init__(
+        self, *, redis: redis.Redis, key: str, limit: int, window_seconds: float, max_wait_seconds: float
+    ) -> None:
+        if limit < 1 or window_seconds <= 0:
+            raise ValueError("the rate budget needs a limit of at least 1 and a positive window")
+        # One hash tag for both keys keeps them in one slot on Redis Cluster.
+        self.key = f"{{{key}}}:window"
+        self.pause_key = f"{{{key}}}:pause"
+        self.limit = limit
+        self.window_ms = int(window_seconds * 1000)
+        self.max_wait_seconds = max_wait_seconds
+        self._acquire_script = redis.register_script(_BUDGET_SCRIPT)
+        self._settle_script = redis.register_script(_SETTLE_SCRIPT)
+        self._redis = redis
+
+    def acquire(self) -> str:
+        """Take one request from the budget, waiting for room; returns its ticket for `settle`.
+
+        Raises CloudflareRateLimited when no room comes within the allowed wait.
+        """
+        ticket = uuid.uuid4().hex
+        deadline = time.monotonic() + self.max_wait_seconds
+        while True:
+            try:
+                wait_ms = int(
+                    self._acquire_script(keys=[self.key, self.pause_key], args=[self.limit, self.window_ms, ticket])
+                )
+            except redis.RedisError as exc:
+                # Without the shared budget, calling could lock every process out for 5 minutes.
+                raise CloudflareUnavailable(f"the Cloudflare rate budget in Redis is unreachable: {exc}") from exc
+            if wait_ms <= 0:
+                return ticket
+            wait = wait_ms / 1000
+            remaining = deadline - time.monotonic()
+            if wait > remaining:
+                # Room will not come within the allowed wait: fail now rather than sleep in vain.
+                raise CloudflareRateLimited(
+                    f"the Cloudflare API budget ({self.limit} requests per {self.window_ms / 1000:g} s) "
+                    f"has no room for {wait:.1f} s, more than the {self.max_wait_seconds:g} s a call may wait",
+                    retry_after=wait,
+                )
+            # A little jitter so that waiters woken by the same expiry do not stampede.
+            time.sleep(wait + random.uniform(0, 0.02))
+
+    def settle(self, ticket: str) -> None:
+        """Count the request from now on: it has been answered, or has failed."""
+        try:
+            self._settle_script(keys=[self.key], args=[ticket, self.window_ms])
+        except redis.RedisError as exc:
+            # The call itself is done; failing it now would only make it run again.
+            logger.warning("could not settle a Cloudflare budget ticket in Redis: %s", exc)
+
+    def pause(self, seconds: float) -> None:
+        """Make every process wait `seconds` before its next request (after a 429)."""
+        milliseconds = max(1, int(seconds * 1000))
+        try:
+            current = self._redis.pttl(self.pause_key)
+            if current is None or current < milliseconds:
+                self._redis.set(self.pause_key, b"1", px=milliseconds)
+        except redis.RedisError as exc:
+            raise CloudflareUnavailable(f"the Cloudflare rate budget in Redis is unreachable: {exc}") from exc
+
+
+# --- the client ---------------------------------------------------------------------------
+
+
+class CloudflareClient:
+    """Calls the Cloudflare REST API for one account, on behalf of every runtime.
+
+    Thread-safe for the way Sigil uses it: one instance per process, shared by threads.
+    Every call raises only CloudflareError subclasses (which are runtime error types):
+    CloudflareUnavailable / CloudflareRateLimited when retrying later may help, the
+    CloudflareRejected family when it will not.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        account_id: str,
+        api_token: str,
+        redis: redis.Redis,
+        rate_limit: int = 1200,
+        rate_window_seconds: float = 300.0,
+        max_rate_wait_seconds: float = 30.0,
+        max_retries: int = 4,
+        timeout_seconds: float = 60.0,
+        backoff_base_seconds: float = 0.5,
+        backoff_max_seconds: float = 8.0,
+        pool_size: int = 32,
+    ) -> None:
+        if not account_id or not api_token:
+            raise ValueError("the Cloudflare client needs an account id and an API token")
+        self.base_url = base_url.rstrip("/")
+        self.account_id = account_id
+        self.max_retries = max_retries
+        self.timeout_seconds = timeout_seconds
+        self.backoff_base_seconds = backoff_base_seconds
+        self.backoff_max_seconds = backoff_max_seconds
+        self.budget = RateBudget(
+            redis=redis,
+            key=f"sigil:cf:budget:{account_id}",
+            limit=rate_limit,
+            window_seconds=rate_window_seconds,
+            max_wait_seconds=max_rate_wait_seconds,
+        )
+        self._token = api_token
+        self._session = requests.Session()
+        # Retries are ours (they must draw on the budget); the adapter only pools connections.
+        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_size, max_retries=0)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
+        self._session.headers["Authorization"] = f"Bearer {api_token}"
+        self._session.headers["User-Agent"] = "sigil"
+
+    @classmethod
+    def from_settings(cls) -> CloudflareClient:
+        """Build the client from Django settings and the process's Redis pool.
+
+        Raises ImproperlyConfigured without credentials.
+        """
+        from django.conf import settings
+        from django.core.exceptions import ImproperlyConfigured
+
+        from sigil_site.redis_client import get_redis
+
+        if not settings.CF_ACCOUNT_ID or not settings.CF_API_TOKEN:
+            raise ImproperlyConfigured("CF_ACCOUNT_ID and CF_API_TOKEN (or CF_API_TOKEN_FILE) are required")
+        return cls(
+            base_url=settings.CF_API_BASE,
+            account_id=settings.CF_ACCOUNT_ID,
+            api_token=settings.CF_API_TOKEN,
+            redis=get_redis(),  # the process's one pool
+            rate_limit=settings.SIGIL_CF_RATE_LIMIT,
+            rate_window_seconds=settings.SIGIL_CF_RATE_WINDOW_SECONDS,
+            max_rate_wait_seconds=settings.SIGIL_CF_MAX_RATE_WAIT_SECONDS,
+            max_retries=settings.SIGIL_CF_MAX_RETRIES,
+            timeout_seconds=settings.SIGIL_CF_TIMEOUT_SECONDS,
+        )
+
+    def __repr__(self) -> str:
+        return f"<CloudflareClient {self.base_url} account={self.account_id}>"
+
+    def close(self) -> None:
+        self._session.close()
+
+    # --- Worker scripts ------------------------------------------------------------------
+
+    def script_upload(
+        self,
+        name: str,
+        *,
+        modules: Mapping[str, str | bytes],
+        main_module: str,
+        compatibility_date: str,
+        compatibility_flags: Sequence[str] = (),
+        bindings: Sequence[Mapping[str, Any]] = (),
+        tags: Sequence[str] = (),
+        limits: Mapping[str, int] | None = None,
+    ) -> ScriptInfo:
+        """Create or replace the Worker script `name`; it is deployed at once.
+
+        Idempotent. Raises CloudflareScriptTooLarge (10027), CloudflareSlotsExhausted (10037),
+        CloudflareRejected (invalid name or code), CloudflareUnavailable.
+        """
+        files = upload_parts(
+            modules=modules,
+            main_module=main_module,
+            compatibility_date=compatibility_date,
+            compatibility_flags=compatibility_flags,
+            bindings=bindings,
+            tags=tags,
+            limits=limits,
+        )
+        result = self._request("PUT", f"/workers/scripts/{_segment(name)}", files=files)
+        return ScriptInfo.from_result(result or {})
+
+    def script_delete(self, name: str) -> None:
+        """Delete the script `name`, with its bindings' associations (`force=true`).
+
+        Raises CloudflareNotFound when there is no such script (callers that remove
+        idempotently treat that as done), CloudflareUnavailable.
+        """
+        self._request("DELETE", f"/workers/scripts/{_segment(name)}", params={"force": "true"})
+
+    def script_list(self) -> list[ScriptInfo]:
+        """Every Worker script of the account (one page; the API does not paginate it)."""
+        return [ScriptInfo.from_result(item) for item in self._request("GET", "/workers/scripts") or []]
+
+    def script_settings_get(self, name: str) -> dict[str, Any]:
+        """The script's settings: bindings (secret values omitted), tags, limits, dates."""
+        return self._request("GET", f"/workers/scripts/{_segment(name)}/settings")
+
+    def script_subdomain_set(
+        self, name: str, *, enabled: bool = True, previews_enabled: bool = False
+    ) -> dict[str, Any]:
+        """Turn the script's workers.dev URL on or off. Idempotent.
+
+        Right after a first upload Cloudflare may briefly answer 10007 while the script
+        propagates (reference §3.2), so not-found is retried twice before it is raised.
+        """
+        return self._request(
+            "POST",
+            f"/workers/scripts/{_segment(name)}/subdomain",
+            json_body={"enabled": enabled, "previews_enabled": previews_enabled},
+            headers=dict([_SCRIPT_API_DATE]),
+            not_found_retries=2,
+        )
+
+    def subdomain_get(self) -> str:
+        """The account's workers.dev subdomain (`<script>.<this>.workers.dev`).
+
+        Raises CloudflareNotFound when the account has never registered one.
+        """
+        return str(self._request("GET", "/workers/subdomain")["subdomain"])
+
+    # --- Workers for Platforms: dispatch namespaces ---------------------------------------
+
+    def namespace_create(self, name: str) -> dict[str, Any]:
+        """Create the dispatch namespace `name`; returns Cloudflare's namespace object."""
+        return self._request("POST", "/workers/dispatch/namespaces", json_body={"name": name})
+
+    def namespace_get(self, name: str) -> dict[str, Any]:
+        """The namespace object (`namespace_id`, `namespace_name`, `script_count`, ...)."""
+        return self._request("GET", f"/workers/dispatch/namespaces/{_segment(name)}")
+
+    def namespace_list(self) -> list[dict[str, Any]]:
+        return list(self._request("GET", "/workers/dispatch/namespaces") or [])
+
+    def namespace_delete(self, name: str) -> None:
+        """Delete the namespace and every script in it. Raises CloudflareNotFound if absent."""
+        self._request("DELETE", f"/workers/dispatch/namespaces/{_segment(name)}")
+
+    def namespace_script_upload(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        modules: Mapping[str, str | bytes],
+        main_module: str,
+        compatibility_date: str,
+        compatibility_flags: Sequence[str] = (),
+        bindings: Sequence[Mapping[str, Any]] = (),
+        tags: Sequence[str] = (),
+        limits: Mapping[str, int] | None = None,
+    ) -> ScriptInfo:
+        """Create or replace a user Worker in a dispatch namespace (same body as script_upload)."""
+        files = upload_parts(
+            modules=modules,
+            main_module=main_module,
+            compatibility_date=compatibility_date,
+            compatibility_flags=compatibility_flags,
+            bindings=bindings,
+            tags=tags,
+            limits=limits,
+        )
+        result = self._request(
+            "PUT", f"/workers/dispatch/namespaces/{_segment(namespace)}/scripts/{_segment(name)}", files=files
+        )
+        return ScriptInfo.from_result(result or {})
+
+    def namespace_script_delete(self, namespace: str, name: str) -> None:
+        """Delete one user Worker. Raises CloudflareNotFound when it is not there."""
+        self._request(
+            "DELETE",
+            f"/workers/dispatch/namespaces/{_segment(namespace)}/scripts/{_segment(name)}",
+            params={"force": "true"},
+        )
+
+    def namespace_script_list(self, namespace: str, *, tags: Sequence[str] = ()) -> list[ScriptInfo]:
+        """The namespace's scripts, optionally filtered by tags (`"customer-1:yes"`, `"x:no"`).
+
+        Follows the cursor until the list is complete.
+        """
+        path = f"/workers/dispatch/namespaces/{_segment(namespace)}/scripts"
+        params: dict[str, str] = {"limit": "1000"}
+        if tags:
+            params["tags"] = ",".join(tags)
+        scripts: list[ScriptInfo] = []
+        while True:
+            envelope = self._request("GET", path, params=params, whole_envelope=True)
+            scripts.extend(ScriptInfo.from_result(item) for item in envelope.get("result") or [])
+            cursor = (envelope.get("result_info") or {}).get("cursor")
+            if not cursor:
+                return scripts
+            params["cursor"] = str(cursor)
+
+    # --- Workers KV -----------------------------------------------------------------------
+
+    def kv_namespace_create(self, title: str) -> dict[str, Any]:
+        """Create a KV namespace; returns `{id, title, ...}`. A taken title is CloudflareRejected."""
+        return self._request("POST", "/storage/kv/namespaces", json_body={"title": title})
+
+    def kv_namespace_list(self) -> list[dict[str, Any]]:
+        """Every KV namespace of the account, all pages."""
+        namespaces: list[dict[str, Any]] = []
+        page = 1
+        while True:
+            envelope = self._request(
+                "GET", "/storage/kv/namespaces", params={"page": str(page), "per_page": "100"}, whole_envelope=True
+            )
+            batch = envelope.get("result") or []
+            namespaces.extend(batch)
+            info = envelope.get("result_info") or {}
+            if not batch or len(namespaces) >= int(info.get("total_count", len(namespaces))):
+                return namespaces
+            page += 1
+
+    def kv_put(self, namespace_id: str, key: str, value: bytes, *, expiration_ttl: int | None = None) -> None:
+        """Write `value` under `key` (overwriting it). `expiration_ttl` is at least 60 s."""
+        params = {"expiration_ttl": str(expiration_ttl)} if expiration_ttl is not None else None
+        self._request(
+            "PUT",
+            f"/storage/kv/namespaces/{_segment(namespace_id)}/values/{_segment(key)}",
+            data=value,
+            params=params,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+
+    def kv_get(self, namespace_id: str, key: str) -> bytes:
+        """The raw value under `key`. Raises CloudflareNotFound (10009) when there is none."""
+        return self._request("GET", f"/storage/kv/namespaces/{_segment(namespace_id)}/values/{_segment(key)}", raw=True)
+
+    def kv_delete(self, namespace_id: str, key: str) -> None:
+        """Delete `key`; deleting a missing key succeeds, as on Cloudflare."""
+        self._request("DELETE", f"/storage/kv/namespaces/{_segment(namespace_id)}/values/{_segment(key)}")
+
+    # --- the request loop -------------------------------------------------------------------
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        json_body: Any = None,
+        data: bytes | None = None,
+        files: list[tuple[str, tuple]] | None = None,
+        headers: Mapping[str, str] | None = None,
+        raw: bool = False,
+        whole_envelope: bool = False,
+        not_found_retries: int = 0,
+    ) -> Any:
+        """Send one API call, retrying what is transient; return the envelope's `result`.
+
+        `raw` returns the body bytes of a successful answer (KV reads are not enveloped);
+        `whole_envelope` returns the parsed envelope (for `result_info`).
+        """
+        url = f"{self.base_url}/accounts/{_segment(self.account_id)}{path}"
+        attempt = 0
+        while True:
+            ticket = self.budget.acquire()
+            try:
+                response = self._session.request(
+                    method,
+                    url,
+                    params=params,
+                    json=json_body,
+                    data=data,
+                    files=files,
+                    headers=headers,
+                    timeout=(min(10.0, self.timeout_seconds), self.timeout_seconds),
+                )
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                error: CloudflareError = CloudflareUnavailable(
+                    self._redact(f"{method} {path}: {type(exc).__name__}: {exc}")
+                )
+                retry = True
+            else:
+                if response.ok:
+                    return self._success(response, raw=raw, whole_envelope=whole_envelope)
+                error = self._error(method, path, response)
+                retry = self._should_retry(response, error)
+                if isinstance(error, CloudflareNotFound) and attempt < not_found_retries:
+                    retry = True
+            finally:
+                self.budget.settle(ticket)
+            if not retry or attempt >= self.max_retries:
+                raise error
+            delay = self._backoff(attempt)
+            if isinstance(error, CloudflareRateLimited) and error.retry_after is not None:
+                if error.retry_after > self.budget.max_wait_seconds:
+                    raise error
+                # Cloudflare locks the whole token out: every process waits, not only this one.
+                self.budget.pause(error.retry_after)
+                delay = 0.0
+            attempt += 1
+            logger.warning(
+                "Cloudflare %s %s failed (%s); attempt %d of %d in %.2f s",
+                method,
+                path,
+                error,
+                attempt + 1,
+                self.max_retries + 1,
+                delay,
+            )
+            if delay:
+                time.sleep(delay)
+
+    def _success(self, response: requests.Response, *, raw: bool, whole_envelope: bool) -> Any:
+        if raw:
+            return response.content
+        try:
+            envelope = response.json()
+        except ValueError as exc:
+            raise CloudflareUnavailable(
+                f"Cloudflare answered {response.status_code} with a body that is not JSON", status=response.status_code
+            ) from exc
+        if not isinstance(envelope, dict) or envelope.get("success") is False:
+            # A 2xx with success=false does not happen in the reference; treat it as a failure.
+            raise self._error_from_envelope(response.status_code, envelope, "", "", None)
+        return envelope if whole_envelope else envelope.get("result")
+
+    def _error(self, method: str, path: str, response: requests.Response) -> CloudflareError:
+        try:
+            envelope = response.json()
+        except ValueError:
+            envelope = None
+        return self._error_from_envelope(response.status_code, envelope, method, path, _retry_after(response))
+
+    def _error_from_envelope(
+        self, status: int, envelope: Any, method: str, path: str, retry_after: float | None
+    ) -> CloudflareError:
+        errors = envelope.get("errors") if isinstance(envelope, dict) else None
+        first = errors[0] if isinstance(errors, list) and errors and isinstance(errors[0], dict) else {}
+        code = first.get("code") if isinstance(first.get("code"), int) else None
+        detail = str(first.get("message") or "no error message")
+        where = f"{method} {path}: " if method else ""
+        message = self._redact(
+            f"{where}Cloudflare answered {status}" + (f", code {code}: {detail}" if code else f": {detail}")
+        )
+        kwargs = {"status": status, "code": code, "retry_after": retry_after}
+        if code in _AUTH_CODES or status == 401:
+            return CloudflareAuthFailure(message, **kwargs)
+        if code == CODE_RATE_LIMITED or status == 429:
+            return CloudflareRateLimited(message, **kwargs)
+        if code == CODE_SCRIPT_TOO_LARGE:
+            return CloudflareScriptTooLarge(message, **kwargs)
+        if code == CODE_TOO_MANY_SCRIPTS:
+            return CloudflareSlotsExhausted(message, **kwargs)
+        if code in _NOT_FOUND_CODES:
+            return CloudflareNotFound(message, **kwargs)
+        if code in _TRANSIENT_CODES or status >= 500 or status in _RETRY_STATUSES:
+            return CloudflareUnavailable(message, **kwargs)
+        return CloudflareRejected(message, **kwargs)
+
+    @staticmethod
+    def _should_retry(response: requests.Response, error: CloudflareError) -> bool:
+        # Cloudflare may override the decision, as its SDK honours (reference §0).
+        override = response.headers.get("x-should-retry", "").lower()
+        if override in ("true", "false"):
+            return override == "true"
+        return isinstance(error, CloudflareUnavailable)
+
+    def _backoff(self, attempt: int) -> float:
+        """Exponential backoff with jitter: half to all of base * 2^attempt, capped."""
+        ceiling = min(self.backoff_max_seconds, self.backoff_base_seconds * (2**attempt))
+        return ceiling * random.uniform(0.5, 1.0)
+
+    def _redact(self, text: str) -> str:
+        # A server (or a proxy in between) may echo request headers into an error message.
+        return text.replace(self._token, "[redacted]") if self._token else text
+
+
+# --- request building ---------------------------------------------------------------------
+
+
+def module_content_type(name: str) -> str:
+    """The content type of a module part, chosen by the module's file extension."""
+    dot = name.rfind(".")
+    return _MODULE_TYPES.get(name[dot:].lower() if dot >= 0 else "", "application/octet-stream")
+
+
+def upload_parts(
+    *,
+    modules: Mapping[str, str | bytes],
+    main_module: str,
+    compatibility_date: str,
+    compatibility_flags: Sequence[str] = (),
+    bindings: Sequence[Mapping[str, Any]] = (),
+    tags: Sequence[str] = (),
+    limits: Mapping[str, int] | None = None,
+) -> list[tuple[str, tuple]]:
+    """The multipart parts of a script upload, laid out as Wrangler sends them (reference §1.1).
+
+    `metadata` is a plain form field (no filename, no content type); each module is a part
+    whose name and filename are the module's name. Raises ValueError when `main_module` is
+    not among `modules`.
+    """
+    if main_module not in modules:
+        raise ValueError(f"main module {main_module!r} is not among the modules")
+    metadata: dict[str, Any] = {
+        "main_module": main_module,
+        "compatibility_date": compatibility_date,
+        "bindings": [dict(binding) for binding in bindings],
+        "tags": list(tags),
+    }
+    if compatibility_flags:
+        metadata["compatibility_flags"] = list(compatibility_flags)
+    if limits:
+        metadata["limits"] = dict(limits)
+    parts: list[tuple[str, tuple]] = [("metadata", (None, json.dumps(metadata)))]
+    for name, source in modules.items():
+        body = source.encode() if isinstance(source, str) else source
+        parts.append((name, (name, body, module_content_type(name))))
+    return parts
+
+
+def _segment(value: str) -> str:
+    """One URL path segment, percent-encoded (KV keys may hold `/`, `?` and the like)."""
+    return quote(value, safe="")
+
+
+def _retry_after(response: requests.Response) -> float | None:
+    """Retry-After in seconds (Cloudflare sends whole seconds, only on 429)."""
+    raw = response.headers.get("Retry-After")
+    if not raw:
+        return None
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        return None

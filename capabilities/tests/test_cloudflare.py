@@ -1,0 +1,298 @@
+"""The Cloudflare client against the emulator over real HTTP, with the real (test) Redis."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
+from capabilities.cloudflare import (
+    CloudflareAuthFailure,
+    CloudflareClient,
+    CloudflareNotFound,
+    CloudflareRateLimited,
+    CloudflareRejected,
+    CloudflareScriptTooLarge,
+    CloudflareSlotsExhausted,
+    CloudflareUnavailable,
+    upload_parts,
+)
+from capabilities.runtimes.base import RuntimeRejected, RuntimeUnavailable, ScriptTooLarge, SlotsExhausted
+from capabilities.workerd import free_port
+
+HELLO = "export default { async fetch(request) { return new Response('hello ' + new URL(request.url).pathname) } }"
+
+
+def upload(client: CloudflareClient, name: str, code: str = HELLO, **kwargs):
+    return client.script_upload(
+        name, modules={"worker.js": code}, main_module="worker.js", compatibility_date="2025-01-01", **kwargs
+    )
+
+
+def make_client(emulator, redis_client, **overrides) -> CloudflareClient:
+    options = {
+        "base_url": emulator.api_base,
+        "account_id": emulator.account_id,
+        "api_token": emulator.token,
+        "redis": redis_client,
+        "max_retries": 4,
+        "max_rate_wait_seconds": 10.0,
+        "backoff_base_seconds": 0.01,
+        "backoff_max_seconds": 0.1,
+        **overrides,
+    }
+    return CloudflareClient(**options)
+
+
+# --- scripts ------------------------------------------------------------------------------------
+
+
+def test_upload_list_serve_delete_then_404(cf_client, cf_emulator_fresh):
+    info = upload(cf_client, "hello-client")
+    assert info.id == "hello-client" and len(info.etag) == 64 and info.created_on
+    assert [s.id for s in cf_client.script_list()] == ["hello-client"]
+    assert cf_client.script_subdomain_set("hello-client") == {"enabled": True, "previews_enabled": False}
+    subdomain = cf_client.subdomain_get()
+    host = f"hello-client.{subdomain}.workers.dev"
+    served = cf_emulator_fresh.worker_request(host, "/there")
+    assert (served.status_code, served.text) == (200, "hello /there")
+
+    cf_client.script_delete("hello-client")
+    assert cf_emulator_fresh.worker_request(host).status_code == 404
+    assert cf_client.script_list() == []
+    with pytest.raises(CloudflareNotFound) as missing:
+        cf_client.script_delete("hello-client")
+    assert missing.value.code == 10007 and missing.value.status == 404
+
+
+def test_upload_sends_metadata_as_the_reference_lays_it_out(cf_client):
+    bindings = [
+        {"type": "plain_text", "name": "GREETING", "text": "hi"},
+        {"type": "secret_text", "name": "KEY", "text": "s3cr3t"},
+    ]
+    upload(cf_client, "meta", bindings=bindings, tags=["sigil", "s-abc123"], limits={"cpu_ms": 50})
+    settings = cf_client.script_settings_get("meta")
+    assert settings["tags"] == ["sigil", "s-abc123"]
+    assert settings["limits"] == {"cpu_ms": 50}
+    assert settings["compatibility_date"] == "2025-01-01"
+    assert [b["name"] for b in settings["bindings"]] == ["GREETING", "KEY"]
+
+
+def test_upload_parts_put_metadata_first_as_a_plain_field_and_type_each_module():
+    parts = upload_parts(
+        modules={"worker.js": "export default {}", "data.txt": "x"},
+        main_module="worker.js",
+        compatibility_date="2025-01-01",
+    )
+    assert parts[0][0] == "metadata" and parts[0][1][0] is None
+    assert parts[1] == ("worker.js", ("worker.js", b"export default {}", "application/javascript+module"))
+    assert parts[2][1][2] == "text/plain"
+    with pytest.raises(ValueError):
+        upload_parts(modules={"a.js": ""}, main_module="b.js", compatibility_date="2025-01-01")
+
+
+def test_script_quota_is_slots_exhausted_not_retried_and_never_exceeded(cf_client, cf_emulator_fresh):
+    cf_emulator_fresh.configure(script_limit=3)
+    outcomes: list[str] = []
+
+    def attempt(i: int) -> None:
+        try:
+            upload(cf_client, f"slot-{i}")
+            outcomes.append("placed")
+        except CloudflareSlotsExhausted as exc:
+            assert isinstance(exc, SlotsExhausted) and exc.code == 10037
+            outcomes.append("full")
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(attempt, range(8)))
+    assert sorted(outcomes) == ["full"] * 5 + ["placed"] * 3
+    assert len(cf_client.script_list()) == 3
+    # A permanent refusal is sent once, not retried.
+    assert len(cf_emulator_fresh.api_calls(method="PUT")) == 8
+
+
+def test_script_too_large_is_script_too_large(cf_client, cf_emulator_fresh):
+    cf_emulator_fresh.configure(script_max_bytes=1024)
+    with pytest.raises(CloudflareScriptTooLarge) as too_large:
+        upload(cf_client, "huge", HELLO + "//" + os.urandom(4096).hex())
+    assert isinstance(too_large.value, ScriptTooLarge) and too_large.value.code == 10027
+    assert cf_client.script_list() == []
+
+
+def test_invalid_code_layout_is_rejected_for_good(cf_client):
+    with pytest.raises(CloudflareRejected) as rejected:
+        upload(cf_client, "Bad_Name")
+    assert isinstance(rejected.value, RuntimeRejected) and rejected.value.code == 10016
+
+
+# --- auth and routing -----------------------------------------------------------------------------
+
+
+def test_bad_token_is_auth_failure_and_the_token_is_never_shown(cf_emulator_fresh, redis_client, caplog):
+    secret = "not-the-right-token-9f8e7d"
+    client = make_client(cf_emulator_fresh, redis_client, api_token=secret)
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(CloudflareAuthFailure) as failure:
+        client.script_list()
+    assert failure.value.code == 10000 and failure.value.status == 403
+    assert secret not in str(failure.value)
+    assert secret not in repr(failure.value)
+    assert secret not in repr(client)
+    assert secret not in caplog.text
+    # Authentication failures are permanent: one call, no retries.
+    assert len(cf_emulator_fresh.api_calls()) == 1
+
+
+def test_wrong_account_is_rejected_with_7003(cf_emulator_fresh, redis_client):
+    client = make_client(cf_emulator_fresh, redis_client, account_id="0000")
+    with pytest.raises(CloudflareRejected) as rejected:
+        client.script_list()
+    assert rejected.value.code == 7003
+
+
+def test_from_settings_reads_the_edge_settings(cf_settings, redis_client):
+    cf_settings.SIGIL_CF_RATE_LIMIT = 7
+    client = CloudflareClient.from_settings()
+    assert client.budget.limit == 7
+    assert client.script_list() == []
+    cf_settings.CF_API_TOKEN = ""
+    with pytest.raises(ImproperlyConfigured):
+        CloudflareClient.from_settings()
+
+
+# --- retries ----------------------------------------------------------------------------------------
+
+
+def test_injected_5xx_are_retried_and_the_call_is_served(cf_client, cf_emulator_fresh):
+    cf_emulator_fresh.configure(fail_next=3)  # a 500 envelope, a 502 HTML page, a 503
+    info = upload(cf_client, "after-faults")
+    assert info.id == "after-faults"
+    statuses = [call["status"] for call in cf_emulator_fresh.api_calls(method="PUT")]
+    assert statuses == [500, 502, 503, 200]
+
+
+def test_retries_are_bounded_and_end_in_unavailable(cf_emulator_fresh, redis_client):
+    client = make_client(cf_emulator_fresh, redis_client, max_retries=2)
+    cf_emulator_fresh.configure(fail_next=10)
+    with pytest.raises(CloudflareUnavailable) as unavailable:
+        client.script_list()
+    assert isinstance(unavailable.value, RuntimeUnavailable)
+    assert len(cf_emulator_fresh.api_calls()) == 3
+
+
+def test_connection_errors_are_retried_then_unavailable(cf_emulator_fresh, redis_client):
+    client = make_client(cf_emulator_fresh, redis_client, max_retries=1)
+    client.base_url = f"http://127.0.0.1:{free_port()}/client/v4"  # nothing listens there
+    with pytest.raises(CloudflareUnavailable) as unavailable:
+        client.script_list()
+    assert unavailable.value.status is None
+    assert cf_emulator_fresh.token not in str(unavailable.value)
+
+
+def test_cloudflare_429_is_waited_out_with_retry_after_then_served(cf_client, cf_emulator_fresh):
+    cf_emulator_fresh.configure(rate_limit="3/1")
+    started = time.monotonic()
+    for _ in range(4):
+        cf_client.script_list()
+    elapsed = time.monotonic() - started
+    statuses = [(call["status"], call["code"]) for call in cf_emulator_fresh.api_calls()]
+    assert statuses == [(200, None)] * 3 + [(429, 971), (200, None)]
+    assert 1.0 <= elapsed < 3.0
+
+
+def test_retry_after_beyond_the_allowed_wait_is_raised_as_rate_limited(cf_emulator_fresh, redis_client):
+    client = make_client(cf_emulator_fresh, redis_client, max_rate_wait_seconds=0.5)
+    cf_emulator_fresh.configure(rate_limit="1/30")
+    client.script_list()
+    started = time.monotonic()
+    with pytest.raises(CloudflareRateLimited) as limited:
+        client.script_list()
+    assert time.monotonic() - started < 0.5
+    assert limited.value.code == 971 and limited.value.retry_after == 30
+    assert isinstance(limited.value, RuntimeUnavailable)
+
+
+# --- the shared rate budget --------------------------------------------------------------------------
+
+
+def test_shared_budget_queues_a_burst_across_clients_instead_of_failing(cf_emulator_fresh, redis_client):
+    # Two clients stand for two processes: they share nothing but Redis. The emulator enforces
+    # the same limit, so a single call over budget would be a 429.
+    cf_emulator_fresh.configure(rate_limit="5/2")
+    clients = [make_client(cf_emulator_fresh, redis_client, rate_limit=5, rate_window_seconds=2) for _ in range(2)]
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=10) as pool:
+        results = list(pool.map(lambda i: clients[i % 2].script_list(), range(10)))
+    elapsed = time.monotonic() - started
+    assert results == [[]] * 10
+    calls = cf_emulator_fresh.api_calls()
+    assert len(calls) == 10 and {call["status"] for call in calls} == {200}
+    assert 1.9 <= elapsed < 4.0
+    # The second five started only as the first five left the window.
+    times = sorted(call["time"] for call in calls)
+    assert times[5] - times[0] >= 1.9
+
+
+def test_exhausted_budget_fails_fast_when_room_is_further_than_the_wait(cf_emulator_fresh, redis_client):
+    client = make_client(
+        cf_emulator_fresh, redis_client, rate_limit=1, rate_window_seconds=5, max_rate_wait_seconds=0.2
+    )
+    client.script_list()
+    with pytest.raises(CloudflareRateLimited) as limited:
+        client.script_list()
+    assert 4.0 < limited.value.retry_after <= 5.0
+    assert len(cf_emulator_fresh.api_calls()) == 1  # the refused call never reached Cloudflare
+
+
+# --- dispatch namespaces and KV -------------------------------------------------------------------------
+
+
+def test_dispatch_namespace_scripts_round_trip(cf_client, cf_emulator_fresh):
+    created = cf_client.namespace_create("sigil-ns")
+    assert created["namespace_name"] == "sigil-ns"
+    assert [ns["namespace_name"] for ns in cf_client.namespace_list()] == ["sigil-ns"]
+    cf_client.namespace_script_upload(
+        "sigil-ns",
+        "alice--ping",
+        modules={"w.js": HELLO},
+        main_module="w.js",
+        compatibility_date="2025-01-01",
+        tags=["agent-alice"],
+    )
+    cf_client.namespace_script_upload(
+        "sigil-ns",
+        "bob--pong",
+        modules={"w.js": HELLO},
+        main_module="w.js",
+        compatibility_date="2025-01-01",
+        tags=["agent-bob"],
+    )
+    assert cf_client.namespace_get("sigil-ns")["script_count"] == 2
+    assert [s.id for s in cf_client.namespace_script_list("sigil-ns", tags=["agent-alice:yes"])] == ["alice--ping"]
+    served = cf_emulator_fresh.worker_request(cf_emulator_fresh.dispatch_host("sigil-ns", "alice--ping"), "/a")
+    assert served.text == "hello /a"
+    cf_client.namespace_script_delete("sigil-ns", "alice--ping")
+    with pytest.raises(CloudflareNotFound):
+        cf_client.namespace_script_delete("sigil-ns", "alice--ping")
+    cf_client.namespace_delete("sigil-ns")
+    with pytest.raises(CloudflareNotFound):
+        cf_client.namespace_get("sigil-ns")
+
+
+def test_kv_values_round_trip(cf_client):
+    namespace = cf_client.kv_namespace_create("sigil-code")
+    assert [ns["title"] for ns in cf_client.kv_namespace_list()] == ["sigil-code"]
+    cf_client.kv_put(namespace["id"], "code:a/b?c", b"\x00bundle")
+    assert cf_client.kv_get(namespace["id"], "code:a/b?c") == b"\x00bundle"
+    cf_client.kv_put(namespace["id"], "ttl", b"short-lived", expiration_ttl=60)
+    cf_client.kv_delete(namespace["id"], "code:a/b?c")
+    cf_client.kv_delete(namespace["id"], "code:a/b?c")  # deleting a missing key succeeds
+    with pytest.raises(CloudflareNotFound) as missing:
+        cf_client.kv_get(namespace["id"], "code:a/b?c")
+    assert missing.value.code == 10009
+    with pytest.raises(CloudflareRejected):
+        cf_client.kv_namespace_create("sigil-code")

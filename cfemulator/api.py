@@ -1,0 +1,866 @@
+"""The emulated Cloudflare account and the REST endpoints Sigil uses, as the reference describes them.
+
+Covered: Worker scripts (upload, delete, list, settings), the workers.dev subdomain (account
+and per script), Workers for Platforms dispatch namespaces and their scripts, Workers KV
+namespaces and values. With Cloudflare's envelope, error codes, script quota, size limit and
+rate limit (a 429 with code 971 locks the token out for the rest of the window), plus
+injected latency and faults. Anything else answers 7003, as an unknown route does.
+
+Uploaded bundles are written to `code_dir` as `{sha}.json` (the loader host's format), so
+the emulator's workerd runs them; `resolve_host` maps a workers.dev Host to `(script, sha)`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import os
+import random
+import re
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+from capabilities.runtimes.base import CodeBundle
+from cfemulator import envelope
+from cfemulator.envelope import ApiError
+from cfemulator.uploads import ScriptUpload, parse_form, parse_upload
+
+logger = logging.getLogger(__name__)
+
+API_PREFIX = "/client/v4"
+# Credentials the emulator accepts when none are configured (CF_API_TOKEN, CF_ACCOUNT_ID).
+DEV_TOKEN = "sigil-emulator-dev-token"
+DEV_ACCOUNT_ID = "5169110000000000000000000000e001"
+# Cloudflare's schema pattern (§1.5) with the documented 63-character bound of a DNS label.
+_SCRIPT_NAME = re.compile(r"^[a-z0-9_][a-z0-9_-]{0,62}$")
+_LABEL = r"[a-z0-9_][a-z0-9_-]{0,62}"
+# How many API calls the request log keeps; enough for any test, bounded for long dev runs.
+_LOG_SIZE = 10_000
+# Bodies above this are refused before they are read (Cloudflare's request limit).
+MAX_BODY_BYTES = 100 * 1024 * 1024
+_KV_MIN_TTL_SECONDS = 60
+
+
+@dataclass(frozen=True)
+class EmulatorConfig:
+    """What a test (or `manage.py cfemulator`) may change while the emulator runs."""
+
+    script_limit: int = 500
+    latency: float = 0.0
+    fault_rate: float = 0.0
+    fault_seed: int | None = None
+    # Fail exactly the next N API calls with a 5xx (deterministic fault injection).
+    fail_next: int = 0
+    rate_limit: int = 1200
+    rate_window: float = 300.0
+    # Cloudflare's Paid plan limit, measured after compression (reference §7.3).
+    script_max_bytes: int = 10 * 1024 * 1024
+    subdomain: str = "sigil-emulator"
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["rate_limit"] = f"{self.rate_limit}/{self.rate_window:g}"
+        del data["rate_window"]
+        return data
+
+    def updated(self, changes: dict[str, Any]) -> EmulatorConfig:
+        """A copy with `changes` applied (keys as in `to_json`). Raises ValueError."""
+        known = {f.name for f in fields(self)} - {"rate_window"}
+        unknown = set(changes) - known
+        if unknown:
+            raise ValueError(f"unknown settings {sorted(unknown)}; known: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for key, value in changes.items():
+            if key == "rate_limit":
+                values["rate_limit"], values["rate_window"] = parse_rate_limit(str(value))
+            elif key in ("script_limit", "fail_next", "script_max_bytes"):
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise ValueError(f"{key} must be a whole number, at least 0")
+                values[key] = value
+            elif key in ("latency", "fault_rate"):
+                if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+                    raise ValueError(f"{key} must be a number, at least 0")
+                if key == "fault_rate" and value > 1:
+                    raise ValueError("fault_rate is a fraction, between 0 and 1")
+                values[key] = float(value)
+            elif key == "fault_seed":
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                    raise ValueError("fault_seed must be a whole number or null")
+                values[key] = value
+            elif key == "subdomain":
+                if not isinstance(value, str) or (value and not re.fullmatch(_LABEL, value)):
+                    raise ValueError("subdomain must be one lowercase DNS label, or empty for none")
+                values[key] = value
+        return replace(self, **values)
+
+
+def parse_rate_limit(text: str) -> tuple[int, float]:
+    """`"1200/300"` -> (1200, 300.0): requests per window of seconds. Raises ValueError."""
+    count, _, window = text.partition("/")
+    try:
+        limit, seconds = int(count), float(window)
+    except ValueError:
+        raise ValueError(f"a rate limit is REQUESTS/SECONDS, like 1200/300, not {text!r}") from None
+    if limit < 1 or seconds <= 0:
+        raise ValueError(f"a rate limit needs at least 1 request in a positive window, not {text!r}")
+    return limit, seconds
+
+
+class LockoutWindow:
+    """Cloudflare's API rate limit: over `limit` calls in `window` s blocks every call for `window` s."""
+
+    def __init__(self, limit: int, window: float) -> None:
+        self.limit = limit
+        self.window = window
+        self._calls: deque[float] = deque()
+        self._blocked_until = 0.0
+
+    def admit(self, now: float) -> float | None:
+        """Count one call; None when it may proceed, else the seconds until the lockout ends."""
+        if now < self._blocked_until:
+            return self._blocked_until - now
+        while self._calls and self._calls[0] <= now - self.window:
+            self._calls.popleft()
+        if len(self._calls) >= self.limit:
+            self._blocked_until = now + self.window
+            return self.window
+        self._calls.append(now)
+        return None
+
+    def headers(self, now: float) -> list[tuple[str, str]]:
+        """The `Ratelimit` headers Cloudflare sends on every response (reference §7.2)."""
+        remaining = max(0, self.limit - len(self._calls))
+        reset = self._calls[0] + self.window - now if self._calls else self.window
+        return [
+            ("Ratelimit", f'"default";r={remaining};t={max(0, math.ceil(reset))}'),
+            ("Ratelimit-Policy", f'"default";q={self.limit};w={self.window:g}'),
+        ]
+
+
+@dataclass
+class Script:
+    name: str
+    sha: str
+    upload: ScriptUpload
+    created_on: str
+    modified_on: str
+    subdomain_enabled: bool = False
+    previews_enabled: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.name,
+            "etag": self.sha,
+            "created_on": self.created_on,
+            "modified_on": self.modified_on,
+            "usage_model": "standard",
+            "logpush": False,
+            "has_modules": True,
+            "has_assets": False,
+        }
+
+
+@dataclass
+class DispatchNamespace:
+    id: str
+    name: str
+    created_on: str
+    modified_on: str
+    scripts: dict[str, Script] = field(default_factory=dict)
+
+
+@dataclass
+class KvValue:
+    value: bytes
+    expiration: int | None
+    metadata: Any
+
+
+@dataclass
+class KvNamespace:
+    id: str
+    title: str
+    values: dict[str, KvValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+
+    def arg(self, name: str, default: str | None = None) -> str | None:
+        values = self.query.get(name)
+        return values[0] if values else default
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body or b"null")
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ApiError(400, 10026, f"The request body could not be parsed: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ApiResponse:
+    status: int
+    body: bytes
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    content_type: str = "application/json"
+
+
+Handler = Callable[[ApiRequest, dict[str, str]], ApiResponse]
+
+
+class CloudflareApi:
+    """One emulated account: its state, its endpoints, and the emulator's control operations.
+
+    Thread-safe: every read and change of the state holds one lock; latency is slept and
+    uploads are parsed outside it.
+    """
+
+    def __init__(self, *, token: str, account_id: str, code_dir: Path, config: EmulatorConfig) -> None:
+        self.account_id = account_id
+        self.code_dir = Path(code_dir)
+        self.code_dir.mkdir(parents=True, exist_ok=True)
+        self._token = token
+        self._initial_config = config
+        self._lock = threading.RLock()
+        self._routes = self._route_table()
+        self._reset_locked()
+
+    # --- control (/__emulator/...) ------------------------------------------------------------
+
+    @property
+    def config(self) -> EmulatorConfig:
+        return self._config
+
+    def reset(self) -> None:
+        """Forget every script, namespace, KV value, counter and logged call; restore the start config."""
+        with self._lock:
+            self._reset_locked()
+
+    def _reset_locked(self) -> None:
+        self._config = self._initial_config
+        self.subdomain = self._config.subdomain
+        self.scripts: dict[str, Script] = {}
+        self.namespaces: dict[str, DispatchNamespace] = {}
+        self.kv_namespaces: dict[str, KvNamespace] = {}
+        self._log: deque[dict[str, Any]] = deque(maxlen=_LOG_SIZE)
+        self._limiter = LockoutWindow(self._config.rate_limit, self._config.rate_window)
+        self._faults = random.Random(self._config.fault_seed)
+        self._fault_count = 0
+        for path in self.code_dir.glob("*.json"):
+            path.unlink(missing_ok=True)
+
+    def configure(self, changes: dict[str, Any]) -> EmulatorConfig:
+        """Change the running config. Raises ValueError for unknown keys or bad values."""
+        with self._lock:
+            config = self._config.updated(changes)
+            if "rate_limit" in changes:
+                self._limiter = LockoutWindow(config.rate_limit, config.rate_window)
+            if "fault_seed" in changes:
+                # Reseeding replays the same faults, in the same order of statuses.
+                self._faults = random.Random(config.fault_seed)
+                self._fault_count = 0
+            if "subdomain" in changes:
+                self.subdomain = config.subdomain
+            self._config = config
+            return config
+
+    def request_log(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._log)
+
+    def resolve_host(self, host: str) -> tuple[str, str] | None:
+        """The (script, sha) a request for `host` runs, or None when nothing is served there.
+
+        `{script}.{subdomain}.workers.dev` reaches an account script once its workers.dev
+        URL is enabled. `{script}.{namespace}.dispatch.localhost` reaches a script in a
+        dispatch namespace directly; it is the emulator's stand-in for a dispatch Worker,
+        which Cloudflare requires and workerd cannot provide (reference §4.3).
+        """
+        name = host.split(":", 1)[0].lower().rstrip(".")
+        with self._lock:
+            if self.subdomain:
+                suffix = f".{self.subdomain}.workers.dev"
+                if name.endswith(suffix):
+                    script = self.scripts.get(name[: -len(suffix)])
+                    if script is not None and script.subdomain_enabled:
+                        return script.name, script.sha
+                    return None
+            match = re.fullmatch(rf"({_LABEL})\.([^.]+)\.dispatch\.localhost", name)
+            if match:
+                namespace = self.namespaces.get(match.group(2))
+                script = namespace.scripts.get(match.group(1)) if namespace else None
+                if script is not None:
+                    return script.name, script.sha
+        return None
+
+    # --- the API ------------------------------------------------------------------------------
+
+    def handle(self, request: ApiRequest) -> ApiResponse:
+        """Answer one API call as Cloudflare would, and log it."""
+        config = self._config
+        if config.latency:
+            time.sleep(config.latency)
+        now = time.monotonic()
+        with self._lock:
+            retry_after = self._limiter.admit(now)
+            rate_headers = self._limiter.headers(now)
+            fault = self._fault_status() if retry_after is None else None
+        if retry_after is not None:
+            seconds = max(1, math.ceil(retry_after))
+            response = _error_response(
+                ApiError(
+                    429,
+                    971,
+                    f"More than {self._limiter.limit} requests per {self._limiter.window:g} seconds reached. "
+                    "Please wait and consider throttling your request speed",
+                ),
+                [("Retry-After", str(seconds))],
+            )
+        elif fault is not None:
+            response = _fault_response(fault)
+        else:
+            try:
+                response = self._dispatch(request)
+            except ApiError as error:
+                response = _error_response(error)
+        response.headers.extend(rate_headers)
+        self._record(request, response)
+        return response
+
+    def _fault_status(self) -> int | None:
+        if self._config.fail_next > 0:
+            self._config = replace(self._config, fail_next=self._config.fail_next - 1)
+        elif not (self._config.fault_rate and self._faults.random() < self._config.fault_rate):
+            return None
+        # Cycle through the 5xx a client meets: an API error, an edge proxy page, an overload.
+        status = (500, 502, 503)[self._fault_count % 3]
+        self._fault_count += 1
+        return status
+
+    def _record(self, request: ApiRequest, response: ApiResponse) -> None:
+        code = None
+        if response.status >= 400 and response.content_type == "application/json":
+            try:
+                code = json.loads(response.body)["errors"][0]["code"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                code = None
+        entry = {
+            "method": request.method,
+            "path": request.path,
+            "status": response.status,
+            "code": code,
+            "time": time.time(),
+        }
+        with self._lock:
+            self._log.append(entry)
+
+    def _dispatch(self, request: ApiRequest) -> ApiResponse:
+        path = request.path[len(API_PREFIX) :] if request.path.startswith(API_PREFIX + "/") else None
+        if path is None:
+            raise ApiError(404, 7003)
+        for method, pattern, handler in self._routes:
+            match = pattern.fullmatch(path)
+            if match and method == request.method:
+                break
+        else:
+            raise ApiError(404, 7003)
+        if not self._authorized(request.headers.get("authorization", "")):
+            raise ApiError(403, 10000)
+        params = {key: unquote(value) for key, value in match.groupdict().items()}
+        if params.pop("account") != self.account_id:
+            raise ApiError(400, 7003, f"Could not route to {request.path}, perhaps your object identifier is invalid?")
+        if request.method == "PUT" and "script" in params and not path.endswith("/tags"):
+            # Parsing (and compressing) a large upload must not hold the account lock.
+            params["upload"] = parse_upload(
+                request.headers.get("content-type", ""),
+                request.body,
+                max_compressed_bytes=self._config.script_max_bytes,
+            )
+        with self._lock:
+            return handler(request, params)
+
+    def _authorized(self, header: str) -> bool:
+        scheme, _, token = header.partition(" ")
+        given = token.strip().encode()
+        # Constant-time comparison: the emulator stands in for a service that guards a secret.
+        return scheme.lower() == "bearer" and bool(given) and _same(given, self._token.encode())
+
+    def _route_table(self) -> list[tuple[str, re.Pattern[str], Handler]]:
+        account = r"/accounts/(?P<account>[^/]+)"
+        scripts = account + r"/workers/scripts"
+        script = scripts + r"/(?P<script>[^/]+)"
+        namespaces = account + r"/workers/dispatch/namespaces"
+        namespace = namespaces + r"/(?P<namespace>[^/]+)"
+        ns_script = namespace + r"/scripts/(?P<script>[^/]+)"
+        kv = account + r"/storage/kv/namespaces"
+        kv_ns = kv + r"/(?P<kv>[^/]+)"
+        table: list[tuple[str, str, Handler]] = [
+            ("GET", scripts, self._script_list),
+            ("PUT", script, self._script_upload),
+            ("DELETE", script, self._script_delete),
+            ("GET", script + "/settings", self._script_settings),
+            ("GET", script + "/subdomain", self._script_subdomain_get),
+            ("POST", script + "/subdomain", self._script_subdomain_set),
+            ("DELETE", script + "/subdomain", self._script_subdomain_delete),
+            ("GET", account + "/workers/subdomain", self._subdomain_get),
+            ("PUT", account + "/workers/subdomain", self._subdomain_put),
+            ("GET", namespaces, self._namespace_list),
+            ("POST", namespaces, self._namespace_create),
+            ("GET", namespace, self._namespace_get),
+            ("DELETE", namespace, self._namespace_delete),
+            ("GET", namespace + "/scripts", self._ns_script_list),
+            ("DELETE", namespace + "/scripts", self._ns_script_bulk_delete),
+            ("PUT", ns_script, self._ns_script_upload),
+            ("GET", ns_script, self._ns_script_get),
+            ("DELETE", ns_script, self._ns_script_delete),
+            ("GET", ns_script + "/tags", self._ns_script_tags_get),
+            ("PUT", ns_script + "/tags", self._ns_script_tags_put),
+            ("GET", kv, self._kv_namespace_list),
+            ("POST", kv, self._kv_namespace_create),
+            ("GET", kv_ns, self._kv_namespace_get),
+            ("DELETE", kv_ns, self._kv_namespace_delete),
+            ("PUT", kv_ns + r"/values/(?P<key>[^/]+)", self._kv_put),
+            ("GET", kv_ns + r"/values/(?P<key>[^/]+)", self._kv_get),
+            ("DELETE", kv_ns + r"/values/(?P<key>[^/]+)", self._kv_delete),
+            ("GET", kv_ns + r"/metadata/(?P<key>[^/]+)", self._kv_metadata),
+            ("GET", kv_ns + "/keys", self._kv_keys),
+        ]
+        return [(method, re.compile(pattern), handler) for method, pattern, handler in table]
+
+    # --- Worker scripts -----------------------------------------------------------------------
+
+    def _script_list(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        return _ok([script.to_json() for script in self.scripts.values()])
+
+    def _script_upload(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        name = _check_name(params["script"])
+        existing = self.scripts.get(name)
+        if existing is None and len(self.scripts) >= self._config.script_limit:
+            # Checked under the lock, so concurrent uploads never overshoot the quota.
+            raise ApiError(
+                400, 10037, f"You have exceeded the limit of {self._config.script_limit} Workers on your account."
+            )
+        script = self._store(name, params["upload"], existing)
+        if existing is None:
+            self.scripts[name] = script
+        return _ok(_upload_result(script))
+
+    def _script_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        script = self.scripts.pop(params["script"], None)
+        if script is None:
+            raise ApiError(404, 10007)
+        self._release(script.sha)
+        return _ok(None)
+
+    def _script_settings(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        return _ok(_settings(self._script(params["script"])))
+
+    def _script_subdomain_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        script = self._script(params["script"])
+        return _ok({"enabled": script.subdomain_enabled, "previews_enabled": script.previews_enabled})
+
+    def _script_subdomain_set(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        script = self._script(params["script"])
+        body = request.json()
+        if not isinstance(body, dict) or not isinstance(body.get("enabled"), bool):
+            raise ApiError(400, 10021, "enabled (true or false) is required")
+        script.subdomain_enabled = body["enabled"]
+        script.previews_enabled = bool(body.get("previews_enabled", False))
+        return _ok({"enabled": script.subdomain_enabled, "previews_enabled": script.previews_enabled})
+
+    def _script_subdomain_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        script = self._script(params["script"])
+        script.subdomain_enabled = script.previews_enabled = False
+        return _ok({"enabled": False, "previews_enabled": False})
+
+    def _subdomain_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        if not self.subdomain:
+            raise ApiError(404, 10007, "This account has no workers.dev subdomain.")
+        return _ok({"subdomain": self.subdomain})
+
+    def _subdomain_put(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        body = request.json()
+        name = body.get("subdomain") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not re.fullmatch(_LABEL, name):
+            raise ApiError(400, 10021, "subdomain must be one lowercase DNS label")
+        self.subdomain = name
+        return _ok({"subdomain": name})
+
+    def _script(self, name: str) -> Script:
+        script = self.scripts.get(name)
+        if script is None:
+            raise ApiError(404, 10007)
+        return script
+
+    # --- dispatch namespaces ------------------------------------------------------------------
+
+    def _namespace_list(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        return _ok([self._namespace_json(ns) for ns in self.namespaces.values()])
+
+    def _namespace_create(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        body = request.json()
+        name = body.get("name") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ApiError(400, 10021, "name is required")
+        if name in self.namespaces:
+            # No source gives this code; it mirrors KV's duplicate-title answer (10014).
+            raise ApiError(409, 10014, f"a dispatch namespace named {name!r} already exists")
+        stamp = _now()
+        self.namespaces[name] = DispatchNamespace(id=str(uuid.uuid4()), name=name, created_on=stamp, modified_on=stamp)
+        return _ok(self._namespace_json(self.namespaces[name]))
+
+    def _namespace_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        return _ok(self._namespace_json(self._namespace(params["namespace"])))
+
+    def _namespace_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        namespace = self._namespace(params["namespace"])
+        del self.namespaces[namespace.name]
+        for script in namespace.scripts.values():
+            self._release(script.sha)
+        return _ok(None)
+
+    def _ns_script_list(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        namespace = self._namespace(params["namespace"])
+        matching = [s for s in namespace.scripts.values() if _tags_match(s, request.arg("tags", "") or "")]
+        limit = min(1000, max(1, _int_arg(request, "limit", 1000)))
+        offset = _int_arg(request, "cursor", 0)
+        page = matching[offset : offset + limit]
+        cursor = str(offset + limit) if offset + limit < len(matching) else ""
+        items = [{**s.to_json(), "tags": s.upload.tags} for s in page]
+        return _ok(items, result_info={"count": len(items), "cursor": cursor})
+
+    def _ns_script_bulk_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        namespace = self._namespace(params["namespace"])
+        selector = request.arg("tags", "") or ""
+        if not selector:
+            raise ApiError(400, 10021, "tags is required to delete scripts in bulk")
+        for name in [n for n, s in namespace.scripts.items() if _tags_match(s, selector)]:
+            self._release(namespace.scripts.pop(name).sha)
+        return _ok(None)
+
+    def _ns_script_upload(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        namespace = self._namespace(params["namespace"])
+        name = _check_name(params["script"])
+        # Namespaces are not capped by the account's Worker quota (reference §7.3).
+        existing = namespace.scripts.get(name)
+        script = self._store(name, params["upload"], existing)
+        namespace.scripts[name] = script
+        namespace.modified_on = script.modified_on
+        return _ok(_upload_result(script))
+
+    def _ns_script_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        namespace = self._namespace(params["namespace"])
+        script = self._ns_script(namespace, params["script"])
+        return _ok(
+            {
+                "created_on": script.created_on,
+                "modified_on": script.modified_on,
+                "dispatch_namespace": namespace.name,
+                "script": script.to_json(),
+            }
+        )
+
+    def _ns_script_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        namespace = self._namespace(params["namespace"])
+        script = self._ns_script(namespace, params["script"])
+        del namespace.scripts[script.name]
+        self._release(script.sha)
+        return _ok(None)
+
+    def _ns_script_tags_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        namespace = self._namespace(params["namespace"])
+        return _ok(list(self._ns_script(namespace, params["script"]).upload.tags))
+
+    def _ns_script_tags_put(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        namespace = self._namespace(params["namespace"])
+        script = self._ns_script(namespace, params["script"])
+        tags = request.json()
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags) or len(tags) > 8:
+            raise ApiError(400, 10021, "tags must be a list of at most 8 strings")
+        script.upload = replace(script.upload, tags=list(tags))
+        return _ok(list(tags))
+
+    def _namespace(self, name: str) -> DispatchNamespace:
+        namespace = self.namespaces.get(name)
+        if namespace is None:
+            raise ApiError(404, 10007, f"dispatch namespace {name!r} not found")
+        return namespace
+
+    @staticmethod
+    def _ns_script(namespace: DispatchNamespace, name: str) -> Script:
+        script = namespace.scripts.get(name)
+        if script is None:
+            raise ApiError(404, 10007, "Worker not found.")
+        return script
+
+    def _namespace_json(self, namespace: DispatchNamespace) -> dict[str, Any]:
+        return {
+            "namespace_id": namespace.id,
+            "namespace_name": namespace.name,
+            "created_on": namespace.created_on,
+            "created_by": self.account_id,
+            "modified_on": namespace.modified_on,
+            "modified_by": self.account_id,
+            "script_count": len(namespace.scripts),
+        }
+
+    # --- Workers KV ---------------------------------------------------------------------------
+
+    def _kv_namespace_list(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        everything = list(self.kv_namespaces.values())
+        page, per_page = max(1, _int_arg(request, "page", 1)), min(1000, max(5, _int_arg(request, "per_page", 20)))
+        chosen = everything[(page - 1) * per_page : page * per_page]
+        items = [_kv_namespace_json(ns) for ns in chosen]
+        info = {"page": page, "per_page": per_page, "count": len(items), "total_count": len(everything)}
+        return _ok(items, result_info=info)
+
+    def _kv_namespace_create(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        body = request.json()
+        title = body.get("title") if isinstance(body, dict) else None
+        if not isinstance(title, str) or not title:
+            raise ApiError(400, 10021, "title is required")
+        if any(ns.title == title for ns in self.kv_namespaces.values()):
+            raise ApiError(400, 10014, "a namespace with this account ID and title already exists")
+        namespace = KvNamespace(id=uuid.uuid4().hex, title=title)
+        self.kv_namespaces[namespace.id] = namespace
+        return _ok(_kv_namespace_json(namespace))
+
+    def _kv_namespace_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        return _ok(_kv_namespace_json(self._kv_namespace(params["kv"])))
+
+    def _kv_namespace_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        del self.kv_namespaces[self._kv_namespace(params["kv"]).id]
+        return _ok(None)
+
+    def _kv_put(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        namespace = self._kv_namespace(params["kv"])
+        key = _check_key(params["key"])
+        expiration: int | None = None
+        ttl = request.arg("expiration_ttl")
+        if ttl is not None:
+            seconds = _int_value(ttl, "expiration_ttl")
+            if seconds < _KV_MIN_TTL_SECONDS:
+                # The minimum is documented (reference §6); the code for breaking it is not.
+                raise ApiError(400, 10033, f"Invalid expiration_ttl of {seconds}. Expiration TTL must be at least 60.")
+            expiration = int(time.time()) + seconds
+        elif request.arg("expiration") is not None:
+            expiration = _int_value(request.arg("expiration") or "", "expiration")
+        value, metadata = request.body, None
+        if request.headers.get("content-type", "").startswith("multipart/form-data"):
+            parts = {part.name: part for part in parse_form(request.headers["content-type"], request.body)}
+            if "value" not in parts:
+                raise ApiError(400, 10026, "The request body could not be parsed: no value part")
+            value = parts["value"].body
+            if "metadata" in parts:
+                try:
+                    metadata = json.loads(parts["metadata"].body)
+                except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                    raise ApiError(400, 10026, f"metadata is not JSON ({exc})") from exc
+        namespace.values[key] = KvValue(value=value, expiration=expiration, metadata=metadata)
+        return _ok(None)
+
+    def _kv_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        item = self._kv_value(self._kv_namespace(params["kv"]), params["key"])
+        headers = [("expiration", str(item.expiration))] if item.expiration is not None else []
+        # KV reads are the one answer that is raw bytes, not an envelope (reference §0).
+        return ApiResponse(200, item.value, headers, content_type="application/octet-stream")
+
+    def _kv_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        self._kv_namespace(params["kv"]).values.pop(params["key"], None)
+        return _ok(None)
+
+    def _kv_metadata(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        return _ok(self._kv_value(self._kv_namespace(params["kv"]), params["key"]).metadata)
+
+    def _kv_keys(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        namespace = self._kv_namespace(params["kv"])
+        prefix = request.arg("prefix", "") or ""
+        now = time.time()
+        names = sorted(
+            key
+            for key, item in namespace.values.items()
+            if key.startswith(prefix) and (item.expiration is None or item.expiration > now)
+        )
+        limit = min(1000, max(10, _int_arg(request, "limit", 1000)))
+        offset = _int_arg(request, "cursor", 0)
+        page = names[offset : offset + limit]
+        cursor = str(offset + limit) if offset + limit < len(names) else ""
+        items = []
+        for name in page:
+            item = namespace.values[name]
+            entry: dict[str, Any] = {"name": name}
+            if item.expiration is not None:
+                entry["expiration"] = item.expiration
+            if item.metadata is not None:
+                entry["metadata"] = item.metadata
+            items.append(entry)
+        return _ok(items, result_info={"count": len(items), "cursor": cursor})
+
+    def _kv_namespace(self, namespace_id: str) -> KvNamespace:
+        namespace = self.kv_namespaces.get(namespace_id)
+        if namespace is None:
+            raise ApiError(404, 10013)
+        return namespace
+
+    @staticmethod
+    def _kv_value(namespace: KvNamespace, key: str) -> KvValue:
+        item = namespace.values.get(key)
+        if item is None or (item.expiration is not None and item.expiration <= time.time()):
+            raise ApiError(404, 10009)
+        return item
+
+    # --- the code store -----------------------------------------------------------------------
+
+    def _store(self, name: str, upload: ScriptUpload, existing: Script | None) -> Script:
+        """Write the bundle the loader host reads and return the script that serves it.
+
+        The bundle's sha covers everything the script runs with (modules, date, text
+        bindings), so a change of any of them gives a new loader id and a fresh isolate.
+        """
+        bundle = CodeBundle(
+            main_module=upload.main_module,
+            modules=upload.loader_modules,
+            compatibility_date=upload.compatibility_date,
+            bindings=upload.text_bindings,
+        )
+        sha = bundle.sha
+        path = self.code_dir / f"{sha}.json"
+        if not path.exists():
+            _write_atomically(path, bundle.to_json())
+        stamp = _now()
+        if existing is None:
+            return Script(name=name, sha=sha, upload=upload, created_on=stamp, modified_on=stamp)
+        old_sha = existing.sha
+        existing.sha, existing.upload, existing.modified_on = sha, upload, stamp
+        if old_sha != sha:
+            self._release(old_sha)
+        return existing
+
+    def _release(self, sha: str) -> None:
+        """Delete a bundle no script uses any more."""
+        in_use = any(s.sha == sha for s in self.scripts.values()) or any(
+            s.sha == sha for ns in self.namespaces.values() for s in ns.scripts.values()
+        )
+        if not in_use:
+            (self.code_dir / f"{sha}.json").unlink(missing_ok=True)
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _ok(result: Any, **extra: Any) -> ApiResponse:
+    return ApiResponse(200, envelope.success(result, **extra))
+
+
+def _error_response(error: ApiError, headers: list[tuple[str, str]] | None = None) -> ApiResponse:
+    return ApiResponse(error.status, envelope.failure(error.code, error.message), list(headers or []))
+
+
+def _fault_response(status: int) -> ApiResponse:
+    if status == 502:
+        # What an edge proxy answers: HTML, not an envelope; clients must cope with both.
+        page = b"<html><head><title>502 Bad Gateway</title></head><body>502 Bad Gateway</body></html>"
+        return ApiResponse(502, page, content_type="text/html")
+    return ApiResponse(status, envelope.failure(10002, "Unexpected internal server error"))
+
+
+def _upload_result(script: Script) -> dict[str, Any]:
+    return {
+        **script.to_json(),
+        "handlers": ["fetch"],
+        "startup_time_ms": 0,
+        "compatibility_date": script.upload.compatibility_date,
+        "compatibility_flags": script.upload.compatibility_flags,
+    }
+
+
+def _settings(script: Script) -> dict[str, Any]:
+    # Secret values are write-only on Cloudflare: settings name them but never show them.
+    bindings = [
+        {k: v for k, v in b.items() if not (b.get("type") == "secret_text" and k == "text")}
+        for b in script.upload.bindings
+    ]
+    return {
+        "bindings": bindings,
+        "compatibility_date": script.upload.compatibility_date,
+        "compatibility_flags": script.upload.compatibility_flags,
+        "limits": script.upload.limits,
+        "logpush": False,
+        "tags": script.upload.tags,
+        "tail_consumers": [],
+        "usage_model": "standard",
+    }
+
+
+def _kv_namespace_json(namespace: KvNamespace) -> dict[str, Any]:
+    return {"id": namespace.id, "title": namespace.title, "supports_url_encoding": True}
+
+
+def _check_name(name: str) -> str:
+    if not _SCRIPT_NAME.match(name):
+        raise ApiError(400, 10016, f"Invalid Worker name {name!r}")
+    return name
+
+
+def _check_key(key: str) -> str:
+    if not key or len(key.encode()) > 512:
+        raise ApiError(400, 10021, "a KV key is 1 to 512 bytes")
+    return key
+
+
+def _tags_match(script: Script, selector: str) -> bool:
+    """`tags=a:yes,b:no` (reference §4.2): every `yes` tag present, every `no` tag absent."""
+    for clause in filter(None, selector.split(",")):
+        tag, _, wanted = clause.partition(":")
+        present = tag in script.upload.tags
+        if present != (wanted != "no"):
+            return False
+    return True
+
+
+def _int_arg(request: ApiRequest, name: str, default: int) -> int:
+    raw = request.arg(name)
+    return default if raw in (None, "") else _int_value(raw, name)
+
+
+def _int_value(raw: str, name: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ApiError(400, 10004, f"Malformed URL parameter {name}={raw!r}") from None
+
+
+def _same(given: bytes, expected: bytes) -> bool:
+    return hmac.compare_digest(given, expected)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    # workerd may read a bundle at any moment; it must never see a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

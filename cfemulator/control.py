@@ -1,0 +1,68 @@
+"""A handle on a running emulator for tests: its addresses and credentials, and its
+/__emulator/ controls, all over HTTP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+
+
+@dataclass
+class EmulatorControl:
+    """What a test needs to point Sigil at the emulator and to steer it.
+
+    `configure(script_limit=3, rate_limit="5/2", fail_next=2, ...)` changes the running
+    emulator; `reset()` restores the start config and forgets everything.
+    """
+
+    url: str
+    token: str
+    account_id: str
+    _session: requests.Session = field(default_factory=requests.Session, repr=False)
+
+    @property
+    def api_base(self) -> str:
+        return f"{self.url}/client/v4"
+
+    @property
+    def subdomain(self) -> str:
+        return self.config()["subdomain"]
+
+    def workers_dev_host(self, script: str) -> str:
+        """The Host header that reaches `script` on its workers.dev URL."""
+        return f"{script}.{self.subdomain}.workers.dev"
+
+    def dispatch_host(self, namespace: str, script: str) -> str:
+        """The Host header that reaches a script in a dispatch namespace (emulator only)."""
+        return f"{script}.{namespace}.dispatch.localhost"
+
+    def reset(self) -> dict[str, Any]:
+        return self._call("POST", "/__emulator/reset")["config"]
+
+    def config(self) -> dict[str, Any]:
+        return self._call("GET", "/__emulator/config")["config"]
+
+    def configure(self, **changes: Any) -> dict[str, Any]:
+        return self._call("POST", "/__emulator/config", json=changes)["config"]
+
+    def api_calls(self, *, method: str | None = None, path_suffix: str | None = None) -> list[dict[str, Any]]:
+        """The API calls received since the last reset, oldest first, optionally filtered."""
+        calls = self._call("GET", "/__emulator/requests")["requests"]
+        return [
+            call
+            for call in calls
+            if (method is None or call["method"] == method)
+            and (path_suffix is None or call["path"].endswith(path_suffix))
+        ]
+
+    def worker_request(self, host: str, path: str = "/", method: str = "GET", **kwargs: Any) -> requests.Response:
+        """One request to a Worker served by the emulator, addressed by Host header."""
+        headers = {**kwargs.pop("headers", {}), "Host": host}
+        return self._session.request(method, self.url + path, headers=headers, timeout=30, **kwargs)
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        response = self._session.request(method, self.url + path, timeout=10, **kwargs)
+        response.raise_for_status()
+        return response.json()

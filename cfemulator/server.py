@@ -1,0 +1,328 @@
+"""The emulator's HTTP server: the API, the workers.dev proxy to workerd, and /__emulator/ controls.
+
+It listens on 127.0.0.1 only. One thread per connection (keep-alive is honoured), so many
+concurrent clients are served at once; the account state is guarded by `CloudflareApi`.
+
+- `/client/v4/...`               the Cloudflare API (see `cfemulator.api`)
+- Host `{script}.{sub}.workers.dev` the script, run by the emulator's own workerd
+- `GET  /__emulator/requests`    the API calls received: method, path, status, code, time
+- `POST /__emulator/reset`       forget scripts, namespaces, KV, counters and the log
+- `GET|POST /__emulator/config`  read or change script_limit, latency, fault_rate,
+                                 fault_seed, fail_next, rate_limit ("N/S"),
+                                 script_max_bytes, subdomain
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import urllib3
+from urllib3 import HTTPHeaderDict
+
+from capabilities.workerd import WorkerdHost
+from cfemulator.api import MAX_BODY_BYTES, ApiRequest, CloudflareApi, EmulatorConfig
+
+logger = logging.getLogger(__name__)
+
+LISTEN_ADDRESS = "127.0.0.1"
+# Accepted-but-not-yet-served connections; the stdlib default of 5 refuses bursts.
+_BACKLOG = 512
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+    }
+)
+_WORKER_HOST_SUFFIXES = (".workers.dev", ".dispatch.localhost")
+
+
+class BodyTooLarge(Exception):
+    """The request body is over MAX_BODY_BYTES."""
+
+
+class EmulatorServer:
+    """The emulator: a threaded HTTP server on 127.0.0.1 in front of `api` and `workerd`.
+
+    `start()` runs it in a background thread (tests); `serve_forever()` in the caller's
+    (the management command). `port=0` picks a free port; `port` then tells which.
+    """
+
+    def __init__(self, *, api: CloudflareApi, workerd: WorkerdHost, token: str, port: int = 0) -> None:
+        self.api = api
+        self.workerd = workerd
+        self.token = token
+        self._requested_port = port
+        self._http: _HttpServer | None = None
+        self._thread: threading.Thread | None = None
+        self._upstream = urllib3.HTTPConnectionPool(
+            LISTEN_ADDRESS,
+            workerd.port,
+            maxsize=64,
+            block=False,
+            retries=False,
+            timeout=urllib3.Timeout(connect=5.0, read=60.0),
+        )
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        workerd_binary: str,
+        state_dir: Path,
+        token: str,
+        account_id: str,
+        config: EmulatorConfig,
+        port: int = 0,
+        workerd_port: int,
+    ) -> EmulatorServer:
+        """An emulator with its own workerd (own code directory, port and secret) under `state_dir`."""
+        state_dir = Path(state_dir)
+        workerd = WorkerdHost(
+            binary=workerd_binary,
+            port=workerd_port,
+            code_dir=state_dir / "code",
+            state_dir=state_dir / "workerd",
+            secret=secrets.token_hex(32),
+        )
+        api = CloudflareApi(token=token, account_id=account_id, code_dir=workerd.code_dir, config=config)
+        return cls(api=api, workerd=workerd, token=token, port=port)
+
+    @property
+    def port(self) -> int:
+        if self._http is None:
+            raise RuntimeError("the emulator is not bound yet")
+        return self._http.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{LISTEN_ADDRESS}:{self.port}"
+
+    @property
+    def api_base(self) -> str:
+        return f"{self.url}/client/v4"
+
+    def bind(self) -> None:
+        """Open the listening socket on 127.0.0.1 (never any other address)."""
+        self._http = _HttpServer((LISTEN_ADDRESS, self._requested_port), self)
+
+    def start(self) -> None:
+        """Start workerd and serve in a background thread."""
+        self.workerd.start()
+        self.bind()
+        self._thread = threading.Thread(target=self._http.serve_forever, name="cfemulator", daemon=True)
+        self._thread.start()
+
+    def serve_forever(self) -> None:
+        """Serve in this thread until shutdown() is called or an exception (a signal) stops it."""
+        if self._http is None:
+            self.bind()
+        self._http.serve_forever()
+
+    def stop(self) -> None:
+        """Stop serving, close the socket, and stop workerd."""
+        if self._http is not None:
+            if self._thread is not None:
+                self._http.shutdown()
+                self._thread.join(timeout=5)
+                self._thread = None
+            self._http.server_close()
+            self._http = None
+        self._upstream.close()
+        self.workerd.stop()
+
+    # --- called by the request handler --------------------------------------------------------
+
+    def proxy(self, method: str, target: str, headers: HTTPHeaderDict, body: bytes) -> urllib3.BaseHTTPResponse:
+        """Send one request to workerd, as the loader host expects it."""
+        return self._upstream.urlopen(
+            method,
+            target,
+            body=body if body or method not in ("GET", "HEAD") else None,
+            headers=headers,
+            redirect=False,
+            retries=False,
+            preload_content=True,
+            decode_content=False,
+            assert_same_host=False,
+        )
+
+
+class _HttpServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = _BACKLOG
+    block_on_close = False
+
+    def __init__(self, address: tuple[str, int], emulator: EmulatorServer) -> None:
+        self.emulator = emulator
+        super().__init__(address, _RequestHandler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hangs up mid-answer is routine; anything else is an emulator bug.
+        if isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
+            return
+        logger.exception("the Cloudflare emulator failed on a request from %s", client_address)
+
+
+class _RequestHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "cloudflare"
+    # Idle keep-alive connections are closed after this, so threads do not pile up.
+    timeout = 120
+    # Headers and body go out in separate writes; with Nagle on, the client's delayed ACK
+    # would add 40 ms to every keep-alive answer.
+    disable_nagle_algorithm = True
+    server: _HttpServer
+
+    def do_request(self) -> None:
+        emulator = self.server.emulator
+        split = urlsplit(self.path)
+        try:
+            body = self._read_body()
+        except BodyTooLarge:
+            self.close_connection = True
+            self._send(413, b"request body too large", "text/plain")
+            return
+        except ValueError:
+            # A Content-Length or chunk size that is not a number: the stream cannot be trusted.
+            self.close_connection = True
+            self._send(400, b"malformed request body framing", "text/plain")
+            return
+        host = (self.headers.get("Host") or "").split(":", 1)[0].lower()
+        if host.endswith(_WORKER_HOST_SUFFIXES):
+            self._serve_worker(host, split, body)
+        elif split.path.startswith("/__emulator/"):
+            self._control(split.path, body)
+        else:
+            request = ApiRequest(
+                method=self.command,
+                path=split.path,
+                query=parse_qs(split.query, keep_blank_values=True),
+                headers={name.lower(): value for name, value in self.headers.items()},
+                body=body,
+            )
+            response = emulator.api.handle(request)
+            self._send(response.status, response.body, response.content_type, response.headers)
+
+    do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_request
+
+    def version_string(self) -> str:
+        return self.server_version
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s %s", self.address_string(), format % args)
+
+    # --- workers.dev ----------------------------------------------------------------------------
+
+    def _serve_worker(self, host: str, split: Any, body: bytes) -> None:
+        emulator = self.server.emulator
+        target = emulator.api.resolve_host(host)
+        if target is None:
+            # The reference does not say what a workers.dev host without a Worker answers;
+            # a plain 404 is what a client can rely on.
+            self._send(404, f"No Worker is served at {host}\n".encode(), "text/plain; charset=utf-8")
+            return
+        script, sha = target
+        headers = HTTPHeaderDict()
+        for name, value in self.headers.items():
+            lower = name.lower()
+            # A caller must not be able to speak to workerd with Sigil's internal headers.
+            if lower not in _HOP_BY_HOP and not lower.startswith("x-sigil-"):
+                headers.add(name, value)
+        headers["X-Sigil-Secret"] = emulator.workerd.secret
+        headers["X-Sigil-Loader-Id"] = f"{script}@{sha}"
+        path = split.path + (f"?{split.query}" if split.query else "")
+        try:
+            upstream = emulator.proxy(self.command, path, headers, body)
+        except urllib3.exceptions.HTTPError as exc:
+            logger.warning("workerd did not answer for %s: %s", script, exc)
+            self._send(502, b"the emulator's workerd did not answer\n", "text/plain")
+            return
+        passed = [
+            (name, value)
+            for name, value in upstream.headers.items()
+            if name.lower() not in _HOP_BY_HOP and name.lower() != "content-type"
+        ]
+        self._send(upstream.status, upstream.data, upstream.headers.get("content-type"), passed)
+
+    # --- /__emulator/ ---------------------------------------------------------------------------
+
+    def _control(self, path: str, body: bytes) -> None:
+        api = self.server.emulator.api
+        if path == "/__emulator/requests" and self.command == "GET":
+            self._send_json(200, {"requests": api.request_log()})
+        elif path == "/__emulator/reset" and self.command == "POST":
+            api.reset()
+            self._send_json(200, {"config": api.config.to_json()})
+        elif path == "/__emulator/config" and self.command in ("GET", "POST"):
+            if self.command == "POST":
+                try:
+                    changes = json.loads(body or b"{}")
+                    if not isinstance(changes, dict):
+                        raise ValueError("the body must be a JSON object of settings")
+                    api.configure(changes)
+                except ValueError as exc:
+                    self._send_json(400, {"error": str(exc)})
+                    return
+            self._send_json(200, {"config": api.config.to_json()})
+        else:
+            self._send_json(404, {"error": f"no emulator control {self.command} {path}"})
+
+    # --- plumbing -------------------------------------------------------------------------------
+
+    def _read_body(self) -> bytes:
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            return self._read_chunked()
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY_BYTES:
+            raise BodyTooLarge
+        return self.rfile.read(length) if length else b""
+
+    def _read_chunked(self) -> bytes:
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            size = int(self.rfile.readline(1024).split(b";", 1)[0].strip() or b"0", 16)
+            if size == 0:
+                # Trailer fields, if any, end with an empty line.
+                while self.rfile.readline(8192) not in (b"\r\n", b"\n", b""):
+                    pass
+                return b"".join(chunks)
+            total += size
+            if total > MAX_BODY_BYTES:
+                raise BodyTooLarge
+            chunks.append(self.rfile.read(size))
+            self.rfile.readline(8)
+
+    def _send_json(self, status: int, payload: Any) -> None:
+        self._send(status, json.dumps(payload).encode(), "application/json")
+
+    def _send(
+        self, status: int, body: bytes, content_type: str | None, headers: list[tuple[str, str]] | None = None
+    ) -> None:
+        self.send_response(status)
+        if content_type:
+            self.send_header("Content-Type", content_type)
+        for name, value in headers or []:
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)

@@ -1,0 +1,70 @@
+"""`manage.py cfemulator` serves the API on 127.0.0.1 with its options, and stops cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+from django.conf import settings
+
+from capabilities.workerd import free_port, port_is_open
+
+MANAGE = Path(settings.BASE_DIR) / "manage.py"
+
+
+def test_command_serves_with_its_options_and_stops_workerd_on_sigterm(tmp_path):
+    port, workerd_port = free_port(), free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(MANAGE),
+            "cfemulator",
+            "--port",
+            str(port),
+            "--workerd-port",
+            str(workerd_port),
+            "--script-limit",
+            "1",
+            "--token",
+            "command-test-token",
+            "--account-id",
+            "acc0",
+            "--state-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "CF_API_TOKEN": ""},
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not port_is_open(port):
+            assert process.poll() is None, process.stdout.read().decode()
+            assert time.monotonic() < deadline, "the emulator did not listen within 20 s"
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{port}/client/v4/accounts/acc0/workers/scripts"
+        auth = {"Authorization": "Bearer command-test-token"}
+        meta = '{"main_module": "w.js", "compatibility_date": "2025-01-01"}'
+
+        def upload(name: str) -> requests.Response:
+            files = [
+                ("metadata", (None, meta)),
+                ("w.js", ("w.js", b"export default {}", "application/javascript+module")),
+            ]
+            return requests.put(f"{base}/{name}", headers=auth, files=files, timeout=10)
+
+        assert upload("first").status_code == 200
+        assert upload("second").json()["errors"][0]["code"] == 10037
+        assert port_is_open(workerd_port)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=15)[0].decode()
+    assert process.returncode == 0, output
+    assert f"http://127.0.0.1:{port}/client/v4" in output
+    assert "command-test-token" not in output
+    assert not port_is_open(workerd_port)
