@@ -190,3 +190,17 @@ def cf_client(cf_emulator_fresh, redis_client):
     )
     yield client
     client.close()
+
+
+@pytest.fixture
+def worker_pool(cf_settings, cf_emulator_fresh):
+    """Sigil on the worker-pool runtime, against the fresh emulator: a quota of 8 scripts,
+    1 + 2 reserved and a margin of 2, so 3 slots. Returns the emulator's control."""
+    cf_settings.SIGIL_BACKEND = "worker-pool"
+    cf_settings.SIGIL_CF_WORKERS_BASE = cf_emulator_fresh.url
+    cf_settings.SIGIL_POOL_TOTAL_QUOTA = 8
+    cf_settings.SIGIL_POOL_SYSTEM_RESERVED = 1
+    cf_settings.SIGIL_POOL_USER_RESERVED = 2
+    cf_settings.SIGIL_POOL_SAFETY_MARGIN = 2
+    cf_emulator_fresh.configure(script_limit=8 - 1)  # the system script lives elsewhere
+    return cf_emulator_fresh

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.core.checks import Error, register
 
-KNOWN_BACKENDS = ("local",)
+KNOWN_BACKENDS = ("local", "worker-pool")
 
 
 @register()
@@ -18,4 +18,33 @@ def check_backend(app_configs, **kwargs) -> list[Error]:
                 id="sigil.E001",
             )
         ]
+    return []
+
+
+@register()
+def check_pool_slots(app_configs, **kwargs) -> list[Error]:
+    """The quota must leave slots once the reserved scripts and the margin are set aside."""
+    if settings.SIGIL_BACKEND != "worker-pool":
+        return []
+    slots = (
+        settings.SIGIL_POOL_TOTAL_QUOTA
+        - settings.SIGIL_POOL_SYSTEM_RESERVED
+        - settings.SIGIL_POOL_USER_RESERVED
+        - settings.SIGIL_POOL_SAFETY_MARGIN
+    )
+    if slots < 1:
+        return [
+            Error(
+                f"the worker pool has {slots} slots",
+                hint="SIGIL_POOL_TOTAL_QUOTA must exceed SYSTEM_RESERVED + USER_RESERVED + SAFETY_MARGIN.",
+                id="sigil.E002",
+            )
+        ]
+    return []
+
+
+@register()
+def check_cloudflare_credentials(app_configs, **kwargs) -> list[Error]:
+    if settings.SIGIL_BACKEND in settings.CLOUDFLARE_BACKENDS and not settings.CF_ACCOUNT_ID:
+        return [Error("CF_ACCOUNT_ID is required with CF_API_TOKEN", id="sigil.E003")]
     return []

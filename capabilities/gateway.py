@@ -147,6 +147,9 @@ class Gateway:
             if "respond-async" in environ.get("HTTP_PREFER", ""):
                 return self.reply_warming(start_response, call)
             route, page_in_ms = self.page_in(call.full)
+        target = self.target(route)
+        if target.redirect:
+            return self.reply_redirect(start_response, call, target, rest, environ.get("QUERY_STRING"), page_in_ms)
         if self.tracks_inflight:
             self.redis.incr(pager.inflight_key(call.full))
             call.holds_inflight = True
@@ -224,7 +227,7 @@ class Gateway:
         headers = request_headers(environ)
         headers.update(target.headers)
         if target.host_header:
-            headers["Host"] = target.host_header
+            headers["host"] = target.host_header  # request_headers() keys are lower case
         query = environ.get("QUERY_STRING")
         url = target.base_url + rest + ("?" + query if query else "")
         body = None
@@ -300,6 +303,17 @@ class Gateway:
             logger.error("runtime refused a call to %s: %s %s", call.full, failure, message)
             error = UpstreamError(f"the runtime failed to run {call.full} ({failure})")
         return self.reply_error(start_response, error)
+
+    def reply_redirect(self, start_response, call: Call, target: Route, rest: str, query: str | None, page_in_ms):
+        """SIGIL_POOL_REDIRECT: send the caller to the script's own URL (the seed's 302)."""
+        call.page_in_ms = page_in_ms
+        self.finish(call, ok=True)
+        location = target.base_url + rest + ("?" + query if query else "")
+        headers = [("Location", location), ("Content-Length", "0"), ("X-Sigil-Capability", call.full)]
+        if page_in_ms is not None:
+            headers.append(("X-Sigil-Cold-Start", "1"))
+        start_response("302 Found", headers)
+        return [b""]
 
     def reply_warming(self, start_response, call: Call):
         """`Prefer: respond-async` on a cold capability: page it in behind a 202."""

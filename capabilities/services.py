@@ -48,9 +48,6 @@ from sigil_site.redis_client import get_redis
 
 logger = logging.getLogger(__name__)
 
-# Longer than the slowest placement (a Cloudflare upload with its retries), so a lock is
-# never lost while its holder still works; released by the holder as soon as it is done.
-PLACEMENT_LOCK_SECONDS = 180
 
 
 @dataclass(frozen=True)
@@ -67,9 +64,8 @@ def _actor(principal: Principal) -> str:
 
 
 def _placement_lock(full: str, *, blocking: bool):
-    return get_redis().lock(
-        f"sigil:lock:place:{full}", timeout=PLACEMENT_LOCK_SECONDS, blocking=blocking, blocking_timeout=PLACEMENT_LOCK_SECONDS
-    )
+    seconds = settings.SIGIL_PLACEMENT_LOCK_SECONDS
+    return get_redis().lock(f"sigil:lock:place:{full}", timeout=seconds, blocking=blocking, blocking_timeout=seconds)
 
 
 def _validate_deploy(
@@ -686,3 +682,25 @@ def capability_mark_missing(*, full: str) -> None:
             detail={"reason": "the runtime no longer had its script"},
         )
     pager.pager_forget(full)
+
+
+def capability_evict(*, full: str, actor: str) -> bool:
+    """Page `full` out now (the owner's "evict"): its script is deleted from the runtime and
+    its next call pages it back in. Returns False when it was not placed. Idempotent.
+
+    Unlike an eviction chosen by the pager, it does not wait for calls in flight.
+    Raises RuntimeUnavailable when the runtime fails transiently.
+    """
+    with _placement_lock(full, blocking=True):
+        with transaction.atomic():
+            capability = Capability.objects.select_for_update().select_related("agent").filter(
+                full_name=full, state__in=routes.SERVED_STATES
+            ).first()
+            if capability is None:
+                return False
+            capability.state = State.EVICTING
+            capability.save(update_fields=["state"])
+            audit_record(actor=actor, action="capability.evict_requested", agent_name=capability.agent.name, subject=full)
+        if get_runtime().total_slots is not None:
+            pager.pager_mark_leaving(full)
+    return capability_page_out(full=full, attempt=PAGE_OUT_INFLIGHT_CHECKS)

@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
+import random
+
 from celery import shared_task
+from celery.contrib.django.task import DjangoTask
 
 from capabilities.runtimes.base import RuntimeUnavailable
 
-RETRY_TRANSIENT = {
-    "autoretry_for": (RuntimeUnavailable,),
-    "retry_backoff": 2,
-    "retry_backoff_max": 300,
-    "retry_jitter": True,
-    "retry_kwargs": {"max_retries": 8},
-}
+
+class RuntimeTask(DjangoTask):
+    """A task that talks to the runtime: a transient failure is retried after the runtime's
+    Retry-After when it gave one (Cloudflare's 429), else with jittered exponential backoff."""
+
+    max_retries = 8
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except RuntimeUnavailable as exc:
+            if exc.retry_after is not None:
+                countdown = exc.retry_after
+            else:
+                countdown = min(300, 2 * 2**self.request.retries) * random.uniform(0.5, 1.0)
+            raise self.retry(exc=exc, countdown=countdown) from exc
+
+
+RETRY_TRANSIENT = {"base": RuntimeTask}
 
 
 @shared_task(name="capabilities.capability_release_slot", acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT)

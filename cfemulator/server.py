@@ -49,6 +49,7 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _WORKER_HOST_SUFFIXES = (".workers.dev", ".dispatch.localhost")
+_HOST_HEADERS = frozenset({"x-sigil-secret", "x-sigil-loader-id"})
 
 
 class BodyTooLarge(Exception):
@@ -241,8 +242,9 @@ class _RequestHandler(BaseHTTPRequestHandler):
         headers = HTTPHeaderDict()
         for name, value in self.headers.items():
             lower = name.lower()
-            # A caller must not be able to speak to workerd with Sigil's internal headers.
-            if lower not in _HOP_BY_HOP and not lower.startswith("x-sigil-"):
+            # A caller must not speak to the emulator's workerd host with its own secret or
+            # loader id; other headers reach the script as Cloudflare would pass them.
+            if lower not in _HOP_BY_HOP and lower not in _HOST_HEADERS:
                 headers.add(name, value)
         headers["X-Sigil-Secret"] = emulator.workerd.secret
         headers["X-Sigil-Loader-Id"] = f"{script}@{sha}"

@@ -263,6 +263,17 @@ SIGIL_LOCAL_SLOTS = env_int("SIGIL_LOCAL_SLOTS", 0)
 
 # Scripts a runtime may hold beyond its slots while victims are deleted in the background.
 SIGIL_POOL_SAFETY_MARGIN = env_int("SIGIL_POOL_SAFETY_MARGIN", 5)
+# The worker-pool runtime's slots: the account's script quota less the owner's own Workers
+# and the margin (500 - 5 - 50 - 5 = 440 on Workers Paid; the free plan's quota is 100).
+SIGIL_POOL_TOTAL_QUOTA = env_int("SIGIL_POOL_TOTAL_QUOTA", 500)
+SIGIL_POOL_SYSTEM_RESERVED = env_int("SIGIL_POOL_SYSTEM_RESERVED", 5)
+SIGIL_POOL_USER_RESERVED = env_int("SIGIL_POOL_USER_RESERVED", 50)
+# true: the gateway answers 302 to the script's workers.dev URL instead of forwarding. The
+# scripts are then uploaded without Sigil's guard, so anyone with the URL can call them.
+SIGIL_POOL_REDIRECT = env_bool("SIGIL_POOL_REDIRECT", False)
+# Longer than the slowest placement (a Cloudflare upload with its retries): a page-in holds
+# this lock, and a lock left by a killed worker frees itself after this long.
+SIGIL_PLACEMENT_LOCK_SECONDS = env_int("SIGIL_PLACEMENT_LOCK_SECONDS", 180)
 
 # --- Cloudflare -------------------------------------------------------------------------
 
@@ -282,6 +293,20 @@ SIGIL_CF_MAX_RETRIES = env_int("SIGIL_CF_MAX_RETRIES", 4)
 SIGIL_CF_TIMEOUT_SECONDS = env_float("SIGIL_CF_TIMEOUT_SECONDS", 60.0)
 # Where `manage.py cfemulator` listens (always on 127.0.0.1).
 CF_EMULATOR_PORT = env_int("CF_EMULATOR_PORT", 8787)
+
+# A Cloudflare runtime without CF_API_TOKEN runs against the local emulator (started by
+# `manage.py runsigil`), never against Cloudflare.
+CLOUDFLARE_BACKENDS = ("worker-pool", "platform", "loader")
+SIGIL_CF_EMULATED = SIGIL_BACKEND in CLOUDFLARE_BACKENDS and not CF_API_TOKEN
+if SIGIL_CF_EMULATED:
+    CF_API_BASE = f"http://127.0.0.1:{CF_EMULATOR_PORT}/client/v4"
+    CF_API_TOKEN = "sigil-emulator-dev-token"
+    CF_ACCOUNT_ID = CF_ACCOUNT_ID or "5169110000000000000000000000e001"
+# Empty: call https://{script}.{subdomain}.workers.dev. The emulator serves every script on
+# its own port, picked by the Host header.
+SIGIL_CF_WORKERS_BASE = env_str(
+    "SIGIL_CF_WORKERS_BASE", f"http://127.0.0.1:{CF_EMULATOR_PORT}" if SIGIL_CF_EMULATED else ""
+)
 
 # --- Logging ----------------------------------------------------------------------------
 

@@ -21,6 +21,20 @@ def build_runtime(backend: str) -> Runtime:
             max_slots=settings.SIGIL_LOCAL_SLOTS or None,
             safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
         )
+    if backend == "worker-pool":
+        from capabilities.cloudflare import CloudflareClient
+        from capabilities.runtimes.worker_pool import WorkerPoolRuntime
+
+        return WorkerPoolRuntime(
+            client=CloudflareClient.from_settings(),
+            secret=settings.SIGIL_INTERNAL_SECRET,
+            total_quota=settings.SIGIL_POOL_TOTAL_QUOTA,
+            system_reserved=settings.SIGIL_POOL_SYSTEM_RESERVED,
+            user_reserved=settings.SIGIL_POOL_USER_RESERVED,
+            safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
+            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
+            redirect=settings.SIGIL_POOL_REDIRECT,
+        )
     raise ValueError(f"unknown SIGIL_BACKEND {backend!r}")
 
 

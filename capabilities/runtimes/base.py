@@ -105,6 +105,8 @@ class Route:
     base_url: str
     headers: tuple[tuple[str, str], ...] = ()
     host_header: str | None = None
+    #: send the caller there with a 302 instead of forwarding the call
+    redirect: bool = False
 
 
 class Runtime(ABC):

@@ -1,0 +1,44 @@
+// Sigil's guard for a pooled Worker script: the entry module Sigil uploads in front of a
+// capability's own module. A workers.dev URL is public, so the guard answers only requests
+// that carry Sigil's shared secret, strips Sigil's headers before the capability sees the
+// request, and marks every response it passes on, so the gateway can tell the capability's
+// own 404 from Cloudflare's "no such Worker".
+import capability from "./main.js";
+
+// Not x-sigil-secret: that one is the loader host's, and a host in front may consume it.
+const SECRET_HEADER = "x-sigil-pool-secret";
+const GUARD_HEADER = "x-sigil-guard";
+
+function sameSecret(given, expected) {
+  const encoder = new TextEncoder();
+  const a = encoder.encode(given || "");
+  const b = encoder.encode(expected || "");
+  return a.byteLength === b.byteLength && b.byteLength > 0
+    ? crypto.subtle.timingSafeEqual(a, b)
+    : (crypto.subtle.timingSafeEqual(b, b), false);
+}
+
+export default {
+  async fetch(request, env, ctx) {
+    const { SIGIL_GUARD_SECRET, ...capabilityEnv } = env;
+    if (!sameSecret(request.headers.get(SECRET_HEADER), SIGIL_GUARD_SECRET)) {
+      return new Response("Forbidden\n", { status: 403, headers: { [GUARD_HEADER]: "refused" } });
+    }
+    const headers = new Headers(request.headers);
+    for (const name of [...headers.keys()]) {
+      if (name.startsWith("x-sigil-")) headers.delete(name);
+    }
+    let response;
+    try {
+      response = await capability.fetch(new Request(request, { headers }), capabilityEnv, ctx);
+    } catch (error) {
+      return new Response(JSON.stringify({ error: "exception", message: String((error && error.stack) || error) }), {
+        status: 500,
+        headers: { "content-type": "application/json", "x-sigil-error": "exception", [GUARD_HEADER]: "ok" },
+      });
+    }
+    const marked = new Response(response.body, response);
+    marked.headers.set(GUARD_HEADER, "ok");
+    return marked;
+  },
+};

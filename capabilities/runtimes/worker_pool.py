@@ -1,0 +1,132 @@
+"""The worker-pool runtime: each live capability is its own Worker script `s-{hash6}` on a
+Cloudflare account, reached at its workers.dev URL; the pager keeps the account's script
+quota (sigil-backend-lru.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from capabilities import names
+from capabilities.cloudflare import CloudflareClient, CloudflareNotFound
+from capabilities.runtimes.base import CodeBundle, ResolvedBinding, Route, Runtime
+
+GUARD_MODULE = "sigil-guard.js"
+GUARD_SOURCE = (Path(__file__).resolve().parent / "pool" / "guard.js").read_text()
+GUARD_SECRET_BINDING = "SIGIL_GUARD_SECRET"
+POOL_PREFIX = "s-"
+POOL_TAG = "sigil"
+
+
+def metadata_binding(binding: ResolvedBinding) -> dict:
+    """A declared binding as Cloudflare's upload metadata spells it (reference §1.3)."""
+    shapes = {
+        "VAR": {"type": "plain_text", "text": binding.value},
+        "SECRET": {"type": "secret_text", "text": binding.value},
+        "KV": {"type": "kv_namespace", "namespace_id": binding.value},
+        "D1": {"type": "d1", "id": binding.value},
+        "R2": {"type": "r2_bucket", "bucket_name": binding.value},
+        "SERVICE": {"type": "service", "service": binding.value, "environment": "production"},
+        "QUEUE": {"type": "queue", "queue_name": binding.value},
+    }
+    return {"name": binding.name, **shapes[binding.kind]}
+
+
+class WorkerPoolRuntime(Runtime):
+    """Slots = total quota − system reserved − user reserved − safety margin.
+
+    Only `s-` scripts are Sigil's: `list_slots` ignores the owner's own Workers, and Sigil
+    never deletes or counts them.
+    """
+
+    name = "worker-pool"
+
+    def __init__(
+        self,
+        *,
+        client: CloudflareClient,
+        secret: str,
+        total_quota: int,
+        system_reserved: int,
+        user_reserved: int,
+        safety_margin: int,
+        invoke_base: str = "",
+        redirect: bool = False,
+    ) -> None:
+        self.client = client
+        self.redirects = redirect
+        self._secret = secret
+        self.slots = total_quota - system_reserved - user_reserved - safety_margin
+        self.margin = safety_margin
+        # Empty: call https://{script}.{subdomain}.workers.dev. Set (the emulator): call this
+        # base URL with the workers.dev name in the Host header.
+        self.invoke_base = invoke_base.rstrip("/")
+        self._subdomain: str | None = None
+
+    @property
+    def total_slots(self) -> int:
+        return self.slots
+
+    @property
+    def safety_margin(self) -> int:
+        return self.margin
+
+    def slot_for(self, full_name: str, *, attempt: int = 0) -> str:
+        # s-{6 hex}; on a collision two more hex digits per attempt.
+        return names.pool_script_name(full_name, length=6 + 2 * attempt)
+
+    def place(self, *, slot: str, bundle: CodeBundle) -> None:
+        """Upload the script behind Sigil's guard and turn its workers.dev URL on.
+
+        Two API calls, the fewest Cloudflare allows: the upload, and the per-script
+        workers.dev toggle (reference §3.2: an API upload is not known to be reachable
+        without it). Idempotent.
+        """
+        bindings = [metadata_binding(b) for b in bundle.bindings]
+        if self.redirects:
+            # Callers are sent to the script itself, so it must answer them without Sigil.
+            modules, main_module = bundle.modules, bundle.main_module
+        else:
+            modules, main_module = {GUARD_MODULE: GUARD_SOURCE, **bundle.modules}, GUARD_MODULE
+            bindings.append({"type": "secret_text", "name": GUARD_SECRET_BINDING, "text": self._secret})
+        self.client.script_upload(
+            slot,
+            modules=modules,
+            main_module=main_module,
+            compatibility_date=bundle.compatibility_date,
+            bindings=bindings,
+            tags=[POOL_TAG, f"sha-{bundle.sha[:16]}"],
+        )
+        self.client.script_subdomain_set(slot, enabled=True)
+
+    def remove(self, *, slot: str) -> None:
+        try:
+            self.client.script_delete(slot)
+        except CloudflareNotFound:
+            pass
+
+    def route(self, *, slot: str, sha: str) -> Route:
+        """Where the script answers. The account's subdomain is asked for once per process."""
+        host = f"{slot}.{self.subdomain}.workers.dev"
+        headers = (("X-Sigil-Pool-Secret", self._secret),)
+        if self.redirects:
+            return Route(base_url=f"https://{host}", redirect=True)
+        if self.invoke_base:
+            return Route(base_url=self.invoke_base, headers=headers, host_header=host)
+        return Route(base_url=f"https://{host}", headers=headers)
+
+    @property
+    def subdomain(self) -> str:
+        if self._subdomain is None:
+            self._subdomain = self.client.subdomain_get()
+        return self._subdomain
+
+    def is_missing(self, response) -> bool:
+        # Every answer of a live script passes the guard, which marks it; Cloudflare's own
+        # "no such Worker" does not.
+        return response.status == 404 and "x-sigil-guard" not in response.headers
+
+    def list_slots(self) -> list[str]:
+        return sorted(s.id for s in self.client.script_list() if s.id.startswith(POOL_PREFIX))
+
+    def check(self) -> None:
+        self._subdomain = self.client.subdomain_get()

@@ -1,0 +1,205 @@
+"""The worker-pool runtime end to end: Sigil's REST API and gateway over HTTP, the Cloudflare
+emulator over HTTP (its scripts running on workerd), and a real Celery worker."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from django.db import connection
+
+from agents.models import AuditEvent
+from capabilities import names, services
+from capabilities.models import Capability
+from testsupport.cast import wait_for
+
+
+def code(text: str) -> str:
+    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"
+
+
+def deploy(agent, name, text, **body):
+    response = agent.deploy(name=name, code=code(text), **body)
+    assert response.status_code in (200, 201), response.text
+    return response.json()
+
+
+@pytest.fixture
+def scripts_on_cloudflare(cf_client):
+    """Every script name the emulated account holds, asked over its REST API."""
+    return lambda: sorted(script.id for script in cf_client.script_list())
+
+
+def uploads(emulator, script=None):
+    calls = emulator.api_calls(method="PUT")
+    return [c for c in calls if "/workers/scripts/" in c["path"] and (script is None or c["path"].endswith(script))]
+
+
+@pytest.fixture
+def api_headers(worker_pool):
+    return {"Authorization": f"Bearer {worker_pool.token}"}
+
+
+def test_quota_fill_evicts_in_the_seed_order_and_never_exceeds_the_quota(
+    worker_pool, alice, celery_worker_session, scripts_on_cloudflare
+):
+    deploy(alice, "keep", "p", type="persistent")
+    deploy(alice, "norm", "n", type="normal")
+    ephemeral = deploy(alice, None, "e")["capability"]
+    assert alice.call("/alice/norm").text == "n"
+
+    first = deploy(alice, "norm2", "n2", type="normal")
+    assert first == {**first, "cold_start": True, "evicted": ephemeral}
+    second = deploy(alice, "norm3", "n3", type="normal")
+    assert second["evicted"] == "alice--norm"
+    wait_for(lambda: Capability.objects.get(full_name="alice--norm").state == "paged_out", message="page-out")
+
+    scripts = [s for s in scripts_on_cloudflare() if s.startswith("s-")]
+    assert len(scripts) <= 3 + 2
+    assert names.pool_script_name("alice--keep") in scripts
+    status = alice.call("/_api/status").json()
+    assert status == {**status, "backend": "worker-pool", "total_slots": 3, "lru_enabled": True, "eviction_count": 2}
+
+
+def test_a_repaged_capability_keeps_its_script_name_and_url(worker_pool, alice, celery_worker_session, scripts_on_cloudflare):
+    for name in ("a", "b", "c", "d"):
+        deploy(alice, name, name, type="normal")
+    wait_for(lambda: Capability.objects.get(full_name="alice--a").state == "paged_out", message="a paged out")
+    script = names.pool_script_name("alice--a")
+    assert script not in scripts_on_cloudflare()
+
+    response = alice.call("/alice/a")
+    assert response.status_code == 200 and response.text == "a"
+    assert response.headers["X-Sigil-Cold-Start"] == "1"
+    assert Capability.objects.get(full_name="alice--a").slot == script
+    assert len(uploads(worker_pool, script)) == 2  # the deploy, and the page-in, both as s-{hash6}
+
+
+def test_fifty_concurrent_calls_to_one_cold_capability_upload_it_once(worker_pool, alice, celery_worker_session):
+    for name in ("a", "b", "c", "d"):
+        deploy(alice, name, name, type="normal")
+    wait_for(lambda: Capability.objects.get(full_name="alice--a").state == "paged_out", message="a paged out")
+    script = names.pool_script_name("alice--a")
+    before = len(uploads(worker_pool, script))
+
+    with ThreadPoolExecutor(max_workers=25) as pool:
+        results = list(pool.map(lambda _: (r := alice.call("/alice/a")).status_code and (r.status_code, r.text), range(50)))
+    assert results == [(200, "a")] * 50
+    assert len(uploads(worker_pool, script)) == before + 1
+
+
+def test_ten_cold_capabilities_at_once_under_a_tight_rate_limit_all_succeed(worker_pool, alice, settings):
+    # Cloudflare (the emulator) allows 8 calls a second, and so does Sigil's shared budget;
+    # ten page-ins at once are twenty calls: the burst must queue, never meet a 429.
+    settings.SIGIL_CF_RATE_LIMIT = 8
+    settings.SIGIL_CF_RATE_WINDOW_SECONDS = 1
+    worker_pool.configure(rate_limit="8/1")
+    settings.SIGIL_POOL_TOTAL_QUOTA = 40  # room for all ten: this test is about the rate limit
+    worker_pool.configure(script_limit=39)
+    for i in range(10):
+        deploy(alice, f"c{i}", f"c{i}", type="normal")
+        services.capability_evict(full=f"alice--c{i}", actor="owner:test")
+    calls_before = len(worker_pool.api_calls())
+
+    with ThreadPoolExecutor(max_workers=10) as pool:
+        results = list(pool.map(lambda i: (r := alice.call(f"/alice/c{i}")) and (r.status_code, r.text), range(10)))
+    assert results == [(200, f"c{i}") for i in range(10)]
+    burst = worker_pool.api_calls()[calls_before:]
+    assert not [c for c in burst if c["status"] == 429]
+    # Two calls a page-in (the upload and the workers.dev toggle), none retried.
+    assert len([c for c in burst if c["method"] == "PUT"]) == 10
+    assert len([c for c in burst if c["method"] == "POST" and c["path"].endswith("/subdomain")]) == 10
+
+
+def test_cloudflare_5xx_is_retried_and_the_deploy_served(worker_pool, alice):
+    worker_pool.configure(fail_next=2)
+    response = alice.deploy(name="resilient", code=code("still here"))
+    assert response.status_code == 201, response.text
+    statuses = [c["status"] for c in worker_pool.api_calls()]
+    assert statuses.count(200) >= 2 and any(s >= 500 for s in statuses)
+    assert alice.call("/alice/resilient").text == "still here"
+
+
+def test_the_owners_own_scripts_are_never_touched(worker_pool, alice, cf_client, scripts_on_cloudflare):
+    cf_client.script_upload("owners-site", modules={"main.js": code("mine")}, main_module="main.js",
+                            compatibility_date="2025-01-01")
+    deploy(alice, "a", "a")
+    assert services.capability_reconcile()["orphans_removed"] == 0
+    assert "owners-site" in scripts_on_cloudflare()
+    assert alice.call("/_api/status").json()["used_slots"] == 1
+
+
+def test_redirect_mode_answers_302_to_the_workers_dev_url(worker_pool, alice, settings):
+    settings.SIGIL_POOL_REDIRECT = True
+    deploy(alice, "a", "a")
+    response = alice.call("/alice/a/path?q=1", allow_redirects=False)
+    script = names.pool_script_name("alice--a")
+    assert response.status_code == 302
+    assert response.headers["Location"] == f"https://{script}.{worker_pool.subdomain}.workers.dev/path?q=1"
+    direct = worker_pool.worker_request(worker_pool.workers_dev_host(script), "/")
+    assert direct.text == "a"  # no guard: the URL itself is the credential
+
+
+@pytest.mark.slow
+def test_a_worker_killed_during_a_page_in_converges_after_reconcile(worker_pool, alice, settings, scripts_on_cloudflare):
+    from capabilities.tasks import capability_page_in
+
+    settings.SIGIL_PLACEMENT_LOCK_SECONDS = 3
+    for name in ("a", "b", "c", "d"):
+        deploy(alice, name, name, type="normal")
+    services.capability_evict(full="alice--a", actor="owner:test")
+    assert Capability.objects.get(full_name="alice--a").state == "paged_out"
+
+    worker_pool.configure(latency=1.5)  # each API call takes 1.5 s: time to kill mid-page-in
+    worker = start_worker_process(settings, queue="kill-me")
+    try:
+        capability_page_in.apply_async(kwargs={"full": "alice--a"}, queue="kill-me")
+        # Killed after the upload, while it turns the workers.dev URL on: Cloudflare holds a
+        # script that the registry does not know is live.
+        wait_for(lambda: uploads(worker_pool, names.pool_script_name("alice--a")), timeout=20,
+                 message="the page-in's upload to reach Cloudflare")
+        time.sleep(0.5)
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+    worker_pool.configure(latency=0)
+    time.sleep(2)  # let the emulator finish what it accepted, and the dead worker's lock expire
+    time.sleep(settings.SIGIL_PLACEMENT_LOCK_SECONDS)
+
+    services.capability_reconcile()
+    live = {c.slot for c in Capability.objects.filter(state__in=("live", "evicting"))}
+    assert {s for s in scripts_on_cloudflare() if s.startswith("s-")} == live  # no orphan, nothing lost
+    assert alice.call("/alice/a").text == "a"
+
+
+def start_worker_process(settings, *, queue):
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        database_url = f"sqlite:///{db['NAME']}"
+    else:
+        database_url = f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "SIGIL_BACKEND": "worker-pool",
+        "CF_API_BASE": settings.CF_API_BASE,
+        "CF_API_TOKEN": settings.CF_API_TOKEN,
+        "CF_ACCOUNT_ID": settings.CF_ACCOUNT_ID,
+        "SIGIL_CF_WORKERS_BASE": settings.SIGIL_CF_WORKERS_BASE,
+        "SIGIL_POOL_TOTAL_QUOTA": str(settings.SIGIL_POOL_TOTAL_QUOTA),
+        "SIGIL_POOL_SYSTEM_RESERVED": str(settings.SIGIL_POOL_SYSTEM_RESERVED),
+        "SIGIL_POOL_USER_RESERVED": str(settings.SIGIL_POOL_USER_RESERVED),
+        "SIGIL_POOL_SAFETY_MARGIN": str(settings.SIGIL_POOL_SAFETY_MARGIN),
+        "SIGIL_PLACEMENT_LOCK_SECONDS": str(settings.SIGIL_PLACEMENT_LOCK_SECONDS),
+        "SIGIL_INTERNAL_SECRET": settings.SIGIL_INTERNAL_SECRET,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "sigil_site", "worker", "-Q", queue, "--pool", "solo", "--loglevel", "WARNING"],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
