@@ -204,3 +204,12 @@ def worker_pool(cf_settings, cf_emulator_fresh):
     cf_settings.SIGIL_POOL_SAFETY_MARGIN = 2
     cf_emulator_fresh.configure(script_limit=8 - 1)  # the system script lives elsewhere
     return cf_emulator_fresh
+
+
+@pytest.fixture
+def webhook_receiver():
+    from testsupport.cast import WebhookReceiver
+
+    receiver = WebhookReceiver()
+    yield receiver
+    receiver.stop()

@@ -12,6 +12,14 @@ class Agent(models.Model):
     name = models.CharField(max_length=31, unique=True)
     is_active = models.BooleanField(default=True, help_text="A disabled agent's tokens stop working at once.")
     created_at = models.DateTimeField(default=timezone.now, editable=False)
+    webhook_url = models.URLField(
+        blank=True, help_text="Where Sigil posts this agent's alerts (breaker opened, error rate, inactive)."
+    )
+    webhook_secret = models.CharField(
+        max_length=200,
+        blank=True,
+        help_text="Key of the HMAC-SHA256 in each delivery's X-Sigil-Signature header, shared with the agent.",
+    )
 
     class Meta:
         ordering = ["name"]

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import logging
 import secrets
+import uuid
 from datetime import datetime
+
+import requests
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -106,3 +112,58 @@ def _write_tombstones(hashes: list[str], *, delete: bool = False) -> None:
         else:
             pipe.set(tokens.cache_key(token_hash), tokens.TOMBSTONE, ex=tokens.POSITIVE_TTL_SECONDS)
     pipe.execute()
+
+
+class WebhookUnavailable(Exception):
+    """The agent's webhook did not answer, or answered 5xx: worth another try later."""
+
+
+def webhook_signature(secret: str, body: bytes) -> str:
+    """`sha256=<hex>`: the HMAC-SHA256 of the exact body, keyed with the agent's secret."""
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def agent_notify(*, agent_name: str, event: str, payload: dict) -> bool:
+    """Queue a signed webhook delivery to the agent, after the current transaction commits.
+
+    Returns False (and sends nothing) when the agent has no webhook URL.
+    """
+    agent = Agent.objects.filter(name=agent_name).first()
+    if agent is None or not agent.webhook_url:
+        return False
+    from agents.tasks import agent_webhook_deliver as agent_webhook_deliver_task
+
+    delivery = {"id": str(uuid.uuid4()), "event": event, "agent": agent_name, "sent_at": timezone.now().isoformat(), **payload}
+    agent_webhook_deliver_task.delay_on_commit(agent_id=agent.pk, delivery=delivery)
+    return True
+
+
+def agent_webhook_deliver(*, agent_id: int, delivery: dict) -> None:
+    """POST one delivery to the agent's webhook, signed. Raises WebhookUnavailable when a
+    retry may succeed; a 4xx answer is final and audited as failed."""
+    agent = Agent.objects.filter(pk=agent_id).first()
+    if agent is None or not agent.webhook_url:
+        return
+    body = json.dumps(delivery, separators=(",", ":"), sort_keys=True).encode()
+    headers = {
+        "Content-Type": "application/json",
+        "User-Agent": "sigil-webhook",
+        "X-Sigil-Event": delivery["event"],
+        "X-Sigil-Delivery": delivery["id"],
+    }
+    if agent.webhook_secret:
+        headers["X-Sigil-Signature"] = webhook_signature(agent.webhook_secret, body)
+    try:
+        response = requests.post(agent.webhook_url, data=body, headers=headers, timeout=10, allow_redirects=False)
+    except requests.RequestException as exc:
+        raise WebhookUnavailable(f"{agent.webhook_url}: {exc.__class__.__name__}") from exc
+    if response.status_code >= 500:
+        raise WebhookUnavailable(f"{agent.webhook_url} answered {response.status_code}")
+    ok = response.status_code < 300
+    audit_record(
+        actor="system",
+        action="webhook.delivered" if ok else "webhook.refused",
+        agent_name=agent.name,
+        subject=delivery.get("capability", ""),
+        detail={"event": delivery["event"], "delivery": delivery["id"], "status": response.status_code},
+    )

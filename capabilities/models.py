@@ -57,6 +57,9 @@ class Capability(models.Model):
     latency_buckets_total = models.JSONField(default=list, blank=True)
     breaker_state = models.CharField(max_length=8, choices=BreakerState.choices, default=BreakerState.CLOSED)
     breaker_opened_at = models.DateTimeField(null=True, blank=True)
+    inactive_at = models.DateTimeField(
+        null=True, blank=True, help_text="Set when a normal capability went uncalled for SIGIL_INACTIVE_AFTER_DAYS."
+    )
 
     class Meta:
         verbose_name_plural = "capabilities"

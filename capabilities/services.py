@@ -13,11 +13,11 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Max
+from django.db.models import Max, Q, Sum
 from django.utils import timezone
 
 from agents.models import Agent, Token
-from agents.services import audit_record
+from agents.services import agent_notify, audit_record
 from agents.tokens import Principal
 from capabilities import bindings as binding_rules
 from capabilities import names, pager, routes, stats
@@ -473,10 +473,11 @@ def capability_flush_stats(*, batch_size: int = 500, now: datetime | None = None
                 capability.latency_buckets_total = stats.add_buckets(capability.latency_buckets_total, taken.buckets)
                 if taken.last_access_epoch is not None:
                     capability.last_access_at = datetime.fromtimestamp(taken.last_access_epoch, tz=UTC)
+                    capability.inactive_at = None  # called again: active
                 capability.save(
                     update_fields=[
                         "calls_total", "errors_total", "latency_ms_total", "cold_calls_total", "page_in_ms_total",
-                        "latency_buckets_total", "last_access_at",
+                        "latency_buckets_total", "last_access_at", "inactive_at",
                     ]
                 )
             window, _ = CapabilityStatsWindow.objects.select_for_update().get_or_create(
@@ -491,8 +492,27 @@ def capability_flush_stats(*, batch_size: int = 500, now: datetime | None = None
             window.page_in_ms_sum += taken.page_in_ms
             window.latency_buckets = stats.add_buckets(window.latency_buckets, taken.buckets)
             window.save()
+            _alert_on_error_rate(window)
     _flush_token_use(redis)
     return len(fulls)
+
+
+def _alert_on_error_rate(window: CapabilityStatsWindow) -> None:
+    """Tell the agent when a capability's error rate in this minute crosses the threshold;
+    at most once per SIGIL_ALERT_COOLDOWN_SECONDS per capability."""
+    if window.calls < settings.SIGIL_ALERT_MIN_CALLS:
+        return
+    rate = window.errors / window.calls
+    if rate < settings.SIGIL_ALERT_ERROR_RATE:
+        return
+    if not get_redis().set(f"sigil:alert:error-rate:{window.full_name}", 1, nx=True, ex=settings.SIGIL_ALERT_COOLDOWN_SECONDS):
+        return
+    detail = {"error_rate": round(rate, 4), "calls": window.calls, "errors": window.errors,
+              "window_start": window.window_start.isoformat()}
+    audit_record(actor="system", action="capability.error_rate_alert", agent_name=window.agent_name,
+                 subject=window.full_name, detail=detail)
+    agent_notify(agent_name=window.agent_name, event="capability.error_rate_alert",
+                 payload={"capability": window.full_name, **detail})
 
 
 def _flush_token_use(redis) -> None:
@@ -516,12 +536,14 @@ def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None
         capability.breaker_state = state
         capability.breaker_opened_at = opened_at
         capability.save(update_fields=["breaker_state", "breaker_opened_at"])
-        audit_record(
-            actor="system",
-            action="capability.degraded" if state == BreakerState.OPEN else "capability.recovered",
-            agent_name=capability.agent.name,
-            subject=full,
-        )
+        action = "capability.degraded" if state == BreakerState.OPEN else "capability.recovered"
+        audit_record(actor="system", action=action, agent_name=capability.agent.name, subject=full)
+        if state == BreakerState.OPEN:
+            agent_notify(
+                agent_name=capability.agent.name,
+                event=action,
+                payload={"capability": full, "reason": "circuit breaker opened after repeated failures"},
+            )
 
 
 def capability_reset_breaker(*, capability: Capability, actor: str) -> None:
@@ -531,7 +553,7 @@ def capability_reset_breaker(*, capability: Capability, actor: str) -> None:
     audit_record(actor=actor, action="capability.breaker_reset", agent_name=capability.agent.name, subject=capability.full_name)
 
 
-def capability_page_in(*, full: str) -> tuple[routes.CachedRoute, bool]:
+def capability_page_in(*, full: str, reason: str = "call") -> tuple[routes.CachedRoute, bool]:
     """Make `full` live on the runtime (the cold path); return its fresh route and whether
     this call placed it.
 
@@ -570,7 +592,11 @@ def capability_page_in(*, full: str) -> tuple[routes.CachedRoute, bool]:
                     action="capability.paged_in",
                     agent_name=capability.agent.name,
                     subject=full,
-                    detail={"evicted": placement.evicted, "ms": round((time.perf_counter() - started) * 1000, 1)},
+                    detail={
+                        "evicted": placement.evicted,
+                        "reason": reason,
+                        "ms": round((time.perf_counter() - started) * 1000, 1),
+                    },
                 )
             capability.refresh_from_db()
         routes.route_publish(capability)
@@ -704,3 +730,58 @@ def capability_evict(*, full: str, actor: str) -> bool:
         if get_runtime().total_slots is not None:
             pager.pager_mark_leaving(full)
     return capability_page_out(full=full, attempt=PAGE_OUT_INFLIGHT_CHECKS)
+
+
+def capability_mark_inactive(*, now: datetime | None = None, batch_size: int = 500) -> int:
+    """Mark normal capabilities not called for SIGIL_INACTIVE_AFTER_DAYS as inactive and tell
+    their agents; return how many. Persistent ones are never touched; a later call clears
+    the mark (the stats flush does). Idempotent: a marked capability is not marked again."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(days=settings.SIGIL_INACTIVE_AFTER_DAYS)
+    stale = (
+        Capability.objects.filter(type=CapabilityType.NORMAL, inactive_at__isnull=True)
+        .exclude(state=State.REMOVED)
+        .filter(Q(last_access_at__lt=cutoff) | Q(last_access_at__isnull=True, created_at__lt=cutoff))
+        .select_related("agent")[:batch_size]
+    )
+    marked = 0
+    for capability in stale:
+        with transaction.atomic():
+            claimed = Capability.objects.filter(pk=capability.pk, inactive_at__isnull=True).update(inactive_at=now)
+            if not claimed:
+                continue  # another run got there first
+            detail = {"last_access_at": capability.last_access_at.isoformat() if capability.last_access_at else None}
+            audit_record(actor="system", action="capability.inactive", agent_name=capability.agent.name,
+                         subject=capability.full_name, detail=detail)
+            agent_notify(agent_name=capability.agent.name, event="capability.inactive",
+                         payload={"capability": capability.full_name, **detail})
+        marked += 1
+    return marked
+
+
+def capability_prewarm(*, now: datetime | None = None) -> list[str]:
+    """Page in the most called capabilities of the last SIGIL_PREWARM_WINDOW_SECONDS that are
+    not live, up to SIGIL_PREWARM_TOP_N; return their names. Only on runtimes with a pager."""
+    runtime = get_runtime()
+    if runtime.total_slots is None:
+        return []
+    now = now or timezone.now()
+    since = now - timedelta(seconds=settings.SIGIL_PREWARM_WINDOW_SECONDS)
+    top = list(
+        CapabilityStatsWindow.objects.filter(window_start__gte=since)
+        .values("full_name")
+        .annotate(calls=Sum("calls"))
+        .order_by("-calls", "full_name")
+        .values_list("full_name", flat=True)[: min(settings.SIGIL_PREWARM_TOP_N, runtime.total_slots)]
+    )
+    cold = set(
+        Capability.objects.filter(full_name__in=top, state__in=(State.PAGED_OUT,)).values_list("full_name", flat=True)
+    )
+    warmed = []
+    for full in (f for f in top if f in cold):
+        try:
+            capability_page_in(full=full, reason="prewarm")
+        except NotFound:
+            continue  # removed since the window was counted
+        warmed.append(full)
+    return warmed

@@ -82,3 +82,17 @@ def capability_reconcile() -> None:
     from capabilities import services
 
     services.capability_reconcile()
+
+
+@shared_task(name="capabilities.capability_mark_inactive", acks_late=True, reject_on_worker_lost=True)
+def capability_mark_inactive() -> None:
+    from capabilities import services
+
+    services.capability_mark_inactive()
+
+
+@shared_task(name="capabilities.capability_prewarm", acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT)
+def capability_prewarm() -> None:
+    from capabilities import services
+
+    services.capability_prewarm()

@@ -176,6 +176,8 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 SIGIL_TTL_EXPIRY_INTERVAL_SECONDS = env_float("SIGIL_TTL_EXPIRY_INTERVAL_SECONDS", 60.0)
 SIGIL_STATS_FLUSH_INTERVAL_SECONDS = env_float("SIGIL_STATS_FLUSH_INTERVAL_SECONDS", 10.0)
 SIGIL_RECONCILE_INTERVAL_SECONDS = env_float("SIGIL_RECONCILE_INTERVAL_SECONDS", 300.0)
+SIGIL_INACTIVE_CHECK_INTERVAL_SECONDS = env_float("SIGIL_INACTIVE_CHECK_INTERVAL_SECONDS", 86400.0)
+SIGIL_PREWARM_INTERVAL_SECONDS = env_float("SIGIL_PREWARM_INTERVAL_SECONDS", 3600.0)
 
 CELERY_BEAT_SCHEDULE = {
     "capability-expire-ephemerals": {
@@ -189,6 +191,14 @@ CELERY_BEAT_SCHEDULE = {
     "capability-reconcile": {
         "task": "capabilities.capability_reconcile",
         "schedule": SIGIL_RECONCILE_INTERVAL_SECONDS,
+    },
+    "capability-mark-inactive": {
+        "task": "capabilities.capability_mark_inactive",
+        "schedule": SIGIL_INACTIVE_CHECK_INTERVAL_SECONDS,
+    },
+    "capability-prewarm": {
+        "task": "capabilities.capability_prewarm",
+        "schedule": SIGIL_PREWARM_INTERVAL_SECONDS,
     },
 }
 
@@ -244,6 +254,17 @@ if not SIGIL_INTERNAL_SECRET:
     import hashlib
 
     SIGIL_INTERNAL_SECRET = hashlib.sha256(f"sigil-internal:{SECRET_KEY}".encode()).hexdigest()
+
+# Normal capabilities not called for this many days are marked inactive (persistent never).
+SIGIL_INACTIVE_AFTER_DAYS = env_int("SIGIL_INACTIVE_AFTER_DAYS", 30)
+# Prewarm pages in the N most called capabilities of the last window (runtimes with a pager).
+SIGIL_PREWARM_TOP_N = env_int("SIGIL_PREWARM_TOP_N", 20)
+SIGIL_PREWARM_WINDOW_SECONDS = env_int("SIGIL_PREWARM_WINDOW_SECONDS", 86400)
+# An agent is alerted when a capability's errors in one minute reach this share of at least
+# SIGIL_ALERT_MIN_CALLS calls, at most once per cool-down.
+SIGIL_ALERT_ERROR_RATE = env_float("SIGIL_ALERT_ERROR_RATE", 0.5)
+SIGIL_ALERT_MIN_CALLS = env_int("SIGIL_ALERT_MIN_CALLS", 10)
+SIGIL_ALERT_COOLDOWN_SECONDS = env_int("SIGIL_ALERT_COOLDOWN_SECONDS", 900)
 
 # Bearer token that GET /metrics requires; empty turns the endpoint off.
 SIGIL_METRICS_TOKEN = env_secret("SIGIL_METRICS_TOKEN")

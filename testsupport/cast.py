@@ -49,3 +49,59 @@ def wait_for(predicate, *, timeout: float = 10.0, interval: float = 0.05, messag
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {message}")
+
+
+class WebhookReceiver:
+    """An HTTP server on loopback that records what is posted to it; it can fail the first
+    few deliveries with 503 to exercise retries."""
+
+    def __init__(self, *, fail_first: int = 0) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.received: list[tuple[dict[str, str], bytes]] = []
+        self.refused = 0
+        self.fail_first = fail_first
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if receiver.refused < receiver.fail_first:
+                    receiver.refused += 1
+                    self.send_response(503)
+                else:
+                    receiver.received.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                    self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/hooks/sigil"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def flush_stats_when_recorded(**expected_calls: int) -> None:
+    """Run the stats flush once the gateway has recorded the calls a test made.
+
+    The gateway records a call after its response is sent, so a test that has just read a
+    response may get ahead of it. Keyword names are full names with `__` for `--`.
+    """
+    from capabilities import stats, tasks
+    from sigil_site.redis_client import get_redis
+
+    redis = get_redis()
+    for key, calls in expected_calls.items():
+        full = key.replace("__", "--")
+        wait_for(lambda: int(redis.hget(stats.stats_key(full), "calls") or 0) >= calls, message=f"{calls} calls of {full}")
+    tasks.capability_flush_stats()

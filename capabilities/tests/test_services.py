@@ -11,6 +11,7 @@ from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
 
 PONG = "export default { async fetch() { return new Response('pong') } }"
+from testsupport.cast import flush_stats_when_recorded
 
 
 def test_flush_moves_call_counts_into_the_registry_once(alice):
@@ -19,7 +20,7 @@ def test_flush_moves_call_counts_into_the_registry_once(alice):
         assert alice.call("/alice/ping").status_code == 200
     assert alice.call("/alice/ping?x", headers={"X-Ignored": "1"}).status_code == 200
 
-    tasks.capability_flush_stats()
+    flush_stats_when_recorded(alice__ping=4)
     capability = Capability.objects.get(full_name="alice--ping")
     assert capability.calls_total == 4 and capability.errors_total == 0
     assert capability.latency_ms_total > 0
@@ -127,7 +128,7 @@ def test_inspect_reports_recent_calls_errors_and_percentiles_to_the_owner_only(a
         assert alice.call("/alice/flaky").status_code == 200
     for _ in range(2):
         assert alice.call("/alice/flaky?fail=1").status_code == 500
-    tasks.capability_flush_stats()
+    flush_stats_when_recorded(alice__flaky=10)
 
     seen = alice.call("/_api/capabilities/alice--flaky").json()
     recent = seen["recent"]

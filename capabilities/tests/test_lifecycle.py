@@ -1,0 +1,135 @@
+"""Lifecycle and alerts: prewarm, inactive marks, and signed webhooks to agents, each
+through a real Celery worker where the work is queued."""
+
+import hashlib
+import hmac
+import json
+from datetime import timedelta
+
+from django.utils import timezone
+
+from agents.models import Agent, AuditEvent
+from capabilities import services, tasks
+from capabilities.models import Capability
+from testsupport.cast import flush_stats_when_recorded, wait_for
+
+FLAKY = """export default { async fetch(request) {
+  if (new URL(request.url).searchParams.has('fail')) return new Response('broken', { status: 500 });
+  return new Response('fine');
+} }"""
+
+
+def code(text: str) -> str:
+    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"
+
+
+def subscribe(agent_name: str, url: str, secret: str = "shared-with-the-agent") -> str:
+    Agent.objects.filter(name=agent_name).update(webhook_url=url, webhook_secret=secret)
+    return secret
+
+
+def verify(secret: str, headers: dict, body: bytes) -> dict:
+    expected = "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+    assert hmac.compare_digest(headers["x-sigil-signature"], expected)
+    return json.loads(body)
+
+
+def test_prewarm_pages_in_the_most_called_capability(worker_pool, alice, celery_worker_session):
+    alice.deploy(name="hot", code=code("hot"), type="normal")
+    alice.deploy(name="warm", code=code("warm"), type="normal")
+    for _ in range(5):
+        assert alice.call("/alice/hot").text == "hot"
+    assert alice.call("/alice/warm").text == "warm"
+    flush_stats_when_recorded(alice__hot=5, alice__warm=1)
+    services.capability_evict(full="alice--hot", actor="owner:test")
+    assert Capability.objects.get(full_name="alice--hot").state == "paged_out"
+
+    assert services.capability_prewarm() == ["alice--hot"]
+    assert Capability.objects.get(full_name="alice--hot").state == "live"
+    event = AuditEvent.objects.filter(subject="alice--hot", action="capability.paged_in").latest("id")
+    assert event.detail["reason"] == "prewarm"
+    response = alice.call("/alice/hot")
+    assert response.text == "hot" and "X-Sigil-Cold-Start" not in response.headers
+
+
+def test_prewarm_does_nothing_on_a_runtime_without_a_pager(alice):
+    alice.deploy(name="hot", code=code("hot"))
+    alice.call("/alice/hot")
+    flush_stats_when_recorded(alice__hot=1)
+    assert services.capability_prewarm() == []
+
+
+def test_inactive_mark_fires_for_a_normal_capability_thirty_one_days_old(alice, webhook_receiver, celery_worker_session):
+    secret = subscribe("alice", webhook_receiver.url)
+    alice.deploy(name="stale", code=code("stale"), type="normal")
+    alice.deploy(name="kept", code=code("kept"), type="persistent")
+    alice.call("/alice/stale")
+    flush_stats_when_recorded(alice__stale=1)
+
+    assert services.capability_mark_inactive(now=timezone.now() + timedelta(days=29)) == 0
+    later = timezone.now() + timedelta(days=31)
+    assert services.capability_mark_inactive(now=later) == 1
+    assert services.capability_mark_inactive(now=later) == 0  # marked once
+    assert Capability.objects.get(full_name="alice--stale").inactive_at is not None
+    assert Capability.objects.get(full_name="alice--kept").inactive_at is None
+    assert AuditEvent.objects.filter(subject="alice--stale", action="capability.inactive").count() == 1
+
+    wait_for(lambda: webhook_receiver.received, message="the inactive webhook")
+    headers, body = webhook_receiver.received[0]
+    delivery = verify(secret, headers, body)
+    assert delivery["event"] == "capability.inactive" and delivery["capability"] == "alice--stale"
+
+    alice.call("/alice/stale")
+    flush_stats_when_recorded(alice__stale=1)
+    assert Capability.objects.get(full_name="alice--stale").inactive_at is None  # called again: active
+
+
+def test_a_signed_alert_reaches_the_agent_when_the_breaker_opens(alice, settings, webhook_receiver, celery_worker_session):
+    settings.SIGIL_BREAKER_THRESHOLD = 3
+    secret = subscribe("alice", webhook_receiver.url)
+    alice.deploy(name="flaky", code=FLAKY)
+    for _ in range(3):
+        alice.call("/alice/flaky?fail=1")
+    assert alice.call("/alice/flaky").status_code == 503
+
+    wait_for(lambda: webhook_receiver.received, message="the breaker webhook")
+    headers, body = webhook_receiver.received[0]
+    delivery = verify(secret, headers, body)
+    assert headers["x-sigil-event"] == "capability.degraded"
+    assert delivery["capability"] == "alice--flaky" and delivery["agent"] == "alice"
+    wait_for(lambda: AuditEvent.objects.filter(action="webhook.delivered", agent_name="alice").exists(),
+             message="the delivery to be audited")
+
+
+def test_an_error_rate_alert_is_sent_once_per_cooldown(alice, settings, webhook_receiver, celery_worker_session):
+    settings.SIGIL_BREAKER_THRESHOLD = 100  # keep the breaker out of it
+    settings.SIGIL_ALERT_MIN_CALLS = 10
+    settings.SIGIL_ALERT_ERROR_RATE = 0.5
+    secret = subscribe("alice", webhook_receiver.url)
+    alice.deploy(name="flaky", code=FLAKY)
+    for i in range(10):
+        alice.call("/alice/flaky?fail=1" if i % 5 else "/alice/flaky")  # 8 of 10 fail
+    flush_stats_when_recorded(alice__flaky=10)
+    for _ in range(10):
+        alice.call("/alice/flaky?fail=1")
+    flush_stats_when_recorded(alice__flaky=10)
+
+    assert AuditEvent.objects.filter(subject="alice--flaky", action="capability.error_rate_alert").count() == 1
+    wait_for(lambda: webhook_receiver.received, message="the error-rate webhook")
+    delivery = verify(secret, *webhook_receiver.received[0])
+    assert delivery["event"] == "capability.error_rate_alert" and delivery["error_rate"] == 0.8
+
+
+def test_a_webhook_answering_503_is_retried(alice, settings, celery_worker_session):
+    from testsupport.cast import WebhookReceiver
+
+    receiver = WebhookReceiver(fail_first=1)
+    try:
+        settings.SIGIL_BREAKER_THRESHOLD = 1
+        subscribe("alice", receiver.url)
+        alice.deploy(name="flaky", code=FLAKY)
+        alice.call("/alice/flaky?fail=1")
+        wait_for(lambda: receiver.received, timeout=20, message="the retried delivery")
+        assert receiver.refused == 1
+    finally:
+        receiver.stop()
