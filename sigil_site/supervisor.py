@@ -70,12 +70,20 @@ class Supervisor:
         self.children = [_Child(program) for program in programs]
         self._emit = emit
         self._emit_lock = threading.Lock()
+        self._output_lost = False
         self._width = max((len(p.name) for p in programs), default=0)
 
     def announce(self, text: str) -> None:
         """Write `text` without interleaving it with the children's output."""
         with self._emit_lock:
-            self._emit(text)
+            if self._output_lost:
+                return
+            try:
+                self._emit(text)
+            except (OSError, ValueError):
+                # The terminal or pipe is gone (`make run | tee log` after a Ctrl-C): carry on,
+                # so that the children are still stopped and their output is still drained.
+                self._output_lost = True
 
     def pids(self) -> dict[str, int]:
         """The pid of each program that is running now."""
@@ -160,8 +168,8 @@ class Supervisor:
         for raw in process.stdout:
             line = raw.decode(errors="replace").rstrip("\n")
             child.tail.append(line)
-            with self._emit_lock:
-                self._emit(prefix + line)
+            # Read on even when nobody can see it, or the child would block on a full pipe.
+            self.announce(prefix + line)
         process.stdout.close()
 
     def _join_reader(self, child: _Child) -> None:

@@ -100,3 +100,21 @@ def test_stopping_kills_a_program_that_ignores_sigterm_and_what_it_left_behind()
     assert time.monotonic() - stopping_at < 5
     for stray in {pid, *left_behind}:
         assert not is_alive(stray)
+
+
+def test_output_that_cannot_be_written_is_still_read_so_programs_do_not_block():
+    def broken_pipe(line: str) -> None:
+        raise BrokenPipeError
+
+    # Far more than a pipe holds: the program blocks unless its output is read.
+    chatty = python("import time\nfor _ in range(5000): print('x' * 100)\nprint('done', flush=True)\ntime.sleep(60)")
+    supervisor = Supervisor([Program("chatty", chatty, ready=lambda: True)], emit=broken_pipe)
+    stop = threading.Event()
+    thread = threading.Thread(target=supervisor.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: "done" in supervisor.children[0].tail, timeout=10, what="the last line")
+    finally:
+        stop.set()
+        thread.join(15)
+    assert not thread.is_alive()
