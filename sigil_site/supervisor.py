@@ -27,7 +27,7 @@ class Program:
     """A long-running command and how to tell that it serves.
 
     `ready` is called repeatedly until it returns True; it must be quick and must not raise.
-    A program that others `need` is waited for before the next one is started.
+    A program `needed_by_others` is ready before the next one is started.
     """
 
     name: str
@@ -54,7 +54,6 @@ class _Child:
     started_at: float = 0.0
     backoff: float = 0.0
     restart_at: float | None = None
-    restarts: int = 0
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
     reader: threading.Thread | None = None
 
@@ -199,7 +198,6 @@ class Supervisor:
                 )
             if now >= child.restart_at:
                 self._join_reader(child)
-                child.restarts += 1
                 self._spawn(child)
 
     def stop_all(self) -> None:
@@ -228,7 +226,10 @@ def _exited(process: subprocess.Popen) -> bool:
     process group's id, cannot be taken by another process before `_reap`."""
     if process.returncode is not None:
         return True
-    return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped by another thread meanwhile
+        return True
 
 
 def _reap(process: subprocess.Popen) -> None:
