@@ -44,6 +44,9 @@ class WorkerdHost:
     code_dir: Path
     state_dir: Path
     secret: str
+    #: False keeps workerd in the caller's process group, so that whatever stops the caller's
+    #: group (runsigil, a service manager) stops workerd too even if the caller was killed.
+    own_session: bool = True
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
 
     @property
@@ -116,7 +119,7 @@ const host :Workerd.Worker = (
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=self.own_session,
             )
         deadline = time.monotonic() + wait_seconds
         while time.monotonic() < deadline:

@@ -94,6 +94,7 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
         start_new_session=True,
     )
     output = Output(process)
+    children: set[int] = set()
     try:
         wait_until(lambda: output.has("Press Ctrl-C to stop.") or process.poll() is not None, timeout=60)
         assert output.has(f"Sigil is running at http://127.0.0.1:{web_port}/"), str(output)
@@ -108,10 +109,16 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
         assert output.has("bundled redis-server")
         password = re.search(r"user owner, password (\S+), shown only this once", str(output)).group(1)
 
-        children = descendants(process.pid)
+        children |= descendants(process.pid)
         web = next(pid for pid in children if "runserver" in command_line(pid))
+        runworkerd = next(pid for pid in children if "runworkerd" in command_line(pid))
+        workerd = next(pid for pid in descendants(runworkerd) if "workerd serve" in command_line(pid))
+        # workerd outlives a runworkerd killed outright unless the supervisor stops its group.
         os.kill(web, signal.SIGKILL)
-        wait_until(lambda: not is_alive(web) and http_status(web_port, "/admin/login/") == 200, timeout=15)
+        os.kill(runworkerd, signal.SIGKILL)
+        wait_until(lambda: not is_alive(workerd), timeout=5, what="the orphaned workerd to be stopped")
+        wait_until(lambda: http_status(web_port, "/admin/login/") == 200, timeout=15, what="the web server again")
+        wait_until(lambda: port_is_open(workerd_port), timeout=15, what="workerd again")
         children |= descendants(process.pid)
 
         process.send_signal(signal.SIGINT)
@@ -120,10 +127,13 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
         if process.poll() is None:
             process.kill()
             process.wait()
+        left_behind = [pid for pid in children if is_alive(pid)]
+        for pid in left_behind:
+            os.kill(pid, signal.SIGKILL)
     output.thread.join(5)
 
     assert output.has("Sigil stopped.")
-    assert [pid for pid in children if is_alive(pid)] == []
+    assert left_behind == []
     assert not port_is_open(web_port)
     assert not port_is_open(workerd_port)
     with sqlite3.connect(var_dir / "sigil.sqlite3") as db:

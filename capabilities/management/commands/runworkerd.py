@@ -24,6 +24,7 @@ class Command(BaseCommand):
             code_dir=settings.SIGIL_CODE_DIR,
             state_dir=settings.VAR_DIR / "workerd",
             secret=settings.SIGIL_INTERNAL_SECRET,
+            own_session=False,
         )
         stop = threading.Event()
         failure: list[BaseException] = []
