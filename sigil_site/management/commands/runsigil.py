@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 from kombu.exceptions import OperationalError as KombuOperationalError
@@ -32,7 +32,7 @@ class Command(BaseCommand):
         "and the web server on 127.0.0.1:PORT; restart any that dies; stop them all on Ctrl-C or SIGTERM."
     )
 
-    def add_arguments(self, parser) -> None:
+    def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--port", type=int, default=8000, help="Port of the web server (default 8000).")
         parser.add_argument(
             "--ready-timeout", type=float, default=60.0, help="Seconds to wait for everything to answer."
