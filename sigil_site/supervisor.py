@@ -215,7 +215,7 @@ class Supervisor:
                     time.sleep(0.05)
                 if not _exited(process):
                     logger.warning(
-                        "%s did not stop in %.0f s; killing it", child.program.name, child.program.stop_timeout
+                        "%s did not stop in %g s; killing it", child.program.name, child.program.stop_timeout
                     )
             _reap(process)
             self._join_reader(child)
@@ -238,7 +238,8 @@ def _reap(process: subprocess.Popen) -> None:
     Each child leads its own process group (start_new_session), so the group holds the
     child and what it started and left behind (a prefork pool), and nothing else.
     """
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+    if process.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
     process.wait()

@@ -127,6 +127,9 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
         if process.poll() is None:
             process.kill()
             process.wait()
+        # What the supervisor killed last may take a moment to die.
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: not any(is_alive(pid) for pid in children), timeout=3)
         left_behind = [pid for pid in children if is_alive(pid)]
         for pid in left_behind:
             os.kill(pid, signal.SIGKILL)

@@ -98,8 +98,7 @@ def test_stopping_kills_a_program_that_ignores_sigterm_and_what_it_left_behind()
         stopping_at = time.monotonic()
     # Leaving the block stopped everything: SIGTERM, then SIGKILL to the group after 0.5 s.
     assert time.monotonic() - stopping_at < 5
-    for stray in {pid, *left_behind}:
-        assert not is_alive(stray)
+    wait_until(lambda: not any(is_alive(stray) for stray in {pid, *left_behind}), timeout=2, what="all to be gone")
 
 
 def test_output_that_cannot_be_written_is_still_read_so_programs_do_not_block():
