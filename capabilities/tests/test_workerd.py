@@ -35,7 +35,7 @@ def supervised(host):
     stop = threading.Event()
     thread = threading.Thread(target=host.supervise, args=(stop,), daemon=True)
     thread.start()
-    wait_until(host.is_running, timeout=10, what="workerd to start")
+    wait_until(lambda: host.is_running() and port_is_open(host.port), timeout=10, what="workerd to listen")
     yield host
     stop.set()
     thread.join(10)
