@@ -6,6 +6,7 @@ import sys
 import threading
 
 import pytest
+import urllib3
 from django.conf import settings
 
 from capabilities.runtimes.base import CodeBundle
@@ -45,7 +46,7 @@ def supervised(host):
 def ok(route) -> bool:
     try:
         return call(route).status == 200
-    except OSError:
+    except urllib3.exceptions.HTTPError:  # refused while workerd starts again
         return False
 
 
