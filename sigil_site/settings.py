@@ -162,7 +162,7 @@ SIGIL_EMBEDDED_REDIS = not os.environ.get("REDIS_URL")
 # --- Celery -----------------------------------------------------------------------------
 
 # Kombu names a unix-socket Redis `redis+socket://`; redis-py names it `unix://`.
-CELERY_BROKER_URL = "redis+socket://" + REDIS_URL[len("unix://"):] if REDIS_URL.startswith("unix://") else REDIS_URL
+CELERY_BROKER_URL = "redis+socket://" + REDIS_URL[len("unix://") :] if REDIS_URL.startswith("unix://") else REDIS_URL
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"

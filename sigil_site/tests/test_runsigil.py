@@ -18,6 +18,7 @@ from django.conf import settings
 from django.contrib.auth.hashers import check_password
 
 from capabilities.workerd import free_port, port_is_open
+from sigil_site.management.commands.runsigil import sigil_programs
 from testsupport.processes import command_line, descendants, is_alive, wait_until
 
 MANAGE = str(settings.BASE_DIR / "manage.py")
@@ -155,3 +156,22 @@ def test_runsigil_refuses_to_start_on_a_port_in_use(embedded_env):
         )
     assert result.returncode == 1
     assert f"port {port} is in use" in result.stderr
+
+
+def test_the_local_backend_runs_workerd_and_no_emulator(settings):
+    settings.SIGIL_EMBEDDED_REDIS = False
+    settings.SIGIL_BACKEND = "local"
+
+    programs, _ = sigil_programs(port=8000)
+
+    assert [program.name for program in programs] == ["workerd", "celery", "web"]
+
+
+def test_the_emulator_runs_when_the_cloudflare_api_base_points_at_it(settings):
+    settings.SIGIL_EMBEDDED_REDIS = False
+    settings.SIGIL_BACKEND = "worker-pool"
+    settings.CF_API_BASE = f"http://127.0.0.1:{settings.CF_EMULATOR_PORT}/client/v4"
+
+    programs, _ = sigil_programs(port=8000)
+
+    assert [program.name for program in programs] == ["cfemulator", "celery", "web"]

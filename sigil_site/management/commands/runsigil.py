@@ -42,9 +42,9 @@ class Command(BaseCommand):
         self._check_can_start(port)
         base_url = f"http://127.0.0.1:{port}"
 
-        programs, redis_url = self._programs(port)
+        programs, redis_url = sigil_programs(port=port)
         self._say(
-            f"Sigil: backend {settings.SIGIL_BACKEND}, workerd on 127.0.0.1:{settings.SIGIL_WORKERD_PORT}\n"
+            f"Sigil: backend  {describe_backend()}\n"
             f"       database {describe_database()}\n"
             f"       redis    {describe_redis(redis_url)}"
         )
@@ -85,13 +85,18 @@ class Command(BaseCommand):
     def _check_can_start(self, port: int) -> None:
         if port_is_open(port):
             raise CommandError(f"port {port} is in use: stop what holds it, or choose another (make run PORT=...)")
-        if port_is_open(settings.SIGIL_WORKERD_PORT):
+        if runs_workerd() and port_is_open(settings.SIGIL_WORKERD_PORT):
             raise CommandError(
                 f"workerd's port {settings.SIGIL_WORKERD_PORT} is in use: stop what holds it, or set SIGIL_WORKERD_PORT"
             )
-        if not Path(settings.SIGIL_WORKERD_BIN).exists():
+        if runs_emulator() and port_is_open(settings.CF_EMULATOR_PORT):
+            raise CommandError(
+                f"the Cloudflare emulator's port {settings.CF_EMULATOR_PORT} is in use: stop what holds it, "
+                "or set CF_EMULATOR_PORT and CF_API_BASE"
+            )
+        if (runs_workerd() or runs_emulator()) and not Path(settings.SIGIL_WORKERD_BIN).exists():
             raise CommandError(f"workerd not found at {settings.SIGIL_WORKERD_BIN}: run `make install`")
-        if settings.SIGIL_EMBEDDED_REDIS and self._embedded_redis().ping():
+        if settings.SIGIL_EMBEDDED_REDIS and embedded_redis().ping():
             raise CommandError(f"a Redis server already answers on {settings.REDIS_URL}: is Sigil running already?")
         connection = connections[DEFAULT_DB_ALIAS]
         executor = MigrationExecutor(connection)
@@ -99,21 +104,35 @@ class Command(BaseCommand):
             raise CommandError("the database has unapplied migrations: run `python manage.py migrate` first")
         connection.close()
 
-    def _embedded_redis(self) -> EmbeddedRedis:
-        return EmbeddedRedis(settings.VAR_DIR / "redis", socket_path=Path(urlsplit(settings.REDIS_URL).path))
 
-    def _programs(self, port: int) -> tuple[list[Program], str]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        programs = []
-        if settings.SIGIL_EMBEDDED_REDIS:
-            redis = self._embedded_redis()
-            redis.prepare()
-            # The children would find the socket at the same default path; passing it makes
-            # that explicit and independent of their settings.
-            env["REDIS_URL"] = redis.url
-            programs.append(Program("redis", redis.command(), ready=redis.ping, needed_by_others=True))
-        # workerd runs for every backend: the local runtime uses it, and so does the
-        # Cloudflare emulator for the scripts it holds.
+def embedded_redis() -> EmbeddedRedis:
+    """The bundled Redis, on the socket the settings default to when REDIS_URL is unset."""
+    return EmbeddedRedis(settings.VAR_DIR / "redis", socket_path=Path(urlsplit(settings.REDIS_URL).path))
+
+
+def runs_workerd() -> bool:
+    """Only the local runtime uses this workerd (the emulator runs one of its own)."""
+    return settings.SIGIL_BACKEND == "local"
+
+
+def runs_emulator() -> bool:
+    """Whether CF_API_BASE points at the local Cloudflare emulator, so it must run too."""
+    api = urlsplit(settings.CF_API_BASE)
+    return api.hostname in ("127.0.0.1", "localhost") and api.port == settings.CF_EMULATOR_PORT
+
+
+def sigil_programs(*, port: int) -> tuple[list[Program], str]:
+    """What runsigil runs, in the order it starts them, and the Redis URL they are given."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    programs = []
+    if settings.SIGIL_EMBEDDED_REDIS:
+        redis = embedded_redis()
+        redis.prepare()
+        # The children would find the socket at the same default path; passing it makes
+        # that explicit and independent of their settings.
+        env["REDIS_URL"] = redis.url
+        programs.append(Program("redis", redis.command(), ready=redis.ping, needed_by_others=True))
+    if runs_workerd():
         programs.append(
             Program(
                 "workerd",
@@ -122,34 +141,35 @@ class Command(BaseCommand):
                 env=env,
             )
         )
-        node = f"sigil-{os.getpid()}@{socket.gethostname()}"
-        celery = [
-            sys.executable, "-m", "celery", "-A", "sigil_site", "worker", "--beat",
-            "--concurrency", "2", "--loglevel", "INFO", "--hostname", node,
-            # One worker alone: asking for neighbours only delays its start by a second.
-            "--without-mingle", "--without-gossip",
-            "--schedule", str(settings.CELERY_BEAT_SCHEDULE_FILENAME),
-        ]  # fmt: skip
+    if runs_emulator():
         programs.append(
             Program(
-                "celery",
-                celery,
-                ready=lambda: celery_answers(node),
-                env=env,
-                stop_timeout=20.0,
-            )
-        )
-        # --insecure serves the admin's static files although DEBUG is off; --noreload
-        # because the supervisor restarts it, and WSGI_APPLICATION is the gateway app.
-        programs.append(
-            Program(
-                "web",
-                [sys.executable, MANAGE, "runserver", f"127.0.0.1:{port}", "--noreload", "--insecure"],
-                ready=lambda: http_answers(port),
+                "cfemulator",
+                [sys.executable, MANAGE, "cfemulator"],
+                ready=lambda: port_is_open(settings.CF_EMULATOR_PORT),
                 env=env,
             )
         )
-        return programs, env.get("REDIS_URL", settings.REDIS_URL)
+    node = f"sigil-{os.getpid()}@{socket.gethostname()}"
+    celery = [
+        sys.executable, "-m", "celery", "-A", "sigil_site", "worker", "--beat",
+        "--concurrency", "2", "--loglevel", "INFO", "--hostname", node,
+        # One worker alone: asking for neighbours only delays its start by a second.
+        "--without-mingle", "--without-gossip",
+        "--schedule", str(settings.CELERY_BEAT_SCHEDULE_FILENAME),
+    ]  # fmt: skip
+    programs.append(Program("celery", celery, ready=lambda: celery_answers(node), env=env, stop_timeout=20.0))
+    # --insecure serves the admin's static files although DEBUG is off; --noreload
+    # because the supervisor restarts it, and WSGI_APPLICATION is the gateway app.
+    programs.append(
+        Program(
+            "web",
+            [sys.executable, MANAGE, "runserver", f"127.0.0.1:{port}", "--noreload", "--insecure"],
+            ready=lambda: http_answers(port),
+            env=env,
+        )
+    )
+    return programs, env.get("REDIS_URL", settings.REDIS_URL)
 
 
 def banner(base_url: str, owner: OwnerAccount) -> str:
@@ -167,6 +187,17 @@ Sigil is running at {base_url}/
   Calls      {base_url}/{{agent}}/{{capability}} with the agent's invoke token
 Press Ctrl-C to stop.
 """
+
+
+def describe_backend() -> str:
+    parts = [settings.SIGIL_BACKEND]
+    if runs_workerd():
+        parts.append(f"workerd on 127.0.0.1:{settings.SIGIL_WORKERD_PORT}")
+    if runs_emulator():
+        parts.append(f"Cloudflare emulator at {settings.CF_API_BASE}")
+    elif settings.SIGIL_BACKEND != "local":
+        parts.append(f"Cloudflare API at {settings.CF_API_BASE}")
+    return ", ".join(parts)
 
 
 def describe_database() -> str:
