@@ -103,9 +103,11 @@ def celery_worker_session(django_db_setup, django_db_blocker):
     from sigil_site.celery import app
 
     app.loader.import_default_modules()
-    with django_db_blocker.unblock():
-        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=10) as worker:
-            yield worker
+    with (
+        django_db_blocker.unblock(),
+        start_worker(app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=10) as worker,
+    ):
+        yield worker
 
 
 @pytest.fixture

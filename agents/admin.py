@@ -49,12 +49,17 @@ class AgentAdmin(admin.ModelAdmin):
 
     @admin.action(description="Disable selected agents (their tokens stop at once)")
     def disable_agents(self, request, queryset) -> None:
-        count = sum(services.agent_set_active(agent=a, is_active=False, actor=f"owner:{request.user.username}") for a in queryset)
+        count = sum(
+            services.agent_set_active(agent=a, is_active=False, actor=f"owner:{request.user.username}")
+            for a in queryset
+        )
         self.message_user(request, f"Disabled {count} agent(s).")
 
     @admin.action(description="Enable selected agents")
     def enable_agents(self, request, queryset) -> None:
-        count = sum(services.agent_set_active(agent=a, is_active=True, actor=f"owner:{request.user.username}") for a in queryset)
+        count = sum(
+            services.agent_set_active(agent=a, is_active=True, actor=f"owner:{request.user.username}") for a in queryset
+        )
         self.message_user(request, f"Enabled {count} agent(s).")
 
 

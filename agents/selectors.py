@@ -40,7 +40,10 @@ def _fill_cache(token_hash: str) -> bytes:
         if expires is not None and expires <= now:
             value, ttl = tokens.TOMBSTONE, tokens.NEGATIVE_TTL_SECONDS
         else:
-            value, ttl = tokens.encode(token.agent_id, token.agent.name, token.scope, expires), tokens.POSITIVE_TTL_SECONDS
+            value, ttl = (
+                tokens.encode(token.agent_id, token.agent.name, token.scope, expires),
+                tokens.POSITIVE_TTL_SECONDS,
+            )
     key = tokens.cache_key(token_hash)
     redis = get_redis()
     if not redis.set(key, value, ex=ttl, nx=True):

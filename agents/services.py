@@ -11,7 +11,6 @@ import uuid
 from datetime import datetime
 
 import requests
-
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -25,7 +24,9 @@ from sigil_site.redis_client import get_redis
 logger = logging.getLogger(__name__)
 
 
-def audit_record(*, actor: str, action: str, agent_name: str = "", subject: str = "", detail: dict | None = None) -> AuditEvent:
+def audit_record(
+    *, actor: str, action: str, agent_name: str = "", subject: str = "", detail: dict | None = None
+) -> AuditEvent:
     """Append one event to the audit trail. Never updated or deleted afterwards."""
     return AuditEvent.objects.create(
         actor=actor, action=action, agent_name=agent_name, subject=subject, detail=detail or {}
@@ -94,7 +95,10 @@ def agent_set_active(*, agent: Agent, is_active: bool, actor: str) -> bool:
         changed = Agent.objects.filter(pk=agent.pk, is_active=not is_active).update(is_active=is_active)
         if changed:
             audit_record(
-                actor=actor, action="agent.enabled" if is_active else "agent.disabled", agent_name=agent.name, subject=agent.name
+                actor=actor,
+                action="agent.enabled" if is_active else "agent.disabled",
+                agent_name=agent.name,
+                subject=agent.name,
             )
     agent.refresh_from_db()
     # Both directions invalidate: disabling must refuse, enabling must stop refusing.
@@ -133,7 +137,13 @@ def agent_notify(*, agent_name: str, event: str, payload: dict) -> bool:
         return False
     from agents.tasks import agent_webhook_deliver as agent_webhook_deliver_task
 
-    delivery = {"id": str(uuid.uuid4()), "event": event, "agent": agent_name, "sent_at": timezone.now().isoformat(), **payload}
+    delivery = {
+        "id": str(uuid.uuid4()),
+        "event": event,
+        "agent": agent_name,
+        "sent_at": timezone.now().isoformat(),
+        **payload,
+    }
     agent_webhook_deliver_task.delay_on_commit(agent_id=agent.pk, delivery=delivery)
     return True
 

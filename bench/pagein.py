@@ -99,8 +99,10 @@ def main() -> int:
     print(f"emulated Cloudflare latency per API call: {args.latency * 1000:.0f} ms")
     print(f"API calls per page-in: {api_calls:g} (upload + workers.dev toggle)")
     print(f"page-in time p50: {statistics.median(timings):.1f} ms over {args.rounds} rounds")
-    print(f"page-in overhead beyond the emulator's latency: p50 {p50:.1f} ms, max {overheads[-1]:.1f} ms "
-          f"(target <= {TARGET_OVERHEAD_MS:.0f} ms p50)")
+    print(
+        f"page-in overhead beyond the emulator's latency: p50 {p50:.1f} ms, max {overheads[-1]:.1f} ms "
+        f"(target <= {TARGET_OVERHEAD_MS:.0f} ms p50)"
+    )
     return 0 if p50 <= TARGET_OVERHEAD_MS else 1
 
 

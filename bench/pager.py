@@ -62,7 +62,11 @@ def main() -> int:
             for i in range(args.claims):
                 started = time.perf_counter()
                 claim = pager.pager_claim_slot(
-                    full=f"new--c{i}", capability_type="normal", now=now, slots=size, safety_margin=args.claims + 1,
+                    full=f"new--c{i}",
+                    capability_type="normal",
+                    now=now,
+                    slots=size,
+                    safety_margin=args.claims + 1,
                     expires_epoch=None,
                 )
                 timings.append((time.perf_counter() - started) * 1000)

@@ -8,7 +8,6 @@ from django.utils import timezone
 
 from agents.services import audit_record
 from capabilities import bindings as binding_rules
-
 from capabilities import services
 from capabilities.models import Binding, BindingKind, Capability, CapabilityVersion, State
 from sigil_site.errors import SigilError
@@ -41,14 +40,40 @@ class ExpiredEphemeralFilter(admin.SimpleListFilter):
 
 @admin.register(Capability)
 class CapabilityAdmin(admin.ModelAdmin):
-    list_display = ["full_name", "type", "state", "is_public", "breaker_state", "last_access_at", "calls_total", "errors_total"]
+    list_display = [
+        "full_name",
+        "type",
+        "state",
+        "is_public",
+        "breaker_state",
+        "last_access_at",
+        "calls_total",
+        "errors_total",
+    ]
     list_filter = ["state", "type", "is_public", "breaker_state", ExpiredEphemeralFilter, "agent"]
     list_select_related = ["agent", "current_version"]
     search_fields = ["full_name", "agent__name"]
     readonly_fields = [
-        "agent", "name", "full_name", "type", "is_public", "bindings", "state", "slot", "placed_sha", "current_version",
-        "created_at", "updated_at", "expires_at", "removed_at", "last_access_at", "calls_total", "errors_total",
-        "latency_ms_total", "breaker_state", "breaker_opened_at",
+        "agent",
+        "name",
+        "full_name",
+        "type",
+        "is_public",
+        "bindings",
+        "state",
+        "slot",
+        "placed_sha",
+        "current_version",
+        "created_at",
+        "updated_at",
+        "expires_at",
+        "removed_at",
+        "last_access_at",
+        "calls_total",
+        "errors_total",
+        "latency_ms_total",
+        "breaker_state",
+        "breaker_opened_at",
     ]
     inlines = [VersionInline]
     actions = ["remove_capabilities", "reset_breakers"]
@@ -92,9 +117,8 @@ class BindingForm(forms.ModelForm):
     def clean(self):
         data = super().clean()
         kind, name = data.get("kind"), data.get("name")
-        if name:
-            if not binding_rules.DECLARATION.fullmatch(f"{kind}:{name}"):
-                self.add_error("name", "upper case letters, digits and _, starting with a letter")
+        if name and not binding_rules.DECLARATION.fullmatch(f"{kind}:{name}"):
+            self.add_error("name", "upper case letters, digits and _, starting with a letter")
         if kind == BindingKind.SECRET:
             has_stored = bool(self.instance.secret_encrypted)
             if not (data.get("secret_env") or data.get("secret_value") or has_stored):

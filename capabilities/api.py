@@ -6,8 +6,8 @@ import hmac
 from datetime import timedelta
 
 from django.conf import settings
-from django.utils import timezone
 from django.db import connection
+from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
@@ -86,8 +86,22 @@ class CapabilitySerializer(serializers.ModelSerializer):
     class Meta:
         model = Capability
         fields = [
-            "capability", "agent", "name", "type", "public", "state", "version", "sha256", "bindings",
-            "url", "created_at", "updated_at", "expires_at", "last_access_at", "breaker", "stats",
+            "capability",
+            "agent",
+            "name",
+            "type",
+            "public",
+            "state",
+            "version",
+            "sha256",
+            "bindings",
+            "url",
+            "created_at",
+            "updated_at",
+            "expires_at",
+            "last_access_at",
+            "breaker",
+            "stats",
         ]
 
     def get_url(self, obj) -> str:
@@ -110,7 +124,7 @@ class CapabilityDetailSerializer(CapabilitySerializer):
     recent = serializers.SerializerMethodField()
 
     class Meta(CapabilitySerializer.Meta):
-        fields = CapabilitySerializer.Meta.fields + ["recent", "code"]
+        fields = [*CapabilitySerializer.Meta.fields, "recent", "code"]
 
     def get_recent(self, obj) -> dict | None:
         """The last 24 hours' calls, errors and latency percentiles, for the owner only."""
@@ -200,7 +214,9 @@ class CapabilityListApi(APIView):
         )
         paginator = CapabilityPagination()
         page = paginator.paginate_queryset(query, request, view=self)
-        return paginator.get_paginated_response(CapabilitySerializer(page, many=True, context={"request": request}).data)
+        return paginator.get_paginated_response(
+            CapabilitySerializer(page, many=True, context={"request": request}).data
+        )
 
 
 class CapabilityDetailApi(APIView):
@@ -261,11 +277,11 @@ class HealthApi(APIView):
                 "capabilities": Capability.objects.exclude(state=State.REMOVED).count(),
                 "agents": Agent.objects.count(),
             }
-        except Exception as exc:  # noqa: BLE001 - any database failure is what this check reports
+        except Exception as exc:
             checks["database"] = f"failing: {exc.__class__.__name__}"
         try:
             get_redis().ping()
-        except Exception as exc:  # noqa: BLE001 - same for Redis
+        except Exception as exc:
             checks["redis"] = f"failing: {exc.__class__.__name__}"
         try:
             get_runtime().check()

@@ -39,7 +39,7 @@ def bindings_resolve(declarations: list[str], *, supported_kinds: frozenset[str]
     configured, or a kind the runtime cannot provide (`supported_kinds`, None = all).
     """
     wanted = [parse_declaration(d) for d in declarations]
-    if len(set(name for _, name in wanted)) != len(wanted):
+    if len({name for _, name in wanted}) != len(wanted):
         raise InvalidRequest("two bindings cannot share a name: each becomes one entry of env")
     if not wanted:
         return []
@@ -70,9 +70,10 @@ def _value_of(binding: Binding) -> str:
 
 
 def _fernet() -> Fernet:
-    key = settings.SIGIL_SECRETS_KEY or base64.urlsafe_b64encode(
-        hashlib.sha256(f"sigil-bindings:{settings.SECRET_KEY}".encode()).digest()
-    ).decode()
+    key = (
+        settings.SIGIL_SECRETS_KEY
+        or base64.urlsafe_b64encode(hashlib.sha256(f"sigil-bindings:{settings.SECRET_KEY}".encode()).digest()).decode()
+    )
     return Fernet(key)
 
 
@@ -85,4 +86,6 @@ def secret_decrypt(token: str) -> str:
     try:
         return _fernet().decrypt(token.encode()).decode()
     except InvalidToken as exc:
-        raise InvalidRequest("a secret binding cannot be decrypted: SIGIL_SECRETS_KEY changed since it was stored") from exc
+        raise InvalidRequest(
+            "a secret binding cannot be decrypted: SIGIL_SECRETS_KEY changed since it was stored"
+        ) from exc

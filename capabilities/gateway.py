@@ -43,7 +43,16 @@ access_logger = logging.getLogger("sigil.access")
 
 # RFC 9110 §7.6.1 connection-specific fields, never forwarded by a proxy in either direction.
 HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"}
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
 )
 # What the gateway drops from the caller's request besides hop-by-hop fields: the caller's
 # credentials, and (below) anything posing as Sigil's internal headers.
@@ -57,7 +66,14 @@ class Call:
     """What one call holds while it is served, and must give back however it ends."""
 
     __slots__ = (
-        "full", "capability_type", "token_hash", "started", "is_trial", "holds_inflight", "finished", "page_in_ms"
+        "capability_type",
+        "finished",
+        "full",
+        "holds_inflight",
+        "is_trial",
+        "page_in_ms",
+        "started",
+        "token_hash",
     )
 
     def __init__(self, full: str, capability_type: str, token_hash: str, started: float, is_trial: bool) -> None:
@@ -175,7 +191,9 @@ class Gateway:
             return self.reply_runtime_failure(start_response, upstream, failure, call)
 
         headers = [
-            (k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP and not k.lower().startswith("x-sigil-")
+            (k, v)
+            for k, v in upstream.headers.items()
+            if k.lower() not in HOP_BY_HOP and not k.lower().startswith("x-sigil-")
         ]
         sigil_ms = (time.perf_counter() - call.started) * 1000 - upstream_ms - (page_in_ms or 0)
         timing = f"sigil;dur={sigil_ms:.2f}, capability;dur={upstream_ms:.2f}"
@@ -273,9 +291,19 @@ class Gateway:
                 pager.lru_key(call.capability_type),
                 pager.inflight_key(call.full),
             ],
-            args=[call.full, call.token_hash, f"{now:.6f}", f"{latency_ms:.3f}", int(ok), int(call.is_trial),
-                  self.breaker_threshold, self.breaker_cooldown, int(call.holds_inflight),
-                  stats.bucket_field(latency_ms), "" if call.page_in_ms is None else f"{call.page_in_ms:.3f}"],
+            args=[
+                call.full,
+                call.token_hash,
+                f"{now:.6f}",
+                f"{latency_ms:.3f}",
+                int(ok),
+                int(call.is_trial),
+                self.breaker_threshold,
+                self.breaker_cooldown,
+                int(call.holds_inflight),
+                stats.bucket_field(latency_ms),
+                "" if call.page_in_ms is None else f"{call.page_in_ms:.3f}",
+            ],
         )
         if change:
             state = BreakerState.OPEN if change == b"opened" else BreakerState.CLOSED
@@ -325,7 +353,11 @@ class Gateway:
         ).encode()
         start_response(
             "202 Accepted",
-            [("Content-Type", "application/json"), ("Content-Length", str(len(body))), ("Preference-Applied", "respond-async")],
+            [
+                ("Content-Type", "application/json"),
+                ("Content-Length", str(len(body))),
+                ("Preference-Applied", "respond-async"),
+            ],
         )
         return [body]
 
@@ -361,14 +393,26 @@ class ResponseBody:
         self.upstream.release_conn()
         self.gateway.finish(self.call, ok=self.ok)
         log_access(
-            self.environ, self.upstream.status, self.call.started, capability=self.call.full, page_in_ms=self.call.page_in_ms
+            self.environ,
+            self.upstream.status,
+            self.call.started,
+            capability=self.call.full,
+            page_in_ms=self.call.page_in_ms,
         )
 
 
 STATUS_TEXT = {
-    400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 409: "Conflict",
-    413: "Content Too Large", 429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway",
-    503: "Service Unavailable", 504: "Gateway Timeout",
+    400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
+    409: "Conflict",
+    413: "Content Too Large",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
 }
 
 

@@ -28,8 +28,14 @@ def metrics_render() -> str:
         Capability.objects.exclude(state=State.REMOVED)
         .select_related("agent")
         .only(
-            "full_name", "agent__name", "calls_total", "errors_total", "cold_calls_total", "latency_ms_total",
-            "page_in_ms_total", "latency_buckets_total",
+            "full_name",
+            "agent__name",
+            "calls_total",
+            "errors_total",
+            "cold_calls_total",
+            "latency_ms_total",
+            "page_in_ms_total",
+            "latency_buckets_total",
         )
     )
     per_capability = [

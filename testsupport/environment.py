@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -16,6 +17,8 @@ _worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
 _worker_index = int(_worker[2:]) if _worker[2:].isdigit() else 0
 
 _VAR_DIR = Path(tempfile.mkdtemp(prefix=f"sigil-test-{_worker}-"))
+# Registered first so that it runs last, after the Redis server has stopped.
+atexit.register(shutil.rmtree, _VAR_DIR, ignore_errors=True)
 os.environ["SIGIL_VAR_DIR"] = str(_VAR_DIR)
 os.environ.setdefault("SECRET_KEY", "sigil-test-suite-only")
 # Server and worker threads close their connections after each request or task, so the

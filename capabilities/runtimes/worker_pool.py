@@ -4,6 +4,7 @@ quota (sigil-backend-lru.md)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from capabilities import names
@@ -99,10 +100,8 @@ class WorkerPoolRuntime(Runtime):
         self.client.script_subdomain_set(slot, enabled=True)
 
     def remove(self, *, slot: str) -> None:
-        try:
+        with contextlib.suppress(CloudflareNotFound):
             self.client.script_delete(slot)
-        except CloudflareNotFound:
-            pass
 
     def route(self, *, slot: str, sha: str) -> Route:
         """Where the script answers. The account's subdomain is asked for once per process."""

@@ -31,7 +31,7 @@ def raw_deploy(alice, data: bytes, content_type="application/json"):
 
 
 @pytest.mark.parametrize(
-    "body, message_part",
+    ("body", "message_part"),
     [
         ({"name": "Bad_Name", "code": PONG}, "must match"),
         ({"name": "a--b", "code": PONG}, "must match"),

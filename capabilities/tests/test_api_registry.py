@@ -1,6 +1,5 @@
 """List, inspect, remove, status, health and the schema, over HTTP."""
 
-import pytest
 import requests
 
 from agents.models import AuditEvent
@@ -11,7 +10,9 @@ PONG = "export default { async fetch() { return new Response('pong') } }"
 
 
 def get(client, path, token=None):
-    return client.session.get(f"{client.base_url}{path}", headers=client.headers(token or client.invoke_token), timeout=30)
+    return client.session.get(
+        f"{client.base_url}{path}", headers=client.headers(token or client.invoke_token), timeout=30
+    )
 
 
 def test_list_shows_own_and_public_with_filters_and_pages(alice, bob):
@@ -24,7 +25,9 @@ def test_list_shows_own_and_public_with_filters_and_pages(alice, bob):
     assert [c["capability"] for c in listed["results"]] == ["alice--a-private", "alice--a-public", "bob--b-public"]
     assert listed["count"] == 3
 
-    assert [c["capability"] for c in get(alice, "/_api/capabilities?type=normal").json()["results"]] == ["alice--a-public"]
+    assert [c["capability"] for c in get(alice, "/_api/capabilities?type=normal").json()["results"]] == [
+        "alice--a-public"
+    ]
     assert [c["capability"] for c in get(alice, "/_api/capabilities?agent=bob").json()["results"]] == ["bob--b-public"]
 
     page = get(alice, "/_api/capabilities?limit=2").json()
@@ -61,7 +64,9 @@ def test_remove_stops_serving_and_keeps_the_trail(alice, celery_worker_session):
 
     alice.deploy(name="ping", code=PONG)
     assert alice.call("/alice/ping").status_code == 200
-    removed = alice.session.delete(f"{alice.base_url}/_api/capabilities/alice--ping", headers=alice.headers(alice.deploy_token))
+    removed = alice.session.delete(
+        f"{alice.base_url}/_api/capabilities/alice--ping", headers=alice.headers(alice.deploy_token)
+    )
     assert removed.status_code == 204
     assert alice.call("/alice/ping").status_code == 404
     assert get(alice, "/_api/capabilities/alice--ping").status_code == 404

@@ -40,7 +40,11 @@ def test_revoked_token_is_refused_on_the_next_call(alice, ping):
     token = Token.objects.get(agent__name="alice", scope="invoke")
     agent_services.token_revoke(token=token, actor="owner:test")
     assert_error(alice.call(ping), 401, "unauthenticated")
-    assert_error(alice.session.get(f"{alice.base_url}/_api/capabilities", headers=alice.headers(alice.invoke_token)), 401, "unauthenticated")
+    assert_error(
+        alice.session.get(f"{alice.base_url}/_api/capabilities", headers=alice.headers(alice.invoke_token)),
+        401,
+        "unauthenticated",
+    )
 
 
 def test_expired_token_is_refused(alice, ping):
@@ -65,7 +69,9 @@ def test_disabled_agent_tokens_stop_at_once(alice, ping):
 
 def test_invoke_token_cannot_deploy_or_remove(alice, ping):
     assert_error(alice.deploy(name="other", code=PONG, token="invoke"), 403, "forbidden")
-    removal = alice.session.delete(f"{alice.base_url}/_api/capabilities/alice--ping", headers=alice.headers(alice.invoke_token))
+    removal = alice.session.delete(
+        f"{alice.base_url}/_api/capabilities/alice--ping", headers=alice.headers(alice.invoke_token)
+    )
     assert_error(removal, 403, "forbidden")
     assert not Capability.objects.filter(full_name="alice--other").exists()
     assert Capability.objects.get(full_name="alice--ping").state == "live"
@@ -81,7 +87,9 @@ def test_deploy_to_another_agents_prefix_is_forbidden(alice, bob):
 
 
 def test_removing_another_agents_capability_is_forbidden(alice, bob, ping):
-    response = bob.session.delete(f"{bob.base_url}/_api/capabilities/alice--ping", headers=bob.headers(bob.deploy_token))
+    response = bob.session.delete(
+        f"{bob.base_url}/_api/capabilities/alice--ping", headers=bob.headers(bob.deploy_token)
+    )
     assert_error(response, 403, "forbidden")
     assert alice.call(ping).text == "pong"
 
@@ -97,9 +105,13 @@ def test_other_agents_private_capability_is_not_found(alice, bob, ping):
 def test_public_capability_is_callable_by_others_without_its_code(alice, bob):
     alice.deploy(name="shared", code=PONG, public=True)
     assert bob.call("/alice/shared").text == "pong"
-    seen = bob.session.get(f"{bob.base_url}/_api/capabilities/alice--shared", headers=bob.headers(bob.invoke_token)).json()
+    seen = bob.session.get(
+        f"{bob.base_url}/_api/capabilities/alice--shared", headers=bob.headers(bob.invoke_token)
+    ).json()
     assert seen["public"] is True and seen["code"] is None
-    own = alice.session.get(f"{alice.base_url}/_api/capabilities/alice--shared", headers=alice.headers(alice.invoke_token)).json()
+    own = alice.session.get(
+        f"{alice.base_url}/_api/capabilities/alice--shared", headers=alice.headers(alice.invoke_token)
+    ).json()
     assert own["code"] == PONG
 
 

@@ -23,7 +23,9 @@ def test_a_capability_sees_exactly_the_bindings_it_declared(configured, alice):
     assert alice.deploy(name="greets", code=READS_ENV, bindings=["VAR:GREETING", "SECRET:API_KEY"]).status_code == 201
     assert alice.deploy(name="plain", code=READS_ENV).status_code == 201
     assert alice.call("/alice/greets").json() == {
-        "greeting": "hello", "key": "from-the-environment", "names": ["API_KEY", "GREETING"]
+        "greeting": "hello",
+        "key": "from-the-environment",
+        "names": ["API_KEY", "GREETING"],
     }
     assert alice.call("/alice/plain").json() == {"greeting": None, "key": None, "names": []}
 

@@ -50,7 +50,10 @@ def test_breaker_opens_after_consecutive_failures_then_half_opens_and_closes(ali
     refused = alice.call("/alice/flaky")
     assert_error(refused, 503, "degraded")
     assert int(refused.headers["Retry-After"]) >= 1
-    wait_for(lambda: Capability.objects.get(full_name="alice--flaky").breaker_state == "open", message="breaker open in the registry")
+    wait_for(
+        lambda: Capability.objects.get(full_name="alice--flaky").breaker_state == "open",
+        message="breaker open in the registry",
+    )
 
     time.sleep(1.1)
     # Half-open: the trial fails, so the breaker opens again for another cool-down.
@@ -61,7 +64,10 @@ def test_breaker_opens_after_consecutive_failures_then_half_opens_and_closes(ali
     trial = alice.call("/alice/flaky")
     assert trial.status_code == 200 and trial.text == "fine"
     assert alice.call("/alice/flaky").status_code == 200
-    wait_for(lambda: Capability.objects.get(full_name="alice--flaky").breaker_state == "closed", message="breaker closed in the registry")
+    wait_for(
+        lambda: Capability.objects.get(full_name="alice--flaky").breaker_state == "closed",
+        message="breaker closed in the registry",
+    )
     actions = set(AuditEvent.objects.filter(subject="alice--flaky").values_list("action", flat=True))
     assert {"capability.degraded", "capability.recovered"} <= actions
 
@@ -110,9 +116,15 @@ def test_a_warm_call_runs_no_sql(alice):
             captured["status"] = status
 
         environ = {
-            "REQUEST_METHOD": "GET", "PATH_INFO": "/alice/ping", "QUERY_STRING": "", "SERVER_NAME": "127.0.0.1",
-            "SERVER_PORT": "80", "HTTP_HOST": "127.0.0.1", "HTTP_AUTHORIZATION": f"Bearer {alice.invoke_token}",
-            "wsgi.input": io.BytesIO(b""), "wsgi.url_scheme": "http",
+            "REQUEST_METHOD": "GET",
+            "PATH_INFO": "/alice/ping",
+            "QUERY_STRING": "",
+            "SERVER_NAME": "127.0.0.1",
+            "SERVER_PORT": "80",
+            "HTTP_HOST": "127.0.0.1",
+            "HTTP_AUTHORIZATION": f"Bearer {alice.invoke_token}",
+            "wsgi.input": io.BytesIO(b""),
+            "wsgi.url_scheme": "http",
         }
         result = app(environ, start_response)
         body = b"".join(result)
@@ -141,14 +153,26 @@ def test_ttl_expiry_runs_on_beat_and_a_worker(alice, settings, celery_worker_ses
         "SIGIL_STATS_FLUSH_INTERVAL_SECONDS": "0.5",
     }
     beat = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "sigil_site", "beat", "--schedule", str(tmp_path / "beat-schedule"),
-         "--loglevel", "WARNING"],
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "sigil_site",
+            "beat",
+            "--schedule",
+            str(tmp_path / "beat-schedule"),
+            "--loglevel",
+            "WARNING",
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_for(lambda: Capability.objects.get(full_name=full).state == "removed", timeout=15, message="expiry through beat")
+        wait_for(
+            lambda: Capability.objects.get(full_name=full).state == "removed", timeout=15, message="expiry through beat"
+        )
         assert AuditEvent.objects.filter(subject=full, action="capability.expired", actor="system").exists()
         wait_for(lambda: full not in get_runtime().list_slots(), timeout=10, message="the expired slot to be released")
     finally:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from capabilities.models import Capability, CapabilityVersion
+from capabilities.models import CapabilityVersion
 
 PONG = "export default { async fetch() { return new Response('pong') } }"
 PONG2 = "export default { async fetch() { return new Response('pong v2') } }"
@@ -32,7 +32,9 @@ def test_deploy_then_invoke_then_new_version_then_invoke(alice):
     updated = alice.deploy(name="ping", code=PONG2)
     assert updated.status_code == 200 and updated.json()["version"] == 2
     assert alice.call("/alice/ping").text == "pong v2"
-    assert list(CapabilityVersion.objects.filter(capability__full_name="alice--ping").values_list("number", flat=True)) == [2, 1]
+    assert list(
+        CapabilityVersion.objects.filter(capability__full_name="alice--ping").values_list("number", flat=True)
+    ) == [2, 1]
 
 
 def test_deploy_of_same_code_makes_no_new_version(alice):

@@ -9,7 +9,7 @@ from datetime import timedelta
 from django.utils import timezone
 
 from agents.models import Agent, AuditEvent
-from capabilities import services, tasks
+from capabilities import services
 from capabilities.models import Capability
 from testsupport.cast import flush_stats_when_recorded, wait_for
 
@@ -59,7 +59,9 @@ def test_prewarm_does_nothing_on_a_runtime_without_a_pager(alice):
     assert services.capability_prewarm() == []
 
 
-def test_inactive_mark_fires_for_a_normal_capability_thirty_one_days_old(alice, webhook_receiver, celery_worker_session):
+def test_inactive_mark_fires_for_a_normal_capability_thirty_one_days_old(
+    alice, webhook_receiver, celery_worker_session
+):
     secret = subscribe("alice", webhook_receiver.url)
     alice.deploy(name="stale", code=code("stale"), type="normal")
     alice.deploy(name="kept", code=code("kept"), type="persistent")
@@ -84,7 +86,9 @@ def test_inactive_mark_fires_for_a_normal_capability_thirty_one_days_old(alice, 
     assert Capability.objects.get(full_name="alice--stale").inactive_at is None  # called again: active
 
 
-def test_a_signed_alert_reaches_the_agent_when_the_breaker_opens(alice, settings, webhook_receiver, celery_worker_session):
+def test_a_signed_alert_reaches_the_agent_when_the_breaker_opens(
+    alice, settings, webhook_receiver, celery_worker_session
+):
     settings.SIGIL_BREAKER_THRESHOLD = 3
     secret = subscribe("alice", webhook_receiver.url)
     alice.deploy(name="flaky", code=FLAKY)
@@ -97,8 +101,10 @@ def test_a_signed_alert_reaches_the_agent_when_the_breaker_opens(alice, settings
     delivery = verify(secret, headers, body)
     assert headers["x-sigil-event"] == "capability.degraded"
     assert delivery["capability"] == "alice--flaky" and delivery["agent"] == "alice"
-    wait_for(lambda: AuditEvent.objects.filter(action="webhook.delivered", agent_name="alice").exists(),
-             message="the delivery to be audited")
+    wait_for(
+        lambda: AuditEvent.objects.filter(action="webhook.delivered", agent_name="alice").exists(),
+        message="the delivery to be audited",
+    )
 
 
 def test_an_error_rate_alert_is_sent_once_per_cooldown(alice, settings, webhook_receiver, celery_worker_session):

@@ -9,9 +9,9 @@ from agents.models import Token
 from capabilities import services, tasks
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
+from testsupport.cast import flush_stats_when_recorded
 
 PONG = "export default { async fetch() { return new Response('pong') } }"
-from testsupport.cast import flush_stats_when_recorded
 
 
 def test_flush_moves_call_counts_into_the_registry_once(alice):
@@ -82,7 +82,9 @@ def test_createagent_prints_the_agent_and_two_working_tokens(sigil, capsys):
         timeout=30,
     )
     assert deployed.status_code == 201
-    called = requests.get(f"{sigil.url}/carol/hi", headers={"Authorization": f"Bearer {printed['invoke_token']}"}, timeout=30)
+    called = requests.get(
+        f"{sigil.url}/carol/hi", headers={"Authorization": f"Bearer {printed['invoke_token']}"}, timeout=30
+    )
     assert called.text == "pong"
     assert Token.objects.filter(agent__name="carol").count() == 2
     assert not Token.objects.filter(secret_hash=printed["deploy_token"]).exists()  # only the hash is stored
@@ -121,9 +123,13 @@ def test_remove_enqueues_the_slot_release_only_after_commit(db, workerd_host, dj
 
 
 def test_inspect_reports_recent_calls_errors_and_percentiles_to_the_owner_only(alice, bob):
-    alice.deploy(name="flaky", public=True, code="""export default { async fetch(request) {
+    alice.deploy(
+        name="flaky",
+        public=True,
+        code="""export default { async fetch(request) {
       return new Response('x', { status: new URL(request.url).searchParams.has('fail') ? 500 : 200 });
-    } }""")
+    } }""",
+    )
     for _ in range(8):
         assert alice.call("/alice/flaky").status_code == 200
     for _ in range(2):

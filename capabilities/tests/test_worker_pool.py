@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from django.db import connection
 
-from agents.models import AuditEvent
 from capabilities import names, services
 from capabilities.models import Capability
 from testsupport.cast import wait_for
@@ -64,7 +63,9 @@ def test_quota_fill_evicts_in_the_seed_order_and_never_exceeds_the_quota(
     assert status == {**status, "backend": "worker-pool", "total_slots": 3, "lru_enabled": True, "eviction_count": 2}
 
 
-def test_a_repaged_capability_keeps_its_script_name_and_url(worker_pool, alice, celery_worker_session, scripts_on_cloudflare):
+def test_a_repaged_capability_keeps_its_script_name_and_url(
+    worker_pool, alice, celery_worker_session, scripts_on_cloudflare
+):
     for name in ("a", "b", "c", "d"):
         deploy(alice, name, name, type="normal")
     wait_for(lambda: Capability.objects.get(full_name="alice--a").state == "paged_out", message="a paged out")
@@ -86,7 +87,9 @@ def test_fifty_concurrent_calls_to_one_cold_capability_upload_it_once(worker_poo
     before = len(uploads(worker_pool, script))
 
     with ThreadPoolExecutor(max_workers=25) as pool:
-        results = list(pool.map(lambda _: (r := alice.call("/alice/a")).status_code and (r.status_code, r.text), range(50)))
+        results = list(
+            pool.map(lambda _: (r := alice.call("/alice/a")).status_code and (r.status_code, r.text), range(50))
+        )
     assert results == [(200, "a")] * 50
     assert len(uploads(worker_pool, script)) == before + 1
 
@@ -124,8 +127,9 @@ def test_cloudflare_5xx_is_retried_and_the_deploy_served(worker_pool, alice):
 
 
 def test_the_owners_own_scripts_are_never_touched(worker_pool, alice, cf_client, scripts_on_cloudflare):
-    cf_client.script_upload("owners-site", modules={"main.js": code("mine")}, main_module="main.js",
-                            compatibility_date="2025-01-01")
+    cf_client.script_upload(
+        "owners-site", modules={"main.js": code("mine")}, main_module="main.js", compatibility_date="2025-01-01"
+    )
     deploy(alice, "a", "a")
     assert services.capability_reconcile()["orphans_removed"] == 0
     assert "owners-site" in scripts_on_cloudflare()
@@ -144,7 +148,9 @@ def test_redirect_mode_answers_302_to_the_workers_dev_url(worker_pool, alice, se
 
 
 @pytest.mark.slow
-def test_a_worker_killed_during_a_page_in_converges_after_reconcile(worker_pool, alice, settings, scripts_on_cloudflare):
+def test_a_worker_killed_during_a_page_in_converges_after_reconcile(
+    worker_pool, alice, settings, scripts_on_cloudflare
+):
     from capabilities.tasks import capability_page_in
 
     settings.SIGIL_PLACEMENT_LOCK_SECONDS = 3
@@ -159,8 +165,11 @@ def test_a_worker_killed_during_a_page_in_converges_after_reconcile(worker_pool,
         capability_page_in.apply_async(kwargs={"full": "alice--a"}, queue="kill-me")
         # Killed after the upload, while it turns the workers.dev URL on: Cloudflare holds a
         # script that the registry does not know is live.
-        wait_for(lambda: uploads(worker_pool, names.pool_script_name("alice--a")), timeout=20,
-                 message="the page-in's upload to reach Cloudflare")
+        wait_for(
+            lambda: uploads(worker_pool, names.pool_script_name("alice--a")),
+            timeout=20,
+            message="the page-in's upload to reach Cloudflare",
+        )
         time.sleep(0.5)
     finally:
         os.killpg(worker.pid, signal.SIGKILL)
@@ -197,7 +206,20 @@ def start_worker_process(settings, *, queue):
         "SIGIL_INTERNAL_SECRET": settings.SIGIL_INTERNAL_SECRET,
     }
     return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "sigil_site", "worker", "-Q", queue, "--pool", "solo", "--loglevel", "WARNING"],
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "sigil_site",
+            "worker",
+            "-Q",
+            queue,
+            "--pool",
+            "solo",
+            "--loglevel",
+            "WARNING",
+        ],
         env=env,
         start_new_session=True,
         stdout=subprocess.DEVNULL,

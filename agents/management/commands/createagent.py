@@ -31,4 +31,3 @@ class Command(BaseCommand):
             self.stdout.write(f"Agent {agent.name} created. These tokens are shown once:")
             self.stdout.write(f"  deploy: {deploy}")
             self.stdout.write(f"  invoke: {invoke}")
-

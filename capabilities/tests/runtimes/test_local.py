@@ -8,7 +8,9 @@ from capabilities.tests.runtimes.contract import HELLO, RuntimeContract, call
 
 @pytest.fixture
 def runtime(workerd_host, settings):
-    return LocalRuntime(code_dir=workerd_host.code_dir, workerd_url=workerd_host.url, secret=settings.SIGIL_INTERNAL_SECRET)
+    return LocalRuntime(
+        code_dir=workerd_host.code_dir, workerd_url=workerd_host.url, secret=settings.SIGIL_INTERNAL_SECRET
+    )
 
 
 class TestLocalRuntime(RuntimeContract):

@@ -35,11 +35,12 @@ def test_only_sigils_scripts_are_listed(runtime, cf_client):
     from capabilities.runtimes.base import CodeBundle
     from capabilities.tests.runtimes.contract import HELLO
 
-    cf_client.script_upload("owners-own-site", modules={"main.js": HELLO}, main_module="main.js", compatibility_date="2025-01-01")
+    cf_client.script_upload(
+        "owners-own-site", modules={"main.js": HELLO}, main_module="main.js", compatibility_date="2025-01-01"
+    )
     runtime.place(slot=runtime.slot_for("alice--x"), bundle=CodeBundle.from_code(HELLO))
     assert runtime.list_slots() == [runtime.slot_for("alice--x")]
 
 
 def test_slots_are_the_quota_less_reserved_and_margin(runtime):
     assert runtime.total_slots == 440 and runtime.safety_margin == 5
-

@@ -1,0 +1,45 @@
+# Sigil's entry points. Only python3 and node/npm are assumed on the machine; everything
+# else (the virtualenv, Python packages, workerd) is installed here, and only when the
+# files that pin it have changed since the last install.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PORT ?= 8000
+# pytest-xdist workers; each gets its own Redis, workerd and database.
+TEST_WORKERS ?= 2
+
+# The stamps are touched after a successful install, so an interrupted one runs again.
+PY_STAMP := $(VENV)/.sigil-requirements
+NODE_STAMP := node_modules/.sigil-package-lock
+
+.PHONY: install run test lint format
+
+install: $(PY_STAMP) $(NODE_STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(PY_STAMP): requirements.txt | $(PY)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	touch $@
+
+# npm ci starts from an empty node_modules, which also drops the old stamp.
+$(NODE_STAMP): package.json package-lock.json .npmrc
+	npm ci --no-audit --no-fund
+	touch $@
+
+run: install
+	$(PY) manage.py migrate --noinput
+	exec $(PY) manage.py runsigil --port $(PORT)
+
+test: install
+	$(PY) -m pytest -n $(TEST_WORKERS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .

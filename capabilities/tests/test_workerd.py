@@ -1,0 +1,144 @@
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+import urllib3
+from django.conf import settings
+
+from capabilities.runtimes.base import CodeBundle
+from capabilities.runtimes.local import LocalRuntime
+from capabilities.tests.runtimes.contract import HELLO, call
+from capabilities.workerd import WorkerdHost, WorkerdMissing, WorkerdPortInUse, free_port, port_is_open
+from testsupport.processes import children, command_line, is_alive, wait_until
+
+
+@pytest.fixture
+def host(tmp_path):
+    """A workerd host of this test's own, on a free port, stopped at the end."""
+    host = WorkerdHost(
+        binary=settings.SIGIL_WORKERD_BIN,
+        port=free_port(),
+        code_dir=tmp_path / "code",
+        state_dir=tmp_path / "workerd",
+        secret="supervisor-test-secret",
+    )
+    yield host
+    host.stop()
+
+
+@pytest.fixture
+def supervised(host):
+    """`host` under supervise() in a thread, as runworkerd runs it."""
+    stop = threading.Event()
+    thread = threading.Thread(target=host.supervise, args=(stop,), daemon=True)
+    thread.start()
+    wait_until(lambda: host.is_running() and port_is_open(host.port), timeout=10, what="workerd to listen")
+    yield host
+    stop.set()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def ok(route) -> bool:
+    try:
+        return call(route).status == 200
+    except urllib3.exceptions.HTTPError:  # refused while workerd starts again
+        return False
+
+
+def test_workerd_killed_by_sigkill_is_restarted_and_serves_the_same_code_again(supervised):
+    runtime = LocalRuntime(code_dir=supervised.code_dir, workerd_url=supervised.url, secret=supervised.secret)
+    bundle = CodeBundle.from_code(HELLO)
+    runtime.place(slot="alice--hello", bundle=bundle)
+    route = runtime.route(slot="alice--hello", sha=bundle.sha)
+    assert call(route, "/before").data == b"hello /before"
+    first_pid = supervised.process.pid
+
+    os.kill(first_pid, signal.SIGKILL)
+
+    wait_until(lambda: supervised.is_running() and supervised.process.pid != first_pid, timeout=5, what="a restart")
+    wait_until(lambda: ok(route), timeout=5, what="the capability to answer again")
+    assert call(route, "/after").data == b"hello /after"
+    assert not is_alive(first_pid)
+
+
+def test_supervise_stops_workerd_when_asked(host):
+    stop = threading.Event()
+    thread = threading.Thread(target=host.supervise, args=(stop,), daemon=True)
+    thread.start()
+    wait_until(host.is_running, timeout=10, what="workerd to start")
+    pid = host.process.pid
+
+    stop.set()
+    thread.join(10)
+
+    assert not is_alive(pid)
+    assert not port_is_open(host.port)
+
+
+def test_start_refuses_a_port_that_another_process_holds(host):
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", host.port))
+        squatter.listen()
+        with pytest.raises(WorkerdPortInUse, match=str(host.port)):
+            host.start(port_wait_seconds=0.3)
+    assert host.process is None
+
+
+def test_start_waits_for_a_dying_process_to_release_the_port(host):
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", host.port))
+    squatter.listen()
+    threading.Timer(0.3, squatter.close).start()
+
+    host.start(port_wait_seconds=5)
+
+    assert host.is_running()
+    assert port_is_open(host.port)
+
+
+def test_supervise_gives_up_at_once_when_workerd_is_not_installed(host, tmp_path):
+    host.binary = str(tmp_path / "no-such-workerd")
+    with pytest.raises(WorkerdMissing, match="npm ci"):
+        host.supervise(threading.Event())
+
+
+@pytest.mark.slow
+def test_runworkerd_restarts_workerd_and_stops_it_on_sigterm(tmp_path):
+    port = free_port()
+    env = {**os.environ, "SIGIL_VAR_DIR": str(tmp_path), "SIGIL_WORKERD_PORT": str(port)}
+    env.pop("SIGIL_CODE_DIR", None)
+    command = subprocess.Popen(
+        [sys.executable, str(settings.BASE_DIR / "manage.py"), "runworkerd"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+
+        def workerd_pid() -> int | None:
+            pids = [pid for pid in children(command.pid) if "workerd" in command_line(pid)]
+            return pids[0] if pids and port_is_open(port) else None
+
+        first = wait_until(workerd_pid, timeout=20, what="runworkerd to start workerd")
+        os.kill(first, signal.SIGKILL)
+
+        def restarted_pid() -> int | None:
+            pid = workerd_pid()
+            return pid if pid != first else None
+
+        second = wait_until(restarted_pid, timeout=5, what="a restart")
+
+        command.send_signal(signal.SIGTERM)
+        assert command.wait(10) == 0, command.stdout.read().decode()
+    finally:
+        if command.poll() is None:
+            command.kill()
+            command.wait()
+    assert not is_alive(second)
+    assert not port_is_open(port)

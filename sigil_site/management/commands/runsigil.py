@@ -1,0 +1,238 @@
+"""Run all of Sigil on this machine (what `make run` does after `migrate`)."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.migrations.executor import MigrationExecutor
+from kombu.exceptions import OperationalError as KombuOperationalError
+
+from capabilities.workerd import port_is_open
+from sigil_site.embedded_redis import EmbeddedRedis
+from sigil_site.owner import OwnerAccount, owner_ensure
+from sigil_site.supervisor import Program, StartupFailed, Supervisor
+
+MANAGE = str(settings.BASE_DIR / "manage.py")
+
+
+class Command(BaseCommand):
+    help = (
+        "Run Sigil: the bundled Redis (when REDIS_URL is unset), workerd, a Celery worker with beat "
+        "and the web server on 127.0.0.1:PORT; restart any that dies; stop them all on Ctrl-C or SIGTERM."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--port", type=int, default=8000, help="Port of the web server (default 8000).")
+        parser.add_argument(
+            "--ready-timeout", type=float, default=60.0, help="Seconds to wait for everything to answer."
+        )
+
+    def handle(self, *args, port: int, ready_timeout: float, **options) -> None:
+        self._check_can_start(port)
+        base_url = f"http://127.0.0.1:{port}"
+
+        programs, redis_url = sigil_programs(port=port)
+        self._say(
+            f"Sigil: backend  {describe_backend()}\n"
+            f"       database {describe_database()}\n"
+            f"       redis    {describe_redis(redis_url)}"
+        )
+        supervisor = Supervisor(programs, emit=self._say)
+        stop = threading.Event()
+        failure: list[BaseException] = []
+
+        def on_ready() -> None:
+            # Only now, so that a password generated for the owner is not lost in a failed start.
+            owner = owner_ensure(password=settings.SIGIL_OWNER_PASSWORD)
+            connections.close_all()
+            supervisor.announce(banner(base_url, owner))
+
+        def supervise() -> None:
+            try:
+                supervisor.run(stop, on_ready=on_ready, ready_timeout=ready_timeout)
+            except BaseException as exc:  # handed to the main thread, which reports it
+                failure.append(exc)
+
+        # Supervision runs in its own thread so that the signal handlers, which run on the
+        # main thread, never wait on a lock that thread holds.
+        thread = threading.Thread(target=supervise, name="supervisor")
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.5)
+        if failure:
+            if isinstance(failure[0], StartupFailed):
+                raise CommandError(f"{failure[0]}: Sigil did not start (its last output is above)")
+            raise failure[0]
+        self._say("Sigil stopped.")
+
+    def _say(self, text: str) -> None:
+        self.stdout.write(text)
+        self.stdout.flush()
+
+    def _check_can_start(self, port: int) -> None:
+        if port_is_open(port):
+            raise CommandError(f"port {port} is in use: stop what holds it, or choose another (make run PORT=...)")
+        if runs_workerd() and port_is_open(settings.SIGIL_WORKERD_PORT):
+            raise CommandError(
+                f"workerd's port {settings.SIGIL_WORKERD_PORT} is in use: stop what holds it, or set SIGIL_WORKERD_PORT"
+            )
+        if runs_emulator() and port_is_open(settings.CF_EMULATOR_PORT):
+            raise CommandError(
+                f"the Cloudflare emulator's port {settings.CF_EMULATOR_PORT} is in use: stop what holds it, "
+                "or set CF_EMULATOR_PORT and CF_API_BASE"
+            )
+        if (runs_workerd() or runs_emulator()) and not Path(settings.SIGIL_WORKERD_BIN).exists():
+            raise CommandError(f"workerd not found at {settings.SIGIL_WORKERD_BIN}: run `make install`")
+        if settings.SIGIL_EMBEDDED_REDIS and embedded_redis().ping():
+            raise CommandError(f"a Redis server already answers on {settings.REDIS_URL}: is Sigil running already?")
+        connection = connections[DEFAULT_DB_ALIAS]
+        executor = MigrationExecutor(connection)
+        if executor.migration_plan(executor.loader.graph.leaf_nodes()):
+            raise CommandError("the database has unapplied migrations: run `python manage.py migrate` first")
+        connection.close()
+
+
+def embedded_redis() -> EmbeddedRedis:
+    """The bundled Redis, on the socket the settings default to when REDIS_URL is unset."""
+    return EmbeddedRedis(settings.VAR_DIR / "redis", socket_path=Path(urlsplit(settings.REDIS_URL).path))
+
+
+def runs_workerd() -> bool:
+    """Only the local runtime uses this workerd (the emulator runs one of its own)."""
+    return settings.SIGIL_BACKEND == "local"
+
+
+def runs_emulator() -> bool:
+    """Whether CF_API_BASE points at the local Cloudflare emulator, so it must run too."""
+    api = urlsplit(settings.CF_API_BASE)
+    return api.hostname in ("127.0.0.1", "localhost") and api.port == settings.CF_EMULATOR_PORT
+
+
+def sigil_programs(*, port: int) -> tuple[list[Program], str]:
+    """What runsigil runs, in the order it starts them, and the Redis URL they are given."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    programs = []
+    if settings.SIGIL_EMBEDDED_REDIS:
+        redis = embedded_redis()
+        redis.prepare()
+        # The children would find the socket at the same default path; passing it makes
+        # that explicit and independent of their settings.
+        env["REDIS_URL"] = redis.url
+        programs.append(Program("redis", redis.command(), ready=redis.ping, needed_by_others=True))
+    if runs_workerd():
+        programs.append(
+            Program(
+                "workerd",
+                [sys.executable, MANAGE, "runworkerd"],
+                ready=lambda: port_is_open(settings.SIGIL_WORKERD_PORT),
+                env=env,
+            )
+        )
+    if runs_emulator():
+        programs.append(
+            Program(
+                "cfemulator",
+                [sys.executable, MANAGE, "cfemulator"],
+                ready=lambda: port_is_open(settings.CF_EMULATOR_PORT),
+                env=env,
+            )
+        )
+    node = f"sigil-{os.getpid()}@{socket.gethostname()}"
+    celery = [
+        sys.executable, "-m", "celery", "-A", "sigil_site", "worker", "--beat",
+        "--concurrency", "2", "--loglevel", "INFO", "--hostname", node,
+        # One worker alone: asking for neighbours only delays its start by a second.
+        "--without-mingle", "--without-gossip",
+        "--schedule", str(settings.CELERY_BEAT_SCHEDULE_FILENAME),
+    ]  # fmt: skip
+    programs.append(Program("celery", celery, ready=lambda: celery_answers(node), env=env, stop_timeout=20.0))
+    # --insecure serves the admin's static files although DEBUG is off; --noreload
+    # because the supervisor restarts it, and WSGI_APPLICATION is the gateway app.
+    programs.append(
+        Program(
+            "web",
+            [sys.executable, MANAGE, "runserver", f"127.0.0.1:{port}", "--noreload", "--insecure"],
+            ready=lambda: http_answers(port),
+            env=env,
+        )
+    )
+    return programs, env.get("REDIS_URL", settings.REDIS_URL)
+
+
+def banner(base_url: str, owner: OwnerAccount) -> str:
+    if owner.generated_password:
+        login = f"user {owner.username}, password {owner.generated_password}, shown only this once"
+    elif owner.created:
+        login = f"user {owner.username}, password from SIGIL_OWNER_PASSWORD"
+    else:
+        login = f"user {owner.username}; new password: python manage.py changepassword {owner.username}"
+    return f"""
+Sigil is running at {base_url}/
+  Admin      {base_url}/admin/   ({login})
+  API docs   {base_url}/_api/schema/docs
+  New agent  .venv/bin/python manage.py createagent NAME --json
+  Calls      {base_url}/{{agent}}/{{capability}} with the agent's invoke token
+Press Ctrl-C to stop.
+"""
+
+
+def describe_backend() -> str:
+    parts = [settings.SIGIL_BACKEND]
+    if runs_workerd():
+        parts.append(f"workerd on 127.0.0.1:{settings.SIGIL_WORKERD_PORT}")
+    if runs_emulator():
+        parts.append(f"Cloudflare emulator at {settings.CF_API_BASE}")
+    elif settings.SIGIL_BACKEND != "local":
+        parts.append(f"Cloudflare API at {settings.CF_API_BASE}")
+    return ", ".join(parts)
+
+
+def describe_database() -> str:
+    db = settings.DATABASES[DEFAULT_DB_ALIAS]
+    vendor = connections[DEFAULT_DB_ALIAS].vendor
+    if vendor == "sqlite":
+        return f"SQLite {db['NAME']}"
+    where = f"{db.get('HOST') or 'local socket'}{':' + str(db['PORT']) if db.get('PORT') else ''}"
+    return f"{vendor} database {db['NAME']} on {where}"
+
+
+def describe_redis(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        url = urlunsplit(parts._replace(netloc=netloc))
+    return f"bundled redis-server on {url}" if settings.SIGIL_EMBEDDED_REDIS else url
+
+
+def celery_answers(node: str) -> bool:
+    from sigil_site.celery import app
+
+    try:
+        return bool(app.control.ping(destination=[node], timeout=0.5))
+    except (OSError, KombuOperationalError, redis.RedisError):
+        return False
+
+
+def http_answers(port: int) -> bool:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+    try:
+        connection.request("GET", "/admin/login/")
+        connection.getresponse().read()
+        return True
+    except OSError:
+        return False
+    finally:
+        connection.close()

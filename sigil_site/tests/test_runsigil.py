@@ -1,0 +1,177 @@
+import contextlib
+import http.client
+import os
+import re
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import redis
+from django.conf import settings
+from django.contrib.auth.hashers import check_password
+
+from capabilities.workerd import free_port, port_is_open
+from sigil_site.management.commands.runsigil import sigil_programs
+from testsupport.processes import command_line, descendants, is_alive, wait_until
+
+MANAGE = str(settings.BASE_DIR / "manage.py")
+
+
+@pytest.fixture
+def embedded_env():
+    """The environment of `make run` with nothing set: SQLite and the bundled Redis under a
+    var directory of its own (not migrated yet), free ports."""
+    # Short, because the Redis socket's path must fit in a unix socket address.
+    var_dir = Path(tempfile.mkdtemp(prefix="sigil-run-"))
+    env = {
+        **os.environ,
+        "SIGIL_VAR_DIR": str(var_dir),
+        "SIGIL_WORKERD_PORT": str(free_port()),
+        "DATABASE_URL": f"sqlite:///{var_dir / 'sigil.sqlite3'}",
+        "PYTHONUNBUFFERED": "1",
+    }
+    for inherited in ("REDIS_URL", "SIGIL_CODE_DIR", "SIGIL_OWNER_PASSWORD"):
+        env.pop(inherited, None)
+    yield env
+    shutil.rmtree(var_dir, ignore_errors=True)
+
+
+class Output:
+    """Collects a process's output lines in a thread."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(process,), daemon=True)
+        self.thread.start()
+
+    def _read(self, process: subprocess.Popen) -> None:
+        for raw in process.stdout:
+            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+
+    def has(self, text: str) -> bool:
+        return any(text in line for line in self.lines)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
+
+
+@contextlib.contextmanager
+def listening_socket():
+    """A port on 127.0.0.1 that something listens on."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+def http_status(port: int, path: str) -> int | None:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        connection.request("GET", path)
+        return connection.getresponse().status
+    except OSError:
+        return None
+    finally:
+        connection.close()
+
+
+@pytest.mark.slow
+def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(embedded_env):
+    web_port, workerd_port = free_port(), int(embedded_env["SIGIL_WORKERD_PORT"])
+    var_dir = Path(embedded_env["SIGIL_VAR_DIR"])
+    subprocess.run([sys.executable, MANAGE, "migrate", "--verbosity", "0"], env=embedded_env, check=True)
+    process = subprocess.Popen(
+        [sys.executable, MANAGE, "runsigil", "--port", str(web_port)],
+        env=embedded_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    output = Output(process)
+    children: set[int] = set()
+    try:
+        wait_until(lambda: output.has("Press Ctrl-C to stop.") or process.poll() is not None, timeout=60)
+        assert output.has(f"Sigil is running at http://127.0.0.1:{web_port}/"), str(output)
+
+        assert http_status(web_port, "/admin/login/") == 200
+        assert port_is_open(workerd_port)
+        assert redis.Redis(unix_socket_path=str(var_dir / "redis.sock")).ping()
+        assert output.has(f"http://127.0.0.1:{web_port}/admin/")
+        assert output.has("/_api/schema/docs")
+        assert output.has("createagent NAME --json")
+        assert output.has("SQLite")
+        assert output.has("bundled redis-server")
+        password = re.search(r"user owner, password (\S+), shown only this once", str(output)).group(1)
+
+        children |= descendants(process.pid)
+        web = next(pid for pid in children if "runserver" in command_line(pid))
+        runworkerd = next(pid for pid in children if "runworkerd" in command_line(pid))
+        workerd = next(pid for pid in descendants(runworkerd) if "workerd serve" in command_line(pid))
+        # workerd outlives a runworkerd killed outright unless the supervisor stops its group.
+        os.kill(web, signal.SIGKILL)
+        os.kill(runworkerd, signal.SIGKILL)
+        wait_until(lambda: not is_alive(workerd), timeout=5, what="the orphaned workerd to be stopped")
+        wait_until(lambda: http_status(web_port, "/admin/login/") == 200, timeout=15, what="the web server again")
+        wait_until(lambda: port_is_open(workerd_port), timeout=15, what="workerd again")
+        children |= descendants(process.pid)
+
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 0, str(output)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        # What the supervisor killed last may take a moment to die.
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: not any(is_alive(pid) for pid in children), timeout=3)
+        left_behind = [pid for pid in children if is_alive(pid)]
+        for pid in left_behind:
+            os.kill(pid, signal.SIGKILL)
+    output.thread.join(5)
+
+    assert output.has("Sigil stopped.")
+    assert left_behind == []
+    assert not port_is_open(web_port)
+    assert not port_is_open(workerd_port)
+    with sqlite3.connect(var_dir / "sigil.sqlite3") as db:
+        (encoded,) = db.execute("select password from auth_user where username = 'owner' and is_superuser").fetchone()
+    assert check_password(password, encoded)
+
+
+def test_runsigil_refuses_to_start_on_a_port_in_use(embedded_env):
+    with listening_socket() as port:
+        result = subprocess.run(
+            [sys.executable, MANAGE, "runsigil", "--port", str(port)],
+            env=embedded_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 1
+    assert f"port {port} is in use" in result.stderr
+
+
+def test_the_local_backend_runs_workerd_and_no_emulator(settings):
+    settings.SIGIL_EMBEDDED_REDIS = False
+    settings.SIGIL_BACKEND = "local"
+
+    programs, _ = sigil_programs(port=8000)
+
+    assert [program.name for program in programs] == ["workerd", "celery", "web"]
+
+
+def test_the_emulator_runs_when_the_cloudflare_api_base_points_at_it(settings):
+    settings.SIGIL_EMBEDDED_REDIS = False
+    settings.SIGIL_BACKEND = "worker-pool"
+    settings.CF_API_BASE = f"http://127.0.0.1:{settings.CF_EMULATOR_PORT}/client/v4"
+
+    programs, _ = sigil_programs(port=8000)
+
+    assert [program.name for program in programs] == ["cfemulator", "celery", "web"]
