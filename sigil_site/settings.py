@@ -246,9 +246,6 @@ SIGIL_INVOKE_MAX_BODY_BYTES = env_int("SIGIL_INVOKE_MAX_BODY_BYTES", 100 * 1024 
 SIGIL_INVOKE_TIMEOUT_SECONDS = env_float("SIGIL_INVOKE_TIMEOUT_SECONDS", 30.0)
 SIGIL_BREAKER_THRESHOLD = env_int("SIGIL_BREAKER_THRESHOLD", 5)
 SIGIL_BREAKER_COOLDOWN_SECONDS = env_float("SIGIL_BREAKER_COOLDOWN_SECONDS", 30.0)
-# How long a gateway process trusts its in-memory copy of a token or route before it asks
-# Redis again: the bound on how late a revocation is noticed.
-SIGIL_AUTH_CACHE_SECONDS = env_float("SIGIL_AUTH_CACHE_SECONDS", 2.0)
 # Secret that the gateway sends to workerd hosts; requests without it are refused there.
 SIGIL_INTERNAL_SECRET = env_secret("SIGIL_INTERNAL_SECRET")
 if not SIGIL_INTERNAL_SECRET:
