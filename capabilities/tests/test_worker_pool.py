@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from django.db import connection
 
+from agents.models import AuditEvent
 from capabilities import names, services
 from capabilities.models import Capability
 from testsupport.cast import wait_for
@@ -225,3 +226,21 @@ def start_worker_process(settings, *, queue):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+def test_a_script_cloudflare_lost_is_a_miss_paged_in_on_the_call(worker_pool, alice, cf_client):
+    deploy(alice, "a", "a")
+    cf_client.script_delete(names.pool_script_name("alice--a"))  # gone behind Sigil's back
+    response = alice.call("/alice/a")
+    assert response.status_code == 200 and response.text == "a"
+    assert response.headers["X-Sigil-Cold-Start"] == "1"
+    assert AuditEvent.objects.filter(subject="alice--a", action="capability.repaired").exists()
+
+
+def test_a_capabilitys_own_404_is_not_taken_for_a_lost_script(worker_pool, alice):
+    own_404 = "export default { async fetch() { return new Response('no such page', { status: 404 }) } }"
+    alice.deploy(name="nothing", code=own_404)
+    response = alice.call("/alice/nothing")
+    assert response.status_code == 404 and response.text == "no such page"
+    assert "X-Sigil-Cold-Start" not in response.headers
+    assert not AuditEvent.objects.filter(subject="alice--nothing", action="capability.repaired").exists()
