@@ -14,6 +14,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 
 from agents.services import audit_record
 from capabilities import bindings as binding_rules
@@ -193,7 +194,7 @@ class CapabilityAdmin(admin.ModelAdmin):
     @admin.display(description="breaker", ordering="breaker_state")
     def health(self, capability: Capability) -> str:
         if capability.breaker_state == BreakerState.OPEN:
-            return format_html('<strong class="degraded-state" style="color: var(--error-fg)">degraded</strong>')
+            return mark_safe('<strong class="degraded-state" style="color: var(--error-fg)">degraded</strong>')
         return "ok"
 
     @admin.display(description="version", ordering="current_version__number")
@@ -250,7 +251,7 @@ class CapabilityAdmin(admin.ModelAdmin):
             current = version.pk == capability.current_version_id
             view = reverse("admin:capabilities_capability_version", args=[capability.pk, version.number])
             if current:
-                action = format_html("<strong>current</strong>")
+                action = mark_safe("<strong>current</strong>")
             elif can_roll_back:
                 action = format_html(
                     '<button type="submit" class="button" form="rollback-form" name="version" value="{}" '

@@ -159,7 +159,7 @@ def share_bar(*, title: str, parts: list[tuple[str, float, str]]) -> SafeString:
             )
             x += width
     if not rects:
-        rects.append(format_html('<rect class="empty" x="0" y="0" width="100%" height="24"/>'))
+        rects.append(mark_safe('<rect class="empty" x="0" y="0" width="100%" height="24"/>'))
     legend = format_html_join(
         "",
         '<span class="legend-item"><span class="swatch {}"></span>{}: {} ({})</span>',
