@@ -243,7 +243,7 @@ def page(browser_thread, request):
     """A fresh browser context and page for one test; a failed test leaves a screenshot in test-artifacts/."""
     from testsupport.browser import screenshot
 
-    context = browser_thread.browser.new_context(viewport={"width": 1280, "height": 900})
+    context = browser_thread.browser.new_context(viewport={"width": 1440, "height": 900})
     context.set_default_timeout(15_000)
     page = context.new_page()
     yield page

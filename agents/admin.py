@@ -358,7 +358,7 @@ class AuditTimeFilter(admin.SimpleListFilter):
 
 @admin.register(AuditEvent)
 class AuditEventAdmin(admin.ModelAdmin):
-    list_display = ["created_at", "actor", "action", "agent_name", "subject_link", "detail"]
+    list_display = ["created_at", "actor", "action", "agent_name", "subject_link", "detail_summary"]
     list_filter = [AuditTimeFilter, "action", "agent_name", AuditSubjectFilter]
     search_fields = ["subject", "actor", "agent_name", "action"]
     date_hierarchy = "created_at"
@@ -370,6 +370,11 @@ class AuditEventAdmin(admin.ModelAdmin):
         if not event.subject:
             return ""
         return format_html('<a href="?{}">{}</a>', urlencode({"subject": event.subject}), event.subject)
+
+    @admin.display(description="detail")
+    def detail_summary(self, event: AuditEvent) -> str:
+        text = ", ".join(f"{key}={value}" for key, value in event.detail.items())
+        return text if len(text) <= 80 else text[:79] + "…"
 
     def has_add_permission(self, request) -> bool:
         return False
