@@ -1,6 +1,6 @@
 # Sigil's entry points. Only python3 and node/npm are assumed on the machine; everything
-# else (the virtualenv, Python packages, workerd) is installed here, and only when the
-# files that pin it have changed since the last install.
+# else (the virtualenv, Python packages, workerd, and Chromium for the tests) is installed
+# here, and only when the files that pin it have changed since the last install.
 
 PYTHON ?= python3
 VENV := .venv
@@ -12,6 +12,9 @@ TEST_WORKERS ?= 2
 # The stamps are touched after a successful install, so an interrupted one runs again.
 PY_STAMP := $(VENV)/.sigil-requirements
 NODE_STAMP := node_modules/.sigil-package-lock
+# The admin's browser tests drive Debian's Chromium through Playwright (never a browser
+# that Playwright downloads itself).
+CHROMIUM := /usr/bin/chromium
 
 .PHONY: install run test lint format
 
@@ -29,11 +32,17 @@ $(NODE_STAMP): package.json package-lock.json .npmrc
 	npm ci --no-audit --no-fund
 	touch $@
 
+# Installed as root (CI runs as root); elsewhere, install the chromium package by hand.
+$(CHROMIUM):
+	@if [ "$$(id -u)" != 0 ]; then echo "$(CHROMIUM) is missing: run 'sudo apt-get install -y chromium'"; exit 1; fi
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
 run: install
 	$(PY) manage.py migrate --noinput
 	exec $(PY) manage.py runsigil --port $(PORT)
 
-test: install
+test: install $(CHROMIUM)
 	$(PY) -m pytest -n $(TEST_WORKERS)
 
 lint: install

@@ -59,6 +59,7 @@ def _fresh_redis_and_runtime():
 @pytest.fixture(scope="session")
 def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_host):
     """Sigil's WSGI application (gateway in front of Django) on a free loopback port."""
+    from django.contrib.staticfiles.handlers import StaticFilesHandler
     from django.test.testcases import LiveServerThread
 
     from sigil_site.wsgi import SigilApplication
@@ -66,7 +67,9 @@ def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_host):
     holder = {}
 
     def wrap(django_handler):
-        holder["app"] = SigilApplication(django_handler)
+        # Static files served as `runsigil` serves them (runserver --insecure), so that
+        # the admin has its style sheets in browser tests.
+        holder["app"] = SigilApplication(StaticFilesHandler(django_handler))
         return holder["app"]
 
     with django_db_blocker.unblock():
@@ -215,3 +218,49 @@ def webhook_receiver():
     receiver = WebhookReceiver()
     yield receiver
     receiver.stop()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item, so fixtures can tell a failed test."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+@pytest.fixture(scope="session")
+def browser_thread():
+    """Debian's Chromium under Playwright, one per session (per xdist worker), in its own thread."""
+    from testsupport.browser import BrowserThread
+
+    thread = BrowserThread()
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture
+def page(browser_thread, request):
+    """A fresh browser context and page for one test; a failed test leaves a screenshot in test-artifacts/."""
+    from testsupport.browser import screenshot
+
+    context = browser_thread.browser.new_context(viewport={"width": 1440, "height": 900})
+    context.set_default_timeout(15_000)
+    page = context.new_page()
+    yield page
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        screenshot(page, f"failed-{request.node.name}")
+    context.close()
+
+
+@pytest.fixture
+def owner(sigil, page):
+    """The owner, a superuser, signed in to the admin in `page`."""
+    from django.contrib.auth import get_user_model
+
+    from testsupport.browser import log_in
+
+    password = "owner-password-for-tests"
+    get_user_model().objects.create_superuser("owner", "owner@example.invalid", password)
+    log_in(page, sigil.url, username="owner", password=password)
+    return page

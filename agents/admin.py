@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django import forms
 from django.contrib import admin, messages
+from django.db.models import Count, Q, Sum
+from django.http import HttpResponseNotAllowed, HttpResponseRedirect
+from django.shortcuts import get_object_or_404
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
 from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
 
 from agents import services
 from agents.models import Agent, AuditEvent, Token
+from sigil_site.errors import SigilError
+
+# The state of a capability that is gone (capabilities.models.State.REMOVED); named here
+# because agents never imports capabilities.
+REMOVED = "removed"
+
+
+def owner_actor(request) -> str:
+    return f"owner:{request.user.get_username()}"
 
 
 class TokenInline(admin.TabularInline):
@@ -22,44 +40,153 @@ class TokenInline(admin.TabularInline):
         return False
 
 
+class AgentForm(forms.ModelForm):
+    webhook_url = forms.URLField(
+        required=False,
+        assume_scheme="https",
+        help_text=Agent._meta.get_field("webhook_url").help_text,
+    )
+    new_webhook_secret = forms.CharField(
+        required=False,
+        label="New webhook secret",
+        widget=forms.PasswordInput(render_value=False),
+        help_text="The HMAC-SHA256 key of the X-Sigil-Signature header, shared with the agent. "
+        "Leave empty to keep the current one.",
+    )
+    clear_webhook_secret = forms.BooleanField(required=False, label="Remove the webhook secret")
+
+    class Meta:
+        model = Agent
+        fields = ["name", "webhook_url"]
+
+
 @admin.register(Agent)
 class AgentAdmin(admin.ModelAdmin):
-    list_display = ["name", "is_active", "created_at"]
+    form = AgentForm
+    list_display = ["name", "is_active", "capability_count", "calls", "errors", "has_webhook", "created_at"]
     list_filter = ["is_active"]
     search_fields = ["name"]
-    readonly_fields = ["created_at"]
     inlines = [TokenInline]
     actions = ["disable_agents", "enable_agents"]
 
-    def get_readonly_fields(self, request, obj=None):
-        # The name is the capabilities' prefix: fixed once the agent exists.
-        return ["name", "is_active", "created_at"] if obj else ["created_at"]
+    def get_queryset(self, request):
+        current = ~Q(capabilities__state=REMOVED)
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(
+                capability_count=Count("capabilities", filter=current),
+                calls=Sum("capabilities__calls_total"),
+                errors=Sum("capabilities__errors_total"),
+            )
+        )
+
+    @admin.display(description="capabilities", ordering="capability_count")
+    def capability_count(self, agent: Agent) -> str:
+        url = reverse("admin:capabilities_capability_changelist") + "?" + urlencode({"agent__id__exact": agent.pk})
+        return format_html('<a href="{}">{}</a>', url, agent.capability_count)
+
+    @admin.display(description="calls (all time)", ordering="calls")
+    def calls(self, agent: Agent) -> int:
+        return agent.calls or 0
+
+    @admin.display(description="errors (all time)", ordering="errors")
+    def errors(self, agent: Agent) -> int:
+        return agent.errors or 0
+
+    @admin.display(description="webhook", boolean=True)
+    def has_webhook(self, agent: Agent) -> bool:
+        return bool(agent.webhook_url)
 
     def get_fields(self, request, obj=None):
-        return ["name", "is_active", "created_at"] if obj else ["name"]
+        if obj is None:
+            return ["name"]
+        return [
+            "name",
+            "is_active",
+            "created_at",
+            "links",
+            "capabilities_panel",
+            "webhook_url",
+            "webhook_secret_state",
+            "new_webhook_secret",
+            "clear_webhook_secret",
+        ]
+
+    def get_readonly_fields(self, request, obj=None):
+        # The name is the capabilities' prefix: fixed once the agent exists. Activity is
+        # changed with the actions, which go through agent_set_active.
+        if obj is None:
+            return []
+        return ["name", "is_active", "created_at", "links", "capabilities_panel", "webhook_secret_state"]
+
+    @admin.display(description="shortcuts")
+    def links(self, agent: Agent) -> str:
+        issue = reverse("admin:agents_token_add") + "?" + urlencode({"agent": agent.pk})
+        trail = reverse("admin:agents_auditevent_changelist") + "?" + urlencode({"agent_name": agent.name})
+        return format_html(
+            '<a class="button" href="{}">Issue a token</a> <a class="button" href="{}">Audit trail</a>', issue, trail
+        )
+
+    @admin.display(description="capabilities")
+    def capabilities_panel(self, agent: Agent) -> str:
+        rows = agent.capabilities.exclude(state=REMOVED).order_by("full_name")
+        if not rows:
+            return "none"
+        body = format_html_join(
+            "",
+            '<tr><td><a href="{}">{}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>'
+            "<td>{}</td></tr>",
+            (
+                (
+                    reverse("admin:capabilities_capability_change", args=[c.pk]),
+                    c.full_name,
+                    c.type,
+                    c.get_state_display(),
+                    "public" if c.is_public else "private",
+                    "degraded" if c.breaker_state == "open" else "ok",
+                    c.calls_total,
+                    c.errors_total,
+                    c.last_access_at.strftime("%Y-%m-%d %H:%M") if c.last_access_at else "never",
+                )
+                for c in rows
+            ),
+        )
+        return format_html(
+            '<table id="agent-capabilities"><thead><tr><th>capability</th><th>type</th><th>state</th>'
+            "<th>visibility</th><th>breaker</th><th>calls</th><th>errors</th><th>last access</th></tr></thead>"
+            "<tbody>{}</tbody></table>",
+            body,
+        )
+
+    @admin.display(description="webhook secret")
+    def webhook_secret_state(self, agent: Agent) -> str:
+        return "set (not shown)" if agent.webhook_secret else "none: deliveries are not signed"
 
     def save_model(self, request, obj, form, change) -> None:
         if not change:
-            created = services.agent_create(name=obj.name, actor=f"owner:{request.user.username}")
+            created = services.agent_create(name=obj.name, actor=owner_actor(request))
             obj.pk = created.pk
             obj.created_at = created.created_at
+            return
+        if form.cleaned_data.get("clear_webhook_secret"):
+            secret = ""
+        else:
+            secret = form.cleaned_data.get("new_webhook_secret") or None
+        agent = Agent.objects.get(pk=obj.pk)
+        services.agent_set_webhook(agent=agent, url=obj.webhook_url, secret=secret, actor=owner_actor(request))
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False  # capabilities and the audit trail refer to agents; disable instead
 
     @admin.action(description="Disable selected agents (their tokens stop at once)")
     def disable_agents(self, request, queryset) -> None:
-        count = sum(
-            services.agent_set_active(agent=a, is_active=False, actor=f"owner:{request.user.username}")
-            for a in queryset
-        )
+        count = sum(services.agent_set_active(agent=a, is_active=False, actor=owner_actor(request)) for a in queryset)
         self.message_user(request, f"Disabled {count} agent(s).")
 
     @admin.action(description="Enable selected agents")
     def enable_agents(self, request, queryset) -> None:
-        count = sum(
-            services.agent_set_active(agent=a, is_active=True, actor=f"owner:{request.user.username}") for a in queryset
-        )
+        count = sum(services.agent_set_active(agent=a, is_active=True, actor=owner_actor(request)) for a in queryset)
         self.message_user(request, f"Enabled {count} agent(s).")
 
 
@@ -68,18 +195,31 @@ class TokenCreationForm(forms.ModelForm):
         model = Token
         fields = ["agent", "scope", "label", "expires_at"]
 
+    def clean_expires_at(self):
+        expires_at = self.cleaned_data.get("expires_at")
+        if expires_at is not None and expires_at <= timezone.now():
+            raise forms.ValidationError("the expiry must be in the future")
+        return expires_at
+
 
 class TokenStateFilter(admin.SimpleListFilter):
     title = "state"
     parameter_name = "state"
 
     def lookups(self, request, model_admin):
-        return [("usable", "usable"), ("revoked", "revoked"), ("expired", "expired")]
+        return [
+            ("usable", "usable"),
+            ("expiring", "expiring within 7 days"),
+            ("revoked", "revoked"),
+            ("expired", "expired"),
+        ]
 
     def queryset(self, request, queryset):
         now = timezone.now()
         if self.value() == "usable":
             return queryset.filter(revoked_at__isnull=True).exclude(expires_at__lte=now)
+        if self.value() == "expiring":
+            return queryset.filter(revoked_at__isnull=True, expires_at__gt=now, expires_at__lte=now + timedelta(days=7))
         if self.value() == "revoked":
             return queryset.filter(revoked_at__isnull=False)
         if self.value() == "expired":
@@ -89,12 +229,21 @@ class TokenStateFilter(admin.SimpleListFilter):
 
 @admin.register(Token)
 class TokenAdmin(admin.ModelAdmin):
-    list_display = ["prefix", "agent", "scope", "label", "created_at", "expires_at", "revoked_at", "last_used_at"]
+    list_display = ["prefix", "agent", "scope", "label", "state", "created_at", "expires_at", "last_used_at"]
     list_filter = [TokenStateFilter, "scope", "agent"]
     list_select_related = ["agent"]
     search_fields = ["prefix", "label", "agent__name"]
     readonly_fields = ["agent", "scope", "label", "prefix", "created_at", "expires_at", "revoked_at", "last_used_at"]
     actions = ["revoke_tokens"]
+    change_form_template = "admin/agents/token/change_form.html"
+
+    @admin.display(description="state")
+    def state(self, token: Token) -> str:
+        if token.revoked_at is not None:
+            return "revoked"
+        if token.expires_at is not None and token.expires_at <= timezone.now():
+            return "expired"
+        return "usable"
 
     def get_form(self, request, obj=None, **kwargs):
         if obj is None:
@@ -115,30 +264,117 @@ class TokenAdmin(admin.ModelAdmin):
             scope=obj.scope,
             label=obj.label,
             expires_at=obj.expires_at,
-            actor=f"owner:{request.user.username}",
+            actor=owner_actor(request),
         )
         obj.pk = token.pk
-        messages.warning(
-            request,
-            f"Token for {token.agent.name} ({token.scope}): {secret} — copy it now, it is not shown again.",
-        )
+        obj.prefix = token.prefix
+        obj.created_at = token.created_at
+        # Kept on this request's object only, for response_add: never saved, never in a
+        # message or the session, so it cannot be shown again.
+        obj.issued_secret = secret
+
+    def response_add(self, request, obj, post_url_continue=None):
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": "Token issued",
+            "token": obj,
+            "secret": obj.issued_secret,
+        }
+        response = TemplateResponse(request, "admin/agents/token/issued.html", context)
+        response["Cache-Control"] = "no-store"
+        return response
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        # A token cannot be edited: it is revoked with the button, or issued anew.
+        extra_context = {
+            **(extra_context or {}),
+            "show_save": False,
+            "show_save_and_continue": False,
+            "show_save_and_add_another": False,
+        }
+        return super().change_view(request, object_id, form_url, extra_context)
+
+    def get_urls(self):
+        revoke = self.admin_site.admin_view(self.revoke_view)
+        return [path("<path:object_id>/revoke/", revoke, name="agents_token_revoke"), *super().get_urls()]
+
+    def revoke_view(self, request, object_id):
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        token = get_object_or_404(Token.objects.select_related("agent"), pk=object_id)
+        if not self.has_change_permission(request, token):
+            return HttpResponseRedirect(reverse("admin:index"))
+        if services.token_revoke(token=token, actor=owner_actor(request)):
+            self.message_user(request, f"Revoked token {token.prefix}… of {token.agent.name}.")
+        else:
+            self.message_user(request, f"Token {token.prefix}… was already revoked.", level=messages.WARNING)
+        return HttpResponseRedirect(reverse("admin:agents_token_change", args=[token.pk]))
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False  # revoke instead, so the trail keeps the token's prefix
 
     @admin.action(description="Revoke selected tokens")
     def revoke_tokens(self, request, queryset) -> None:
-        count = sum(services.token_revoke(token=t, actor=f"owner:{request.user.username}") for t in queryset)
+        count = 0
+        for token in queryset.select_related("agent"):
+            try:
+                count += services.token_revoke(token=token, actor=owner_actor(request))
+            except SigilError as exc:
+                self.message_user(request, f"{token.prefix}…: {exc.message}", level=messages.ERROR)
         self.message_user(request, f"Revoked {count} token(s).")
+
+
+class AuditSubjectFilter(admin.SimpleListFilter):
+    """Capabilities by full name (their subjects contain the `--` separator)."""
+
+    title = "capability"
+    parameter_name = "subject"
+
+    def lookups(self, request, model_admin):
+        subjects = model_admin.get_queryset(request).filter(subject__contains="--")
+        agent = request.GET.get("agent_name")
+        if agent:
+            subjects = subjects.filter(agent_name=agent)
+        names = subjects.order_by("subject").values_list("subject", flat=True).distinct()[:100]
+        return [(name, name) for name in names]
+
+    def queryset(self, request, queryset):
+        return queryset.filter(subject=self.value()) if self.value() else queryset
+
+
+class AuditTimeFilter(admin.SimpleListFilter):
+    title = "time"
+    parameter_name = "within"
+    SPANS = {"1h": timedelta(hours=1), "24h": timedelta(days=1), "7d": timedelta(days=7), "30d": timedelta(days=30)}
+
+    def lookups(self, request, model_admin):
+        return [("1h", "last hour"), ("24h", "last 24 hours"), ("7d", "last 7 days"), ("30d", "last 30 days")]
+
+    def queryset(self, request, queryset):
+        span = self.SPANS.get(self.value() or "")
+        return queryset.filter(created_at__gte=timezone.now() - span) if span else queryset
 
 
 @admin.register(AuditEvent)
 class AuditEventAdmin(admin.ModelAdmin):
-    list_display = ["created_at", "actor", "action", "agent_name", "subject"]
-    list_filter = ["action", "agent_name"]
-    search_fields = ["subject", "actor", "agent_name"]
+    list_display = ["created_at", "actor", "action", "agent_name", "subject_link", "detail_summary"]
+    list_filter = [AuditTimeFilter, "action", "agent_name", AuditSubjectFilter]
+    search_fields = ["subject", "actor", "agent_name", "action"]
     date_hierarchy = "created_at"
     readonly_fields = ["created_at", "actor", "action", "agent_name", "subject", "detail"]
+    list_per_page = 50
+
+    @admin.display(description="subject", ordering="subject")
+    def subject_link(self, event: AuditEvent) -> str:
+        if not event.subject:
+            return ""
+        return format_html('<a href="?{}">{}</a>', urlencode({"subject": event.subject}), event.subject)
+
+    @admin.display(description="detail")
+    def detail_summary(self, event: AuditEvent) -> str:
+        text = ", ".join(f"{key}={value}" for key, value in event.detail.items())
+        return text if len(text) <= 80 else text[:79] + "…"
 
     def has_add_permission(self, request) -> bool:
         return False

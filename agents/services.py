@@ -12,6 +12,8 @@ from datetime import datetime
 
 import requests
 from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import URLValidator
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
@@ -104,6 +106,35 @@ def agent_set_active(*, agent: Agent, is_active: bool, actor: str) -> bool:
     # Both directions invalidate: disabling must refuse, enabling must stop refusing.
     _write_tombstones(list(agent.tokens.values_list("secret_hash", flat=True)), delete=is_active)
     return bool(changed)
+
+
+def agent_set_webhook(*, agent: Agent, url: str, secret: str | None, actor: str) -> bool:
+    """Set where the agent's alerts are posted and, when `secret` is not None, the HMAC key
+    that signs them ("" removes it). Returns False when nothing changed. Raises
+    InvalidRequest for a URL that is not http(s). The secret never enters the audit trail."""
+    if url:
+        try:
+            URLValidator(schemes=["http", "https"])(url)
+        except ValidationError as exc:
+            raise InvalidRequest(f"webhook URL {url!r} is not an http(s) URL") from exc
+    with transaction.atomic():
+        current = Agent.objects.select_for_update().get(pk=agent.pk)
+        secret_changed = secret is not None and secret != current.webhook_secret
+        if current.webhook_url == url and not secret_changed:
+            return False
+        current.webhook_url = url
+        if secret is not None:
+            current.webhook_secret = secret
+        current.save(update_fields=["webhook_url", "webhook_secret"])
+        audit_record(
+            actor=actor,
+            action="agent.webhook_changed",
+            agent_name=agent.name,
+            subject=agent.name,
+            detail={"url": url, "secret_changed": secret_changed},
+        )
+    agent.refresh_from_db()
+    return True
 
 
 def _write_tombstones(hashes: list[str], *, delete: bool = False) -> None:

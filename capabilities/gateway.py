@@ -225,6 +225,10 @@ class Gateway:
     def enter_open_breaker(self, full: str, open_until: float, now: float) -> bool:
         """While open, refuse; after the cool-down let exactly one trial call through."""
         if now < open_until:
+            if open_until - now > self.breaker_cooldown:
+                # Only the owner's "force degraded" opens a breaker for longer than a
+                # cool-down, and it has no end: ask the caller to look again after one.
+                raise Degraded(f"{full} was made degraded by Sigil's owner", retry_after=self.breaker_cooldown)
             raise Degraded(f"{full} is degraded after repeated failures", retry_after=open_until - now)
         ttl_ms = int(self.breaker_cooldown * 1000) or 1000
         if not self.redis.set(stats.trial_key(full), 1, nx=True, px=ttl_ms):

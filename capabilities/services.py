@@ -872,3 +872,133 @@ def capability_prewarm(*, now: datetime | None = None) -> list[str]:
             continue  # removed since the window was counted
         warmed.append(full)
     return warmed
+
+
+def capability_set_public(*, capability: Capability, is_public: bool, actor: str) -> bool:
+    """Make a capability public (callable by every agent) or private (its agent's only), for
+    the owner. Returns False when it already was. Raises NotFound when it was removed."""
+    with transaction.atomic():
+        if not Capability.objects.filter(pk=capability.pk).exclude(state=State.REMOVED).exists():
+            raise NotFound(f"no capability {capability.full_name}")
+        changed = Capability.objects.filter(pk=capability.pk, is_public=not is_public).update(
+            is_public=is_public, updated_at=timezone.now()
+        )
+        if changed:
+            audit_record(
+                actor=actor,
+                action="capability.updated",
+                agent_name=capability.agent.name,
+                subject=capability.full_name,
+                detail={"public": is_public},
+            )
+    capability.refresh_from_db()
+    if changed:
+        routes.route_publish(capability)
+    return bool(changed)
+
+
+# A forced breaker stays open until the owner resets it; the gateway reads "open until" as
+# an epoch, so "forever" is a date far enough away (its Retry-After is capped at one
+# cool-down, see Gateway.enter_open_breaker).
+FORCED_DEGRADED_SECONDS = 10 * 365 * 86400
+
+
+def capability_force_degraded(*, capability: Capability, actor: str) -> None:
+    """Open a capability's breaker until the owner resets it (capability_reset_breaker):
+    the gateway answers every call 503 `degraded` without trying the code. Idempotent.
+
+    A call already in flight that succeeds closes the breaker, as it would close one
+    opened by failures. Raises NotFound when the capability was removed.
+    """
+    full = capability.full_name
+    if not Capability.objects.filter(pk=capability.pk).exclude(state=State.REMOVED).exists():
+        raise NotFound(f"no capability {full}")
+    now = time.time()
+    pipe = get_redis().pipeline(transaction=True)
+    pipe.set(stats.breaker_key(full), f"{now + FORCED_DEGRADED_SECONDS:.3f}")
+    pipe.delete(stats.trial_key(full))
+    pipe.execute()
+    with transaction.atomic():
+        Capability.objects.filter(pk=capability.pk, breaker_state=BreakerState.CLOSED).update(
+            breaker_state=BreakerState.OPEN, breaker_opened_at=datetime.fromtimestamp(now, tz=UTC)
+        )
+        audit_record(actor=actor, action="capability.forced_degraded", agent_name=capability.agent.name, subject=full)
+    capability.refresh_from_db()
+
+
+def capability_rollback(*, capability: Capability, version_number: int, actor: str) -> DeployResult:
+    """Serve the code of an earlier version again, placed exactly as a deploy places code.
+
+    The rollback is a new version, numbered after the latest, with the old version's code:
+    history only grows, the version an agent reads never goes back, and the audit trail
+    says which version was restored. The capability keeps its current bindings and public
+    flag (they are not versioned), and the agent's deploy cool-down does not apply.
+    Rolling back to the code that is already current changes nothing (as a deploy of the
+    same code does). Raises NotFound (no such version, or the capability was removed),
+    Conflict (a deploy of it is in progress), and what placing code raises (TooLarge,
+    InvalidRequest, UpstreamError).
+    """
+    full = capability.full_name
+    target = CapabilityVersion.objects.filter(capability_id=capability.pk, number=version_number).first()
+    if target is None:
+        raise NotFound(f"{full} has no version {version_number}")
+    lock = _placement_lock(full, blocking=False)
+    if not lock.acquire():
+        raise Conflict(f"{full} is being deployed; retry when it is done")
+    try:
+        current = (
+            Capability.objects.select_related("agent", "current_version")
+            .exclude(state=State.REMOVED)
+            .filter(pk=capability.pk)
+            .first()
+        )
+        if current is None:
+            raise NotFound(f"no capability {full}")
+        if current.current_version is not None and current.current_version.sha == target.sha:
+            return DeployResult(
+                capability=current, version=current.current_version, created=False, cold_start=False, evicted=None
+            )
+        bundle = CodeBundle.from_code(
+            target.code,
+            bindings=binding_rules.bindings_resolve(current.bindings, supported_kinds=get_runtime().binding_kinds),
+        )
+        placement = _place_with_room(
+            full=full,
+            capability_type=current.type,
+            expires_at=current.expires_at,
+            bundle=bundle,
+            was_evicting=current.state == State.EVICTING,
+        )
+        now = timezone.now()
+        with transaction.atomic():
+            locked = Capability.objects.select_for_update().get(pk=current.pk)
+            number = (locked.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+            version = CapabilityVersion.objects.create(
+                capability=locked,
+                number=number,
+                code=target.code,
+                sha=target.sha,
+                size_bytes=target.size_bytes,
+                created_at=now,
+            )
+            locked.current_version = version
+            locked.state = State.LIVE
+            locked.slot = placement.slot
+            locked.placed_sha = bundle.sha
+            locked.updated_at = now
+            locked.save(update_fields=["current_version", "state", "slot", "placed_sha", "updated_at"])
+            audit_record(
+                actor=actor,
+                action="capability.rolled_back",
+                agent_name=current.agent.name,
+                subject=full,
+                detail={"version": number, "restored_version": target.number, "sha": target.sha},
+            )
+        locked.agent = current.agent
+        routes.route_publish(locked)
+    finally:
+        lock.release()
+    capability.refresh_from_db()
+    return DeployResult(
+        capability=locked, version=version, created=False, cold_start=placement.cold_start, evicted=placement.evicted
+    )

@@ -1,11 +1,28 @@
 """The Celery app: settings under the CELERY_ namespace, tasks autodiscovered from tasks.py."""
 
 import os
+import time
 
 from celery import Celery
+from celery.signals import task_failure, task_success
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sigil_site.settings")
 
 app = Celery("sigil", task_cls="celery.contrib.django.task:DjangoTask")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+# Wiring only: the owner's beat schedule page shows when each periodic task last ran.
+@task_success.connect
+def _remember_success(sender=None, **kwargs) -> None:
+    from sigil_site.beat import beat_record_run
+
+    beat_record_run(task=sender.name, ok=True, at_epoch=time.time())
+
+
+@task_failure.connect
+def _remember_failure(sender=None, exception=None, **kwargs) -> None:
+    from sigil_site.beat import beat_record_run
+
+    beat_record_run(task=sender.name, ok=False, at_epoch=time.time(), error=repr(exception))

@@ -134,6 +134,24 @@ if SIGIL_BEHIND_TLS:
     SESSION_COOKIE_SECURE = True
     CSRF_COOKIE_SECURE = True
     SECURE_HSTS_SECONDS = 31536000
+# The admin is the owner's console: spelled out here, though most are Django's defaults,
+# so that a changed default cannot weaken it.
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
+SESSION_COOKIE_HTTPONLY = True
+# The admin's forms carry the CSRF token; no script needs to read the cookie.
+CSRF_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+CSRF_COOKIE_SAMESITE = "Lax"
+SILENCED_SYSTEM_CHECKS = [
+    # HSTS for subdomains and the preload list bind every other host of the domain, which
+    # is not Sigil's to decide; redirecting http to https is the TLS proxy's job.
+    "security.W005",
+    "security.W021",
+    "security.W008",
+]
 
 # --- Database ---------------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from sigil_site import admin as owner_pages
+
 handler404 = "sigil_site.errors.handler404"
 handler500 = "sigil_site.errors.handler500"
 
@@ -12,5 +14,8 @@ urlpatterns = [
     path("", include("capabilities.urls")),
     path("_api/schema", SpectacularAPIView.as_view(), name="schema"),
     path("_api/schema/docs", SpectacularSwaggerView.as_view(url_name="schema"), name="schema-docs"),
+    # The owner's own pages, behind the admin's staff check (admin_view), before its catch-all.
+    path("admin/dashboard/", admin.site.admin_view(owner_pages.dashboard_view), name="sigil-dashboard"),
+    path("admin/beat-schedule/", admin.site.admin_view(owner_pages.beat_schedule_view), name="sigil-beat-schedule"),
     path("admin/", admin.site.urls),
 ]

@@ -1,0 +1,111 @@
+"""The agent, token and audit admin through Django's test client."""
+
+import pytest
+from django.contrib.auth import get_user_model
+
+from agents.models import Agent, AuditEvent, Token
+
+
+@pytest.fixture
+def owner_client(sigil, client):
+    user = get_user_model().objects.create_superuser("owner", "owner@example.invalid", "owner-password")
+    client.force_login(user)
+    return client
+
+
+def test_disabling_an_agent_stops_all_its_tokens_at_once_and_enabling_restores_them(owner_client, alice):
+    agent = Agent.objects.get(name="alice")
+    assert alice.call("/_api/capabilities").status_code == 200
+    assert alice.call("/_api/capabilities", token="deploy").status_code == 200
+
+    owner_client.post("/admin/agents/agent/", {"action": "disable_agents", "_selected_action": [agent.pk]})
+    assert alice.call("/_api/capabilities").status_code == 401
+    assert alice.call("/_api/capabilities", token="deploy").status_code == 401
+
+    owner_client.post("/admin/agents/agent/", {"action": "enable_agents", "_selected_action": [agent.pk]})
+    assert alice.call("/_api/capabilities").status_code == 200
+    assert AuditEvent.objects.filter(action="agent.disabled", actor="owner:owner").count() == 1
+
+
+def test_agent_list_counts_capabilities_calls_and_errors(owner_client, alice):
+    alice.deploy(name="a", code="export default { fetch() { return new Response('a') } }")
+    response = owner_client.get("/admin/agents/agent/")
+    row = next(a for a in response.context["cl"].result_list if a.name == "alice")
+    assert (row.capability_count, row.calls or 0, row.errors or 0) == (1, 0, 0)
+    page = owner_client.get(f"/admin/agents/agent/{row.pk}/change/").content.decode()
+    assert 'id="agent-capabilities"' in page and "alice--a" in page
+
+
+def inline_data(response) -> dict:
+    """What the page's read-only token inline posts back unchanged."""
+    data = {}
+    for inline in response.context["inline_admin_formsets"]:
+        formset = inline.formset
+        for name in formset.management_form.fields:
+            data[f"{formset.prefix}-{name}"] = formset.management_form[name].value()
+        for form in formset.forms:
+            data.update({form.add_prefix(n): form[n].value() for n in form.fields if form[n].value() is not None})
+    return data
+
+
+def test_webhook_form_sets_the_url_and_a_write_only_secret(owner_client, alice):
+    agent = Agent.objects.get(name="alice")
+    url = f"/admin/agents/agent/{agent.pk}/change/"
+    inlines = inline_data(owner_client.get(url))
+
+    def post(**fields):
+        assert owner_client.post(url, {**inlines, **fields}).status_code == 302
+
+    post(webhook_url="https://hooks.example.invalid/a", new_webhook_secret="k1")
+    agent.refresh_from_db()
+    assert (agent.webhook_url, agent.webhook_secret) == ("https://hooks.example.invalid/a", "k1")
+    assert "k1" not in owner_client.get(url).content.decode()
+
+    post(webhook_url="https://hooks.example.invalid/b", new_webhook_secret="")
+    agent.refresh_from_db()
+    assert (agent.webhook_url, agent.webhook_secret) == ("https://hooks.example.invalid/b", "k1")
+    post(webhook_url="", clear_webhook_secret="on")
+    agent.refresh_from_db()
+    assert (agent.webhook_url, agent.webhook_secret) == ("", "")
+    assert AuditEvent.objects.filter(action="agent.webhook_changed").count() == 3
+
+
+def test_issued_secret_is_in_that_response_only_and_never_stored(owner_client, alice):
+    agent = Agent.objects.get(name="alice")
+    response = owner_client.post(
+        "/admin/agents/token/add/", {"agent": agent.pk, "scope": "invoke", "label": "x", "expires_at_0": ""}
+    )
+    secret = response.context["secret"]
+    assert "no-store" in response["Cache-Control"] and secret in response.content.decode()
+    token = Token.objects.get(label="x")
+    assert secret not in {token.prefix, token.secret_hash}
+    assert secret not in owner_client.get(f"/admin/agents/token/{token.pk}/change/").content.decode()
+    assert secret not in owner_client.get("/admin/agents/token/").content.decode()
+    assert alice.call("/_api/capabilities", token=secret).status_code == 200
+
+
+def test_token_expiry_must_be_in_the_future(owner_client, alice):
+    agent = Agent.objects.get(name="alice")
+    response = owner_client.post(
+        "/admin/agents/token/add/",
+        {"agent": agent.pk, "scope": "invoke", "expires_at_0": "2001-01-01", "expires_at_1": "00:00:00"},
+    )
+    assert response.status_code == 200 and "the expiry must be in the future" in response.content.decode()
+    assert not Token.objects.filter(agent=agent, expires_at__isnull=False).exists()
+
+
+def test_audit_trail_is_read_only_and_filters_by_agent_capability_action_and_time(owner_client, alice):
+    alice.deploy(name="a", code="export default { fetch() { return new Response('a') } }")
+    event = AuditEvent.objects.get(subject="alice--a")
+    listing = "/admin/agents/auditevent/"
+
+    def subjects(query: str) -> set[str]:
+        return {e.subject for e in owner_client.get(f"{listing}?{query}").context["cl"].result_list}
+
+    assert subjects("subject=alice--a") == {"alice--a"}
+    assert subjects("agent_name=alice&action=capability.created") == {"alice--a"}
+    assert "alice--a" in subjects("within=1h")
+    assert owner_client.get(f"{listing}add/").status_code == 403
+    assert owner_client.post(f"/admin/agents/auditevent/{event.pk}/delete/").status_code == 403
+    page = owner_client.get(f"/admin/agents/auditevent/{event.pk}/change/").content.decode()
+    assert 'name="_save"' not in page

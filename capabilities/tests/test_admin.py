@@ -1,0 +1,115 @@
+"""The capability admin through Django's test client: filters, actions, versions, CSRF."""
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client
+
+from capabilities.models import Capability
+
+
+def code(text: str) -> str:
+    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"
+
+
+@pytest.fixture
+def owner_client(sigil, client):
+    user = get_user_model().objects.create_superuser("owner", "owner@example.invalid", "owner-password")
+    client.force_login(user)
+    return client
+
+
+def act(client, action: str, *capabilities: Capability):
+    return client.post(
+        "/admin/capabilities/capability/",
+        {"action": action, "_selected_action": [c.pk for c in capabilities]},
+        follow=True,
+    )
+
+
+def messages_of(response) -> list[str]:
+    return [str(m) for m in response.context["messages"]]
+
+
+def test_changelist_filters_show_the_matching_capabilities(owner_client, alice):
+    alice.deploy(name="kept", code=code("kept"))
+    alice.deploy(name="flaky", code=code("flaky"), type="normal")
+    flaky = Capability.objects.get(full_name="alice--flaky")
+    act(owner_client, "force_degraded", flaky)
+    act(owner_client, "evict", flaky)
+
+    def names(query: str) -> set[str]:
+        response = owner_client.get(f"/admin/capabilities/capability/?{query}")
+        assert response.status_code == 200
+        return {c.full_name for c in response.context["cl"].result_list}
+
+    assert names("health=degraded") == {"alice--flaky"}
+    assert names("health=ok") == {"alice--kept"}
+    assert names("placement=placed") == {"alice--kept"}
+    assert names("placement=paged_out") == {"alice--flaky"}
+    assert names("type__exact=normal") == {"alice--flaky"}
+    assert names("activity=inactive") == set()
+    assert names("expiry=expired") == set()
+    assert names("q=kept") == {"alice--kept"}
+    assert names(f"agent__id__exact={flaky.agent_id}") == {"alice--kept", "alice--flaky"}
+
+
+def test_actions_report_a_count_and_each_failure_by_name(owner_client, alice):
+    alice.deploy(name="a", code=code("a"))
+    alice.deploy(name="b", code=code("b"))
+    a, b = Capability.objects.order_by("full_name")
+
+    assert messages_of(act(owner_client, "make_public", a, b)) == ["Made 2 capabilities public."]
+    assert messages_of(act(owner_client, "make_public", a)) == ["Made 0 capabilities public."]
+    assert messages_of(act(owner_client, "evict", a)) == ["Evicted 1 capability."]
+    assert Capability.objects.get(pk=a.pk).state == "paged_out"
+    assert messages_of(act(owner_client, "page_in", a, b)) == ["Paged in 1 capability."]
+    assert alice.call("/alice/a").text == "a"
+    assert messages_of(act(owner_client, "remove_capabilities", b)) == ["Removed 1 capability."]
+    assert alice.call("/alice/b").status_code == 404
+
+    a.bindings = ["KV:NOT_OFFERED"]  # placing it again now fails, and the action says which one
+    a.save(update_fields=["bindings"])
+    act(owner_client, "evict", a)
+    response = act(owner_client, "page_in", a)
+    errors = [str(m) for m in response.context["messages"] if m.level_tag == "error"]
+    assert len(errors) == 1 and errors[0].startswith("alice--a: ")
+
+
+def test_version_page_shows_code_and_diff_escaped(owner_client, alice):
+    alice.deploy(name="x", code=code("one"))
+    alice.deploy(name="x", code=code("</pre><script>alert(1)</script>"))
+    capability = Capability.objects.get(full_name="alice--x")
+
+    response = owner_client.get(f"/admin/capabilities/capability/{capability.pk}/versions/2/")
+    body = response.content.decode()
+    assert response.status_code == 200
+    assert "<script>alert(1)</script>" not in body
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in body
+    assert '<span class="del">-export default' in body and '<span class="add">+export default' in body
+    assert owner_client.get(f"/admin/capabilities/capability/{capability.pk}/versions/7/").status_code == 404
+
+
+def test_rollback_needs_the_csrf_token_and_a_post(sigil, alice):
+    alice.deploy(name="x", code=code("one"))
+    alice.deploy(name="x", code=code("two"))
+    capability = Capability.objects.get(full_name="alice--x")
+    user = get_user_model().objects.create_superuser("owner", "owner@example.invalid", "owner-password")
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(user)
+    url = f"/admin/capabilities/capability/{capability.pk}/rollback/"
+
+    assert client.post(url, {"version": 1}).status_code == 403
+    assert client.get(url).status_code == 405
+    assert alice.call("/alice/x").text == "two"
+    assert capability.versions.count() == 2
+
+
+def test_change_page_shows_bindings_versions_and_traffic(owner_client, alice):
+    alice.deploy(name="x", code=code("one"))
+    capability = Capability.objects.get(full_name="alice--x")
+    response = owner_client.get(f"/admin/capabilities/capability/{capability.pk}/change/")
+    body = response.content.decode()
+    assert response.status_code == 200
+    assert 'id="versions"' in body and "none declared" in body and "no calls flushed" in body
+    assert 'id="rollback-form"' in body
+    assert 'name="_save"' not in body  # read-only: changed through actions and buttons

@@ -1,0 +1,91 @@
+"""The owner's console for capabilities, driven in Chromium against a live Sigil with real
+workerd: degrade and reset, roll back, and the dashboard."""
+
+from capabilities import tasks
+from capabilities.models import Capability
+from sigil_site.beat import LAST_RUN_KEY
+from sigil_site.redis_client import get_redis
+from testsupport.browser import screenshot
+from testsupport.cast import flush_stats_when_recorded, wait_for
+
+
+def code(text: str) -> str:
+    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"
+
+
+def run_action(page, base_url: str, capability: Capability, action: str) -> None:
+    page.goto(f"{base_url}/admin/capabilities/capability/")
+    page.check(f"input[name=_selected_action][value='{capability.pk}']")
+    page.select_option("select[name=action]", action)
+    page.click("button[name=index]")
+
+
+def test_owner_forces_a_capability_degraded_and_resets_it(sigil, owner, alice):
+    page = owner
+    alice.deploy(name="ping", code=code("pong"))
+    assert alice.call("/alice/ping").status_code == 200
+    capability = Capability.objects.get(full_name="alice--ping")
+
+    run_action(page, sigil.url, capability, "force_degraded")
+    page.get_by_text("Forced 1 capability degraded").wait_for()
+    refused = alice.call("/alice/ping")
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "degraded"
+    assert 1 <= int(refused.headers["Retry-After"]) <= 30  # one cool-down, not the forced epoch
+    page.goto(f"{sigil.url}/admin/capabilities/capability/?health=degraded")
+    page.locator("#result_list th.field-full_name", has_text="alice--ping").wait_for()
+    screenshot(page, "capabilities-forced-degraded")
+
+    run_action(page, sigil.url, capability, "reset_breakers")
+    page.get_by_text("Reset the breaker of 1 capability").wait_for()
+    served = alice.call("/alice/ping")
+    assert served.status_code == 200 and served.text == "pong"
+    assert Capability.objects.get(pk=capability.pk).breaker_state == "closed"
+
+
+def test_owner_rolls_back_to_an_earlier_version_and_the_old_code_is_served(sigil, owner, alice):
+    page = owner
+    alice.deploy(name="greet", code=code("hello, one"))
+    alice.deploy(name="greet", code=code("hello, two"))
+    assert alice.call("/alice/greet").text == "hello, two"
+    capability = Capability.objects.get(full_name="alice--greet")
+
+    page.goto(f"{sigil.url}/admin/capabilities/capability/{capability.pk}/versions/2/")
+    page.locator("#version-diff .del", has_text="hello, one").wait_for()
+    page.locator("#version-diff .add", has_text="hello, two").wait_for()
+    screenshot(page, "capabilities-version-diff")
+
+    page.goto(f"{sigil.url}/admin/capabilities/capability/{capability.pk}/change/")
+    page.click("#rollback-v1")
+    page.get_by_text("Rolled alice--greet back to the code of v1, now v3").wait_for()
+    screenshot(page, "capabilities-rolled-back")
+    assert alice.call("/alice/greet").text == "hello, one"
+    capability.refresh_from_db()
+    assert capability.current_version.number == 3
+    assert capability.current_version.sha == capability.versions.get(number=1).sha
+
+
+def test_dashboard_shows_the_calls_just_made(sigil, owner, alice, celery_worker_session):
+    page = owner
+    alice.deploy(name="busy", code=code("busy"))
+    alice.deploy(name="quiet", code=code("quiet"))
+    for _ in range(7):
+        assert alice.call("/alice/busy").status_code == 200
+    assert alice.call("/alice/quiet").status_code == 200
+    flush_stats_when_recorded(alice__busy=7, alice__quiet=1)
+
+    page.goto(f"{sigil.url}/admin/")
+    page.click(".sigil-pages >> text=Dashboard")
+    page.locator("#kpi-calls .value", has_text="8").wait_for()
+    rows = page.locator("#top-capabilities tbody tr")
+    assert rows.nth(0).inner_text().split()[:2] == ["alice--busy", "7"]
+    assert rows.nth(1).inner_text().split()[:2] == ["alice--quiet", "1"]
+    assert page.locator("figure.sigil-chart svg rect.bar.calls").count() >= 1
+    screenshot(page, "dashboard")
+
+    # The flush that beat sends, run by a worker, appears on the schedule page.
+    tasks.capability_flush_stats.delay()
+    wait_for(lambda: get_redis().hexists(LAST_RUN_KEY, "capabilities.capability_flush_stats"), message="a flush")
+    page.click("nav.sigil-nav >> text=Beat schedule")
+    row = page.locator("#beat-schedule tr", has_text="capability-flush-stats")
+    row.get_by_text("succeeded").wait_for()
+    screenshot(page, "beat-schedule")

@@ -1,0 +1,91 @@
+"""The owner's services behind the admin's buttons: rollback, force degraded, public flag."""
+
+import pytest
+
+from agents.models import AuditEvent
+from capabilities import services, stats
+from capabilities.models import Capability
+from sigil_site.errors import NotFound
+from sigil_site.redis_client import get_redis
+
+
+def code(text: str) -> str:
+    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"
+
+
+def test_rollback_deploys_the_old_code_as_a_new_version_and_serves_it(alice):
+    alice.deploy(name="greet", code=code("one"))
+    alice.deploy(name="greet", code=code("two"))
+    capability = Capability.objects.get(full_name="alice--greet")
+
+    result = services.capability_rollback(capability=capability, version_number=1, actor="owner:test")
+
+    assert result.version.number == 3
+    assert result.version.sha == capability.versions.get(number=1).sha
+    assert alice.call("/alice/greet").text == "one"
+    event = AuditEvent.objects.get(action="capability.rolled_back", subject="alice--greet")
+    assert event.actor == "owner:test" and event.detail["restored_version"] == 1 and event.detail["version"] == 3
+    inspected = alice.session.get(
+        f"{alice.base_url}/_api/capabilities/alice--greet", headers=alice.headers(alice.invoke_token), timeout=10
+    ).json()
+    assert inspected["version"] == 3
+
+
+def test_rollback_to_the_code_being_served_makes_no_new_version(alice):
+    alice.deploy(name="greet", code=code("one"))
+    alice.deploy(name="greet", code=code("two"))
+    alice.deploy(name="greet", code=code("one"))
+    capability = Capability.objects.get(full_name="alice--greet")
+
+    result = services.capability_rollback(capability=capability, version_number=1, actor="owner:test")
+
+    assert result.version.number == 3 and capability.versions.count() == 3
+    assert not AuditEvent.objects.filter(action="capability.rolled_back").exists()
+
+
+def test_rollback_to_a_missing_version_or_of_a_removed_capability_is_not_found(alice):
+    alice.deploy(name="greet", code=code("one"))
+    alice.deploy(name="greet", code=code("two"))
+    capability = Capability.objects.get(full_name="alice--greet")
+    with pytest.raises(NotFound):
+        services.capability_rollback(capability=capability, version_number=9, actor="owner:test")
+    services.capability_remove_as_owner(full="alice--greet", actor="owner:test")
+    with pytest.raises(NotFound):
+        services.capability_rollback(capability=capability, version_number=1, actor="owner:test")
+
+
+def test_forced_degraded_answers_503_with_a_finite_retry_after_until_the_owner_resets(alice, settings):
+    settings.SIGIL_BREAKER_COOLDOWN_SECONDS = 30
+    alice.deploy(name="ping", code=code("pong"))
+    capability = Capability.objects.get(full_name="alice--ping")
+
+    services.capability_force_degraded(capability=capability, actor="owner:test")
+    services.capability_force_degraded(capability=capability, actor="owner:test")  # idempotent
+
+    for _ in range(3):
+        refused = alice.call("/alice/ping")
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "degraded"
+        assert refused.headers["Retry-After"] == "30"
+    capability.refresh_from_db()
+    assert capability.breaker_state == "open" and capability.breaker_opened_at is not None
+    assert AuditEvent.objects.filter(action="capability.forced_degraded", subject="alice--ping").count() == 2
+
+    services.capability_reset_breaker(capability=capability, actor="owner:test")
+    assert alice.call("/alice/ping").text == "pong"
+    assert get_redis().get(stats.breaker_key("alice--ping")) is None
+    capability.refresh_from_db()
+    assert capability.breaker_state == "closed"
+
+
+def test_public_flag_decides_whether_another_agent_may_call(alice, bob):
+    alice.deploy(name="shared", code=code("hi"))
+    capability = Capability.objects.get(full_name="alice--shared")
+    assert bob.call("/alice/shared").status_code == 404
+
+    assert services.capability_set_public(capability=capability, is_public=True, actor="owner:test") is True
+    assert services.capability_set_public(capability=capability, is_public=True, actor="owner:test") is False
+    assert bob.call("/alice/shared").text == "hi"
+
+    services.capability_set_public(capability=capability, is_public=False, actor="owner:test")
+    assert bob.call("/alice/shared").status_code == 404
+    assert AuditEvent.objects.filter(action="capability.updated", subject="alice--shared").count() == 2
