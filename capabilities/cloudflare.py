@@ -71,6 +71,9 @@ _MODULE_TYPES = {
 
 # Wrangler sends this header on the per-script subdomain toggle (reference §3.2).
 _SCRIPT_API_DATE = ("Cloudflare-Workers-Script-Api-Date", "2025-08-01")
+# Counters of every API call and every 429 answer, read by GET /metrics.
+API_CALLS_KEY = "sigil:cf:calls"
+API_RATE_LIMITED_KEY = "sigil:cf:rate_limited"
 
 
 # --- errors -----------------------------------------------------------------------------
@@ -287,6 +290,7 @@ class CloudflareClient:
         self.timeout_seconds = timeout_seconds
         self.backoff_base_seconds = backoff_base_seconds
         self.backoff_max_seconds = backoff_max_seconds
+        self.redis = redis
         self.budget = RateBudget(
             redis=redis,
             key=f"sigil:cf:budget:{account_id}",
@@ -552,19 +556,21 @@ class CloudflareClient:
                     timeout=(min(10.0, self.timeout_seconds), self.timeout_seconds),
                 )
             except (requests.ConnectionError, requests.Timeout) as exc:
+                self.budget.settle(ticket)
+                self._count(None)
                 error: CloudflareError = CloudflareUnavailable(
                     self._redact(f"{method} {path}: {type(exc).__name__}: {exc}")
                 )
                 retry = True
             else:
+                self.budget.settle(ticket)
+                self._count(response.status_code)
                 if response.ok:
                     return self._success(response, raw=raw, whole_envelope=whole_envelope)
                 error = self._error(method, path, response)
                 retry = self._should_retry(response, error)
                 if isinstance(error, CloudflareNotFound) and attempt < not_found_retries:
                     retry = True
-            finally:
-                self.budget.settle(ticket)
             if not retry or attempt >= self.max_retries:
                 raise error
             delay = self._backoff(attempt)
@@ -586,6 +592,14 @@ class CloudflareClient:
             )
             if delay:
                 time.sleep(delay)
+
+    def _count(self, status: int | None) -> None:
+        """Count the call (and a 429) for /metrics, across every process."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.incr(API_CALLS_KEY)
+        if status == 429:
+            pipe.incr(API_RATE_LIMITED_KEY)
+        pipe.execute()
 
     def _success(self, response: requests.Response, *, raw: bool, whole_envelope: bool) -> Any:
         if raw:

@@ -8,8 +8,10 @@ from django.db.models import Count
 
 from agents.models import Agent, AuditEvent
 from capabilities import stats
+from capabilities.cloudflare import API_CALLS_KEY, API_RATE_LIMITED_KEY
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime
+from sigil_site.redis_client import get_redis
 
 
 def _escape(value: str) -> str:
@@ -83,4 +85,9 @@ def metrics_render() -> str:
     lines.append(f"sigil_evictions_total {events.get('capability.evicted', 0)}")
     lines.extend(_family("sigil_page_ins_total", "counter", "Capabilities paged in on demand."))
     lines.append(f"sigil_page_ins_total {events.get('capability.paged_in', 0)}")
+    api_calls, rate_limited = get_redis().mget(API_CALLS_KEY, API_RATE_LIMITED_KEY)
+    lines.extend(_family("sigil_cloudflare_api_calls_total", "counter", "Cloudflare API calls, retries included."))
+    lines.append(f"sigil_cloudflare_api_calls_total {int(api_calls or 0)}")
+    lines.extend(_family("sigil_cloudflare_rate_limited_total", "counter", "Cloudflare API calls answered 429."))
+    lines.append(f"sigil_cloudflare_rate_limited_total {int(rate_limited or 0)}")
     return "\n".join(lines) + "\n"

@@ -53,3 +53,15 @@ def test_metrics_are_off_without_a_token(sigil, settings):
     settings.SIGIL_METRICS_TOKEN = ""
     response = scrape(sigil)
     assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+
+
+def test_metrics_count_cloudflare_api_calls_and_429s(sigil, worker_pool, alice, settings):
+    settings.SIGIL_METRICS_TOKEN = "scrape-me"
+    worker_pool.configure(fail_next=0)
+    alice.deploy(name="a", code="export default { async fetch() { return new Response('a') } }")
+    found = samples(scrape(sigil).text)
+    made = len(worker_pool.api_calls())
+    assert made >= 2  # the upload and the workers.dev toggle
+    assert found[("sigil_cloudflare_api_calls_total", ())] == made
+    assert found[("sigil_cloudflare_rate_limited_total", ())] == 0
+    assert found[("sigil_slots_total", ())] == 3
