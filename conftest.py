@@ -204,3 +204,13 @@ def worker_pool(cf_settings, cf_emulator_fresh):
     cf_settings.SIGIL_POOL_SAFETY_MARGIN = 2
     cf_emulator_fresh.configure(script_limit=8 - 1)  # the system script lives elsewhere
     return cf_emulator_fresh
+
+
+@pytest.fixture
+def platform(cf_settings, cf_emulator_fresh):
+    """Sigil on the platform runtime, against the fresh emulator: capabilities in a dispatch
+    namespace behind the repo's dispatch Worker, deployed by the first placement. Returns
+    the emulator's control."""
+    cf_settings.SIGIL_BACKEND = "platform"
+    cf_settings.SIGIL_CF_WORKERS_BASE = cf_emulator_fresh.url
+    return cf_emulator_fresh

@@ -612,6 +612,17 @@ def capability_page_out(*, full: str, attempt: int = 0) -> bool:
     return bool(changed)
 
 
+def runtime_provision(*, actor: str) -> list[str]:
+    """Create what the current runtime needs besides capabilities (the platform runtime's
+    namespace and dispatch Worker, the loader runtime's KV namespace and loader Worker);
+    return what was done. Idempotent. Raises RuntimeUnavailable, RuntimeRejected."""
+    runtime = get_runtime()
+    done = runtime.provision()
+    if done:
+        audit_record(actor=actor, action="runtime.provisioned", subject=runtime.name, detail={"done": done})
+    return done
+
+
 def _placement_in_progress(full: str) -> bool:
     return bool(get_redis().exists(f"sigil:lock:place:{full}"))
 

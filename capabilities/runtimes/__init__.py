@@ -35,6 +35,18 @@ def build_runtime(backend: str) -> Runtime:
             invoke_base=settings.SIGIL_CF_WORKERS_BASE,
             redirect=settings.SIGIL_POOL_REDIRECT,
         )
+    if backend == "platform":
+        from capabilities.cloudflare import CloudflareClient
+        from capabilities.runtimes.platform import PlatformRuntime
+
+        return PlatformRuntime(
+            client=CloudflareClient.from_settings(),
+            namespace=settings.SIGIL_PLATFORM_NAMESPACE,
+            dispatcher=settings.SIGIL_PLATFORM_DISPATCHER,
+            secret=settings.SIGIL_INTERNAL_SECRET,
+            cpu_ms=settings.SIGIL_CPU_MS,
+            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
+        )
     raise ValueError(f"unknown SIGIL_BACKEND {backend!r}")
 
 
@@ -42,3 +54,4 @@ def build_runtime(backend: str) -> Runtime:
 def get_runtime() -> Runtime:
     """The process's runtime, as SIGIL_BACKEND selects."""
     return build_runtime(settings.SIGIL_BACKEND)
+
