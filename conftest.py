@@ -214,3 +214,13 @@ def platform(cf_settings, cf_emulator_fresh):
     cf_settings.SIGIL_BACKEND = "platform"
     cf_settings.SIGIL_CF_WORKERS_BASE = cf_emulator_fresh.url
     return cf_emulator_fresh
+
+
+@pytest.fixture
+def loader(cf_settings, cf_emulator_fresh):
+    """Sigil on the loader runtime, against the fresh emulator: code in KV, run by the repo's
+    loader host deployed as a Worker with a Worker Loader, by the first placement. Returns
+    the emulator's control."""
+    cf_settings.SIGIL_BACKEND = "loader"
+    cf_settings.SIGIL_CF_WORKERS_BASE = cf_emulator_fresh.url
+    return cf_emulator_fresh

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.core.checks import Error, register
 
-KNOWN_BACKENDS = ("local", "worker-pool", "platform")
+KNOWN_BACKENDS = ("local", "worker-pool", "platform", "loader")
 
 
 @register()

@@ -314,6 +314,10 @@ SIGIL_CF_WORKERS_BASE = env_str(
 # missing) and the name of Sigil's dispatch Worker in front of it.
 SIGIL_PLATFORM_NAMESPACE = env_str("SIGIL_PLATFORM_NAMESPACE", "sigil")
 SIGIL_PLATFORM_DISPATCHER = env_str("SIGIL_PLATFORM_DISPATCHER", "sigil-dispatcher")
+# The loader runtime: Sigil's loader Worker, and the title of the KV namespace holding the
+# code bundles (created if missing).
+SIGIL_LOADER_WORKER = env_str("SIGIL_LOADER_WORKER", "sigil-loader")
+SIGIL_LOADER_KV_TITLE = env_str("SIGIL_LOADER_KV_TITLE", "sigil-code")
 # CPU time a capability may use per call on the platform and loader runtimes, in ms, unless
 # the owner gave it its own; 0 leaves Cloudflare's default. Bounds what a runaway loop costs.
 SIGIL_CPU_MS = env_int("SIGIL_CPU_MS", 1000)

@@ -47,6 +47,18 @@ def build_runtime(backend: str) -> Runtime:
             cpu_ms=settings.SIGIL_CPU_MS,
             invoke_base=settings.SIGIL_CF_WORKERS_BASE,
         )
+    if backend == "loader":
+        from capabilities.cloudflare import CloudflareClient
+        from capabilities.runtimes.loader import LoaderRuntime
+
+        return LoaderRuntime(
+            client=CloudflareClient.from_settings(),
+            worker=settings.SIGIL_LOADER_WORKER,
+            kv_title=settings.SIGIL_LOADER_KV_TITLE,
+            secret=settings.SIGIL_INTERNAL_SECRET,
+            cpu_ms=settings.SIGIL_CPU_MS,
+            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
+        )
     raise ValueError(f"unknown SIGIL_BACKEND {backend!r}")
 
 
