@@ -45,15 +45,15 @@ def _fresh_redis_and_runtime():
     import redis
     from django.conf import settings
 
-    from capabilities.runtimes import get_runtime
+    from capabilities.runtimes import runtimes_forget
 
     client = redis.Redis.from_url(settings.REDIS_URL)
     client.flushdb()
     client.close()
     shutil.rmtree(settings.SIGIL_CODE_DIR / "slots", ignore_errors=True)
-    get_runtime.cache_clear()
+    runtimes_forget()
     yield
-    get_runtime.cache_clear()
+    runtimes_forget()
 
 
 @pytest.fixture(scope="session")

@@ -29,8 +29,15 @@ from capabilities.models import (
     CapabilityVersion,
     State,
 )
-from capabilities.runtimes import get_runtime
-from capabilities.runtimes.base import CodeBundle, RuntimeRejected, RuntimeUnavailable, ScriptTooLarge, code_sha
+from capabilities.runtimes import get_runtime, runtime_for
+from capabilities.runtimes.base import (
+    CodeBundle,
+    Runtime,
+    RuntimeRejected,
+    RuntimeUnavailable,
+    ScriptTooLarge,
+    code_sha,
+)
 from capabilities.tasks import capability_page_out as capability_page_out_task
 from capabilities.tasks import capability_release_slot as capability_release_slot_task
 from sigil_site.errors import (
@@ -121,6 +128,7 @@ def _claim_cooldown(agent_name: str) -> None:
 @dataclass(frozen=True)
 class Placement:
     slot: str
+    backend: str  # the runtime that placed it: what the capability's row records
     cold_start: bool  # this placement paged the capability in (bounded runtimes only)
     evicted: str | None  # the victim chosen to make room, if any
 
@@ -140,7 +148,7 @@ def _place_with_room(
     """
     runtime = get_runtime()
     if runtime.total_slots is None:
-        return Placement(slot=_place(full, bundle), cold_start=False, evicted=None)
+        return Placement(slot=_place(full, bundle, runtime), backend=runtime.name, cold_start=False, evicted=None)
     if was_evicting:
         pager.pager_drop_evicting(full)
     deadline = time.monotonic() + ROOM_WAIT_SECONDS
@@ -161,12 +169,12 @@ def _place_with_room(
     if claim.victim:
         _mark_evicting(claim.victim)
     try:
-        slot = _place(full, bundle)
+        slot = _place(full, bundle, runtime)
     except SigilError:
         if claim.outcome != "live":
             pager.pager_forget(full)
         raise
-    return Placement(slot=slot, cold_start=claim.outcome != "live", evicted=claim.victim)
+    return Placement(slot=slot, backend=runtime.name, cold_start=claim.outcome != "live", evicted=claim.victim)
 
 
 def _mark_evicting(victim: str) -> None:
@@ -184,26 +192,35 @@ def _mark_evicting(victim: str) -> None:
     routes.route_publish(capability)
 
 
-def _slot_for(full: str) -> str:
-    """The runtime slot `full` uses: the one it was given before (so a pooled script keeps its
-    workers.dev name across evictions), else the runtime's name for it, made longer while
-    another capability already holds that name (a hash collision never overwrites)."""
-    current = Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).values_list("slot", flat=True).first()
-    if current:
-        return current
-    runtime = get_runtime()
+def _slot_for(full: str, runtime: Runtime) -> str:
+    """The runtime slot `full` uses: the one it was given before on this runtime (so a pooled
+    script keeps its workers.dev name across evictions), else the runtime's name for it, made
+    longer while another capability already holds that name (a hash collision never
+    overwrites). A slot on another runtime (before a switch of SIGIL_BACKEND) is not reused."""
+    current = (
+        Capability.objects.exclude(state=State.REMOVED)
+        .filter(full_name=full)
+        .values_list("slot", "backend")
+        .first()
+    )
+    if current and current[0] and current[1] in ("", runtime.name):
+        return current[0]
     for attempt in range(8):
         slot = runtime.slot_for(full, attempt=attempt)
-        taken = Capability.objects.exclude(state=State.REMOVED).exclude(full_name=full).filter(slot=slot).exists()
+        taken = (
+            Capability.objects.exclude(state=State.REMOVED)
+            .exclude(full_name=full)
+            .filter(slot=slot, backend__in=("", runtime.name))
+            .exists()
+        )
         if not taken:
             return slot
     raise Conflict(f"no free runtime name for {full}")
 
 
-def _place(full: str, bundle: CodeBundle) -> str:
-    """Put `bundle` on the runtime for `full`; return the slot. Runtime errors become API errors."""
-    runtime = get_runtime()
-    slot = _slot_for(full)
+def _place(full: str, bundle: CodeBundle, runtime: Runtime) -> str:
+    """Put `bundle` on `runtime` for `full`; return the slot. Runtime errors become API errors."""
+    slot = _slot_for(full, runtime)
     try:
         runtime.place(slot=slot, bundle=bundle)
     except ScriptTooLarge as exc:
@@ -283,7 +300,8 @@ def capability_deploy(
         )
         capability, version, created = _record_deploy(
             owner=owner, existing=existing, full=full, type=type, expires_at=expires_at, code=code, sha=sha,
-            slot=placement.slot, bundle_sha=bundle.sha, bindings=bindings, is_public=is_public, now=now,
+            slot=placement.slot, backend=placement.backend, bundle_sha=bundle.sha, bindings=bindings,
+            is_public=is_public, now=now,
             principal=principal,
         )
         routes.route_publish(capability)
@@ -304,7 +322,8 @@ def _unused_ephemeral_name(agent_name: str) -> str:
 
 def _record_deploy(
     *, owner: Agent, existing: Capability | None, full: str, type: str, expires_at: datetime | None, code: str,
-    sha: str, slot: str, bundle_sha: str, bindings: list[str], is_public: bool, now: datetime, principal: Principal,
+    sha: str, slot: str, backend: str, bundle_sha: str, bindings: list[str], is_public: bool, now: datetime,
+    principal: Principal,
 ) -> tuple[Capability, CapabilityVersion, bool]:
     with transaction.atomic():
         if existing is None:
@@ -320,6 +339,7 @@ def _record_deploy(
                         state=State.LIVE,
                         slot=slot,
                         placed_sha=bundle_sha,
+                        backend=backend,
                         expires_at=expires_at,
                         created_at=now,
                         updated_at=now,
@@ -339,6 +359,7 @@ def _record_deploy(
         capability.state = State.LIVE
         capability.slot = slot
         capability.placed_sha = bundle_sha
+        capability.backend = backend
         capability.updated_at = now
         capability.save()
         audit_record(
@@ -421,10 +442,15 @@ def capability_release_slot(*, capability_id: int) -> bool:
     if capability is None or capability.state != State.REMOVED or not capability.slot:
         return False
     with _placement_lock(capability.full_name, blocking=True):
-        successor = Capability.objects.exclude(state=State.REMOVED).filter(slot=capability.slot).exists()
+        runtime = runtime_for(capability.backend)
+        successor = (
+            Capability.objects.exclude(state=State.REMOVED)
+            .filter(slot=capability.slot, backend__in=_same_runtime(runtime))
+            .exists()
+        )
         if successor:
             return False
-        get_runtime().remove(slot=capability.slot)
+        runtime.remove(slot=capability.slot)
         if not Capability.objects.exclude(state=State.REMOVED).filter(full_name=capability.full_name).exists():
             pager.pager_drop_evicting(capability.full_name)
     return True
@@ -531,6 +557,35 @@ def capability_reset_breaker(*, capability: Capability, actor: str) -> None:
     audit_record(actor=actor, action="capability.breaker_reset", agent_name=capability.agent.name, subject=capability.full_name)
 
 
+# Cloudflare's longest CPU time per invocation on the Paid plan (reference §7.3).
+MAX_CPU_MS = 300_000
+
+
+def capability_set_cpu_limit(*, capability: Capability, cpu_ms: int | None, actor: str) -> None:
+    """Give a capability its own CPU limit per call in ms (None: SIGIL_CPU_MS again), on the
+    platform and loader runtimes; calls after this one use it. Idempotent.
+
+    Raises InvalidRequest when it is not between 1 and 300000 ms.
+    """
+    if cpu_ms is not None and not 1 <= cpu_ms <= MAX_CPU_MS:
+        raise InvalidRequest(f"a CPU limit is 1 to {MAX_CPU_MS} ms")
+    with transaction.atomic():
+        changed = Capability.objects.exclude(state=State.REMOVED).filter(pk=capability.pk).exclude(
+            cpu_ms=cpu_ms
+        ).update(cpu_ms=cpu_ms, updated_at=timezone.now())
+        if not changed:
+            return
+        audit_record(
+            actor=actor,
+            action="capability.cpu_limit_set",
+            agent_name=capability.agent.name,
+            subject=capability.full_name,
+            detail={"cpu_ms": cpu_ms},
+        )
+    capability.refresh_from_db()
+    routes.route_publish(capability)
+
+
 def capability_page_in(*, full: str) -> tuple[routes.CachedRoute, bool]:
     """Make `full` live on the runtime (the cold path); return its fresh route and whether
     this call placed it.
@@ -563,7 +618,11 @@ def capability_page_in(*, full: str) -> tuple[routes.CachedRoute, bool]:
             )
             with transaction.atomic():
                 Capability.objects.filter(pk=capability.pk).update(
-                    state=State.LIVE, slot=placement.slot, placed_sha=bundle.sha, updated_at=timezone.now()
+                    state=State.LIVE,
+                    slot=placement.slot,
+                    placed_sha=bundle.sha,
+                    backend=placement.backend,
+                    updated_at=timezone.now(),
                 )
                 audit_record(
                     actor="system",
@@ -599,7 +658,7 @@ def capability_page_out(*, full: str, attempt: int = 0) -> bool:
             return False
         if pager.pager_inflight(full) > 0 and attempt < PAGE_OUT_INFLIGHT_CHECKS:
             raise StillInFlight(full)
-        get_runtime().remove(slot=capability.slot)
+        runtime_for(capability.backend).remove(slot=capability.slot)
         with transaction.atomic():
             changed = Capability.objects.filter(pk=capability.pk, state=State.EVICTING).update(
                 state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now()
@@ -623,6 +682,11 @@ def runtime_provision(*, actor: str) -> list[str]:
     return done
 
 
+def _same_runtime(runtime) -> tuple[str, ...]:
+    """The `backend` values of rows placed on `runtime` ("" for rows from before it was recorded)."""
+    return ("", runtime.name) if runtime is get_runtime() else (runtime.name,)
+
+
 def _placement_in_progress(full: str) -> bool:
     return bool(get_redis().exists(f"sigil:lock:place:{full}"))
 
@@ -638,11 +702,12 @@ def capability_reconcile() -> dict[str, int]:
     """
     runtime = get_runtime()
     placed = set(runtime.list_slots())
-    served = dict(
-        Capability.objects.filter(state__in=routes.SERVED_STATES).values_list("slot", "full_name")
-    )
+    # Only this runtime's placements: during a switch of SIGIL_BACKEND, capabilities still on
+    # the previous runtime are the switch's to move, not missing here.
+    on_this_runtime = Capability.objects.filter(backend__in=_same_runtime(runtime))
+    served = dict(on_this_runtime.filter(state__in=routes.SERVED_STATES).values_list("slot", "full_name"))
     owners: dict[str, list[str]] = {}
-    for slot, full in Capability.objects.filter(slot__in=placed - set(served)).values_list("slot", "full_name"):
+    for slot, full in on_this_runtime.filter(slot__in=placed - set(served)).values_list("slot", "full_name"):
         owners.setdefault(slot, []).append(full)
 
     orphans = 0
@@ -659,7 +724,7 @@ def capability_reconcile() -> dict[str, int]:
             continue
         with transaction.atomic():
             capability = Capability.objects.select_related("agent").filter(
-                full_name=full, state__in=routes.SERVED_STATES
+                full_name=full, state__in=routes.SERVED_STATES, backend__in=_same_runtime(runtime)
             ).first()
             if capability is None:
                 continue
@@ -678,14 +743,22 @@ def capability_reconcile() -> dict[str, int]:
     return {"orphans_removed": orphans, "repaired": repaired, "pager_corrected": corrected}
 
 
-def capability_mark_missing(*, full: str) -> None:
+def capability_mark_missing(*, full: str, slot: str | None = None, backend: str | None = None) -> None:
     """The runtime answered that `full`'s script is gone: record it as paged out so the
-    next placement puts it back. Idempotent."""
+    next placement puts it back. Idempotent.
+
+    With `slot` and `backend` (the placement the call went to), nothing changes when the
+    capability has been placed elsewhere since (a switch of runtime): the call's route was
+    merely out of date.
+    """
     with transaction.atomic():
         capability = Capability.objects.select_related("agent").filter(
             full_name=full, state__in=routes.SERVED_STATES
         ).first()
         if capability is None:
+            return
+        moved = capability.slot != slot or bool(backend and capability.backend and capability.backend != backend)
+        if slot is not None and moved:
             return
         Capability.objects.filter(pk=capability.pk).update(state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now())
         audit_record(

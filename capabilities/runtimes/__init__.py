@@ -67,3 +67,23 @@ def get_runtime() -> Runtime:
     """The process's runtime, as SIGIL_BACKEND selects."""
     return build_runtime(settings.SIGIL_BACKEND)
 
+
+def runtime_for(backend: str) -> Runtime:
+    """The runtime a capability placed on `backend` is reached and removed through: the
+    process's own runtime, or ("" meaning it too) the one a switch of SIGIL_BACKEND is
+    moving capabilities away from. Raises ValueError for an unknown backend."""
+    current = get_runtime()
+    if not backend or backend == current.name:
+        return current
+    return _previous_runtime(backend)
+
+
+@functools.cache
+def _previous_runtime(backend: str) -> Runtime:
+    return build_runtime(backend)
+
+
+def runtimes_forget() -> None:
+    """Build every runtime afresh from settings on next use (tests that change settings)."""
+    get_runtime.cache_clear()
+    _previous_runtime.cache_clear()
