@@ -321,6 +321,9 @@ SIGIL_LOADER_KV_TITLE = env_str("SIGIL_LOADER_KV_TITLE", "sigil-code")
 # CPU time a capability may use per call on the platform and loader runtimes, in ms, unless
 # the owner gave it its own; 0 leaves Cloudflare's default. Bounds what a runaway loop costs.
 SIGIL_CPU_MS = env_int("SIGIL_CPU_MS", 1000)
+# How long `switchbackend` keeps a capability's old placement after recording the new one,
+# so that calls which read the old route just before still reach code.
+SIGIL_SWITCH_GRACE_SECONDS = env_float("SIGIL_SWITCH_GRACE_SECONDS", 5.0)
 
 # --- Logging ----------------------------------------------------------------------------
 
