@@ -682,7 +682,7 @@ def runtime_provision(*, actor: str) -> list[str]:
     return done
 
 
-def _same_runtime(runtime) -> tuple[str, ...]:
+def _same_runtime(runtime: Runtime) -> tuple[str, ...]:
     """The `backend` values of rows placed on `runtime` ("" for rows from before it was recorded)."""
     return ("", runtime.name) if runtime is get_runtime() else (runtime.name,)
 

@@ -22,10 +22,10 @@ SYSTEM_TAG = "sigil-system"
 class SigilWorker:
     """One Worker script of Sigil's, named `name`, reached on its workers.dev URL.
 
-    `version` is a hash of everything uploaded except secrets (modules, bindings,
-    compatibility date), kept in the plain-text binding `version_binding`: `deploy` uploads
-    only when the deployed version differs, and `probe` checks the running one without an
-    API call. With `invoke_base` set (the emulator) requests go to that base URL with the
+    `version` is a hash of everything uploaded (modules, bindings, compatibility date, and
+    a hash of the secrets, so that a rotated secret is deployed too), kept in the plain-text
+    binding `version_binding`: `deploy` uploads only when the deployed version differs, and
+    `probe` checks the running one without an API call. With `invoke_base` set (the emulator) requests go to that base URL with the
     workers.dev name in the Host header.
     """
 
@@ -51,7 +51,8 @@ class SigilWorker:
         self.version_binding = version_binding
         self.compatibility_date = compatibility_date
         self.invoke_base = invoke_base.rstrip("/")
-        stamp = json.dumps([self.modules, self.main_module, self.bindings, compatibility_date], sort_keys=True)
+        secrets = hashlib.sha256(json.dumps(self.secret_bindings, sort_keys=True).encode()).hexdigest()
+        stamp = json.dumps([self.modules, self.main_module, self.bindings, compatibility_date, secrets], sort_keys=True)
         self.version = hashlib.sha256(stamp.encode()).hexdigest()[:16]
         self._subdomain: str | None = None
         self._probe = urllib3.PoolManager(timeout=urllib3.Timeout(connect=3.0, read=10.0), retries=False)

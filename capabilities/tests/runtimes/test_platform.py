@@ -111,3 +111,21 @@ def test_long_full_names_get_a_hashed_script_name_within_one_dns_label(runtime):
     bundle = CodeBundle.from_code(HELLO)
     runtime.place(slot=slot, bundle=bundle)
     assert call(runtime.route(slot=slot, sha=bundle.sha)).data == b"hello /"
+
+
+def test_a_rotated_secret_deploys_the_dispatch_worker_again(runtime, cf_client, settings):
+    runtime.provision()
+    rotated = PlatformRuntime(
+        client=cf_client,
+        namespace="sigil-test",
+        dispatcher="sigil-dispatcher",
+        secret="rotated-secret",
+        cpu_ms=50,
+        invoke_base=runtime.dispatcher.invoke_base,
+    )
+    assert rotated.dispatcher.version != runtime.dispatcher.version
+    assert rotated.provision() == [f"deployed the dispatch Worker sigil-dispatcher ({rotated.dispatcher.version})"]
+    bundle = CodeBundle.from_code(HELLO)
+    rotated.place(slot="alice--rotated", bundle=bundle)
+    assert call(rotated.route(slot="alice--rotated", sha=bundle.sha)).data == b"hello /"
+    assert call(runtime.route(slot="alice--rotated", sha=bundle.sha)).status == 403
