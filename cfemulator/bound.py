@@ -27,6 +27,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,18 +129,20 @@ class BoundWorkers:
         self._lock = threading.Lock()
         self._running: dict[str, _Process] = {}
 
-    def port_for(self, key: str, *, sha: str, upload: ScriptUpload, live: dict[str, str]) -> int:
+    def port_for(self, key: str, *, sha: str, upload: ScriptUpload, live: Callable[[], dict[str, str]]) -> int:
         """The port of `key`'s workerd, started or restarted for `sha` as needed.
 
-        `live` maps every bound key the account still holds to its sha; processes of other
-        keys are stopped. Raises RuntimeError when workerd does not come up.
+        Before a start, `live()` (every bound key the account still holds, with its sha)
+        tells which other processes no script needs any more; they are stopped. Raises
+        RuntimeError when workerd does not come up.
         """
         with self._lock:
-            for other in [k for k, p in self._running.items() if live.get(k) != p.sha and k != key]:
-                self._stop(other)
             current = self._running.get(key)
             if current is not None and current.sha == sha and current.process.poll() is None:
                 return current.port
+            still_held = live()
+            for other in [k for k, p in self._running.items() if still_held.get(k) != p.sha and k != key]:
+                self._stop(other)
             if current is not None:
                 self._stop(key)
             started = self._start(key, sha, upload)

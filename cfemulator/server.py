@@ -324,9 +324,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
     def _run(self, target: WorkerTarget, path: str, headers: HTTPHeaderDict, body: bytes) -> urllib3.BaseHTTPResponse:
         emulator = self.server.emulator
         if target.runs_bound:
-            port = emulator.bound.port_for(
-                target.key, sha=target.sha, upload=target.upload, live=emulator.api.bound_keys()
-            )
+            bound = emulator.bound
+            port = bound.port_for(target.key, sha=target.sha, upload=target.upload, live=emulator.api.bound_keys)
             return emulator.proxy(self.command, path, headers, body, port=port)
         headers["X-Sigil-Secret"] = emulator.workerd.secret
         headers["X-Sigil-Loader-Id"] = f"{target.name}@{target.sha}"
