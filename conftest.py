@@ -45,15 +45,15 @@ def _fresh_redis_and_runtime():
     import redis
     from django.conf import settings
 
-    from capabilities.runtimes import get_runtime
+    from capabilities.runtimes import runtimes_forget
 
     client = redis.Redis.from_url(settings.REDIS_URL)
     client.flushdb()
     client.close()
     shutil.rmtree(settings.SIGIL_CODE_DIR / "slots", ignore_errors=True)
-    get_runtime.cache_clear()
+    runtimes_forget()
     yield
-    get_runtime.cache_clear()
+    runtimes_forget()
 
 
 @pytest.fixture(scope="session")
@@ -264,3 +264,23 @@ def owner(sigil, page):
     get_user_model().objects.create_superuser("owner", "owner@example.invalid", password)
     log_in(page, sigil.url, username="owner", password=password)
     return page
+
+
+@pytest.fixture
+def platform(cf_settings, cf_emulator_fresh):
+    """Sigil on the platform runtime, against the fresh emulator: capabilities in a dispatch
+    namespace behind the repo's dispatch Worker, deployed by the first placement. Returns
+    the emulator's control."""
+    cf_settings.SIGIL_BACKEND = "platform"
+    cf_settings.SIGIL_CF_WORKERS_BASE = cf_emulator_fresh.url
+    return cf_emulator_fresh
+
+
+@pytest.fixture
+def loader(cf_settings, cf_emulator_fresh):
+    """Sigil on the loader runtime, against the fresh emulator: code in KV, run by the repo's
+    loader host deployed as a Worker with a Worker Loader, by the first placement. Returns
+    the emulator's control."""
+    cf_settings.SIGIL_BACKEND = "loader"
+    cf_settings.SIGIL_CF_WORKERS_BASE = cf_emulator_fresh.url
+    return cf_emulator_fresh

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.core.checks import Error, register
 
-KNOWN_BACKENDS = ("local", "worker-pool")
+KNOWN_BACKENDS = ("local", "worker-pool", "platform", "loader")
 
 
 @register()
@@ -47,4 +47,18 @@ def check_pool_slots(app_configs, **kwargs) -> list[Error]:
 def check_cloudflare_credentials(app_configs, **kwargs) -> list[Error]:
     if settings.SIGIL_BACKEND in settings.CLOUDFLARE_BACKENDS and not settings.CF_ACCOUNT_ID:
         return [Error("CF_ACCOUNT_ID is required with CF_API_TOKEN", id="sigil.E003")]
+    return []
+
+
+@register()
+def check_cpu_limit(app_configs, **kwargs) -> list[Error]:
+    """Cloudflare takes a CPU limit per call of at most 5 minutes (reference §7.3)."""
+    if not 0 <= settings.SIGIL_CPU_MS <= 300_000:
+        return [
+            Error(
+                f"SIGIL_CPU_MS is {settings.SIGIL_CPU_MS}",
+                hint="Use 1 to 300000 (ms), or 0 for Cloudflare's default.",
+                id="sigil.E004",
+            )
+        ]
     return []

@@ -500,16 +500,38 @@ class CloudflareClient:
                 return namespaces
             page += 1
 
-    def kv_put(self, namespace_id: str, key: str, value: bytes, *, expiration_ttl: int | None = None) -> None:
-        """Write `value` under `key` (overwriting it). `expiration_ttl` is at least 60 s."""
+    def kv_put(
+        self,
+        namespace_id: str,
+        key: str,
+        value: bytes,
+        *,
+        expiration_ttl: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Write `value` under `key` (overwriting it and its metadata). `expiration_ttl` is at
+        least 60 s; `metadata` (at most 1024 bytes of JSON) is returned by `kv_keys`."""
         params = {"expiration_ttl": str(expiration_ttl)} if expiration_ttl is not None else None
-        self._request(
-            "PUT",
-            f"/storage/kv/namespaces/{_segment(namespace_id)}/values/{_segment(key)}",
-            data=value,
-            params=params,
-            headers={"Content-Type": "application/octet-stream"},
-        )
+        path = f"/storage/kv/namespaces/{_segment(namespace_id)}/values/{_segment(key)}"
+        if metadata is None:
+            self._request("PUT", path, data=value, params=params, headers={"Content-Type": "application/octet-stream"})
+            return
+        # With metadata the body is multipart: `value` and `metadata` parts (reference §6).
+        files = [("value", ("value", value, "application/octet-stream")), ("metadata", (None, json.dumps(metadata)))]
+        self._request("PUT", path, files=files, params=params)
+
+    def kv_keys(self, namespace_id: str, *, prefix: str = "") -> list[dict[str, Any]]:
+        """Every key under `prefix`, as `{name, expiration?, metadata?}`; follows the cursor."""
+        path = f"/storage/kv/namespaces/{_segment(namespace_id)}/keys"
+        params: dict[str, str] = {"prefix": prefix, "limit": "1000"}
+        keys: list[dict[str, Any]] = []
+        while True:
+            envelope = self._request("GET", path, params=params, whole_envelope=True)
+            keys.extend(envelope.get("result") or [])
+            cursor = (envelope.get("result_info") or {}).get("cursor")
+            if not cursor:
+                return keys
+            params["cursor"] = str(cursor)
 
     def kv_get(self, namespace_id: str, key: str) -> bytes:
         """The raw value under `key`. Raises CloudflareNotFound (10009) when there is none."""

@@ -21,7 +21,7 @@ from agents import tokens
 from agents.selectors import parse_bearer, token_authenticate
 from capabilities import names, pager, routes, stats
 from capabilities.models import BreakerState
-from capabilities.runtimes import get_runtime
+from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import Route
 from capabilities.tasks import capability_record_breaker as capability_record_breaker_task
 from sigil_site.errors import (
@@ -104,7 +104,7 @@ class Gateway:
         # One keep-alive pool per upstream origin; block=False lets bursts open extra
         # connections instead of queueing behind the pool size.
         self.pools = urllib3.PoolManager(num_pools=64, maxsize=32, block=False, retries=False)
-        self.route_memo: dict[tuple[str, str], Route] = {}
+        self.route_memo: dict[tuple, Route] = {}
 
     def __call__(self, environ, start_response):
         started = time.perf_counter()
@@ -172,14 +172,16 @@ class Gateway:
 
         upstream_started = time.perf_counter()
         upstream = self.send_once(environ, call, route, rest)
-        if page_in_ms is None and self.runtime.is_missing(upstream) and not environ.get("CONTENT_LENGTH"):
-            # The runtime lost a script Sigil thought live: a miss after all. Page it in
-            # and retry once (only bodiless calls: a body cannot be sent twice).
+        missed = runtime_for(route.backend).is_missing(upstream)
+        if page_in_ms is None and missed and not environ.get("CONTENT_LENGTH"):
+            # The runtime lost a script Sigil thought live: a miss after all (or the route
+            # was out of date: a switch of runtime moved it). Page it in and retry once
+            # (only bodiless calls: a body cannot be sent twice).
             upstream.drain_conn()
             upstream.release_conn()
             from capabilities.services import capability_mark_missing
 
-            capability_mark_missing(full=call.full)
+            capability_mark_missing(full=call.full, slot=route.slot, backend=route.backend)
             route, page_in_ms = self.page_in(call.full)
             upstream_started = time.perf_counter()
             upstream = self.send_once(environ, call, route, rest)
@@ -236,10 +238,12 @@ class Gateway:
         return True
 
     def target(self, route: routes.CachedRoute) -> Route:
-        key = (route.slot, route.sha)
+        # The route's own runtime: while `switchbackend` moves capabilities, some are still
+        # placed on the previous one, and are served there until their move is recorded.
+        key = (route.backend, route.slot, route.sha, route.cpu_ms)
         target = self.route_memo.get(key)
         if target is None:
-            target = self.runtime.route(slot=route.slot, sha=route.sha)
+            target = runtime_for(route.backend).route(slot=route.slot, sha=route.sha, cpu_ms=route.cpu_ms)
             if len(self.route_memo) > 10_000:
                 self.route_memo.clear()
             self.route_memo[key] = target

@@ -40,6 +40,16 @@ class Capability(models.Model):
     state = models.CharField(max_length=10, choices=State.choices, default=State.PAGED_OUT, db_index=True)
     slot = models.CharField(max_length=80, blank=True, help_text="The runtime's name for the placement.")
     placed_sha = models.CharField(max_length=64, blank=True, help_text="The code sha the runtime holds.")
+    backend = models.CharField(
+        max_length=20,
+        blank=True,
+        help_text="The runtime (SIGIL_BACKEND) the slot belongs to; empty for rows placed before it was recorded.",
+    )
+    cpu_ms = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="CPU limit per call in ms on the platform and loader runtimes; empty means SIGIL_CPU_MS.",
+    )
     current_version = models.ForeignKey(
         "CapabilityVersion", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )

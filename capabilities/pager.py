@@ -192,9 +192,13 @@ def pager_sync(*, is_placing: Callable[[str], bool]) -> int:
 
 
 def _registry_rows() -> dict[str, tuple]:
-    rows = Capability.objects.filter(state__in=(State.LIVE, State.EVICTING)).values_list(
-        "full_name", "type", "state", "last_access_at", "updated_at", "expires_at"
-    )
+    from capabilities.runtimes import get_runtime
+
+    # Only placements on this runtime take its slots: during a switch of SIGIL_BACKEND the
+    # capabilities still on the previous runtime are not here yet.
+    rows = Capability.objects.filter(
+        state__in=(State.LIVE, State.EVICTING), backend__in=("", get_runtime().name)
+    ).values_list("full_name", "type", "state", "last_access_at", "updated_at", "expires_at")
     return {row[0]: row[1:] for row in rows.iterator()}
 
 

@@ -1,9 +1,10 @@
 """The Redis copy of each capability's route, read by the gateway on every call.
 
 `sigil:route:{full}` holds a small JSON document (owner, visibility, expiry, state, slot,
-code sha) or a tombstone `-`. Services write it after their transaction commits
-(write-through, never just delete), and the gateway fills a missing entry from the
-database with SET NX, so a fill that raced a deploy can never hide the new version.
+code sha, the runtime the slot is on, CPU limit) or a tombstone `-`. Services write it
+after their transaction commits (write-through, never just delete), and the gateway fills
+a missing entry from the database with SET NX, so a fill that raced a deploy can never hide
+the new version.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class CachedRoute:
     state: str
     slot: str
     sha: str
+    backend: str = ""  # the runtime the slot is on; "" is the process's own
+    cpu_ms: int | None = None
 
 
 def key(full: str) -> str:
@@ -47,6 +50,8 @@ def encode(capability: Capability) -> bytes:
             "state": capability.state,
             "slot": capability.slot,
             "sha": capability.placed_sha,
+            "backend": capability.backend,
+            "cpu": capability.cpu_ms,
         },
         separators=(",", ":"),
     ).encode()
@@ -57,7 +62,16 @@ def decode(raw: bytes) -> CachedRoute | None:
         return None
     data = json.loads(raw)
     return CachedRoute(
-        data["id"], data["agent"], data["type"], data["public"], data["exp"], data["state"], data["slot"], data["sha"]
+        data["id"],
+        data["agent"],
+        data["type"],
+        data["public"],
+        data["exp"],
+        data["state"],
+        data["slot"],
+        data["sha"],
+        data.get("backend", ""),
+        data.get("cpu"),
     )
 
 

@@ -29,8 +29,15 @@ from capabilities.models import (
     CapabilityVersion,
     State,
 )
-from capabilities.runtimes import get_runtime
-from capabilities.runtimes.base import CodeBundle, RuntimeRejected, RuntimeUnavailable, ScriptTooLarge, code_sha
+from capabilities.runtimes import get_runtime, runtime_for
+from capabilities.runtimes.base import (
+    CodeBundle,
+    Runtime,
+    RuntimeRejected,
+    RuntimeUnavailable,
+    ScriptTooLarge,
+    code_sha,
+)
 from capabilities.tasks import capability_page_out as capability_page_out_task
 from capabilities.tasks import capability_release_slot as capability_release_slot_task
 from sigil_site.errors import (
@@ -126,6 +133,7 @@ def _claim_cooldown(agent_name: str) -> None:
 @dataclass(frozen=True)
 class Placement:
     slot: str
+    backend: str  # the runtime that placed it: what the capability's row records
     cold_start: bool  # this placement paged the capability in (bounded runtimes only)
     evicted: str | None  # the victim chosen to make room, if any
 
@@ -145,7 +153,7 @@ def _place_with_room(
     """
     runtime = get_runtime()
     if runtime.total_slots is None:
-        return Placement(slot=_place(full, bundle), cold_start=False, evicted=None)
+        return Placement(slot=_place(full, bundle, runtime), backend=runtime.name, cold_start=False, evicted=None)
     if was_evicting:
         pager.pager_drop_evicting(full)
     deadline = time.monotonic() + ROOM_WAIT_SECONDS
@@ -166,12 +174,12 @@ def _place_with_room(
     if claim.victim:
         _mark_evicting(claim.victim)
     try:
-        slot = _place(full, bundle)
+        slot = _place(full, bundle, runtime)
     except SigilError:
         if claim.outcome != "live":
             pager.pager_forget(full)
         raise
-    return Placement(slot=slot, cold_start=claim.outcome != "live", evicted=claim.victim)
+    return Placement(slot=slot, backend=runtime.name, cold_start=claim.outcome != "live", evicted=claim.victim)
 
 
 def _mark_evicting(victim: str) -> None:
@@ -192,28 +200,32 @@ def _mark_evicting(victim: str) -> None:
     routes.route_publish(capability)
 
 
-def _slot_for(full: str) -> str:
-    """The runtime slot `full` uses: the one it was given before (so a pooled script keeps its
-    workers.dev name across evictions), else the runtime's name for it, made longer while
-    another capability already holds that name (a hash collision never overwrites)."""
+def _slot_for(full: str, runtime: Runtime) -> str:
+    """The runtime slot `full` uses: the one it was given before on this runtime (so a pooled
+    script keeps its workers.dev name across evictions), else the runtime's name for it, made
+    longer while another capability already holds that name (a hash collision never
+    overwrites). A slot on another runtime (before a switch of SIGIL_BACKEND) is not reused."""
     current = (
-        Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).values_list("slot", flat=True).first()
+        Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).values_list("slot", "backend").first()
     )
-    if current:
-        return current
-    runtime = get_runtime()
+    if current and current[0] and current[1] in ("", runtime.name):
+        return current[0]
     for attempt in range(8):
         slot = runtime.slot_for(full, attempt=attempt)
-        taken = Capability.objects.exclude(state=State.REMOVED).exclude(full_name=full).filter(slot=slot).exists()
+        taken = (
+            Capability.objects.exclude(state=State.REMOVED)
+            .exclude(full_name=full)
+            .filter(slot=slot, backend__in=("", runtime.name))
+            .exists()
+        )
         if not taken:
             return slot
     raise Conflict(f"no free runtime name for {full}")
 
 
-def _place(full: str, bundle: CodeBundle) -> str:
-    """Put `bundle` on the runtime for `full`; return the slot. Runtime errors become API errors."""
-    runtime = get_runtime()
-    slot = _slot_for(full)
+def _place(full: str, bundle: CodeBundle, runtime: Runtime) -> str:
+    """Put `bundle` on `runtime` for `full`; return the slot. Runtime errors become API errors."""
+    slot = _slot_for(full, runtime)
     try:
         runtime.place(slot=slot, bundle=bundle)
     except ScriptTooLarge as exc:
@@ -300,6 +312,7 @@ def capability_deploy(
             code=code,
             sha=sha,
             slot=placement.slot,
+            backend=placement.backend,
             bundle_sha=bundle.sha,
             bindings=bindings,
             is_public=is_public,
@@ -336,6 +349,7 @@ def _record_deploy(
     code: str,
     sha: str,
     slot: str,
+    backend: str,
     bundle_sha: str,
     bindings: list[str],
     is_public: bool,
@@ -356,6 +370,7 @@ def _record_deploy(
                         state=State.LIVE,
                         slot=slot,
                         placed_sha=bundle_sha,
+                        backend=backend,
                         expires_at=expires_at,
                         created_at=now,
                         updated_at=now,
@@ -375,6 +390,7 @@ def _record_deploy(
         capability.state = State.LIVE
         capability.slot = slot
         capability.placed_sha = bundle_sha
+        capability.backend = backend
         capability.updated_at = now
         capability.save()
         audit_record(
@@ -457,10 +473,15 @@ def capability_release_slot(*, capability_id: int) -> bool:
     if capability is None or capability.state != State.REMOVED or not capability.slot:
         return False
     with _placement_lock(capability.full_name, blocking=True):
-        successor = Capability.objects.exclude(state=State.REMOVED).filter(slot=capability.slot).exists()
+        runtime = runtime_for(capability.backend)
+        successor = (
+            Capability.objects.exclude(state=State.REMOVED)
+            .filter(slot=capability.slot, backend__in=_same_runtime(runtime))
+            .exists()
+        )
         if successor:
             return False
-        get_runtime().remove(slot=capability.slot)
+        runtime.remove(slot=capability.slot)
         if not Capability.objects.exclude(state=State.REMOVED).filter(full_name=capability.full_name).exists():
             pager.pager_drop_evicting(capability.full_name)
     return True
@@ -613,6 +634,38 @@ def capability_reset_breaker(*, capability: Capability, actor: str) -> None:
     )
 
 
+# Cloudflare's longest CPU time per invocation on the Paid plan (reference §7.3).
+MAX_CPU_MS = 300_000
+
+
+def capability_set_cpu_limit(*, capability: Capability, cpu_ms: int | None, actor: str) -> None:
+    """Give a capability its own CPU limit per call in ms (None: SIGIL_CPU_MS again), on the
+    platform and loader runtimes; calls after this one use it. Idempotent.
+
+    Raises InvalidRequest when it is not between 1 and 300000 ms.
+    """
+    if cpu_ms is not None and not 1 <= cpu_ms <= MAX_CPU_MS:
+        raise InvalidRequest(f"a CPU limit is 1 to {MAX_CPU_MS} ms")
+    with transaction.atomic():
+        changed = (
+            Capability.objects.exclude(state=State.REMOVED)
+            .filter(pk=capability.pk)
+            .exclude(cpu_ms=cpu_ms)
+            .update(cpu_ms=cpu_ms, updated_at=timezone.now())
+        )
+        if not changed:
+            return
+        audit_record(
+            actor=actor,
+            action="capability.cpu_limit_set",
+            agent_name=capability.agent.name,
+            subject=capability.full_name,
+            detail={"cpu_ms": cpu_ms},
+        )
+    capability.refresh_from_db()
+    routes.route_publish(capability)
+
+
 def capability_page_in(*, full: str, reason: str = "call") -> tuple[routes.CachedRoute, bool]:
     """Make `full` live on the runtime (the cold path); return its fresh route and whether
     this call placed it.
@@ -647,7 +700,11 @@ def capability_page_in(*, full: str, reason: str = "call") -> tuple[routes.Cache
             )
             with transaction.atomic():
                 Capability.objects.filter(pk=capability.pk).update(
-                    state=State.LIVE, slot=placement.slot, placed_sha=bundle.sha, updated_at=timezone.now()
+                    state=State.LIVE,
+                    slot=placement.slot,
+                    placed_sha=bundle.sha,
+                    backend=placement.backend,
+                    updated_at=timezone.now(),
                 )
                 audit_record(
                     actor="system",
@@ -687,7 +744,7 @@ def capability_page_out(*, full: str, attempt: int = 0) -> bool:
             return False
         if pager.pager_inflight(full) > 0 and attempt < PAGE_OUT_INFLIGHT_CHECKS:
             raise StillInFlight(full)
-        get_runtime().remove(slot=capability.slot)
+        runtime_for(capability.backend).remove(slot=capability.slot)
         with transaction.atomic():
             changed = Capability.objects.filter(pk=capability.pk, state=State.EVICTING).update(
                 state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now()
@@ -700,6 +757,22 @@ def capability_page_out(*, full: str, attempt: int = 0) -> bool:
         capability.refresh_from_db()
         routes.route_publish(capability)
     return bool(changed)
+
+
+def runtime_provision(*, actor: str) -> list[str]:
+    """Create what the current runtime needs besides capabilities (the platform runtime's
+    namespace and dispatch Worker, the loader runtime's KV namespace and loader Worker);
+    return what was done. Idempotent. Raises RuntimeUnavailable, RuntimeRejected."""
+    runtime = get_runtime()
+    done = runtime.provision()
+    if done:
+        audit_record(actor=actor, action="runtime.provisioned", subject=runtime.name, detail={"done": done})
+    return done
+
+
+def _same_runtime(runtime: Runtime) -> tuple[str, ...]:
+    """The `backend` values of rows placed on `runtime` ("" for rows from before it was recorded)."""
+    return ("", runtime.name) if runtime is get_runtime() else (runtime.name,)
 
 
 def _placement_in_progress(full: str) -> bool:
@@ -717,9 +790,12 @@ def capability_reconcile() -> dict[str, int]:
     """
     runtime = get_runtime()
     placed = set(runtime.list_slots())
-    served = dict(Capability.objects.filter(state__in=routes.SERVED_STATES).values_list("slot", "full_name"))
+    # Only this runtime's placements: during a switch of SIGIL_BACKEND, capabilities still on
+    # the previous runtime are the switch's to move, not missing here.
+    on_this_runtime = Capability.objects.filter(backend__in=_same_runtime(runtime))
+    served = dict(on_this_runtime.filter(state__in=routes.SERVED_STATES).values_list("slot", "full_name"))
     owners: dict[str, list[str]] = {}
-    for slot, full in Capability.objects.filter(slot__in=placed - set(served)).values_list("slot", "full_name"):
+    for slot, full in on_this_runtime.filter(slot__in=placed - set(served)).values_list("slot", "full_name"):
         owners.setdefault(slot, []).append(full)
 
     orphans = 0
@@ -739,7 +815,7 @@ def capability_reconcile() -> dict[str, int]:
         with transaction.atomic():
             capability = (
                 Capability.objects.select_related("agent")
-                .filter(full_name=full, state__in=routes.SERVED_STATES)
+                .filter(full_name=full, state__in=routes.SERVED_STATES, backend__in=_same_runtime(runtime))
                 .first()
             )
             if capability is None:
@@ -762,14 +838,22 @@ def capability_reconcile() -> dict[str, int]:
     return {"orphans_removed": orphans, "repaired": repaired, "pager_corrected": corrected}
 
 
-def capability_mark_missing(*, full: str) -> None:
+def capability_mark_missing(*, full: str, slot: str | None = None, backend: str | None = None) -> None:
     """The runtime answered that `full`'s script is gone: record it as paged out so the
-    next placement puts it back. Idempotent."""
+    next placement puts it back. Idempotent.
+
+    With `slot` and `backend` (the placement the call went to), nothing changes when the
+    capability has been placed elsewhere since (a switch of runtime): the call's route was
+    merely out of date.
+    """
     with transaction.atomic():
         capability = (
             Capability.objects.select_related("agent").filter(full_name=full, state__in=routes.SERVED_STATES).first()
         )
         if capability is None:
+            return
+        moved = capability.slot != slot or bool(backend and capability.backend and capability.backend != backend)
+        if slot is not None and moved:
             return
         Capability.objects.filter(pk=capability.pk).update(
             state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now()
@@ -782,6 +866,146 @@ def capability_mark_missing(*, full: str) -> None:
             detail={"reason": "the runtime no longer had its script"},
         )
     pager.pager_forget(full)
+
+
+# --- switching SIGIL_BACKEND -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SwitchStep:
+    """What switching one capability to the current runtime did.
+
+    `outcome`: "moved" (placed on the new runtime), "reassigned" (not placed anywhere, now
+    due to page in on the new runtime), "already" (nothing to do) or "gone" (removed).
+    `source`/`old_slot` name the previous placement, which the caller removes later.
+    """
+
+    full: str
+    outcome: str
+    source: str = ""
+    old_slot: str = ""
+    new_slot: str = ""
+
+
+def capability_switch_backend(*, full: str, actor: str) -> SwitchStep:
+    """Move `full` to the runtime SIGIL_BACKEND names, leaving its previous placement alone.
+
+    A served capability is placed on the new runtime first, and only then recorded there,
+    so the gateway serves it from the previous runtime until this returns. On a runtime
+    with a slot limit that is full, it is recorded as paged out instead (a switch never
+    evicts): its next call pages it in. Idempotent, one audit event per move.
+    Raises InvalidRequest (the new runtime cannot give a binding it declared), TooLarge,
+    UpstreamError; the capability then stays where it was.
+    """
+    runtime = get_runtime()
+    with _placement_lock(full, blocking=True):
+        capability = (
+            Capability.objects.select_related("agent", "current_version")
+            .exclude(state=State.REMOVED)
+            .filter(full_name=full)
+            .first()
+        )
+        if capability is None:
+            return SwitchStep(full=full, outcome="gone")
+        if capability.backend in ("", runtime.name):
+            return SwitchStep(full=full, outcome="already", source=capability.backend, new_slot=capability.slot)
+        source, old_slot = capability.backend, capability.slot
+        bundle = None
+        if capability.state in routes.SERVED_STATES and capability.current_version is not None:
+            bundle = CodeBundle.from_code(
+                capability.current_version.code,
+                bindings=binding_rules.bindings_resolve(capability.bindings, supported_kinds=runtime.binding_kinds),
+            )
+        # The pager's sets speak for the new runtime: this capability is not placed there yet.
+        pager.pager_forget(full)
+        if bundle is not None and runtime.total_slots is not None:
+            live, _ = pager.pager_used_slots()
+            if live >= runtime.total_slots:
+                bundle = None
+        if bundle is not None:
+            placement = _place_with_room(
+                full=full,
+                capability_type=capability.type,
+                expires_at=capability.expires_at,
+                bundle=bundle,
+                was_evicting=False,
+            )
+            slot, backend, state, placed_sha = placement.slot, placement.backend, State.LIVE, bundle.sha
+        else:
+            slot, backend = _slot_for(full, runtime), runtime.name
+            state = State.FAILED if capability.state == State.FAILED else State.PAGED_OUT
+            placed_sha = ""
+        with transaction.atomic():
+            Capability.objects.filter(pk=capability.pk).update(
+                state=state, slot=slot, placed_sha=placed_sha, backend=backend, updated_at=timezone.now()
+            )
+            audit_record(
+                actor=actor,
+                action="capability.switched",
+                agent_name=capability.agent.name,
+                subject=full,
+                detail={
+                    "from": source,
+                    "to": backend,
+                    "from_slot": old_slot,
+                    "to_slot": slot,
+                    "placed": bundle is not None,
+                },
+            )
+        capability.refresh_from_db()
+        routes.route_publish(capability)
+    return SwitchStep(
+        full=full,
+        outcome="moved" if bundle is not None else "reassigned",
+        source=source,
+        old_slot=old_slot,
+        new_slot=slot,
+    )
+
+
+def capability_adopt_backend(*, backend: str) -> int:
+    """Record `backend` as the runtime of every capability placed before Sigil recorded
+    runtimes (an empty `backend` field); return how many. Idempotent."""
+    fulls = list(Capability.objects.exclude(state=State.REMOVED).filter(backend="").values_list("full_name", flat=True))
+    for full in fulls:
+        with transaction.atomic():
+            changed = (
+                Capability.objects.exclude(state=State.REMOVED)
+                .filter(full_name=full, backend="")
+                .update(backend=backend)
+            )
+        if changed:
+            capability = Capability.objects.select_related("agent").exclude(state=State.REMOVED).get(full_name=full)
+            routes.route_publish(capability)
+    return len(fulls)
+
+
+def runtime_release_previous(*, backend: str, slot: str, actor: str) -> bool:
+    """Delete `slot` from the runtime `backend` unless a capability placed there holds it;
+    return whether it did. Idempotent. Raises RuntimeUnavailable (transient)."""
+    runtime = runtime_for(backend)
+    if Capability.objects.exclude(state=State.REMOVED).filter(backend=backend, slot=slot).exists():
+        return False
+    runtime.remove(slot=slot)
+    audit_record(actor=actor, action="runtime.slot_released", subject=slot, detail={"backend": backend})
+    return True
+
+
+def runtime_sweep_previous(*, backend: str, actor: str) -> list[str]:
+    """Delete every slot the runtime `backend` holds that no capability placed there holds
+    (what an interrupted switch left behind); return them. Placements in progress are left
+    alone. Idempotent. Raises RuntimeUnavailable (transient)."""
+    runtime = runtime_for(backend)
+    held = set(Capability.objects.exclude(state=State.REMOVED).filter(backend=backend).values_list("slot", flat=True))
+    owners = dict(Capability.objects.filter(backend=backend).values_list("slot", "full_name"))
+    released = []
+    for slot in sorted(set(runtime.list_slots()) - held):
+        if slot in owners and _placement_in_progress(owners[slot]):
+            continue
+        runtime.remove(slot=slot)
+        audit_record(actor=actor, action="runtime.slot_released", subject=slot, detail={"backend": backend})
+        released.append(slot)
+    return released
 
 
 def capability_evict(*, full: str, actor: str) -> bool:

@@ -7,7 +7,9 @@ rate limit (a 429 with code 971 locks the token out for the rest of the window),
 injected latency and faults. Anything else answers 7003, as an unknown route does.
 
 Uploaded bundles are written to `code_dir` as `{sha}.json` (the loader host's format), so
-the emulator's workerd runs them; `resolve_host` maps a workers.dev Host to `(script, sha)`.
+the emulator's workerd runs them; `resolve_host` maps a workers.dev Host to the script it
+runs. Scripts binding KV, a Worker Loader or a dispatch namespace run in a workerd of their
+own (`cfemulator.bound`), whose KV reads and writes `kv_binding` serves from this account.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from urllib.parse import unquote
 
 from capabilities.runtimes.base import CodeBundle
 from cfemulator import envelope
+from cfemulator.bound import kv_list_body, needs_own_workerd
 from cfemulator.envelope import ApiError
 from cfemulator.uploads import ScriptUpload, parse_form, parse_upload
 
@@ -224,6 +227,22 @@ class ApiResponse:
 Handler = Callable[[ApiRequest, dict[str, str]], ApiResponse]
 
 
+@dataclass(frozen=True)
+class WorkerTarget:
+    """The script a Worker request runs: an account script, or one in a dispatch namespace."""
+
+    key: str  # "script:{name}" or "ns:{namespace}:{name}": one running Worker per key
+    name: str
+    sha: str
+    upload: ScriptUpload
+    namespace: str | None = None
+
+    @property
+    def runs_bound(self) -> bool:
+        """Whether it needs a workerd of its own for its bindings (see cfemulator.bound)."""
+        return needs_own_workerd(self.upload)
+
+
 class CloudflareApi:
     """One emulated account: its state, its endpoints, and the emulator's control operations.
 
@@ -259,6 +278,7 @@ class CloudflareApi:
         self.namespaces: dict[str, DispatchNamespace] = {}
         self.kv_namespaces: dict[str, KvNamespace] = {}
         self._log: deque[dict[str, Any]] = deque(maxlen=_LOG_SIZE)
+        self._dispatches: deque[dict[str, Any]] = deque(maxlen=_LOG_SIZE)
         self._limiter = LockoutWindow(self._config.rate_limit, self._config.rate_window)
         self._faults = random.Random(self._config.fault_seed)
         self._fault_count = 0
@@ -284,13 +304,13 @@ class CloudflareApi:
         with self._lock:
             return list(self._log)
 
-    def resolve_host(self, host: str) -> tuple[str, str] | None:
-        """The (script, sha) a request for `host` runs, or None when nothing is served there.
+    def resolve_host(self, host: str) -> WorkerTarget | None:
+        """The script a request for `host` runs, or None when nothing is served there.
 
         `{script}.{subdomain}.workers.dev` reaches an account script once its workers.dev
         URL is enabled. `{script}.{namespace}.dispatch.localhost` reaches a script in a
-        dispatch namespace directly; it is the emulator's stand-in for a dispatch Worker,
-        which Cloudflare requires and workerd cannot provide (reference §4.3).
+        dispatch namespace directly: it is what the emulator's dispatch namespace binding
+        calls (see cfemulator.bound), and lets tests call a namespace script by name.
         """
         name = host.split(":", 1)[0].lower().rstrip(".")
         with self._lock:
@@ -299,15 +319,102 @@ class CloudflareApi:
                 if name.endswith(suffix):
                     script = self.scripts.get(name[: -len(suffix)])
                     if script is not None and script.subdomain_enabled:
-                        return script.name, script.sha
+                        return WorkerTarget(f"script:{script.name}", script.name, script.sha, script.upload)
                     return None
             match = re.fullmatch(rf"({_LABEL})\.([^.]+)\.dispatch\.localhost", name)
             if match:
                 namespace = self.namespaces.get(match.group(2))
                 script = namespace.scripts.get(match.group(1)) if namespace else None
                 if script is not None:
-                    return script.name, script.sha
+                    key = f"ns:{namespace.name}:{script.name}"
+                    return WorkerTarget(key, script.name, script.sha, script.upload, namespace=namespace.name)
         return None
+
+    def bound_keys(self) -> dict[str, str]:
+        """Every script that runs in a workerd of its own, by key, with its sha."""
+        with self._lock:
+            keys = {f"script:{s.name}": s.sha for s in self.scripts.values() if needs_own_workerd(s.upload)}
+            for namespace in self.namespaces.values():
+                for script in namespace.scripts.values():
+                    if needs_own_workerd(script.upload):
+                        keys[f"ns:{namespace.name}:{script.name}"] = script.sha
+            return keys
+
+    def record_dispatch(self, *, namespace: str, script: str, limits: Any, status: int) -> None:
+        """Log one call made through a dispatch namespace binding, with the limits it asked for."""
+        with self._lock:
+            self._dispatches.append(
+                {"namespace": namespace, "script": script, "limits": limits, "status": status, "time": time.time()}
+            )
+
+    def dispatch_log(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._dispatches)
+
+    def kv_binding(
+        self,
+        method: str,
+        namespace_id: str,
+        path: str,
+        query: dict[str, list[str]],
+        headers: dict[str, str],
+        body: bytes,
+    ) -> ApiResponse:
+        """Serve a KV binding's request from a bound script's workerd (workerd's KV protocol:
+        `GET|PUT|DELETE /{key}`, `GET /?prefix=&limit=&cursor=` to list).
+
+        These are Workers runtime reads and writes, not API calls: they are not logged and
+        draw nothing from the API rate limit.
+        """
+        key = unquote(path.lstrip("/"))
+        with self._lock:
+            namespace = self.kv_namespaces.get(namespace_id)
+            if namespace is None:
+                return ApiResponse(404, b"KV namespace not found", content_type="text/plain")
+            if not key and method == "GET":
+                prefix = (query.get("prefix") or [""])[0]
+                limit = min(1000, max(1, int((query.get("limit") or ["1000"])[0] or 1000)))
+                offset = int((query.get("cursor") or ["0"])[0] or 0)
+                now = time.time()
+                names = sorted(
+                    k
+                    for k, v in namespace.values.items()
+                    if k.startswith(prefix) and (v.expiration is None or v.expiration > now)
+                )
+                page = names[offset : offset + limit]
+                items = []
+                for item_name in page:
+                    value = namespace.values[item_name]
+                    entry: dict[str, Any] = {"name": item_name}
+                    if value.expiration is not None:
+                        entry["expiration"] = value.expiration
+                    if value.metadata is not None:
+                        entry["metadata"] = value.metadata
+                    items.append(entry)
+                cursor = str(offset + limit) if offset + limit < len(names) else ""
+                return ApiResponse(200, kv_list_body(items, cursor=cursor))
+            if method == "GET":
+                try:
+                    value = self._kv_value(namespace, key)
+                except ApiError:
+                    return ApiResponse(404, b"", content_type="text/plain")
+                extra = [("CF-KV-Metadata", json.dumps(value.metadata))] if value.metadata is not None else []
+                return ApiResponse(200, value.value, extra, content_type="application/octet-stream")
+            if method == "PUT":
+                metadata_header = headers.get("cf-kv-metadata")
+                expiration = None
+                if query.get("expiration_ttl"):
+                    expiration = int(time.time()) + int(query["expiration_ttl"][0])
+                elif query.get("expiration"):
+                    expiration = int(query["expiration"][0])
+                namespace.values[key] = KvValue(
+                    value=body, expiration=expiration, metadata=json.loads(metadata_header) if metadata_header else None
+                )
+                return ApiResponse(200, b"", content_type="text/plain")
+            if method == "DELETE":
+                namespace.values.pop(key, None)
+                return ApiResponse(200, b"", content_type="text/plain")
+        return ApiResponse(405, b"", content_type="text/plain")
 
     # --- the API ------------------------------------------------------------------------------
 
@@ -456,6 +563,7 @@ class CloudflareApi:
             raise ApiError(
                 400, 10037, f"You have exceeded the limit of {self._config.script_limit} Workers on your account."
             )
+        self._check_binding_targets(params["upload"])
         script = self._store(name, params["upload"], existing)
         if existing is None:
             self.scripts[name] = script
@@ -559,6 +667,7 @@ class CloudflareApi:
         name = _check_name(params["script"])
         # Namespaces are not capped by the account's Worker quota (reference §7.3).
         existing = namespace.scripts.get(name)
+        self._check_binding_targets(params["upload"])
         script = self._store(name, params["upload"], existing)
         namespace.scripts[name] = script
         namespace.modified_on = script.modified_on
@@ -724,6 +833,18 @@ class CloudflareApi:
         if item is None or (item.expiration is not None and item.expiration <= time.time()):
             raise ApiError(404, 10009)
         return item
+
+    def _check_binding_targets(self, upload: ScriptUpload) -> None:
+        """A KV or dispatch namespace binding must name a namespace of the account (10021,
+        the reference's code for an invalid binding)."""
+        for binding in upload.bindings:
+            kind = binding["type"]
+            if kind == "kv_namespace" and binding["namespace_id"] not in self.kv_namespaces:
+                raise ApiError(400, 10021, f"binding {binding['name']} of type {kind} is invalid: no such KV namespace")
+            if kind == "dispatch_namespace" and binding["namespace"] not in self.namespaces:
+                raise ApiError(
+                    400, 10021, f"binding {binding['name']} of type {kind} is invalid: no such dispatch namespace"
+                )
 
     # --- the code store -----------------------------------------------------------------------
 

@@ -57,6 +57,11 @@ class EmulatorControl:
             and (path_suffix is None or call["path"].endswith(path_suffix))
         ]
 
+    def dispatches(self) -> list[dict[str, Any]]:
+        """The calls made through dispatch namespace bindings since the last reset, oldest first:
+        namespace, script, the limits the dispatch Worker asked for, status."""
+        return self._call("GET", "/__emulator/dispatches")["dispatches"]
+
     def worker_request(self, host: str, path: str = "/", method: str = "GET", **kwargs: Any) -> requests.Response:
         """One request to a Worker served by the emulator, addressed by Host header."""
         headers = {**kwargs.pop("headers", {}), "Host": host}

@@ -4,8 +4,14 @@ It listens on 127.0.0.1 only. One thread per connection (keep-alive is honoured)
 concurrent clients are served at once; the account state is guarded by `CloudflareApi`.
 
 - `/client/v4/...`               the Cloudflare API (see `cfemulator.api`)
-- Host `{script}.{sub}.workers.dev` the script, run by the emulator's own workerd
+- Host `{script}.{sub}.workers.dev` the script, run by the emulator's own workerd (or by a
+                                 workerd of its own when it binds KV, a Worker Loader or a
+                                 dispatch namespace: `cfemulator.bound`)
+- Host `{script}.{ns}.dispatch.localhost` a script of a dispatch namespace, as a dispatch
+                                 namespace binding reaches it
+- header `x-cfemulator-kv`       a KV binding's read or write, from a bound script
 - `GET  /__emulator/requests`    the API calls received: method, path, status, code, time
+- `GET  /__emulator/dispatches`  the calls made through dispatch namespace bindings
 - `POST /__emulator/reset`       forget scripts, namespaces, KV, counters and the log
 - `GET|POST /__emulator/config`  read or change script_limit, latency, fault_rate,
                                  fault_seed, fail_next, rate_limit ("N/S"),
@@ -28,7 +34,8 @@ import urllib3
 from urllib3 import HTTPHeaderDict
 
 from capabilities.workerd import WorkerdHost
-from cfemulator.api import MAX_BODY_BYTES, ApiRequest, CloudflareApi, EmulatorConfig
+from cfemulator.api import MAX_BODY_BYTES, ApiRequest, CloudflareApi, EmulatorConfig, WorkerTarget
+from cfemulator.bound import KV_HEADER, LIMITS_HEADER, NOT_FOUND_HEADER, ORIGINAL_HOST_HEADER, BoundWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +57,9 @@ _HOP_BY_HOP = frozenset(
 )
 _WORKER_HOST_SUFFIXES = (".workers.dev", ".dispatch.localhost")
 _HOST_HEADERS = frozenset({"x-sigil-secret", "x-sigil-loader-id"})
+# Sent by the emulator itself on every answer; a Worker's own (or a nested emulator
+# answer's, through a dispatch namespace) would repeat them.
+_OWN_HEADERS = frozenset({"content-type", "server", "date"})
 
 
 class BodyTooLarge(Exception):
@@ -63,21 +73,18 @@ class EmulatorServer:
     (the management command). `port=0` picks a free port; `port` then tells which.
     """
 
-    def __init__(self, *, api: CloudflareApi, workerd: WorkerdHost, token: str, port: int = 0) -> None:
+    def __init__(
+        self, *, api: CloudflareApi, workerd: WorkerdHost, token: str, port: int = 0, bound: BoundWorkers | None = None
+    ) -> None:
         self.api = api
         self.workerd = workerd
         self.token = token
+        self.bound = bound or BoundWorkers(binary=workerd.binary, state_dir=workerd.state_dir / "bound")
         self._requested_port = port
         self._http: _HttpServer | None = None
         self._thread: threading.Thread | None = None
-        self._upstream = urllib3.HTTPConnectionPool(
-            LISTEN_ADDRESS,
-            workerd.port,
-            maxsize=64,
-            block=False,
-            retries=False,
-            timeout=urllib3.Timeout(connect=5.0, read=60.0),
-        )
+        self._pools_lock = threading.Lock()
+        self._pools: dict[int, urllib3.HTTPConnectionPool] = {}
 
     @classmethod
     def build(
@@ -101,7 +108,8 @@ class EmulatorServer:
             secret=secrets.token_hex(32),
         )
         api = CloudflareApi(token=token, account_id=account_id, code_dir=workerd.code_dir, config=config)
-        return cls(api=api, workerd=workerd, token=token, port=port)
+        bound = BoundWorkers(binary=workerd_binary, state_dir=state_dir / "bound")
+        return cls(api=api, workerd=workerd, token=token, port=port, bound=bound)
 
     @property
     def port(self) -> int:
@@ -120,6 +128,7 @@ class EmulatorServer:
     def bind(self) -> None:
         """Open the listening socket on 127.0.0.1 (never any other address)."""
         self._http = _HttpServer((LISTEN_ADDRESS, self._requested_port), self)
+        self.bound.emulator_port = self.port
 
     def start(self) -> None:
         """Start workerd and serve in a background thread."""
@@ -143,14 +152,37 @@ class EmulatorServer:
                 self._thread = None
             self._http.server_close()
             self._http = None
-        self._upstream.close()
+        with self._pools_lock:
+            for pool in self._pools.values():
+                pool.close()
+            self._pools.clear()
+        self.bound.stop_all()
         self.workerd.stop()
+
+    def reset(self) -> None:
+        """Forget the account's state and stop every bound script's workerd."""
+        self.api.reset()
+        self.bound.stop_all()
 
     # --- called by the request handler --------------------------------------------------------
 
-    def proxy(self, method: str, target: str, headers: HTTPHeaderDict, body: bytes) -> urllib3.BaseHTTPResponse:
-        """Send one request to workerd, as the loader host expects it."""
-        return self._upstream.urlopen(
+    def proxy(
+        self, method: str, target: str, headers: HTTPHeaderDict, body: bytes, *, port: int | None = None
+    ) -> urllib3.BaseHTTPResponse:
+        """Send one request to workerd: the loader host's, or (`port`) a bound script's."""
+        port = port or self.workerd.port
+        with self._pools_lock:
+            pool = self._pools.get(port)
+            if pool is None:
+                pool = self._pools[port] = urllib3.HTTPConnectionPool(
+                    LISTEN_ADDRESS,
+                    port,
+                    maxsize=64,
+                    block=False,
+                    retries=False,
+                    timeout=urllib3.Timeout(connect=5.0, read=60.0),
+                )
+        return pool.urlopen(
             method,
             target,
             body=body if body or method not in ("GET", "HEAD") else None,
@@ -205,7 +237,18 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self._send(400, b"malformed request body framing", "text/plain")
             return
         host = (self.headers.get("Host") or "").split(":", 1)[0].lower()
-        if host.endswith(_WORKER_HOST_SUFFIXES):
+        kv_namespace = self.headers.get(KV_HEADER)
+        if kv_namespace is not None:
+            response = emulator.api.kv_binding(
+                self.command,
+                kv_namespace,
+                split.path,
+                parse_qs(split.query, keep_blank_values=True),
+                {name.lower(): value for name, value in self.headers.items()},
+                body,
+            )
+            self._send(response.status, response.body, response.content_type, response.headers)
+        elif host.endswith(_WORKER_HOST_SUFFIXES):
             self._serve_worker(host, split, body)
         elif split.path.startswith("/__emulator/"):
             self._control(split.path, body)
@@ -233,34 +276,72 @@ class _RequestHandler(BaseHTTPRequestHandler):
     def _serve_worker(self, host: str, split: Any, body: bytes) -> None:
         emulator = self.server.emulator
         target = emulator.api.resolve_host(host)
+        limits = self.headers.get(LIMITS_HEADER)
         if target is None:
             # The reference does not say what a workers.dev host without a Worker answers;
-            # a plain 404 is what a client can rely on.
-            self._send(404, f"No Worker is served at {host}\n".encode(), "text/plain; charset=utf-8")
+            # a plain 404 is what a client can rely on. The header tells the emulator's
+            # dispatch namespace binding to throw "Worker not found" instead.
+            self._send(
+                404,
+                f"No Worker is served at {host}\n".encode(),
+                "text/plain; charset=utf-8",
+                [(NOT_FOUND_HEADER, "1")],
+            )
+            self._log_dispatch(host, limits, 404)
             return
-        script, sha = target
         headers = HTTPHeaderDict()
+        original_host = self.headers.get(ORIGINAL_HOST_HEADER)
         for name, value in self.headers.items():
             lower = name.lower()
-            # A caller must not speak to the emulator's workerd host with its own secret or
-            # loader id; other headers reach the script as Cloudflare would pass them.
-            if lower not in _HOP_BY_HOP and lower not in _HOST_HEADERS:
-                headers.add(name, value)
-        headers["X-Sigil-Secret"] = emulator.workerd.secret
-        headers["X-Sigil-Loader-Id"] = f"{script}@{sha}"
+            if lower in _HOP_BY_HOP or lower in (LIMITS_HEADER, ORIGINAL_HOST_HEADER):
+                continue
+            if lower == "host" and original_host:
+                value = original_host
+            # A script run by the loader host must not be reachable with a caller's own secret
+            # or loader id; a bound script runs alone and gets every header, as on Cloudflare.
+            if lower in _HOST_HEADERS and not target.runs_bound:
+                continue
+            headers.add(name, value)
         path = split.path + (f"?{split.query}" if split.query else "")
         try:
-            upstream = emulator.proxy(self.command, path, headers, body)
+            upstream = self._run(target, path, headers, body)
         except urllib3.exceptions.HTTPError as exc:
-            logger.warning("workerd did not answer for %s: %s", script, exc)
+            logger.warning("workerd did not answer for %s: %s", target.name, exc)
             self._send(502, b"the emulator's workerd did not answer\n", "text/plain")
             return
+        except RuntimeError as exc:
+            logger.warning("workerd could not start for %s: %s", target.name, exc)
+            self._send(502, f"the emulator could not run {target.name}: {exc}\n".encode(), "text/plain")
+            return
+        self._log_dispatch(host, limits, upstream.status, target)
         passed = [
             (name, value)
             for name, value in upstream.headers.items()
-            if name.lower() not in _HOP_BY_HOP and name.lower() != "content-type"
+            if name.lower() not in _HOP_BY_HOP and name.lower() not in _OWN_HEADERS
         ]
         self._send(upstream.status, upstream.data, upstream.headers.get("content-type"), passed)
+
+    def _run(self, target: WorkerTarget, path: str, headers: HTTPHeaderDict, body: bytes) -> urllib3.BaseHTTPResponse:
+        emulator = self.server.emulator
+        if target.runs_bound:
+            bound = emulator.bound
+            port = bound.port_for(target.key, sha=target.sha, upload=target.upload, live=emulator.api.bound_keys)
+            return emulator.proxy(self.command, path, headers, body, port=port)
+        headers["X-Sigil-Secret"] = emulator.workerd.secret
+        headers["X-Sigil-Loader-Id"] = f"{target.name}@{target.sha}"
+        return emulator.proxy(self.command, path, headers, body)
+
+    def _log_dispatch(self, host: str, limits: str | None, status: int, target: WorkerTarget | None = None) -> None:
+        """Calls through a dispatch namespace binding are logged with the limits they asked for."""
+        if not host.endswith(".dispatch.localhost"):
+            return
+        try:
+            parsed = json.loads(limits) if limits else None
+        except ValueError:
+            parsed = limits
+        script, _, rest = host.partition(".")
+        namespace = target.namespace if target else rest.split(".", 1)[0]
+        self.server.emulator.api.record_dispatch(namespace=namespace, script=script, limits=parsed, status=status)
 
     # --- /__emulator/ ---------------------------------------------------------------------------
 
@@ -268,8 +349,10 @@ class _RequestHandler(BaseHTTPRequestHandler):
         api = self.server.emulator.api
         if path == "/__emulator/requests" and self.command == "GET":
             self._send_json(200, {"requests": api.request_log()})
+        elif path == "/__emulator/dispatches" and self.command == "GET":
+            self._send_json(200, {"dispatches": api.dispatch_log()})
         elif path == "/__emulator/reset" and self.command == "POST":
-            api.reset()
+            self.server.emulator.reset()
             self._send_json(200, {"config": api.config.to_json()})
         elif path == "/__emulator/config" and self.command in ("GET", "POST"):
             if self.command == "POST":

@@ -247,8 +247,9 @@ def _string_list(metadata: dict[str, Any], key: str) -> list[str]:
 def _check_bindings(raw: Any) -> tuple[list[dict[str, Any]], tuple[ResolvedBinding, ...]]:
     """Check the bindings; return them, and the text bindings the loader host can give the script.
 
-    Only text values (plain_text, secret_text) reach the running script: the loader host has
-    no KV, service or dispatch bindings to hand out, and `json` values are not text.
+    Only text values (plain_text, secret_text) reach a script run by the loader host, which
+    has no KV, service or dispatch bindings to hand out; a script binding a KV namespace, a
+    Worker Loader or a dispatch namespace runs in a workerd of its own (`cfemulator.bound`).
     """
     if not isinstance(raw, list):
         raise ApiError(400, 10021, "metadata.bindings must be a list")
@@ -269,6 +270,9 @@ def _check_bindings(raw: Any) -> tuple[list[dict[str, Any]], tuple[ResolvedBindi
             if len(text.encode()) > MAX_TEXT_BINDING_BYTES:
                 raise ApiError(400, 10054, f"binding {name} is over {MAX_TEXT_BINDING_BYTES} bytes")
             texts.append(ResolvedBinding(kind="VAR" if kind == "plain_text" else "SECRET", name=name, value=text))
+        for kind_with_target, key in (("kv_namespace", "namespace_id"), ("dispatch_namespace", "namespace")):
+            if kind == kind_with_target and not (isinstance(binding.get(key), str) and binding[key]):
+                raise ApiError(400, 10021, f"binding {name} of type {kind} is invalid: {key} is required")
     if len(texts) > MAX_TEXT_BINDINGS:
         raise ApiError(400, 10055, f"at most {MAX_TEXT_BINDINGS} environment variables and secrets, not {len(texts)}")
     return [dict(binding) for binding in raw], tuple(texts)

@@ -348,6 +348,23 @@ SIGIL_CF_WORKERS_BASE = env_str(
     "SIGIL_CF_WORKERS_BASE", f"http://127.0.0.1:{CF_EMULATOR_PORT}" if SIGIL_CF_EMULATED else ""
 )
 
+# --- Workers for Platforms and Dynamic Workers ------------------------------------------
+
+# The platform runtime: the dispatch namespace holding every capability (created if
+# missing) and the name of Sigil's dispatch Worker in front of it.
+SIGIL_PLATFORM_NAMESPACE = env_str("SIGIL_PLATFORM_NAMESPACE", "sigil")
+SIGIL_PLATFORM_DISPATCHER = env_str("SIGIL_PLATFORM_DISPATCHER", "sigil-dispatcher")
+# The loader runtime: Sigil's loader Worker, and the title of the KV namespace holding the
+# code bundles (created if missing).
+SIGIL_LOADER_WORKER = env_str("SIGIL_LOADER_WORKER", "sigil-loader")
+SIGIL_LOADER_KV_TITLE = env_str("SIGIL_LOADER_KV_TITLE", "sigil-code")
+# CPU time a capability may use per call on the platform and loader runtimes, in ms, unless
+# the owner gave it its own; 0 leaves Cloudflare's default. Bounds what a runaway loop costs.
+SIGIL_CPU_MS = env_int("SIGIL_CPU_MS", 1000)
+# How long `switchbackend` keeps a capability's old placement after recording the new one,
+# so that calls which read the old route just before still reach code.
+SIGIL_SWITCH_GRACE_SECONDS = env_float("SIGIL_SWITCH_GRACE_SECONDS", 5.0)
+
 # --- Logging ----------------------------------------------------------------------------
 
 LOGGING = {

@@ -146,8 +146,12 @@ class Runtime(ABC):
         """Stop serving `slot` and free its room. Removing a missing slot is not an error."""
 
     @abstractmethod
-    def route(self, *, slot: str, sha: str) -> Route:
-        """Where the gateway sends requests for `slot` running code `sha`. No I/O."""
+    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
+        """Where the gateway sends requests for `slot` running code `sha`. No I/O.
+
+        `cpu_ms` is the capability's own CPU limit per call (None: the runtime's default);
+        runtimes that cannot enforce one ignore it.
+        """
 
     def is_missing(self, response) -> bool:
         """Whether an upstream response says the placed script is gone (a miss, not an error).
@@ -163,3 +167,11 @@ class Runtime(ABC):
     @abstractmethod
     def check(self) -> None:
         """Raise RuntimeUnavailable when the runtime cannot serve; for health checks."""
+
+    def provision(self) -> list[str]:
+        """Create what the runtime needs besides capabilities (a namespace, Sigil's own Worker).
+
+        Idempotent: what exists and is current is left alone. Returns one line per thing
+        created or updated, for the owner. Raises RuntimeUnavailable or RuntimeRejected.
+        """
+        return []

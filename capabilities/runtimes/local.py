@@ -64,7 +64,7 @@ class LocalRuntime(Runtime):
         if not still_used:
             (self.code_dir / f"{sha}.json").unlink(missing_ok=True)
 
-    def route(self, *, slot: str, sha: str) -> Route:
+    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
         return Route(
             base_url=self.workerd_url,
             headers=(("X-Sigil-Secret", self._secret), ("X-Sigil-Loader-Id", f"{slot}@{sha}")),

@@ -103,7 +103,7 @@ class WorkerPoolRuntime(Runtime):
         with contextlib.suppress(CloudflareNotFound):
             self.client.script_delete(slot)
 
-    def route(self, *, slot: str, sha: str) -> Route:
+    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
         """Where the script answers. The account's subdomain is asked for once per process."""
         host = f"{slot}.{self.subdomain}.workers.dev"
         headers = (("X-Sigil-Pool-Secret", self._secret),)

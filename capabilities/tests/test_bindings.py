@@ -65,3 +65,25 @@ def test_changing_bindings_places_a_new_bundle_with_the_same_code(configured, al
 def test_two_bindings_cannot_share_a_name(configured, alice):
     response = alice.deploy(name="dup", code=READS_ENV, bindings=["VAR:GREETING", "VAR:GREETING"])
     assert response.status_code == 400 and "share a name" in response.json()["error"]["message"]
+
+
+READS_KV = """export default { async fetch(request, env) {
+  return Response.json({ names: Object.keys(env).sort(), value: await env.CACHE.get("greeting") });
+} }"""
+
+
+@pytest.mark.parametrize("runtime_fixture", ["worker_pool", "platform"])
+def test_a_kv_binding_reaches_a_capability_on_the_cloudflare_runtimes(runtime_fixture, request, cf_client, alice):
+    request.getfixturevalue(runtime_fixture)
+    namespace = cf_client.kv_namespace_create("capability-cache")["id"]
+    cf_client.kv_put(namespace, "greeting", b"from kv")
+    Binding.objects.create(kind="KV", name="CACHE", value=namespace)
+    assert alice.deploy(name="cached", code=READS_KV, bindings=["KV:CACHE"]).status_code == 201
+    assert alice.call("/alice/cached").json() == {"names": ["CACHE"], "value": "from kv"}
+
+
+def test_the_loader_runtime_gives_values_only_and_says_so(configured, loader, alice):
+    response = alice.deploy(name="wants", code=READS_ENV, bindings=["KV:CACHE"])
+    assert response.status_code == 400
+    assert "cannot provide KV" in response.json()["error"]["message"]
+    assert not Capability.objects.exists()

@@ -297,3 +297,17 @@ def test_kv_values_round_trip(cf_client):
     assert missing.value.code == 10009
     with pytest.raises(CloudflareRejected):
         cf_client.kv_namespace_create("sigil-code")
+
+
+def test_kv_keys_are_listed_with_their_metadata(cf_client):
+    namespace = cf_client.kv_namespace_create("sigil-code")["id"]
+    cf_client.kv_put(namespace, "slot:alice--ping", b"abc", metadata={"sha": "abc"})
+    cf_client.kv_put(namespace, "slot:bob--pong", b"def", metadata={"sha": "def"})
+    cf_client.kv_put(namespace, "code:abc", b"{}")
+    assert cf_client.kv_get(namespace, "slot:alice--ping") == b"abc"
+    assert cf_client.kv_keys(namespace, prefix="slot:") == [
+        {"name": "slot:alice--ping", "metadata": {"sha": "abc"}},
+        {"name": "slot:bob--pong", "metadata": {"sha": "def"}},
+    ]
+    cf_client.kv_put(namespace, "slot:alice--ping", b"ghi")  # a write without metadata drops it
+    assert cf_client.kv_keys(namespace, prefix="slot:alice")[0] == {"name": "slot:alice--ping"}

@@ -1,23 +1,28 @@
 // Sigil's loader host: the one Worker that runs capability code through a Worker Loader.
 //
 // The gateway (or the Cloudflare emulator) sends each request here with two internal
-// headers: the shared secret and the loader id `{name}@{sha}`. The code bundle for `sha`
-// comes from the CODE service (a disk directory locally, Workers KV on Cloudflare), is
+// headers: the shared secret and the loader id `{name}@{sha}`, and optionally the call's CPU
+// limit. The code bundle for `sha` comes from the CODE service (a disk directory locally) or
+// from Workers KV (`env.CODE_KV`, key `code:{sha}`: the loader runtime on Cloudflare), is
 // loaded once per id, and receives the request with Sigil's internal headers removed.
 // Because the id carries the content hash, a new version gets a fresh isolate and an
 // unchanged one is reused.
 
 const SECRET_HEADER = "x-sigil-secret";
 const LOADER_ID_HEADER = "x-sigil-loader-id";
+const CPU_HEADER = "x-sigil-cpu-ms";
 const ERROR_HEADER = "x-sigil-error";
+const VERSION_HEADER = "x-sigil-version";
+const HOST_HEADER = "x-sigil-host";
 // `_` is allowed because Cloudflare script names (which the emulator uses as the name) may hold it.
 const LOADER_ID = /^[a-z0-9_][a-z0-9_-]*(?:--[a-z0-9][a-z0-9-]*)?@[0-9a-f]{64}$/;
 
-function refuse(status, kind, message) {
-  return new Response(JSON.stringify({ error: kind, message }), {
-    status,
-    headers: { "content-type": "application/json", [ERROR_HEADER]: kind },
-  });
+function refuse(status, kind, message, env) {
+  const headers = { "content-type": "application/json", [ERROR_HEADER]: kind };
+  // Deployed as the loader runtime's Worker, the host says which source it runs, so Sigil's
+  // start check can tell a current one from a stale one.
+  if (env && env.SIGIL_HOST_VERSION) headers[VERSION_HEADER] = env.SIGIL_HOST_VERSION;
+  return new Response(JSON.stringify({ error: kind, message }), { status, headers });
 }
 
 function sameSecret(given, expected) {
@@ -56,7 +61,7 @@ class MissingCode extends Error {
 export default {
   async fetch(request, env) {
     if (!sameSecret(request.headers.get(SECRET_HEADER), env.SIGIL_SECRET)) {
-      return refuse(403, "forbidden", "this host answers only to Sigil");
+      return refuse(403, "forbidden", "this host answers only to Sigil", env);
     }
     const loaderId = request.headers.get(LOADER_ID_HEADER) || "";
     if (!LOADER_ID.test(loaderId)) {
@@ -64,9 +69,11 @@ export default {
     }
     const sha = loaderId.slice(loaderId.indexOf("@") + 1);
 
+    const cpuMs = Number.parseInt(request.headers.get(CPU_HEADER) || "", 10);
     const headers = new Headers(request.headers);
     headers.delete(SECRET_HEADER);
     headers.delete(LOADER_ID_HEADER);
+    headers.delete(CPU_HEADER);
     const forwarded = new Request(request, { headers });
 
     let missing = false;
@@ -90,7 +97,14 @@ export default {
       };
     });
     try {
-      return await worker.getEntrypoint().fetch(forwarded);
+      // Cloudflare enforces the limit; open-source workerd accepts it and does not (reference §5.3).
+      const entrypoint = cpuMs > 0 ? worker.getEntrypoint(null, { limits: { cpuMs } }) : worker.getEntrypoint();
+      const response = await entrypoint.fetch(forwarded);
+      // Marked (Sigil's gateway removes it) so that a 404 without the mark is known not to
+      // come from a capability: on Cloudflare, the host Worker itself is not there.
+      const marked = new Response(response.body, response);
+      marked.headers.set(HOST_HEADER, "ok");
+      return marked;
     } catch (error) {
       if (missing) {
         retriesAfterMissingCode.set(loaderId, retry + 1);

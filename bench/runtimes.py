@@ -1,0 +1,223 @@
+"""Warm invoke latency on every runtime, in one run, against the local Cloudflare emulator.
+
+    .venv/bin/python bench/runtimes.py [--rounds 20] [--batch 25]
+
+Four Sigil servers (gunicorn, one gthread worker each) run side by side on one database and
+one Redis, one per SIGIL_BACKEND: local (workerd on this machine), worker-pool, platform and
+loader (the Cloudflare emulator, its scripts on workerd). Each serves the same capability
+code, deployed over the REST API. Calls are interleaved across the four in rounds, so drift
+hits them alike; every figure is a median of warm keep-alive calls.
+
+- `via Sigil`: a call to `/{agent}/{capability}` through Sigil's gateway;
+- `upstream`: the same call sent straight to where the gateway sends it (the runtime's
+  route: workerd's loader host, a workers.dev URL, the dispatch Worker, the loader Worker);
+- `Sigil adds`: via Sigil less upstream, the gateway's own cost (token, route, breaker,
+  stats in Redis, one more HTTP hop);
+- `beyond workerd`: upstream less the same code on bare workerd (the local runtime's
+  upstream): what the runtime's path costs here, which on Cloudflare is a different figure.
+
+The emulator's own overhead is measured apart: a pooled script called through the
+emulator's workers.dev proxy, less the same script called on the emulator's workerd
+directly. The emulated worker-pool and loader paths cross that proxy once, the platform
+path twice (the dispatch Worker reaches the namespace through the emulator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+BACKENDS = ("local", "worker-pool", "platform", "loader")
+CODE = "export default { async fetch() { return new Response('pong') } }"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=25)
+    args = parser.parse_args()
+
+    var_dir = Path(tempfile.mkdtemp(prefix="sigil-bench-runtimes-"))
+    from sigil_site.embedded_redis import EmbeddedRedis
+
+    embedded = EmbeddedRedis(var_dir / "redis")
+    embedded.start()
+    from capabilities.workerd import WorkerdHost, free_port, port_is_open
+
+    emulator_port, workerd_port = free_port(), free_port()
+    from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN
+
+    common = {
+        "DJANGO_SETTINGS_MODULE": "sigil_site.settings",
+        "SECRET_KEY": "bench",
+        "SIGIL_VAR_DIR": str(var_dir),
+        "REDIS_URL": embedded.url,
+        "SIGIL_WORKERD_PORT": str(workerd_port),
+        "CF_API_BASE": f"http://127.0.0.1:{emulator_port}/client/v4",
+        "CF_API_TOKEN": DEV_TOKEN,
+        "CF_ACCOUNT_ID": DEV_ACCOUNT_ID,
+        "SIGIL_CF_WORKERS_BASE": f"http://127.0.0.1:{emulator_port}",
+        "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
+        "SIGIL_LOG_LEVEL": "WARNING",
+        "SIGIL_ACCESS_LOG": "false",
+    }
+    os.environ.update(common)
+    os.environ.pop("DATABASE_URL", None)
+    import django
+
+    django.setup()
+    import urllib3
+    from django.conf import settings
+    from django.core.management import call_command
+
+    from agents import services as agent_services
+    from capabilities.models import Capability
+    from capabilities.runtimes import build_runtime
+    from cfemulator.api import EmulatorConfig
+    from cfemulator.server import EmulatorServer
+
+    call_command("migrate", verbosity=0)
+    emulator = EmulatorServer.build(
+        workerd_binary=settings.SIGIL_WORKERD_BIN,
+        state_dir=var_dir / "cfemulator",
+        token=DEV_TOKEN,
+        account_id=DEV_ACCOUNT_ID,
+        config=EmulatorConfig(),
+        port=emulator_port,
+        workerd_port=free_port(),
+    )
+    workerd = WorkerdHost(
+        binary=settings.SIGIL_WORKERD_BIN,
+        port=workerd_port,
+        code_dir=settings.SIGIL_CODE_DIR,
+        state_dir=var_dir / "workerd",
+        secret=settings.SIGIL_INTERNAL_SECRET,
+    )
+    servers: dict[str, subprocess.Popen] = {}
+    ports = {backend: free_port() for backend in BACKENDS}
+    http = urllib3.PoolManager(maxsize=4, retries=False, timeout=30)
+    try:
+        emulator.start()
+        workerd.start()
+        agent = agent_services.agent_create(name="bench", actor="owner:bench")
+        _, token = agent_services.token_issue(agent=agent, scope="deploy", actor="owner:bench")
+        for backend in BACKENDS:
+            servers[backend] = subprocess.Popen(
+                [
+                    str(Path(sys.executable).parent / "gunicorn"),
+                    "sigil_site.wsgi:application",
+                    "-b",
+                    f"127.0.0.1:{ports[backend]}",
+                    "-k",
+                    "gthread",
+                    "--threads",
+                    "4",
+                    "-w",
+                    "1",
+                    "--log-level",
+                    "warning",
+                ],
+                cwd=ROOT,
+                env={**os.environ, "SIGIL_BACKEND": backend},
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 30
+        while not all(port_is_open(port) for port in ports.values()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Sigil servers did not listen within 30 s")
+            time.sleep(0.1)
+
+        auth = {"Authorization": f"Bearer {token}"}
+        targets = {}
+        for backend in BACKENDS:
+            name = f"ping-{backend}"
+            deployed = http.request(
+                "POST",
+                f"http://127.0.0.1:{ports[backend]}/_api/deploy",
+                json={"name": name, "code": CODE},
+                headers=auth,
+            )
+            if deployed.status != 201:
+                raise RuntimeError(f"deploy on {backend}: {deployed.status} {deployed.data[:300]!r}")
+            capability = Capability.objects.get(full_name=f"bench--{name}")
+            route = build_runtime(backend).route(slot=capability.slot, sha=capability.placed_sha)
+            upstream_headers = dict(route.headers) | ({"Host": route.host_header} if route.host_header else {})
+            targets[backend] = {
+                "via Sigil": (f"http://127.0.0.1:{ports[backend]}/bench/{name}", auth),
+                "upstream": (route.base_url + "/", upstream_headers),
+            }
+        # The pooled script as the emulator's workerd runs it (behind Sigil's guard), without
+        # the emulator's workers.dev proxy in front.
+        pool = Capability.objects.get(full_name="bench--ping-worker-pool")
+        emulator_direct = (
+            emulator.workerd.url + "/",
+            {
+                "X-Sigil-Secret": emulator.workerd.secret,
+                "X-Sigil-Loader-Id": f"{pool.slot}@{emulator.api.scripts[pool.slot].sha}",
+                "X-Sigil-Pool-Secret": settings.SIGIL_INTERNAL_SECRET,
+            },
+        )
+
+        def timed(url: str, headers: dict) -> float:
+            started = time.perf_counter()
+            response = http.request("GET", url, headers=headers)
+            elapsed = (time.perf_counter() - started) * 1000
+            if response.status != 200 or response.data != b"pong":
+                raise RuntimeError(f"{url}: {response.status} {response.data[:200]!r}")
+            return elapsed
+
+        samples: dict[tuple[str, str], list[float]] = {}
+        series = [(b, kind, *targets[b][kind]) for b in BACKENDS for kind in ("via Sigil", "upstream")]
+        series.append(("emulator", "workerd direct", *emulator_direct))
+        for _, _, url, headers in series:  # warm every isolate, connection and cache
+            for _ in range(50):
+                timed(url, headers)
+        for _ in range(args.rounds):
+            for backend, kind, url, headers in series:
+                samples.setdefault((backend, kind), []).extend(timed(url, headers) for _ in range(args.batch))
+    finally:
+        for process in servers.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=10)
+        emulator.stop()
+        workerd.stop()
+        embedded.stop()
+
+    median = {key: statistics.median(values) for key, values in samples.items()}
+    p90 = {key: statistics.quantiles(values, n=10)[-1] for key, values in samples.items()}
+    bare = median[("local", "upstream")]
+    count = args.rounds * args.batch
+    print(f"warm calls, {count} per figure, medians in ms (p90 in brackets); same code on every runtime")
+    print()
+    print(f"{'runtime':<12} {'via Sigil':>16} {'upstream':>16} {'Sigil adds':>11} {'beyond workerd':>15}")
+    for backend in BACKENDS:
+        via, up = median[(backend, "via Sigil")], median[(backend, "upstream")]
+        via_p90, up_p90 = p90[(backend, "via Sigil")], p90[(backend, "upstream")]
+        print(
+            f"{backend:<12} {via:>7.3f} [{via_p90:>6.3f}] {up:>7.3f} [{up_p90:>6.3f}]"
+            f" {via - up:>11.3f} {up - bare:>15.3f}"
+        )
+    direct = median[("emulator", "workerd direct")]
+    hop = median[("worker-pool", "upstream")] - direct
+    print()
+    print(
+        f"emulator's own overhead: {hop:.3f} ms per proxied call (pooled script via workers.dev "
+        f"{median[('worker-pool', 'upstream')]:.3f} ms, on the emulator's workerd directly {direct:.3f} ms);"
+    )
+    print("the emulated worker-pool and loader paths cross it once, the platform path twice")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""`python manage.py switchbackend [--from BACKEND]`: move every capability to the runtime
+SIGIL_BACKEND now names, showing progress. Run it after restarting Sigil with the new
+SIGIL_BACKEND; run it again if it was interrupted."""
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from capabilities.checks import KNOWN_BACKENDS
+from capabilities.runtimes.base import RuntimeFailure
+from capabilities.switch import SwitchEvent, backend_switch
+from sigil_site.errors import SigilError
+
+
+class Command(BaseCommand):
+    help = (
+        "Move every capability placed on another runtime to SIGIL_BACKEND's: place it there, record it, then "
+        "delete the old placement after a grace period. Agents keep their URLs and tokens throughout. "
+        "Resumable: run it again after an interruption."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--from",
+            dest="source",
+            choices=KNOWN_BACKENDS,
+            help="move only capabilities on this runtime; also the runtime of capabilities placed before "
+            "Sigil recorded runtimes",
+        )
+
+    def handle(self, *args, source: str | None = None, **options) -> None:
+        target = settings.SIGIL_BACKEND
+        counts = {"moved": 0, "reassigned": 0, "already": 0, "gone": 0, "failed": 0}
+        try:
+            for event in backend_switch(
+                source=source, actor="owner:cli", grace_seconds=settings.SIGIL_SWITCH_GRACE_SECONDS
+            ):
+                self._show(event, target, counts)
+        except (SigilError, RuntimeFailure) as exc:
+            raise CommandError(str(exc)) from exc
+        summary = ", ".join(f"{count} {what}" for what, count in counts.items() if count)
+        self.stdout.write(f"Switched to {target}: {summary or 'nothing to move'}.")
+        if counts["failed"]:
+            raise CommandError(f"{counts['failed']} could not be switched; they are still served where they were")
+
+    def _show(self, event: SwitchEvent, target: str, counts: dict[str, int]) -> None:
+        if event.kind == "provisioned":
+            for line in event.lines:
+                self.stdout.write(line)
+        elif event.kind == "adopted":
+            self.stdout.write(f"{event.total} capabilities placed before runtimes were recorded are on {event.backend}")
+        elif event.kind == "moved":
+            step = event.step
+            counts[step.outcome] += 1
+            where = {
+                "moved": f"{step.source} {step.old_slot} -> {target} {step.new_slot}",
+                "reassigned": f"{step.source} {step.old_slot} -> {target} (pages in on its next call)",
+                "already": f"already on {target}",
+                "gone": "removed meanwhile",
+            }[step.outcome]
+            self.stdout.write(f"[{event.index}/{event.total}] {event.full}: {where}")
+        elif event.kind == "failed" and event.slots:
+            self.stderr.write(f"  could not delete {event.slots[0]} from {event.backend} yet: {event.error}")
+        elif event.kind == "failed":
+            counts["failed"] += 1
+            self.stderr.write(f"[{event.index}/{event.total}] {event.full}: {event.error}")
+        elif event.kind == "released" and event.slots:
+            self.stdout.write(f"  deleted {event.slots[0]} from {event.backend} ({event.full})")
+        elif event.kind == "swept" and event.slots:
+            leftovers = ", ".join(event.slots)
+            self.stdout.write(f"deleted {len(event.slots)} leftover placements from {event.backend}: {leftovers}")

@@ -1,0 +1,185 @@
+"""The loader runtime: Cloudflare's Dynamic Workers. One Sigil Worker (the loader host of the
+local runtime, `host/host.js`) loads capability code at run time through its Worker Loader,
+reading bundles from Workers KV (reference §5, §6)."""
+
+from __future__ import annotations
+
+import threading
+
+from capabilities.cloudflare import CloudflareClient, CloudflareRejected
+from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route, Runtime
+from capabilities.runtimes.sigil_worker import SigilWorker
+from capabilities.workerd import HOST_DIR
+
+HOST_MODULE = "host.js"
+HOST_SOURCE = (HOST_DIR / HOST_MODULE).read_text()
+CODE_PREFIX = "code:"
+SLOT_PREFIX = "slot:"
+
+
+class LoaderRuntime(Runtime):
+    """Unlimited slots: no pager, and no script per capability.
+
+    Bundles are content-addressed in KV (`code:{sha}`); a placement is a pointer key
+    `slot:{full name}` whose metadata holds the sha, so `list_slots` is one KV listing and
+    `remove` frees a bundle no other slot points at. The loader id is `{full name}@{sha}`
+    and nothing else: each distinct id is billed per day (reference §5.1), so ids change
+    only with the code.
+
+    Workers KV is eventually consistent: right after a placement another location may not
+    see the bundle yet; the host then answers "missing-code", the gateway places the
+    capability again and retries once.
+    """
+
+    name = "loader"
+    # A Dynamic Worker's env holds plain values (reference §5.3): variables and secrets.
+    binding_kinds = TEXT_BINDING_KINDS
+
+    def __init__(
+        self,
+        *,
+        client: CloudflareClient,
+        worker: str,
+        kv_title: str,
+        secret: str,
+        cpu_ms: int,
+        invoke_base: str = "",
+    ) -> None:
+        self.client = client
+        self.kv_title = kv_title
+        self.default_cpu_ms = cpu_ms
+        self.worker_name = worker
+        self.invoke_base = invoke_base
+        self._secret = secret
+        self._kv_id: str | None = None
+        self._worker: SigilWorker | None = None
+        self._lock = threading.Lock()
+        self._provision_lock = threading.Lock()
+        self._provisioned = False
+
+    # --- Sigil's loader Worker and its KV namespace --------------------------------------------
+
+    @property
+    def kv_id(self) -> str:
+        """The id of the KV namespace titled `kv_title`, created if missing. Asked once per process."""
+        if self._kv_id is None:
+            with self._lock:
+                if self._kv_id is None:
+                    self._kv_id = self._find_or_create_kv()
+        return self._kv_id
+
+    def _find_kv(self) -> str | None:
+        for namespace in self.client.kv_namespace_list():
+            if namespace.get("title") == self.kv_title:
+                return str(namespace["id"])
+        return None
+
+    def _find_or_create_kv(self) -> str:
+        found = self._find_kv()
+        if found is not None:
+            return found
+        try:
+            return str(self.client.kv_namespace_create(self.kv_title)["id"])
+        except CloudflareRejected:
+            # A concurrent provision created it meanwhile (10014, a taken title): use that one.
+            found = self._find_kv()
+            if found is None:
+                raise
+            return found
+
+    @property
+    def worker(self) -> SigilWorker:
+        """Sigil's loader Worker; built once the KV namespace is known (its binding names it)."""
+        if self._worker is None:
+            self._worker = SigilWorker(
+                client=self.client,
+                name=self.worker_name,
+                modules={HOST_MODULE: HOST_SOURCE},
+                main_module=HOST_MODULE,
+                bindings=[
+                    {"type": "worker_loader", "name": "LOADER"},
+                    {"type": "kv_namespace", "name": "CODE_KV", "namespace_id": self.kv_id},
+                ],
+                secret_bindings=[{"type": "secret_text", "name": "SIGIL_SECRET", "text": self._secret}],
+                version_binding="SIGIL_HOST_VERSION",
+                invoke_base=self.invoke_base,
+            )
+        return self._worker
+
+    def provision(self) -> list[str]:
+        """Create the KV namespace if it is missing, and deploy the loader Worker if it is
+        missing or runs other code. Idempotent."""
+        done = []
+        with self._lock:
+            if self._kv_id is None:
+                found = self._find_kv()
+                if found is None:
+                    found = self._find_or_create_kv()
+                    done.append(f"created the KV namespace {self.kv_title} ({found})")
+                self._kv_id = found
+        if self.worker.deploy():
+            done.append(f"deployed the loader Worker {self.worker.name} ({self.worker.version})")
+        self._provisioned = True
+        return done
+
+    def _ensure_provisioned(self) -> None:
+        if self._provisioned:
+            return
+        with self._provision_lock:
+            if not self._provisioned:
+                self.provision()
+
+    # --- the Runtime interface -----------------------------------------------------------------
+
+    def slot_for(self, full_name: str, *, attempt: int = 0) -> str:
+        return full_name  # full names are unique, and KV keys hold up to 512 bytes
+
+    def place(self, *, slot: str, bundle: CodeBundle) -> None:
+        """Write the bundle under its sha, then point the slot at it. Two KV writes (after
+        the first placement of the process). Idempotent."""
+        self._ensure_provisioned()
+        self.client.kv_put(self.kv_id, CODE_PREFIX + bundle.sha, bundle.to_json())
+        self.client.kv_put(self.kv_id, SLOT_PREFIX + slot, bundle.sha.encode(), metadata={"sha": bundle.sha})
+
+    def remove(self, *, slot: str) -> None:
+        """Drop the slot's pointer, and its bundle when no other slot points at it. Idempotent."""
+        pointers = self._pointers()
+        sha = pointers.pop(slot, None)
+        if sha is None:
+            return
+        self.client.kv_delete(self.kv_id, SLOT_PREFIX + slot)
+        if sha not in pointers.values():
+            self.client.kv_delete(self.kv_id, CODE_PREFIX + sha)
+
+    def _pointers(self) -> dict[str, str]:
+        """slot -> sha, from one listing of the pointer keys and their metadata."""
+        return {
+            key["name"][len(SLOT_PREFIX) :]: str((key.get("metadata") or {}).get("sha", ""))
+            for key in self.client.kv_keys(self.kv_id, prefix=SLOT_PREFIX)
+        }
+
+    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
+        headers = [("X-Sigil-Secret", self._secret), ("X-Sigil-Loader-Id", f"{slot}@{sha}")]
+        limit = cpu_ms or self.default_cpu_ms
+        if limit:
+            headers.append(("X-Sigil-Cpu-Ms", str(limit)))
+        return self.worker.route(tuple(headers))
+
+    def is_missing(self, response) -> bool:
+        # The host marks what a capability answered and says "missing-code" when KV lacks the
+        # bundle. A 404 without either did not come from it: the loader Worker itself is gone,
+        # so the placement that follows deploys it again.
+        if response.status != 404:
+            return False
+        if response.headers.get("x-sigil-error") == "missing-code":
+            return True
+        if "x-sigil-host" not in response.headers:
+            self._provisioned = False
+            return True
+        return False
+
+    def list_slots(self) -> list[str]:
+        return sorted(self._pointers())
+
+    def check(self) -> None:
+        self.worker.probe()

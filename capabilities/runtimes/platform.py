@@ -1,0 +1,139 @@
+"""The platform runtime: Workers for Platforms. Every capability is a user Worker in one
+dispatch namespace, named by its full name and always resident; Sigil's dispatch Worker
+(`platform/dispatcher.js`) is the one entry point (sigil-registry.md, reference §4)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from pathlib import Path
+
+from capabilities import names
+from capabilities.cloudflare import CloudflareClient, CloudflareError, CloudflareNotFound
+from capabilities.runtimes.base import CodeBundle, Route, Runtime
+from capabilities.runtimes.sigil_worker import SigilWorker
+from capabilities.runtimes.worker_pool import metadata_binding
+
+DISPATCHER_MODULE = "dispatcher.js"
+DISPATCHER_SOURCE = (Path(__file__).resolve().parent / "platform" / DISPATCHER_MODULE).read_text()
+# Tag of every capability script Sigil puts in the namespace: `list_slots` lists only these.
+CAPABILITY_TAG = "sigil"
+# A script name is one DNS label (reference §1.5); full names may be longer (74 characters).
+MAX_SCRIPT_NAME = 63
+
+
+class PlatformRuntime(Runtime):
+    """Unlimited slots: no pager. A slot is the capability's full name (shortened with a hash
+    when it is over 63 characters); `route` names it to the dispatch Worker, with the
+    capability's CPU limit per call.
+
+    `place` makes sure the namespace and the dispatch Worker exist the first time it runs in
+    a process (`provision`), so a fresh account (or a fresh emulator) serves without a
+    separate step; `check` probes the dispatch Worker without an API call.
+    """
+
+    name = "platform"
+
+    def __init__(
+        self,
+        *,
+        client: CloudflareClient,
+        namespace: str,
+        dispatcher: str,
+        secret: str,
+        cpu_ms: int,
+        invoke_base: str = "",
+    ) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.default_cpu_ms = cpu_ms
+        self._secret = secret
+        self.dispatcher = SigilWorker(
+            client=client,
+            name=dispatcher,
+            modules={DISPATCHER_MODULE: DISPATCHER_SOURCE},
+            main_module=DISPATCHER_MODULE,
+            bindings=[{"type": "dispatch_namespace", "name": "DISPATCHER", "namespace": namespace}],
+            secret_bindings=[{"type": "secret_text", "name": "SIGIL_DISPATCH_SECRET", "text": secret}],
+            version_binding="SIGIL_DISPATCHER_VERSION",
+            invoke_base=invoke_base,
+        )
+        self._provisioned = False
+        self._provision_lock = threading.Lock()
+
+    def slot_for(self, full_name: str, *, attempt: int = 0) -> str:
+        if attempt == 0 and len(full_name) <= MAX_SCRIPT_NAME:
+            return full_name
+        digest = hashlib.sha256(full_name.encode()).hexdigest()[: 8 + 2 * attempt]
+        return f"{full_name[: MAX_SCRIPT_NAME - len(digest) - 1].rstrip('-')}-{digest}"
+
+    def provision(self) -> list[str]:
+        """Create the namespace if it is missing, and deploy the dispatch Worker if it is
+        missing or runs other code. Idempotent."""
+        done = []
+        try:
+            self.client.namespace_get(self.namespace)
+        except CloudflareNotFound:
+            try:
+                self.client.namespace_create(self.namespace)
+                done.append(f"created the dispatch namespace {self.namespace}")
+            except CloudflareError:
+                # Created by a concurrent provision meanwhile? Then this finds it; else it raises.
+                self.client.namespace_get(self.namespace)
+        if self.dispatcher.deploy():
+            done.append(f"deployed the dispatch Worker {self.dispatcher.name} ({self.dispatcher.version})")
+        self._provisioned = True
+        return done
+
+    def _ensure_provisioned(self) -> None:
+        if self._provisioned:
+            return
+        with self._provision_lock:
+            if not self._provisioned:
+                self.provision()
+
+    def place(self, *, slot: str, bundle: CodeBundle) -> None:
+        """Upload the capability into the namespace, tagged with Sigil and its agent. One API
+        call (after the first placement of the process). Idempotent."""
+        self._ensure_provisioned()
+        agent = slot.partition(names.SEPARATOR)[0]
+        self.client.namespace_script_upload(
+            self.namespace,
+            slot,
+            modules=bundle.modules,
+            main_module=bundle.main_module,
+            compatibility_date=bundle.compatibility_date,
+            bindings=[metadata_binding(b) for b in bundle.bindings],
+            tags=[CAPABILITY_TAG, f"agent-{agent}", f"sha-{bundle.sha[:16]}"],
+        )
+
+    def remove(self, *, slot: str) -> None:
+        with contextlib.suppress(CloudflareNotFound):
+            self.client.namespace_script_delete(self.namespace, slot)
+
+    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
+        headers = [("X-Sigil-Dispatch-Secret", self._secret), ("X-Sigil-Script", slot)]
+        limit = cpu_ms or self.default_cpu_ms
+        if limit:
+            headers.append(("X-Sigil-Cpu-Ms", str(limit)))
+        return self.dispatcher.route(tuple(headers))
+
+    def is_missing(self, response) -> bool:
+        # The dispatch Worker marks what it passes on and says "missing-code" when the
+        # namespace has no such script. A 404 without either did not come through it: the
+        # dispatch Worker itself is gone, so the placement that follows deploys it again.
+        if response.status != 404:
+            return False
+        if response.headers.get("x-sigil-error") == "missing-code":
+            return True
+        if "x-sigil-dispatch" not in response.headers:
+            self._provisioned = False
+            return True
+        return False
+
+    def list_slots(self) -> list[str]:
+        return sorted(s.id for s in self.client.namespace_script_list(self.namespace, tags=[f"{CAPABILITY_TAG}:yes"]))
+
+    def check(self) -> None:
+        self.dispatcher.probe()

@@ -1,0 +1,78 @@
+// Sigil's dispatch Worker for the platform runtime (Workers for Platforms).
+//
+// Every capability is a user Worker in one dispatch namespace, named by its full name. The
+// gateway calls this Worker with Sigil's shared secret, the target script's name and its
+// CPU limit in internal headers; the Worker strips every `x-sigil-*` header and hands the
+// request to `env.DISPATCHER.get(name, {}, {limits})`. The capability's status, headers and
+// body come back as they are (streamed), with one `x-sigil-dispatch` marker the gateway
+// removes: a 404 without it did not come from a capability.
+//
+// "Worker not found" surfaces when the Fetcher is called, not on `get()` (reference §4.3);
+// it is answered 404 with `x-sigil-error: missing-code`, the loader host's word for it, so
+// Sigil pages the capability in again.
+
+const SECRET_HEADER = "x-sigil-dispatch-secret";
+const SCRIPT_HEADER = "x-sigil-script";
+const CPU_HEADER = "x-sigil-cpu-ms";
+const ERROR_HEADER = "x-sigil-error";
+const DISPATCH_HEADER = "x-sigil-dispatch";
+const VERSION_HEADER = "x-sigil-version";
+// Cloudflare's script name rule, at most one DNS label (reference §1.5).
+const SCRIPT_NAME = /^[a-z0-9_][a-z0-9_-]{0,62}$/;
+
+function refuse(env, status, kind, message) {
+  return new Response(JSON.stringify({ error: kind, message }), {
+    status,
+    headers: {
+      "content-type": "application/json",
+      [ERROR_HEADER]: kind,
+      // Lets Sigil's start check tell a current dispatch Worker from a stale one.
+      [VERSION_HEADER]: env.SIGIL_DISPATCHER_VERSION || "",
+    },
+  });
+}
+
+function sameSecret(given, expected) {
+  const encoder = new TextEncoder();
+  const a = encoder.encode(given || "");
+  const b = encoder.encode(expected || "");
+  // timingSafeEqual needs equal lengths; comparing b with itself keeps the time constant.
+  return a.byteLength === b.byteLength && b.byteLength > 0
+    ? crypto.subtle.timingSafeEqual(a, b)
+    : (crypto.subtle.timingSafeEqual(b, b), false);
+}
+
+export default {
+  async fetch(request, env) {
+    if (!sameSecret(request.headers.get(SECRET_HEADER), env.SIGIL_DISPATCH_SECRET)) {
+      return refuse(env, 403, "forbidden", "this Worker answers only to Sigil");
+    }
+    const name = request.headers.get(SCRIPT_HEADER) || "";
+    if (!SCRIPT_NAME.test(name)) {
+      return refuse(env, 400, "bad-script-name", `malformed script name ${JSON.stringify(name)}`);
+    }
+    const cpuMs = Number.parseInt(request.headers.get(CPU_HEADER) || "", 10);
+    const options = cpuMs > 0 ? { limits: { cpuMs } } : {};
+
+    const headers = new Headers(request.headers);
+    for (const header of [...headers.keys()]) {
+      if (header.startsWith("x-sigil-")) headers.delete(header);
+    }
+    const forwarded = new Request(request, { headers });
+
+    let response;
+    try {
+      response = await env.DISPATCHER.get(name, {}, options).fetch(forwarded);
+    } catch (error) {
+      const message = String((error && error.message) || error);
+      if (message.startsWith("Worker not found")) {
+        return refuse(env, 404, "missing-code", `no script ${name} in the namespace`);
+      }
+      // The capability threw, or went over its limits ("Worker exceeded CPU time limit.").
+      return refuse(env, 500, "exception", String((error && error.stack) || error));
+    }
+    const passed = new Response(response.body, response);
+    passed.headers.set(DISPATCH_HEADER, "ok");
+    return passed;
+  },
+};

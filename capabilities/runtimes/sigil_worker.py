@@ -1,0 +1,119 @@
+"""Sigil's own Worker on a Cloudflare account (the platform runtime's dispatch Worker, the
+loader runtime's loader Worker): deployed when missing or stale, probed over HTTP."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import urllib3
+
+from capabilities.cloudflare import CloudflareClient, CloudflareNotFound
+from capabilities.runtimes.base import Route, RuntimeUnavailable
+
+# The plain-text binding that carries the deployed source's version, and the header the
+# Worker echoes it in when it refuses a request without Sigil's secret.
+VERSION_HEADER = "x-sigil-version"
+SYSTEM_TAG = "sigil-system"
+
+
+class SigilWorker:
+    """One Worker script of Sigil's, named `name`, reached on its workers.dev URL.
+
+    `version` is a hash of everything uploaded (modules, bindings, compatibility date, and
+    a hash of the secrets, so that a rotated secret is deployed too), kept in the plain-text
+    binding `version_binding`: `deploy` uploads only when the deployed version differs, and
+    `probe` checks the running one without an API call. With `invoke_base` set (the
+    emulator) requests go to that base URL with the workers.dev name in the Host header.
+    """
+
+    def __init__(
+        self,
+        *,
+        client: CloudflareClient,
+        name: str,
+        modules: Mapping[str, str],
+        main_module: str,
+        bindings: Sequence[Mapping[str, Any]],
+        secret_bindings: Sequence[Mapping[str, Any]],
+        version_binding: str,
+        compatibility_date: str = "2025-01-01",
+        invoke_base: str = "",
+    ) -> None:
+        self.client = client
+        self.name = name
+        self.modules = dict(modules)
+        self.main_module = main_module
+        self.bindings = [dict(b) for b in bindings]
+        self.secret_bindings = [dict(b) for b in secret_bindings]
+        self.version_binding = version_binding
+        self.compatibility_date = compatibility_date
+        self.invoke_base = invoke_base.rstrip("/")
+        secrets = hashlib.sha256(json.dumps(self.secret_bindings, sort_keys=True).encode()).hexdigest()
+        stamp = json.dumps([self.modules, self.main_module, self.bindings, compatibility_date, secrets], sort_keys=True)
+        self.version = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+        self._subdomain: str | None = None
+        self._probe = urllib3.PoolManager(timeout=urllib3.Timeout(connect=3.0, read=10.0), retries=False)
+
+    def deployed_version(self) -> str | None:
+        """The version the account runs now, None when the script is not there. One API call."""
+        try:
+            settings = self.client.script_settings_get(self.name)
+        except CloudflareNotFound:
+            return None
+        for binding in settings.get("bindings") or []:
+            if binding.get("name") == self.version_binding and binding.get("type") == "plain_text":
+                return binding.get("text")
+        return ""
+
+    def deploy(self) -> bool:
+        """Upload the Worker and turn its workers.dev URL on, unless the current version runs.
+
+        Returns whether it uploaded. Idempotent. Raises the client's errors.
+        """
+        if self.deployed_version() == self.version:
+            return False
+        version = {"type": "plain_text", "name": self.version_binding, "text": self.version}
+        self.client.script_upload(
+            self.name,
+            modules=self.modules,
+            main_module=self.main_module,
+            compatibility_date=self.compatibility_date,
+            bindings=[*self.bindings, *self.secret_bindings, version],
+            tags=[SYSTEM_TAG],
+        )
+        self.client.script_subdomain_set(self.name, enabled=True)
+        return True
+
+    @property
+    def subdomain(self) -> str:
+        """The account's workers.dev subdomain, asked for once per process."""
+        if self._subdomain is None:
+            self._subdomain = self.client.subdomain_get()
+        return self._subdomain
+
+    def route(self, headers: tuple[tuple[str, str], ...]) -> Route:
+        host = f"{self.name}.{self.subdomain}.workers.dev"
+        if self.invoke_base:
+            return Route(base_url=self.invoke_base, headers=headers, host_header=host)
+        return Route(base_url=f"https://{host}", headers=headers)
+
+    def probe(self) -> None:
+        """Call the Worker without Sigil's secret: it must refuse with 403 and say it runs the
+        current version. Raises RuntimeUnavailable naming what is wrong."""
+        route = self.route(())
+        headers = {"Host": route.host_header} if route.host_header else {}
+        try:
+            response = self._probe.request("GET", route.base_url + "/", headers=headers)
+        except urllib3.exceptions.HTTPError as exc:
+            raise RuntimeUnavailable(f"Sigil's Worker {self.name} is not reachable: {exc}") from exc
+        hint = "run `python manage.py deployruntime`"
+        if response.status != 403 or response.headers.get("x-sigil-error") != "forbidden":
+            raise RuntimeUnavailable(f"Sigil's Worker {self.name} answered {response.status}, not its 403: {hint}")
+        running = response.headers.get(VERSION_HEADER, "")
+        if running != self.version:
+            raise RuntimeUnavailable(
+                f"Sigil's Worker {self.name} runs version {running or 'unknown'}, not {self.version}: {hint}"
+            )

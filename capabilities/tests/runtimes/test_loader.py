@@ -1,0 +1,86 @@
+"""The loader runtime against the Cloudflare emulator: its loader Worker (the repo's
+`host.js`) runs on workerd with a working Worker Loader and a KV binding served by the
+emulator's KV store."""
+
+import pytest
+import urllib3
+
+from capabilities.runtimes.base import CodeBundle, ResolvedBinding
+from capabilities.runtimes.loader import LoaderRuntime
+from capabilities.tests.runtimes.contract import HELLO, RuntimeContract, call
+
+
+@pytest.fixture
+def runtime(cf_client, cf_emulator_fresh, settings):
+    return LoaderRuntime(
+        client=cf_client,
+        worker="sigil-loader",
+        kv_title="sigil-code-test",
+        secret=settings.SIGIL_INTERNAL_SECRET,
+        cpu_ms=50,
+        invoke_base=cf_emulator_fresh.url,
+    )
+
+
+class TestLoaderRuntime(RuntimeContract):
+    @pytest.fixture
+    def runtime(self, runtime):
+        """Deployed as `manage.py deployruntime` does, so that `check` finds its loader Worker."""
+        runtime.provision()
+        return runtime
+
+
+def test_code_is_content_addressed_in_kv_and_the_slot_points_at_it(runtime, cf_client):
+    bundle = CodeBundle.from_code(HELLO)
+    runtime.place(slot="alice--one", bundle=bundle)
+    runtime.place(slot="bob--two", bundle=bundle)
+    keys = {k["name"]: k.get("metadata") for k in cf_client.kv_keys(runtime.kv_id)}
+    pointer = {"sha": bundle.sha}
+    assert keys == {f"code:{bundle.sha}": None, "slot:alice--one": pointer, "slot:bob--two": pointer}
+    assert cf_client.kv_get(runtime.kv_id, f"code:{bundle.sha}") == bundle.to_json()
+    runtime.remove(slot="alice--one")
+    assert call(runtime.route(slot="bob--two", sha=bundle.sha)).data == b"hello /"
+    runtime.remove(slot="bob--two")
+    assert cf_client.kv_keys(runtime.kv_id) == []
+    assert [s.id for s in cf_client.script_list()] == ["sigil-loader"]
+
+
+def test_the_loader_id_is_the_full_name_at_the_sha(runtime):
+    bundle = CodeBundle.from_code(HELLO)
+    route = runtime.route(slot="alice--hello", sha=bundle.sha)
+    assert dict(route.headers)["X-Sigil-Loader-Id"] == f"alice--hello@{bundle.sha}"
+
+
+def test_text_bindings_reach_env_and_nothing_else_does(runtime):
+    code = "export default { fetch(r, env) { return Response.json(Object.keys(env).sort()) } }"
+    bundle = CodeBundle.from_code(code, bindings=[ResolvedBinding("VAR", "GREETING", "hi")])
+    runtime.place(slot="alice--env", bundle=bundle)
+    assert call(runtime.route(slot="alice--env", sha=bundle.sha)).json() == ["GREETING"]
+    assert runtime.binding_kinds == {"VAR", "SECRET"}
+
+
+def test_code_missing_from_kv_is_a_miss(runtime, cf_client):
+    bundle = CodeBundle.from_code(HELLO)
+    runtime.place(slot="alice--lost", bundle=bundle)
+    cf_client.kv_delete(runtime.kv_id, f"code:{bundle.sha}")
+    response = call(runtime.route(slot="alice--lost", sha=bundle.sha))
+    assert response.status == 404 and runtime.is_missing(response)
+
+
+def test_the_loader_worker_refuses_calls_without_sigils_secret(runtime):
+    bundle = CodeBundle.from_code(HELLO)
+    runtime.place(slot="alice--guarded", bundle=bundle)
+    route = runtime.route(slot="alice--guarded", sha=bundle.sha)
+    headers = {"Host": route.host_header, "X-Sigil-Loader-Id": f"alice--guarded@{bundle.sha}"}
+    response = urllib3.request("GET", route.base_url + "/", headers=headers)
+    assert response.status == 403 and response.headers["x-sigil-error"] == "forbidden"
+
+
+def test_provisioning_creates_the_kv_namespace_once_and_is_idempotent(runtime, cf_client, cf_emulator_fresh):
+    done = runtime.provision()
+    assert done[0].startswith("created the KV namespace sigil-code-test")
+    assert done[1] == f"deployed the loader Worker sigil-loader ({runtime.worker.version})"
+    puts = len(cf_emulator_fresh.api_calls(method="PUT"))
+    assert runtime.provision() == []
+    assert len(cf_emulator_fresh.api_calls(method="PUT")) == puts
+    assert [ns["title"] for ns in cf_client.kv_namespace_list()] == ["sigil-code-test"]

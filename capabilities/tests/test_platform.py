@@ -1,0 +1,48 @@
+"""The platform runtime end to end: Sigil's REST API and gateway over HTTP, the emulator's
+dispatch namespace behind the repo's dispatch Worker."""
+
+from django.core.management import call_command
+
+from capabilities import services
+from capabilities.models import Capability
+from capabilities.runtimes import get_runtime
+
+PONG = "export default { async fetch() { return new Response('pong') } }"
+
+
+def test_each_capability_gets_its_cpu_limit_through_the_dispatch_worker(platform, alice, settings):
+    settings.SIGIL_CPU_MS = 200
+    alice.deploy(name="ping", code=PONG)
+    assert alice.call("/alice/ping").text == "pong"
+    services.capability_set_cpu_limit(
+        capability=Capability.objects.get(full_name="alice--ping"), cpu_ms=15, actor="owner:test"
+    )
+    assert alice.call("/alice/ping").text == "pong"
+    assert [d["limits"] for d in platform.dispatches()] == [{"cpuMs": 200}, {"cpuMs": 15}]
+
+
+def test_a_cpu_limit_out_of_cloudflares_range_is_refused(platform, alice):
+    import pytest
+
+    from sigil_site.errors import InvalidRequest
+
+    alice.deploy(name="ping", code=PONG)
+    with pytest.raises(InvalidRequest):
+        services.capability_set_cpu_limit(
+            capability=Capability.objects.get(full_name="alice--ping"), cpu_ms=300_001, actor="owner:test"
+        )
+
+
+def test_deployruntime_deploys_the_dispatch_worker_once_and_checks_it(platform, db, capsys):
+    call_command("deployruntime")
+    first = capsys.readouterr().out
+    assert "created the dispatch namespace sigil" in first and "deployed the dispatch Worker sigil-dispatcher" in first
+    call_command("deployruntime")
+    assert capsys.readouterr().out.strip() == "platform: up to date"
+    get_runtime().check()
+
+
+def test_status_has_no_slot_limit_and_no_pager(platform, alice):
+    alice.deploy(name="ping", code=PONG)
+    status = alice.call("/_api/status").json()
+    assert status == {**status, "backend": "platform", "total_slots": None, "lru_enabled": False}

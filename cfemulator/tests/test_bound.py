@@ -1,0 +1,158 @@
+"""Scripts with KV, Worker Loader and dispatch namespace bindings run with those bindings
+working, each in a workerd of its own, over real HTTP."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cfemulator.tests.test_api import Api, first_error
+
+KV_WORKER = """export default { async fetch(request, env) {
+  const url = new URL(request.url);
+  if (request.method === "PUT") {
+    await env.STORE.put(url.pathname.slice(1), await request.text(), { metadata: { by: "worker" } });
+    return new Response("stored");
+  }
+  if (url.pathname === "/") return Response.json((await env.STORE.list({ prefix: "k" })).keys);
+  const { value, metadata } = await env.STORE.getWithMetadata(url.pathname.slice(1));
+  return Response.json({ value, metadata });
+} }"""
+
+LOADS = """export default { async fetch(request, env) {
+  const worker = env.LOADER.get("one@1", async () => ({
+    compatibilityDate: "2025-01-01", mainModule: "m.js",
+    modules: { "m.js": "export default { fetch() { return new Response('loaded at run time') } }" },
+  }));
+  return worker.getEntrypoint().fetch(request);
+} }"""
+
+DISPATCHES = """export default { async fetch(request, env) {
+  const name = new URL(request.url).pathname.slice(1);
+  try {
+    return await env.DISPATCHER.get(name, {}, { limits: { cpuMs: 25 } }).fetch(request);
+  } catch (error) {
+    return new Response(String(error.message), { status: 599 });
+  }
+} }"""
+
+
+@pytest.fixture
+def api(cf_emulator_fresh):
+    return Api(cf_emulator_fresh)
+
+
+def serve(api, emulator, name, code, bindings):
+    response = api.upload(name, code, metadata={"bindings": bindings})
+    assert response.status_code == 200, response.text
+    api.enable(name)
+    return emulator.workers_dev_host(name)
+
+
+def test_a_kv_binding_reads_and_writes_the_accounts_kv_store(api, cf_emulator_fresh):
+    namespace = api.call("POST", "/storage/kv/namespaces", json={"title": "store"}).json()["result"]["id"]
+    values = f"/storage/kv/namespaces/{namespace}/values"
+    api.call("PUT", f"{values}/from-api", data=b"written over REST")
+    host = serve(
+        api,
+        cf_emulator_fresh,
+        "kv-user",
+        KV_WORKER,
+        [
+            {"type": "kv_namespace", "name": "STORE", "namespace_id": namespace},
+        ],
+    )
+    read = cf_emulator_fresh.worker_request(host, "/from-api").json()
+    assert read == {"value": "written over REST", "metadata": None}
+    assert cf_emulator_fresh.worker_request(host, "/k1", "PUT", data=b"from the worker").text == "stored"
+    assert api.call("GET", f"{values}/k1").content == b"from the worker"
+    read_back = cf_emulator_fresh.worker_request(host, "/k1").json()
+    assert read_back == {"value": "from the worker", "metadata": {"by": "worker"}}
+    assert cf_emulator_fresh.worker_request(host, "/").json() == [{"name": "k1", "metadata": {"by": "worker"}}]
+    assert cf_emulator_fresh.worker_request(host, "/absent").json() == {"value": None, "metadata": None}
+    # The binding's reads and writes are the runtime's, not API calls: only this test's five are logged.
+    assert [c["method"] for c in cf_emulator_fresh.api_calls()] == ["POST", "PUT", "PUT", "POST", "GET"]
+
+
+def test_a_worker_loader_binding_loads_code_at_run_time(api, cf_emulator_fresh):
+    host = serve(api, cf_emulator_fresh, "loads", LOADS, [{"type": "worker_loader", "name": "LOADER"}])
+    assert cf_emulator_fresh.worker_request(host).text == "loaded at run time"
+
+
+def test_a_dispatch_namespace_binding_reaches_namespace_scripts_and_throws_worker_not_found(api, cf_emulator_fresh):
+    api.call("POST", "/workers/dispatch/namespaces", json={"name": "users"})
+    echo = "export default { fetch(r) { return new Response('user ' + new URL(r.url).host, { status: 201 }) } }"
+    api.upload("customer-1", echo, namespace="users")
+    host = serve(
+        api,
+        cf_emulator_fresh,
+        "dispatcher",
+        DISPATCHES,
+        [
+            {"type": "dispatch_namespace", "name": "DISPATCHER", "namespace": "users"},
+        ],
+    )
+    found = cf_emulator_fresh.worker_request(host, "/customer-1")
+    # The user Worker sees the request as the dispatch Worker received it.
+    assert (found.status_code, found.text) == (201, f"user {host}")
+    missing = cf_emulator_fresh.worker_request(host, "/customer-2")
+    assert (missing.status_code, missing.text) == (599, "Worker not found.")
+    assert [(d["script"], d["limits"], d["status"]) for d in cf_emulator_fresh.dispatches()] == [
+        ("customer-1", {"cpuMs": 25}, 201),
+        ("customer-2", {"cpuMs": 25}, 404),
+    ]
+
+
+def test_a_reupload_runs_the_new_code(api, cf_emulator_fresh):
+    host = serve(api, cf_emulator_fresh, "loads", LOADS, [{"type": "worker_loader", "name": "LOADER"}])
+    assert cf_emulator_fresh.worker_request(host).status_code == 200
+    serve(
+        api,
+        cf_emulator_fresh,
+        "loads",
+        "export default { fetch() { return new Response('v2') } }",
+        [{"type": "worker_loader", "name": "LOADER"}],
+    )
+    assert cf_emulator_fresh.worker_request(host).text == "v2"
+
+
+@pytest.mark.parametrize(
+    "binding",
+    [
+        {"type": "kv_namespace", "name": "STORE", "namespace_id": "0" * 32},
+        {"type": "dispatch_namespace", "name": "DISPATCHER", "namespace": "no-such"},
+        {"type": "kv_namespace", "name": "STORE"},
+    ],
+)
+def test_a_binding_to_a_namespace_the_account_lacks_is_10021(api, binding):
+    response = api.upload("broken", KV_WORKER, metadata={"bindings": [binding]})
+    assert (response.status_code, first_error(response)) == (400, 10021)
+    assert "is invalid" in response.json()["errors"][0]["message"]
+
+
+def test_text_bindings_of_a_bound_script_stay_out_of_its_config_file(api, cf_emulator_fresh, settings):
+    namespace = api.call("POST", "/storage/kv/namespaces", json={"title": "store"}).json()["result"]["id"]
+    code = "export default { fetch(r, env) { return new Response(env.TOKEN + ' ' + typeof env.STORE) } }"
+    host = serve(
+        api,
+        cf_emulator_fresh,
+        "secretive",
+        code,
+        [
+            {"type": "kv_namespace", "name": "STORE", "namespace_id": namespace},
+            {"type": "secret_text", "name": "TOKEN", "text": "s3cr3t-value"},
+        ],
+    )
+    assert cf_emulator_fresh.worker_request(host).text == "s3cr3t-value object"
+    configs = list((settings.VAR_DIR / "cfemulator").rglob("config.capnp"))
+    assert configs and not [c for c in configs if "s3cr3t-value" in c.read_text()]
+
+
+def test_reset_stops_bound_workers(api, cf_emulator_fresh, settings):
+    serve(api, cf_emulator_fresh, "loads", LOADS, [{"type": "worker_loader", "name": "LOADER"}])
+    assert cf_emulator_fresh.worker_request(cf_emulator_fresh.workers_dev_host("loads")).status_code == 200
+    assert list((settings.VAR_DIR / "cfemulator" / "bound").iterdir())
+    cf_emulator_fresh.reset()
+    assert not list((settings.VAR_DIR / "cfemulator" / "bound").iterdir())
+    assert json.loads(json.dumps(cf_emulator_fresh.dispatches())) == []
