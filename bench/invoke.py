@@ -1,0 +1,409 @@
+"""Invoke benchmark: what Sigil adds to a warm call, and how long the first call after a deploy takes.
+
+    .venv/bin/python bench/invoke.py [--rounds 3] [--seconds 5] [--servers gunicorn,granian]
+
+It starts everything it measures on 127.0.0.1, in a fresh temporary var directory: the
+bundled Redis (or REDIS_URL when set), a migrated SQLite database, workerd with the loader
+host, and Sigil under each production server as it would run (several worker processes,
+keep-alive). It creates an agent with `manage.py createagent`, deploys a small capability
+over the REST API, then with wrk measures:
+
+- warm latency, p50 and p99, over one keep-alive connection;
+- warm throughput over 16 concurrent connections;
+
+for workerd called directly (the loader host with Sigil's internal headers, the same code)
+and for Sigil under each server; then the first call after a deploy of a fresh capability.
+Everything it started is stopped by pid when it ends.
+
+Needs wrk (Debian and Ubuntu: `apt-get install wrk`) and workerd (`npm ci`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from capabilities.runtimes.base import code_sha  # noqa: E402
+from capabilities.workerd import WorkerdHost, free_port  # noqa: E402
+from sigil_site.embedded_redis import EmbeddedRedis  # noqa: E402
+
+REPORT_LUA = Path(__file__).resolve().parent / "report.lua"
+AGENT = "bench"
+CAPABILITY = "hello"
+REPLY = "hello from a capability"
+CODE = "export default { async fetch() { return new Response(%s) } }"
+THROUGHPUT_CONNECTIONS = 16
+
+# The issue's targets for a warm call through Sigil, and for the first call after a deploy.
+MAX_ADDED_P50_MS = 1.5
+MAX_ADDED_P99_MS = 4.0
+MIN_THROUGHPUT_RATIO = 0.3
+MAX_COLD_P50_MS = 20.0
+
+
+def server_command(server: str, *, port: int, workers: int, threads: int) -> list[str]:
+    """How each production server runs Sigil's WSGI application (gateway in front of Django)."""
+    bin_dir = Path(sys.executable).parent
+    if server == "gunicorn":
+        return [
+            str(bin_dir / "gunicorn"), "sigil_site.wsgi:application",
+            "--worker-class", "gthread", "--workers", str(workers), "--threads", str(threads),
+            "--bind", f"127.0.0.1:{port}", "--keep-alive", "75", "--log-level", "warning",
+        ]
+    if server == "granian":
+        return [
+            str(bin_dir / "granian"), "--interface", "wsgi", "--workers", str(workers),
+            "--blocking-threads", str(threads), "--host", "127.0.0.1", "--port", str(port),
+            "--http", "1", "--no-ws", "--log-level", "warning", "sigil_site.wsgi:application",
+        ]
+    raise ValueError(f"unknown server {server!r}")
+
+
+SERVER_LABELS = {"gunicorn": "gunicorn gthread", "granian": "granian wsgi"}
+
+
+@dataclass(frozen=True)
+class Load:
+    """One wrk run, as report.lua prints it."""
+
+    requests: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    failures: int
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str
+    url: str
+    headers: dict[str, str]
+
+
+def wrk(target: Target, *, connections: int, seconds: float) -> Load:
+    command = [
+        "wrk", "--threads", "1", "--connections", str(connections), "--duration", f"{seconds:g}s",
+        "--timeout", "5s", "--script", str(REPORT_LUA),
+    ]
+    for name, value in target.headers.items():
+        command += ["--header", f"{name}: {value}"]
+    output = subprocess.run([*command, target.url], capture_output=True, text=True, check=True).stdout
+    data = json.loads(next(line for line in output.splitlines() if line.startswith("{")))
+    return Load(
+        requests=data["requests"],
+        seconds=data["duration_us"] / 1e6,
+        p50_ms=data["p50_us"] / 1000,
+        p99_ms=data["p99_us"] / 1000,
+        failures=data["socket_errors"] + data["bad_status"],
+    )
+
+
+class Processes:
+    """Child processes started by the benchmark, stopped by pid in reverse order."""
+
+    def __init__(self) -> None:
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stack.close()
+
+    def start(self, command: list[str], *, env: dict[str, str], log: Path) -> subprocess.Popen:
+        with open(log, "ab") as out:
+            process = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.stack.callback(stop, process)
+        return process
+
+    def adopt(self, stopper) -> None:
+        self.stack.callback(stopper)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the process (a server's master stops its own workers), then SIGKILL its group."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    # Workers that outlived their master are still in the session the benchmark created.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def request(connection: http.client.HTTPConnection, method: str, path: str, *, headers=None, body=None):
+    connection.request(method, path, body=body, headers=headers or {})
+    response = connection.getresponse()
+    return response, response.read()
+
+
+def wait_for_health(port: int, process: subprocess.Popen, *, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            response, _ = request(connection, "GET", "/_health")
+            connection.close()
+            if response.status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the server on port {port} was not healthy within {seconds:g} s")
+
+
+def manage(*args: str, env: dict[str, str]) -> str:
+    result = subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stderr}")
+    return result.stdout
+
+
+def deploy(connection, token: str, name: str, code: str) -> None:
+    body = json.dumps({"name": name, "code": code}).encode()
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    response, data = request(connection, "POST", "/_api/deploy", headers=headers, body=body)
+    if response.status not in (200, 201):
+        raise RuntimeError(f"deploy of {name} answered {response.status}: {data.decode(errors='replace')}")
+
+
+def check_reply(target: Target, port: int, path: str) -> None:
+    """One call before the load, so a wrong setup fails loudly instead of benchmarking errors."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    response, data = request(connection, "GET", path, headers=target.headers)
+    connection.close()
+    if response.status != 200 or data.decode() != REPLY:
+        raise RuntimeError(f"{target.label} answered {response.status}: {data[:300]!r}")
+
+
+def measure_cold(port: int, tokens: dict[str, str], *, server: str, runs: int) -> list[float]:
+    """Deploy a fresh capability, then time its first call on the same keep-alive connection."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    invoke = {"Authorization": f"Bearer {tokens['invoke_token']}"}
+    timings = []
+    for run in range(runs):
+        name = f"cold-{server}-{run}"
+        # A new sha per run: workerd has never seen this code, so it loads a new isolate.
+        deploy(connection, tokens["deploy_token"], name, CODE % json.dumps(f"{REPLY} ({name})"))
+        started = time.perf_counter()
+        response, data = request(connection, "GET", f"/{AGENT}/{name}", headers=invoke)
+        timings.append((time.perf_counter() - started) * 1000)
+        if response.status != 200:
+            raise RuntimeError(f"the first call of {name} answered {response.status}: {data[:300]!r}")
+    connection.close()
+    return timings
+
+
+def load_average() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def spread(values: list[float], digits: int) -> str:
+    """The median, and the range when there were several rounds."""
+    middle = f"{statistics.median(values):.{digits}f}"
+    if len(values) == 1:
+        return middle
+    return f"{middle} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--servers", default="gunicorn,granian", help="comma-separated: gunicorn, granian")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes per server")
+    parser.add_argument("--threads", type=int, default=8, help="threads per worker process")
+    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each wrk run")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the warm runs to see the spread")
+    parser.add_argument("--cold-runs", type=int, default=20, help="fresh deploys timed per server")
+    parser.add_argument("--json", type=Path, help="also write the raw figures to this file")
+    args = parser.parse_args()
+    servers = [s for s in args.servers.split(",") if s]
+
+    if shutil.which("wrk") is None:
+        print("wrk is not installed. On Debian or Ubuntu: apt-get update && apt-get install -y wrk", file=sys.stderr)
+        return 2
+
+    var_dir = Path(tempfile.mkdtemp(prefix="sigil-bench-"))
+    internal_secret = secrets.token_hex(32)
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "sigil_site.settings",
+        "DEBUG": "false",
+        "SECRET_KEY": secrets.token_urlsafe(48),
+        "SIGIL_VAR_DIR": str(var_dir),
+        "SIGIL_INTERNAL_SECRET": internal_secret,
+        "SIGIL_WORKERD_PORT": str(free_port()),
+        "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
+        "SIGIL_LOG_LEVEL": "WARNING",
+        "ALLOWED_HOSTS": "127.0.0.1",
+    }
+    env.pop("DATABASE_URL", None)  # always a fresh SQLite file under the temporary var dir
+    print(f"var dir {var_dir}; load average {load_average()}")
+
+    with Processes() as processes:
+        if not env.get("REDIS_URL"):
+            redis_server = EmbeddedRedis(var_dir / "redis")
+            redis_server.start()
+            processes.adopt(redis_server.stop)
+            env["REDIS_URL"] = redis_server.url
+        workerd = WorkerdHost(
+            binary=env.get("SIGIL_WORKERD_BIN", str(ROOT / "node_modules" / ".bin" / "workerd")),
+            port=int(env["SIGIL_WORKERD_PORT"]),
+            code_dir=var_dir / "code",
+            state_dir=var_dir / "workerd",
+            secret=internal_secret,
+        )
+        workerd.start()
+        processes.adopt(workerd.stop)
+
+        manage("migrate", "--noinput", env=env)
+        tokens = json.loads(manage("createagent", AGENT, "--json", env=env))
+
+        ports = {}
+        for server in servers:
+            port = free_port()
+            command = server_command(server, port=port, workers=args.workers, threads=args.threads)
+            process = processes.start(command, env=env, log=var_dir / f"{server}.log")
+            wait_for_health(port, process)
+            ports[server] = port
+
+        code = CODE % json.dumps(REPLY)
+        first_port = ports[servers[0]]
+        connection = http.client.HTTPConnection("127.0.0.1", first_port, timeout=30)
+        deploy(connection, tokens["deploy_token"], CAPABILITY, code)
+        connection.close()
+
+        full = f"{AGENT}--{CAPABILITY}"
+        targets = {
+            "workerd": Target(
+                "workerd",
+                f"{workerd.url}/",
+                {"X-Sigil-Secret": internal_secret, "X-Sigil-Loader-Id": f"{full}@{code_sha(code)}"},
+            )
+        }
+        for server, port in ports.items():
+            targets[server] = Target(
+                SERVER_LABELS[server],
+                f"http://127.0.0.1:{port}/{AGENT}/{CAPABILITY}",
+                {"Authorization": f"Bearer {tokens['invoke_token']}"},
+            )
+        check_reply(targets["workerd"], workerd.port, "/")
+        for server, port in ports.items():
+            check_reply(targets[server], port, f"/{AGENT}/{CAPABILITY}")
+
+        latency: dict[str, list[Load]] = {name: [] for name in targets}
+        throughput: dict[str, list[Load]] = {name: [] for name in targets}
+        for round_number in range(args.rounds):
+            for name, target in targets.items():
+                print(f"round {round_number + 1}/{args.rounds}: {target.label}", flush=True)
+                # Warm every worker process, thread and upstream connection first.
+                wrk(target, connections=THROUGHPUT_CONNECTIONS, seconds=1)
+                latency[name].append(wrk(target, connections=1, seconds=args.seconds))
+                throughput[name].append(wrk(target, connections=THROUGHPUT_CONNECTIONS, seconds=args.seconds))
+
+        cold = {}
+        for server, port in ports.items():
+            print(f"cold: {args.cold_runs} deploys through {SERVER_LABELS[server]}", flush=True)
+            cold[server] = measure_cold(port, tokens, server=server, runs=args.cold_runs)
+
+    print(f"load average {load_average()} (other work on the machine shows up in the figures)")
+    report(servers, targets, latency, throughput, cold, args)
+    if args.json:
+        raw = {
+            "latency": {name: [vars(load) for load in loads] for name, loads in latency.items()},
+            "throughput": {name: [vars(load) | {"rps": load.rps} for load in loads] for name, loads in throughput.items()},
+            "cold_ms": cold,
+            "workers": args.workers,
+            "threads": args.threads,
+        }
+        args.json.write_text(json.dumps(raw, indent=2))
+    shutil.rmtree(var_dir, ignore_errors=True)
+    return 0
+
+
+def report(servers, targets, latency, throughput, cold, args) -> None:
+    rounds = range(args.rounds)
+    bare_lat, bare_tput = latency["workerd"], throughput["workerd"]
+    print()
+    print(
+        f"warm calls: p50/p99 over 1 connection, throughput over {THROUGHPUT_CONNECTIONS} connections, "
+        f"{args.seconds:g} s each; {args.workers} workers x {args.threads} threads; "
+        + ("median (min-max) of " + str(args.rounds) + " rounds" if args.rounds > 1 else "one round")
+    )
+    header = f"{'':18} {'p50 ms':>18} {'p99 ms':>18} {'req/s':>22} {'+p50 ms':>18} {'+p99 ms':>18} {'ratio':>18}"
+    print(header)
+    for name, target in targets.items():
+        lat, tput = latency[name], throughput[name]
+        row = (
+            f"{target.label:18} {spread([x.p50_ms for x in lat], 3):>18} {spread([x.p99_ms for x in lat], 3):>18} "
+            f"{spread([x.rps for x in tput], 0):>22}"
+        )
+        if name != "workerd":
+            added_p50 = [lat[i].p50_ms - bare_lat[i].p50_ms for i in rounds]
+            added_p99 = [lat[i].p99_ms - bare_lat[i].p99_ms for i in rounds]
+            ratio = [tput[i].rps / bare_tput[i].rps for i in rounds]
+            row += f" {spread(added_p50, 3):>18} {spread(added_p99, 3):>18} {spread(ratio, 2):>18}"
+        failures = sum(x.failures for x in lat + tput)
+        if failures:
+            row += f"  ({failures} failed requests)"
+        print(row)
+    print()
+    print(f"first call after a deploy of a fresh capability, {args.cold_runs} deploys per server:")
+    for server in servers:
+        timings = cold[server]
+        print(
+            f"{SERVER_LABELS[server]:18} p50 {statistics.median(timings):.2f} ms, "
+            f"p90 {percentile(timings, 0.9):.2f} ms, max {max(timings):.2f} ms"
+        )
+    print()
+    print(
+        f"targets: +p50 <= {MAX_ADDED_P50_MS} ms, +p99 <= {MAX_ADDED_P99_MS} ms, "
+        f"ratio >= {MIN_THROUGHPUT_RATIO}, first call p50 < {MAX_COLD_P50_MS:g} ms"
+    )
+    for server in servers:
+        lat, tput = latency[server], throughput[server]
+        checks = {
+            "+p50": statistics.median(lat[i].p50_ms - bare_lat[i].p50_ms for i in rounds) <= MAX_ADDED_P50_MS,
+            "+p99": statistics.median(lat[i].p99_ms - bare_lat[i].p99_ms for i in rounds) <= MAX_ADDED_P99_MS,
+            "ratio": statistics.median(tput[i].rps / bare_tput[i].rps for i in rounds) >= MIN_THROUGHPUT_RATIO,
+            "cold": statistics.median(cold[server]) < MAX_COLD_P50_MS,
+        }
+        verdict = ", ".join(f"{name} {'ok' if passed else 'MISSED'}" for name, passed in checks.items())
+        print(f"{SERVER_LABELS[server]:18} {verdict}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
