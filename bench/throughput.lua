@@ -1,5 +1,6 @@
--- wrk script: print one JSON line with exact percentiles for bench/invoke.py to read.
--- wrk keeps latencies in microseconds; errors.status counts answers outside 2xx/3xx.
+-- wrk script for the throughput runs: print wrk's summary as one JSON line for
+-- bench/invoke.py (the same fields as latency.lua). wrk keeps latencies in microseconds;
+-- errors.status counts answers outside 2xx/3xx.
 
 done = function(summary, latency, requests)
   local errors = summary.errors
