@@ -25,6 +25,7 @@ import contextlib
 import http.client
 import json
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -85,13 +86,14 @@ SERVER_LABELS = {"gunicorn": "gunicorn gthread", "granian": "granian wsgi"}
 
 @dataclass(frozen=True)
 class Load:
-    """One wrk run, as latency.lua and throughput.lua print it."""
+    """One wrk run, as latency.lua and throughput.lua print it, with the CPU each part used."""
 
     requests: int
     seconds: float
     p50_ms: float
     p99_ms: float
     failures: int
+    cpu_us: dict[str, float]  # per request: server, workerd, redis, wrk
 
     @property
     def rps(self) -> float:
@@ -103,6 +105,28 @@ class Target:
     label: str
     url: str
     headers: dict[str, str]
+    # The processes that serve this target, by part; their CPU time is charged to it.
+    processes: dict[str, int]
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(root: int) -> float:
+    """User and system CPU time of a process and its descendants, from /proc (Linux)."""
+    total = 0.0
+    with contextlib.suppress(FileNotFoundError):
+        fields = Path(f"/proc/{root}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        for task in Path(f"/proc/{root}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                total += cpu_seconds(int(child))
+    return total
+
+
+def wrk_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def wrk(target: Target, *, connections: int, seconds: float, script: Path = THROUGHPUT_LUA) -> Load:
@@ -112,7 +136,11 @@ def wrk(target: Target, *, connections: int, seconds: float, script: Path = THRO
     ]
     for name, value in target.headers.items():
         command += ["--header", f"{name}: {value}"]
+    cpu_before = {part: cpu_seconds(pid) for part, pid in target.processes.items()}
+    cpu_before["wrk"] = wrk_cpu_seconds()
     output = subprocess.run([*command, target.url], capture_output=True, text=True, check=True).stdout
+    cpu_used = {part: cpu_seconds(pid) - cpu_before[part] for part, pid in target.processes.items()}
+    cpu_used["wrk"] = wrk_cpu_seconds() - cpu_before["wrk"]
     data = json.loads(next(line for line in output.splitlines() if line.startswith("{")))
     return Load(
         requests=data["requests"],
@@ -120,6 +148,7 @@ def wrk(target: Target, *, connections: int, seconds: float, script: Path = THRO
         p50_ms=data["p50_us"] / 1000,
         p99_ms=data["p99_us"] / 1000,
         failures=data["socket_errors"] + data["bad_status"],
+        cpu_us={part: used / max(data["requests"], 1) * 1e6 for part, used in cpu_used.items()},
     )
 
 
@@ -287,11 +316,13 @@ def main() -> int:
     print(f"var dir {var_dir}; load average {load_average()}")
 
     with Processes() as processes:
+        backing = {}  # the processes behind every target, by part, for the CPU figures
         if not env.get("REDIS_URL"):
             redis_server = EmbeddedRedis(var_dir / "redis")
             redis_server.start()
             processes.adopt(redis_server.stop)
             env["REDIS_URL"] = redis_server.url
+            backing["redis"] = redis_server.process.pid
         workerd = WorkerdHost(
             binary=env.get("SIGIL_WORKERD_BIN", str(ROOT / "node_modules" / ".bin" / "workerd")),
             port=int(env["SIGIL_WORKERD_PORT"]),
@@ -301,17 +332,18 @@ def main() -> int:
         )
         workerd.start()
         processes.adopt(workerd.stop)
+        backing["workerd"] = workerd.process.pid
 
         manage("migrate", "--noinput", env=env)
         tokens = json.loads(manage("createagent", AGENT, "--json", env=env))
 
-        ports = {}
+        ports, server_pids = {}, {}
         for server in servers:
             port = free_port()
             command = server_command(server, port=port, workers=args.workers, threads=args.threads)
             process = processes.start(command, env=env, log=var_dir / f"{server}.log")
             wait_for_health(port, process)
-            ports[server] = port
+            ports[server], server_pids[server] = port, process.pid
 
         code = CODE % json.dumps(REPLY)
         first_port = ports[servers[0]]
@@ -325,6 +357,7 @@ def main() -> int:
                 "workerd",
                 f"{workerd.url}/",
                 {"X-Sigil-Secret": internal_secret, "X-Sigil-Loader-Id": f"{full}@{code_sha(code)}"},
+                {"workerd": backing["workerd"]},
             )
         }
         for server, port in ports.items():
@@ -332,6 +365,7 @@ def main() -> int:
                 SERVER_LABELS[server],
                 f"http://127.0.0.1:{port}/{AGENT}/{CAPABILITY}",
                 {"Authorization": f"Bearer {tokens['invoke_token']}"},
+                {"server": server_pids[server], **backing},
             )
         check_reply(targets["workerd"], workerd.port, "/")
         for server, port in ports.items():
@@ -393,6 +427,17 @@ def report(servers, targets, latency, throughput, cold, args) -> None:
         if failures:
             row += f"  ({failures} failed requests)"
         print(row)
+    print()
+    parts = ["server", "workerd", "redis", "wrk"]
+    print(f"CPU per request over {THROUGHPUT_CONNECTIONS} connections, µs (median); the machine has {os.cpu_count()} cores:")
+    print(f"{'':18} " + " ".join(f"{part:>9}" for part in [*parts, "total"]))
+    for name, target in targets.items():
+        cells = []
+        for part in parts:
+            values = [load.cpu_us[part] for load in throughput[name] if part in load.cpu_us]
+            cells.append(f"{statistics.median(values):9.0f}" if values else f"{'-':>9}")
+        total = statistics.median(sum(load.cpu_us.values()) for load in throughput[name])
+        print(f"{target.label:18} " + " ".join(cells) + f" {total:9.0f}")
     print()
     print(f"first call after a deploy of a fresh capability, {args.cold_runs} deploys per server:")
     for server in servers:
