@@ -13,10 +13,12 @@ import logging
 import select
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Iterator
 from urllib.parse import quote, urlsplit
 
+import redis
 import urllib3
 from urllib3.util import parse_url
 from django.conf import settings
@@ -66,6 +68,7 @@ class Gateway:
         self.breaker_cooldown = settings.SIGIL_BREAKER_COOLDOWN_SECONDS
         self.upstream = UpstreamConnections(connect_timeout=5.0, read_timeout=settings.SIGIL_INVOKE_TIMEOUT_SECONDS)
         self.route_memo: dict[tuple[str, str], Route] = {}
+        self.local = threading.local()
 
     def __call__(self, environ, start_response):
         started = time.perf_counter()
@@ -79,9 +82,13 @@ class Gateway:
         full = names.full_name(agent, name)
         secret = parse_bearer(environ.get("HTTP_AUTHORIZATION"))
         token_hash = tokens.hash_secret(secret)
-        token_raw, route_raw, open_until = self.redis.mget(
-            tokens.cache_key(token_hash), routes.key(full), stats.breaker_key(full)
-        )
+        keys = (tokens.cache_key(token_hash), routes.key(full), stats.breaker_key(full))
+        try:
+            token_raw, route_raw, open_until = self.thread_redis().mget(keys)
+        except redis.ConnectionError:
+            # The held connection was closed (Redis restarted, or dropped an idle client);
+            # redis-py has discarded it, so this reconnects, as taking one from the pool did.
+            token_raw, route_raw, open_until = self.thread_redis().mget(keys)
         principal = token_authenticate(secret, cached=token_raw)
         if route_raw is None:
             route_raw = routes.route_load(full)
@@ -129,6 +136,17 @@ class Gateway:
             headers.append(("X-Sigil-Cold-Start", "1"))
         start_response(f"{upstream.status} {upstream.reason or ''}".rstrip(), headers)
         return ResponseBody(self, upstream, full, token_hash, started, ok=upstream.status < 500, is_trial=is_trial)
+
+    def thread_redis(self) -> redis.Redis:
+        """A client holding one connection for this server thread, for the two commands
+        every call sends. Taking a connection from the shared pool costs three system
+        calls per command (redis-py checks that it has no unread data), and each lets
+        another thread take the GIL."""
+        client = getattr(self.local, "redis", None)
+        if client is None:
+            client = redis.Redis(connection_pool=self.redis.connection_pool, single_connection_client=True)
+            self.local.redis = client
+        return client
 
     def enter_open_breaker(self, full: str, open_until: float, now: float) -> bool:
         """While open, refuse; after the cool-down let exactly one trial call through."""
@@ -196,6 +214,7 @@ class Gateway:
         now = time.time()
         latency_ms = (time.perf_counter() - started) * 1000
         change = self.record_call(
+            client=self.thread_redis(),
             keys=[
                 stats.stats_key(full),
                 stats.failures_key(full),
