@@ -152,6 +152,28 @@ def wrk(target: Target, *, connections: int, seconds: float, script: Path = THRO
     )
 
 
+def interleaved_throughput(targets: dict[str, Target], *, seconds: float) -> dict[str, Load]:
+    """Each target's throughput over `seconds` one-second runs, taken in turn with the
+    other targets', so that other work on the machine slows every target alike."""
+    slices: dict[str, list[Load]] = {name: [] for name in targets}
+    for _ in range(max(1, round(seconds))):
+        for name, target in targets.items():
+            slices[name].append(wrk(target, connections=THROUGHPUT_CONNECTIONS, seconds=1))
+    totals = {}
+    for name, loads in slices.items():
+        requests = sum(load.requests for load in loads)
+        parts = {part for load in loads for part in load.cpu_us}
+        totals[name] = Load(
+            requests=requests,
+            seconds=sum(load.seconds for load in loads),
+            p50_ms=statistics.median(load.p50_ms for load in loads),
+            p99_ms=statistics.median(load.p99_ms for load in loads),
+            failures=sum(load.failures for load in loads),
+            cpu_us={part: sum(load.cpu_us[part] * load.requests for load in loads) / requests for part in parts},
+        )
+    return totals
+
+
 class Processes:
     """Child processes started by the benchmark, stopped by pid in reverse order."""
 
@@ -375,11 +397,13 @@ def main() -> int:
         throughput: dict[str, list[Load]] = {name: [] for name in targets}
         for round_number in range(args.rounds):
             for name, target in targets.items():
-                print(f"round {round_number + 1}/{args.rounds}: {target.label}", flush=True)
+                print(f"round {round_number + 1}/{args.rounds}: latency, {target.label}", flush=True)
                 # Warm every worker process, thread and upstream connection first.
                 wrk(target, connections=THROUGHPUT_CONNECTIONS, seconds=1)
                 latency[name].append(wrk(target, connections=1, seconds=args.seconds, script=LATENCY_LUA))
-                throughput[name].append(wrk(target, connections=THROUGHPUT_CONNECTIONS, seconds=args.seconds))
+            print(f"round {round_number + 1}/{args.rounds}: throughput, all targets in turn", flush=True)
+            for name, load in interleaved_throughput(targets, seconds=args.seconds).items():
+                throughput[name].append(load)
 
         cold = {}
         for server, port in ports.items():
