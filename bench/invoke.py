@@ -3,17 +3,21 @@
     .venv/bin/python bench/invoke.py [--rounds 3] [--seconds 5] [--servers gunicorn,granian]
 
 It starts everything it measures on 127.0.0.1, in a fresh temporary var directory: the
-bundled Redis (or REDIS_URL when set), a migrated SQLite database, workerd with the loader
-host, and Sigil under each production server as it would run (several worker processes,
-keep-alive). It creates an agent with `manage.py createagent`, deploys a small capability
-over the REST API, then with wrk measures:
+bundled Redis (or the one at REDIS_URL, which it writes to but never flushes), a migrated
+SQLite database, workerd with the loader host, and Sigil under each production server as
+it would run (several worker processes, keep-alive). It creates an agent with
+`manage.py createagent`, deploys a small capability over the REST API, then with wrk
+measures, for workerd called directly (the loader host with Sigil's internal headers, the
+same code) and for Sigil under each server:
 
-- warm latency, p50 and p99, over one keep-alive connection;
-- warm throughput over 16 concurrent connections;
+- warm latency, p50 and p99 of every call, over one keep-alive connection;
+- warm throughput over 16 concurrent connections, in one-second turns across the targets
+  so that other work on the machine slows them alike, and the CPU time each part (server,
+  workerd, Redis, wrk) spent per request (Linux: read from /proc);
 
-for workerd called directly (the loader host with Sigil's internal headers, the same code)
-and for Sigil under each server; then the first call after a deploy of a fresh capability.
-Everything it started is stopped by pid when it ends.
+then the time of the first call after a deploy of a fresh capability. It prints what Sigil
+adds (p50 and p99 over bare workerd, throughput ratio) against the issue's targets, and
+stops everything it started, by pid.
 
 Needs wrk (Debian and Ubuntu: `apt-get install wrk`) and workerd (`npm ci`).
 """
@@ -317,7 +321,11 @@ def main() -> int:
     servers = [s for s in args.servers.split(",") if s]
 
     if shutil.which("wrk") is None:
-        print("wrk is not installed. On Debian or Ubuntu: apt-get update && apt-get install -y wrk", file=sys.stderr)
+        print(
+            "wrk is not installed: on Debian or Ubuntu `apt-get update && apt-get install -y wrk`, "
+            "on macOS `brew install wrk`",
+            file=sys.stderr,
+        )
         return 2
 
     var_dir = Path(tempfile.mkdtemp(prefix="sigil-bench-"))
