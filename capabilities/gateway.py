@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 from urllib.parse import quote
 
-import urllib3
+import redis
 from django.conf import settings
 from django.db import close_old_connections, connection
+from urllib3.util import parse_url
 
 from agents import tokens
 from agents.selectors import parse_bearer, token_authenticate
@@ -24,6 +27,7 @@ from capabilities.models import BreakerState
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import Route
 from capabilities.tasks import capability_record_breaker as capability_record_breaker_task
+from capabilities.upstream import UpstreamConnections, UpstreamResponse, UpstreamTimeout, UpstreamUnreachable
 from sigil_site.errors import (
     CapabilityError,
     Degraded,
@@ -94,17 +98,15 @@ class Gateway:
         self.redis = get_redis()
         self.runtime = get_runtime()
         self.record_call = self.redis.register_script(stats.RECORD_CALL)
-        self.timeout = urllib3.Timeout(connect=5.0, read=settings.SIGIL_INVOKE_TIMEOUT_SECONDS)
         self.max_body = settings.SIGIL_INVOKE_MAX_BODY_BYTES
         self.breaker_threshold = settings.SIGIL_BREAKER_THRESHOLD
         self.breaker_cooldown = settings.SIGIL_BREAKER_COOLDOWN_SECONDS
         # The pager deletes a victim only once no call to it is in flight; unbounded
         # runtimes never page out, so they skip the counting.
         self.tracks_inflight = self.runtime.total_slots is not None
-        # One keep-alive pool per upstream origin; block=False lets bursts open extra
-        # connections instead of queueing behind the pool size.
-        self.pools = urllib3.PoolManager(num_pools=64, maxsize=32, block=False, retries=False)
+        self.upstream = UpstreamConnections(connect_timeout=5.0, read_timeout=settings.SIGIL_INVOKE_TIMEOUT_SECONDS)
         self.route_memo: dict[tuple, Route] = {}
+        self.local = threading.local()
 
     def __call__(self, environ, start_response):
         started = time.perf_counter()
@@ -134,11 +136,18 @@ class Gateway:
     def handle(self, environ, start_response, started: float):
         agent, name, rest = split_path(environ.get("PATH_INFO", ""))
         full = names.full_name(agent, name)
-        secret = parse_bearer(environ.get("HTTP_AUTHORIZATION"))
+        authorization = environ.get("HTTP_AUTHORIZATION")
+        if authorization is not None and SERVER_ENVIRONMENT_HEADERS.get("HTTP_AUTHORIZATION") == authorization:
+            authorization = None  # the server's environment, not the caller's header
+        secret = parse_bearer(authorization)
         token_hash = tokens.hash_secret(secret)
-        token_raw, route_raw, open_until = self.redis.mget(
-            tokens.cache_key(token_hash), routes.key(full), stats.breaker_key(full)
-        )
+        keys = (tokens.cache_key(token_hash), routes.key(full), stats.breaker_key(full))
+        try:
+            token_raw, route_raw, open_until = self.thread_redis().mget(keys)
+        except redis.ConnectionError:
+            # The held connection was closed (Redis restarted, or dropped an idle client);
+            # redis-py has discarded it, so this reconnects.
+            token_raw, route_raw, open_until = self.thread_redis().mget(keys)
         principal = token_authenticate(secret, cached=token_raw)
         if route_raw is None:
             route_raw = routes.route_load(full)
@@ -208,6 +217,16 @@ class Gateway:
         call.finished = True  # from here ResponseBody.close() records the call
         return ResponseBody(self, upstream, call, ok=upstream.status < 500)
 
+    def thread_redis(self) -> redis.Redis:
+        """A client holding one connection for this server thread, for the two commands every
+        call sends: taking a connection from the shared pool costs three system calls per
+        command, and each lets another thread take the GIL."""
+        client = getattr(self.local, "redis", None)
+        if client is None:
+            client = redis.Redis(connection_pool=self.redis.connection_pool, single_connection_client=True)
+            self.local.redis = client
+        return client
+
     def page_in(self, full: str) -> tuple[routes.CachedRoute, float]:
         from capabilities.services import capability_page_in
 
@@ -215,14 +234,14 @@ class Gateway:
         route, _ = capability_page_in(full=full)
         return route, (time.perf_counter() - started) * 1000
 
-    def send_once(self, environ, call: Call, route: routes.CachedRoute, rest: str) -> urllib3.BaseHTTPResponse:
+    def send_once(self, environ, call: Call, route: routes.CachedRoute, rest: str) -> UpstreamResponse:
         try:
             return self.send(environ, self.target(route), rest)
-        except urllib3.exceptions.TimeoutError as exc:
+        except UpstreamTimeout as exc:
             self.finish(call, ok=False)
-            raise Timeout(f"{call.full} did not answer within {self.timeout.read_timeout:g} s") from exc
-        except urllib3.exceptions.HTTPError as exc:
-            raise UpstreamError(f"the runtime could not be reached for {call.full}: {exc.__class__.__name__}") from exc
+            raise Timeout(f"{call.full} did not answer within {self.upstream.read_timeout:g} s") from exc
+        except UpstreamUnreachable as exc:
+            raise UpstreamError(f"the runtime could not be reached for {call.full}: {exc}") from exc
 
     def enter_open_breaker(self, full: str, open_until: float, now: float) -> bool:
         """While open, refuse; after the cool-down let exactly one trial call through."""
@@ -249,14 +268,16 @@ class Gateway:
             self.route_memo[key] = target
         return target
 
-    def send(self, environ, target: Route, rest: str) -> urllib3.BaseHTTPResponse:
+    def send(self, environ, target: Route, rest: str) -> UpstreamResponse:
         headers = request_headers(environ)
         headers.update(target.headers)
         if target.host_header:
             headers["host"] = target.host_header  # request_headers() keys are lower case
         query = environ.get("QUERY_STRING")
-        url = target.base_url + rest + ("?" + query if query else "")
-        body = None
+        # Normalised as a client library would: dot segments resolved, characters that may
+        # not appear in a request line percent-encoded.
+        request_target = parse_url(target.base_url + rest + ("?" + query if query else "")).request_uri
+        body, size = None, None
         length = environ.get("CONTENT_LENGTH")
         if length:
             try:
@@ -270,16 +291,8 @@ class Gateway:
                 headers["Content-Length"] = length
         elif environ.get("HTTP_TRANSFER_ENCODING", "").lower() == "chunked":
             body = read_limited(environ["wsgi.input"], self.max_body)
-        return self.pools.urlopen(
-            environ["REQUEST_METHOD"],
-            url,
-            body=body,
-            headers=headers,
-            redirect=False,
-            preload_content=False,
-            decode_content=False,
-            timeout=self.timeout,
-            assert_same_host=False,
+        return self.upstream.request(
+            environ["REQUEST_METHOD"], target.base_url, request_target, headers=headers, body=body, size=size
         )
 
     def finish(self, call: Call, *, ok: bool) -> None:
@@ -289,6 +302,7 @@ class Gateway:
         now = time.time()
         latency_ms = (time.perf_counter() - call.started) * 1000
         change = self.record_call(
+            client=self.thread_redis(),
             keys=[
                 stats.stats_key(call.full),
                 stats.failures_key(call.full),
@@ -390,10 +404,10 @@ class ResponseBody:
 
     def __iter__(self):
         try:
-            yield from self.upstream.stream(STREAM_CHUNK, decode_content=False)
-        except urllib3.exceptions.TimeoutError:
-            self.ok = False  # the capability stalled mid-body; the caller sees a cut response
-            logger.warning("%s stalled while streaming its response", self.call.full)
+            yield from self.upstream.stream(STREAM_CHUNK)
+        except (UpstreamTimeout, UpstreamUnreachable) as exc:
+            self.ok = False  # the capability stalled or broke mid-body; the caller sees a cut response
+            logger.warning("%s failed while streaming its response: %s", self.call.full, exc)
 
     def close(self) -> None:
         # WSGI servers call close() after the last byte is written, so this bookkeeping is
@@ -461,10 +475,16 @@ def split_path(path: str) -> tuple[str, str, str]:
     return agent, name, "/" + quote(rest.encode("latin-1"), safe="/:@!$&'()*+,;=-._~") if slash else "/"
 
 
+# Some WSGI servers (granian 2.5) copy the server's own environment into every request's
+# environ, so a variable such as HTTP_PROXY would reach capabilities as a header. Such
+# entries are recognised by name and value and never forwarded.
+SERVER_ENVIRONMENT_HEADERS = {key: value for key, value in os.environ.items() if key.startswith("HTTP_")}
+
+
 def request_headers(environ) -> dict[str, str]:
     headers = {}
     for key, value in environ.items():
-        if key.startswith("HTTP_"):
+        if key.startswith("HTTP_") and SERVER_ENVIRONMENT_HEADERS.get(key) != value:
             name = key[5:].replace("_", "-").lower()
             if name in DROPPED_REQUEST_HEADERS or name.startswith("x-sigil-"):
                 continue

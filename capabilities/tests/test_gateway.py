@@ -178,3 +178,28 @@ def test_ttl_expiry_runs_on_beat_and_a_worker(alice, settings, celery_worker_ses
     finally:
         beat.terminate()
         beat.wait(timeout=10)
+
+
+def test_an_unreachable_runtime_is_a_502_and_not_the_capabilitys_failure(alice, settings, redis_client):
+    from capabilities.workerd import free_port
+
+    settings.SIGIL_WORKERD_PORT = free_port()  # nothing listens there
+    alice.deploy(name="ping", code=PONG)  # placing local code needs only the disk
+    response = alice.call("/alice/ping")
+    assert_error(response, 502, "upstream_error")
+    assert redis_client.get(stats.failures_key("alice--ping")) is None  # the breaker is not charged
+
+
+def test_headers_a_server_copies_from_its_own_environment_are_not_forwarded(alice, monkeypatch):
+    from capabilities import gateway
+
+    echo = "export default { async fetch(request) { return Response.json(Object.fromEntries(request.headers)) } }"
+    alice.deploy(name="echo", code=echo)
+    monkeypatch.setitem(gateway.SERVER_ENVIRONMENT_HEADERS, "HTTP_X_SERVER_SECRET", "internal-value")
+    monkeypatch.setitem(gateway.SERVER_ENVIRONMENT_HEADERS, "HTTP_AUTHORIZATION", f"Bearer {alice.invoke_token}")
+    seen = alice.call("/alice/echo", headers={"X-Server-Secret": "internal-value", "X-Caller": "kept"})
+    # A copied Authorization is no credential: only what the caller really sent counts.
+    assert seen.status_code == 401
+    monkeypatch.delitem(gateway.SERVER_ENVIRONMENT_HEADERS, "HTTP_AUTHORIZATION")
+    seen = alice.call("/alice/echo", headers={"X-Server-Secret": "internal-value", "X-Caller": "kept"}).json()
+    assert seen["x-caller"] == "kept" and "x-server-secret" not in seen

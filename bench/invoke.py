@@ -1,0 +1,538 @@
+"""Invoke benchmark: what Sigil adds to a warm call, and how long the first call after a deploy takes.
+
+    .venv/bin/python bench/invoke.py [--rounds 3] [--seconds 5] [--servers gunicorn,granian]
+
+It starts everything it measures on 127.0.0.1, in a fresh temporary var directory: the
+bundled Redis (or the one at REDIS_URL, which it writes to but never flushes), a migrated
+SQLite database, workerd with the loader host, and Sigil under each production server as
+it would run (several worker processes, keep-alive). It creates an agent with
+`manage.py createagent`, deploys a small capability over the REST API, then with wrk
+measures, for workerd called directly (the loader host with Sigil's internal headers, the
+same code) and for Sigil under each server:
+
+- warm latency, p50 and p99 of every call, over one keep-alive connection;
+- warm throughput over 16 concurrent connections, in one-second turns across the targets
+  so that other work on the machine slows them alike, and the CPU time each part (server,
+  workerd, Redis, wrk) spent per request (Linux: read from /proc);
+
+then the time of the first call after a deploy of a fresh capability. It prints what Sigil
+adds (p50 and p99 over bare workerd, throughput ratio) against the issue's targets, and
+stops everything it started, by pid.
+
+Needs wrk (Debian and Ubuntu: `apt-get install wrk`) and workerd (`npm ci`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import resource
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from capabilities.runtimes.base import CodeBundle  # noqa: E402
+from capabilities.workerd import WorkerdHost, free_port  # noqa: E402
+from sigil_site.embedded_redis import EmbeddedRedis  # noqa: E402
+
+BENCH_DIR = Path(__file__).resolve().parent
+# Latency runs time every call in Lua (wrk's own percentiles are corrected for coordinated
+# omission, which over one connection turns one stall into many slow samples); throughput
+# runs only need wrk's summary.
+LATENCY_LUA = BENCH_DIR / "latency.lua"
+THROUGHPUT_LUA = BENCH_DIR / "throughput.lua"
+AGENT = "bench"
+CAPABILITY = "hello"
+REPLY = "hello from a capability"
+CODE = "export default { async fetch() { return new Response(%s) } }"
+THROUGHPUT_CONNECTIONS = 16
+
+# The issue's targets for a warm call through Sigil, and for the first call after a deploy.
+MAX_ADDED_P50_MS = 1.5
+MAX_ADDED_P99_MS = 4.0
+MIN_THROUGHPUT_RATIO = 0.3
+MAX_COLD_P50_MS = 20.0
+
+
+def server_command(server: str, *, port: int, workers: int, threads: int) -> list[str]:
+    """How each production server runs Sigil's WSGI application (gateway in front of Django)."""
+    bin_dir = Path(sys.executable).parent
+    if server == "gunicorn":
+        return [
+            str(bin_dir / "gunicorn"),
+            "sigil_site.wsgi:application",
+            "--worker-class",
+            "gthread",
+            "--workers",
+            str(workers),
+            "--threads",
+            str(threads),
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--keep-alive",
+            "75",
+            "--log-level",
+            "warning",
+        ]
+    if server == "granian":
+        return [
+            str(bin_dir / "granian"),
+            "--interface",
+            "wsgi",
+            "--workers",
+            str(workers),
+            "--blocking-threads",
+            str(threads),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--http",
+            "1",
+            "--no-ws",
+            "--log-level",
+            "warning",
+            "sigil_site.wsgi:application",
+        ]
+    raise ValueError(f"unknown server {server!r}")
+
+
+SERVER_LABELS = {"gunicorn": "gunicorn gthread", "granian": "granian wsgi"}
+
+
+@dataclass(frozen=True)
+class Load:
+    """One wrk run, as latency.lua and throughput.lua print it, with the CPU each part used."""
+
+    requests: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    failures: int
+    cpu_us: dict[str, float]  # per request: server, workerd, redis, wrk
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str
+    url: str
+    headers: dict[str, str]
+    # The processes that serve this target, by part; their CPU time is charged to it.
+    processes: dict[str, int]
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(root: int) -> float:
+    """User and system CPU time of a process and its descendants, from /proc (Linux)."""
+    total = 0.0
+    with contextlib.suppress(FileNotFoundError):
+        fields = Path(f"/proc/{root}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        for task in Path(f"/proc/{root}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                total += cpu_seconds(int(child))
+    return total
+
+
+def wrk_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wrk(target: Target, *, connections: int, seconds: float, script: Path = THROUGHPUT_LUA) -> Load:
+    command = [
+        "wrk",
+        "--threads",
+        "1",
+        "--connections",
+        str(connections),
+        "--duration",
+        f"{seconds:g}s",
+        "--timeout",
+        "5s",
+        "--script",
+        str(script),
+    ]
+    for name, value in target.headers.items():
+        command += ["--header", f"{name}: {value}"]
+    cpu_before = {part: cpu_seconds(pid) for part, pid in target.processes.items()}
+    cpu_before["wrk"] = wrk_cpu_seconds()
+    output = subprocess.run([*command, target.url], capture_output=True, text=True, check=True).stdout
+    cpu_used = {part: cpu_seconds(pid) - cpu_before[part] for part, pid in target.processes.items()}
+    cpu_used["wrk"] = wrk_cpu_seconds() - cpu_before["wrk"]
+    data = json.loads(next(line for line in output.splitlines() if line.startswith("{")))
+    return Load(
+        requests=data["requests"],
+        seconds=data["duration_us"] / 1e6,
+        p50_ms=data["p50_us"] / 1000,
+        p99_ms=data["p99_us"] / 1000,
+        failures=data["socket_errors"] + data["bad_status"],
+        cpu_us={part: used / max(data["requests"], 1) * 1e6 for part, used in cpu_used.items()},
+    )
+
+
+def interleaved_throughput(targets: dict[str, Target], *, seconds: float) -> dict[str, Load]:
+    """Each target's throughput over `seconds` one-second runs, taken in turn with the
+    other targets', so that other work on the machine slows every target alike."""
+    slices: dict[str, list[Load]] = {name: [] for name in targets}
+    for _ in range(max(1, round(seconds))):
+        for name, target in targets.items():
+            slices[name].append(wrk(target, connections=THROUGHPUT_CONNECTIONS, seconds=1))
+    totals = {}
+    for name, loads in slices.items():
+        requests = sum(load.requests for load in loads)
+        parts = {part for load in loads for part in load.cpu_us}
+        totals[name] = Load(
+            requests=requests,
+            seconds=sum(load.seconds for load in loads),
+            p50_ms=statistics.median(load.p50_ms for load in loads),
+            p99_ms=statistics.median(load.p99_ms for load in loads),
+            failures=sum(load.failures for load in loads),
+            cpu_us={part: sum(load.cpu_us[part] * load.requests for load in loads) / requests for part in parts},
+        )
+    return totals
+
+
+class Processes:
+    """Child processes started by the benchmark, stopped by pid in reverse order."""
+
+    def __init__(self) -> None:
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stack.close()
+
+    def start(self, command: list[str], *, env: dict[str, str], log: Path) -> subprocess.Popen:
+        with open(log, "ab") as out:
+            process = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.stack.callback(stop, process)
+        return process
+
+    def adopt(self, stopper) -> None:
+        self.stack.callback(stopper)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the process (a server's master stops its own workers), then SIGKILL its group."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    # Workers that outlived their master are still in the session the benchmark created.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def request(connection: http.client.HTTPConnection, method: str, path: str, *, headers=None, body=None):
+    connection.request(method, path, body=body, headers=headers or {})
+    response = connection.getresponse()
+    return response, response.read()
+
+
+def wait_for_health(port: int, process: subprocess.Popen, *, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            response, _ = request(connection, "GET", "/_health")
+            connection.close()
+            if response.status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the server on port {port} was not healthy within {seconds:g} s")
+
+
+def manage(*args: str, env: dict[str, str]) -> str:
+    result = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stderr}")
+    return result.stdout
+
+
+def deploy(connection, token: str, name: str, code: str) -> None:
+    body = json.dumps({"name": name, "code": code}).encode()
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    response, data = request(connection, "POST", "/_api/deploy", headers=headers, body=body)
+    if response.status not in (200, 201):
+        raise RuntimeError(f"deploy of {name} answered {response.status}: {data.decode(errors='replace')}")
+
+
+def check_reply(target: Target, port: int, path: str) -> None:
+    """One call before the load, so a wrong setup fails loudly instead of benchmarking errors."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    response, data = request(connection, "GET", path, headers=target.headers)
+    connection.close()
+    if response.status != 200 or data.decode() != REPLY:
+        raise RuntimeError(f"{target.label} answered {response.status}: {data[:300]!r}")
+
+
+@dataclass(frozen=True)
+class FirstCall:
+    total_ms: float
+    capability_ms: float  # workerd's part, from the Server-Timing header Sigil sends
+
+
+def measure_cold(port: int, tokens: dict[str, str], *, server: str, runs: int) -> list[FirstCall]:
+    """Deploy a fresh capability, then time its first call on the same keep-alive connection."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    invoke = {"Authorization": f"Bearer {tokens['invoke_token']}"}
+    timings = []
+    for run in range(runs):
+        name = f"cold-{server}-{run}"
+        # A new sha per run: workerd has never seen this code, so it loads a new isolate.
+        deploy(connection, tokens["deploy_token"], name, CODE % json.dumps(f"{REPLY} ({name})"))
+        started = time.perf_counter()
+        response, data = request(connection, "GET", f"/{AGENT}/{name}", headers=invoke)
+        total_ms = (time.perf_counter() - started) * 1000
+        if response.status != 200:
+            raise RuntimeError(f"the first call of {name} answered {response.status}: {data[:300]!r}")
+        timing = dict(part.strip().split(";dur=") for part in response.getheader("Server-Timing", "").split(","))
+        timings.append(FirstCall(total_ms, float(timing.get("capability", "nan"))))
+    connection.close()
+    return timings
+
+
+def load_average() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def spread(values: list[float], digits: int) -> str:
+    """The median, and the range when there were several rounds."""
+    middle = f"{statistics.median(values):.{digits}f}"
+    if len(values) == 1:
+        return middle
+    return f"{middle} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--servers", default="gunicorn,granian", help="comma-separated: gunicorn, granian")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes per server")
+    parser.add_argument("--threads", type=int, default=8, help="threads per worker process")
+    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each wrk run")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the warm runs to see the spread")
+    parser.add_argument("--cold-runs", type=int, default=20, help="fresh deploys timed per server")
+    parser.add_argument("--json", type=Path, help="also write the raw figures to this file")
+    args = parser.parse_args()
+    servers = [s for s in args.servers.split(",") if s]
+
+    if shutil.which("wrk") is None:
+        print(
+            "wrk is not installed: on Debian or Ubuntu `apt-get update && apt-get install -y wrk`, "
+            "on macOS `brew install wrk`",
+            file=sys.stderr,
+        )
+        return 2
+
+    var_dir = Path(tempfile.mkdtemp(prefix="sigil-bench-"))
+    internal_secret = secrets.token_hex(32)
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "sigil_site.settings",
+        "DEBUG": "false",
+        "SECRET_KEY": secrets.token_urlsafe(48),
+        "SIGIL_VAR_DIR": str(var_dir),
+        "SIGIL_INTERNAL_SECRET": internal_secret,
+        "SIGIL_WORKERD_PORT": str(free_port()),
+        "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
+        "SIGIL_LOG_LEVEL": "WARNING",
+        "ALLOWED_HOSTS": "127.0.0.1",
+    }
+    env.pop("DATABASE_URL", None)  # always a fresh SQLite file under the temporary var dir
+    print(f"var dir {var_dir}; load average {load_average()}")
+
+    with Processes() as processes:
+        backing = {}  # the processes behind every target, by part, for the CPU figures
+        if not env.get("REDIS_URL"):
+            redis_server = EmbeddedRedis(var_dir / "redis")
+            redis_server.start()
+            processes.adopt(redis_server.stop)
+            env["REDIS_URL"] = redis_server.url
+            backing["redis"] = redis_server.process.pid
+        workerd = WorkerdHost(
+            binary=env.get("SIGIL_WORKERD_BIN", str(ROOT / "node_modules" / ".bin" / "workerd")),
+            port=int(env["SIGIL_WORKERD_PORT"]),
+            code_dir=var_dir / "code",
+            state_dir=var_dir / "workerd",
+            secret=internal_secret,
+        )
+        workerd.start()
+        processes.adopt(workerd.stop)
+        backing["workerd"] = workerd.process.pid
+
+        manage("migrate", "--noinput", env=env)
+        tokens = json.loads(manage("createagent", AGENT, "--json", env=env))
+
+        ports, server_pids = {}, {}
+        for server in servers:
+            port = free_port()
+            command = server_command(server, port=port, workers=args.workers, threads=args.threads)
+            process = processes.start(command, env=env, log=var_dir / f"{server}.log")
+            wait_for_health(port, process)
+            ports[server], server_pids[server] = port, process.pid
+
+        code = CODE % json.dumps(REPLY)
+        first_port = ports[servers[0]]
+        connection = http.client.HTTPConnection("127.0.0.1", first_port, timeout=30)
+        deploy(connection, tokens["deploy_token"], CAPABILITY, code)
+        connection.close()
+
+        full = f"{AGENT}--{CAPABILITY}"
+        targets = {
+            "workerd": Target(
+                "workerd",
+                f"{workerd.url}/",
+                {"X-Sigil-Secret": internal_secret, "X-Sigil-Loader-Id": f"{full}@{CodeBundle.from_code(code).sha}"},
+                {"workerd": backing["workerd"]},
+            )
+        }
+        for server, port in ports.items():
+            targets[server] = Target(
+                SERVER_LABELS[server],
+                f"http://127.0.0.1:{port}/{AGENT}/{CAPABILITY}",
+                {"Authorization": f"Bearer {tokens['invoke_token']}"},
+                {"server": server_pids[server], **backing},
+            )
+        check_reply(targets["workerd"], workerd.port, "/")
+        for server, port in ports.items():
+            check_reply(targets[server], port, f"/{AGENT}/{CAPABILITY}")
+
+        latency: dict[str, list[Load]] = {name: [] for name in targets}
+        throughput: dict[str, list[Load]] = {name: [] for name in targets}
+        for round_number in range(args.rounds):
+            for name, target in targets.items():
+                print(f"round {round_number + 1}/{args.rounds}: latency, {target.label}", flush=True)
+                # Warm every worker process, thread and upstream connection first.
+                wrk(target, connections=THROUGHPUT_CONNECTIONS, seconds=1)
+                latency[name].append(wrk(target, connections=1, seconds=args.seconds, script=LATENCY_LUA))
+            print(f"round {round_number + 1}/{args.rounds}: throughput, all targets in turn", flush=True)
+            for name, load in interleaved_throughput(targets, seconds=args.seconds).items():
+                throughput[name].append(load)
+
+        cold = {}
+        for server, port in ports.items():
+            print(f"cold: {args.cold_runs} deploys through {SERVER_LABELS[server]}", flush=True)
+            cold[server] = measure_cold(port, tokens, server=server, runs=args.cold_runs)
+
+    print(f"load average {load_average()} (other work on the machine shows up in the figures)")
+    report(servers, targets, latency, throughput, cold, args)
+    if args.json:
+        raw = {
+            "latency": {name: [vars(load) for load in loads] for name, loads in latency.items()},
+            "throughput": {
+                name: [vars(load) | {"rps": load.rps} for load in loads] for name, loads in throughput.items()
+            },
+            "cold_ms": {server: [vars(call) for call in calls] for server, calls in cold.items()},
+            "workers": args.workers,
+            "threads": args.threads,
+        }
+        args.json.write_text(json.dumps(raw, indent=2))
+    shutil.rmtree(var_dir, ignore_errors=True)
+    return 0
+
+
+def report(servers, targets, latency, throughput, cold, args) -> None:
+    rounds = range(args.rounds)
+    bare_lat, bare_tput = latency["workerd"], throughput["workerd"]
+    print()
+    print(
+        f"warm calls: p50/p99 over 1 connection, throughput over {THROUGHPUT_CONNECTIONS} connections, "
+        f"{args.seconds:g} s each; {args.workers} workers x {args.threads} threads; "
+        + ("median (min-max) of " + str(args.rounds) + " rounds" if args.rounds > 1 else "one round")
+    )
+    header = f"{'':18} {'p50 ms':>18} {'p99 ms':>18} {'req/s':>22} {'+p50 ms':>18} {'+p99 ms':>18} {'ratio':>18}"
+    print(header)
+    for name, target in targets.items():
+        lat, tput = latency[name], throughput[name]
+        row = (
+            f"{target.label:18} {spread([x.p50_ms for x in lat], 3):>18} {spread([x.p99_ms for x in lat], 3):>18} "
+            f"{spread([x.rps for x in tput], 0):>22}"
+        )
+        if name != "workerd":
+            added_p50 = [lat[i].p50_ms - bare_lat[i].p50_ms for i in rounds]
+            added_p99 = [lat[i].p99_ms - bare_lat[i].p99_ms for i in rounds]
+            ratio = [tput[i].rps / bare_tput[i].rps for i in rounds]
+            row += f" {spread(added_p50, 3):>18} {spread(added_p99, 3):>18} {spread(ratio, 2):>18}"
+        failures = sum(x.failures for x in lat + tput)
+        if failures:
+            row += f"  ({failures} failed requests)"
+        print(row)
+    print()
+    parts = ["server", "workerd", "redis", "wrk"]
+    print(
+        f"CPU per request over {THROUGHPUT_CONNECTIONS} connections, µs (median);"
+        f" the machine has {os.cpu_count()} cores:"
+    )
+    print(f"{'':18} " + " ".join(f"{part:>9}" for part in [*parts, "total"]))
+    for name, target in targets.items():
+        cells = []
+        for part in parts:
+            values = [load.cpu_us[part] for load in throughput[name] if part in load.cpu_us]
+            cells.append(f"{statistics.median(values):9.0f}" if values else f"{'-':>9}")
+        total = statistics.median(sum(load.cpu_us.values()) for load in throughput[name])
+        print(f"{target.label:18} " + " ".join(cells) + f" {total:9.0f}")
+    print()
+    print(f"first call after a deploy of a fresh capability, {args.cold_runs} deploys per server:")
+    for server in servers:
+        timings = [call.total_ms for call in cold[server]]
+        in_workerd = statistics.median(call.capability_ms for call in cold[server])
+        print(
+            f"{SERVER_LABELS[server]:18} p50 {statistics.median(timings):.2f} ms, "
+            f"p90 {percentile(timings, 0.9):.2f} ms, max {max(timings):.2f} ms "
+            f"(in workerd: p50 {in_workerd:.2f} ms)"
+        )
+    print()
+    print(
+        f"targets: +p50 <= {MAX_ADDED_P50_MS} ms, +p99 <= {MAX_ADDED_P99_MS} ms, "
+        f"ratio >= {MIN_THROUGHPUT_RATIO}, first call p50 < {MAX_COLD_P50_MS:g} ms"
+    )
+    for server in servers:
+        lat, tput = latency[server], throughput[server]
+        checks = {
+            "+p50": statistics.median(lat[i].p50_ms - bare_lat[i].p50_ms for i in rounds) <= MAX_ADDED_P50_MS,
+            "+p99": statistics.median(lat[i].p99_ms - bare_lat[i].p99_ms for i in rounds) <= MAX_ADDED_P99_MS,
+            "ratio": statistics.median(tput[i].rps / bare_tput[i].rps for i in rounds) >= MIN_THROUGHPUT_RATIO,
+            "cold": statistics.median(call.total_ms for call in cold[server]) < MAX_COLD_P50_MS,
+        }
+        verdict = ", ".join(f"{name} {'ok' if passed else 'MISSED'}" for name, passed in checks.items())
+        print(f"{SERVER_LABELS[server]:18} {verdict}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
