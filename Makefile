@@ -16,7 +16,7 @@ NODE_STAMP := node_modules/.sigil-package-lock
 # that Playwright downloads itself).
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: install run test lint format
+.PHONY: install run test lint format bench
 
 install: $(PY_STAMP) $(NODE_STAMP)
 
@@ -52,3 +52,11 @@ lint: install
 format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+# The figures in the README: warm-call overhead and throughput against bare workerd (needs
+# wrk), paging costs, and the runtimes side by side.
+bench: install
+	$(PY) bench/invoke.py
+	$(PY) bench/pagein.py
+	$(PY) bench/pager.py
+	$(PY) bench/runtimes.py

@@ -372,8 +372,8 @@ LOGGING = {
     "disable_existing_loggers": False,
     "formatters": {
         "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
-        # The gateway's access lines are JSON already; only the time is put in front.
-        "access": {"format": '{"time":"%(asctime)s","request":%(message)s}'},
+        # The gateway's access lines are whole JSON objects, time included.
+        "access": {"format": "%(message)s"},
     },
     "handlers": {
         "console": {"class": "logging.StreamHandler", "formatter": "plain"},
