@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hmac
+import io
 from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection
+from django.http import HttpResponse
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers
@@ -19,10 +21,11 @@ from rest_framework.views import APIView
 from agents.models import Agent
 from agents.permissions import HasDeployScope
 from capabilities import selectors, services
+from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import RuntimeUnavailable
-from sigil_site.errors import InvalidRequest, TooLarge
+from sigil_site.errors import InvalidRequest, NotFound, TooLarge, Unauthenticated, error_response
 from sigil_site.redis_client import get_redis
 
 
@@ -61,8 +64,6 @@ class LimitedJSONParser(JSONParser):
         raw = stream.read(limit + 1) if stream is not None else b""
         if len(raw) > limit:
             raise TooLarge(f"the request body is over {limit} bytes")
-        import io
-
         return super().parse(io.BytesIO(raw), media_type, parser_context)
 
 
@@ -294,11 +295,6 @@ class HealthApi(APIView):
 
 def metrics_view(request):
     """Prometheus scrape endpoint, behind SIGIL_METRICS_TOKEN (off while it is empty)."""
-    from django.http import HttpResponse
-
-    from capabilities.metrics import metrics_render
-    from sigil_site.errors import NotFound, Unauthenticated, error_response
-
     expected = settings.SIGIL_METRICS_TOKEN
     if not expected:
         return error_response(NotFound("metrics are off: set SIGIL_METRICS_TOKEN to turn them on"))

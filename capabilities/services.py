@@ -1166,6 +1166,9 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
     target = CapabilityVersion.objects.filter(capability_id=capability.pk, number=version_number).first()
     if target is None:
         raise NotFound(f"{full} has no version {version_number}")
+    # A removed capability is not found whoever holds its lock (its slot release may).
+    if not Capability.objects.exclude(state=State.REMOVED).filter(pk=capability.pk).exists():
+        raise NotFound(f"no capability {full}")
     lock = _placement_lock(full, blocking=False)
     if not lock.acquire():
         raise Conflict(f"{full} is being deployed; retry when it is done")
