@@ -12,49 +12,39 @@ from capabilities.models import BreakerState, Capability, CapabilityStatsWindow,
 
 
 @dataclass
-class Bucket:
+class Traffic:
+    """Calls, errors and latency over some span, with the figures derived from them."""
+
+    calls: int = 0
+    errors: int = 0
+    cold_calls: int = 0
+    latency_buckets: list[int] = field(default_factory=list)
+
+    @property
+    def error_rate(self) -> float | None:
+        return self.errors / self.calls if self.calls else None
+
+    @property
+    def p50_ms(self) -> float | None:
+        return stats.percentile_ms(self.latency_buckets, 0.50)
+
+    @property
+    def p95_ms(self) -> float | None:
+        return stats.percentile_ms(self.latency_buckets, 0.95)
+
+
+@dataclass(kw_only=True)
+class Bucket(Traffic):
     """One step of the dashboard's time axis."""
 
     start: datetime
-    calls: int = 0
-    errors: int = 0
-    cold_calls: int = 0
     page_ins: int = 0
     evictions: int = 0
-    latency_buckets: list[int] = field(default_factory=list)
-
-    @property
-    def error_rate(self) -> float | None:
-        return self.errors / self.calls if self.calls else None
-
-    @property
-    def p50_ms(self) -> float | None:
-        return stats.percentile_ms(self.latency_buckets, 0.50)
-
-    @property
-    def p95_ms(self) -> float | None:
-        return stats.percentile_ms(self.latency_buckets, 0.95)
 
 
-@dataclass
-class CapabilityTraffic:
+@dataclass(kw_only=True)
+class CapabilityTraffic(Traffic):
     full_name: str
-    calls: int = 0
-    errors: int = 0
-    cold_calls: int = 0
-    latency_buckets: list[int] = field(default_factory=list)
-
-    @property
-    def error_rate(self) -> float | None:
-        return self.errors / self.calls if self.calls else None
-
-    @property
-    def p50_ms(self) -> float | None:
-        return stats.percentile_ms(self.latency_buckets, 0.50)
-
-    @property
-    def p95_ms(self) -> float | None:
-        return stats.percentile_ms(self.latency_buckets, 0.95)
 
 
 @dataclass
@@ -88,7 +78,7 @@ def dashboard_get(*, now: datetime, span: timedelta, step: timedelta, top_n: int
         "full_name", "window_start", "calls", "errors", "cold_calls", "latency_buckets"
     )
     for full, start, calls, errors, cold, latency in windows.iterator():
-        for row in (buckets[index(start)], total, per_capability.setdefault(full, CapabilityTraffic(full))):
+        for row in (buckets[index(start)], total, per_capability.setdefault(full, CapabilityTraffic(full_name=full))):
             row.calls += calls
             row.errors += errors
             row.cold_calls += cold
