@@ -208,3 +208,15 @@ def agent_webhook_deliver(*, agent_id: int, delivery: dict) -> None:
         subject=delivery.get("capability", ""),
         detail={"event": delivery["event"], "delivery": delivery["id"], "status": response.status_code},
     )
+
+
+def agent_webhook_failed(*, agent_id: int, delivery: dict, reason: str) -> None:
+    """Record a delivery given up after its last retry, so the owner sees it in the trail."""
+    agent = Agent.objects.filter(pk=agent_id).first()
+    audit_record(
+        actor="system",
+        action="webhook.failed",
+        agent_name=agent.name if agent else "",
+        subject=delivery.get("capability", ""),
+        detail={"event": delivery.get("event"), "delivery": delivery.get("id"), "reason": reason},
+    )

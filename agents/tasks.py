@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import random
+
 from celery import shared_task
+from django.conf import settings
 
 from agents.services import WebhookUnavailable
 
 
-@shared_task(
-    name="agents.agent_webhook_deliver",
-    acks_late=True,
-    reject_on_worker_lost=True,
-    autoretry_for=(WebhookUnavailable,),
-    retry_backoff=2,
-    retry_backoff_max=600,
-    retry_jitter=True,
-    retry_kwargs={"max_retries": 8},
-)
-def agent_webhook_deliver(*, agent_id: int, delivery: dict) -> None:
+@shared_task(name="agents.agent_webhook_deliver", bind=True, acks_late=True, reject_on_worker_lost=True)
+def agent_webhook_deliver(self, *, agent_id: int, delivery: dict) -> None:
+    """Deliver, retrying with jittered exponential backoff while the webhook is unavailable;
+    after the last retry the failure is recorded for the owner to see."""
     from agents import services
 
-    services.agent_webhook_deliver(agent_id=agent_id, delivery=delivery)
+    try:
+        services.agent_webhook_deliver(agent_id=agent_id, delivery=delivery)
+    except WebhookUnavailable as exc:
+        if self.request.retries >= settings.SIGIL_WEBHOOK_MAX_RETRIES:
+            services.agent_webhook_failed(agent_id=agent_id, delivery=delivery, reason=str(exc))
+            return
+        countdown = min(600, 2 * 2**self.request.retries) * random.uniform(0.5, 1.0)
+        raise self.retry(exc=exc, countdown=countdown, max_retries=None) from exc

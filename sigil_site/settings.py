@@ -281,6 +281,9 @@ SIGIL_PREWARM_WINDOW_SECONDS = env_int("SIGIL_PREWARM_WINDOW_SECONDS", 86400)
 SIGIL_ALERT_ERROR_RATE = env_float("SIGIL_ALERT_ERROR_RATE", 0.5)
 SIGIL_ALERT_MIN_CALLS = env_int("SIGIL_ALERT_MIN_CALLS", 10)
 SIGIL_ALERT_COOLDOWN_SECONDS = env_int("SIGIL_ALERT_COOLDOWN_SECONDS", 900)
+# Retries of a webhook delivery that fails with a connection error or a 5xx (backoff up to
+# 10 minutes apart); after the last, the failure is in the audit trail.
+SIGIL_WEBHOOK_MAX_RETRIES = env_int("SIGIL_WEBHOOK_MAX_RETRIES", 8)
 
 # Bearer token that GET /metrics requires; empty turns the endpoint off.
 SIGIL_METRICS_TOKEN = env_secret("SIGIL_METRICS_TOKEN")

@@ -139,3 +139,25 @@ def test_a_webhook_answering_503_is_retried(alice, settings, celery_worker_sessi
         assert receiver.refused == 1
     finally:
         receiver.stop()
+
+
+def test_a_webhook_that_never_answers_is_audited_as_failed_after_its_last_retry(alice, settings, celery_worker_session):
+    from testsupport.cast import WebhookReceiver
+
+    receiver = WebhookReceiver(fail_first=100)
+    try:
+        settings.SIGIL_BREAKER_THRESHOLD = 1
+        settings.SIGIL_WEBHOOK_MAX_RETRIES = 1
+        subscribe("alice", receiver.url)
+        alice.deploy(name="flaky", code=FLAKY)
+        alice.call("/alice/flaky?fail=1")
+        wait_for(
+            lambda: AuditEvent.objects.filter(action="webhook.failed", agent_name="alice").exists(),
+            timeout=20,
+            message="the failed delivery to be audited",
+        )
+        assert receiver.refused == 2  # the first try and its one retry
+        event = AuditEvent.objects.get(action="webhook.failed")
+        assert event.subject == "alice--flaky" and event.detail["event"] == "capability.degraded"
+    finally:
+        receiver.stop()
