@@ -1229,3 +1229,20 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
     return DeployResult(
         capability=locked, version=version, created=False, cold_start=placement.cold_start, evicted=placement.evicted
     )
+
+
+def capability_prune_stats(*, now: datetime | None = None, batch_size: int = 10_000) -> int:
+    """Delete minute windows older than SIGIL_STATS_RETENTION_DAYS; return how many.
+
+    Totals on each capability are kept; only the per-minute history goes. Safe to overlap
+    with itself: each run deletes one bounded batch of the oldest rows.
+    """
+    now = now or timezone.now()
+    cutoff = now - timedelta(days=settings.SIGIL_STATS_RETENTION_DAYS)
+    old = list(
+        CapabilityStatsWindow.objects.filter(window_start__lt=cutoff)
+        .order_by("window_start")
+        .values_list("pk", flat=True)[:batch_size]
+    )
+    deleted, _ = CapabilityStatsWindow.objects.filter(pk__in=old).delete()
+    return deleted

@@ -96,3 +96,10 @@ def capability_prewarm() -> None:
     from capabilities import services
 
     services.capability_prewarm()
+
+
+@shared_task(name="capabilities.capability_prune_stats", acks_late=True, reject_on_worker_lost=True)
+def capability_prune_stats() -> None:
+    from capabilities import services
+
+    services.capability_prune_stats()

@@ -197,6 +197,7 @@ SIGIL_STATS_FLUSH_INTERVAL_SECONDS = env_float("SIGIL_STATS_FLUSH_INTERVAL_SECON
 SIGIL_RECONCILE_INTERVAL_SECONDS = env_float("SIGIL_RECONCILE_INTERVAL_SECONDS", 300.0)
 SIGIL_INACTIVE_CHECK_INTERVAL_SECONDS = env_float("SIGIL_INACTIVE_CHECK_INTERVAL_SECONDS", 86400.0)
 SIGIL_PREWARM_INTERVAL_SECONDS = env_float("SIGIL_PREWARM_INTERVAL_SECONDS", 3600.0)
+SIGIL_STATS_PRUNE_INTERVAL_SECONDS = env_float("SIGIL_STATS_PRUNE_INTERVAL_SECONDS", 3600.0)
 
 CELERY_BEAT_SCHEDULE = {
     "capability-expire-ephemerals": {
@@ -218,6 +219,10 @@ CELERY_BEAT_SCHEDULE = {
     "capability-prewarm": {
         "task": "capabilities.capability_prewarm",
         "schedule": SIGIL_PREWARM_INTERVAL_SECONDS,
+    },
+    "capability-prune-stats": {
+        "task": "capabilities.capability_prune_stats",
+        "schedule": SIGIL_STATS_PRUNE_INTERVAL_SECONDS,
     },
 }
 
@@ -281,6 +286,8 @@ SIGIL_PREWARM_WINDOW_SECONDS = env_int("SIGIL_PREWARM_WINDOW_SECONDS", 86400)
 SIGIL_ALERT_ERROR_RATE = env_float("SIGIL_ALERT_ERROR_RATE", 0.5)
 SIGIL_ALERT_MIN_CALLS = env_int("SIGIL_ALERT_MIN_CALLS", 10)
 SIGIL_ALERT_COOLDOWN_SECONDS = env_int("SIGIL_ALERT_COOLDOWN_SECONDS", 900)
+# Per-minute call statistics older than this are deleted (totals per capability stay).
+SIGIL_STATS_RETENTION_DAYS = env_int("SIGIL_STATS_RETENTION_DAYS", 30)
 # Retries of a webhook delivery that fails with a connection error or a 5xx (backoff up to
 # 10 minutes apart); after the last, the failure is in the audit trail.
 SIGIL_WEBHOOK_MAX_RETRIES = env_int("SIGIL_WEBHOOK_MAX_RETRIES", 8)

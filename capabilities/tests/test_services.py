@@ -145,3 +145,18 @@ def test_inspect_reports_recent_calls_errors_and_percentiles_to_the_owner_only(a
 
     other = bob.call("/_api/capabilities/alice--flaky").json()
     assert other["recent"] is None and other["stats"] is None
+
+
+def test_pruning_drops_minute_windows_past_retention_and_keeps_totals(alice, settings):
+    from capabilities.models import CapabilityStatsWindow
+
+    settings.SIGIL_STATS_RETENTION_DAYS = 30
+    alice.deploy(name="ping", code=PONG)
+    alice.call("/alice/ping")
+    flush_stats_when_recorded(alice__ping=1)
+    assert CapabilityStatsWindow.objects.count() == 1
+
+    assert services.capability_prune_stats(now=timezone.now() + timedelta(days=29)) == 0
+    assert services.capability_prune_stats(now=timezone.now() + timedelta(days=31)) == 1
+    assert CapabilityStatsWindow.objects.count() == 0
+    assert Capability.objects.get(full_name="alice--ping").calls_total == 1
