@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 
 from capabilities.cloudflare import CloudflareClient, CloudflareRejected
-from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route, Runtime
-from capabilities.runtimes.sigil_worker import SigilWorker
+from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
+from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
 from capabilities.workerd import HOST_DIR
 
 HOST_MODULE = "host.js"
@@ -17,7 +17,7 @@ CODE_PREFIX = "code:"
 SLOT_PREFIX = "slot:"
 
 
-class LoaderRuntime(Runtime):
+class LoaderRuntime(FrontedRuntime):
     """Unlimited slots: no pager, and no script per capability.
 
     Bundles are content-addressed in KV (`code:{sha}`); a placement is a pointer key
@@ -32,6 +32,7 @@ class LoaderRuntime(Runtime):
     """
 
     name = "loader"
+    marker_header = "x-sigil-host"
     # A Dynamic Worker's env holds plain values (reference §5.3): variables and secrets.
     binding_kinds = TEXT_BINDING_KINDS
 
@@ -45,17 +46,15 @@ class LoaderRuntime(Runtime):
         cpu_ms: int,
         invoke_base: str = "",
     ) -> None:
+        super().__init__(cpu_ms=cpu_ms)
         self.client = client
         self.kv_title = kv_title
-        self.default_cpu_ms = cpu_ms
         self.worker_name = worker
         self.invoke_base = invoke_base
         self._secret = secret
         self._kv_id: str | None = None
         self._worker: SigilWorker | None = None
         self._lock = threading.Lock()
-        self._provision_lock = threading.Lock()
-        self._provisioned = False
 
     # --- Sigil's loader Worker and its KV namespace --------------------------------------------
 
@@ -86,6 +85,10 @@ class LoaderRuntime(Runtime):
             if found is None:
                 raise
             return found
+
+    @property
+    def front(self) -> SigilWorker:
+        return self.worker
 
     @property
     def worker(self) -> SigilWorker:
@@ -122,13 +125,6 @@ class LoaderRuntime(Runtime):
         self._provisioned = True
         return done
 
-    def _ensure_provisioned(self) -> None:
-        if self._provisioned:
-            return
-        with self._provision_lock:
-            if not self._provisioned:
-                self.provision()
-
     # --- the Runtime interface -----------------------------------------------------------------
 
     def slot_for(self, full_name: str, *, attempt: int = 0) -> str:
@@ -159,27 +155,7 @@ class LoaderRuntime(Runtime):
         }
 
     def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
-        headers = [("X-Sigil-Secret", self._secret), ("X-Sigil-Loader-Id", f"{slot}@{sha}")]
-        limit = cpu_ms or self.default_cpu_ms
-        if limit:
-            headers.append(("X-Sigil-Cpu-Ms", str(limit)))
-        return self.worker.route(tuple(headers))
-
-    def is_missing(self, response) -> bool:
-        # The host marks what a capability answered and says "missing-code" when KV lacks the
-        # bundle. A 404 without either did not come from it: the loader Worker itself is gone,
-        # so the placement that follows deploys it again.
-        if response.status != 404:
-            return False
-        if response.headers.get("x-sigil-error") == "missing-code":
-            return True
-        if "x-sigil-host" not in response.headers:
-            self._provisioned = False
-            return True
-        return False
+        return self._front_route([("X-Sigil-Secret", self._secret), ("X-Sigil-Loader-Id", f"{slot}@{sha}")], cpu_ms)
 
     def list_slots(self) -> list[str]:
         return sorted(self._pointers())
-
-    def check(self) -> None:
-        self.worker.probe()

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import threading
 from pathlib import Path
 
 from capabilities import names
 from capabilities.cloudflare import CloudflareClient, CloudflareError, CloudflareNotFound
-from capabilities.runtimes.base import CodeBundle, Route, Runtime
-from capabilities.runtimes.sigil_worker import SigilWorker
+from capabilities.runtimes.base import CodeBundle, Route
+from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
 from capabilities.runtimes.worker_pool import metadata_binding
 
 DISPATCHER_MODULE = "dispatcher.js"
@@ -23,7 +22,7 @@ CAPABILITY_TAG = "sigil"
 MAX_SCRIPT_NAME = 63
 
 
-class PlatformRuntime(Runtime):
+class PlatformRuntime(FrontedRuntime):
     """Unlimited slots: no pager. A slot is the capability's full name (shortened with a hash
     when it is over 63 characters); `route` names it to the dispatch Worker, with the
     capability's CPU limit per call.
@@ -34,6 +33,7 @@ class PlatformRuntime(Runtime):
     """
 
     name = "platform"
+    marker_header = "x-sigil-dispatch"
 
     def __init__(
         self,
@@ -45,9 +45,9 @@ class PlatformRuntime(Runtime):
         cpu_ms: int,
         invoke_base: str = "",
     ) -> None:
+        super().__init__(cpu_ms=cpu_ms)
         self.client = client
         self.namespace = namespace
-        self.default_cpu_ms = cpu_ms
         self._secret = secret
         self.dispatcher = SigilWorker(
             client=client,
@@ -59,8 +59,10 @@ class PlatformRuntime(Runtime):
             version_binding="SIGIL_DISPATCHER_VERSION",
             invoke_base=invoke_base,
         )
-        self._provisioned = False
-        self._provision_lock = threading.Lock()
+
+    @property
+    def front(self) -> SigilWorker:
+        return self.dispatcher
 
     def slot_for(self, full_name: str, *, attempt: int = 0) -> str:
         if attempt == 0 and len(full_name) <= MAX_SCRIPT_NAME:
@@ -86,13 +88,6 @@ class PlatformRuntime(Runtime):
         self._provisioned = True
         return done
 
-    def _ensure_provisioned(self) -> None:
-        if self._provisioned:
-            return
-        with self._provision_lock:
-            if not self._provisioned:
-                self.provision()
-
     def place(self, *, slot: str, bundle: CodeBundle) -> None:
         """Upload the capability into the namespace, tagged with Sigil and its agent. One API
         call (after the first placement of the process). Idempotent."""
@@ -113,27 +108,7 @@ class PlatformRuntime(Runtime):
             self.client.namespace_script_delete(self.namespace, slot)
 
     def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
-        headers = [("X-Sigil-Dispatch-Secret", self._secret), ("X-Sigil-Script", slot)]
-        limit = cpu_ms or self.default_cpu_ms
-        if limit:
-            headers.append(("X-Sigil-Cpu-Ms", str(limit)))
-        return self.dispatcher.route(tuple(headers))
-
-    def is_missing(self, response) -> bool:
-        # The dispatch Worker marks what it passes on and says "missing-code" when the
-        # namespace has no such script. A 404 without either did not come through it: the
-        # dispatch Worker itself is gone, so the placement that follows deploys it again.
-        if response.status != 404:
-            return False
-        if response.headers.get("x-sigil-error") == "missing-code":
-            return True
-        if "x-sigil-dispatch" not in response.headers:
-            self._provisioned = False
-            return True
-        return False
+        return self._front_route([("X-Sigil-Dispatch-Secret", self._secret), ("X-Sigil-Script", slot)], cpu_ms)
 
     def list_slots(self) -> list[str]:
         return sorted(s.id for s in self.client.namespace_script_list(self.namespace, tags=[f"{CAPABILITY_TAG}:yes"]))
-
-    def check(self) -> None:
-        self.dispatcher.probe()

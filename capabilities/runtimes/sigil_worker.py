@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import urllib3
 
 from capabilities.cloudflare import CloudflareClient, CloudflareNotFound
-from capabilities.runtimes.base import Route, RuntimeUnavailable
+from capabilities.runtimes.base import Route, Runtime, RuntimeUnavailable
 
 # The plain-text binding that carries the deployed source's version, and the header the
 # Worker echoes it in when it refuses a request without Sigil's secret.
@@ -117,3 +119,51 @@ class SigilWorker:
             raise RuntimeUnavailable(
                 f"Sigil's Worker {self.name} runs version {running or 'unknown'}, not {self.version}: {hint}"
             )
+
+
+class FrontedRuntime(Runtime):
+    """A runtime whose calls all enter through one Worker of Sigil's (the platform's dispatch
+    Worker, the loader Worker), which `provision` deploys on a process's first placement.
+
+    That Worker marks every answer it passes on with `marker_header`, and answers
+    "missing-code" when the capability's code is gone. A 404 with neither did not come
+    through it: the Worker itself is gone, so the placement that follows provisions again.
+    """
+
+    marker_header: str = ""
+
+    def __init__(self, *, cpu_ms: int) -> None:
+        self.default_cpu_ms = cpu_ms
+        self._provisioned = False
+        self._provision_lock = threading.Lock()
+
+    @property
+    @abstractmethod
+    def front(self) -> SigilWorker:
+        """Sigil's Worker in front of the capabilities."""
+
+    def _ensure_provisioned(self) -> None:
+        if self._provisioned:
+            return
+        with self._provision_lock:
+            if not self._provisioned:
+                self.provision()
+
+    def _front_route(self, headers: list[tuple[str, str]], cpu_ms: int | None) -> Route:
+        limit = cpu_ms or self.default_cpu_ms
+        if limit:
+            headers.append(("X-Sigil-Cpu-Ms", str(limit)))
+        return self.front.route(tuple(headers))
+
+    def is_missing(self, response) -> bool:
+        if response.status != 404:
+            return False
+        if response.headers.get("x-sigil-error") == "missing-code":
+            return True
+        if self.marker_header not in response.headers:
+            self._provisioned = False
+            return True
+        return False
+
+    def check(self) -> None:
+        self.front.probe()
