@@ -181,7 +181,8 @@ class Gateway:
 
         upstream_started = time.perf_counter()
         upstream = self.send_once(environ, call, route, rest)
-        missed = runtime_for(route.backend).is_missing(upstream)
+        # Every runtime's "script gone" answer is a 404: other calls skip the check.
+        missed = upstream.status == 404 and runtime_for(route.backend).is_missing(upstream)
         if page_in_ms is None and missed and not environ.get("CONTENT_LENGTH"):
             # The runtime lost a script Sigil thought live: a miss after all (or the route
             # was out of date: a switch of runtime moved it). Page it in and retry once
