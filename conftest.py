@@ -108,9 +108,60 @@ def celery_worker_session(django_db_setup, django_db_blocker):
     app.loader.import_default_modules()
     with (
         django_db_blocker.unblock(),
-        start_worker(app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=10) as worker,
+        # A deep prefetch: with the threads pool (a blocking consumer loop) and late acks, a
+        # worker holding its full prefetch of 2 sometimes waits seconds before fetching
+        # again; 32 is never reached here. Production workers use prefork and are unaffected.
+        start_worker(
+            app,
+            pool="threads",
+            concurrency=2,
+            prefetch_multiplier=16,
+            perform_ping_check=False,
+            shutdown_timeout=10,
+        ) as worker,
     ):
         yield worker
+
+
+@pytest.fixture
+def celery_worker(celery_worker_session, transactional_db):
+    """The session's Celery worker, left idle when the test ends.
+
+    The database is emptied after each test. A task still running then holds rows that
+    PostgreSQL's TRUNCATE must wait for (and may deadlock on), and a retry scheduled for later
+    would run against the next test's rows; so this waits for running tasks to finish and
+    revokes whatever this test queued that has not run yet.
+    """
+    import time
+
+    import redis
+    from celery.signals import task_received
+    from celery.worker import state as worker_state
+    from django.conf import settings
+
+    received = []
+
+    def remember(request, **kwargs):
+        received.append(request.id)
+
+    task_received.connect(remember, weak=False)
+    yield celery_worker_session
+    broker = redis.Redis.from_url(settings.REDIS_URL)
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            worker_state.revoked.update(received)
+            if not (worker_state.active_requests or worker_state.reserved_requests or broker.llen("celery")):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(
+                f"the Celery worker was still busy 30 s after the test ended: "
+                f"{len(worker_state.active_requests)} running, {broker.llen('celery')} queued"
+            )
+    finally:
+        task_received.disconnect(remember)
+        broker.close()
 
 
 @pytest.fixture

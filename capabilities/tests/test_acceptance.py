@@ -51,7 +51,7 @@ def slot_of(full):
     return Capability.objects.exclude(state="removed").get(full_name=full).slot
 
 
-def test_deploy_invoke_update_and_remove(backend, alice, celery_worker_session):
+def test_deploy_invoke_update_and_remove(backend, alice, celery_worker):
     created = alice.deploy(name="ping", code=PONG)
     assert created.status_code == 201, created.text
     assert alice.call("/alice/ping").text == "pong"
@@ -101,7 +101,7 @@ def test_the_auth_matrix(backend, alice, bob):
     assert alice.call("/alice/ping", token="deploy").text == "pong"
 
 
-def test_an_ephemeral_expires(backend, alice, celery_worker_session):
+def test_an_ephemeral_expires(backend, alice, celery_worker):
     full = alice.deploy(code=PONG, ttl=1).json()["capability"]
     path = "/" + full.replace("--", "/")
     assert alice.call(path).text == "pong"

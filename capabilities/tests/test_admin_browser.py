@@ -64,7 +64,7 @@ def test_owner_rolls_back_to_an_earlier_version_and_the_old_code_is_served(sigil
     assert capability.current_version.sha == capability.versions.get(number=1).sha
 
 
-def test_dashboard_shows_the_calls_just_made(sigil, owner, alice, celery_worker_session):
+def test_dashboard_shows_the_calls_just_made(sigil, owner, alice, celery_worker):
     page = owner
     alice.deploy(name="busy", code=code("busy"))
     alice.deploy(name="quiet", code=code("quiet"))

@@ -59,7 +59,7 @@ def test_inspect_of_a_malformed_name_is_a_400(alice):
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_request"
 
 
-def test_remove_stops_serving_and_keeps_the_trail(alice, celery_worker_session):
+def test_remove_stops_serving_and_keeps_the_trail(alice, celery_worker):
     from testsupport.cast import wait_for
 
     alice.deploy(name="ping", code=PONG)

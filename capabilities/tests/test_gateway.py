@@ -39,7 +39,7 @@ def test_a_hung_capability_answers_504_and_counts_as_a_failure(alice, settings, 
     assert redis_client.get(stats.failures_key("alice--hangs")) == b"1"
 
 
-def test_breaker_opens_after_consecutive_failures_then_half_opens_and_closes(alice, settings, celery_worker_session):
+def test_breaker_opens_after_consecutive_failures_then_half_opens_and_closes(alice, settings, celery_worker):
     settings.SIGIL_BREAKER_THRESHOLD = 5
     settings.SIGIL_BREAKER_COOLDOWN_SECONDS = 1
     alice.deploy(name="flaky", code=FLAKY)
@@ -138,7 +138,7 @@ def test_a_warm_call_runs_no_sql(alice):
 
 
 @pytest.mark.slow
-def test_ttl_expiry_runs_on_beat_and_a_worker(alice, settings, celery_worker_session, tmp_path):
+def test_ttl_expiry_runs_on_beat_and_a_worker(alice, settings, celery_worker, tmp_path):
     import os
     import subprocess
     import sys

@@ -34,7 +34,7 @@ def verify(secret: str, headers: dict, body: bytes) -> dict:
     return json.loads(body)
 
 
-def test_prewarm_pages_in_the_most_called_capability(worker_pool, alice, celery_worker_session):
+def test_prewarm_pages_in_the_most_called_capability(worker_pool, alice, celery_worker):
     alice.deploy(name="hot", code=code("hot"), type="normal")
     alice.deploy(name="warm", code=code("warm"), type="normal")
     for _ in range(5):
@@ -59,9 +59,7 @@ def test_prewarm_does_nothing_on_a_runtime_without_a_pager(alice):
     assert services.capability_prewarm() == []
 
 
-def test_inactive_mark_fires_for_a_normal_capability_thirty_one_days_old(
-    alice, webhook_receiver, celery_worker_session
-):
+def test_inactive_mark_fires_for_a_normal_capability_thirty_one_days_old(alice, webhook_receiver, celery_worker):
     secret = subscribe("alice", webhook_receiver.url)
     alice.deploy(name="stale", code=code("stale"), type="normal")
     alice.deploy(name="kept", code=code("kept"), type="persistent")
@@ -86,9 +84,7 @@ def test_inactive_mark_fires_for_a_normal_capability_thirty_one_days_old(
     assert Capability.objects.get(full_name="alice--stale").inactive_at is None  # called again: active
 
 
-def test_a_signed_alert_reaches_the_agent_when_the_breaker_opens(
-    alice, settings, webhook_receiver, celery_worker_session
-):
+def test_a_signed_alert_reaches_the_agent_when_the_breaker_opens(alice, settings, webhook_receiver, celery_worker):
     settings.SIGIL_BREAKER_THRESHOLD = 3
     secret = subscribe("alice", webhook_receiver.url)
     alice.deploy(name="flaky", code=FLAKY)
@@ -107,7 +103,7 @@ def test_a_signed_alert_reaches_the_agent_when_the_breaker_opens(
     )
 
 
-def test_an_error_rate_alert_is_sent_once_per_cooldown(alice, settings, webhook_receiver, celery_worker_session):
+def test_an_error_rate_alert_is_sent_once_per_cooldown(alice, settings, webhook_receiver, celery_worker):
     settings.SIGIL_BREAKER_THRESHOLD = 100  # keep the breaker out of it
     settings.SIGIL_ALERT_MIN_CALLS = 10
     settings.SIGIL_ALERT_ERROR_RATE = 0.5
@@ -126,7 +122,7 @@ def test_an_error_rate_alert_is_sent_once_per_cooldown(alice, settings, webhook_
     assert delivery["event"] == "capability.error_rate_alert" and delivery["error_rate"] == 0.8
 
 
-def test_a_webhook_answering_503_is_retried(alice, settings, celery_worker_session):
+def test_a_webhook_answering_503_is_retried(alice, settings, celery_worker):
     from testsupport.cast import WebhookReceiver
 
     receiver = WebhookReceiver(fail_first=1)
@@ -141,7 +137,7 @@ def test_a_webhook_answering_503_is_retried(alice, settings, celery_worker_sessi
         receiver.stop()
 
 
-def test_a_webhook_that_never_answers_is_audited_as_failed_after_its_last_retry(alice, settings, celery_worker_session):
+def test_a_webhook_that_never_answers_is_audited_as_failed_after_its_last_retry(alice, settings, celery_worker):
     from testsupport.cast import WebhookReceiver
 
     receiver = WebhookReceiver(fail_first=100)

@@ -34,7 +34,7 @@ def state(full):
     return Capability.objects.get(full_name=full).state
 
 
-def test_eviction_follows_the_seed_order(capped, alice, celery_worker_session):
+def test_eviction_follows_the_seed_order(capped, alice, celery_worker):
     deploy(alice, "keep", "p", type="persistent")
     deploy(alice, "norm", "n", type="normal")
     ephemeral = deploy(alice, None, "e", type="ephemeral")["capability"]
@@ -58,7 +58,7 @@ def test_eviction_follows_the_seed_order(capped, alice, celery_worker_session):
     assert evicted == {ephemeral, "alice--norm", "alice--norm2"}
 
 
-def test_expired_ephemerals_are_evicted_before_live_ones(capped, alice, celery_worker_session):
+def test_expired_ephemerals_are_evicted_before_live_ones(capped, alice, celery_worker):
     old = deploy(alice, None, "old", ttl=3600)["capability"]
     expiring = deploy(alice, None, "expiring", ttl=1)["capability"]
     deploy(alice, "keep", "p")
@@ -67,7 +67,7 @@ def test_expired_ephemerals_are_evicted_before_live_ones(capped, alice, celery_w
     assert deploy(alice, "next", "x")["evicted"] == expiring
 
 
-def test_an_evicted_capability_pages_back_in_on_its_next_call(capped, alice, celery_worker_session):
+def test_an_evicted_capability_pages_back_in_on_its_next_call(capped, alice, celery_worker):
     for name in ("a", "b", "c"):
         deploy(alice, name, name, type="normal")
     assert deploy(alice, "d", "d", type="normal")["evicted"] == "alice--a"
@@ -82,7 +82,7 @@ def test_an_evicted_capability_pages_back_in_on_its_next_call(capped, alice, cel
     assert Capability.objects.get(full_name="alice--a").slot == "alice--a"
 
 
-def test_a_burst_on_one_cold_capability_places_it_once(capped, alice, celery_worker_session):
+def test_a_burst_on_one_cold_capability_places_it_once(capped, alice, celery_worker):
     for name in ("a", "b", "c", "d"):
         deploy(alice, name, name, type="normal")
     wait_for(lambda: state("alice--a") == "paged_out", message="a paged out")
@@ -97,7 +97,7 @@ def test_a_burst_on_one_cold_capability_places_it_once(capped, alice, celery_wor
     assert AuditEvent.objects.filter(action="capability.paged_in", subject="alice--a").count() == 1
 
 
-def test_respond_async_gets_202_and_a_callback_that_turns_ready(capped, alice, celery_worker_session):
+def test_respond_async_gets_202_and_a_callback_that_turns_ready(capped, alice, celery_worker):
     for name in ("a", "b", "c", "d"):
         deploy(alice, name, name, type="normal")
     wait_for(lambda: state("alice--a") == "paged_out", message="a paged out")
@@ -109,7 +109,7 @@ def test_respond_async_gets_202_and_a_callback_that_turns_ready(capped, alice, c
     assert alice.call("/alice/a").text == "a"
 
 
-def test_status_reports_slots_and_evictions(capped, alice, celery_worker_session):
+def test_status_reports_slots_and_evictions(capped, alice, celery_worker):
     for name in ("a", "b", "c", "d"):
         deploy(alice, name, name, type="normal")
     wait_for(lambda: state("alice--a") == "paged_out", message="a paged out")

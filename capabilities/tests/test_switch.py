@@ -58,7 +58,7 @@ def pool_scripts(cf_client):
 
 
 @pytest.fixture
-def on_the_pool(worker_pool, alice, settings, celery_worker_session):
+def on_the_pool(worker_pool, alice, settings, celery_worker):
     """Five capabilities on the worker pool (3 slots): three live, two paged out."""
     settings.SIGIL_SWITCH_GRACE_SECONDS = 0.3
     names = ["a", "b", "c", "d", "e"]

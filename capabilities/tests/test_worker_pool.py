@@ -44,7 +44,7 @@ def api_headers(worker_pool):
 
 
 def test_quota_fill_evicts_in_the_seed_order_and_never_exceeds_the_quota(
-    worker_pool, alice, celery_worker_session, scripts_on_cloudflare
+    worker_pool, alice, celery_worker, scripts_on_cloudflare
 ):
     deploy(alice, "keep", "p", type="persistent")
     deploy(alice, "norm", "n", type="normal")
@@ -64,9 +64,7 @@ def test_quota_fill_evicts_in_the_seed_order_and_never_exceeds_the_quota(
     assert status == {**status, "backend": "worker-pool", "total_slots": 3, "lru_enabled": True, "eviction_count": 2}
 
 
-def test_a_repaged_capability_keeps_its_script_name_and_url(
-    worker_pool, alice, celery_worker_session, scripts_on_cloudflare
-):
+def test_a_repaged_capability_keeps_its_script_name_and_url(worker_pool, alice, celery_worker, scripts_on_cloudflare):
     for name in ("a", "b", "c", "d"):
         deploy(alice, name, name, type="normal")
     wait_for(lambda: Capability.objects.get(full_name="alice--a").state == "paged_out", message="a paged out")
@@ -80,7 +78,7 @@ def test_a_repaged_capability_keeps_its_script_name_and_url(
     assert len(uploads(worker_pool, script)) == 2  # the deploy, and the page-in, both as s-{hash6}
 
 
-def test_fifty_concurrent_calls_to_one_cold_capability_upload_it_once(worker_pool, alice, celery_worker_session):
+def test_fifty_concurrent_calls_to_one_cold_capability_upload_it_once(worker_pool, alice, celery_worker):
     for name in ("a", "b", "c", "d"):
         deploy(alice, name, name, type="normal")
     wait_for(lambda: Capability.objects.get(full_name="alice--a").state == "paged_out", message="a paged out")

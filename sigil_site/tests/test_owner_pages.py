@@ -59,9 +59,7 @@ def test_dashboard_counts_flushed_calls_errors_and_cold_share(sigil, alice, clie
     assert body.count("<svg") >= 5 and "errors / calls" in body
 
 
-def test_beat_page_lists_every_scheduled_task_and_when_a_worker_last_ran_it(
-    owner_client, settings, celery_worker_session
-):
+def test_beat_page_lists_every_scheduled_task_and_when_a_worker_last_ran_it(owner_client, settings, celery_worker):
     get_redis().delete(LAST_RUN_KEY)
     tasks.capability_flush_stats.delay()
     wait_for(lambda: get_redis().hexists(LAST_RUN_KEY, "capabilities.capability_flush_stats"), message="a run")
