@@ -1,0 +1,74 @@
+"""Writes on capabilities, every rule of the seeds (with names.py): API views, tasks, the admin
+and commands call these functions and translate their results. One module per sub-domain;
+everything callers use is re-exported here."""
+
+from capabilities.services.controls import (
+    capability_force_degraded,
+    capability_reset_breaker,
+    capability_set_cpu_limit,
+    capability_set_public,
+)
+from capabilities.services.lifecycle import capability_mark_inactive, capability_prewarm
+from capabilities.services.observability import (
+    capability_flush_stats,
+    capability_prune_stats,
+    capability_record_breaker,
+)
+from capabilities.services.placement import (
+    PAGE_OUT_INFLIGHT_CHECKS,
+    StillInFlight,
+    capability_evict,
+    capability_mark_missing,
+    capability_page_in,
+    capability_page_out,
+    capability_reconcile,
+    capability_release_slot,
+    runtime_provision,
+)
+from capabilities.services.registry import (
+    DeployResult,
+    capability_deploy,
+    capability_expire_ephemerals,
+    capability_remove,
+    capability_remove_as_owner,
+    capability_rollback,
+)
+from capabilities.services.switching import (
+    SwitchStep,
+    capability_adopt_backend,
+    capability_switch_backend,
+    runtime_release_previous,
+    runtime_sweep_previous,
+)
+
+__all__ = [
+    "PAGE_OUT_INFLIGHT_CHECKS",
+    "DeployResult",
+    "StillInFlight",
+    "SwitchStep",
+    "capability_adopt_backend",
+    "capability_deploy",
+    "capability_evict",
+    "capability_expire_ephemerals",
+    "capability_flush_stats",
+    "capability_force_degraded",
+    "capability_mark_inactive",
+    "capability_mark_missing",
+    "capability_page_in",
+    "capability_page_out",
+    "capability_prewarm",
+    "capability_prune_stats",
+    "capability_reconcile",
+    "capability_record_breaker",
+    "capability_release_slot",
+    "capability_remove",
+    "capability_remove_as_owner",
+    "capability_reset_breaker",
+    "capability_rollback",
+    "capability_set_cpu_limit",
+    "capability_set_public",
+    "capability_switch_backend",
+    "runtime_provision",
+    "runtime_release_previous",
+    "runtime_sweep_previous",
+]

@@ -1,0 +1,111 @@
+"""What the owner sets on a capability: the public flag, its CPU limit, and the breaker
+(reset, or forced open).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+from django.db import transaction
+from django.utils import timezone
+
+from agents.services import audit_record
+from capabilities import routes, stats
+from capabilities.models import BreakerState, Capability, State
+from capabilities.services.observability import capability_record_breaker
+from sigil_site.errors import InvalidRequest, NotFound
+from sigil_site.redis_client import get_redis
+
+
+def capability_reset_breaker(*, capability: Capability, actor: str) -> None:
+    """Close a capability's breaker now (the owner's reset). Idempotent."""
+    get_redis().delete(stats.breaker_key(capability.full_name), stats.failures_key(capability.full_name))
+    capability_record_breaker(full=capability.full_name, state=BreakerState.CLOSED, at_epoch=timezone.now().timestamp())
+    audit_record(
+        actor=actor, action="capability.breaker_reset", agent_name=capability.agent.name, subject=capability.full_name
+    )
+
+
+# Cloudflare's longest CPU time per invocation on the Paid plan (reference §7.3).
+MAX_CPU_MS = 300_000
+
+
+def capability_set_cpu_limit(*, capability: Capability, cpu_ms: int | None, actor: str) -> None:
+    """Give a capability its own CPU limit per call in ms (None: SIGIL_CPU_MS again), on the
+    platform and loader runtimes; calls after this one use it. Idempotent.
+
+    Raises InvalidRequest when it is not between 1 and 300000 ms.
+    """
+    if cpu_ms is not None and not 1 <= cpu_ms <= MAX_CPU_MS:
+        raise InvalidRequest(f"a CPU limit is 1 to {MAX_CPU_MS} ms")
+    with transaction.atomic():
+        changed = (
+            Capability.objects.exclude(state=State.REMOVED)
+            .filter(pk=capability.pk)
+            .exclude(cpu_ms=cpu_ms)
+            .update(cpu_ms=cpu_ms, updated_at=timezone.now())
+        )
+        if not changed:
+            return
+        audit_record(
+            actor=actor,
+            action="capability.cpu_limit_set",
+            agent_name=capability.agent.name,
+            subject=capability.full_name,
+            detail={"cpu_ms": cpu_ms},
+        )
+    capability.refresh_from_db()
+    routes.route_publish(capability)
+
+
+def capability_set_public(*, capability: Capability, is_public: bool, actor: str) -> bool:
+    """Make a capability public (callable by every agent) or private (its agent's only), for
+    the owner. Returns False when it already was. Raises NotFound when it was removed."""
+    with transaction.atomic():
+        if not Capability.objects.filter(pk=capability.pk).exclude(state=State.REMOVED).exists():
+            raise NotFound(f"no capability {capability.full_name}")
+        changed = Capability.objects.filter(pk=capability.pk, is_public=not is_public).update(
+            is_public=is_public, updated_at=timezone.now()
+        )
+        if changed:
+            audit_record(
+                actor=actor,
+                action="capability.updated",
+                agent_name=capability.agent.name,
+                subject=capability.full_name,
+                detail={"public": is_public},
+            )
+    capability.refresh_from_db()
+    if changed:
+        routes.route_publish(capability)
+    return bool(changed)
+
+
+# A forced breaker stays open until the owner resets it; the gateway reads "open until" as
+# an epoch, so "forever" is a date far enough away (its Retry-After is capped at one
+# cool-down, see Gateway.enter_open_breaker).
+FORCED_DEGRADED_SECONDS = 10 * 365 * 86400
+
+
+def capability_force_degraded(*, capability: Capability, actor: str) -> None:
+    """Open a capability's breaker until the owner resets it (capability_reset_breaker):
+    the gateway answers every call 503 `degraded` without trying the code. Idempotent.
+
+    A call already in flight that succeeds closes the breaker, as it would close one
+    opened by failures. Raises NotFound when the capability was removed.
+    """
+    full = capability.full_name
+    if not Capability.objects.filter(pk=capability.pk).exclude(state=State.REMOVED).exists():
+        raise NotFound(f"no capability {full}")
+    now = time.time()
+    pipe = get_redis().pipeline(transaction=True)
+    pipe.set(stats.breaker_key(full), f"{now + FORCED_DEGRADED_SECONDS:.3f}")
+    pipe.delete(stats.trial_key(full))
+    pipe.execute()
+    with transaction.atomic():
+        Capability.objects.filter(pk=capability.pk, breaker_state=BreakerState.CLOSED).update(
+            breaker_state=BreakerState.OPEN, breaker_opened_at=datetime.fromtimestamp(now, tz=UTC)
+        )
+        audit_record(actor=actor, action="capability.forced_degraded", agent_name=capability.agent.name, subject=full)
+    capability.refresh_from_db()

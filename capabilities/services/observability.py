@@ -1,0 +1,154 @@
+"""Statistics and the breaker: flushing Redis counters into per-minute windows, error-rate
+alerts, recording breaker transitions, pruning old windows.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from agents.models import Token
+from agents.services import agent_notify, audit_record
+from capabilities import names, stats
+from capabilities.models import BreakerState, Capability, CapabilityStatsWindow, State
+from sigil_site.redis_client import get_redis
+
+
+def capability_flush_stats(*, batch_size: int = 500, now: datetime | None = None) -> int:
+    """Move the hot path's counters from Redis into the database; return how many capabilities.
+
+    Each capability's totals grow, and the calls land in the current minute's stats window.
+    Counters are read-and-reset atomically, so a second run right after changes nothing.
+    """
+    now = now or timezone.now()
+    window_start = now.replace(second=0, microsecond=0)
+    redis = get_redis()
+    fulls = [m.decode() for m in redis.spop(stats.DIRTY_KEY, batch_size) or []]
+    for full in fulls:
+        taken = stats.stats_take(full)
+        if taken.calls == 0:
+            continue
+        with transaction.atomic():
+            capability = (
+                Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(full_name=full).first()
+            )
+            if capability is not None:
+                capability.calls_total += taken.calls
+                capability.errors_total += taken.errors
+                capability.latency_ms_total += taken.latency_ms
+                capability.cold_calls_total += taken.cold_calls
+                capability.page_in_ms_total += taken.page_in_ms
+                capability.latency_buckets_total = stats.add_buckets(capability.latency_buckets_total, taken.buckets)
+                if taken.last_access_epoch is not None:
+                    capability.last_access_at = datetime.fromtimestamp(taken.last_access_epoch, tz=UTC)
+                    capability.inactive_at = None  # called again: active
+                capability.save(
+                    update_fields=[
+                        "calls_total",
+                        "errors_total",
+                        "latency_ms_total",
+                        "cold_calls_total",
+                        "page_in_ms_total",
+                        "latency_buckets_total",
+                        "last_access_at",
+                        "inactive_at",
+                    ]
+                )
+            window, _ = CapabilityStatsWindow.objects.select_for_update().get_or_create(
+                full_name=full,
+                window_start=window_start,
+                defaults={"agent_name": full.split(names.SEPARATOR, 1)[0]},
+            )
+            window.calls += taken.calls
+            window.errors += taken.errors
+            window.cold_calls += taken.cold_calls
+            window.latency_ms_sum += taken.latency_ms
+            window.page_in_ms_sum += taken.page_in_ms
+            window.latency_buckets = stats.add_buckets(window.latency_buckets, taken.buckets)
+            window.save()
+            _alert_on_error_rate(window)
+    _flush_token_use(redis)
+    return len(fulls)
+
+
+def _alert_on_error_rate(window: CapabilityStatsWindow) -> None:
+    """Tell the agent when a capability's error rate in this minute crosses the threshold;
+    at most once per SIGIL_ALERT_COOLDOWN_SECONDS per capability."""
+    if window.calls < settings.SIGIL_ALERT_MIN_CALLS:
+        return
+    rate = window.errors / window.calls
+    if rate < settings.SIGIL_ALERT_ERROR_RATE:
+        return
+    if not get_redis().set(
+        f"sigil:alert:error-rate:{window.full_name}", 1, nx=True, ex=settings.SIGIL_ALERT_COOLDOWN_SECONDS
+    ):
+        return
+    detail = {
+        "error_rate": round(rate, 4),
+        "calls": window.calls,
+        "errors": window.errors,
+        "window_start": window.window_start.isoformat(),
+    }
+    audit_record(
+        actor="system",
+        action="capability.error_rate_alert",
+        agent_name=window.agent_name,
+        subject=window.full_name,
+        detail=detail,
+    )
+    agent_notify(
+        agent_name=window.agent_name,
+        event="capability.error_rate_alert",
+        payload={"capability": window.full_name, **detail},
+    )
+
+
+def _flush_token_use(redis) -> None:
+    pipe = redis.pipeline(transaction=True)
+    pipe.hgetall(stats.TOKENS_USED_KEY)
+    pipe.delete(stats.TOKENS_USED_KEY)
+    used, _ = pipe.execute()
+    for token_hash, stamp in used.items():
+        Token.objects.filter(secret_hash=token_hash.decode()).update(
+            last_used_at=datetime.fromtimestamp(float(stamp), tz=UTC)
+        )
+
+
+def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None:
+    """Persist a breaker transition seen by the gateway, with an audit event. Idempotent."""
+    opened_at = datetime.fromtimestamp(at_epoch, tz=UTC) if state == BreakerState.OPEN else None
+    with transaction.atomic():
+        capability = Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).first()
+        if capability is None or capability.breaker_state == state:
+            return
+        capability.breaker_state = state
+        capability.breaker_opened_at = opened_at
+        capability.save(update_fields=["breaker_state", "breaker_opened_at"])
+        action = "capability.degraded" if state == BreakerState.OPEN else "capability.recovered"
+        audit_record(actor="system", action=action, agent_name=capability.agent.name, subject=full)
+        if state == BreakerState.OPEN:
+            agent_notify(
+                agent_name=capability.agent.name,
+                event=action,
+                payload={"capability": full, "reason": "circuit breaker opened after repeated failures"},
+            )
+
+
+def capability_prune_stats(*, now: datetime | None = None, batch_size: int = 10_000) -> int:
+    """Delete minute windows older than SIGIL_STATS_RETENTION_DAYS; return how many.
+
+    Totals on each capability are kept; only the per-minute history goes. Safe to overlap
+    with itself: each run deletes one bounded batch of the oldest rows.
+    """
+    now = now or timezone.now()
+    cutoff = now - timedelta(days=settings.SIGIL_STATS_RETENTION_DAYS)
+    old = list(
+        CapabilityStatsWindow.objects.filter(window_start__lt=cutoff)
+        .order_by("window_start")
+        .values_list("pk", flat=True)[:batch_size]
+    )
+    deleted, _ = CapabilityStatsWindow.objects.filter(pk__in=old).delete()
+    return deleted

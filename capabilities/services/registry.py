@@ -1,0 +1,420 @@
+"""The registry's writes: deploying (validation, names, cool-down, versions), removing,
+expiring ephemerals, and rolling back to an earlier version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Max
+from django.utils import timezone
+
+from agents.models import Agent
+from agents.services import audit_record
+from agents.tokens import Principal
+from capabilities import bindings as binding_rules
+from capabilities import names, pager, routes
+from capabilities.models import Capability, CapabilityType, CapabilityVersion, State
+from capabilities.runtimes import get_runtime
+from capabilities.runtimes.base import CodeBundle, code_sha
+from capabilities.services.placement import place_with_room, placement_lock
+from capabilities.tasks import capability_release_slot as capability_release_slot_task
+from sigil_site.errors import Conflict, Cooldown, Forbidden, InvalidRequest, NotFound, RateLimited, TooLarge
+from sigil_site.redis_client import get_redis
+
+
+@dataclass(frozen=True)
+class DeployResult:
+    capability: Capability
+    version: CapabilityVersion
+    created: bool
+    cold_start: bool
+    evicted: str | None
+
+
+def _actor(principal: Principal) -> str:
+    return f"agent:{principal.agent_name}"
+
+
+def _validate_deploy(
+    *,
+    principal: Principal,
+    agent: str | None,
+    name: str | None,
+    code: str,
+    type: str | None,
+    ttl: int | None,
+    bindings: list[str],
+) -> tuple[str, str | None, int | None]:
+    """Check a deploy's input against the rules; return (type, name, ttl). Raises on the first broken rule."""
+    if not principal.can_deploy:
+        raise Forbidden("deploying needs a token with the deploy scope")
+    if agent is not None and agent != principal.agent_name:
+        raise Forbidden(f"this token belongs to {principal.agent_name!r}; it cannot deploy for {agent!r}")
+    if type is None:
+        type = CapabilityType.EPHEMERAL if name is None else CapabilityType.PERSISTENT
+    if type not in CapabilityType.values:
+        raise InvalidRequest(f"type must be one of {', '.join(CapabilityType.values)}")
+    if name is None and type != CapabilityType.EPHEMERAL:
+        raise InvalidRequest(f"name is required for {type} capabilities (null names are for ephemerals)")
+    if name is not None:
+        names.validate_capability_name(name, ephemeral=type == CapabilityType.EPHEMERAL)
+        if type == CapabilityType.EPHEMERAL and not name.startswith(names.EPHEMERAL_PREFIX):
+            raise InvalidRequest("ephemeral capabilities are named t-{hash6} by Sigil: send name null")
+    if type == CapabilityType.EPHEMERAL:
+        ttl = settings.SIGIL_EPHEMERAL_DEFAULT_TTL_SECONDS if ttl is None else ttl
+        if not 1 <= ttl <= settings.SIGIL_EPHEMERAL_MAX_TTL_SECONDS:
+            raise InvalidRequest(f"ttl must be between 1 and {settings.SIGIL_EPHEMERAL_MAX_TTL_SECONDS} seconds")
+    elif ttl is not None:
+        raise InvalidRequest("ttl applies to ephemeral capabilities only")
+    if not code.strip():
+        raise InvalidRequest("code must be a non-empty ES module Worker script")
+    size = len(code.encode())
+    if size > settings.SIGIL_SCRIPT_MAX_BYTES:
+        raise TooLarge(f"code is {size} bytes; the limit is {settings.SIGIL_SCRIPT_MAX_BYTES} bytes")
+    for binding in bindings:
+        binding_rules.parse_declaration(binding)
+    return type, name, ttl
+
+
+def _claim_cooldown(agent_name: str) -> None:
+    """One real deploy per agent per cool-down. Raises Cooldown with the time left."""
+    window_ms = int(settings.SIGIL_DEPLOY_COOLDOWN_SECONDS * 1000)
+    if window_ms <= 0:
+        return
+    redis = get_redis()
+    key = f"sigil:cooldown:{agent_name}"
+    if not redis.set(key, 1, nx=True, px=window_ms):
+        left_ms = max(redis.pttl(key), 1)
+        raise Cooldown(
+            f"{agent_name} deployed less than {settings.SIGIL_DEPLOY_COOLDOWN_SECONDS:g} s ago; retry later",
+            retry_after=left_ms / 1000,
+        )
+
+
+def capability_deploy(
+    *,
+    principal: Principal,
+    code: str,
+    name: str | None = None,
+    agent: str | None = None,
+    type: str | None = None,
+    ttl: int | None = None,
+    bindings: list[str] | None = None,
+    is_public: bool = False,
+    now: datetime | None = None,
+) -> DeployResult:
+    """Deploy a new capability or a new version of one, and place it on the runtime.
+
+    The same code again is idempotent: no new version, no runtime call, no cool-down.
+    Raises InvalidRequest, Forbidden, TooLarge, Conflict (another type holds the name, or a
+    concurrent deploy of it), Cooldown, RateLimited (too many ephemerals), UpstreamError.
+    """
+    now = now or timezone.now()
+    bindings = list(bindings or [])
+    type, name, ttl = _validate_deploy(
+        principal=principal, agent=agent, name=name, code=code, type=type, ttl=ttl, bindings=bindings
+    )
+    sha = code_sha(code)
+    resolved = binding_rules.bindings_resolve(bindings, supported_kinds=get_runtime().binding_kinds)
+    owner = Agent.objects.get(pk=principal.agent_id)
+
+    existing = None
+    if name is not None:
+        full = names.full_name(owner.name, name)
+        existing = (
+            Capability.objects.select_related("current_version")
+            .exclude(state=State.REMOVED)
+            .filter(full_name=full)
+            .first()
+        )
+        if existing is None and type == CapabilityType.EPHEMERAL:
+            raise NotFound(f"no ephemeral capability {full}: deploy with name null to create one")
+        if existing is not None and existing.type != type:
+            raise Conflict(f"{full} is a {existing.type} capability; it cannot be redeployed as {type}")
+        unchanged = existing is not None and existing.current_version and existing.current_version.sha == sha
+        if unchanged and existing.bindings == bindings:
+            return _redeploy_unchanged(existing, principal=principal, is_public=is_public)
+    elif type == CapabilityType.EPHEMERAL:
+        live_ephemerals = Capability.objects.filter(
+            agent=owner, type=CapabilityType.EPHEMERAL, expires_at__gt=now
+        ).exclude(state=State.REMOVED)
+        if live_ephemerals.count() >= settings.SIGIL_EPHEMERAL_MAX_PER_AGENT:
+            raise RateLimited(
+                f"{owner.name} already has {settings.SIGIL_EPHEMERAL_MAX_PER_AGENT} live ephemeral capabilities"
+            )
+        full = _unused_ephemeral_name(owner.name)
+
+    _claim_cooldown(owner.name)
+    lock = placement_lock(full, blocking=False)
+    if not lock.acquire():
+        raise Conflict(f"{full} is being deployed by another request; retry when it is done")
+    try:
+        expires_at = existing.expires_at if existing else (now + timedelta(seconds=ttl) if ttl is not None else None)
+        placement = place_with_room(
+            full=full,
+            capability_type=type,
+            expires_at=expires_at,
+            bundle=(bundle := CodeBundle.from_code(code, bindings=resolved)),
+            was_evicting=existing is not None and existing.state == State.EVICTING,
+        )
+        capability, version, created = _record_deploy(
+            owner=owner,
+            existing=existing,
+            full=full,
+            type=type,
+            expires_at=expires_at,
+            code=code,
+            sha=sha,
+            slot=placement.slot,
+            backend=placement.backend,
+            bundle_sha=bundle.sha,
+            bindings=bindings,
+            is_public=is_public,
+            now=now,
+            principal=principal,
+        )
+        routes.route_publish(capability)
+    finally:
+        lock.release()
+    return DeployResult(
+        capability=capability,
+        version=version,
+        created=created,
+        cold_start=placement.cold_start,
+        evicted=placement.evicted,
+    )
+
+
+def _unused_ephemeral_name(agent_name: str) -> str:
+    for _ in range(20):
+        full = names.full_name(agent_name, names.new_ephemeral_name())
+        if not Capability.objects.filter(full_name=full).exists():
+            return full
+    raise Conflict("could not find a free ephemeral name; retry")
+
+
+def _record_deploy(
+    *,
+    owner: Agent,
+    existing: Capability | None,
+    full: str,
+    type: str,
+    expires_at: datetime | None,
+    code: str,
+    sha: str,
+    slot: str,
+    backend: str,
+    bundle_sha: str,
+    bindings: list[str],
+    is_public: bool,
+    now: datetime,
+    principal: Principal,
+) -> tuple[Capability, CapabilityVersion, bool]:
+    with transaction.atomic():
+        if existing is None:
+            try:
+                with transaction.atomic():
+                    capability = Capability.objects.create(
+                        agent=owner,
+                        name=full.split(names.SEPARATOR, 1)[1],
+                        full_name=full,
+                        type=type,
+                        is_public=is_public,
+                        bindings=bindings,
+                        state=State.LIVE,
+                        slot=slot,
+                        placed_sha=bundle_sha,
+                        backend=backend,
+                        expires_at=expires_at,
+                        created_at=now,
+                        updated_at=now,
+                    )
+            except IntegrityError as exc:
+                raise Conflict(f"{full} was created by a concurrent request") from exc
+            number = 1
+        else:
+            capability = Capability.objects.select_for_update().get(pk=existing.pk)
+            number = (capability.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+        version = CapabilityVersion.objects.create(
+            capability=capability, number=number, code=code, sha=sha, size_bytes=len(code.encode()), created_at=now
+        )
+        capability.current_version = version
+        capability.is_public = is_public
+        capability.bindings = bindings
+        capability.state = State.LIVE
+        capability.slot = slot
+        capability.placed_sha = bundle_sha
+        capability.backend = backend
+        capability.updated_at = now
+        capability.save()
+        audit_record(
+            actor=_actor(principal),
+            action="capability.created" if existing is None else "capability.deployed",
+            agent_name=owner.name,
+            subject=full,
+            detail={"version": number, "sha": sha, "type": type, "public": is_public, "bindings": bindings},
+        )
+    capability.agent = owner
+    return capability, version, existing is None
+
+
+def _redeploy_unchanged(capability: Capability, *, principal: Principal, is_public: bool) -> DeployResult:
+    """Same code and bindings again: keep the version; only the public flag may change."""
+    if capability.is_public != is_public:
+        with transaction.atomic():
+            Capability.objects.filter(pk=capability.pk).update(is_public=is_public, updated_at=timezone.now())
+            audit_record(
+                actor=_actor(principal),
+                action="capability.updated",
+                agent_name=principal.agent_name,
+                subject=capability.full_name,
+                detail={"public": is_public},
+            )
+        capability.refresh_from_db()
+        routes.route_publish(capability)
+    return DeployResult(
+        capability=capability, version=capability.current_version, created=False, cold_start=False, evicted=None
+    )
+
+
+def capability_remove(*, principal: Principal, full: str) -> Capability:
+    """An agent removes one of its capabilities: stop serving now, delete from the runtime
+    in the background. The row and its versions stay (state removed) for the audit trail.
+
+    Raises Forbidden (not the caller's prefix, or no deploy scope) or NotFound.
+    """
+    agent_name, _ = names.split_full_name(full)
+    if not principal.can_deploy:
+        raise Forbidden("removing needs a token with the deploy scope")
+    if agent_name != principal.agent_name:
+        raise Forbidden(f"{full} is not under {principal.agent_name}'s prefix")
+    return _remove(full=full, actor=_actor(principal), action="capability.removed")
+
+
+def capability_remove_as_owner(*, full: str, actor: str) -> Capability:
+    """The owner removes any capability, as capability_remove does. Raises NotFound."""
+    return _remove(full=full, actor=actor, action="capability.removed")
+
+
+def _remove(*, full: str, actor: str, action: str, only_if_expired_by: datetime | None = None) -> Capability:
+    now = timezone.now()
+    with transaction.atomic():
+        query = Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(full_name=full)
+        if only_if_expired_by is not None:
+            query = query.filter(expires_at__lte=only_if_expired_by)
+        capability = query.first()
+        if capability is None:
+            raise NotFound(f"no capability {full}")
+        capability.state = State.REMOVED
+        capability.removed_at = now
+        capability.updated_at = now
+        capability.save(update_fields=["state", "removed_at", "updated_at"])
+        audit_record(actor=actor, action=action, agent_name=capability.agent.name, subject=full)
+        capability_release_slot_task.delay_on_commit(capability_id=capability.pk)
+    routes.route_withdraw(full)
+    if get_runtime().total_slots is not None:
+        pager.pager_mark_leaving(full)
+    return capability
+
+
+def capability_expire_ephemerals(*, now: datetime | None = None, batch_size: int = 200) -> int:
+    """Remove ephemerals whose TTL has passed; return how many. Safe to overlap with itself."""
+    now = now or timezone.now()
+    expired = list(
+        Capability.objects.filter(type=CapabilityType.EPHEMERAL, expires_at__lte=now)
+        .exclude(state=State.REMOVED)
+        .values_list("full_name", flat=True)[:batch_size]
+    )
+    count = 0
+    for full in expired:
+        try:
+            _remove(full=full, actor="system", action="capability.expired", only_if_expired_by=now)
+        except NotFound:
+            continue  # removed meanwhile by its agent or a concurrent expiry run
+        count += 1
+    return count
+
+
+def capability_rollback(*, capability: Capability, version_number: int, actor: str) -> DeployResult:
+    """Serve the code of an earlier version again, placed exactly as a deploy places code.
+
+    The rollback is a new version, numbered after the latest, with the old version's code:
+    history only grows, the version an agent reads never goes back, and the audit trail
+    says which version was restored. The capability keeps its current bindings and public
+    flag (they are not versioned), and the agent's deploy cool-down does not apply.
+    Rolling back to the code that is already current changes nothing (as a deploy of the
+    same code does). Raises NotFound (no such version, or the capability was removed),
+    Conflict (a deploy of it is in progress), and what placing code raises (TooLarge,
+    InvalidRequest, UpstreamError).
+    """
+    full = capability.full_name
+    target = CapabilityVersion.objects.filter(capability_id=capability.pk, number=version_number).first()
+    if target is None:
+        raise NotFound(f"{full} has no version {version_number}")
+    # A removed capability is not found whoever holds its lock (its slot release may).
+    if not Capability.objects.exclude(state=State.REMOVED).filter(pk=capability.pk).exists():
+        raise NotFound(f"no capability {full}")
+    lock = placement_lock(full, blocking=False)
+    if not lock.acquire():
+        raise Conflict(f"{full} is being deployed; retry when it is done")
+    try:
+        current = (
+            Capability.objects.select_related("agent", "current_version")
+            .exclude(state=State.REMOVED)
+            .filter(pk=capability.pk)
+            .first()
+        )
+        if current is None:
+            raise NotFound(f"no capability {full}")
+        if current.current_version is not None and current.current_version.sha == target.sha:
+            return DeployResult(
+                capability=current, version=current.current_version, created=False, cold_start=False, evicted=None
+            )
+        bundle = CodeBundle.from_code(
+            target.code,
+            bindings=binding_rules.bindings_resolve(current.bindings, supported_kinds=get_runtime().binding_kinds),
+        )
+        placement = place_with_room(
+            full=full,
+            capability_type=current.type,
+            expires_at=current.expires_at,
+            bundle=bundle,
+            was_evicting=current.state == State.EVICTING,
+        )
+        now = timezone.now()
+        with transaction.atomic():
+            locked = Capability.objects.select_for_update().get(pk=current.pk)
+            number = (locked.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+            version = CapabilityVersion.objects.create(
+                capability=locked,
+                number=number,
+                code=target.code,
+                sha=target.sha,
+                size_bytes=target.size_bytes,
+                created_at=now,
+            )
+            locked.current_version = version
+            locked.state = State.LIVE
+            locked.slot = placement.slot
+            locked.placed_sha = bundle.sha
+            locked.updated_at = now
+            locked.save(update_fields=["current_version", "state", "slot", "placed_sha", "updated_at"])
+            audit_record(
+                actor=actor,
+                action="capability.rolled_back",
+                agent_name=current.agent.name,
+                subject=full,
+                detail={"version": number, "restored_version": target.number, "sha": target.sha},
+            )
+        locked.agent = current.agent
+        routes.route_publish(locked)
+    finally:
+        lock.release()
+    capability.refresh_from_db()
+    return DeployResult(
+        capability=locked, version=version, created=False, cold_start=placement.cold_start, evicted=placement.evicted
+    )
