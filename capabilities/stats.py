@@ -63,12 +63,16 @@ redis.call('HSET', stats, 'last_access', ARGV[3])
 redis.call('SADD', dirty, full)
 redis.call('HSET', used, token, ARGV[3])
 if is_trial then redis.call('DEL', trial) end
+if not ok then redis.call('HINCRBY', stats, 'errors', 1) end
+-- Open for longer than a cool-down: forced by the owner, and only the owner's reset closes
+-- it; a call that was already in flight neither closes nor shortens it.
+local open_until = tonumber(redis.call('GET', breaker) or '')
+if open_until and open_until - now > cooldown then return '' end
 if ok then
   redis.call('DEL', failures)
   if redis.call('DEL', breaker) == 1 then return 'closed' end
   return ''
 end
-redis.call('HINCRBY', stats, 'errors', 1)
 local count = redis.call('INCR', failures)
 if is_trial or count >= threshold then
   local was_open = redis.call('EXISTS', breaker)

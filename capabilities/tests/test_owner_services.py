@@ -77,6 +77,38 @@ def test_forced_degraded_answers_503_with_a_finite_retry_after_until_the_owner_r
     assert capability.breaker_state == "closed"
 
 
+def test_calls_in_flight_when_forced_degraded_neither_close_nor_shorten_it(alice, settings):
+    import threading
+    import time
+
+    settings.SIGIL_BREAKER_COOLDOWN_SECONDS = 30
+    slow = """export default { async fetch(request) {
+        await new Promise((resolve) => setTimeout(resolve, 1500))
+        return new Response('done', { status: new URL(request.url).searchParams.get('status') || 200 })
+    } }"""
+    alice.deploy(name="slow", code=slow)
+    capability = Capability.objects.get(full_name="alice--slow")
+    answers = {}
+    calls = [
+        threading.Thread(
+            target=lambda status=status: answers.__setitem__(status, alice.call(f"/alice/slow?status={status}"))
+        )
+        for status in (200, 500)
+    ]
+    for call in calls:
+        call.start()
+    time.sleep(0.5)  # both are inside the capability now
+    services.capability_force_degraded(capability=capability, actor="owner:test")
+    for call in calls:
+        call.join(timeout=10)
+
+    assert answers[200].status_code == 200 and answers[500].status_code == 500
+    refused = alice.call("/alice/slow")
+    assert refused.status_code == 503 and "owner" in refused.json()["error"]["message"]
+    capability.refresh_from_db()
+    assert capability.breaker_state == "open"
+
+
 def test_public_flag_decides_whether_another_agent_may_call(alice, bob):
     alice.deploy(name="shared", code=code("hi"))
     capability = Capability.objects.get(full_name="alice--shared")
