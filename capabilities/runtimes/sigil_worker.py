@@ -19,6 +19,8 @@ from capabilities.runtimes.base import Route, Runtime, RuntimeUnavailable
 # Worker echoes it in when it refuses a request without Sigil's secret.
 VERSION_HEADER = "x-sigil-version"
 SYSTEM_TAG = "sigil-system"
+# How long a deploy of Sigil's Worker may hold, or wait for, the lock that makes it one.
+DEPLOY_LOCK_SECONDS = 120
 
 
 class SigilWorker:
@@ -73,21 +75,33 @@ class SigilWorker:
     def deploy(self) -> bool:
         """Upload the Worker and turn its workers.dev URL on, unless the current version runs.
 
-        Returns whether it uploaded. Idempotent. Raises the client's errors.
+        Returns whether it uploaded. Idempotent, and once across processes: every process
+        checks on its first placement, and those starting together wait for the one
+        uploading. Raises the client's errors, RuntimeUnavailable when that one takes too long.
         """
-        if self.deployed_version() == self.version:
-            return False
-        version = {"type": "plain_text", "name": self.version_binding, "text": self.version}
-        self.client.script_upload(
-            self.name,
-            modules=self.modules,
-            main_module=self.main_module,
-            compatibility_date=self.compatibility_date,
-            bindings=[*self.bindings, *self.secret_bindings, version],
-            tags=[SYSTEM_TAG],
+        lock = self.client.redis.lock(
+            f"sigil:lock:sigil-worker:{self.client.account_id}:{self.name}",
+            timeout=DEPLOY_LOCK_SECONDS,
+            blocking_timeout=DEPLOY_LOCK_SECONDS,
         )
-        self.client.script_subdomain_set(self.name, enabled=True)
-        return True
+        if not lock.acquire():
+            raise RuntimeUnavailable(f"another process has been deploying {self.name} for {DEPLOY_LOCK_SECONDS} s")
+        try:
+            if self.deployed_version() == self.version:
+                return False
+            version = {"type": "plain_text", "name": self.version_binding, "text": self.version}
+            self.client.script_upload(
+                self.name,
+                modules=self.modules,
+                main_module=self.main_module,
+                compatibility_date=self.compatibility_date,
+                bindings=[*self.bindings, *self.secret_bindings, version],
+                tags=[SYSTEM_TAG],
+            )
+            self.client.script_subdomain_set(self.name, enabled=True)
+            return True
+        finally:
+            lock.release()
 
     @property
     def subdomain(self) -> str:

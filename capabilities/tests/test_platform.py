@@ -42,6 +42,18 @@ def test_deployruntime_deploys_the_dispatch_worker_once_and_checks_it(platform, 
     get_runtime().check()
 
 
+def test_processes_starting_together_deploy_the_dispatch_worker_once(platform, db):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from capabilities.runtimes import build_runtime
+
+    runtimes = [build_runtime("platform") for _ in range(8)]  # as eight processes would each hold
+    with ThreadPoolExecutor(len(runtimes)) as pool:
+        said = list(pool.map(lambda runtime: runtime.provision(), runtimes))
+    assert len(platform.api_calls(method="PUT", path_suffix="/scripts/sigil-dispatcher")) == 1
+    assert sum("deployed the dispatch Worker sigil-dispatcher" in line for lines in said for line in lines) == 1
+
+
 def test_status_has_no_slot_limit_and_no_pager(platform, alice):
     alice.deploy(name="ping", code=PONG)
     status = alice.call("/_api/status").json()
