@@ -16,7 +16,6 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
-from agents.services import audit_record
 from capabilities import bindings as binding_rules
 from capabilities import selectors, services
 from capabilities.models import Binding, BindingKind, BreakerState, Capability, CapabilityVersion, State
@@ -460,6 +459,11 @@ class BindingForm(forms.ModelForm):
         kind, name = data.get("kind"), data.get("name")
         if name and not binding_rules.DECLARATION.fullmatch(f"{kind}:{name}"):
             self.add_error("name", "upper case letters, digits and _, starting with a letter")
+        elif kind and name:
+            try:
+                services.binding_check_rename(self.instance, kind=kind, name=name)
+            except SigilError as exc:
+                self.add_error("name", exc.message)
         if kind == BindingKind.SECRET:
             has_stored = bool(self.instance.secret_encrypted)
             if not (data.get("secret_env") or data.get("secret_value") or has_stored):
@@ -475,16 +479,36 @@ class BindingAdmin(admin.ModelAdmin):
     list_display = ["__str__", "kind", "description", "updated_at"]
     list_filter = ["kind"]
     search_fields = ["name", "description"]
+    readonly_fields = ["declared_by"]
+
+    @admin.display(description="declared by")
+    def declared_by(self, obj: Binding) -> str:
+        if obj.pk is None:
+            return "-"
+        return ", ".join(c.full_name for c in selectors.binding_declared_by(obj.kind, obj.name)) or "no capability"
 
     def save_model(self, request, obj, form, change) -> None:
-        secret = form.cleaned_data.get("secret_value")
-        if secret:
-            obj.secret_encrypted = binding_rules.secret_encrypt(secret)
-            obj.secret_env = ""
-        obj.updated_at = timezone.now()
-        super().save_model(request, obj, form, change)
-        audit_record(
-            actor=f"owner:{request.user.username}",
-            action="binding.changed" if change else "binding.created",
-            subject=str(obj),
+        refreshing = services.binding_save(
+            binding=obj, secret_value=form.cleaned_data.get("secret_value", ""), actor=owner_actor(request)
         )
+        if refreshing:
+            self.message_user(request, f"Placing again with the new value: {', '.join(refreshing)}.")
+
+    def get_deleted_objects(self, objs, request):
+        # Capabilities declaring a binding protect it: the confirmation page names them and
+        # offers no way to go on (for one binding or a selection).
+        deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        declaring = [
+            f"{b}, declared by {c.full_name}" for b in objs for c in selectors.binding_declared_by(b.kind, b.name)
+        ]
+        return deleted, counts, perms_needed, [*protected, *declaring]
+
+    def delete_model(self, request, obj) -> None:
+        services.binding_delete(binding=obj, actor=owner_actor(request))
+
+    def delete_queryset(self, request, queryset) -> None:
+        for binding in queryset:
+            try:
+                services.binding_delete(binding=binding, actor=owner_actor(request))
+            except SigilError as exc:
+                self.message_user(request, exc.message, level=messages.ERROR)

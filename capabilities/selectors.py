@@ -94,3 +94,15 @@ def capability_stats(*, capability: Capability, since: datetime) -> dict:
         "state": capability.state,
         "breaker": capability.breaker_state,
     }
+
+
+def binding_declared_by(kind: str, name: str) -> list[Capability]:
+    """The capabilities (not removed) that declare `KIND:NAME`, ordered by full name."""
+    declaration = f"{kind}:{name}"
+    # Filtered here rather than with a JSON lookup, which SQLite does not have.
+    candidates = Capability.objects.exclude(state=State.REMOVED).exclude(bindings=[]).order_by("full_name")
+    return [
+        capability
+        for capability in candidates.only("full_name", "state", "bindings")
+        if declaration in capability.bindings
+    ]

@@ -103,3 +103,12 @@ def capability_prune_stats() -> None:
     from capabilities import services
 
     services.capability_prune_stats()
+
+
+@shared_task(
+    name="capabilities.capability_refresh_bindings", acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT
+)
+def capability_refresh_bindings(*, full: str) -> None:
+    from capabilities import services
+
+    services.capability_refresh_bindings(full=full)

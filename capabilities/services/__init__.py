@@ -2,6 +2,7 @@
 and commands call these functions and translate their results. One module per sub-domain;
 everything callers use is re-exported here."""
 
+from capabilities.services.bindings import binding_check_rename, binding_delete, binding_save
 from capabilities.services.controls import (
     capability_force_degraded,
     capability_reset_breaker,
@@ -22,6 +23,7 @@ from capabilities.services.placement import (
     capability_page_in,
     capability_page_out,
     capability_reconcile,
+    capability_refresh_bindings,
     capability_release_slot,
     runtime_provision,
 )
@@ -46,6 +48,9 @@ __all__ = [
     "DeployResult",
     "StillInFlight",
     "SwitchStep",
+    "binding_check_rename",
+    "binding_delete",
+    "binding_save",
     "capability_adopt_backend",
     "capability_deploy",
     "capability_evict",
@@ -60,6 +65,7 @@ __all__ = [
     "capability_prune_stats",
     "capability_reconcile",
     "capability_record_breaker",
+    "capability_refresh_bindings",
     "capability_release_slot",
     "capability_remove",
     "capability_remove_as_owner",

@@ -388,3 +388,41 @@ def capability_evict(*, full: str, actor: str) -> bool:
         if get_runtime().total_slots is not None:
             pager.pager_mark_leaving(full)
     return capability_page_out(full=full, attempt=PAGE_OUT_INFLIGHT_CHECKS)
+
+
+def capability_refresh_bindings(*, full: str) -> bool:
+    """Place `full` again with its bindings' current values (a rotated secret, another KV
+    namespace id), keeping its version and slot. Only a live capability on the current
+    runtime is placed again: any other gets the current values when it is next placed.
+
+    Returns whether it placed a new bundle. Raises RuntimeUnavailable (transient, retried by
+    the task), InvalidRequest (a binding no longer resolves).
+    """
+    runtime = get_runtime()
+    with placement_lock(full, blocking=True):
+        capability = (
+            Capability.objects.select_related("agent", "current_version")
+            .filter(full_name=full, state=State.LIVE, backend__in=("", runtime.name))
+            .first()
+        )
+        if capability is None or capability.current_version is None:
+            return False
+        bundle = CodeBundle.from_code(
+            capability.current_version.code,
+            bindings=binding_rules.bindings_resolve(capability.bindings, supported_kinds=runtime.binding_kinds),
+        )
+        if bundle.sha == capability.placed_sha:
+            return False
+        runtime.place(slot=capability.slot, bundle=bundle)
+        with transaction.atomic():
+            Capability.objects.filter(pk=capability.pk).update(placed_sha=bundle.sha, updated_at=timezone.now())
+            audit_record(
+                actor="system",
+                action="capability.bindings_refreshed",
+                agent_name=capability.agent.name,
+                subject=full,
+                detail={"bindings": capability.bindings},
+            )
+        capability.placed_sha = bundle.sha
+        routes.route_publish(capability)
+    return True

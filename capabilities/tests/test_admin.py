@@ -4,7 +4,10 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from capabilities.models import Capability
+from agents.models import AuditEvent
+from capabilities import bindings, services
+from capabilities.models import Binding, Capability
+from testsupport.cast import wait_for
 
 
 def code(text: str) -> str:
@@ -113,3 +116,62 @@ def test_change_page_shows_bindings_versions_and_traffic(owner_client, alice):
     assert 'id="versions"' in body and "none declared" in body and "no calls flushed" in body
     assert 'id="rollback-form"' in body
     assert 'name="_save"' not in body  # read-only: changed through actions and buttons
+
+
+SHOWS_BINDINGS = """export default { async fetch(request, env) {
+  return Response.json({ greeting: env.GREETING ?? null, token: env.TOKEN ?? null })
+} }"""
+
+
+def binding_form(binding: Binding, **changes) -> dict:
+    form = {"kind": binding.kind, "name": binding.name, "value": binding.value, "secret_env": "", "description": ""}
+    return {**form, "secret_value": "", **changes}
+
+
+def test_a_changed_binding_reaches_the_live_capabilities_that_declare_it(owner_client, alice, celery_worker):
+    greeting = Binding.objects.create(kind="VAR", name="GREETING", value="hello")
+    token = Binding.objects.create(kind="SECRET", name="TOKEN", secret_encrypted=bindings.secret_encrypt("old"))
+    alice.deploy(name="greets", code=SHOWS_BINDINGS, bindings=["VAR:GREETING", "SECRET:TOKEN"])
+    alice.deploy(name="plain", code=SHOWS_BINDINGS)
+    assert alice.call("/alice/greets").json() == {"greeting": "hello", "token": "old"}
+
+    changed = owner_client.post(
+        f"/admin/capabilities/binding/{greeting.pk}/change/", binding_form(greeting, value="bonjour"), follow=True
+    )
+    assert "Placing again with the new value: alice--greets." in messages_of(changed)
+    wait_for(lambda: alice.call("/alice/greets").json()["greeting"] == "bonjour", message="the new greeting")
+    owner_client.post(f"/admin/capabilities/binding/{token.pk}/change/", binding_form(token, secret_value="rotated"))
+    wait_for(lambda: alice.call("/alice/greets").json()["token"] == "rotated", message="the rotated secret")
+
+    assert alice.call("/alice/plain").json() == {"greeting": None, "token": None}
+    capability = Capability.objects.get(full_name="alice--greets")
+    assert capability.versions.count() == 1  # the same version, placed again
+    refreshed = AuditEvent.objects.filter(action="capability.bindings_refreshed", subject="alice--greets")
+    assert refreshed.count() == 2
+    assert AuditEvent.objects.get(action="binding.changed", subject="VAR:GREETING").detail == {
+        "refreshing": ["alice--greets"]
+    }
+
+
+def test_a_binding_that_capabilities_declare_cannot_be_renamed_or_deleted(owner_client, alice):
+    greeting = Binding.objects.create(kind="VAR", name="GREETING", value="hello")
+    alice.deploy(name="greets", code=SHOWS_BINDINGS, bindings=["VAR:GREETING"])
+    page = f"/admin/capabilities/binding/{greeting.pk}"
+
+    assert "alice--greets" in owner_client.get(f"{page}/change/").content.decode()
+    renamed = owner_client.post(f"{page}/change/", binding_form(greeting, name="SALUTATION"))
+    assert renamed.status_code == 200  # the form again, with the reason
+    assert "declared by alice--greets" in renamed.content.decode()
+    confirm = owner_client.get(f"{page}/delete/").content.decode()
+    assert "VAR:GREETING, declared by alice--greets" in confirm and 'name="post"' not in confirm
+    owner_client.post(f"{page}/delete/", {"post": "yes"})
+    owner_client.post(
+        "/admin/capabilities/binding/", {"action": "delete_selected", "_selected_action": [greeting.pk], "post": "yes"}
+    )
+    assert Binding.objects.filter(kind="VAR", name="GREETING").exists()
+
+    services.capability_remove_as_owner(full="alice--greets", actor="owner:test")
+    assert 'name="post"' in owner_client.get(f"{page}/delete/").content.decode()
+    assert owner_client.post(f"{page}/delete/", {"post": "yes"}).status_code == 302
+    assert not Binding.objects.exists()
+    assert AuditEvent.objects.filter(action="binding.deleted", subject="VAR:GREETING", actor="owner:owner").exists()

@@ -1,0 +1,65 @@
+"""The owner's bindings: saving and deleting them, and bringing a changed value to the live
+capabilities that declared it."""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.utils import timezone
+
+from agents.services import audit_record
+from capabilities import bindings as binding_rules
+from capabilities import selectors
+from capabilities.models import Binding, State
+from capabilities.tasks import capability_refresh_bindings as capability_refresh_bindings_task
+from sigil_site.errors import Conflict
+
+
+def binding_check_rename(binding: Binding, *, kind: str, name: str) -> None:
+    """A binding that capabilities declare keeps its kind and name (they would lose it at
+    their next placement). Raises Conflict naming them."""
+    if binding.pk is None or (binding.kind, binding.name) == (kind, name):
+        return
+    _refuse_if_declared(binding, "renamed")
+
+
+def binding_save(*, binding: Binding, secret_value: str = "", actor: str) -> list[str]:
+    """Store `binding` (a new secret value is encrypted and replaces an environment variable),
+    audit it, and queue placing again every live capability that declares it, so that the
+    new value reaches them. Returns the full names queued. Raises Conflict (see
+    `binding_check_rename`)."""
+    created = binding.pk is None
+    if not created:
+        stored = Binding.objects.get(pk=binding.pk)
+        binding_check_rename(stored, kind=binding.kind, name=binding.name)
+    if secret_value:
+        binding.secret_encrypted = binding_rules.secret_encrypt(secret_value)
+        binding.secret_env = ""
+    binding.updated_at = timezone.now()
+    declared = [] if created else selectors.binding_declared_by(binding.kind, binding.name)
+    refreshing = [c.full_name for c in declared if c.state == State.LIVE]
+    with transaction.atomic():
+        binding.save()
+        audit_record(
+            actor=actor,
+            action="binding.created" if created else "binding.changed",
+            subject=str(binding),
+            detail={"refreshing": refreshing} if refreshing else None,
+        )
+        for full in refreshing:
+            capability_refresh_bindings_task.delay_on_commit(full=full)
+    return refreshing
+
+
+def binding_delete(*, binding: Binding, actor: str) -> None:
+    """Delete a binding no capability declares. Raises Conflict naming those that do."""
+    _refuse_if_declared(binding, "deleted")
+    with transaction.atomic():
+        audit_record(actor=actor, action="binding.deleted", subject=str(binding))
+        binding.delete()
+
+
+def _refuse_if_declared(binding: Binding, what: str) -> None:
+    users = selectors.binding_declared_by(binding.kind, binding.name)
+    if users:
+        shown = ", ".join(c.full_name for c in users[:5]) + (" ..." if len(users) > 5 else "")
+        raise Conflict(f"{binding} is declared by {shown}; it cannot be {what} while they use it")
