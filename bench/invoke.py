@@ -301,6 +301,7 @@ def check_reply(target: Target, port: int, path: str) -> None:
 class FirstCall:
     total_ms: float
     capability_ms: float  # workerd's part, from the Server-Timing header Sigil sends
+    deploy_ms: float  # the deploy before it, which starts the code once (its start check)
 
 
 def measure_cold(port: int, tokens: dict[str, str], *, server: str, runs: int) -> list[FirstCall]:
@@ -311,14 +312,16 @@ def measure_cold(port: int, tokens: dict[str, str], *, server: str, runs: int) -
     for run in range(runs):
         name = f"cold-{server}-{run}"
         # A new sha per run: workerd has never seen this code, so it loads a new isolate.
+        deploying = time.perf_counter()
         deploy(connection, tokens["deploy_token"], name, CODE % json.dumps(f"{REPLY} ({name})"))
+        deploy_ms = (time.perf_counter() - deploying) * 1000
         started = time.perf_counter()
         response, data = request(connection, "GET", f"/{AGENT}/{name}", headers=invoke)
         total_ms = (time.perf_counter() - started) * 1000
         if response.status != 200:
             raise RuntimeError(f"the first call of {name} answered {response.status}: {data[:300]!r}")
         timing = dict(part.strip().split(";dur=") for part in response.getheader("Server-Timing", "").split(","))
-        timings.append(FirstCall(total_ms, float(timing.get("capability", "nan"))))
+        timings.append(FirstCall(total_ms, float(timing.get("capability", "nan")), deploy_ms))
     connection.close()
     return timings
 
@@ -512,10 +515,11 @@ def report(servers, targets, latency, throughput, cold, args) -> None:
     for server in servers:
         timings = [call.total_ms for call in cold[server]]
         in_workerd = statistics.median(call.capability_ms for call in cold[server])
+        deploys = statistics.median(call.deploy_ms for call in cold[server])
         print(
             f"{SERVER_LABELS[server]:18} p50 {statistics.median(timings):.2f} ms, "
             f"p90 {percentile(timings, 0.9):.2f} ms, max {max(timings):.2f} ms "
-            f"(in workerd: p50 {in_workerd:.2f} ms)"
+            f"(in workerd: p50 {in_workerd:.2f} ms; the deploy before it: p50 {deploys:.2f} ms)"
         )
     print()
     print(

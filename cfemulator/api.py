@@ -250,8 +250,19 @@ class CloudflareApi:
     uploads are parsed outside it.
     """
 
-    def __init__(self, *, token: str, account_id: str, code_dir: Path, config: EmulatorConfig) -> None:
+    def __init__(
+        self,
+        *,
+        token: str,
+        account_id: str,
+        code_dir: Path,
+        config: EmulatorConfig,
+        start_check: Callable[[str], str | None] | None = None,
+    ) -> None:
         self.account_id = account_id
+        # Given a loader id, starts that code on the loader host: None when it starts, else
+        # why not. Cloudflare refuses a script that does not start at upload (10021).
+        self._start_check = start_check
         self.code_dir = Path(code_dir)
         self.code_dir.mkdir(parents=True, exist_ok=True)
         self._token = token
@@ -502,6 +513,18 @@ class CloudflareApi:
         with self._lock:
             return handler(request, params)
 
+    def _check_start(self, name: str, upload: ScriptUpload) -> None:
+        """Refuse code that does not start, as Cloudflare does at upload, after the cheaper
+        checks. Scripts that run in a workerd of their own (cfemulator.bound) are started
+        there on first use instead."""
+        if self._start_check is None or needs_own_workerd(upload):
+            return
+        sha = self._write_bundle(upload)
+        problem = self._start_check(f"{name}@{sha}")
+        if problem is not None:
+            self._release(sha)
+            raise ApiError(400, 10021, problem)
+
     def _authorized(self, header: str) -> bool:
         scheme, _, token = header.partition(" ")
         given = token.strip().encode()
@@ -564,6 +587,7 @@ class CloudflareApi:
                 400, 10037, f"You have exceeded the limit of {self._config.script_limit} Workers on your account."
             )
         self._check_binding_targets(params["upload"])
+        self._check_start(name, params["upload"])
         script = self._store(name, params["upload"], existing)
         if existing is None:
             self.scripts[name] = script
@@ -668,6 +692,7 @@ class CloudflareApi:
         # Namespaces are not capped by the account's Worker quota (reference §7.3).
         existing = namespace.scripts.get(name)
         self._check_binding_targets(params["upload"])
+        self._check_start(name, params["upload"])
         script = self._store(name, params["upload"], existing)
         namespace.scripts[name] = script
         namespace.modified_on = script.modified_on
@@ -854,16 +879,7 @@ class CloudflareApi:
         The bundle's sha covers everything the script runs with (modules, date, text
         bindings), so a change of any of them gives a new loader id and a fresh isolate.
         """
-        bundle = CodeBundle(
-            main_module=upload.main_module,
-            modules=upload.loader_modules,
-            compatibility_date=upload.compatibility_date,
-            bindings=upload.text_bindings,
-        )
-        sha = bundle.sha
-        path = self.code_dir / f"{sha}.json"
-        if not path.exists():
-            _write_atomically(path, bundle.to_json())
+        sha = self._write_bundle(upload)
         stamp = _now()
         if existing is None:
             return Script(name=name, sha=sha, upload=upload, created_on=stamp, modified_on=stamp)
@@ -872,6 +888,19 @@ class CloudflareApi:
         if old_sha != sha:
             self._release(old_sha)
         return existing
+
+    def _write_bundle(self, upload: ScriptUpload) -> str:
+        """Write the loader host's bundle for `upload`, once per sha; return the sha."""
+        bundle = CodeBundle(
+            main_module=upload.main_module,
+            modules=upload.loader_modules,
+            compatibility_date=upload.compatibility_date,
+            bindings=upload.text_bindings,
+        )
+        path = self.code_dir / f"{bundle.sha}.json"
+        if not path.exists():
+            _write_atomically(path, bundle.to_json())
+        return bundle.sha
 
     def _release(self, sha: str) -> None:
         """Delete a bundle no script uses any more."""

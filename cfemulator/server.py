@@ -20,6 +20,7 @@ concurrent clients are served at once; the account state is guarded by `Cloudfla
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import secrets
@@ -33,9 +34,12 @@ from urllib.parse import parse_qs, urlsplit
 import urllib3
 from urllib3 import HTTPHeaderDict
 
+from capabilities.runtimes.base import Route, RuntimeRejected, RuntimeUnavailable
+from capabilities.runtimes.loader_host import loader_host_start_check
 from capabilities.workerd import WorkerdHost
 from cfemulator.api import MAX_BODY_BYTES, ApiRequest, CloudflareApi, EmulatorConfig, WorkerTarget
 from cfemulator.bound import KV_HEADER, LIMITS_HEADER, NOT_FOUND_HEADER, ORIGINAL_HOST_HEADER, BoundWorkers
+from cfemulator.envelope import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +60,7 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _WORKER_HOST_SUFFIXES = (".workers.dev", ".dispatch.localhost")
-_HOST_HEADERS = frozenset({"x-sigil-secret", "x-sigil-loader-id"})
+_HOST_HEADERS = frozenset({"x-sigil-secret", "x-sigil-loader-id", "x-sigil-validate"})
 # Sent by the emulator itself on every answer; a Worker's own (or a nested emulator
 # answer's, through a dispatch namespace) would repeat them.
 _OWN_HEADERS = frozenset({"content-type", "server", "date"})
@@ -107,7 +111,13 @@ class EmulatorServer:
             state_dir=state_dir / "workerd",
             secret=secrets.token_hex(32),
         )
-        api = CloudflareApi(token=token, account_id=account_id, code_dir=workerd.code_dir, config=config)
+        api = CloudflareApi(
+            token=token,
+            account_id=account_id,
+            code_dir=workerd.code_dir,
+            config=config,
+            start_check=functools.partial(_start_check, workerd),
+        )
         bound = BoundWorkers(binary=workerd_binary, state_dir=state_dir / "bound")
         return cls(api=api, workerd=workerd, token=token, port=port, bound=bound)
 
@@ -411,3 +421,19 @@ class _RequestHandler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
+
+
+_START_CHECKS = urllib3.PoolManager(timeout=urllib3.Timeout(connect=5.0, read=30.0), retries=False)
+
+
+def _start_check(workerd: WorkerdHost, loader_id: str) -> str | None:
+    """Start code on the emulator's loader host: None when it starts, else workerd's words."""
+    route = Route(base_url=workerd.url, headers=(("X-Sigil-Secret", workerd.secret), ("X-Sigil-Loader-Id", loader_id)))
+    try:
+        if loader_host_start_check(_START_CHECKS, route):
+            return None
+    except RuntimeRejected as exc:
+        return str(exc)
+    except RuntimeUnavailable as exc:
+        raise ApiError(500, 10002, f"the emulator's workerd could not start the script: {exc}") from exc
+    raise ApiError(500, 10002, f"the emulator's workerd did not find the script it was just given ({loader_id})")

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import threading
 
+import urllib3
+
 from capabilities.cloudflare import CloudflareClient, CloudflareRejected
-from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
+from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route, RuntimeRejected
+from capabilities.runtimes.loader_host import loader_host_start_check
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
 from capabilities.workerd import HOST_DIR
 
@@ -55,6 +58,7 @@ class LoaderRuntime(FrontedRuntime):
         self._kv_id: str | None = None
         self._worker: SigilWorker | None = None
         self._lock = threading.Lock()
+        self._start_checks = urllib3.PoolManager(timeout=urllib3.Timeout(connect=3.0, read=30.0), retries=False)
 
     # --- Sigil's loader Worker and its KV namespace --------------------------------------------
 
@@ -131,10 +135,20 @@ class LoaderRuntime(FrontedRuntime):
         return full_name  # full names are unique, and KV keys hold up to 512 bytes
 
     def place(self, *, slot: str, bundle: CodeBundle) -> None:
-        """Write the bundle under its sha, then point the slot at it. Two KV writes (after
-        the first placement of the process). Idempotent."""
+        """Write the bundle under its sha, have the loader Worker start it, then point the
+        slot at it. Two KV writes and one request to the loader Worker (after the first
+        placement of the process). Idempotent. Raises RuntimeRejected when the code does not
+        start."""
         self._ensure_provisioned()
         self.client.kv_put(self.kv_id, CODE_PREFIX + bundle.sha, bundle.to_json())
+        try:
+            # A location that does not see the bundle yet cannot check it: then it is placed
+            # unchecked, and a call finds out as on the first call of any placement.
+            loader_host_start_check(self._start_checks, self.route(slot=slot, sha=bundle.sha))
+        except RuntimeRejected:
+            # Code that does not start is placed nowhere, so no slot points at its sha.
+            self.client.kv_delete(self.kv_id, CODE_PREFIX + bundle.sha)
+            raise
         self.client.kv_put(self.kv_id, SLOT_PREFIX + slot, bundle.sha.encode(), metadata={"sha": bundle.sha})
 
     def remove(self, *, slot: str) -> None:

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import urllib3
 
-from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route, Runtime, RuntimeUnavailable
+from capabilities.runtimes.base import (
+    TEXT_BINDING_KINDS,
+    CodeBundle,
+    Route,
+    Runtime,
+    RuntimeRejected,
+    RuntimeUnavailable,
+)
+from capabilities.runtimes.loader_host import loader_host_start_check
 
 
 class LocalRuntime(Runtime):
@@ -32,6 +40,7 @@ class LocalRuntime(Runtime):
         self.workerd_url = workerd_url.rstrip("/")
         self._secret = secret
         self._probe = urllib3.PoolManager(timeout=urllib3.Timeout(connect=1.0, read=2.0), retries=False)
+        self._start_checks = urllib3.PoolManager(timeout=urllib3.Timeout(connect=1.0, read=30.0), retries=False)
 
     @property
     def total_slots(self) -> int | None:
@@ -45,11 +54,20 @@ class LocalRuntime(Runtime):
         return full_name  # full names are unique, so they never collide
 
     def place(self, *, slot: str, bundle: CodeBundle) -> None:
-        """Store the bundle (once per sha) and point the slot at it. Idempotent."""
+        """Store the bundle (once per sha), have the host start it, and point the slot at it.
+        Idempotent. Raises RuntimeRejected when the code does not start."""
         self.slots_dir.mkdir(parents=True, exist_ok=True)
         bundle_path = self.code_dir / f"{bundle.sha}.json"
-        if not bundle_path.exists():
+        stored_now = not bundle_path.exists()
+        if stored_now:
             _write_atomically(bundle_path, bundle.to_json())
+        try:
+            if not loader_host_start_check(self._start_checks, self.route(slot=slot, sha=bundle.sha)):
+                raise RuntimeUnavailable(f"workerd does not find the code just stored in {bundle_path}")
+        except RuntimeRejected:
+            if stored_now:
+                bundle_path.unlink(missing_ok=True)
+            raise
         _write_atomically(self.slots_dir / slot, bundle.sha.encode())
 
     def remove(self, *, slot: str) -> None:

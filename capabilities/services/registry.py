@@ -80,13 +80,17 @@ def _validate_deploy(
     return type, name, ttl
 
 
+def _cooldown_key(agent_name: str) -> str:
+    return f"sigil:cooldown:{agent_name}"
+
+
 def _claim_cooldown(agent_name: str) -> None:
     """One real deploy per agent per cool-down. Raises Cooldown with the time left."""
     window_ms = int(settings.SIGIL_DEPLOY_COOLDOWN_SECONDS * 1000)
     if window_ms <= 0:
         return
     redis = get_redis()
-    key = f"sigil:cooldown:{agent_name}"
+    key = _cooldown_key(agent_name)
     if not redis.set(key, 1, nx=True, px=window_ms):
         left_ms = max(redis.pttl(key), 1)
         raise Cooldown(
@@ -154,13 +158,19 @@ def capability_deploy(
         raise Conflict(f"{full} is being deployed by another request; retry when it is done")
     try:
         expires_at = existing.expires_at if existing else (now + timedelta(seconds=ttl) if ttl is not None else None)
-        placement = place_with_room(
-            full=full,
-            capability_type=type,
-            expires_at=expires_at,
-            bundle=(bundle := CodeBundle.from_code(code, bindings=resolved)),
-            was_evicting=existing is not None and existing.state == State.EVICTING,
-        )
+        try:
+            placement = place_with_room(
+                full=full,
+                capability_type=type,
+                expires_at=expires_at,
+                bundle=(bundle := CodeBundle.from_code(code, bindings=resolved)),
+                was_evicting=existing is not None and existing.state == State.EVICTING,
+            )
+        except (InvalidRequest, TooLarge):
+            # The runtime refused the code (it does not start, or is too large): nothing was
+            # deployed, so the fixed code need not wait out a cool-down.
+            get_redis().delete(_cooldown_key(owner.name))
+            raise
         capability, version, created = _record_deploy(
             owner=owner,
             existing=existing,

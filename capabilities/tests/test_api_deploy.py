@@ -149,3 +149,33 @@ def test_deploy_is_audited(alice):
     alice.deploy(name="ping", code=PONG + "\n")
     actions = list(AuditEvent.objects.filter(subject="alice--ping").values_list("action", "actor"))
     assert actions == [("capability.deployed", "agent:alice"), ("capability.created", "agent:alice")]
+
+
+@pytest.mark.parametrize(
+    ("code", "words"),
+    [
+        ("export default { async fetch() { return new Response('pong') ", "SyntaxError"),
+        ("const config = JSON.parse('{'); export default { fetch() { return new Response('x') } }", "SyntaxError"),
+        ("throw new Error('missing setting'); export default {}", "Error: missing setting"),
+    ],
+)
+def test_code_that_does_not_start_is_a_400_with_the_reason_and_creates_nothing(alice, code, words):
+    error = assert_rejected(alice.deploy(name="broken", code=code), 400, "invalid_request", message_part=words)
+    assert error["message"].startswith("the runtime refused the script: Uncaught")
+    assert not Capability.objects.exists() and not CapabilityVersion.objects.exists()
+    assert alice.call("/alice/broken").status_code == 404
+
+
+def test_a_broken_new_version_keeps_the_old_one_serving_and_needs_no_cooldown_to_fix(alice, settings):
+    assert alice.deploy(name="ping", code=PONG).status_code == 201  # no cool-down yet
+    settings.SIGIL_DEPLOY_COOLDOWN_SECONDS = 60
+
+    broken = alice.deploy(name="ping", code="export default { fetch() { return new Response('two') ")
+    assert broken.status_code == 400
+    assert alice.call("/alice/ping").text == "pong"
+    assert Capability.objects.get(full_name="alice--ping").versions.count() == 1
+
+    fixed = alice.deploy(name="ping", code="export default { fetch() { return new Response('two') } }")
+    assert fixed.status_code == 200 and fixed.json()["version"] == 2
+    assert alice.call("/alice/ping").text == "two"
+    assert alice.deploy(name="ping", code=PONG).status_code == 429  # a real deploy still starts one

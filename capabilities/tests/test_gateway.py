@@ -180,11 +180,14 @@ def test_ttl_expiry_runs_on_beat_and_a_worker(alice, settings, celery_worker, tm
         beat.wait(timeout=10)
 
 
-def test_an_unreachable_runtime_is_a_502_and_not_the_capabilitys_failure(alice, settings, redis_client):
+def test_an_unreachable_runtime_is_a_502_and_not_the_capabilitys_failure(alice, settings, redis_client, sigil):
+    from capabilities.runtimes import runtimes_forget
     from capabilities.workerd import free_port
 
+    alice.deploy(name="ping", code=PONG)
     settings.SIGIL_WORKERD_PORT = free_port()  # nothing listens there
-    alice.deploy(name="ping", code=PONG)  # placing local code needs only the disk
+    runtimes_forget()
+    sigil.app.gateway = None
     response = alice.call("/alice/ping")
     assert_error(response, 502, "upstream_error")
     assert redis_client.get(stats.failures_key("alice--ping")) is None  # the breaker is not charged

@@ -135,11 +135,13 @@ def test_reconcile_removes_orphans_and_repairs_lost_placements(capped, alice):
     assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0}
 
 
-def test_a_call_that_finds_its_script_gone_pages_in_and_retries(alice):
-    deploy(alice, "a", "never-called-before")  # so no warm isolate hides the loss
+def test_a_call_that_finds_its_script_gone_pages_in_and_retries(alice, workerd_host):
+    deploy(alice, "a", "never-called-before")
     capability = Capability.objects.get(full_name="alice--a")
     (get_runtime().code_dir / f"{capability.placed_sha}.json").unlink()
     (get_runtime().code_dir / "slots" / "alice--a").unlink()
+    workerd_host.stop()  # and its isolates with it, so that none hides the loss
+    workerd_host.start()
     response = alice.call("/alice/a")
     assert response.status_code == 200 and response.text == "never-called-before", response.text
     assert response.headers["X-Sigil-Cold-Start"] == "1"

@@ -242,6 +242,17 @@ def test_invalid_script_name_is_10016(api):
     assert (response.status_code, first_error(response)) == (400, 10016)
 
 
+def test_a_script_that_does_not_start_is_10021_with_the_reason_and_stores_nothing(api, settings):
+    response = api.upload("broken", "throw new Error('no config'); export default {}")
+    assert (response.status_code, first_error(response)) == (400, 10021)
+    assert "Uncaught Error: no config" in response.json()["errors"][0]["message"]
+    assert api.call("GET", "/workers/scripts").json()["result"] == []
+    assert api.upload("unfinished", "export default { async fetch() {").status_code == 400
+    assert api.upload("fine", HELLO).status_code == 200
+    code_dir = Path(settings.VAR_DIR) / "cfemulator" / "code"  # the session emulator's, see conftest
+    assert len(list(code_dir.glob("*.json"))) == 1  # only the script that started left its bundle
+
+
 def test_script_over_the_size_limit_is_10027_measured_compressed(api, cf_emulator_fresh):
     cf_emulator_fresh.configure(script_max_bytes=64 * 1024)
     # 200 KB that compresses to a few hundred bytes is accepted, as Cloudflare measures gzip size.

@@ -7,6 +7,11 @@
 // loaded once per id, and receives the request with Sigil's internal headers removed.
 // Because the id carries the content hash, a new version gets a fresh isolate and an
 // unchanged one is reused.
+//
+// With `x-sigil-validate: 1` the host only starts the code, as Cloudflare does at upload:
+// it asks the loaded Worker for an entrypoint no capability has, so its top-level code runs
+// but none of its handlers. 204 when it starts; 400 `invalid-code` with workerd's message
+// (a syntax error, a top-level exception) when it does not.
 
 const SECRET_HEADER = "x-sigil-secret";
 const LOADER_ID_HEADER = "x-sigil-loader-id";
@@ -14,6 +19,8 @@ const CPU_HEADER = "x-sigil-cpu-ms";
 const ERROR_HEADER = "x-sigil-error";
 const VERSION_HEADER = "x-sigil-version";
 const HOST_HEADER = "x-sigil-host";
+const VALIDATE_HEADER = "x-sigil-validate";
+const PROBE_ENTRYPOINT = "SigilStartProbe";
 // `_` is allowed because Cloudflare script names (which the emulator uses as the name) may hold it.
 const LOADER_ID = /^[a-z0-9_][a-z0-9_-]*(?:--[a-z0-9][a-z0-9-]*)?@[0-9a-f]{64}$/;
 
@@ -58,6 +65,23 @@ class MissingCode extends Error {
   }
 }
 
+// Start the code without calling any of its handlers: the Worker is asked for an entrypoint
+// no capability has, which workerd looks up only once the top-level code has run.
+async function started(worker, codeWasMissing, env) {
+  try {
+    await worker.getEntrypoint(PROBE_ENTRYPOINT).fetch("http://validate/");
+  } catch (error) {
+    const message = String((error && error.message) || error);
+    if (codeWasMissing()) throw error;
+    if (message.includes(PROBE_ENTRYPOINT)) return new Response(null, { status: 204 });
+    if (message.startsWith("Failed to start Worker")) {
+      return refuse(400, "invalid-code", message.replace(/^Failed to start Worker:\s*/, ""), env);
+    }
+    throw error;
+  }
+  return refuse(500, "exception", `the code answered as ${PROBE_ENTRYPOINT}`, env);
+}
+
 export default {
   async fetch(request, env) {
     if (!sameSecret(request.headers.get(SECRET_HEADER), env.SIGIL_SECRET)) {
@@ -97,6 +121,7 @@ export default {
       };
     });
     try {
+      if (request.headers.get(VALIDATE_HEADER) === "1") return await started(worker, () => missing, env);
       // Cloudflare enforces the limit; open-source workerd accepts it and does not (reference §5.3).
       const entrypoint = cpuMs > 0 ? worker.getEntrypoint(null, { limits: { cpuMs } }) : worker.getEntrypoint();
       const response = await entrypoint.fetch(forwarded);

@@ -3,12 +3,16 @@ real code and sends a real request to it."""
 
 from __future__ import annotations
 
+import pytest
 import urllib3
 
-from capabilities.runtimes.base import CodeBundle, Route
+from capabilities.runtimes.base import CodeBundle, Route, RuntimeRejected
 
 HELLO = "export default { async fetch(request) { return new Response('hello ' + new URL(request.url).pathname) } }"
 SECOND = "export default { async fetch() { return new Response('second version') } }"
+# Code that does not start: Cloudflare refuses it at upload, the loader host at its start check.
+UNFINISHED = "export default { async fetch() { return new Response('hi') "
+THROWS_AT_START = "throw new Error('no config at start'); export default { async fetch() { return new Response('x') } }"
 ECHO_HEADERS = """export default { async fetch(request) {
   return Response.json(Object.fromEntries(request.headers));
 } }"""
@@ -66,6 +70,13 @@ class RuntimeContract:
         seen = call(runtime.route(slot=slot, sha=bundle.sha), headers={"X-Custom": "kept"}).json()
         assert seen["x-custom"] == "kept"
         assert not [name for name in seen if name.startswith("x-sigil")]
+
+    @pytest.mark.parametrize(("code", "words"), [(UNFINISHED, "SyntaxError"), (THROWS_AT_START, "no config at start")])
+    def test_code_that_does_not_start_is_refused_and_placed_nowhere(self, runtime, code, words):
+        slot = runtime.slot_for("alice--broken")
+        with pytest.raises(RuntimeRejected, match=words):
+            runtime.place(slot=slot, bundle=CodeBundle.from_code(code))
+        assert slot not in runtime.list_slots()
 
     def test_check_passes_when_the_runtime_serves(self, runtime):
         runtime.check()

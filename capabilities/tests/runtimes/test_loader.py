@@ -5,7 +5,7 @@ emulator's KV store."""
 import pytest
 import urllib3
 
-from capabilities.runtimes.base import CodeBundle, ResolvedBinding
+from capabilities.runtimes.base import CodeBundle, ResolvedBinding, RuntimeRejected
 from capabilities.runtimes.loader import LoaderRuntime
 from capabilities.tests.runtimes.contract import HELLO, RuntimeContract, call
 
@@ -60,11 +60,16 @@ def test_text_bindings_reach_env_and_nothing_else_does(runtime):
 
 
 def test_code_missing_from_kv_is_a_miss(runtime, cf_client):
-    bundle = CodeBundle.from_code(HELLO)
-    runtime.place(slot="alice--lost", bundle=bundle)
-    cf_client.kv_delete(runtime.kv_id, f"code:{bundle.sha}")
-    response = call(runtime.route(slot="alice--lost", sha=bundle.sha))
+    runtime.provision()
+    never_stored = CodeBundle.from_code(HELLO)
+    response = call(runtime.route(slot="alice--lost", sha=never_stored.sha))
     assert response.status == 404 and runtime.is_missing(response)
+
+
+def test_code_that_does_not_start_leaves_no_bundle_in_kv(runtime, cf_client):
+    with pytest.raises(RuntimeRejected):
+        runtime.place(slot="alice--broken", bundle=CodeBundle.from_code("export default {"))
+    assert [key["name"] for key in cf_client.kv_keys(runtime.kv_id, prefix="code:")] == []
 
 
 def test_the_loader_worker_refuses_calls_without_sigils_secret(runtime):

@@ -1,0 +1,49 @@
+"""The loader host's start check (host/host.js): does placed code start at all?
+
+Cloudflare runs a script's top-level code when it is uploaded and refuses one that does not
+start (error 10021). Code the loader host runs (the local and loader runtimes, and the
+emulator's scripts) is never uploaded as a script, so the host is asked the same question
+before a placement is made: it starts the code under the loader id calls will use, without
+calling any of its handlers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import urllib3
+
+from capabilities.runtimes.base import Route, RuntimeRejected, RuntimeUnavailable
+
+START_CHECK_HEADER = "X-Sigil-Validate"
+
+
+def loader_host_start_check(pool: urllib3.PoolManager, route: Route) -> bool:
+    """Start the code behind `route` on its loader host. Returns True when it started, False
+    when the host does not see the code yet (Workers KV is eventually consistent).
+
+    Raises RuntimeRejected with workerd's own words (a syntax error, an exception thrown by
+    top-level code), RuntimeUnavailable when the host cannot be asked or cannot tell.
+    """
+    headers = {**dict(route.headers), START_CHECK_HEADER: "1"}
+    if route.host_header:
+        headers["Host"] = route.host_header
+    try:
+        response = pool.request("POST", route.base_url + "/", headers=headers)
+    except urllib3.exceptions.HTTPError as exc:
+        raise RuntimeUnavailable(f"the loader host could not be asked to start the code: {exc}") from exc
+    if response.status == 204:
+        return True
+    kind = response.headers.get("x-sigil-error")
+    if response.status == 404 and kind == "missing-code":
+        return False
+    if response.status == 400 and kind == "invalid-code":
+        raise RuntimeRejected(_message(response.data))
+    raise RuntimeUnavailable(f"the loader host answered the start check with {response.status} ({kind or 'unmarked'})")
+
+
+def _message(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["message"]).strip()
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace").strip()
