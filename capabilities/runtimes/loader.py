@@ -8,7 +8,7 @@ import threading
 
 import urllib3
 
-from capabilities.cloudflare import CloudflareClient, CloudflareRejected
+from capabilities.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route, RuntimeRejected
 from capabilities.runtimes.loader_host import loader_host_start_check
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
@@ -136,9 +136,10 @@ class LoaderRuntime(FrontedRuntime):
 
     def place(self, *, slot: str, bundle: CodeBundle) -> None:
         """Write the bundle under its sha, have the loader Worker start it, then point the
-        slot at it. Two KV writes and one request to the loader Worker (after the first
-        placement of the process). Idempotent. Raises RuntimeRejected when the code does not
-        start."""
+        slot at it: two KV writes, a KV read and one request to the loader Worker (after the
+        first placement of the process), and when other code is replaced, a listing and the
+        delete that free its bundle. Idempotent. Raises RuntimeRejected when the code does
+        not start."""
         self._ensure_provisioned()
         self.client.kv_put(self.kv_id, CODE_PREFIX + bundle.sha, bundle.to_json())
         try:
@@ -149,7 +150,10 @@ class LoaderRuntime(FrontedRuntime):
             # Code that does not start is placed nowhere, so no slot points at its sha.
             self.client.kv_delete(self.kv_id, CODE_PREFIX + bundle.sha)
             raise
+        previous = self._pointed_sha(slot)
         self.client.kv_put(self.kv_id, SLOT_PREFIX + slot, bundle.sha.encode(), metadata={"sha": bundle.sha})
+        if previous not in (None, bundle.sha):
+            self._drop_if_unused(previous, self._pointers())  # the replaced code, old secrets and all
 
     def remove(self, *, slot: str) -> None:
         """Drop the slot's pointer, and its bundle when no other slot points at it. Idempotent."""
@@ -158,6 +162,15 @@ class LoaderRuntime(FrontedRuntime):
         if sha is None:
             return
         self.client.kv_delete(self.kv_id, SLOT_PREFIX + slot)
+        self._drop_if_unused(sha, pointers)
+
+    def _pointed_sha(self, slot: str) -> str | None:
+        try:
+            return self.client.kv_get(self.kv_id, SLOT_PREFIX + slot).decode()
+        except CloudflareNotFound:
+            return None
+
+    def _drop_if_unused(self, sha: str, pointers: dict[str, str]) -> None:
         if sha not in pointers.values():
             self.client.kv_delete(self.kv_id, CODE_PREFIX + sha)
 

@@ -68,18 +68,23 @@ class LocalRuntime(Runtime):
             if stored_now:
                 bundle_path.unlink(missing_ok=True)
             raise
-        _write_atomically(self.slots_dir / slot, bundle.sha.encode())
+        pointer = self.slots_dir / slot
+        previous = _pointed_sha(pointer)
+        _write_atomically(pointer, bundle.sha.encode())
+        if previous not in (None, bundle.sha):
+            self._drop_if_unused(previous)  # the replaced code (and any old secret it held)
 
     def remove(self, *, slot: str) -> None:
         """Drop the slot's pointer, and its bundle when no other slot uses it. Idempotent."""
         pointer = self.slots_dir / slot
-        try:
-            sha = pointer.read_text().strip()
-        except FileNotFoundError:
+        sha = _pointed_sha(pointer)
+        if sha is None:
             return
         pointer.unlink(missing_ok=True)
-        still_used = any(p.read_text().strip() == sha for p in self.slots_dir.iterdir() if p.is_file())
-        if not still_used:
+        self._drop_if_unused(sha)
+
+    def _drop_if_unused(self, sha: str) -> None:
+        if not any(_pointed_sha(p) == sha for p in self.slots_dir.iterdir() if not p.name.startswith(".")):
             (self.code_dir / f"{sha}.json").unlink(missing_ok=True)
 
     def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
@@ -101,6 +106,13 @@ class LocalRuntime(Runtime):
             raise RuntimeUnavailable(f"workerd is not reachable at {self.workerd_url}: {exc}") from exc
         if response.status != 403:
             raise RuntimeUnavailable(f"workerd at {self.workerd_url} answered {response.status}, expected 403")
+
+
+def _pointed_sha(pointer: Path) -> str | None:
+    try:
+        return pointer.read_text().strip()
+    except FileNotFoundError:
+        return None
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -89,3 +89,17 @@ def test_provisioning_creates_the_kv_namespace_once_and_is_idempotent(runtime, c
     assert runtime.provision() == []
     assert len(cf_emulator_fresh.api_calls(method="PUT")) == puts
     assert [ns["title"] for ns in cf_client.kv_namespace_list()] == ["sigil-code-test"]
+
+
+def test_new_code_frees_the_bundle_it_replaces_unless_another_slot_uses_it(runtime, cf_client):
+    def stored():
+        return {key["name"] for key in cf_client.kv_keys(runtime.kv_id, prefix="code:")}
+
+    first, second = CodeBundle.from_code(HELLO.replace("hello", "first")), CodeBundle.from_code(HELLO)
+    runtime.place(slot="alice--one", bundle=first)
+    runtime.place(slot="bob--two", bundle=first)
+    runtime.place(slot="alice--one", bundle=second)
+    assert stored() == {f"code:{first.sha}", f"code:{second.sha}"}  # bob--two still runs the first
+    runtime.place(slot="bob--two", bundle=second)
+    assert stored() == {f"code:{second.sha}"}
+    assert call(runtime.route(slot="bob--two", sha=second.sha)).data == b"hello /"

@@ -35,3 +35,14 @@ def test_two_slots_with_the_same_code_share_one_bundle(runtime):
     assert call(runtime.route(slot="bob--two", sha=bundle.sha)).data == b"shared /"
     runtime.remove(slot="bob--two")
     assert not (runtime.code_dir / f"{bundle.sha}.json").exists()
+
+
+def test_new_code_frees_the_bundle_it_replaces_unless_another_slot_uses_it(runtime):
+    first, second = CodeBundle.from_code(HELLO.replace("hello", "first")), CodeBundle.from_code(HELLO)
+    runtime.place(slot="alice--one", bundle=first)
+    runtime.place(slot="bob--two", bundle=first)
+    runtime.place(slot="alice--one", bundle=second)
+    assert (runtime.code_dir / f"{first.sha}.json").exists()  # bob--two still runs it
+    runtime.place(slot="bob--two", bundle=second)
+    assert not (runtime.code_dir / f"{first.sha}.json").exists()
+    assert call(runtime.route(slot="bob--two", sha=second.sha)).data == b"hello /"
