@@ -30,6 +30,13 @@ def placement_lock(full: str, *, blocking: bool):
     return get_redis().lock(f"sigil:lock:place:{full}", timeout=seconds, blocking=blocking, blocking_timeout=seconds)
 
 
+def bundle_for(code: str, declared_bindings: list[str], runtime: Runtime) -> CodeBundle:
+    """`code` with the current values of the bindings it declares, as `runtime` gives them.
+    Raises InvalidRequest (a binding not configured, or of a kind the runtime lacks)."""
+    resolved = binding_rules.bindings_resolve(declared_bindings, supported_kinds=runtime.binding_kinds)
+    return CodeBundle.from_code(code, bindings=resolved)
+
+
 @dataclass(frozen=True)
 class Placement:
     slot: str
@@ -180,12 +187,7 @@ def capability_page_in(*, full: str, reason: str = "call") -> tuple[routes.Cache
         placed = capability.state not in routes.SERVED_STATES
         if placed:
             started = time.perf_counter()
-            bundle = CodeBundle.from_code(
-                capability.current_version.code,
-                bindings=binding_rules.bindings_resolve(
-                    capability.bindings, supported_kinds=get_runtime().binding_kinds
-                ),
-            )
+            bundle = bundle_for(capability.current_version.code, capability.bindings, get_runtime())
             placement = place_with_room(
                 full=full,
                 capability_type=capability.type,
@@ -407,10 +409,7 @@ def capability_refresh_bindings(*, full: str) -> bool:
         )
         if capability is None or capability.current_version is None:
             return False
-        bundle = CodeBundle.from_code(
-            capability.current_version.code,
-            bindings=binding_rules.bindings_resolve(capability.bindings, supported_kinds=runtime.binding_kinds),
-        )
+        bundle = bundle_for(capability.current_version.code, capability.bindings, runtime)
         if bundle.sha == capability.placed_sha:
             return False
         runtime.place(slot=capability.slot, bundle=bundle)

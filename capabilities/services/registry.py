@@ -20,7 +20,7 @@ from capabilities import names, pager, routes
 from capabilities.models import Capability, CapabilityType, CapabilityVersion, State
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import CodeBundle, code_sha
-from capabilities.services.placement import place_with_room, placement_lock
+from capabilities.services.placement import bundle_for, place_with_room, placement_lock
 from capabilities.tasks import capability_release_slot as capability_release_slot_task
 from sigil_site.errors import Conflict, Cooldown, Forbidden, InvalidRequest, NotFound, RateLimited, TooLarge
 from sigil_site.redis_client import get_redis
@@ -384,10 +384,7 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
             return DeployResult(
                 capability=current, version=current.current_version, created=False, cold_start=False, evicted=None
             )
-        bundle = CodeBundle.from_code(
-            target.code,
-            bindings=binding_rules.bindings_resolve(current.bindings, supported_kinds=get_runtime().binding_kinds),
-        )
+        bundle = bundle_for(target.code, current.bindings, get_runtime())
         placement = place_with_room(
             full=full,
             capability_type=current.type,

@@ -10,12 +10,10 @@ from django.db import transaction
 from django.utils import timezone
 
 from agents.services import audit_record
-from capabilities import bindings as binding_rules
 from capabilities import pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
-from capabilities.runtimes.base import CodeBundle
-from capabilities.services.placement import place_with_room, placement_in_progress, placement_lock, slot_for
+from capabilities.services.placement import bundle_for, place_with_room, placement_in_progress, placement_lock, slot_for
 
 
 @dataclass(frozen=True)
@@ -59,10 +57,7 @@ def capability_switch_backend(*, full: str, actor: str) -> SwitchStep:
         source, old_slot = capability.backend, capability.slot
         bundle = None
         if capability.state in routes.SERVED_STATES and capability.current_version is not None:
-            bundle = CodeBundle.from_code(
-                capability.current_version.code,
-                bindings=binding_rules.bindings_resolve(capability.bindings, supported_kinds=runtime.binding_kinds),
-            )
+            bundle = bundle_for(capability.current_version.code, capability.bindings, runtime)
         # The pager's sets speak for the new runtime: this capability is not placed there yet.
         pager.pager_forget(full)
         if bundle is not None and runtime.total_slots is not None:
