@@ -87,3 +87,20 @@ def test_the_loader_runtime_gives_values_only_and_says_so(configured, loader, al
     assert response.status_code == 400
     assert "cannot provide KV" in response.json()["error"]["message"]
     assert not Capability.objects.exists()
+
+
+@pytest.mark.parametrize("runtime_fixture", ["worker_pool", "platform", "loader"])
+def test_a_changed_binding_reaches_a_live_capability_on_the_cloudflare_runtimes(
+    runtime_fixture, request, configured, alice, celery_worker
+):
+    from capabilities import services
+    from testsupport.cast import wait_for
+
+    request.getfixturevalue(runtime_fixture)
+    alice.deploy(name="greets", code=READS_ENV, bindings=["VAR:GREETING"])
+    assert alice.call("/alice/greets").json()["greeting"] == "hello"
+    greeting = Binding.objects.get(name="GREETING")
+    greeting.value = "bonjour"
+    assert services.binding_save(binding=greeting, actor="owner:test") == ["alice--greets"]
+    wait_for(lambda: alice.call("/alice/greets").json()["greeting"] == "bonjour", message="the new value")
+    assert Capability.objects.get(full_name="alice--greets").versions.count() == 1
