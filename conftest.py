@@ -8,17 +8,9 @@ import pytest
 @pytest.fixture(scope="session")
 def workerd_host():
     """One workerd running the loader host for the whole session (per xdist worker)."""
-    from django.conf import settings
-
     from capabilities.workerd import WorkerdHost
 
-    host = WorkerdHost(
-        binary=settings.SIGIL_WORKERD_BIN,
-        port=settings.SIGIL_WORKERD_PORT,
-        code_dir=settings.SIGIL_CODE_DIR,
-        state_dir=settings.VAR_DIR / "workerd",
-        secret=settings.SIGIL_INTERNAL_SECRET,
-    )
+    host = WorkerdHost.from_settings()
     host.start()
     yield host
     host.stop()

@@ -27,7 +27,13 @@ from capabilities.models import BreakerState
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import Route
 from capabilities.tasks import capability_record_breaker as capability_record_breaker_task
-from capabilities.upstream import UpstreamConnections, UpstreamResponse, UpstreamTimeout, UpstreamUnreachable
+from capabilities.upstream import (
+    HOP_BY_HOP,
+    UpstreamConnections,
+    UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from sigil_site.errors import (
     CapabilityError,
     Degraded,
@@ -45,19 +51,6 @@ from sigil_site.redis_client import get_redis
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("sigil.access")
 
-# RFC 9110 §7.6.1 connection-specific fields, never forwarded by a proxy in either direction.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
 # What the gateway drops from the caller's request besides hop-by-hop fields: the caller's
 # credentials, and (below) anything posing as Sigil's internal headers.
 DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"authorization"}

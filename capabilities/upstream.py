@@ -15,6 +15,20 @@ import ssl
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
+# RFC 9110 §7.6.1 connection-specific fields, never forwarded by a proxy in either direction.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+
 READ_CHUNK = 64 * 1024
 
 

@@ -8,8 +8,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,44 @@ class WorkerdMissing(RuntimeError):
 
 class WorkerdPortInUse(RuntimeError):
     """Another process listens on the port workerd should take."""
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` in one step: workerd may read a code bundle (or a slot's
+    pointer) at any moment, and must never see a half-written file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def supervise_until_signalled(supervise: Callable[[threading.Event], None], *, name: str) -> None:
+    """Run `supervise(stop)` until SIGINT or SIGTERM sets `stop`; re-raise what it raised.
+
+    It runs in its own thread so that the signal handlers, which run on the main thread,
+    never wait on a lock that thread holds.
+    """
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            supervise(stop)
+        except BaseException as exc:  # handed to the main thread, which raises it
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=name)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+    if failure:
+        raise failure[0]
 
 
 def _capnp_string(value: str) -> str:
@@ -48,6 +88,22 @@ class WorkerdHost:
     #: group (runsigil, a service manager) stops workerd too even if the caller was killed.
     own_session: bool = True
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def from_settings(cls, **overrides) -> WorkerdHost:
+        """The workerd of the local runtime, as Sigil's settings describe it."""
+        from django.conf import settings
+
+        return cls(
+            **{
+                "binary": settings.SIGIL_WORKERD_BIN,
+                "port": settings.SIGIL_WORKERD_PORT,
+                "code_dir": settings.SIGIL_CODE_DIR,
+                "state_dir": settings.VAR_DIR / "workerd",
+                "secret": settings.SIGIL_INTERNAL_SECRET,
+                **overrides,
+            }
+        )
 
     @property
     def url(self) -> str:

@@ -18,10 +18,8 @@ import hmac
 import json
 import logging
 import math
-import os
 import random
 import re
-import tempfile
 import threading
 import time
 import uuid
@@ -34,6 +32,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from capabilities.runtimes.base import CodeBundle
+from capabilities.workerd import write_atomically
 from cfemulator import envelope
 from cfemulator.bound import kv_list_body, needs_own_workerd
 from cfemulator.envelope import ApiError
@@ -899,7 +898,7 @@ class CloudflareApi:
         )
         path = self.code_dir / f"{bundle.sha}.json"
         if not path.exists():
-            _write_atomically(path, bundle.to_json())
+            write_atomically(path, bundle.to_json())
         return bundle.sha
 
     def _release(self, sha: str) -> None:
@@ -1002,15 +1001,3 @@ def _same(given: bytes, expected: bytes) -> bool:
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    # workerd may read a bundle at any moment; it must never see a half-written file.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

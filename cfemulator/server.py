@@ -36,6 +36,7 @@ from urllib3 import HTTPHeaderDict
 
 from capabilities.runtimes.base import Route, RuntimeRejected, RuntimeUnavailable
 from capabilities.runtimes.loader_host import loader_host_start_check
+from capabilities.upstream import HOP_BY_HOP
 from capabilities.workerd import WorkerdHost
 from cfemulator.api import MAX_BODY_BYTES, ApiRequest, CloudflareApi, EmulatorConfig, WorkerTarget
 from cfemulator.bound import KV_HEADER, LIMITS_HEADER, NOT_FOUND_HEADER, ORIGINAL_HOST_HEADER, BoundWorkers
@@ -46,19 +47,8 @@ logger = logging.getLogger(__name__)
 LISTEN_ADDRESS = "127.0.0.1"
 # Accepted-but-not-yet-served connections; the stdlib default of 5 refuses bursts.
 _BACKLOG = 512
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "content-length",
-    }
-)
+# The emulator buffers bodies and sets its own length.
+_HOP_BY_HOP = HOP_BY_HOP | {"content-length"}
 _WORKER_HOST_SUFFIXES = (".workers.dev", ".dispatch.localhost")
 _HOST_HEADERS = frozenset({"x-sigil-secret", "x-sigil-loader-id", "x-sigil-validate"})
 # Sent by the emulator itself on every answer; a Worker's own (or a nested emulator

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import urllib3
@@ -17,6 +15,7 @@ from capabilities.runtimes.base import (
     RuntimeUnavailable,
 )
 from capabilities.runtimes.loader_host import loader_host_start_check
+from capabilities.workerd import write_atomically
 
 
 class LocalRuntime(Runtime):
@@ -60,7 +59,7 @@ class LocalRuntime(Runtime):
         bundle_path = self.code_dir / f"{bundle.sha}.json"
         stored_now = not bundle_path.exists()
         if stored_now:
-            _write_atomically(bundle_path, bundle.to_json())
+            write_atomically(bundle_path, bundle.to_json())
         try:
             if not loader_host_start_check(self._start_checks, self.route(slot=slot, sha=bundle.sha)):
                 raise RuntimeUnavailable(f"workerd does not find the code just stored in {bundle_path}")
@@ -70,7 +69,7 @@ class LocalRuntime(Runtime):
             raise
         pointer = self.slots_dir / slot
         previous = _pointed_sha(pointer)
-        _write_atomically(pointer, bundle.sha.encode())
+        write_atomically(pointer, bundle.sha.encode())
         if previous not in (None, bundle.sha):
             self._drop_if_unused(previous)  # the replaced code (and any old secret it held)
 
@@ -113,15 +112,3 @@ def _pointed_sha(pointer: Path) -> str | None:
         return pointer.read_text().strip()
     except FileNotFoundError:
         return None
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    # The host may read a bundle at any moment; it must never see a half-written file.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import signal
-import threading
-
-from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from capabilities.workerd import WorkerdHost, WorkerdMissing
+from capabilities.workerd import WorkerdHost, WorkerdMissing, supervise_until_signalled
 
 
 class Command(BaseCommand):
@@ -18,32 +14,8 @@ class Command(BaseCommand):
     )
 
     def handle(self, *args, **options) -> None:
-        host = WorkerdHost(
-            binary=settings.SIGIL_WORKERD_BIN,
-            port=settings.SIGIL_WORKERD_PORT,
-            code_dir=settings.SIGIL_CODE_DIR,
-            state_dir=settings.VAR_DIR / "workerd",
-            secret=settings.SIGIL_INTERNAL_SECRET,
-            own_session=False,
-        )
-        stop = threading.Event()
-        failure: list[BaseException] = []
-
-        def supervise() -> None:
-            try:
-                host.supervise(stop)
-            except BaseException as exc:  # handed to the main thread, which reports it
-                failure.append(exc)
-
-        # Supervision runs in its own thread so that the signal handlers, which run on the
-        # main thread, never wait on a lock that thread holds.
-        thread = threading.Thread(target=supervise, name="workerd-supervisor")
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: stop.set())
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.5)
-        if failure:
-            if isinstance(failure[0], WorkerdMissing):
-                raise CommandError(str(failure[0]))
-            raise failure[0]
+        host = WorkerdHost.from_settings(own_session=False)
+        try:
+            supervise_until_signalled(host.supervise, name="workerd-supervisor")
+        except WorkerdMissing as exc:
+            raise CommandError(str(exc)) from exc

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import signal
 import socket
 import sys
 import threading
@@ -18,7 +17,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from capabilities.workerd import port_is_open
+from capabilities.workerd import port_is_open, supervise_until_signalled
 from sigil_site.embedded_redis import EmbeddedRedis
 from sigil_site.owner import OwnerAccount, owner_ensure
 from sigil_site.supervisor import Program, StartupFailed, Supervisor
@@ -49,8 +48,6 @@ class Command(BaseCommand):
             f"       redis    {describe_redis(redis_url)}"
         )
         supervisor = Supervisor(programs, emit=self._say)
-        stop = threading.Event()
-        failure: list[BaseException] = []
 
         def on_ready() -> None:
             # Only now, so that a password generated for the owner is not lost in a failed start.
@@ -58,24 +55,13 @@ class Command(BaseCommand):
             connections.close_all()
             supervisor.announce(banner(base_url, owner))
 
-        def supervise() -> None:
-            try:
-                supervisor.run(stop, on_ready=on_ready, ready_timeout=ready_timeout)
-            except BaseException as exc:  # handed to the main thread, which reports it
-                failure.append(exc)
+        def supervise(stop: threading.Event) -> None:
+            supervisor.run(stop, on_ready=on_ready, ready_timeout=ready_timeout)
 
-        # Supervision runs in its own thread so that the signal handlers, which run on the
-        # main thread, never wait on a lock that thread holds.
-        thread = threading.Thread(target=supervise, name="supervisor")
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: stop.set())
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.5)
-        if failure:
-            if isinstance(failure[0], StartupFailed):
-                raise CommandError(f"{failure[0]}: Sigil did not start (its last output is above)")
-            raise failure[0]
+        try:
+            supervise_until_signalled(supervise, name="supervisor")
+        except StartupFailed as exc:
+            raise CommandError(f"{exc}: Sigil did not start (its last output is above)") from exc
         self._say("Sigil stopped.")
 
     def _say(self, text: str) -> None:
