@@ -9,19 +9,11 @@ import pytest
 from capabilities import services
 from capabilities.models import Binding, Capability
 from capabilities.runtimes import get_runtime
+from testsupport.capability_code import ECHO, PONG, PONG2
 from testsupport.cast import wait_for
 
 BACKENDS = ["local", "worker-pool", "platform", "loader"]
 
-PONG = "export default { async fetch() { return new Response('pong') } }"
-PONG2 = "export default { async fetch() { return new Response('pong v2') } }"
-ECHO = """export default { async fetch(request) {
-  const url = new URL(request.url);
-  return Response.json({
-    method: request.method, path: url.pathname, query: url.search,
-    headers: Object.fromEntries(request.headers), body: await request.text(),
-  }, { status: 207, headers: { 'x-echo': 'yes', 'set-cookie': 'a=b' } });
-} }"""
 FLAKY = """export default { async fetch(request) {
   if (new URL(request.url).searchParams.has('fail')) return new Response('broken', { status: 500 });
   return new Response('fine');

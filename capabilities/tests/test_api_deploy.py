@@ -7,8 +7,7 @@ import requests
 
 from agents.models import AuditEvent
 from capabilities.models import Capability, CapabilityVersion
-
-PONG = "export default { async fetch() { return new Response('pong') } }"
+from testsupport.capability_code import PONG
 
 
 def assert_rejected(response, status, code, *, message_part=None):

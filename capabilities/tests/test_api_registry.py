@@ -5,8 +5,7 @@ import requests
 from agents.models import AuditEvent
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
-
-PONG = "export default { async fetch() { return new Response('pong') } }"
+from testsupport.capability_code import PONG
 
 
 def get(client, path, token=None):

@@ -5,8 +5,7 @@ import pytest
 from agents import services as agent_services
 from agents.models import Token
 from capabilities.models import Capability
-
-PONG = "export default { async fetch() { return new Response('pong') } }"
+from testsupport.capability_code import PONG
 
 
 def assert_error(response, status, code):

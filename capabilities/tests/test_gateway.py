@@ -13,9 +13,9 @@ from django.test.utils import CaptureQueriesContext
 from agents.models import AuditEvent
 from capabilities import stats
 from capabilities.models import Capability
+from testsupport.capability_code import PONG
 from testsupport.cast import wait_for
 
-PONG = "export default { async fetch() { return new Response('pong') } }"
 FLAKY = """export default { async fetch(request) {
   if (new URL(request.url).searchParams.has('fail')) return new Response('broken', { status: 500 });
   return new Response('fine');

@@ -3,16 +3,7 @@
 import pytest
 
 from capabilities.models import CapabilityVersion
-
-PONG = "export default { async fetch() { return new Response('pong') } }"
-PONG2 = "export default { async fetch() { return new Response('pong v2') } }"
-ECHO = """export default { async fetch(request) {
-  const url = new URL(request.url);
-  return Response.json({
-    method: request.method, path: url.pathname, query: url.search,
-    headers: Object.fromEntries(request.headers), body: await request.text(),
-  }, { status: 207, headers: { 'x-echo': 'yes', 'set-cookie': 'a=b' } });
-} }"""
+from testsupport.capability_code import ECHO, PONG, PONG2
 
 
 def test_deploy_then_invoke_then_new_version_then_invoke(alice):

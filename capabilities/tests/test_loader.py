@@ -5,8 +5,7 @@ from django.core.management import call_command
 
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
-
-PONG = "export default { async fetch() { return new Response('pong') } }"
+from testsupport.capability_code import PONG
 
 
 def test_a_deploy_writes_the_bundle_to_kv_and_the_loader_worker_runs_it(loader, alice, cf_client):

@@ -6,8 +6,7 @@ from django.core.management import call_command
 from capabilities import services
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
-
-PONG = "export default { async fetch() { return new Response('pong') } }"
+from testsupport.capability_code import PONG
 
 
 def test_each_capability_gets_its_cpu_limit_through_the_dispatch_worker(platform, alice, settings):

@@ -9,9 +9,8 @@ from agents.models import Token
 from capabilities import services, tasks
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
+from testsupport.capability_code import PONG
 from testsupport.cast import flush_stats_when_recorded
-
-PONG = "export default { async fetch() { return new Response('pong') } }"
 
 
 def test_flush_moves_call_counts_into_the_registry_once(alice):

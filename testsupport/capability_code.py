@@ -1,0 +1,12 @@
+"""Capability code the tests deploy again and again."""
+
+PONG = "export default { async fetch() { return new Response('pong') } }"
+PONG2 = "export default { async fetch() { return new Response('pong v2') } }"
+# Answers with what it received, and a status, headers and cookie of its own.
+ECHO = """export default { async fetch(request) {
+  const url = new URL(request.url);
+  return Response.json({
+    method: request.method, path: url.pathname, query: url.search,
+    headers: Object.fromEntries(request.headers), body: await request.text(),
+  }, { status: 207, headers: { 'x-echo': 'yes', 'set-cookie': 'a=b' } });
+} }"""
