@@ -55,6 +55,9 @@ access_logger = logging.getLogger("sigil.access")
 # credentials, and (below) anything posing as Sigil's internal headers.
 DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"authorization"}
 STREAM_CHUNK = 64 * 1024
+# The runtime stopped the capability at its limits: the runtimes' own Workers answer this
+# kind (naming the limit), and Cloudflare's unmarked 1102 is read as it (Runtime.stopped_at_limits).
+EXCEEDED_LIMITS = "exceeded-limits"
 # What a 202 tells the caller to expect: a page-in is one upload, usually about a second.
 WARMING_ETA_SECONDS = 3
 
@@ -192,6 +195,8 @@ class Gateway:
         call.page_in_ms = page_in_ms
 
         failure = upstream.headers.get("x-sigil-error")
+        if failure is None and upstream.status == 503 and runtime_for(route.backend).stopped_at_limits(upstream):
+            failure = EXCEEDED_LIMITS
         if failure is not None:
             return self.reply_runtime_failure(start_response, upstream, failure, call)
 
@@ -343,6 +348,10 @@ class Gateway:
         if failure == "exception":
             self.finish(call, ok=False)
             error: SigilError = CapabilityError(f"{call.full} threw: {_exception_text(message)}")
+        elif failure == EXCEEDED_LIMITS:
+            # The capability's own doing: it counts toward its breaker, and no other's.
+            self.finish(call, ok=False)
+            error = CapabilityError(f"{call.full} ran past its {_limit_text(message)} and was stopped")
         else:
             logger.error("runtime refused a call to %s: %s %s", call.full, failure, message)
             error = UpstreamError(f"the runtime failed to run {call.full} ({failure})")
@@ -501,6 +510,17 @@ def read_limited(stream, limit: int) -> bytes:
 def _db_connection_open() -> bool:
     """Whether this thread holds an open database connection (cheap: no I/O)."""
     return connection.connection is not None
+
+
+def _limit_text(body: str) -> str:
+    """The limit a runtime's Worker named, or Cloudflare's words for its error 1102."""
+    try:
+        named = json.loads(body)
+    except ValueError:
+        named = None
+    if isinstance(named, dict) and named.get("error") == EXCEEDED_LIMITS and isinstance(named.get("message"), str):
+        return named["message"][:200]
+    return "resource limits (CPU time or memory)"
 
 
 def _exception_text(host_message: str) -> str:

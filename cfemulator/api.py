@@ -7,9 +7,10 @@ rate limit (a 429 with code 971 locks the token out for the rest of the window),
 injected latency and faults. Anything else answers 7003, as an unknown route does.
 
 Uploaded bundles are written to `code_dir` as `{sha}.json` (the loader host's format), so
-the emulator's workerd runs them; `resolve_host` maps a workers.dev Host to the script it
-runs. Scripts binding KV, a Worker Loader or a dispatch namespace run in a workerd of their
-own (`cfemulator.bound`), whose KV reads and writes `kv_binding` serves from this account.
+each script's workerd runs them (`cfemulator.scripts`); `resolve_host` maps a workers.dev
+Host to the script it runs. Scripts binding KV, a Worker Loader or a dispatch namespace run
+from a config of their own (`cfemulator.bound`), whose KV reads and writes `kv_binding`
+serves from this account.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class EmulatorConfig:
     # Cloudflare's Paid plan limit, measured after compression (reference §7.3).
     script_max_bytes: int = 10 * 1024 * 1024
     subdomain: str = "sigil-emulator"
+    # CPU ms a call may use past its limit before it is stopped (see cfemulator.cpumeter).
+    cpu_grace_ms: int = 100
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -86,7 +89,7 @@ class EmulatorConfig:
         for key, value in changes.items():
             if key == "rate_limit":
                 values["rate_limit"], values["rate_window"] = parse_rate_limit(str(value))
-            elif key in ("script_limit", "fail_next", "script_max_bytes"):
+            elif key in ("script_limit", "fail_next", "script_max_bytes", "cpu_grace_ms"):
                 if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                     raise ValueError(f"{key} must be a whole number, at least 0")
                 values[key] = value
@@ -230,7 +233,7 @@ Handler = Callable[[ApiRequest, dict[str, str]], ApiResponse]
 class WorkerTarget:
     """The script a Worker request runs: an account script, or one in a dispatch namespace."""
 
-    key: str  # "script:{name}" or "ns:{namespace}:{name}": one running Worker per key
+    key: str  # "script:{name}" or "ns:{namespace}:{name}": one workerd process per key
     name: str
     sha: str
     upload: ScriptUpload
@@ -340,14 +343,13 @@ class CloudflareApi:
                     return WorkerTarget(key, script.name, script.sha, script.upload, namespace=namespace.name)
         return None
 
-    def bound_keys(self) -> dict[str, str]:
-        """Every script that runs in a workerd of its own, by key, with its sha."""
+    def script_keys(self) -> dict[str, str]:
+        """Every script of the account (its own and its namespaces'), by key, with its sha."""
         with self._lock:
-            keys = {f"script:{s.name}": s.sha for s in self.scripts.values() if needs_own_workerd(s.upload)}
+            keys = {f"script:{s.name}": s.sha for s in self.scripts.values()}
             for namespace in self.namespaces.values():
                 for script in namespace.scripts.values():
-                    if needs_own_workerd(script.upload):
-                        keys[f"ns:{namespace.name}:{script.name}"] = script.sha
+                    keys[f"ns:{namespace.name}:{script.name}"] = script.sha
             return keys
 
     def record_dispatch(self, *, namespace: str, script: str, limits: Any, status: int) -> None:

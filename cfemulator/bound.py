@@ -1,9 +1,10 @@
-"""Scripts with bindings the loader host cannot give run in a workerd of their own.
+"""The workerd config of a script with bindings the loader host cannot give.
 
-The emulator's loader host runs every uploaded script as a Dynamic Worker, which can only be
-handed text values. A script that binds a KV namespace, a Worker Loader or a dispatch
-namespace (Sigil's loader and dispatch Workers, or a capability declaring KV) instead gets
-a workerd process generated from its upload, with real bindings:
+Every script runs in a workerd of its own (`cfemulator.scripts`). Most run there as a
+Dynamic Worker of the loader host, which can only be handed text values. A script that binds
+a KV namespace, a Worker Loader or a dispatch namespace (Sigil's loader and dispatch
+Workers, or a capability declaring KV) instead gets a config generated from its upload,
+with real bindings:
 
 - `worker_loader`: workerd's own `workerLoader` binding;
 - `kv_namespace`: workerd's own `kvNamespace` binding, whose requests come back to the
@@ -12,7 +13,8 @@ a workerd process generated from its upload, with real bindings:
   the uploaded entry module with a small shim that puts an object with Cloudflare's
   `get(name, args, options)` in `env`; its Fetcher asks the emulator for the namespace
   script (`{name}.{namespace}.dispatch.localhost`) and throws "Worker not found" from
-  `fetch`, as Cloudflare does, when there is none. The uploaded code itself runs unchanged.
+  `fetch`, as Cloudflare does, when there is none, and "Worker exceeded CPU time limit."
+  when the script ran past its limit. The uploaded code itself runs unchanged.
 
 Text bindings reach the process through its environment, never its config file.
 """
@@ -21,18 +23,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import signal
-import subprocess
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from capabilities.workerd import free_port, port_is_open
+from cfemulator.limits import CPU_EXCEEDED_MESSAGE
 from cfemulator.uploads import COMMONJS_TYPES, ES_MODULE_TYPES, SOURCE_MAP_TYPE, ScriptUpload
 
 logger = logging.getLogger(__name__)
@@ -44,6 +38,8 @@ LIMITS_HEADER = "x-cfemulator-limits"
 # The host the dispatch Worker was called on: the user Worker sees the URL it would on Cloudflare.
 ORIGINAL_HOST_HEADER = "x-cfemulator-original-host"
 NOT_FOUND_HEADER = "x-cfemulator-worker-not-found"
+# On the emulator's 1102 for a namespace script: the binding's Fetcher throws instead (§4.3).
+EXCEEDED_HEADER = "x-cfemulator-exceeded-limits"
 SHIM_MODULE = "__cfemulator_entry.js"
 EMULATOR_BINDING = "__CFEMULATOR"
 DISPATCH_HOST_SUFFIX = "dispatch.localhost"
@@ -71,6 +67,7 @@ function dispatchNamespace(emulator, namespace) {{
             method: request.method, headers, body: request.body, redirect: "manual",
           }});
           if (response.headers.has({not_found_header})) throw new Error("Worker not found.");
+          if (response.headers.has({exceeded_header})) throw new Error({exceeded_message});
           return response;
         }},
       }};
@@ -106,157 +103,74 @@ def _list(items: list[str]) -> str:
     return "[" + ",\n    ".join(items) + "]"
 
 
-@dataclass
-class _Process:
-    sha: str
-    port: int
-    process: subprocess.Popen
-    directory: Path
+def bound_config(directory: Path, upload: ScriptUpload, *, port: int, emulator_port: int) -> tuple[str, dict[str, str]]:
+    """The capnp config of one bound script listening on `port` (its modules are written to
+    `directory`), and the environment holding its text bindings."""
+    modules = []
+    for index, (name, kind) in enumerate(upload.module_types.items()):
+        if kind == SOURCE_MAP_TYPE:
+            continue
+        source = upload.loader_modules[name]
+        text = source if isinstance(source, str) else next(iter(source.values()))
+        file_name = f"m{index}"
+        (directory / file_name).write_text(text)
+        shape = "esModule" if kind in ES_MODULE_TYPES else "commonJsModule" if kind in COMMONJS_TYPES else "text"
+        modules.append(f"(name = {_capnp(name)}, {shape} = embed {_capnp(file_name)})")
 
-
-class BoundWorkers:
-    """The running workerd processes of bound scripts, one per script, keyed by `key`.
-
-    `port_for` starts a script's process on first use and restarts it when the script's
-    code or bindings changed; `prune` and `stop_all` end processes no script needs.
-    Thread-safe.
-    """
-
-    def __init__(self, *, binary: str, state_dir: Path) -> None:
-        self.binary = binary
-        self.state_dir = Path(state_dir)
-        self.emulator_port = 0  # set once the emulator's socket is bound
-        self._lock = threading.Lock()
-        self._running: dict[str, _Process] = {}
-
-    def port_for(self, key: str, *, sha: str, upload: ScriptUpload, live: Callable[[], dict[str, str]]) -> int:
-        """The port of `key`'s workerd, started or restarted for `sha` as needed.
-
-        Before a start, `live()` (every bound key the account still holds, with its sha)
-        tells which other processes no script needs any more; they are stopped. Raises
-        RuntimeError when workerd does not come up.
-        """
-        with self._lock:
-            current = self._running.get(key)
-            if current is not None and current.sha == sha and current.process.poll() is None:
-                return current.port
-            still_held = live()
-            for other in [k for k, p in self._running.items() if still_held.get(k) != p.sha and k != key]:
-                self._stop(other)
-            if current is not None:
-                self._stop(key)
-            started = self._start(key, sha, upload)
-            self._running[key] = started
-            return started.port
-
-    def stop_all(self) -> None:
-        with self._lock:
-            for key in list(self._running):
-                self._stop(key)
-
-    def _stop(self, key: str) -> None:
-        running = self._running.pop(key)
-        if running.process.poll() is None:
-            running.process.send_signal(signal.SIGTERM)
-            try:
-                running.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                running.process.kill()
-                running.process.wait()
-        shutil.rmtree(running.directory, ignore_errors=True)
-
-    def _start(self, key: str, sha: str, upload: ScriptUpload) -> _Process:
-        directory = self.state_dir / f"{key.replace(':', '-')}-{sha[:12]}"
-        shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir(parents=True)
-        port = free_port()
-        config, environment = self._config(directory, upload, port)
-        (directory / "config.capnp").write_text(config)
-        with open(directory / "workerd.log", "ab") as log:
-            process = subprocess.Popen(
-                [self.binary, "serve", str(directory / "config.capnp"), "--experimental"],
-                env={**os.environ, **environment},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+    emulator_address = f"127.0.0.1:{emulator_port}"
+    services = ['(name = "main", worker = .main)']
+    bindings: list[str] = []
+    environment: dict[str, str] = {}
+    namespaces: dict[str, str] = {}
+    for index, binding in enumerate(upload.bindings):
+        name, kind = binding["name"], binding["type"]
+        if kind in ("plain_text", "secret_text"):
+            variable = f"CFEMULATOR_BINDING_{index}"
+            environment[variable] = binding["text"]
+            bindings.append(f"(name = {_capnp(name)}, fromEnvironment = {_capnp(variable)})")
+        elif kind == "json":
+            bindings.append(f"(name = {_capnp(name)}, json = {_capnp(json.dumps(binding.get('json')))})")
+        elif kind == "kv_namespace":
+            service = f"kv-{index}"
+            header = f"(name = {_capnp(KV_HEADER)}, value = {_capnp(binding['namespace_id'])})"
+            services.append(
+                f"(name = {_capnp(service)}, external = (address = {_capnp(emulator_address)}, "
+                f"http = (injectRequestHeaders = [{header}])))"
             )
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                output = (directory / "workerd.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"workerd for {key} exited with {process.returncode}: {output}")
-            if port_is_open(port):
-                return _Process(sha=sha, port=port, process=process, directory=directory)
-            time.sleep(0.01)
-        process.kill()
-        process.wait()
-        raise RuntimeError(f"workerd for {key} did not listen within 15 s")
+            bindings.append(f"(name = {_capnp(name)}, kvNamespace = {_capnp(service)})")
+        elif kind == "worker_loader":
+            bindings.append(f"(name = {_capnp(name)}, workerLoader = ())")
+        elif kind == "dispatch_namespace":
+            namespaces[name] = binding["namespace"]
+        # Other kinds (D1, R2, queues, services, ...) are not emulated: the script runs without them.
 
-    def _config(self, directory: Path, upload: ScriptUpload, port: int) -> tuple[str, dict[str, str]]:
-        """The capnp config of one bound script, and the environment holding its text bindings."""
-        modules = []
-        for index, (name, kind) in enumerate(upload.module_types.items()):
-            if kind == SOURCE_MAP_TYPE:
-                continue
-            source = upload.loader_modules[name]
-            text = source if isinstance(source, str) else next(iter(source.values()))
-            file_name = f"m{index}"
-            (directory / file_name).write_text(text)
-            shape = "esModule" if kind in ES_MODULE_TYPES else "commonJsModule" if kind in COMMONJS_TYPES else "text"
-            modules.append(f"(name = {_capnp(name)}, {shape} = embed {_capnp(file_name)})")
+    main_module = upload.main_module
+    flags = list(upload.compatibility_flags)
+    if any(b["type"] == "worker_loader" for b in upload.bindings) and "experimental" not in flags:
+        # workerd runs a Worker Loader only under the experimental flag (reference §5.2).
+        flags.append("experimental")
+    if namespaces:
+        services.append(f'(name = "cfemulator", external = (address = {_capnp(emulator_address)}, http = ()))')
+        bindings.append(f'(name = {_capnp(EMULATOR_BINDING)}, service = "cfemulator")')
+        shim = _SHIM.format(
+            main=json.dumps("./" + main_module),
+            namespaces=json.dumps(namespaces),
+            limits_header=json.dumps(LIMITS_HEADER),
+            original_host_header=json.dumps(ORIGINAL_HOST_HEADER),
+            not_found_header=json.dumps(NOT_FOUND_HEADER),
+            exceeded_header=json.dumps(EXCEEDED_HEADER),
+            exceeded_message=json.dumps(CPU_EXCEEDED_MESSAGE),
+            suffix=DISPATCH_HOST_SUFFIX,
+            emulator=EMULATOR_BINDING,
+        )
+        (directory / "shim.js").write_text(shim)
+        modules.insert(0, f'(name = {_capnp(SHIM_MODULE)}, esModule = embed "shim.js")')
+        main_module = SHIM_MODULE
+    else:
+        index = next(i for i, m in enumerate(modules) if m.startswith(f"(name = {_capnp(main_module)},"))
+        modules.insert(0, modules.pop(index))  # workerd's entry point is the first module
 
-        emulator_address = f"127.0.0.1:{self.emulator_port}"
-        services = ['(name = "main", worker = .main)']
-        bindings: list[str] = []
-        environment: dict[str, str] = {}
-        namespaces: dict[str, str] = {}
-        for index, binding in enumerate(upload.bindings):
-            name, kind = binding["name"], binding["type"]
-            if kind in ("plain_text", "secret_text"):
-                variable = f"CFEMULATOR_BINDING_{index}"
-                environment[variable] = binding["text"]
-                bindings.append(f"(name = {_capnp(name)}, fromEnvironment = {_capnp(variable)})")
-            elif kind == "json":
-                bindings.append(f"(name = {_capnp(name)}, json = {_capnp(json.dumps(binding.get('json')))})")
-            elif kind == "kv_namespace":
-                service = f"kv-{index}"
-                header = f"(name = {_capnp(KV_HEADER)}, value = {_capnp(binding['namespace_id'])})"
-                services.append(
-                    f"(name = {_capnp(service)}, external = (address = {_capnp(emulator_address)}, "
-                    f"http = (injectRequestHeaders = [{header}])))"
-                )
-                bindings.append(f"(name = {_capnp(name)}, kvNamespace = {_capnp(service)})")
-            elif kind == "worker_loader":
-                bindings.append(f"(name = {_capnp(name)}, workerLoader = ())")
-            elif kind == "dispatch_namespace":
-                namespaces[name] = binding["namespace"]
-            # Other kinds (D1, R2, queues, services, ...) are not emulated: the script runs without them.
-
-        main_module = upload.main_module
-        flags = list(upload.compatibility_flags)
-        if any(b["type"] == "worker_loader" for b in upload.bindings) and "experimental" not in flags:
-            # workerd runs a Worker Loader only under the experimental flag (reference §5.2).
-            flags.append("experimental")
-        if namespaces:
-            services.append(f'(name = "cfemulator", external = (address = {_capnp(emulator_address)}, http = ()))')
-            bindings.append(f'(name = {_capnp(EMULATOR_BINDING)}, service = "cfemulator")')
-            shim = _SHIM.format(
-                main=json.dumps("./" + main_module),
-                namespaces=json.dumps(namespaces),
-                limits_header=json.dumps(LIMITS_HEADER),
-                original_host_header=json.dumps(ORIGINAL_HOST_HEADER),
-                not_found_header=json.dumps(NOT_FOUND_HEADER),
-                suffix=DISPATCH_HOST_SUFFIX,
-                emulator=EMULATOR_BINDING,
-            )
-            (directory / "shim.js").write_text(shim)
-            modules.insert(0, f'(name = {_capnp(SHIM_MODULE)}, esModule = embed "shim.js")')
-            main_module = SHIM_MODULE
-        else:
-            index = next(i for i, m in enumerate(modules) if m.startswith(f"(name = {_capnp(main_module)},"))
-            modules.insert(0, modules.pop(index))  # workerd's entry point is the first module
-
-        config = f"""using Workerd = import "/workerd/workerd.capnp";
+    config = f"""using Workerd = import "/workerd/workerd.capnp";
 
 const config :Workerd.Config = (
   services = {_list(services)},
@@ -270,7 +184,7 @@ const main :Workerd.Worker = (
   bindings = {_list(bindings)},
 );
 """
-        return config, environment
+    return config, environment
 
 
 def kv_list_body(items: list[dict[str, Any]], *, cursor: str) -> bytes:

@@ -4,9 +4,9 @@ It listens on 127.0.0.1 only. One thread per connection (keep-alive is honoured)
 concurrent clients are served at once; the account state is guarded by `CloudflareApi`.
 
 - `/client/v4/...`               the Cloudflare API (see `cfemulator.api`)
-- Host `{script}.{sub}.workers.dev` the script, run by the emulator's own workerd (or by a
-                                 workerd of its own when it binds KV, a Worker Loader or a
-                                 dispatch namespace: `cfemulator.bound`)
+- Host `{script}.{sub}.workers.dev` the script, run by a workerd process of its own
+                                 (`cfemulator.scripts`), stopped with Cloudflare's error
+                                 1102 when a call runs past its CPU limit (`cfemulator.limits`)
 - Host `{script}.{ns}.dispatch.localhost` a script of a dispatch namespace, as a dispatch
                                  namespace binding reaches it
 - header `x-cfemulator-kv`       a KV binding's read or write, from a bound script
@@ -15,7 +15,7 @@ concurrent clients are served at once; the account state is guarded by `Cloudfla
 - `POST /__emulator/reset`       forget scripts, namespaces, KV, counters and the log
 - `GET|POST /__emulator/config`  read or change script_limit, latency, fault_rate,
                                  fault_seed, fail_next, rate_limit ("N/S"),
-                                 script_max_bytes, subdomain
+                                 script_max_bytes, subdomain, cpu_grace_ms
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ from capabilities.runtimes.loader_host import loader_host_start_check
 from capabilities.upstream import HOP_BY_HOP
 from capabilities.workerd import WorkerdHost
 from cfemulator.api import MAX_BODY_BYTES, ApiRequest, CloudflareApi, EmulatorConfig, WorkerTarget
-from cfemulator.bound import KV_HEADER, LIMITS_HEADER, NOT_FOUND_HEADER, ORIGINAL_HOST_HEADER, BoundWorkers
+from cfemulator.bound import EXCEEDED_HEADER, KV_HEADER, LIMITS_HEADER, NOT_FOUND_HEADER, ORIGINAL_HOST_HEADER
+from cfemulator.cpumeter import CpuMeter
 from cfemulator.envelope import ApiError
+from cfemulator.limits import call_cpu_ms, exceeded_answer
+from cfemulator.scripts import ScriptProcess, ScriptProcesses
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +63,30 @@ class BodyTooLarge(Exception):
     """The request body is over MAX_BODY_BYTES."""
 
 
+class LimitExceeded(Exception):
+    """The call ran past its CPU limit and its script's process was stopped."""
+
+
 class EmulatorServer:
     """The emulator: a threaded HTTP server on 127.0.0.1 in front of `api` and `workerd`.
 
     `start()` runs it in a background thread (tests); `serve_forever()` in the caller's
     (the management command). `port=0` picks a free port; `port` then tells which.
+    `workerd` is the loader host that runs uploads' start checks; each script is served by
+    a process of its own (`scripts`), watched by `meter`.
     """
 
-    def __init__(
-        self, *, api: CloudflareApi, workerd: WorkerdHost, token: str, port: int = 0, bound: BoundWorkers | None = None
-    ) -> None:
+    def __init__(self, *, api: CloudflareApi, workerd: WorkerdHost, token: str, port: int = 0) -> None:
         self.api = api
         self.workerd = workerd
         self.token = token
-        self.bound = bound or BoundWorkers(binary=workerd.binary, state_dir=workerd.state_dir / "bound")
+        self.scripts = ScriptProcesses(
+            binary=workerd.binary,
+            state_dir=workerd.state_dir.parent / "scripts",
+            code_dir=workerd.code_dir,
+            secret=workerd.secret,
+        )
+        self.meter = CpuMeter(grace_ms=lambda: self.api.config.cpu_grace_ms)
         self._requested_port = port
         self._http: _HttpServer | None = None
         self._thread: threading.Thread | None = None
@@ -108,8 +121,7 @@ class EmulatorServer:
             config=config,
             start_check=functools.partial(_start_check, workerd),
         )
-        bound = BoundWorkers(binary=workerd_binary, state_dir=state_dir / "bound")
-        return cls(api=api, workerd=workerd, token=token, port=port, bound=bound)
+        return cls(api=api, workerd=workerd, token=token, port=port)
 
     @property
     def port(self) -> int:
@@ -128,12 +140,13 @@ class EmulatorServer:
     def bind(self) -> None:
         """Open the listening socket on 127.0.0.1 (never any other address)."""
         self._http = _HttpServer((LISTEN_ADDRESS, self._requested_port), self)
-        self.bound.emulator_port = self.port
+        self.scripts.emulator_port = self.port
 
     def start(self) -> None:
         """Start workerd and serve in a background thread."""
         self.workerd.start()
         self.bind()
+        self.meter.start()
         self._thread = threading.Thread(target=self._http.serve_forever, name="cfemulator", daemon=True)
         self._thread.start()
 
@@ -141,6 +154,7 @@ class EmulatorServer:
         """Serve in this thread until shutdown() is called or an exception (a signal) stops it."""
         if self._http is None:
             self.bind()
+        self.meter.start()
         self._http.serve_forever()
 
     def stop(self) -> None:
@@ -152,25 +166,33 @@ class EmulatorServer:
                 self._thread = None
             self._http.server_close()
             self._http = None
+        self.meter.stop()
         with self._pools_lock:
             for pool in self._pools.values():
                 pool.close()
             self._pools.clear()
-        self.bound.stop_all()
+        self.scripts.stop_all()
         self.workerd.stop()
 
     def reset(self) -> None:
-        """Forget the account's state and stop every bound script's workerd."""
+        """Forget the account's state and stop every script's workerd."""
         self.api.reset()
-        self.bound.stop_all()
+        self.scripts.stop_all()
+
+    def stop_script(self, running: ScriptProcess) -> None:
+        """Stop a script's process at once (it ran past a limit) and drop its connections."""
+        self.scripts.kill(running)
+        with self._pools_lock:
+            pool = self._pools.pop(running.port, None)
+        if pool is not None:
+            pool.close()
 
     # --- called by the request handler --------------------------------------------------------
 
     def proxy(
-        self, method: str, target: str, headers: HTTPHeaderDict, body: bytes, *, port: int | None = None
+        self, method: str, target: str, headers: HTTPHeaderDict, body: bytes, *, port: int
     ) -> urllib3.BaseHTTPResponse:
-        """Send one request to workerd: the loader host's, or (`port`) a bound script's."""
-        port = port or self.workerd.port
+        """Send one request to the workerd listening on `port`."""
         with self._pools_lock:
             pool = self._pools.get(port)
             if pool is None:
@@ -304,7 +326,13 @@ class _RequestHandler(BaseHTTPRequestHandler):
             headers.add(name, value)
         path = split.path + (f"?{split.query}" if split.query else "")
         try:
-            upstream = self._run(target, path, headers, body)
+            upstream = self._run(target, path, headers, body, limits)
+        except LimitExceeded:
+            answer = exceeded_answer(host=original_host or host, accept=self.headers.get("Accept"))
+            extra = [(EXCEEDED_HEADER, "cpu")] if host.endswith(".dispatch.localhost") else []
+            self._send(answer.status, answer.body, answer.content_type, answer.headers + extra)
+            self._log_dispatch(host, limits, answer.status, target)
+            return
         except urllib3.exceptions.HTTPError as exc:
             logger.warning("workerd did not answer for %s: %s", target.name, exc)
             self._send(502, b"the emulator's workerd did not answer\n", "text/plain")
@@ -321,24 +349,42 @@ class _RequestHandler(BaseHTTPRequestHandler):
         ]
         self._send(upstream.status, upstream.data, upstream.headers.get("content-type"), passed)
 
-    def _run(self, target: WorkerTarget, path: str, headers: HTTPHeaderDict, body: bytes) -> urllib3.BaseHTTPResponse:
+    def _run(
+        self, target: WorkerTarget, path: str, headers: HTTPHeaderDict, body: bytes, limits: str | None
+    ) -> urllib3.BaseHTTPResponse:
+        """Run one call in the script's own workerd, metered against its CPU limit.
+
+        Raises LimitExceeded when it ran past it, RuntimeError when workerd cannot start,
+        urllib3's errors when workerd does not answer.
+        """
         emulator = self.server.emulator
-        if target.runs_bound:
-            bound = emulator.bound
-            port = bound.port_for(target.key, sha=target.sha, upload=target.upload, live=emulator.api.bound_keys)
-            return emulator.proxy(self.command, path, headers, body, port=port)
-        headers["X-Sigil-Secret"] = emulator.workerd.secret
-        headers["X-Sigil-Loader-Id"] = f"{target.name}@{target.sha}"
-        return emulator.proxy(self.command, path, headers, body)
+        limit_ms = call_cpu_ms(target.upload.limits, _parse_limits(limits))
+        if not target.runs_bound:
+            headers["X-Sigil-Secret"] = emulator.scripts.secret
+            headers["X-Sigil-Loader-Id"] = f"{target.name}@{target.sha}"
+        for attempt in (1, 2):
+            running = emulator.scripts.acquire(
+                target.key, sha=target.sha, upload=target.upload, live=emulator.api.script_keys
+            )
+            stop = functools.partial(emulator.stop_script, running)
+            with emulator.meter.call(pid=running.pid, stop=stop, limit_ms=limit_ms) as ticket:
+                try:
+                    return emulator.proxy(self.command, path, headers, body, port=running.port)
+                except urllib3.exceptions.HTTPError:
+                    if ticket.exceeded:
+                        raise LimitExceeded from None
+                    # Refused: the process was stopped (another call ran past its limit) before
+                    # this one reached it. Nothing ran, so it goes to a fresh one.
+                    if attempt == 1 and not running.is_running():
+                        continue
+                    raise
+        raise AssertionError("unreachable")
 
     def _log_dispatch(self, host: str, limits: str | None, status: int, target: WorkerTarget | None = None) -> None:
         """Calls through a dispatch namespace binding are logged with the limits they asked for."""
         if not host.endswith(".dispatch.localhost"):
             return
-        try:
-            parsed = json.loads(limits) if limits else None
-        except ValueError:
-            parsed = limits
+        parsed = _parse_limits(limits) if limits else None
         script, _, rest = host.partition(".")
         namespace = target.namespace if target else rest.split(".", 1)[0]
         self.server.emulator.api.record_dispatch(namespace=namespace, script=script, limits=parsed, status=status)
@@ -411,6 +457,14 @@ class _RequestHandler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
+
+
+def _parse_limits(header: str | None) -> Any:
+    """A dispatch binding's limits as it sent them: JSON, else the raw text."""
+    try:
+        return json.loads(header) if header else None
+    except ValueError:
+        return header
 
 
 _START_CHECKS = urllib3.PoolManager(timeout=urllib3.Timeout(connect=5.0, read=30.0), retries=False)

@@ -160,6 +160,12 @@ class Runtime(ABC):
         """
         return response.status == 404 and response.headers.get("x-sigil-error") == "missing-code"
 
+    def stopped_at_limits(self, response) -> bool:
+        """Whether an unmarked 503 is the runtime's own answer for code it stopped at its
+        limits (Cloudflare's error 1102), not the capability's. Only runtimes whose Worker
+        marks every answer it passes on can tell; the others say no."""
+        return False
+
     @abstractmethod
     def list_slots(self) -> list[str]:
         """The slots this runtime holds that Sigil manages. Raises RuntimeUnavailable."""

@@ -124,6 +124,11 @@ class WorkerPoolRuntime(Runtime):
         # "no such Worker" does not.
         return response.status == 404 and "x-sigil-guard" not in response.headers
 
+    def stopped_at_limits(self, response) -> bool:
+        # Cloudflare's 1102 for a Worker past its CPU or memory limit is a 503 the guard,
+        # stopped with the capability, never marked.
+        return response.status == 503 and "x-sigil-guard" not in response.headers
+
     def list_slots(self) -> list[str]:
         return sorted(s.id for s in self.client.script_list() if s.id.startswith(POOL_PREFIX))
 

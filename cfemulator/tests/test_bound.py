@@ -149,10 +149,10 @@ def test_text_bindings_of_a_bound_script_stay_out_of_its_config_file(api, cf_emu
     assert configs and not [c for c in configs if "s3cr3t-value" in c.read_text()]
 
 
-def test_reset_stops_bound_workers(api, cf_emulator_fresh, settings):
+def test_reset_stops_every_scripts_workerd(api, cf_emulator_fresh, settings):
     serve(api, cf_emulator_fresh, "loads", LOADS, [{"type": "worker_loader", "name": "LOADER"}])
     assert cf_emulator_fresh.worker_request(cf_emulator_fresh.workers_dev_host("loads")).status_code == 200
-    assert list((settings.VAR_DIR / "cfemulator" / "bound").iterdir())
+    assert list((settings.VAR_DIR / "cfemulator" / "scripts").iterdir())
     cf_emulator_fresh.reset()
-    assert not list((settings.VAR_DIR / "cfemulator" / "bound").iterdir())
+    assert not list((settings.VAR_DIR / "cfemulator" / "scripts").iterdir())
     assert json.loads(json.dumps(cf_emulator_fresh.dispatches())) == []

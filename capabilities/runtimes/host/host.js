@@ -135,6 +135,10 @@ export default {
         retriesAfterMissingCode.set(loaderId, retry + 1);
         return refuse(404, "missing-code", String(error && error.message));
       }
+      // Cloudflare stops a Dynamic Worker past its limit with this exception (reference §5.3).
+      if (String((error && error.message) || error).includes("CPU time limit")) {
+        return refuse(500, "exceeded-limits", cpuMs > 0 ? `CPU time limit of ${cpuMs} ms` : "CPU time limit", env);
+      }
       return refuse(500, "exception", String((error && error.stack) || error));
     }
   },

@@ -9,7 +9,10 @@
 //
 // "Worker not found" surfaces when the Fetcher is called, not on `get()` (reference §4.3);
 // it is answered 404 with `x-sigil-error: missing-code`, the loader host's word for it, so
-// Sigil pages the capability in again.
+// Sigil pages the capability in again. A capability that runs past its CPU limit makes the
+// Fetcher throw "Worker exceeded CPU time limit." (spotted as the docs do, by "CPU time
+// limit"); it is answered `exceeded-limits`, naming the limit, so Sigil counts it against
+// that capability alone.
 
 const SECRET_HEADER = "x-sigil-dispatch-secret";
 const SCRIPT_HEADER = "x-sigil-script";
@@ -68,7 +71,11 @@ export default {
       if (message.startsWith("Worker not found")) {
         return refuse(env, 404, "missing-code", `no script ${name} in the namespace`);
       }
-      // The capability threw, or went over its limits ("Worker exceeded CPU time limit.").
+      if (message.includes("CPU time limit")) {
+        const limit = options.limits ? `CPU time limit of ${cpuMs} ms` : "CPU time limit";
+        return refuse(env, 500, "exceeded-limits", limit);
+      }
+      // The capability threw.
       return refuse(env, 500, "exception", String((error && error.stack) || error));
     }
     const passed = new Response(response.body, response);

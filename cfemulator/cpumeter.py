@@ -1,0 +1,132 @@
+"""Each call's CPU time on the emulator's workerd processes, and the stop of a call past its limit.
+
+Open-source workerd accepts CPU limits and does not enforce them (reference §5.3), so the
+emulator does: every call to a script is registered with the limit Cloudflare would give it
+(`cfemulator.limits.call_cpu_ms`), and a watchdog thread charges the CPU time its process
+spends (from /proc, every `poll_seconds`) to the calls in flight on it, in equal shares.
+When one call has used more than its limit plus `grace_ms`, the process is killed: every
+call in flight on it is marked exceeded (they shared the isolate that was stopped) and is
+answered with Cloudflare's error 1102 by the server.
+
+The grace covers what the emulator cannot measure finely: /proc counts CPU in clock ticks
+(10 ms), and a first call pays for its isolate's start, which Cloudflare does not charge to
+the call (startup has its own limit). So a call is stopped between its limit and its limit
+plus the grace and one poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_ms(pid: int) -> float | None:
+    """CPU time (user and system, every thread) `pid` has used, in ms; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            raw = stat.read()
+    except OSError:
+        return None
+    # The command name may hold spaces: the fields that follow its closing parenthesis are fixed.
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / _TICKS_PER_SECOND
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One call in flight: its limit, the CPU charged to it so far, whether it was stopped."""
+
+    limit_ms: int
+    used_ms: float = 0.0
+    exceeded: bool = False
+
+
+@dataclass(eq=False)
+class _Metered:
+    pid: int
+    stop: Callable[[], None]
+    tickets: list[Ticket] = field(default_factory=list)
+    last_cpu_ms: float | None = None
+
+
+class CpuMeter:
+    """The watchdog over the calls in flight. Thread-safe; `start()` runs its thread."""
+
+    def __init__(self, *, grace_ms: Callable[[], int], poll_seconds: float = 0.05) -> None:
+        self._grace_ms = grace_ms
+        self.poll_seconds = poll_seconds
+        self._lock = threading.Lock()
+        self._processes: dict[int, _Metered] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="cfemulator-cpu", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    @contextmanager
+    def call(self, *, pid: int, stop: Callable[[], None], limit_ms: int) -> Iterator[Ticket]:
+        """Meter one call on process `pid` for as long as the block runs; `stop()` ends
+        that process (it must not block on the meter). The ticket says whether it was stopped."""
+        ticket = Ticket(limit_ms=limit_ms)
+        with self._lock:
+            metered = self._processes.get(pid)
+            if metered is None:
+                metered = self._processes[pid] = _Metered(pid=pid, stop=stop, last_cpu_ms=process_cpu_ms(pid))
+            metered.tickets.append(ticket)
+        try:
+            yield ticket
+        finally:
+            with self._lock:
+                metered.tickets.remove(ticket)
+                if not metered.tickets and self._processes.get(pid) is metered:
+                    del self._processes[pid]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            self.charge()
+
+    def charge(self) -> None:
+        """Charge each metered process's CPU since the last look to its calls; stop those past a limit."""
+        grace = self._grace_ms()
+        stopping: list[tuple[_Metered, Ticket]] = []
+        with self._lock:
+            for metered in self._processes.values():
+                now = process_cpu_ms(metered.pid)
+                if now is None or metered.last_cpu_ms is None or not metered.tickets:
+                    metered.last_cpu_ms = now
+                    continue
+                share = (now - metered.last_cpu_ms) / len(metered.tickets)
+                metered.last_cpu_ms = now
+                for ticket in metered.tickets:
+                    ticket.used_ms += share
+                worst = max(metered.tickets, key=lambda t: t.used_ms - t.limit_ms)
+                if worst.used_ms > worst.limit_ms + grace:
+                    for ticket in metered.tickets:
+                        ticket.exceeded = True
+                    stopping.append((metered, worst))
+            for metered, _ in stopping:
+                del self._processes[metered.pid]
+        for metered, worst in stopping:
+            logger.warning(
+                "a call used %.0f ms of CPU against its limit of %s ms: stopping workerd (pid %s)",
+                worst.used_ms,
+                worst.limit_ms,
+                metered.pid,
+            )
+            metered.stop()

@@ -1,0 +1,180 @@
+"""A script that runs past its CPU limit is stopped with Cloudflare's error 1102, and every
+other script keeps answering; over real HTTP, with real workerd."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from cfemulator.limits import DEFAULT_CPU_MS, call_cpu_ms, exceeded_answer, negotiate
+from cfemulator.tests.test_api import HELLO, Api
+
+# Spins on /spin; answers at once anywhere else.
+SPINNER = """export default { async fetch(request) {
+  if (new URL(request.url).pathname.endsWith("/spin")) { while (true) {} }
+  return new Response("still here");
+} }"""
+DISPATCHES = """export default { async fetch(request, env) {
+  const name = new URL(request.url).pathname.split("/")[1];
+  try {
+    return await env.DISPATCHER.get(name, {}, { limits: { cpuMs: 40 } }).fetch(request);
+  } catch (error) {
+    return new Response(String(error.message), { status: 599 });
+  }
+} }"""
+LIMIT_MS = 40
+# Generous: the limit, the grace, a poll, and a loaded machine's scheduling.
+STOPPED_WITHIN_SECONDS = LIMIT_MS / 1000 + 1.5
+
+
+@pytest.fixture
+def api(cf_emulator_fresh):
+    return Api(cf_emulator_fresh)
+
+
+class Steady:
+    """Calls a well-behaved Worker over and over in a thread, keeping every answer."""
+
+    def __init__(self, emulator, host: str) -> None:
+        self.emulator, self.host = emulator, host
+        self.answers: list[tuple[int, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            response = self.emulator.worker_request(self.host, "/steady")
+            self.answers.append((response.status_code, response.text))
+
+    def __enter__(self) -> Steady:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def test_a_script_past_its_cpu_limit_gets_1102_while_other_scripts_keep_answering(api, cf_emulator_fresh):
+    assert api.upload("spinner", SPINNER, metadata={"limits": {"cpu_ms": LIMIT_MS}}).status_code == 200
+    assert api.upload("steady", HELLO).status_code == 200
+    api.enable("spinner")
+    api.enable("steady")
+    spinner = cf_emulator_fresh.workers_dev_host("spinner")
+
+    with Steady(cf_emulator_fresh, cf_emulator_fresh.workers_dev_host("steady")) as steady:
+        time.sleep(0.2)
+        started = time.monotonic()
+        stopped = cf_emulator_fresh.worker_request(spinner, "/spin")
+        took = time.monotonic() - started
+        as_json = cf_emulator_fresh.worker_request(spinner, "/spin", headers={"Accept": "application/json"})
+        time.sleep(0.2)
+
+    assert stopped.status_code == 503
+    assert took < STOPPED_WITHIN_SECONDS
+    assert stopped.headers["Content-Type"] == "text/html; charset=UTF-8"
+    assert stopped.headers["Server"] == "cloudflare" and stopped.headers["CF-Ray"]
+    assert '<span class="cf-error-code">1102</span>' in stopped.text
+    assert "<title>Worker exceeded resource limits | spinner.sigil-emulator.workers.dev | Cloudflare" in stopped.text
+    problem = as_json.json()
+    assert (as_json.status_code, as_json.headers["Content-Type"]) == (503, "application/json; charset=utf-8")
+    assert problem == {
+        **problem,
+        "title": "Error 1102: Worker exceeded resource limits",
+        "status": 503,
+        "error_code": 1102,
+        "error_name": "worker_exceeded_resources",
+        "retryable": False,
+        "zone": "workers.dev",
+    }
+    assert problem["instance"] == problem["ray_id"] == as_json.headers["CF-Ray"].split("-")[0]
+    # The other script never noticed; the stopped one answers again, from a fresh process.
+    assert len(steady.answers) > 3
+    assert set(steady.answers) == {(200, "hello /steady")}
+    assert cf_emulator_fresh.worker_request(spinner, "/").text == "still here"
+
+
+def test_a_dispatch_namespace_script_past_its_limit_makes_the_fetcher_throw(api, cf_emulator_fresh):
+    api.call("POST", "/workers/dispatch/namespaces", json={"name": "users"})
+    api.upload("runaway", SPINNER, namespace="users")
+    api.upload("steady", HELLO, namespace="users")
+    binding = [{"type": "dispatch_namespace", "name": "DISPATCHER", "namespace": "users"}]
+    assert api.upload("dispatcher", DISPATCHES, metadata={"bindings": binding}).status_code == 200
+    api.enable("dispatcher")
+    host = cf_emulator_fresh.workers_dev_host("dispatcher")
+
+    with Steady(cf_emulator_fresh, host) as steady:
+        started = time.monotonic()
+        stopped = cf_emulator_fresh.worker_request(host, "/runaway/spin")
+        took = time.monotonic() - started
+
+    # As on Cloudflare: the dispatch Worker's fetch() throws, with the platform's words.
+    assert (stopped.status_code, stopped.text) == (599, "Worker exceeded CPU time limit.")
+    assert took < STOPPED_WITHIN_SECONDS
+    assert steady.answers and set(steady.answers) == {(200, "hello /steady")}
+    assert cf_emulator_fresh.worker_request(host, "/runaway/").text == "still here"
+    logged = [(d["script"], d["limits"], d["status"]) for d in cf_emulator_fresh.dispatches()]
+    assert ("runaway", {"cpuMs": LIMIT_MS}, 503) in logged
+
+
+def test_a_script_within_its_limit_is_not_stopped(api, cf_emulator_fresh):
+    busy = """export default { async fetch() {
+      const until = Date.now() + 30; let n = 0; while (Date.now() < until) n++;
+      return new Response("done");
+    } }"""
+    api.upload("busy", busy, metadata={"limits": {"cpu_ms": 1000}})
+    api.enable("busy")
+    host = cf_emulator_fresh.workers_dev_host("busy")
+    assert [cf_emulator_fresh.worker_request(host).text for _ in range(5)] == ["done"] * 5
+
+
+@pytest.mark.parametrize(
+    ("script", "dispatch", "expected"),
+    [
+        ({}, None, DEFAULT_CPU_MS),
+        ({"cpu_ms": 50}, None, 50),
+        ({}, {"cpuMs": 25}, 25),
+        ({"cpu_ms": 50}, {"cpuMs": 500}, 50),
+        ({"cpu_ms": 500}, {"cpuMs": 50}, 50),
+        ({}, {"subRequests": 5}, DEFAULT_CPU_MS),
+        ({}, "not json", DEFAULT_CPU_MS),
+    ],
+)
+def test_a_calls_cpu_limit(script, dispatch, expected):
+    assert call_cpu_ms(script, dispatch) == expected
+
+
+@pytest.mark.parametrize(
+    ("accept", "form"),
+    [
+        (None, "html"),
+        ("*/*", "html"),
+        ("text/html,application/xhtml+xml,*/*;q=0.8", "html"),
+        ("application/json", "json"),
+        ("application/problem+json", "problem+json"),
+        ("application/json, text/markdown;q=0.9", "json"),
+        ("text/markdown", "markdown"),
+        ("text/markdown, application/json", "markdown"),
+        ("text/markdown, text/html;q=0.9", "markdown"),
+        ("text/*", "markdown"),
+        ("text/html;q=0.5, application/json;q=0.4", "html"),
+        ("application/json;q=0", "html"),
+        ("image/png", "html"),
+    ],
+)
+def test_the_1102_answer_is_negotiated_as_cloudflare_documents(accept, form):
+    assert negotiate(accept) == form
+
+
+def test_the_1102_answer_in_markdown_and_problem_json():
+    markdown = exceeded_answer(host="x.sub.workers.dev", accept="text/markdown")
+    assert markdown.content_type == "text/markdown; charset=utf-8"
+    front = markdown.body.decode().split("---\n")[1]
+    assert "error_code: 1102\n" in front and "status: 503\n" in front and "retryable: false\n" in front
+    assert "## What happened" in markdown.body.decode() and "## What you should do" in markdown.body.decode()
+    problem = exceeded_answer(host="x.sub.workers.dev", accept="application/problem+json")
+    assert problem.content_type == "application/problem+json; charset=utf-8"
+    assert json.loads(problem.body)["type"].endswith("/cloudflare-1xxx-errors/error-1102/")
