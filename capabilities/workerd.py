@@ -24,6 +24,8 @@ COMPATIBILITY_DATE = "2025-01-01"
 class WorkerdMissing(RuntimeError):
     """The workerd binary is not installed where the settings say."""
 
+    permanent = True  # no restart can fix it (see capabilities.supervision)
+
 
 class WorkerdPortInUse(RuntimeError):
     """Another process listens on the port workerd should take."""

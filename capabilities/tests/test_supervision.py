@@ -1,0 +1,150 @@
+"""The generic workerd supervision (capabilities.supervision) on real workerd processes."""
+
+import http.client
+import threading
+import time
+
+import pytest
+from django.conf import settings
+
+from capabilities.runtimes.base import CodeBundle
+from capabilities.supervision import KillLog, Limits, PortRegistry, WorkerdGroup, read_status
+from capabilities.workerd import WorkerdHost, free_port
+from testsupport.capability_code import PONG
+from testsupport.processes import is_alive, wait_until
+
+SECRET = "supervision-test-secret"
+SPIN = "export default { async fetch() { while (true) {} } }"
+HOG = "export default { async fetch() { const kept = []; while (true) kept.push(new Array(1e6).fill(1)) } }"
+LIMITS = Limits(stall_ms=500, memory_mb=300)
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A group of two names' workerd processes, supervised in a thread, as runworkerd runs it."""
+    code_dir = tmp_path / "code"
+
+    def make_host(name: str, port: int) -> WorkerdHost:
+        return WorkerdHost(
+            binary=settings.SIGIL_WORKERD_BIN, port=port, code_dir=code_dir, state_dir=tmp_path / name, secret=SECRET
+        )
+
+    registry = PortRegistry(tmp_path / "ports.json", base_port=free_port())
+    group = WorkerdGroup(
+        make_host, LIMITS, registry, kill_log=KillLog(tmp_path / "kills"), status_path=tmp_path / "status.json"
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=group.run, args=(stop,), daemon=True)
+    thread.start()
+    yield group
+    stop.set()
+    thread.join(15)
+    assert not thread.is_alive()
+
+
+def place(group: WorkerdGroup, code: str) -> str:
+    bundle = CodeBundle.from_code(code)
+    code_dir = next(iter(group.processes.values())).host.code_dir
+    code_dir.mkdir(parents=True, exist_ok=True)
+    (code_dir / f"{bundle.sha}.json").write_bytes(bundle.to_json())
+    return bundle.sha
+
+
+def call(port: int, sha: str, *, timeout: float = 30) -> tuple[int | None, float]:
+    """(status, seconds); status None when the connection was dropped."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    started = time.monotonic()
+    try:
+        connection.request("GET", "/", headers={"X-Sigil-Secret": SECRET, "X-Sigil-Loader-Id": f"cap@{sha}"})
+        response = connection.getresponse()
+        response.read()
+        return response.status, time.monotonic() - started
+    except (OSError, http.client.HTTPException):
+        return None, time.monotonic() - started
+    finally:
+        connection.close()
+
+
+def keep_calling(port: int, sha: str, stop: threading.Event, results: list) -> None:
+    while not stop.is_set():
+        results.append(call(port, sha, timeout=10)[0])
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("code", "reason"), [(SPIN, "cpu"), (HOG, "memory")])
+def test_a_runaway_process_is_killed_and_replaced_while_its_neighbour_keeps_answering(group, code, reason):
+    runaway_port, other_port = group.ensure("runaway"), group.ensure("other")
+    runaway_sha, pong_sha = place(group, code), place(group, PONG)
+    first_pid = group.get("runaway").host.process.pid
+    results: list = []
+    stop = threading.Event()
+    neighbour = threading.Thread(target=keep_calling, args=(other_port, pong_sha, stop, results))
+    neighbour.start()
+    try:
+        sent_at = time.time()
+        status, seconds = call(runaway_port, runaway_sha)
+        assert status is None  # the connection dropped: the process was killed under it
+        assert seconds < LIMITS.stall_ms / 1000 + 2.5, seconds  # generous for a loaded machine
+
+        kill = KillLog(group.kill_log.directory).latest("runaway")
+        assert kill is not None and kill.reason == reason and kill.pid == first_pid
+        assert kill.blames(sent_at)
+        assert not kill.blames(kill.at + 1)  # a call sent after the kill is innocent
+        wait_until(lambda: not is_alive(first_pid), timeout=2, what="the killed process to be gone")
+
+        port = wait_until(lambda: group.get("runaway").serving() and group.get("runaway").port, timeout=3)
+        assert port == runaway_port  # same port: routes that callers cached stay valid
+        assert call(runaway_port, pong_sha)[0] == 200
+    finally:
+        stop.set()
+        neighbour.join(15)
+    assert results and all(status == 200 for status in results), results
+
+
+def test_the_registry_keeps_each_names_port_across_instances(tmp_path):
+    first = PortRegistry(tmp_path / "ports.json", base_port=9000)
+    assert (first.port_for("alice"), first.port_for("bob"), first.port_for("alice")) == (9000, 9001, 9000)
+    again = PortRegistry(tmp_path / "ports.json", base_port=9000)
+    assert (again.port_for("bob"), again.port_for("carol")) == (9001, 9002)
+    assert again.names() == ["alice", "bob", "carol"]
+
+
+def test_the_status_file_lists_each_process(group, tmp_path):
+    group.ensure("listed")
+
+    def listed() -> dict | None:
+        status = read_status(tmp_path / "status.json")
+        entry = status and status["processes"].get("listed")
+        return entry if entry and entry["state"] == "serving" else None
+
+    entry = wait_until(listed, timeout=3, what="the process in the status file")
+    assert entry["port"] == group.get("listed").port
+    assert entry["pid"] == group.get("listed").host.process.pid
+
+
+@pytest.mark.slow
+def test_stopping_the_group_kills_a_stalled_process_promptly(tmp_path):
+    code_dir = tmp_path / "code"
+    group = WorkerdGroup(
+        lambda name, port: WorkerdHost(
+            binary=settings.SIGIL_WORKERD_BIN, port=port, code_dir=code_dir, state_dir=tmp_path, secret=SECRET
+        ),
+        Limits(stall_ms=60_000, memory_mb=1000),  # the watchdog would not step in
+        PortRegistry(tmp_path / "ports.json", base_port=free_port()),
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=group.run, args=(stop,), daemon=True)
+    thread.start()
+    port = group.ensure("stuck")
+    pid = group.get("stuck").host.process.pid
+    threading.Thread(target=call, args=(port, place(group, SPIN)), daemon=True).start()
+    wait_until(lambda: call(port, "0" * 64, timeout=0.3)[0] is None, timeout=5, what="the loop to stall")
+
+    started = time.monotonic()
+    stop.set()
+    thread.join(15)
+
+    assert not thread.is_alive()
+    assert time.monotonic() - started < 6
+    assert not is_alive(pid)
