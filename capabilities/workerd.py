@@ -150,6 +150,10 @@ const host :Workerd.Worker = (
         self.config_path.write_text(config)
         return self.config_path
 
+    def environment(self) -> dict[str, str]:
+        """What workerd's environment adds for the config's `fromEnvironment` bindings."""
+        return {"SIGIL_INTERNAL_SECRET": self.secret}
+
     def start(self, *, wait_seconds: float = 15.0, port_wait_seconds: float = 5.0) -> None:
         """Start workerd and wait until it listens on its port.
 
@@ -169,7 +173,7 @@ const host :Workerd.Worker = (
                 f"port {self.port} on 127.0.0.1 is held by another process: stop it or set SIGIL_WORKERD_PORT"
             )
         self.write_config()
-        env = {**os.environ, "SIGIL_INTERNAL_SECRET": self.secret}
+        env = {**os.environ, **self.environment()}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [self.binary, "serve", str(self.config_path), "--experimental"],

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cfemulator.limits import CPU_EXCEEDED_MESSAGE
+from capabilities.workerd import WorkerdHost
+from cfemulator.limits import CPU_EXCEEDED_MESSAGE, MEMORY_EXCEEDED_MESSAGE
 from cfemulator.uploads import COMMONJS_TYPES, ES_MODULE_TYPES, SOURCE_MAP_TYPE, ScriptUpload
 
 logger = logging.getLogger(__name__)
@@ -67,7 +69,8 @@ function dispatchNamespace(emulator, namespace) {{
             method: request.method, headers, body: request.body, redirect: "manual",
           }});
           if (response.headers.has({not_found_header})) throw new Error("Worker not found.");
-          if (response.headers.has({exceeded_header})) throw new Error({exceeded_message});
+          const exceeded = response.headers.get({exceeded_header});
+          if (exceeded) throw new Error(exceeded === "memory" ? {memory_message} : {cpu_message});
           return response;
         }},
       }};
@@ -90,6 +93,10 @@ export default {{
 """
 
 
+# Answers the supervisor's liveness probe: any answer shows the process's event loop turns.
+_PROBE = "export default { fetch() { return new Response(null, { status: 204 }) } }"
+
+
 def needs_own_workerd(upload: ScriptUpload) -> bool:
     """Whether the script binds something only a workerd of its own can give it."""
     return any(binding.get("type") in BOUND_BINDING_TYPES for binding in upload.bindings)
@@ -103,9 +110,40 @@ def _list(items: list[str]) -> str:
     return "[" + ",\n    ".join(items) + "]"
 
 
-def bound_config(directory: Path, upload: ScriptUpload, *, port: int, emulator_port: int) -> tuple[str, dict[str, str]]:
-    """The capnp config of one bound script listening on `port` (its modules are written to
-    `directory`), and the environment holding its text bindings."""
+@dataclass
+class BoundHost(WorkerdHost):
+    """A bound script's workerd, for `capabilities.supervision`: the script listens on
+    `script_port`, and `port` answers the supervisor's liveness probe from a Worker of the
+    emulator's own, in the same process, so no probe ever runs the script's code."""
+
+    upload: ScriptUpload | None = None
+    sha: str = ""
+    emulator_port: int = 0
+    script_port: int = 0
+    _environment: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+
+    def write_config(self) -> Path:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        config, self._environment = bound_config(
+            self.state_dir,
+            self.upload,
+            port=self.script_port,
+            probe_port=self.port,
+            emulator_port=self.emulator_port,
+        )
+        self.config_path.write_text(config)
+        return self.config_path
+
+    def environment(self) -> dict[str, str]:
+        return self._environment
+
+
+def bound_config(
+    directory: Path, upload: ScriptUpload, *, port: int, probe_port: int, emulator_port: int
+) -> tuple[str, dict[str, str]]:
+    """The capnp config of one bound script listening on `port`, with a liveness probe on
+    `probe_port` (its modules are written to `directory`), and the environment holding its
+    text bindings."""
     modules = []
     for index, (name, kind) in enumerate(upload.module_types.items()):
         if kind == SOURCE_MAP_TYPE:
@@ -118,7 +156,7 @@ def bound_config(directory: Path, upload: ScriptUpload, *, port: int, emulator_p
         modules.append(f"(name = {_capnp(name)}, {shape} = embed {_capnp(file_name)})")
 
     emulator_address = f"127.0.0.1:{emulator_port}"
-    services = ['(name = "main", worker = .main)']
+    services = ['(name = "main", worker = .main)', '(name = "probe", worker = .probe)']
     bindings: list[str] = []
     environment: dict[str, str] = {}
     namespaces: dict[str, str] = {}
@@ -159,7 +197,8 @@ def bound_config(directory: Path, upload: ScriptUpload, *, port: int, emulator_p
             original_host_header=json.dumps(ORIGINAL_HOST_HEADER),
             not_found_header=json.dumps(NOT_FOUND_HEADER),
             exceeded_header=json.dumps(EXCEEDED_HEADER),
-            exceeded_message=json.dumps(CPU_EXCEEDED_MESSAGE),
+            cpu_message=json.dumps(CPU_EXCEEDED_MESSAGE),
+            memory_message=json.dumps(MEMORY_EXCEEDED_MESSAGE),
             suffix=DISPATCH_HOST_SUFFIX,
             emulator=EMULATOR_BINDING,
         )
@@ -174,7 +213,15 @@ def bound_config(directory: Path, upload: ScriptUpload, *, port: int, emulator_p
 
 const config :Workerd.Config = (
   services = {_list(services)},
-  sockets = [(name = "http", address = "127.0.0.1:{port}", http = (), service = "main")],
+  sockets = [
+    (name = "http", address = "127.0.0.1:{port}", http = (), service = "main"),
+    (name = "probe", address = "127.0.0.1:{probe_port}", http = (), service = "probe"),
+  ],
+);
+
+const probe :Workerd.Worker = (
+  modules = [(name = "probe.js", esModule = {_capnp(_PROBE)})],
+  compatibilityDate = "2025-01-01",
 );
 
 const main :Workerd.Worker = (

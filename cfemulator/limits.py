@@ -28,8 +28,10 @@ from html import escape
 from typing import Any
 
 DEFAULT_CPU_MS = 30_000
-# What the dispatch namespace binding throws (reference §4.3, §7.3).
+# What the dispatch namespace binding throws (reference §4.3, §7.3). The memory one is not
+# documented (UNCERTAIN): it is worded as the CPU one is.
 CPU_EXCEEDED_MESSAGE = "Worker exceeded CPU time limit."
+MEMORY_EXCEEDED_MESSAGE = "Worker exceeded memory limit."
 
 ERROR_CODE = 1102
 STATUS = 503

@@ -1,64 +1,95 @@
-"""Every script runs in a workerd process of its own, keyed by script and started on first use.
+"""Every script runs in a workerd process of its own, supervised, started on its first call.
 
 On Cloudflare each script runs in isolates of its own: one that spins or runs out of memory
 is stopped (error 1102) while every other script keeps answering. One open-source workerd
-runs all its Workers on one thread, so a script that spins stops everything in its process;
-the emulator therefore gives each script its own process (about 10 MB of its own memory and
-30 ms to start), and stops only that process when the script runs past its limits
-(`cfemulator.cpumeter`). The next call starts a fresh one.
+runs all its Workers on one event loop, so a script that spins stops everything in its
+process; the emulator therefore gives each script a process of its own (about 10 MB of its
+own memory, 30 ms to start) under `capabilities.supervision`, which stops it when its
+memory passes `MEMORY_MB` or the CPU meter (`cfemulator.cpumeter`) finds a call past its
+limit, and starts a fresh one at once.
 
 A plain script runs as a Dynamic Worker of the loader host (`capabilities/runtimes/host`),
-reading its bundle from the emulator's code directory; a script with bindings only a workerd
-of its own can give runs from a config generated from its upload (`cfemulator.bound`).
+which reads its bundle from the emulator's code directory and runs any version by its
+loader id; a script with bindings only a workerd of its own can give runs from a config
+generated from its upload (`cfemulator.bound.BoundHost`), restarted when that changes.
+Processes of deleted scripts idle until the next reset.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import shutil
-import subprocess
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from capabilities.workerd import WorkerdHost, free_port, port_is_open
-from cfemulator.bound import bound_config, needs_own_workerd
+from capabilities.supervision import Limits, SupervisedWorkerd, WorkerdGroup
+from capabilities.workerd import WorkerdHost, free_port
+from cfemulator.bound import BoundHost, needs_own_workerd
 from cfemulator.uploads import ScriptUpload
 
-logger = logging.getLogger(__name__)
+# Cloudflare's CPU limit can be raised to 5 min a call (changelog 2025-03-25): a script may
+# hold its event loop that long, so the supervisor's own stall limit is only a backstop
+# beyond it; the meter stops calls at their own limits.
+MAX_CPU_MS = 300_000
+# Cloudflare allows 128 MB per isolate; workerd itself is about 50 MB resident, and the
+# loader runtime's Worker holds every capability's isolate in one process: a backstop against
+# a runaway allocation rather than the per-isolate limit, which one process cannot measure.
+MEMORY_MB = 512
+LIMITS = Limits(stall_ms=MAX_CPU_MS + 1000, memory_mb=MEMORY_MB, probe_interval_ms=200)
+_RESTART_SECONDS = 5.0
 
-_START_SECONDS = 15
+
+class _FreePorts:
+    """The group's ports: a free one per name, kept across its restarts. The emulator is
+    one process, so no other needs to agree on them (unlike the local runtime's registry)."""
+
+    def __init__(self) -> None:
+        self._ports: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def port_for(self, name: str) -> int:
+        with self._lock:
+            if name not in self._ports:
+                self._ports[name] = free_port()
+            return self._ports[name]
+
+    def names(self) -> list[str]:
+        return []  # processes start on a call, never ahead of one
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True)
 class ScriptProcess:
-    """One script's running workerd."""
+    """One script's supervised workerd, as a call finds it."""
 
-    key: str
-    sha: str
-    bound: bool
-    port: int
-    process: subprocess.Popen
-    directory: Path
+    supervised: SupervisedWorkerd
 
     @property
-    def pid(self) -> int:
-        return self.process.pid
+    def port(self) -> int:
+        """Where the script answers (a bound script's probe has a port of its own)."""
+        host = self.supervised.host
+        return host.script_port if isinstance(host, BoundHost) else host.port
 
-    def is_running(self) -> bool:
-        return self.process.poll() is None
+    @property
+    def pid(self) -> int | None:
+        process = self.supervised.host.process
+        return process.pid if process is not None else None
+
+    def stop_for_cpu(self) -> None:
+        """Have the supervisor kill it now (a call ran past its CPU limit) and start a fresh one."""
+        self.supervised.kill("cpu")
+
+    def stopped_for(self, sent_at: float) -> str | None:
+        """Why the supervisor stopped it with a call sent at `sent_at` (epoch) in flight
+        ("cpu", "memory"), when that call can be the cause; None otherwise."""
+        kill = self.supervised.last_kill
+        return kill.reason if kill is not None and kill.at >= sent_at and kill.blames(sent_at) else None
 
 
 class ScriptProcesses:
-    """The running workerd of each script, by key (`script:{name}`, `ns:{namespace}:{name}`).
+    """The supervised workerd of each script, by key (`script:{name}`, `ns:{namespace}:{name}`).
 
-    `acquire` starts a script's process on first use, and again after it was stopped; a
-    bound script's process is restarted when its code or bindings changed (a plain one runs
-    any version: its loader ids carry the sha). Processes of scripts the account no longer
-    holds are stopped at the next start. Thread-safe.
+    Thread-safe. `stop_all` stops every process; the next call starts afresh.
     """
 
     def __init__(self, *, binary: str, state_dir: Path, code_dir: Path, secret: str) -> None:
@@ -69,96 +100,61 @@ class ScriptProcesses:
         self.secret = secret
         self.emulator_port = 0  # set once the emulator's socket is bound
         self._lock = threading.Lock()
-        self._running: dict[str, ScriptProcess] = {}
+        self._uploads: dict[str, tuple[str, ScriptUpload]] = {}
+        self._group = self._new_group()
 
-    def acquire(self, key: str, *, sha: str, upload: ScriptUpload, live: Callable[[], dict[str, str]]) -> ScriptProcess:
-        """`key`'s running process, started (or restarted for a new `sha`) as needed.
+    def acquire(self, key: str, *, sha: str, upload: ScriptUpload) -> ScriptProcess:
+        """`key`'s process, started, or restarted for a bound script's new `sha`, as needed.
 
-        Before a start, `live()` (every key the account still holds, with its sha) tells
-        which other processes no script needs any more; they are stopped. Raises
-        RuntimeError when workerd does not come up.
+        Raises TimeoutError when it does not serve within 15 s.
         """
         bound = needs_own_workerd(upload)
+        # A script that gains or loses such a binding changes process, as its host differs.
+        name = f"{key}:bound" if bound else key
         with self._lock:
-            current = self._running.get(key)
-            # A plain script's process runs any version; a bound one's config holds its code.
-            serves = current is not None and current.bound == bound and (current.sha == sha or not bound)
-            if serves and current.is_running():
-                return current
-            still_held = live()
-            for other, running in list(self._running.items()):
-                held = still_held.get(other)
-                if other != key and (held is None or (running.bound and held != running.sha)):
-                    self._stop(self._running.pop(other))
-            if current is not None:
-                self._stop(self._running.pop(key))
-            started = self._start(key, sha, upload, bound)
-            self._running[key] = started
-            return started
-
-    def kill(self, running: ScriptProcess) -> None:
-        """Stop `running` at once (SIGKILL: a workerd spinning in a script ignores SIGTERM).
-        The next call to its script starts a fresh process. Safe from any thread."""
-        if running.is_running():
-            running.process.kill()
-        running.process.wait()
-        with self._lock:
-            if self._running.get(running.key) is running:
-                del self._running[running.key]
-        shutil.rmtree(running.directory, ignore_errors=True)
+            self._uploads[name] = (sha, upload)
+            group = self._group
+            supervised = group.get(name)
+            replaced = None
+            if bound and supervised is not None and supervised.host.sha != sha:
+                supervised.host.upload, supervised.host.sha = upload, sha
+                replaced = supervised.host.process
+                supervised.restart()
+        if replaced is not None:
+            # Only once the old process is gone does `ensure` wait for the new one.
+            deadline = time.monotonic() + _RESTART_SECONDS
+            while supervised.host.process is replaced and time.monotonic() < deadline:
+                time.sleep(0.01)
+        group.ensure(name)
+        return ScriptProcess(group.get(name))
 
     def stop_all(self) -> None:
+        """Stop every process, together; later calls start new ones."""
         with self._lock:
-            for key in list(self._running):
-                self._stop(self._running.pop(key))
+            group, self._group = self._group, self._new_group()
+            self._uploads.clear()
+        group.stop()
+        for directory in self.state_dir.glob("*"):
+            shutil.rmtree(directory, ignore_errors=True)
 
-    def count(self) -> int:
-        with self._lock:
-            return sum(running.is_running() for running in self._running.values())
+    def _new_group(self) -> WorkerdGroup:
+        return WorkerdGroup(self._make_host, LIMITS, _FreePorts())
 
-    def _stop(self, running: ScriptProcess) -> None:
-        if running.is_running():
-            running.process.terminate()
-            try:
-                running.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                running.process.kill()
-                running.process.wait()
-        shutil.rmtree(running.directory, ignore_errors=True)
-
-    def _start(self, key: str, sha: str, upload: ScriptUpload, bound: bool) -> ScriptProcess:
-        directory = self.state_dir / f"{key.replace(':', '-')}-{sha[:12]}"
-        shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir(parents=True)
-        port = free_port()
-        if bound:
-            config, environment = bound_config(directory, upload, port=port, emulator_port=self.emulator_port)
-            config_path = directory / "config.capnp"
-            config_path.write_text(config)
-        else:
-            host = WorkerdHost(
+    def _make_host(self, name: str, port: int) -> WorkerdHost:
+        sha, upload = self._uploads[name]
+        directory = self.state_dir / name.replace(":", "-")
+        if not needs_own_workerd(upload):
+            return WorkerdHost(
                 binary=self.binary, port=port, code_dir=self.code_dir, state_dir=directory, secret=self.secret
             )
-            config_path = host.write_config()
-            environment = {"SIGIL_INTERNAL_SECRET": self.secret}
-        log_path = directory / "workerd.log"
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen(
-                [self.binary, "serve", str(config_path), "--experimental"],
-                env={**os.environ, **environment},
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + _START_SECONDS
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                output = log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"workerd for {key} exited with {process.returncode}: {output}")
-            if port_is_open(port):
-                return ScriptProcess(key=key, sha=sha, bound=bound, port=port, process=process, directory=directory)
-            time.sleep(0.01)
-        process.kill()
-        process.wait()
-        raise RuntimeError(f"workerd for {key} did not listen within {_START_SECONDS} s")
+        return BoundHost(
+            binary=self.binary,
+            port=port,
+            code_dir=self.code_dir,
+            state_dir=directory,
+            secret=self.secret,
+            upload=upload,
+            sha=sha,
+            emulator_port=self.emulator_port,
+            script_port=free_port(),
+        )

@@ -26,6 +26,7 @@ import logging
 import secrets
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from cfemulator.bound import EXCEEDED_HEADER, KV_HEADER, LIMITS_HEADER, NOT_FOUN
 from cfemulator.cpumeter import CpuMeter
 from cfemulator.envelope import ApiError
 from cfemulator.limits import call_cpu_ms, exceeded_answer
-from cfemulator.scripts import ScriptProcess, ScriptProcesses
+from cfemulator.scripts import ScriptProcesses
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,11 @@ class BodyTooLarge(Exception):
 
 
 class LimitExceeded(Exception):
-    """The call ran past its CPU limit and its script's process was stopped."""
+    """The call ran past a limit ("cpu" or "memory") and its script's process was stopped."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class EmulatorServer:
@@ -178,14 +183,6 @@ class EmulatorServer:
         """Forget the account's state and stop every script's workerd."""
         self.api.reset()
         self.scripts.stop_all()
-
-    def stop_script(self, running: ScriptProcess) -> None:
-        """Stop a script's process at once (it ran past a limit) and drop its connections."""
-        self.scripts.kill(running)
-        with self._pools_lock:
-            pool = self._pools.pop(running.port, None)
-        if pool is not None:
-            pool.close()
 
     # --- called by the request handler --------------------------------------------------------
 
@@ -327,9 +324,9 @@ class _RequestHandler(BaseHTTPRequestHandler):
         path = split.path + (f"?{split.query}" if split.query else "")
         try:
             upstream = self._run(target, path, headers, body, limits)
-        except LimitExceeded:
+        except LimitExceeded as exceeded:
             answer = exceeded_answer(host=original_host or host, accept=self.headers.get("Accept"))
-            extra = [(EXCEEDED_HEADER, "cpu")] if host.endswith(".dispatch.localhost") else []
+            extra = [(EXCEEDED_HEADER, exceeded.reason)] if host.endswith(".dispatch.localhost") else []
             self._send(answer.status, answer.body, answer.content_type, answer.headers + extra)
             self._log_dispatch(host, limits, answer.status, target)
             return
@@ -337,7 +334,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
             logger.warning("workerd did not answer for %s: %s", target.name, exc)
             self._send(502, b"the emulator's workerd did not answer\n", "text/plain")
             return
-        except RuntimeError as exc:
+        except (RuntimeError, TimeoutError) as exc:
             logger.warning("workerd could not start for %s: %s", target.name, exc)
             self._send(502, f"the emulator could not run {target.name}: {exc}\n".encode(), "text/plain")
             return
@@ -363,19 +360,25 @@ class _RequestHandler(BaseHTTPRequestHandler):
             headers["X-Sigil-Secret"] = emulator.scripts.secret
             headers["X-Sigil-Loader-Id"] = f"{target.name}@{target.sha}"
         for attempt in (1, 2):
-            running = emulator.scripts.acquire(
-                target.key, sha=target.sha, upload=target.upload, live=emulator.api.script_keys
-            )
-            stop = functools.partial(emulator.stop_script, running)
-            with emulator.meter.call(pid=running.pid, stop=stop, limit_ms=limit_ms) as ticket:
+            running = emulator.scripts.acquire(target.key, sha=target.sha, upload=target.upload)
+            pid = running.pid
+            if pid is None:  # stopped between its start and now: it is being started again
+                if attempt == 1:
+                    continue
+                raise RuntimeError(f"workerd for {target.name} keeps stopping")
+            sent_at = time.time()
+            with emulator.meter.call(pid=pid, stop=running.stop_for_cpu, limit_ms=limit_ms) as ticket:
                 try:
                     return emulator.proxy(self.command, path, headers, body, port=running.port)
-                except urllib3.exceptions.HTTPError:
+                except urllib3.exceptions.HTTPError as exc:
                     if ticket.exceeded:
-                        raise LimitExceeded from None
-                    # Refused: the process was stopped (another call ran past its limit) before
-                    # this one reached it. Nothing ran, so it goes to a fresh one.
-                    if attempt == 1 and not running.is_running():
+                        raise LimitExceeded("cpu") from None
+                    reason = running.stopped_for(sent_at)
+                    if reason is not None:
+                        raise LimitExceeded(reason) from None
+                    # Refused: the process was stopped (another call ran past a limit) before
+                    # this one reached it. Nothing ran, so it goes to the fresh one.
+                    if attempt == 1 and isinstance(exc, urllib3.exceptions.NewConnectionError):
                         continue
                     raise
         raise AssertionError("unreachable")
