@@ -37,6 +37,7 @@ from capabilities.workerd import write_atomically
 from cfemulator import envelope
 from cfemulator.bound import kv_list_body, needs_own_workerd
 from cfemulator.envelope import ApiError
+from cfemulator.limits import DEFAULT_CPU_MS, MAX_CPU_MS
 from cfemulator.uploads import ScriptUpload, parse_form, parse_upload
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class EmulatorConfig:
     # Cloudflare's Paid plan limit, measured after compression (reference §7.3).
     script_max_bytes: int = 10 * 1024 * 1024
     subdomain: str = "sigil-emulator"
+    # The CPU limit of a call to a script that sets none: the Paid plan's 30 s (Free: 10 ms).
+    default_cpu_ms: int = DEFAULT_CPU_MS
     # CPU ms a call may use past its limit before it is stopped (see cfemulator.cpumeter).
     cpu_grace_ms: int = 100
 
@@ -92,6 +95,10 @@ class EmulatorConfig:
             elif key in ("script_limit", "fail_next", "script_max_bytes", "cpu_grace_ms"):
                 if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                     raise ValueError(f"{key} must be a whole number, at least 0")
+                values[key] = value
+            elif key == "default_cpu_ms":
+                if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_CPU_MS:
+                    raise ValueError(f"default_cpu_ms is a whole number of ms, 1 to {MAX_CPU_MS}")
                 values[key] = value
             elif key in ("latency", "fault_rate"):
                 if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:

@@ -6,8 +6,9 @@ The limit of one call (docs: Workers limits, "CPU time"; Workers for Platforms c
 - for a call through a dispatch namespace binding, `limits.cpuMs` of `get(name, args,
   {limits})`; when the script has its own too, the lower wins, as the docs state for a
   Dynamic Worker's two limits (reference §5.3; for dispatch it is UNCERTAIN);
-- otherwise Cloudflare's default of 30 s of CPU (changelog 2025-03-25, "Run Workers for up
-  to 5 minutes of CPU-time": "By default, Workers are still limited to 30 seconds").
+- otherwise the plan's default: 30 s of CPU on the Paid plan (changelog 2025-03-25, "Run
+  Workers for up to 5 minutes of CPU-time": "By default, Workers are still limited to 30
+  seconds"), up to `MAX_CPU_MS` when a script asks; 10 ms on the Free plan.
 
 A Worker past its limit is stopped and the client gets error 1102, "Worker exceeded resource
 limits" (support docs, error-1102), with status 503 (as observed on live Workers). Its
@@ -28,6 +29,7 @@ from html import escape
 from typing import Any
 
 DEFAULT_CPU_MS = 30_000
+MAX_CPU_MS = 300_000
 # What the dispatch namespace binding throws (reference §4.3, §7.3). The memory one is not
 # documented (UNCERTAIN): it is worded as the CPU one is.
 CPU_EXCEEDED_MESSAGE = "Worker exceeded CPU time limit."
@@ -65,14 +67,14 @@ _MEDIA_FORMATS = {
 }
 
 
-def call_cpu_ms(script_limits: dict[str, int], dispatch_limits: Any = None) -> int:
+def call_cpu_ms(script_limits: dict[str, int], dispatch_limits: Any = None, *, default: int = DEFAULT_CPU_MS) -> int:
     """The CPU limit of one call in ms: the script's `cpu_ms`, a dispatch binding's `cpuMs`
-    (the lower of the two when both are set), else Cloudflare's default."""
+    (the lower of the two when both are set), else the plan's `default`."""
     candidates = [script_limits.get("cpu_ms")]
     if isinstance(dispatch_limits, dict):
         candidates.append(dispatch_limits.get("cpuMs"))
     given = [value for value in candidates if isinstance(value, int) and not isinstance(value, bool) and value > 0]
-    return min(given) if given else DEFAULT_CPU_MS
+    return min(given) if given else default
 
 
 def negotiate(accept: str | None) -> str:

@@ -26,12 +26,11 @@ from pathlib import Path
 from capabilities.supervision import Limits, SupervisedWorkerd, WorkerdGroup
 from capabilities.workerd import WorkerdHost, free_port
 from cfemulator.bound import BoundHost, needs_own_workerd
+from cfemulator.limits import MAX_CPU_MS
 from cfemulator.uploads import ScriptUpload
 
-# Cloudflare's CPU limit can be raised to 5 min a call (changelog 2025-03-25): a script may
-# hold its event loop that long, so the supervisor's own stall limit is only a backstop
-# beyond it; the meter stops calls at their own limits.
-MAX_CPU_MS = 300_000
+# A script may hold its event loop for its whole CPU limit, up to 5 min: the supervisor's own
+# stall limit is only a backstop beyond it; the meter stops calls at their own limits.
 # Cloudflare allows 128 MB per isolate; workerd itself is about 50 MB resident, and the
 # loader runtime's Worker holds every capability's isolate in one process: a backstop against
 # a runaway allocation rather than the per-isolate limit, which one process cannot measure.

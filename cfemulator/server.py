@@ -15,7 +15,8 @@ concurrent clients are served at once; the account state is guarded by `Cloudfla
 - `POST /__emulator/reset`       forget scripts, namespaces, KV, counters and the log
 - `GET|POST /__emulator/config`  read or change script_limit, latency, fault_rate,
                                  fault_seed, fail_next, rate_limit ("N/S"),
-                                 script_max_bytes, subdomain, cpu_grace_ms
+                                 script_max_bytes, subdomain, default_cpu_ms,
+                                 cpu_grace_ms
 """
 
 from __future__ import annotations
@@ -355,7 +356,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
         urllib3's errors when workerd does not answer.
         """
         emulator = self.server.emulator
-        limit_ms = call_cpu_ms(target.upload.limits, _parse_limits(limits))
+        limit_ms = call_cpu_ms(target.upload.limits, _parse_limits(limits), default=emulator.api.config.default_cpu_ms)
         if not target.runs_bound:
             headers["X-Sigil-Secret"] = emulator.scripts.secret
             headers["X-Sigil-Loader-Id"] = f"{target.name}@{target.sha}"

@@ -35,6 +35,12 @@ class Command(BaseCommand):
         )
         parser.add_argument("--subdomain", default=defaults.subdomain, help="the account's workers.dev subdomain")
         parser.add_argument(
+            "--default-cpu-ms",
+            type=int,
+            default=defaults.default_cpu_ms,
+            help="CPU ms a call may use when its script sets no limit (Paid plan: 30000, Free: 10)",
+        )
+        parser.add_argument(
             "--token", default=settings.CF_API_TOKEN or DEV_TOKEN, help="the API token accepted (default CF_API_TOKEN)"
         )
         parser.add_argument(
@@ -57,6 +63,7 @@ class Command(BaseCommand):
                     "fault_rate": options["fault_rate"],
                     "script_max_bytes": options["script_max_bytes"],
                     "subdomain": options["subdomain"],
+                    "default_cpu_ms": options["default_cpu_ms"],
                     "rate_limit": f"{limit}/{window:g}",
                 }
             )

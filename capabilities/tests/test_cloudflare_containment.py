@@ -1,0 +1,114 @@
+"""A runaway capability on the Cloudflare runtimes, under the Cloudflare emulator, over real HTTP:
+stopped at its CPU limit, counted against it alone, unnoticed by every other agent."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import requests
+
+from capabilities import stats
+from testsupport.capability_code import PONG
+
+SPIN = "export default { async fetch() { while (true) {} } }"
+CPU_MS = 100
+# Generous: the limit, the emulator's grace and polls, and a loaded machine's scheduling.
+STOPPED_WITHIN_SECONDS = CPU_MS / 1000 + 1.5
+
+
+class Caller:
+    """Calls a capability over and over in a thread, keeping every status and body."""
+
+    def __init__(self, agent, path: str) -> None:
+        self.agent, self.path = agent, path
+        self.answers: list[tuple[int, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        session = requests.Session()
+        headers = {"Authorization": f"Bearer {self.agent.invoke_token}"}
+        while not self._stop.is_set():
+            response = session.get(f"{self.agent.base_url}{self.path}", headers=headers, timeout=30)
+            self.answers.append((response.status_code, response.text))
+
+    def __enter__(self) -> Caller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+
+def incident(alice, bob, *, runaway_calls: int = 3):
+    """alice's `spin` called `runaway_calls` times while bob's `ping` and `pong` are called
+    without pause; returns [(response, seconds)] of the runaway calls, and bob's answers."""
+    assert alice.deploy(name="spin", code=SPIN).status_code == 201
+    assert bob.deploy(name="ping", code=PONG).status_code == 201
+    assert bob.deploy(name="pong", code=PONG).status_code == 201
+    assert bob.call("/bob/ping").text == "pong" and bob.call("/bob/pong").text == "pong"
+    stopped = []
+    with Caller(bob, "/bob/ping") as ping, Caller(bob, "/bob/pong") as pong:
+        time.sleep(0.3)
+        for _ in range(runaway_calls):
+            started = time.monotonic()
+            response = alice.call("/alice/spin")
+            stopped.append((response, time.monotonic() - started))
+        time.sleep(0.3)
+    return stopped, ping.answers + pong.answers
+
+
+def assert_contained(stopped, others, redis_client, *, message: str) -> None:
+    for response, took in stopped:
+        assert response.status_code == 502
+        assert response.json()["error"] == {"code": "capability_error", "message": message}
+        assert took < STOPPED_WITHIN_SECONDS
+    # Every call of the other agent succeeded, during the incident and after it.
+    assert len(others) > 6
+    assert set(others) == {(200, "pong")}
+    # Only the runaway's breaker moved.
+    assert int(redis_client.get(stats.failures_key("alice--spin"))) == len(stopped)
+    for innocent in ("bob--ping", "bob--pong"):
+        assert redis_client.get(stats.failures_key(innocent)) in (None, b"0")
+        assert redis_client.get(stats.breaker_key(innocent)) is None
+
+
+def wait_healthy(base_url: str) -> dict:
+    deadline = time.monotonic() + 5
+    while (health := requests.get(f"{base_url}/_health", timeout=10)).status_code != 200:
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.1)
+    return health.json()
+
+
+@pytest.mark.slow
+def test_a_runaway_capability_on_the_platform_runtime_is_stopped_at_its_cpu_limit_unnoticed(
+    platform, alice, bob, settings, redis_client
+):
+    settings.SIGIL_CPU_MS = CPU_MS
+    stopped, others = incident(alice, bob)
+    assert_contained(
+        stopped, others, redis_client, message=f"alice--spin ran past its CPU time limit of {CPU_MS} ms and was stopped"
+    )
+    # Sigil is healthy again without anyone acting; the emulator says why it stopped the calls.
+    assert wait_healthy(alice.base_url)["checks"]["runtime"] == "ok"
+    assert [d["status"] for d in platform.dispatches() if d["script"] == "alice--spin"] == [503] * 3
+
+
+@pytest.mark.slow
+def test_a_runaway_capability_on_the_worker_pool_runtime_is_stopped_by_cloudflares_limit_unnoticed(
+    worker_pool, alice, bob, redis_client
+):
+    # Sigil sets no CPU limit on pool scripts: the account's default applies, shortened here.
+    worker_pool.configure(default_cpu_ms=CPU_MS)
+    stopped, others = incident(alice, bob, runaway_calls=2)
+    assert_contained(
+        stopped,
+        others,
+        redis_client,
+        message="alice--spin ran past its resource limits (CPU time or memory) and was stopped",
+    )
+    assert wait_healthy(alice.base_url)["checks"]["runtime"] == "ok"
