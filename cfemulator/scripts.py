@@ -99,15 +99,16 @@ class ScriptProcesses:
         self.secret = secret
         self.emulator_port = 0  # set once the emulator's socket is bound
         self._lock = threading.Lock()
-        self._uploads: dict[str, tuple[str, ScriptUpload]] = {}
+        self._uploads: dict[str, tuple[str, ScriptUpload | None]] = {}
         self._group = self._new_group()
 
-    def acquire(self, key: str, *, sha: str, upload: ScriptUpload) -> ScriptProcess:
+    def acquire(self, key: str, *, sha: str, upload: ScriptUpload | None = None) -> ScriptProcess:
         """`key`'s process, started, or restarted for a bound script's new `sha`, as needed.
+        Without an upload, a loader host that runs any bundle of the code directory.
 
         Raises TimeoutError when it does not serve within 15 s.
         """
-        bound = needs_own_workerd(upload)
+        bound = upload is not None and needs_own_workerd(upload)
         # A script that gains or loses such a binding changes process, as its host differs.
         name = f"{key}:bound" if bound else key
         with self._lock:
@@ -142,7 +143,7 @@ class ScriptProcesses:
     def _make_host(self, name: str, port: int) -> WorkerdHost:
         sha, upload = self._uploads[name]
         directory = self.state_dir / name.replace(":", "-")
-        if not needs_own_workerd(upload):
+        if upload is None or not needs_own_workerd(upload):
             return WorkerdHost(
                 binary=self.binary, port=port, code_dir=self.code_dir, state_dir=directory, secret=self.secret
             )

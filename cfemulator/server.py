@@ -21,7 +21,6 @@ concurrent clients are served at once; the account state is guarded by `Cloudfla
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import secrets
@@ -78,8 +77,9 @@ class EmulatorServer:
 
     `start()` runs it in a background thread (tests); `serve_forever()` in the caller's
     (the management command). `port=0` picks a free port; `port` then tells which.
-    `workerd` is the loader host that runs uploads' start checks; each script is served by
-    a process of its own (`scripts`), watched by `meter`.
+    Each script is served by a supervised process of its own (`scripts`), its calls metered
+    by `meter`; uploads are started in one more (`start_check`). `workerd` is a plain loader
+    host over the same code directory, for running bundles without the proxy (benchmarks).
     """
 
     def __init__(self, *, api: CloudflareApi, workerd: WorkerdHost, token: str, port: int = 0) -> None:
@@ -125,9 +125,11 @@ class EmulatorServer:
             account_id=account_id,
             code_dir=workerd.code_dir,
             config=config,
-            start_check=functools.partial(_start_check, workerd),
+            # Bound late: the server that runs the checks is made from this account.
+            start_check=lambda loader_id: server.start_check(loader_id),
         )
-        return cls(api=api, workerd=workerd, token=token, port=port)
+        server = cls(api=api, workerd=workerd, token=token, port=port)
+        return server
 
     @property
     def port(self) -> int:
@@ -184,6 +186,33 @@ class EmulatorServer:
         """Forget the account's state and stop every script's workerd."""
         self.api.reset()
         self.scripts.stop_all()
+
+    def start_check(self, loader_id: str) -> str | None:
+        """Start uploaded code, as Cloudflare does at upload: None when it starts, else why not.
+
+        It runs in a supervised process of its own, under Cloudflare's startup limit, so code
+        whose top level never ends is refused (10021's "Script startup exceeded CPU time
+        limit.") instead of holding the account. Raises ApiError 500 when it cannot be asked.
+        """
+        running = self.scripts.acquire(START_CHECK_NAME, sha=loader_id.rpartition("@")[2])
+        route = Route(
+            base_url=f"http://{LISTEN_ADDRESS}:{running.port}",
+            headers=(("X-Sigil-Secret", self.scripts.secret), ("X-Sigil-Loader-Id", loader_id)),
+        )
+        pid = running.pid
+        if pid is None:
+            raise ApiError(500, 10002, "the emulator's workerd for start checks is restarting; try again")
+        with self.meter.call(pid=pid, stop=running.stop_for_cpu, limit_ms=STARTUP_CPU_MS) as ticket:
+            try:
+                if loader_host_start_check(_START_CHECKS, route):
+                    return None
+            except RuntimeRejected as exc:
+                return str(exc)
+            except RuntimeUnavailable as exc:
+                if ticket.exceeded:
+                    return STARTUP_EXCEEDED
+                raise ApiError(500, 10002, f"the emulator's workerd could not start the script: {exc}") from exc
+        raise ApiError(500, 10002, f"the emulator's workerd did not find the script it was just given ({loader_id})")
 
     # --- called by the request handler --------------------------------------------------------
 
@@ -471,17 +500,9 @@ def _parse_limits(header: str | None) -> Any:
         return header
 
 
+# The process that runs uploads' start checks, beside the scripts' own (their keys hold a colon).
+START_CHECK_NAME = "start-check"
+# Cloudflare's limit on a script's top-level code at upload (reference §7.3).
+STARTUP_CPU_MS = 1000
+STARTUP_EXCEEDED = "Script startup exceeded CPU time limit."
 _START_CHECKS = urllib3.PoolManager(timeout=urllib3.Timeout(connect=5.0, read=30.0), retries=False)
-
-
-def _start_check(workerd: WorkerdHost, loader_id: str) -> str | None:
-    """Start code on the emulator's loader host: None when it starts, else workerd's words."""
-    route = Route(base_url=workerd.url, headers=(("X-Sigil-Secret", workerd.secret), ("X-Sigil-Loader-Id", loader_id)))
-    try:
-        if loader_host_start_check(_START_CHECKS, route):
-            return None
-    except RuntimeRejected as exc:
-        return str(exc)
-    except RuntimeUnavailable as exc:
-        raise ApiError(500, 10002, f"the emulator's workerd could not start the script: {exc}") from exc
-    raise ApiError(500, 10002, f"the emulator's workerd did not find the script it was just given ({loader_id})")

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from cfemulator.limits import DEFAULT_CPU_MS, call_cpu_ms, exceeded_answer, negotiate
-from cfemulator.tests.test_api import HELLO, Api
+from cfemulator.tests.test_api import HELLO, Api, first_error
 
 # Spins on /spin; answers at once anywhere else.
 SPINNER = """export default { async fetch(request) {
@@ -118,6 +118,37 @@ def test_a_dispatch_namespace_script_past_its_limit_makes_the_fetcher_throw(api,
     assert cf_emulator_fresh.worker_request(host, "/runaway/").text == "still here"
     logged = [(d["script"], d["limits"], d["status"]) for d in cf_emulator_fresh.dispatches()]
     assert ("runaway", {"cpuMs": LIMIT_MS}, 503) in logged
+
+
+@pytest.mark.slow
+def test_a_script_past_the_memory_limit_gets_1102_too(api, cf_emulator_fresh):
+    hog = "export default { async fetch() { const kept = []; while (true) kept.push(new Array(1e6).fill(1)) } }"
+    api.upload("hog", hog, metadata={"limits": {"cpu_ms": 60_000}})
+    api.upload("steady", HELLO)
+    api.enable("hog")
+    api.enable("steady")
+    with Steady(cf_emulator_fresh, cf_emulator_fresh.workers_dev_host("steady")) as steady:
+        stopped = cf_emulator_fresh.worker_request(
+            cf_emulator_fresh.workers_dev_host("hog"), headers={"Accept": "application/json"}
+        )
+    assert (stopped.status_code, stopped.json()["error_code"]) == (503, 1102)
+    assert steady.answers and set(steady.answers) == {(200, "hello /steady")}
+
+
+@pytest.mark.slow
+def test_an_upload_whose_top_level_never_ends_is_10021_and_the_account_keeps_serving(api, cf_emulator_fresh):
+    api.upload("steady", HELLO)
+    api.enable("steady")
+    with Steady(cf_emulator_fresh, cf_emulator_fresh.workers_dev_host("steady")) as steady:
+        started = time.monotonic()
+        refused = api.upload("stuck", "while (true) {}\nexport default { fetch() { return new Response('never') } }")
+        took = time.monotonic() - started
+    assert (refused.status_code, first_error(refused)) == (400, 10021)
+    assert refused.json()["errors"][0]["message"] == "Script startup exceeded CPU time limit."
+    assert took < 1 + 1.5  # Cloudflare's startup limit of 1 s, then the emulator's grace and polls
+    assert steady.answers and set(steady.answers) == {(200, "hello /steady")}
+    assert [s["id"] for s in api.call("GET", "/workers/scripts").json()["result"]] == ["steady"]
+    assert api.upload("fine", HELLO).status_code == 200  # the start checks' process was replaced
 
 
 def test_a_script_within_its_limit_is_not_stopped(api, cf_emulator_fresh):
