@@ -42,6 +42,7 @@ from sigil_site.errors import (
     SigilError,
     Timeout,
     TooLarge,
+    Unavailable,
     UpstreamError,
     error_body,
     error_headers,
@@ -229,13 +230,27 @@ class Gateway:
         return route, (time.perf_counter() - started) * 1000
 
     def send_once(self, environ, call: Call, route: routes.CachedRoute, rest: str) -> UpstreamResponse:
+        sent_at = time.time()
         try:
             return self.send(environ, self.target(route), rest)
         except UpstreamTimeout as exc:
             self.finish(call, ok=False)
             raise Timeout(f"{call.full} did not answer within {self.upstream.read_timeout:g} s") from exc
         except UpstreamUnreachable as exc:
-            raise UpstreamError(f"the runtime could not be reached for {call.full}: {exc}") from exc
+            stopped = runtime_for(route.backend).call_stopped(slot=route.slot, sent_at=sent_at)
+            if stopped is None:
+                raise UpstreamError(f"the runtime could not be reached for {call.full}: {exc}") from exc
+            if not stopped.culprit:
+                # It shared a process with a call that ran past a limit, or found it restarting:
+                # not this capability's failure, so its breaker is left alone.
+                raise Unavailable(
+                    f"{call.full} was interrupted: another call in its runtime process {stopped.message}; "
+                    "a fresh process is starting",
+                    retry_after=1,
+                ) from exc
+            self.finish(call, ok=False)
+            message = f"{call.full} {stopped.message} and was stopped"
+            raise (Timeout(message) if stopped.reason == "cpu" else CapabilityError(message)) from exc
 
     def enter_open_breaker(self, full: str, open_until: float, now: float) -> bool:
         """While open, refuse; after the cool-down let exactly one trial call through."""
