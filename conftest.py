@@ -6,14 +6,24 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def workerd_host():
-    """One workerd running the loader host for the whole session (per xdist worker)."""
-    from capabilities.workerd import WorkerdHost
+def workerd_group():
+    """The local runtime's workerd processes for the whole session (per xdist worker),
+    supervised in a thread as runworkerd supervises them: one per agent, started on the
+    agent's first placement and kept for the rest of the session."""
+    import threading
 
-    host = WorkerdHost.from_settings()
-    host.start()
-    yield host
-    host.stop()
+    from capabilities.runtimes.local import local_workerd_group
+    from capabilities.supervision import read_status
+    from testsupport.processes import wait_until
+
+    group = local_workerd_group()
+    stop = threading.Event()
+    thread = threading.Thread(target=group.run, args=(stop,), name="workerd-group", daemon=True)
+    thread.start()
+    wait_until(lambda: read_status(group.status_path), timeout=10, what="the workerd supervisor's status")
+    yield group
+    stop.set()
+    thread.join(30)
 
 
 @pytest.fixture
@@ -49,7 +59,7 @@ def _fresh_redis_and_runtime():
 
 
 @pytest.fixture(scope="session")
-def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_host):
+def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_group):
     """Sigil's WSGI application (gateway in front of Django) on a free loopback port."""
     from django.contrib.staticfiles.handlers import StaticFilesHandler
     from django.test.testcases import LiveServerThread

@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from capabilities.runtimes.base import CodeBundle  # noqa: E402
-from capabilities.workerd import WorkerdHost, free_port  # noqa: E402
+from capabilities.supervision import read_status  # noqa: E402
+from capabilities.workerd import free_port  # noqa: E402
 from sigil_site.embedded_redis import EmbeddedRedis  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -388,16 +389,16 @@ def main() -> int:
             processes.adopt(redis_server.stop)
             env["REDIS_URL"] = redis_server.url
             backing["redis"] = redis_server.process.pid
-        workerd = WorkerdHost(
-            binary=env.get("SIGIL_WORKERD_BIN", str(ROOT / "node_modules" / ".bin" / "workerd")),
-            port=int(env["SIGIL_WORKERD_PORT"]),
-            code_dir=var_dir / "code",
-            state_dir=var_dir / "workerd",
-            secret=internal_secret,
+        # The local runtime's workerd processes (one per agent) under their supervisor.
+        processes.start(
+            [sys.executable, str(ROOT / "manage.py"), "runworkerd"], env=env, log=var_dir / "runworkerd.log"
         )
-        workerd.start()
-        processes.adopt(workerd.stop)
-        backing["workerd"] = workerd.process.pid
+        status_path = var_dir / "workerd" / "supervisor.json"
+        deadline = time.monotonic() + 30
+        while read_status(status_path) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"runworkerd did not report within 30 s; see {var_dir / 'runworkerd.log'}")
+            time.sleep(0.1)
 
         manage("migrate", "--noinput", env=env)
         tokens = json.loads(manage("createagent", AGENT, "--json", env=env))
@@ -417,10 +418,13 @@ def main() -> int:
         connection.close()
 
         full = f"{AGENT}--{CAPABILITY}"
+        agent_workerd = read_status(status_path)["processes"][AGENT]  # started by the first deploy
+        backing["workerd"] = agent_workerd["pid"]
+        workerd_port = agent_workerd["port"]
         targets = {
             "workerd": Target(
                 "workerd",
-                f"{workerd.url}/",
+                f"http://127.0.0.1:{workerd_port}/",
                 {"X-Sigil-Secret": internal_secret, "X-Sigil-Loader-Id": f"{full}@{CodeBundle.from_code(code).sha}"},
                 {"workerd": backing["workerd"]},
             )
@@ -432,7 +436,7 @@ def main() -> int:
                 {"Authorization": f"Bearer {tokens['invoke_token']}"},
                 {"server": server_pids[server], **backing},
             )
-        check_reply(targets["workerd"], workerd.port, "/")
+        check_reply(targets["workerd"], workerd_port, "/")
         for server, port in ports.items():
             check_reply(targets[server], port, f"/{AGENT}/{CAPABILITY}")
 

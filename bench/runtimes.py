@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def main() -> int:
 
     embedded = EmbeddedRedis(var_dir / "redis")
     embedded.start()
-    from capabilities.workerd import WorkerdHost, free_port, port_is_open
+    from capabilities.workerd import free_port, port_is_open
 
     emulator_port, workerd_port = free_port(), free_port()
     from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN
@@ -83,6 +84,8 @@ def main() -> int:
     from agents import services as agent_services
     from capabilities.models import Capability
     from capabilities.runtimes import build_runtime
+    from capabilities.runtimes.local import local_workerd_group
+    from capabilities.supervision import read_status
     from cfemulator.api import EmulatorConfig
     from cfemulator.server import EmulatorServer
 
@@ -96,19 +99,17 @@ def main() -> int:
         port=emulator_port,
         workerd_port=free_port(),
     )
-    workerd = WorkerdHost(
-        binary=settings.SIGIL_WORKERD_BIN,
-        port=workerd_port,
-        code_dir=settings.SIGIL_CODE_DIR,
-        state_dir=var_dir / "workerd",
-        secret=settings.SIGIL_INTERNAL_SECRET,
-    )
+    workerd = local_workerd_group()  # the local runtime's processes, supervised here
+    stop_workerd = threading.Event()
+    supervisor = threading.Thread(target=workerd.run, args=(stop_workerd,), daemon=True)
     servers: dict[str, subprocess.Popen] = {}
     ports = {backend: free_port() for backend in BACKENDS}
     http = urllib3.PoolManager(maxsize=4, retries=False, timeout=30)
     try:
         emulator.start()
-        workerd.start()
+        supervisor.start()
+        while read_status(workerd.status_path) is None:
+            time.sleep(0.05)
         agent = agent_services.agent_create(name="bench", actor="owner:bench")
         _, token = agent_services.token_issue(agent=agent, scope="deploy", actor="owner:bench")
         for backend in BACKENDS:
@@ -191,7 +192,8 @@ def main() -> int:
                 os.killpg(process.pid, signal.SIGTERM)
                 process.wait(timeout=10)
         emulator.stop()
-        workerd.stop()
+        stop_workerd.set()
+        supervisor.join(30)
         embedded.stop()
 
     median = {key: statistics.median(values) for key, values in samples.items()}

@@ -62,3 +62,18 @@ def check_cpu_limit(app_configs, **kwargs) -> list[Error]:
             )
         ]
     return []
+
+
+@register()
+def check_workerd_memory(app_configs, **kwargs) -> list[Error]:
+    """An idle workerd with the loader host already takes about 60 MB: a lower limit would
+    have the watchdog stop it as soon as it starts, again and again."""
+    if settings.SIGIL_WORKERD_MEMORY_MB < 128:
+        return [
+            Error(
+                f"SIGIL_WORKERD_MEMORY_MB is {settings.SIGIL_WORKERD_MEMORY_MB}",
+                hint="Use 128 (MB) or more.",
+                id="sigil.E011",
+            )
+        ]
+    return []

@@ -42,6 +42,7 @@ from sigil_site.errors import (
     SigilError,
     Timeout,
     TooLarge,
+    Unavailable,
     UpstreamError,
     error_body,
     error_headers,
@@ -55,8 +56,10 @@ access_logger = logging.getLogger("sigil.access")
 # credentials, and (below) anything posing as Sigil's internal headers.
 DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"authorization"}
 STREAM_CHUNK = 64 * 1024
-# The runtime stopped the capability at its limits: the runtimes' own Workers answer this
-# kind (naming the limit), and Cloudflare's unmarked 1102 is read as it (Runtime.stopped_at_limits).
+# Cloudflare stopped the capability at its limits. Sigil's own Workers answer `exceeded-cpu`
+# (with "ran past its CPU limit of N ms") when they see it; an unmarked 1102, which does not
+# say whether CPU or memory ran out, is read as EXCEEDED_LIMITS (Runtime.stopped_at_limits).
+EXCEEDED_CPU = "exceeded-cpu"
 EXCEEDED_LIMITS = "exceeded-limits"
 # What a 202 tells the caller to expect: a page-in is one upload, usually about a second.
 WARMING_ETA_SECONDS = 3
@@ -234,13 +237,27 @@ class Gateway:
         return route, (time.perf_counter() - started) * 1000
 
     def send_once(self, environ, call: Call, route: routes.CachedRoute, rest: str) -> UpstreamResponse:
+        sent_at = time.time()
         try:
             return self.send(environ, self.target(route), rest)
         except UpstreamTimeout as exc:
             self.finish(call, ok=False)
             raise Timeout(f"{call.full} did not answer within {self.upstream.read_timeout:g} s") from exc
         except UpstreamUnreachable as exc:
-            raise UpstreamError(f"the runtime could not be reached for {call.full}: {exc}") from exc
+            stopped = runtime_for(route.backend).call_stopped(slot=route.slot, sent_at=sent_at)
+            if stopped is None:
+                raise UpstreamError(f"the runtime could not be reached for {call.full}: {exc}") from exc
+            if not stopped.culprit:
+                # It shared a process with a call that ran past a limit, or found it restarting:
+                # not this capability's failure, so its breaker is left alone.
+                raise Unavailable(
+                    f"{call.full} was interrupted: another call in its runtime process {stopped.message}; "
+                    "a fresh process is starting",
+                    retry_after=1,
+                ) from exc
+            self.finish(call, ok=False)
+            message = f"{call.full} {stopped.message} and was stopped"
+            raise (Timeout(message) if stopped.reason == "cpu" else CapabilityError(message)) from exc
 
     def enter_open_breaker(self, full: str, open_until: float, now: float) -> bool:
         """While open, refuse; after the cool-down let exactly one trial call through."""
@@ -348,10 +365,15 @@ class Gateway:
         if failure == "exception":
             self.finish(call, ok=False)
             error: SigilError = CapabilityError(f"{call.full} threw: {_exception_text(message)}")
-        elif failure == EXCEEDED_LIMITS:
-            # The capability's own doing: it counts toward its breaker, and no other's.
+        elif failure in (EXCEEDED_CPU, EXCEEDED_LIMITS):
+            # The capability's own doing: it counts toward its breaker, and no other's. Worded
+            # and classed as the local runtime's watchdog words and classes its own stops.
             self.finish(call, ok=False)
-            error = CapabilityError(f"{call.full} ran past its {_limit_text(message)} and was stopped")
+            if failure == EXCEEDED_CPU:
+                error = Timeout(f"{call.full} {_runtime_message(message, 'ran past its CPU limit')} and was stopped")
+            else:
+                limits = "its resource limits (CPU time or memory)"
+                error = CapabilityError(f"{call.full} ran past {limits} and was stopped")
         else:
             logger.error("runtime refused a call to %s: %s %s", call.full, failure, message)
             error = UpstreamError(f"the runtime failed to run {call.full} ({failure})")
@@ -512,15 +534,13 @@ def _db_connection_open() -> bool:
     return connection.connection is not None
 
 
-def _limit_text(body: str) -> str:
-    """The limit a runtime's Worker named, or Cloudflare's words for its error 1102."""
+def _runtime_message(body: str, fallback: str) -> str:
+    """The message of a refusal of Sigil's own Worker (`{"error": …, "message": …}`)."""
     try:
-        named = json.loads(body)
-    except ValueError:
-        named = None
-    if isinstance(named, dict) and named.get("error") == EXCEEDED_LIMITS and isinstance(named.get("message"), str):
-        return named["message"][:200]
-    return "resource limits (CPU time or memory)"
+        message = json.loads(body)["message"]
+    except (ValueError, KeyError, TypeError):
+        return fallback
+    return message[:200] if isinstance(message, str) else fallback
 
 
 def _exception_text(host_message: str) -> str:

@@ -59,11 +59,14 @@ STABLE_SECONDS = 10.0
 MAX_BACKOFF_SECONDS = 10.0
 #: how long a status file stays believable without being rewritten
 STATUS_MAX_AGE_SECONDS = 3.0
-# A call can wait in workerd's queue (read, parsed, its isolate loaded) before it runs and
-# stalls the loop, so it may have been sent somewhat before the last answered probe; and
-# a call sent just after the first unanswered probe may still have been run before it.
+# Which calls a stall is blamed on, by send time. The culprit may have been sent well
+# before the last answered probe: the loop answers probes while it reads the culprit's code
+# and loads its isolate, and only then runs it. It was sent before the first probe left
+# unanswered, give or take the order in which the loop picked up two requests that arrived
+# together. So the window is as narrow as the probe interval allows: a call of the same
+# process sent between the culprit and that probe is blamed too; anything later is not.
 _SENT_BEFORE_LAST_ANSWER = 0.5
-_SENT_AFTER_STUCK_PROBE = 0.1
+_SENT_AFTER_STUCK_PROBE = 0.02
 
 
 class Host(Protocol):

@@ -1,4 +1,5 @@
-"""The workerd process that runs the loader host: its config, start, stop and supervision."""
+"""A workerd process that runs the loader host: its config, start, stop and simple supervision
+(capabilities.supervision adds the watchdog and a process per name)."""
 
 from __future__ import annotations
 

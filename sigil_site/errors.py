@@ -70,6 +70,10 @@ class Degraded(SigilError):
     status, code = 503, "degraded"
 
 
+class Unavailable(SigilError):
+    status, code = 503, "unavailable"
+
+
 class Timeout(SigilError):
     status, code = 504, "timeout"
 

@@ -303,7 +303,10 @@ SIGIL_OWNER_PASSWORD = env_secret("SIGIL_OWNER_PASSWORD")
 # --- Local runtime (workerd) ------------------------------------------------------------
 
 SIGIL_WORKERD_BIN = env_str("SIGIL_WORKERD_BIN", str(BASE_DIR / "node_modules" / ".bin" / "workerd"))
+# Each agent's capabilities run in a workerd of their own, on this port plus the agent's index.
 SIGIL_WORKERD_PORT = env_int("SIGIL_WORKERD_PORT", 8788)
+# Resident memory (MB) past which an agent's workerd is stopped and started afresh.
+SIGIL_WORKERD_MEMORY_MB = env_int("SIGIL_WORKERD_MEMORY_MB", 512)
 SIGIL_CODE_DIR = Path(env_str("SIGIL_CODE_DIR", str(VAR_DIR / "code")))
 # 0 keeps every capability resident; a number caps the live ones and turns the LRU pager on
 # (to try paging without Cloudflare).
@@ -370,6 +373,8 @@ SIGIL_LOADER_WORKER = env_str("SIGIL_LOADER_WORKER", "sigil-loader")
 SIGIL_LOADER_KV_TITLE = env_str("SIGIL_LOADER_KV_TITLE", "sigil-code")
 # CPU time a capability may use per call on the platform and loader runtimes, in ms, unless
 # the owner gave it its own; 0 leaves Cloudflare's default. Bounds what a runaway loop costs.
+# On the local runtime it is how long an agent's workerd may stall (0: 30 s) before it is
+# stopped and started afresh.
 SIGIL_CPU_MS = env_int("SIGIL_CPU_MS", 1000)
 # How long `switchbackend` keeps a capability's old placement after recording the new one,
 # so that calls which read the old route just before still reach code.

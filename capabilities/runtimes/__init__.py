@@ -12,11 +12,11 @@ from capabilities.runtimes.base import Runtime
 def build_runtime(backend: str) -> Runtime:
     """Construct the runtime named `backend` from settings. Raises ValueError for unknown names."""
     if backend == "local":
-        from capabilities.runtimes.local import LocalRuntime
+        from capabilities.runtimes.local import LocalRuntime, local_processes
 
         return LocalRuntime(
             code_dir=settings.SIGIL_CODE_DIR,
-            workerd_url=f"http://127.0.0.1:{settings.SIGIL_WORKERD_PORT}",
+            processes=local_processes(),
             secret=settings.SIGIL_INTERNAL_SECRET,
             max_slots=settings.SIGIL_LOCAL_SLOTS or None,
             safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,

@@ -109,6 +109,20 @@ class Route:
     redirect: bool = False
 
 
+@dataclass(frozen=True)
+class CallStopped:
+    """A call whose runtime process was stopped under it for running past a limit.
+
+    `culprit` says whether this call can be the one that ran past it (else it merely
+    shared the process, or arrived while it restarted); `reason` is "cpu" or "memory";
+    `message` completes "{capability} ..." ("ran past its CPU limit of 1000 ms").
+    """
+
+    culprit: bool
+    reason: str
+    message: str
+
+
 class Runtime(ABC):
     """One place where capability code runs. Subclasses read settings only in __init__."""
 
@@ -159,6 +173,15 @@ class Runtime(ABC):
         The loader host marks it; runtimes whose upstream says it differently override this.
         """
         return response.status == 404 and response.headers.get("x-sigil-error") == "missing-code"
+
+    def call_stopped(self, *, slot: str, sent_at: float) -> CallStopped | None:
+        """Why a call to `slot` sent at `sent_at` (epoch) lost its connection, when the
+        runtime stopped its process for a limit; None when it did not (a plain failure).
+
+        Asked only after a failed call, so it may read local state. Runtimes whose limits
+        are enforced upstream (Cloudflare answers them itself) keep this default.
+        """
+        return None
 
     def stopped_at_limits(self, response) -> bool:
         """Whether an unmarked 503 is the runtime's own answer for code it stopped at its

@@ -1,13 +1,18 @@
-"""The local runtime: capability code runs in workerd on this machine, through the loader host."""
+"""The local runtime: capability code runs in workerd on this machine, through the loader host,
+one workerd process per agent (see LocalProcesses)."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import urllib3
 
+from capabilities.names import SEPARATOR
 from capabilities.runtimes.base import (
     TEXT_BINDING_KINDS,
+    CallStopped,
     CodeBundle,
     Route,
     Runtime,
@@ -15,7 +20,93 @@ from capabilities.runtimes.base import (
     RuntimeUnavailable,
 )
 from capabilities.runtimes.loader_host import loader_host_start_check
-from capabilities.workerd import write_atomically
+from capabilities.supervision import Kill, KillLog, Limits, PortRegistry, WorkerdGroup, read_status
+from capabilities.workerd import WorkerdHost, write_atomically
+
+# Time the watchdog grants past the CPU budget before it calls a process stalled: a loaded
+# machine can delay a probe's answer, and killing an innocent process costs its agent calls.
+STALL_MARGIN_MS = 500
+# The CPU budget when SIGIL_CPU_MS is 0 ("Cloudflare's default"): Cloudflare's 30 s.
+DEFAULT_CPU_MS = 30_000
+# A call refused within this long after its process was stopped is told to come back
+# (503 unavailable) rather than blamed on the runtime (502): a fresh process is starting.
+RESTART_GRACE_SECONDS = 10.0
+# How long a placement waits for the supervisor to start a new agent's process.
+PROCESS_START_SECONDS = 15.0
+
+
+@dataclass(frozen=True)
+class LocalProcesses:
+    """Where the local runtime's workerd processes are, as every process on the machine
+    (web, Celery, runworkerd) sees them, through files under `state_dir`.
+
+    Each agent's capabilities run in a workerd of their own (the slot's owner prefix names
+    it), so a capability that spins or bloats stalls only its own agent's process. Ports
+    are `base_port` + an index the registry allocates on an agent's first placement and
+    keeps, so routes cached by the gateway stay valid across restarts. The supervisor
+    (runworkerd) writes a status file and, before it kills a process, a kill record.
+    """
+
+    state_dir: Path
+    base_port: int
+
+    @property
+    def registry(self) -> PortRegistry:
+        return PortRegistry(self.state_dir / "ports.json", self.base_port)
+
+    @property
+    def kill_log(self) -> KillLog:
+        return KillLog(self.state_dir / "kills")
+
+    @property
+    def status_path(self) -> Path:
+        return self.state_dir / "supervisor.json"
+
+    @staticmethod
+    def name_for(slot: str) -> str:
+        return slot.partition(SEPARATOR)[0]
+
+    def group(self, *, code_dir: Path, binary: str, secret: str, limits: Limits, own_session: bool) -> WorkerdGroup:
+        """The supervisor's side: one supervised workerd per agent in the registry."""
+
+        def make_host(name: str, port: int) -> WorkerdHost:
+            # A directory per process: each writes its config and copies the host module there.
+            return WorkerdHost(
+                binary=binary,
+                port=port,
+                code_dir=code_dir,
+                state_dir=self.state_dir / "processes" / name,
+                secret=secret,
+                own_session=own_session,
+            )
+
+        return WorkerdGroup(make_host, limits, self.registry, kill_log=self.kill_log, status_path=self.status_path)
+
+
+def local_limits(*, cpu_ms: int, memory_mb: int) -> Limits:
+    """The watchdog's limits for SIGIL_CPU_MS and SIGIL_WORKERD_MEMORY_MB."""
+    return Limits(stall_ms=(cpu_ms or DEFAULT_CPU_MS) + STALL_MARGIN_MS, memory_mb=memory_mb)
+
+
+def local_processes() -> LocalProcesses:
+    """The local runtime's processes as Sigil's settings place them."""
+    from django.conf import settings
+
+    return LocalProcesses(state_dir=settings.VAR_DIR / "workerd", base_port=settings.SIGIL_WORKERD_PORT)
+
+
+def local_workerd_group(*, own_session: bool = True) -> WorkerdGroup:
+    """The local runtime's supervised workerd processes, as Sigil's settings describe them
+    (what runworkerd runs). `own_session=False` keeps them in the caller's process group."""
+    from django.conf import settings
+
+    return local_processes().group(
+        code_dir=settings.SIGIL_CODE_DIR,
+        binary=settings.SIGIL_WORKERD_BIN,
+        secret=settings.SIGIL_INTERNAL_SECRET,
+        limits=local_limits(cpu_ms=settings.SIGIL_CPU_MS, memory_mb=settings.SIGIL_WORKERD_MEMORY_MB),
+        own_session=own_session,
+    )
 
 
 class LocalRuntime(Runtime):
@@ -23,6 +114,8 @@ class LocalRuntime(Runtime):
 
     A placement is a small pointer file `{code_dir}/slots/{full name}` holding the sha, so
     that `list_slots` sees what is placed and `remove` knows which bundle may be freed.
+    Calls go to the workerd of the capability's agent (LocalProcesses), which runworkerd
+    starts once the agent's first placement registers it.
     """
 
     name = "local"
@@ -30,15 +123,22 @@ class LocalRuntime(Runtime):
     binding_kinds = TEXT_BINDING_KINDS
 
     def __init__(
-        self, *, code_dir: Path, workerd_url: str, secret: str, max_slots: int | None = None, safety_margin: int = 0
+        self,
+        *,
+        code_dir: Path,
+        processes: LocalProcesses,
+        secret: str,
+        max_slots: int | None = None,
+        safety_margin: int = 0,
     ) -> None:
         self.max_slots = max_slots
         self.margin = safety_margin
         self.code_dir = Path(code_dir)
         self.slots_dir = self.code_dir / "slots"
-        self.workerd_url = workerd_url.rstrip("/")
+        self.processes = processes
+        self._registry = processes.registry
+        self._kill_log = processes.kill_log
         self._secret = secret
-        self._probe = urllib3.PoolManager(timeout=urllib3.Timeout(connect=1.0, read=2.0), retries=False)
         self._start_checks = urllib3.PoolManager(timeout=urllib3.Timeout(connect=1.0, read=30.0), retries=False)
 
     @property
@@ -54,14 +154,25 @@ class LocalRuntime(Runtime):
 
     def place(self, *, slot: str, bundle: CodeBundle) -> None:
         """Store the bundle (once per sha), have the host start it, and point the slot at it.
-        Idempotent. Raises RuntimeRejected when the code does not start."""
+        Idempotent. Raises RuntimeRejected when the code does not start (or its top-level
+        code runs past the CPU or memory limit), RuntimeUnavailable when the agent's workerd
+        does not serve (runworkerd not running)."""
         self.slots_dir.mkdir(parents=True, exist_ok=True)
+        self._wait_for_process(self.processes.name_for(slot))
         bundle_path = self.code_dir / f"{bundle.sha}.json"
         stored_now = not bundle_path.exists()
         if stored_now:
             write_atomically(bundle_path, bundle.to_json())
+        sent_at = time.time()
         try:
-            if not loader_host_start_check(self._start_checks, self.route(slot=slot, sha=bundle.sha)):
+            try:
+                started = loader_host_start_check(self._start_checks, self.route(slot=slot, sha=bundle.sha))
+            except RuntimeUnavailable:
+                stopped = self.call_stopped(slot=slot, sent_at=sent_at)
+                if stopped is not None and stopped.culprit:
+                    raise RuntimeRejected(f"the code {stopped.message} while starting") from None
+                raise
+            if not started:
                 raise RuntimeUnavailable(f"workerd does not find the code just stored in {bundle_path}")
         except RuntimeRejected:
             if stored_now:
@@ -86,9 +197,31 @@ class LocalRuntime(Runtime):
         if not any(_pointed_sha(p) == sha for p in self.slots_dir.iterdir() if not p.name.startswith(".")):
             (self.code_dir / f"{sha}.json").unlink(missing_ok=True)
 
+    def _wait_for_process(self, name: str) -> None:
+        """Register `name` (its first placement) and wait until the supervisor serves it."""
+        port = self._registry.port_for(name)
+        deadline = time.monotonic() + PROCESS_START_SECONDS
+        while True:
+            status = read_status(self.processes.status_path)
+            if status is None:
+                raise RuntimeUnavailable(
+                    f"no workerd supervisor writes {self.processes.status_path}: is `manage.py runworkerd` running?"
+                )
+            entry = status["processes"].get(name)
+            if entry is not None and entry["state"] == "serving" and entry["port"] == port:
+                return
+            if time.monotonic() >= deadline:
+                state = entry["state"] if entry else "not started"
+                raise RuntimeUnavailable(f"workerd for {name} is {state} after {PROCESS_START_SECONDS:g} s")
+            time.sleep(0.05)
+
+    def url_for(self, slot: str) -> str:
+        """The base URL of the workerd that serves `slot` (reads the port registry once per agent)."""
+        return f"http://127.0.0.1:{self._registry.port_for(self.processes.name_for(slot))}"
+
     def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
         return Route(
-            base_url=self.workerd_url,
+            base_url=self.url_for(slot),
             headers=(("X-Sigil-Secret", self._secret), ("X-Sigil-Loader-Id", f"{slot}@{sha}")),
         )
 
@@ -97,14 +230,26 @@ class LocalRuntime(Runtime):
             return []
         return sorted(p.name for p in self.slots_dir.iterdir() if p.is_file() and not p.name.startswith("."))
 
+    def call_stopped(self, *, slot: str, sent_at: float) -> CallStopped | None:
+        """The watchdog's kill record of the slot's process, when it stopped the process after
+        the call was sent, or shortly before (the call then found it restarting)."""
+        kill = self._kill_log.latest(self.processes.name_for(slot))
+        if kill is None or kill.at < sent_at - RESTART_GRACE_SECONDS:
+            return None
+        culprit = sent_at <= kill.at and kill.blames(sent_at)
+        return CallStopped(culprit=culprit, reason=kill.reason, message=kill.describe())
+
     def check(self) -> None:
-        """workerd answers a request without the secret with 403; anything else is a failure."""
-        try:
-            response = self._probe.request("GET", self.workerd_url + "/")
-        except urllib3.exceptions.HTTPError as exc:
-            raise RuntimeUnavailable(f"workerd is not reachable at {self.workerd_url}: {exc}") from exc
-        if response.status != 403:
-            raise RuntimeUnavailable(f"workerd at {self.workerd_url} answered {response.status}, expected 403")
+        """The supervisor is running and reports every agent's workerd serving (it probes
+        each one every 100 ms, so its word is fresher than one probe from here)."""
+        status = read_status(self.processes.status_path)
+        if status is None:
+            raise RuntimeUnavailable("the workerd supervisor is not running (`manage.py runworkerd`)")
+        for name, entry in status["processes"].items():
+            if entry["state"] != "serving":
+                kill = entry.get("last_kill")
+                why = f" after it {Kill(**kill).describe()}" if kill and entry["state"] == "restarting" else ""
+                raise RuntimeUnavailable(f"workerd for {name} is {entry['state']}{why}")
 
 
 def _pointed_sha(pointer: Path) -> str | None:

@@ -118,13 +118,15 @@ def test_health_checks_every_dependency(sigil, alice):
     }
 
 
-def test_health_fails_with_the_runtime_named_when_workerd_is_unreachable(sigil, settings):
-    from capabilities.workerd import free_port
+def test_health_fails_with_the_runtime_named_when_no_workerd_supervisor_runs(sigil, settings, tmp_path):
+    from capabilities.runtimes import runtimes_forget
 
-    settings.SIGIL_WORKERD_PORT = free_port()  # nothing listens there
+    settings.VAR_DIR = tmp_path  # where no runworkerd writes its status
+    runtimes_forget()
     health = requests.get(f"{sigil.url}/_health", timeout=10)
     assert health.status_code == 503
-    assert health.json()["checks"]["runtime"].startswith("failing")
+    runtime_check = health.json()["checks"]["runtime"]
+    assert runtime_check == "failing: the workerd supervisor is not running (`manage.py runworkerd`)"
     assert health.json()["checks"]["database"] == "ok"
 
 

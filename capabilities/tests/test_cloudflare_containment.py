@@ -14,8 +14,9 @@ from testsupport.capability_code import PONG
 
 SPIN = "export default { async fetch() { while (true) {} } }"
 CPU_MS = 100
-# Generous: the limit, the emulator's grace and polls, and a loaded machine's scheduling.
-STOPPED_WITHIN_SECONDS = CPU_MS / 1000 + 1.5
+# Generous: the limit and the emulator's grace are CPU time, which a loaded machine's two
+# cores hand out slowly; then the emulator's poll and its supervisor's kill.
+STOPPED_WITHIN_SECONDS = 3 * (CPU_MS + 100) / 1000 + 1.5
 
 
 class Caller:
@@ -61,10 +62,10 @@ def incident(alice, bob, *, runaway_calls: int = 3):
     return stopped, ping.answers + pong.answers
 
 
-def assert_contained(stopped, others, redis_client, *, message: str) -> None:
+def assert_contained(stopped, others, redis_client, *, status: int, code: str, message: str) -> None:
     for response, took in stopped:
-        assert response.status_code == 502
-        assert response.json()["error"] == {"code": "capability_error", "message": message}
+        assert response.status_code == status
+        assert response.json()["error"] == {"code": code, "message": message}
         assert took < STOPPED_WITHIN_SECONDS
     # Every call of the other agent succeeded, during the incident and after it.
     assert len(others) > 6
@@ -91,7 +92,12 @@ def test_a_runaway_capability_on_the_platform_runtime_is_stopped_at_its_cpu_limi
     settings.SIGIL_CPU_MS = CPU_MS
     stopped, others = incident(alice, bob)
     assert_contained(
-        stopped, others, redis_client, message=f"alice--spin ran past its CPU time limit of {CPU_MS} ms and was stopped"
+        stopped,
+        others,
+        redis_client,
+        status=504,
+        code="timeout",
+        message=f"alice--spin ran past its CPU limit of {CPU_MS} ms and was stopped",
     )
     # Sigil is healthy again without anyone acting; the emulator says why it stopped the calls.
     assert wait_healthy(alice.base_url)["checks"]["runtime"] == "ok"
@@ -109,6 +115,8 @@ def test_a_runaway_capability_on_the_worker_pool_runtime_is_stopped_by_cloudflar
         stopped,
         others,
         redis_client,
+        status=502,
+        code="capability_error",
         message="alice--spin ran past its resource limits (CPU time or memory) and was stopped",
     )
     assert wait_healthy(alice.base_url)["checks"]["runtime"] == "ok"

@@ -135,13 +135,15 @@ def test_reconcile_removes_orphans_and_repairs_lost_placements(capped, alice):
     assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0}
 
 
-def test_a_call_that_finds_its_script_gone_pages_in_and_retries(alice, workerd_host):
+def test_a_call_that_finds_its_script_gone_pages_in_and_retries(alice, workerd_group):
     deploy(alice, "a", "never-called-before")
     capability = Capability.objects.get(full_name="alice--a")
     (get_runtime().code_dir / f"{capability.placed_sha}.json").unlink()
     (get_runtime().code_dir / "slots" / "alice--a").unlink()
-    workerd_host.stop()  # and its isolates with it, so that none hides the loss
-    workerd_host.start()
+    alice_workerd = workerd_group.get("alice")
+    pid = alice_workerd.host.process.pid
+    alice_workerd.restart()  # and its isolates with it, so that none hides the loss
+    wait_for(lambda: alice_workerd.serving() and alice_workerd.snapshot()["pid"] != pid, message="a fresh workerd")
     response = alice.call("/alice/a")
     assert response.status_code == 200 and response.text == "never-called-before", response.text
     assert response.headers["X-Sigil-Cold-Start"] == "1"

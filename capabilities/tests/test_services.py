@@ -108,7 +108,7 @@ def test_at_most_eight_agents(db, settings):
         agent_create(name="three", actor="owner:test")
 
 
-def test_remove_enqueues_the_slot_release_only_after_commit(db, workerd_host, django_capture_on_commit_callbacks):
+def test_remove_enqueues_the_slot_release_only_after_commit(db, workerd_group, django_capture_on_commit_callbacks):
     from agents import services as agent_services
     from agents.tokens import Principal
 

@@ -1,6 +1,8 @@
 """The generic workerd supervision (capabilities.supervision) on real workerd processes."""
 
 import http.client
+import os
+import signal
 import threading
 import time
 
@@ -9,7 +11,7 @@ from django.conf import settings
 
 from capabilities.runtimes.base import CodeBundle
 from capabilities.supervision import KillLog, Limits, PortRegistry, WorkerdGroup, read_status
-from capabilities.workerd import WorkerdHost, free_port
+from capabilities.workerd import WorkerdHost, WorkerdMissing, free_port
 from testsupport.capability_code import PONG
 from testsupport.processes import is_alive, wait_until
 
@@ -148,3 +150,28 @@ def test_stopping_the_group_kills_a_stalled_process_promptly(tmp_path):
     assert not thread.is_alive()
     assert time.monotonic() - started < 6
     assert not is_alive(pid)
+
+
+def test_a_process_killed_from_outside_is_restarted_on_its_port_without_a_kill_record(group):
+    port = group.ensure("crashed")
+    sha = place(group, PONG)
+    first_pid = group.get("crashed").host.process.pid
+
+    os.kill(first_pid, signal.SIGKILL)
+
+    wait_until(lambda: group.get("crashed").snapshot()["pid"] not in (None, first_pid), timeout=5, what="a restart")
+    wait_until(lambda: call(port, sha)[0] == 200, timeout=5, what="the process to answer again")
+    assert group.kill_log.latest("crashed") is None  # it died on its own: no limit was passed
+
+
+def test_supervision_gives_up_at_once_when_workerd_is_not_installed(tmp_path):
+    group = WorkerdGroup(
+        lambda name, port: WorkerdHost(
+            binary=str(tmp_path / "no-such-workerd"), port=port, code_dir=tmp_path, state_dir=tmp_path, secret=SECRET
+        ),
+        LIMITS,
+        PortRegistry(tmp_path / "ports.json", base_port=free_port()),
+    )
+    group.registry.port_for("someone")
+    with pytest.raises(WorkerdMissing, match="npm ci"):
+        group.run(threading.Event())

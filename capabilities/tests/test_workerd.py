@@ -1,16 +1,18 @@
+import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import urllib3
 from django.conf import settings
 
-from capabilities.runtimes.base import CodeBundle
-from capabilities.runtimes.local import LocalRuntime
+from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.tests.runtimes.contract import HELLO, call
 from capabilities.workerd import WorkerdHost, WorkerdMissing, WorkerdPortInUse, free_port, port_is_open
 from testsupport.processes import children, command_line, is_alive, wait_until
@@ -51,10 +53,13 @@ def ok(route) -> bool:
 
 
 def test_workerd_killed_by_sigkill_is_restarted_and_serves_the_same_code_again(supervised):
-    runtime = LocalRuntime(code_dir=supervised.code_dir, workerd_url=supervised.url, secret=supervised.secret)
     bundle = CodeBundle.from_code(HELLO)
-    runtime.place(slot="alice--hello", bundle=bundle)
-    route = runtime.route(slot="alice--hello", sha=bundle.sha)
+    supervised.code_dir.mkdir(parents=True, exist_ok=True)
+    (supervised.code_dir / f"{bundle.sha}.json").write_bytes(bundle.to_json())
+    route = Route(
+        base_url=supervised.url,
+        headers=(("X-Sigil-Secret", supervised.secret), ("X-Sigil-Loader-Id", f"alice--hello@{bundle.sha}")),
+    )
     assert call(route, "/before").data == b"hello /before"
     first_pid = supervised.process.pid
 
@@ -108,10 +113,16 @@ def test_supervise_gives_up_at_once_when_workerd_is_not_installed(host, tmp_path
 
 
 @pytest.mark.slow
-def test_runworkerd_restarts_workerd_and_stops_it_on_sigterm(tmp_path):
+def test_runworkerd_restarts_workerd_and_a_sigterm_stops_even_a_stalled_one_promptly(tmp_path):
     port = free_port()
-    env = {**os.environ, "SIGIL_VAR_DIR": str(tmp_path), "SIGIL_WORKERD_PORT": str(port)}
+    env = {**os.environ, "SIGIL_VAR_DIR": str(tmp_path), "SIGIL_WORKERD_PORT": str(port), "SIGIL_CPU_MS": "60000"}
     env.pop("SIGIL_CODE_DIR", None)
+    # An agent registered by an earlier run: its workerd is started at once.
+    (tmp_path / "workerd").mkdir()
+    (tmp_path / "workerd" / "ports.json").write_text(json.dumps({"alice": 0}))
+    spin = CodeBundle.from_code("export default { async fetch() { while (true) {} } }")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / f"{spin.sha}.json").write_bytes(spin.to_json())
     command = subprocess.Popen(
         [sys.executable, str(settings.BASE_DIR / "manage.py"), "runworkerd"],
         env=env,
@@ -133,9 +144,28 @@ def test_runworkerd_restarts_workerd_and_stops_it_on_sigterm(tmp_path):
             return pid if pid != first else None
 
         second = wait_until(restarted_pid, timeout=5, what="a restart")
+        # Stall it: a workerd whose loop spins does not act on SIGTERM.
+        headers = {"X-Sigil-Secret": settings.SIGIL_INTERNAL_SECRET, "X-Sigil-Loader-Id": f"alice--spin@{spin.sha}"}
 
+        def spin_call() -> None:
+            with contextlib.suppress(urllib3.exceptions.HTTPError):  # cut when workerd is stopped
+                urllib3.request("GET", f"http://127.0.0.1:{port}/", headers=headers, retries=False)
+
+        threading.Thread(target=spin_call, daemon=True).start()
+
+        def answers() -> bool:
+            try:
+                urllib3.request("GET", f"http://127.0.0.1:{port}/", retries=False, timeout=0.3)
+                return True
+            except urllib3.exceptions.HTTPError:
+                return False
+
+        wait_until(lambda: not answers(), timeout=5, what="workerd's loop to stall")
+
+        started = time.monotonic()
         command.send_signal(signal.SIGTERM)
         assert command.wait(10) == 0, command.stdout.read().decode()
+        assert time.monotonic() - started < 6
     finally:
         if command.poll() is None:
             command.kill()

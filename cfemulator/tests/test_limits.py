@@ -26,8 +26,16 @@ DISPATCHES = """export default { async fetch(request, env) {
   }
 } }"""
 LIMIT_MS = 40
-# Generous: the limit, the grace, a poll, and a loaded machine's scheduling.
-STOPPED_WITHIN_SECONDS = LIMIT_MS / 1000 + 1.5
+
+
+def stopped_within(limit_ms: int) -> float:
+    """Wall seconds a call with this CPU limit may take before it is stopped. Generous: the
+    limit and the grace are CPU time, which a loaded machine's two cores hand out slowly,
+    then the meter's poll and the supervisor's kill."""
+    return 3 * (limit_ms + 100) / 1000 + 1.5
+
+
+STOPPED_WITHIN_SECONDS = stopped_within(LIMIT_MS)
 
 
 @pytest.fixture
@@ -145,7 +153,7 @@ def test_an_upload_whose_top_level_never_ends_is_10021_and_the_account_keeps_ser
         took = time.monotonic() - started
     assert (refused.status_code, first_error(refused)) == (400, 10021)
     assert refused.json()["errors"][0]["message"] == "Script startup exceeded CPU time limit."
-    assert took < 1 + 1.5  # Cloudflare's startup limit of 1 s, then the emulator's grace and polls
+    assert took < stopped_within(1000)  # Cloudflare's startup limit of 1 s of CPU
     assert steady.answers and set(steady.answers) == {(200, "hello /steady")}
     assert [s["id"] for s in api.call("GET", "/workers/scripts").json()["result"]] == ["steady"]
     assert api.upload("fine", HELLO).status_code == 200  # the start checks' process was replaced

@@ -1,5 +1,6 @@
 import contextlib
 import http.client
+import json
 import os
 import re
 import shutil
@@ -87,6 +88,9 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
     web_port, workerd_port = free_port(), int(embedded_env["SIGIL_WORKERD_PORT"])
     var_dir = Path(embedded_env["SIGIL_VAR_DIR"])
     subprocess.run([sys.executable, MANAGE, "migrate", "--verbosity", "0"], env=embedded_env, check=True)
+    # An agent placed by an earlier run: its workerd (on the first port) is started at once.
+    (var_dir / "workerd").mkdir()
+    (var_dir / "workerd" / "ports.json").write_text(json.dumps({"alice": 0}))
     process = subprocess.Popen(
         [sys.executable, MANAGE, "runsigil", "--port", str(web_port)],
         env=embedded_env,

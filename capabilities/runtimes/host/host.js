@@ -137,7 +137,7 @@ export default {
       }
       // Cloudflare stops a Dynamic Worker past its limit with this exception (reference §5.3).
       if (String((error && error.message) || error).includes("CPU time limit")) {
-        return refuse(500, "exceeded-limits", cpuMs > 0 ? `CPU time limit of ${cpuMs} ms` : "CPU time limit", env);
+        return refuse(500, "exceeded-cpu", `ran past its CPU limit${cpuMs > 0 ? ` of ${cpuMs} ms` : ""}`, env);
       }
       return refuse(500, "exception", String((error && error.stack) || error));
     }

@@ -11,8 +11,8 @@
 // it is answered 404 with `x-sigil-error: missing-code`, the loader host's word for it, so
 // Sigil pages the capability in again. A capability that runs past its CPU limit makes the
 // Fetcher throw "Worker exceeded CPU time limit." (spotted as the docs do, by "CPU time
-// limit"); it is answered `exceeded-limits`, naming the limit, so Sigil counts it against
-// that capability alone.
+// limit"); it is answered `exceeded-cpu`, naming the limit, so Sigil counts it against that
+// capability alone.
 
 const SECRET_HEADER = "x-sigil-dispatch-secret";
 const SCRIPT_HEADER = "x-sigil-script";
@@ -72,8 +72,8 @@ export default {
         return refuse(env, 404, "missing-code", `no script ${name} in the namespace`);
       }
       if (message.includes("CPU time limit")) {
-        const limit = options.limits ? `CPU time limit of ${cpuMs} ms` : "CPU time limit";
-        return refuse(env, 500, "exceeded-limits", limit);
+        const limit = options.limits ? `its CPU limit of ${cpuMs} ms` : "its CPU limit";
+        return refuse(env, 500, "exceeded-cpu", `ran past ${limit}`);
       }
       // The capability threw.
       return refuse(env, 500, "exception", String((error && error.stack) || error));

@@ -1,16 +1,14 @@
 import pytest
 import urllib3
 
+from capabilities.runtimes import build_runtime
 from capabilities.runtimes.base import CodeBundle
-from capabilities.runtimes.local import LocalRuntime
 from capabilities.tests.runtimes.contract import HELLO, RuntimeContract, call
 
 
 @pytest.fixture
-def runtime(workerd_host, settings):
-    return LocalRuntime(
-        code_dir=workerd_host.code_dir, workerd_url=workerd_host.url, secret=settings.SIGIL_INTERNAL_SECRET
-    )
+def runtime(workerd_group):
+    return build_runtime("local")
 
 
 class TestLocalRuntime(RuntimeContract):

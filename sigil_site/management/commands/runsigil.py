@@ -17,6 +17,8 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 from kombu.exceptions import OperationalError as KombuOperationalError
 
+from capabilities.runtimes.local import local_processes
+from capabilities.supervision import read_status
 from capabilities.workerd import port_is_open, supervise_until_signalled
 from sigil_site.embedded_redis import EmbeddedRedis
 from sigil_site.owner import OwnerAccount, owner_ensure
@@ -123,7 +125,7 @@ def sigil_programs(*, port: int) -> tuple[list[Program], str]:
             Program(
                 "workerd",
                 [sys.executable, MANAGE, "runworkerd"],
-                ready=lambda: port_is_open(settings.SIGIL_WORKERD_PORT),
+                ready=lambda: read_status(local_processes().status_path) is not None,
                 env=env,
             )
         )
@@ -178,7 +180,7 @@ Press Ctrl-C to stop.
 def describe_backend() -> str:
     parts = [settings.SIGIL_BACKEND]
     if runs_workerd():
-        parts.append(f"workerd on 127.0.0.1:{settings.SIGIL_WORKERD_PORT}")
+        parts.append(f"one workerd per agent on 127.0.0.1:{settings.SIGIL_WORKERD_PORT} and up")
     if runs_emulator():
         parts.append(f"Cloudflare emulator at {settings.CF_API_BASE}")
     elif settings.SIGIL_BACKEND != "local":
