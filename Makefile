@@ -60,3 +60,4 @@ bench: install
 	$(PY) bench/pagein.py
 	$(PY) bench/pager.py
 	$(PY) bench/runtimes.py
+	$(PY) bench/emulator_limits.py
