@@ -194,7 +194,10 @@ class EmulatorServer:
         whose top level never ends is refused (10021's "Script startup exceeded CPU time
         limit.") instead of holding the account. Raises ApiError 500 when it cannot be asked.
         """
-        running = self.scripts.acquire(START_CHECK_NAME, sha=loader_id.rpartition("@")[2])
+        try:
+            running = self.scripts.acquire(START_CHECK_NAME, sha=loader_id.rpartition("@")[2])
+        except (RuntimeError, TimeoutError) as exc:
+            raise ApiError(500, 10002, f"the emulator's workerd for start checks is not serving: {exc}") from exc
         route = Route(
             base_url=f"http://{LISTEN_ADDRESS}:{running.port}",
             headers=(("X-Sigil-Secret", self.scripts.secret), ("X-Sigil-Loader-Id", loader_id)),
@@ -417,7 +420,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
         """Calls through a dispatch namespace binding are logged with the limits they asked for."""
         if not host.endswith(".dispatch.localhost"):
             return
-        parsed = _parse_limits(limits) if limits else None
+        parsed = _parse_limits(limits)
         script, _, rest = host.partition(".")
         namespace = target.namespace if target else rest.split(".", 1)[0]
         self.server.emulator.api.record_dispatch(namespace=namespace, script=script, limits=parsed, status=status)
