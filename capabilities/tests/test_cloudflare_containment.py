@@ -141,3 +141,12 @@ def test_a_capability_allocating_without_bound_on_the_platform_runtime_is_stoppe
         within=15,  # the emulator's 512 MB per script process fill at the loaded machine's pace
     )
     assert wait_healthy(alice.base_url)["checks"]["runtime"] == "ok"
+
+
+@pytest.mark.parametrize("runtime", ["worker_pool", "platform"])
+def test_a_capabilitys_own_503_passes_through_and_is_not_read_as_cloudflares_1102(runtime, request, alice):
+    request.getfixturevalue(runtime)
+    busy = "export default { async fetch() { return new Response('come back later', { status: 503 }) } }"
+    assert alice.deploy(name="busy", code=busy).status_code == 201
+    response = alice.call("/alice/busy")
+    assert (response.status_code, response.text) == (503, "come back later")
