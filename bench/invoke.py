@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from capabilities.runtimes.base import CodeBundle  # noqa: E402
 from capabilities.supervision import read_status  # noqa: E402
-from capabilities.workerd import free_port  # noqa: E402
+from capabilities.workerd import free_port, free_port_block  # noqa: E402
 from sigil_site.embedded_redis import EmbeddedRedis  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -373,7 +373,7 @@ def main() -> int:
         "SECRET_KEY": secrets.token_urlsafe(48),
         "SIGIL_VAR_DIR": str(var_dir),
         "SIGIL_INTERNAL_SECRET": internal_secret,
-        "SIGIL_WORKERD_PORT": str(free_port()),
+        "SIGIL_WORKERD_PORT": str(free_port_block()),
         "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
         "SIGIL_LOG_LEVEL": "WARNING",
         "ALLOWED_HOSTS": "127.0.0.1",

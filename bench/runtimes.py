@@ -53,9 +53,9 @@ def main() -> int:
 
     embedded = EmbeddedRedis(var_dir / "redis")
     embedded.start()
-    from capabilities.workerd import free_port, port_is_open
+    from capabilities.workerd import free_port, free_port_block, port_is_open
 
-    emulator_port, workerd_port = free_port(), free_port()
+    emulator_port, workerd_port = free_port(), free_port_block()
     from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN
 
     common = {

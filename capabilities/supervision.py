@@ -22,9 +22,11 @@ API (everything a runtime or the Cloudflare emulator needs; the host is any obje
   every process (an index kept in a JSON file, allocated once under a file lock); `names()`.
 - `SupervisedWorkerd(name, host, limits, kill_log=None, on_kill=None)`: one process kept
   running by `run(stop_event)` (in a thread of its own); `state`, `serving()`,
-  `wait_serving(timeout)`, `kill(reason)` (as if past that limit), `restart()` (no record),
-  `snapshot()`. An error from `host.start()` with a true `permanent` attribute (workerd not
-  installed) ends the supervision; any other RuntimeError is retried, backed off.
+  `wait_serving(timeout)`, `alive_at` (epoch of the last answered probe), `blame_ends_at()`
+  (while the loop is silent, the send time after which no call is blamed for it),
+  `kill(reason)` (as if past that limit), `restart()` (no record), `snapshot()`. An error
+  from `host.start()` with a true `permanent` attribute (workerd not installed) ends the
+  supervision; any other RuntimeError is retried, backed off.
 - `WorkerdGroup(make_host, limits, registry, kill_log=None, status_path=None, on_kill=None)`:
   one SupervisedWorkerd per name, started on demand. `ensure(name, timeout)` starts (or
   finds) the process for `name` and returns its port once it serves; `run(stop_event)`
@@ -62,11 +64,12 @@ STATUS_MAX_AGE_SECONDS = 3.0
 # Which calls a stall is blamed on, by send time. The culprit may have been sent well
 # before the last answered probe: the loop answers probes while it reads the culprit's code
 # and loads its isolate, and only then runs it. It was sent before the first probe left
-# unanswered, give or take the order in which the loop picked up two requests that arrived
-# together. So the window is as narrow as the probe interval allows: a call of the same
-# process sent between the culprit and that probe is blamed too; anything later is not.
+# unanswered, or not long after: a workerd the kernel did not schedule for a while finds
+# both requests waiting when it wakes, and may run the culprit first (seen 40 ms apart on a
+# loaded machine). A call of the same process sent within that window is blamed too;
+# anything later (`blame_ends_at()`) is not.
 _SENT_BEFORE_LAST_ANSWER = 0.5
-_SENT_AFTER_STUCK_PROBE = 0.02
+_SENT_AFTER_STUCK_PROBE = 0.25
 
 
 class Host(Protocol):
@@ -253,6 +256,7 @@ class SupervisedWorkerd:
         self.last_kill: Kill | None = None
         self.last_error = ""
         self.alive_at = 0.0  # epoch of the last answered probe
+        self.unanswered_since: float | None = None  # epoch the probe awaiting its answer was sent
         self._serving = threading.Event()
         self._kill_requested: str | None = None
         self._restart_requested = False
@@ -270,6 +274,12 @@ class SupervisedWorkerd:
     def kill(self, reason: str) -> None:
         """Have the watchdog stop the process as if it had run past `reason`'s limit."""
         self._kill_requested = reason
+
+    def blame_ends_at(self) -> float | None:
+        """While the loop does not answer: the send time after which a call is never blamed
+        for the stall (None while it answers)."""
+        since = self.unanswered_since
+        return None if since is None else since + _SENT_AFTER_STUCK_PROBE
 
     def restart(self) -> None:
         """Have the watchdog stop the process (SIGTERM) and start a fresh one, recording nothing."""
@@ -349,7 +359,9 @@ class SupervisedWorkerd:
                     self.host.stop(timeout=2.0)
                     return True
                 tick_started = time.monotonic()
-                if prober.tick(interval):
+                answered = prober.tick(interval)
+                self.unanswered_since = prober.sent_at
+                if answered:
                     self.alive_at = time.time()
                     # Answered: probe again one interval after the last, not at once.
                     stop.wait(max(0.0, interval - (time.monotonic() - tick_started)))
@@ -362,6 +374,7 @@ class SupervisedWorkerd:
                     return True
         finally:
             prober.reset()
+            self.unanswered_since = None
         return False
 
     def _kill(self, process: subprocess.Popen, reason: str, stuck_at: float | None, now: float) -> None:

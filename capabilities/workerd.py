@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -285,3 +286,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_port_block(count: int = 16) -> int:
+    """The first of `count` consecutive ports of 127.0.0.1 that are free now, below the
+    kernel's ephemeral range (from 32768): ports there are handed out to outgoing
+    connections at any moment, so a block of them picked now may be taken before use."""
+    while True:
+        base = random.randrange(20_000, 32_768 - count, count)
+        if all(_can_bind(port) for port in range(base, base + count)):
+            return base
+
+
+def _can_bind(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

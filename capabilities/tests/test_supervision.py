@@ -11,14 +11,16 @@ from django.conf import settings
 
 from capabilities.runtimes.base import CodeBundle
 from capabilities.supervision import KillLog, Limits, PortRegistry, WorkerdGroup, read_status
-from capabilities.workerd import WorkerdHost, WorkerdMissing, free_port
+from capabilities.workerd import WorkerdHost, WorkerdMissing, free_port_block
 from testsupport.capability_code import PONG
 from testsupport.processes import is_alive, wait_until
 
 SECRET = "supervision-test-secret"
 SPIN = "export default { async fetch() { while (true) {} } }"
-HOG = "export default { async fetch() { const kept = []; while (true) kept.push(new Array(1e6).fill(1)) } }"
-LIMITS = Limits(stall_ms=500, memory_mb=300)
+HOG = "export default { async fetch() { const kept = []; while (true) kept.push(new Uint8Array(64 << 20).fill(1)) } }"
+# The allocation reaches 200 MB well before 1.5 s even on a loaded machine, so it is stopped
+# for its memory rather than for stalling the loop while it allocates.
+LIMITS = Limits(stall_ms=1500, memory_mb=200)
 
 
 @pytest.fixture
@@ -31,7 +33,7 @@ def group(tmp_path):
             binary=settings.SIGIL_WORKERD_BIN, port=port, code_dir=code_dir, state_dir=tmp_path / name, secret=SECRET
         )
 
-    registry = PortRegistry(tmp_path / "ports.json", base_port=free_port())
+    registry = PortRegistry(tmp_path / "ports.json", base_port=free_port_block())
     group = WorkerdGroup(
         make_host, LIMITS, registry, kill_log=KillLog(tmp_path / "kills"), status_path=tmp_path / "status.json"
     )
@@ -133,7 +135,7 @@ def test_stopping_the_group_kills_a_stalled_process_promptly(tmp_path):
             binary=settings.SIGIL_WORKERD_BIN, port=port, code_dir=code_dir, state_dir=tmp_path, secret=SECRET
         ),
         Limits(stall_ms=60_000, memory_mb=1000),  # the watchdog would not step in
-        PortRegistry(tmp_path / "ports.json", base_port=free_port()),
+        PortRegistry(tmp_path / "ports.json", base_port=free_port_block()),
     )
     stop = threading.Event()
     thread = threading.Thread(target=group.run, args=(stop,), daemon=True)
@@ -170,7 +172,7 @@ def test_supervision_gives_up_at_once_when_workerd_is_not_installed(tmp_path):
             binary=str(tmp_path / "no-such-workerd"), port=port, code_dir=tmp_path, state_dir=tmp_path, secret=SECRET
         ),
         LIMITS,
-        PortRegistry(tmp_path / "ports.json", base_port=free_port()),
+        PortRegistry(tmp_path / "ports.json", base_port=free_port_block()),
     )
     group.registry.port_for("someone")
     with pytest.raises(WorkerdMissing, match="npm ci"):

@@ -14,7 +14,14 @@ from django.conf import settings
 
 from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.tests.runtimes.contract import HELLO, call
-from capabilities.workerd import WorkerdHost, WorkerdMissing, WorkerdPortInUse, free_port, port_is_open
+from capabilities.workerd import (
+    WorkerdHost,
+    WorkerdMissing,
+    WorkerdPortInUse,
+    free_port,
+    free_port_block,
+    port_is_open,
+)
 from testsupport.processes import children, command_line, is_alive, wait_until
 
 
@@ -114,7 +121,7 @@ def test_supervise_gives_up_at_once_when_workerd_is_not_installed(host, tmp_path
 
 @pytest.mark.slow
 def test_runworkerd_restarts_workerd_and_a_sigterm_stops_even_a_stalled_one_promptly(tmp_path):
-    port = free_port()
+    port = free_port_block()
     env = {**os.environ, "SIGIL_VAR_DIR": str(tmp_path), "SIGIL_WORKERD_PORT": str(port), "SIGIL_CPU_MS": "60000"}
     env.pop("SIGIL_CODE_DIR", None)
     # An agent registered by an earlier run: its workerd is started at once.

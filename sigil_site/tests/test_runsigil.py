@@ -18,7 +18,7 @@ import redis
 from django.conf import settings
 from django.contrib.auth.hashers import check_password
 
-from capabilities.workerd import free_port, port_is_open
+from capabilities.workerd import free_port, free_port_block, port_is_open
 from sigil_site.management.commands.runsigil import sigil_programs
 from testsupport.processes import command_line, descendants, is_alive, wait_until
 
@@ -34,7 +34,7 @@ def embedded_env():
     env = {
         **os.environ,
         "SIGIL_VAR_DIR": str(var_dir),
-        "SIGIL_WORKERD_PORT": str(free_port()),
+        "SIGIL_WORKERD_PORT": str(free_port_block()),
         "DATABASE_URL": f"sqlite:///{var_dir / 'sigil.sqlite3'}",
         "PYTHONUNBUFFERED": "1",
     }
