@@ -4,14 +4,15 @@ Open-source workerd accepts CPU limits and does not enforce them (reference §5.
 emulator does: every call to a script is registered with the limit Cloudflare would give it
 (`cfemulator.limits.call_cpu_ms`), and a watchdog thread charges the CPU time its process
 spends (from /proc, every `poll_seconds`) to the calls in flight on it, in equal shares.
-When one call has used more than its limit plus `grace_ms`, the process is killed: every
-call in flight on it is marked exceeded (they shared the isolate that was stopped) and is
-answered with Cloudflare's error 1102 by the server.
+When one call has used more than its limit plus `grace_ms`, its process is stopped (by
+its supervisor, through the `stop` the call was registered with): every call in flight on
+it is marked exceeded (they shared the isolate that was stopped) and is answered with
+Cloudflare's error 1102 by the server.
 
 The grace covers what the emulator cannot measure finely: /proc counts CPU in clock ticks
 (10 ms), and a first call pays for its isolate's start, which Cloudflare does not charge to
-the call (startup has its own limit). So a call is stopped between its limit and its limit
-plus the grace and one poll.
+the call (startup has its own limit). So a call is stopped once it has used between its
+limit and its limit plus the grace of CPU, one poll and the supervisor's kill later.
 """
 
 from __future__ import annotations
