@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from capabilities.supervision import Limits, SupervisedWorkerd, WorkerdGroup
-from capabilities.workerd import WorkerdHost, free_port
+from capabilities.workerd import WorkerdHost, free_port_block
 from cfemulator.bound import BoundHost, needs_own_workerd
 from cfemulator.limits import MAX_CPU_MS
 from cfemulator.uploads import ScriptUpload
@@ -39,18 +39,26 @@ LIMITS = Limits(stall_ms=MAX_CPU_MS + 1000, memory_mb=MEMORY_MB, probe_interval_
 _RESTART_SECONDS = 5.0
 
 
-class _FreePorts:
-    """The group's ports: a free one per name, kept across its restarts. The emulator is
-    one process, so no other needs to agree on them (unlike the local runtime's registry)."""
+class _Ports:
+    """The group's ports: one per name, kept for good (across restarts and resets), taken
+    from blocks below the kernel's ephemeral range, where no outgoing connection can hold
+    one when a process restarts on it. The emulator is one process, so no other needs to
+    agree on them (unlike the local runtime's registry)."""
+
+    BLOCK = 16
 
     def __init__(self) -> None:
         self._ports: dict[str, int] = {}
+        self._free: list[int] = []
         self._lock = threading.Lock()
 
     def port_for(self, name: str) -> int:
         with self._lock:
             if name not in self._ports:
-                self._ports[name] = free_port()
+                if not self._free:
+                    base = free_port_block(self.BLOCK)
+                    self._free = list(range(base + self.BLOCK - 1, base - 1, -1))
+                self._ports[name] = self._free.pop()
             return self._ports[name]
 
     def names(self) -> list[str]:
@@ -100,6 +108,7 @@ class ScriptProcesses:
         self.emulator_port = 0  # set once the emulator's socket is bound
         self._lock = threading.Lock()
         self._uploads: dict[str, tuple[str, ScriptUpload | None]] = {}
+        self._ports = _Ports()
         self._group = self._new_group()
 
     def acquire(self, key: str, *, sha: str, upload: ScriptUpload | None = None) -> ScriptProcess:
@@ -138,7 +147,7 @@ class ScriptProcesses:
             shutil.rmtree(directory, ignore_errors=True)
 
     def _new_group(self) -> WorkerdGroup:
-        return WorkerdGroup(self._make_host, LIMITS, _FreePorts())
+        return WorkerdGroup(self._make_host, LIMITS, self._ports)
 
     def _make_host(self, name: str, port: int) -> WorkerdHost:
         sha, upload = self._uploads[name]
@@ -156,5 +165,5 @@ class ScriptProcesses:
             upload=upload,
             sha=sha,
             emulator_port=self.emulator_port,
-            script_port=free_port(),
+            script_port=self._ports.port_for(f"{name}:script"),
         )
