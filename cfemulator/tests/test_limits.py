@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import requests
 
 from cfemulator.limits import DEFAULT_CPU_MS, call_cpu_ms, exceeded_answer, negotiate
 from cfemulator.tests.test_api import HELLO, Api, first_error
@@ -53,8 +54,9 @@ class Steady:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        session = requests.Session()  # the emulator control's own is the test thread's
         while not self._stop.is_set():
-            response = self.emulator.worker_request(self.host, "/steady")
+            response = session.get(self.emulator.url + "/steady", headers={"Host": self.host}, timeout=30)
             self.answers.append((response.status_code, response.text))
 
     def __enter__(self) -> Steady:
