@@ -367,7 +367,7 @@ class Gateway:
             error: SigilError = CapabilityError(f"{call.full} threw: {_exception_text(message)}")
         elif failure in (EXCEEDED_CPU, EXCEEDED_LIMITS):
             # The capability's own doing: it counts toward its breaker, and no other's. Worded
-            # and classed as the local runtime's watchdog words and classes its own stops.
+            # and classed as the local runtime's stops are: 504 for CPU, else 502.
             self.finish(call, ok=False)
             if failure == EXCEEDED_CPU:
                 error = Timeout(f"{call.full} {_runtime_message(message, 'ran past its CPU limit')} and was stopped")
