@@ -248,7 +248,7 @@ class WorkerTarget:
 
     @property
     def runs_bound(self) -> bool:
-        """Whether it needs a workerd of its own for its bindings (see cfemulator.bound)."""
+        """Whether it needs a workerd config of its own for its bindings (see cfemulator.bound)."""
         return needs_own_workerd(self.upload)
 
 

@@ -33,7 +33,7 @@ from cfemulator.uploads import COMMONJS_TYPES, ES_MODULE_TYPES, SOURCE_MAP_TYPE,
 
 logger = logging.getLogger(__name__)
 
-# Binding types that make a script run in a workerd of its own.
+# Binding types that make a script run from a workerd config of its own.
 BOUND_BINDING_TYPES = frozenset({"kv_namespace", "worker_loader", "dispatch_namespace"})
 KV_HEADER = "x-cfemulator-kv"
 LIMITS_HEADER = "x-cfemulator-limits"
@@ -98,7 +98,7 @@ _PROBE = "export default { fetch() { return new Response(null, { status: 204 }) 
 
 
 def needs_own_workerd(upload: ScriptUpload) -> bool:
-    """Whether the script binds something only a workerd of its own can give it."""
+    """Whether the script binds something only a workerd config of its own can give it."""
     return any(binding.get("type") in BOUND_BINDING_TYPES for binding in upload.bindings)
 
 

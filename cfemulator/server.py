@@ -111,7 +111,7 @@ class EmulatorServer:
         port: int = 0,
         workerd_port: int,
     ) -> EmulatorServer:
-        """An emulator with its own workerd (own code directory, port and secret) under `state_dir`."""
+        """An emulator with its own workerd processes (own code directory, ports and secret) under `state_dir`."""
         state_dir = Path(state_dir)
         workerd = WorkerdHost(
             binary=workerd_binary,

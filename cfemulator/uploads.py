@@ -249,7 +249,7 @@ def _check_bindings(raw: Any) -> tuple[list[dict[str, Any]], tuple[ResolvedBindi
 
     Only text values (plain_text, secret_text) reach a script run by the loader host, which
     has no KV, service or dispatch bindings to hand out; a script binding a KV namespace, a
-    Worker Loader or a dispatch namespace runs in a workerd of its own (`cfemulator.bound`).
+    Worker Loader or a dispatch namespace runs from a workerd config of its own (`cfemulator.bound`).
     """
     if not isinstance(raw, list):
         raise ApiError(400, 10021, "metadata.bindings must be a list")
