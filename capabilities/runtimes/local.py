@@ -163,15 +163,8 @@ class LocalRuntime(Runtime):
         stored_now = not bundle_path.exists()
         if stored_now:
             write_atomically(bundle_path, bundle.to_json())
-        sent_at = time.time()
         try:
-            try:
-                started = loader_host_start_check(self._start_checks, self.route(slot=slot, sha=bundle.sha))
-            except RuntimeUnavailable:
-                stopped = self.call_stopped(slot=slot, sent_at=sent_at)
-                if stopped is not None and stopped.culprit:
-                    raise RuntimeRejected(f"the code {stopped.message} while starting") from None
-                raise
+            started = self._start_check(slot, bundle.sha)
             if not started:
                 raise RuntimeUnavailable(f"workerd does not find the code just stored in {bundle_path}")
         except RuntimeRejected:
@@ -197,8 +190,27 @@ class LocalRuntime(Runtime):
         if not any(_pointed_sha(p) == sha for p in self.slots_dir.iterdir() if not p.name.startswith(".")):
             (self.code_dir / f"{sha}.json").unlink(missing_ok=True)
 
-    def _wait_for_process(self, name: str) -> None:
-        """Register `name` (its first placement) and wait until the supervisor serves it."""
+    def _start_check(self, slot: str, sha: str) -> bool:
+        """The loader host's start check, on the agent's process. Raises RuntimeRejected when
+        the code's top-level code runs past a limit and has the process stopped."""
+        for attempt in range(2):
+            sent_at = time.time()
+            try:
+                return loader_host_start_check(self._start_checks, self.route(slot=slot, sha=sha))
+            except RuntimeUnavailable:
+                stopped = self.call_stopped(slot=slot, sent_at=sent_at)
+                if stopped is None or attempt:
+                    raise
+                if stopped.culprit:
+                    raise RuntimeRejected(f"the code {stopped.message} while starting") from None
+                # The process was stopped for another call (or was restarting): the check
+                # runs no handler, so it is asked again of the fresh process.
+                self._wait_for_process(self.processes.name_for(slot), after=sent_at)
+        raise AssertionError("unreachable")
+
+    def _wait_for_process(self, name: str, *, after: float = 0.0) -> None:
+        """Register `name` (its first placement) and wait until the supervisor serves it (with
+        a process that started serving after `after`, an epoch)."""
         port = self._registry.port_for(name)
         deadline = time.monotonic() + PROCESS_START_SECONDS
         while True:
@@ -208,7 +220,7 @@ class LocalRuntime(Runtime):
                     f"no workerd supervisor writes {self.processes.status_path}: is `manage.py runworkerd` running?"
                 )
             entry = status["processes"].get(name)
-            if entry is not None and entry["state"] == "serving" and entry["port"] == port:
+            if entry is not None and entry["state"] == "serving" and entry["port"] == port and entry["since"] > after:
                 return
             if time.monotonic() >= deadline:
                 state = entry["state"] if entry else "not started"

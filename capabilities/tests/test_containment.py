@@ -118,3 +118,14 @@ def timed_call(agent, path: str) -> tuple[requests.Response, float]:
         f"{agent.base_url}{path}", headers={"Authorization": f"Bearer {agent.invoke_token}"}, timeout=60
     )
     return response, time.monotonic() - started
+
+
+@pytest.mark.slow
+def test_code_whose_top_level_code_never_ends_is_refused_at_deploy(sigil, alice):
+    refused = alice.deploy(name="stuck", code="while (true) {}\n" + PONG)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "invalid_request"
+    assert "ran past its CPU limit" in refused.json()["error"]["message"]
+    assert alice.call("/alice/stuck").status_code == 404  # nothing was created
+    assert alice.deploy(name="fine", code=PONG).status_code == 201  # and alice is served again
+    assert alice.call("/alice/fine").text == "pong"
