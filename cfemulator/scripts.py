@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from capabilities.supervision import Limits, SupervisedWorkerd, WorkerdGroup
-from capabilities.workerd import WorkerdHost, free_port_block
+from capabilities.workerd import WorkerdHost, free_port_block, port_is_open
 from cfemulator.bound import BoundHost, needs_own_workerd
 from cfemulator.limits import MAX_CPU_MS
 from cfemulator.uploads import ScriptUpload
@@ -54,11 +54,14 @@ class _Ports:
 
     def port_for(self, name: str) -> int:
         with self._lock:
-            if name not in self._ports:
+            while name not in self._ports:
                 if not self._free:
                     base = free_port_block(self.BLOCK)
                     self._free = list(range(base + self.BLOCK - 1, base - 1, -1))
-                self._ports[name] = self._free.pop()
+                port = self._free.pop()
+                # Another process may have picked an overlapping block since this one was.
+                if not port_is_open(port):
+                    self._ports[name] = port
             return self._ports[name]
 
     def names(self) -> list[str]:
