@@ -75,6 +75,7 @@ class Call:
         "holds_inflight",
         "is_trial",
         "page_in_ms",
+        "sent_at",
         "started",
         "token_hash",
     )
@@ -88,6 +89,7 @@ class Call:
         self.holds_inflight = False
         self.finished = False
         self.page_in_ms: float | None = None
+        self.sent_at = 0.0  # epoch the request left for the runtime
 
 
 class Gateway:
@@ -217,7 +219,7 @@ class Gateway:
         headers.append(("Server-Timing", timing))
         start_response(f"{upstream.status} {upstream.reason or ''}".rstrip(), headers)
         call.finished = True  # from here ResponseBody.close() records the call
-        return ResponseBody(self, upstream, call, ok=upstream.status < 500)
+        return ResponseBody(self, upstream, call, route, ok=upstream.status < 500)
 
     def thread_redis(self) -> redis.Redis:
         """A client holding one connection for this server thread, for the two commands every
@@ -237,7 +239,7 @@ class Gateway:
         return route, (time.perf_counter() - started) * 1000
 
     def send_once(self, environ, call: Call, route: routes.CachedRoute, rest: str) -> UpstreamResponse:
-        sent_at = time.time()
+        call.sent_at = sent_at = time.time()
         try:
             return self.send(environ, self.target(route), rest)
         except UpstreamTimeout as exc:
@@ -420,12 +422,14 @@ class Gateway:
 class ResponseBody:
     """Streams the capability's body to the caller; records the call once it has been sent."""
 
-    def __init__(self, gateway: Gateway, upstream, call: Call, *, ok: bool) -> None:
+    def __init__(self, gateway: Gateway, upstream, call: Call, route: routes.CachedRoute, *, ok: bool) -> None:
         self.environ: dict = {}
         self.gateway = gateway
         self.upstream = upstream
         self.call = call
+        self.route = route
         self.ok = ok
+        self.counts = True
 
     def __iter__(self):
         try:
@@ -433,12 +437,20 @@ class ResponseBody:
         except (UpstreamTimeout, UpstreamUnreachable) as exc:
             self.ok = False  # the capability stalled or broke mid-body; the caller sees a cut response
             logger.warning("%s failed while streaming its response: %s", self.call.full, exc)
+            if isinstance(exc, UpstreamUnreachable):
+                runtime = runtime_for(self.route.backend)
+                stopped = runtime.call_stopped(slot=self.route.slot, sent_at=self.call.sent_at)
+                # Cut because another call ran its process past a limit: not this one's failure.
+                self.counts = stopped is None or stopped.culprit
 
     def close(self) -> None:
         # WSGI servers call close() after the last byte is written, so this bookkeeping is
         # off the caller's latency.
         self.upstream.release_conn()
-        self.gateway.finish(self.call, ok=self.ok)
+        if self.counts:
+            self.gateway.finish(self.call, ok=self.ok)
+        else:
+            self.gateway.abandon(self.call)
         log_access(
             self.environ,
             self.upstream.status,

@@ -1,6 +1,7 @@
 """A runaway capability on the local runtime stops only its own agent, and only until Sigil
 stops it: real workerd processes under the session's supervisor, the real gateway over HTTP."""
 
+import contextlib
 import threading
 import time
 
@@ -129,3 +130,45 @@ def test_code_whose_top_level_code_never_ends_is_refused_at_deploy(sigil, alice)
     assert alice.call("/alice/stuck").status_code == 404  # nothing was created
     assert alice.deploy(name="fine", code=PONG).status_code == 201  # and alice is served again
     assert alice.call("/alice/fine").text == "pong"
+
+
+# Streams a chunk every 100 ms for 5 s.
+TRICKLE = """export default { async fetch() {
+  const { readable, writable } = new TransformStream();
+  (async () => {
+    const writer = writable.getWriter();
+    for (let i = 0; i < 50; i++) {
+      await writer.write(new TextEncoder().encode('tick\\n'));
+      await scheduler.wait(100);
+    }
+    await writer.close();
+  })();
+  return new Response(readable);
+} }"""
+
+
+@pytest.mark.slow
+def test_a_response_cut_short_by_a_neighbours_runaway_is_not_counted_against_its_capability(sigil, alice, redis_client):
+    assert alice.deploy(name="trickle", code=TRICKLE).status_code == 201
+    assert alice.deploy(name="runaway", code=SPIN).status_code == 201
+    stream = requests.get(
+        f"{alice.base_url}/alice/trickle",
+        headers={"Authorization": f"Bearer {alice.invoke_token}"},
+        stream=True,
+        timeout=30,
+    )
+    assert stream.status_code == 200
+    lines = stream.iter_lines(chunk_size=1)  # each line as it arrives
+    assert next(lines) == b"tick"
+    time.sleep(0.8)  # well before the runaway: the watchdog does not blame it
+
+    assert alice.call("/alice/runaway").status_code == 504
+    received = 1
+    with contextlib.suppress(requests.exceptions.RequestException):
+        for _ in lines:
+            received += 1
+    assert received < 50  # the stream was cut when alice's workerd was stopped
+
+    wait_for(lambda: redis_client.hget(stats.stats_key("alice--runaway"), "calls") == b"1", message="calls recorded")
+    assert redis_client.get(stats.failures_key("alice--runaway")) == b"1"
+    assert redis_client.get(stats.failures_key("alice--trickle")) is None
