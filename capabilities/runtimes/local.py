@@ -244,12 +244,18 @@ class LocalRuntime(Runtime):
 
     def call_stopped(self, *, slot: str, sent_at: float) -> CallStopped | None:
         """The watchdog's kill record of the slot's process, when it stopped the process after
-        the call was sent, or shortly before (the call then found it restarting)."""
-        kill = self._kill_log.latest(self.processes.name_for(slot))
+        the call was sent, or shortly before while the fresh one was not serving yet."""
+        name = self.processes.name_for(slot)
+        kill = self._kill_log.latest(name)
         if kill is None or kill.at < sent_at - RESTART_GRACE_SECONDS:
             return None
-        culprit = sent_at <= kill.at and kill.blames(sent_at)
-        return CallStopped(culprit=culprit, reason=kill.reason, message=kill.describe())
+        if kill.at < sent_at:
+            status = read_status(self.processes.status_path) or {"processes": {}}
+            entry = status["processes"].get(name)
+            if entry is not None and entry["state"] == "serving" and kill.at <= entry["since"] <= sent_at:
+                return None  # a fresh process served when the call was sent: some other failure
+            return CallStopped(culprit=False, reason=kill.reason, message=kill.describe())
+        return CallStopped(culprit=kill.blames(sent_at), reason=kill.reason, message=kill.describe())
 
     def check(self) -> None:
         """The supervisor is running and reports every agent's workerd serving (it probes
