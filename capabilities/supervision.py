@@ -70,6 +70,8 @@ STATUS_MAX_AGE_SECONDS = 3.0
 # loaded machine). A call of the same process sent within that window is blamed too;
 # anything later (`blame_ends_at()`) is not.
 _SENT_BEFORE_LAST_ANSWER = 0.5
+# A loop silent for this many probe intervals is spinning, not merely busy for a moment.
+_NICE_AFTER_SILENT_INTERVALS = 3
 _SENT_AFTER_STUCK_PROBE = 0.25
 
 
@@ -223,6 +225,15 @@ class _Prober:
         self.sent_at = None
 
 
+def _set_nice(pid: int, value: int) -> bool:
+    """Set `pid`'s scheduling niceness; False when not allowed (lowering it needs privileges)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, value)
+    except (PermissionError, ProcessLookupError):
+        return False
+    return True
+
+
 def read_rss_mb(pid: int) -> float | None:
     """Resident memory of `pid` in MB (Linux /proc), None when it is gone."""
     try:
@@ -351,6 +362,7 @@ class SupervisedWorkerd:
         or `stop` is set (False)."""
         process = self.host.process
         prober = _Prober(self.port)
+        niced = False
         interval = self.limits.probe_interval_ms / 1000
         stall = self.limits.stall_ms / 1000
         self.alive_at = time.time()
@@ -369,9 +381,15 @@ class SupervisedWorkerd:
                 self.unanswered_since = prober.sent_at
                 if answered:
                     self.alive_at = time.time()
+                    if niced:  # without the privilege to undo it, it stays low until restarted
+                        niced = not _set_nice(process.pid, 0)
                     # Answered: probe again one interval after the last, not at once.
                     stop.wait(max(0.0, interval - (time.monotonic() - tick_started)))
                 now = time.time()
+                if not niced and now - self.alive_at > _NICE_AFTER_SILENT_INTERVALS * interval:
+                    # Until it answers again or is stopped, a spinning workerd yields the CPU
+                    # to the others (it would hold a whole core of a small machine).
+                    niced = _set_nice(process.pid, 19)
                 rss = read_rss_mb(process.pid)
                 if self._kill_requested or now - self.alive_at > stall or (rss or 0) > self.limits.memory_mb:
                     reason = self._kill_requested or ("memory" if (rss or 0) > self.limits.memory_mb else "cpu")
