@@ -67,7 +67,14 @@ class LocalProcesses:
         return slot.partition(SEPARATOR)[0]
 
     def group(self, *, code_dir: Path, binary: str, secret: str, limits: Limits, own_session: bool) -> WorkerdGroup:
-        """The supervisor's side: one supervised workerd per agent in the registry."""
+        """The supervisor's side: one supervised workerd per agent in the registry, which
+        first takes in every agent with a placement (made before the registry existed, or
+        while it was lost), so their calls find a process at once."""
+        slots = Path(code_dir) / "slots"
+        if slots.is_dir():
+            for pointer in slots.iterdir():
+                if pointer.is_file() and not pointer.name.startswith("."):
+                    self.registry.port_for(self.name_for(pointer.name))
 
         def make_host(name: str, port: int) -> WorkerdHost:
             # A directory per process: each writes its config and copies the host module there.
