@@ -20,8 +20,8 @@ API (everything a runtime or the Cloudflare emulator needs; the host is any obje
   processes that forwarded the calls (web, Celery) can read what the supervisor decided.
 - `PortRegistry(path, base_port)`: `port_for(name)` is stable for a name across restarts of
   every process (an index kept in a JSON file, allocated once under a file lock); `names()`.
-- `SupervisedWorkerd(name, host, limits, kill_log=None, on_kill=None)`: one process kept
-  running by `run(stop_event)` (in a thread of its own); `state`, `serving()`,
+- `SupervisedWorkerd(name, host, limits, kill_log=None, on_kill=None, on_state=None)`: one
+  process kept running by `run(stop_event)` (in a thread of its own); `state`, `serving()`,
   `wait_serving(timeout)`, `alive_at` (epoch of the last answered probe), `blame_ends_at()`
   (while the loop is silent, the send time after which no call is blamed for it),
   `kill(reason)` (as if past that limit), `restart()` (no record), `snapshot()`. An error
@@ -31,8 +31,9 @@ API (everything a runtime or the Cloudflare emulator needs; the host is any obje
   one SupervisedWorkerd per name, started on demand. `ensure(name, timeout)` starts (or
   finds) the process for `name` and returns its port once it serves; `run(stop_event)`
   also starts one for every name the registry holds, writes a status file every half
-  second (`read_status(path)`), and stops them all when `stop_event` is set: SIGTERM, and
-  SIGKILL for any that has not exited after `stop_seconds` (a stalled one at once).
+  second and whenever a process changes state (`read_status(path)`), and stops them all
+  when `stop_event` is set: SIGTERM, and SIGKILL for any that has not exited after
+  `stop_seconds` (a stalled one at once).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ STATUS_MAX_AGE_SECONDS = 3.0
 # loaded machine). A call of the same process sent within that window is blamed too;
 # anything later (`blame_ends_at()`) is not.
 _SENT_BEFORE_LAST_ANSWER = 0.5
+# A loop silent for this many probe intervals is spinning, not merely busy for a moment.
+_NICE_AFTER_SILENT_INTERVALS = 3
 _SENT_AFTER_STUCK_PROBE = 0.25
 
 
@@ -222,6 +225,15 @@ class _Prober:
         self.sent_at = None
 
 
+def _set_nice(pid: int, value: int) -> bool:
+    """Set `pid`'s scheduling niceness; False when not allowed (lowering it needs privileges)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, value)
+    except (PermissionError, ProcessLookupError):
+        return False
+    return True
+
+
 def read_rss_mb(pid: int) -> float | None:
     """Resident memory of `pid` in MB (Linux /proc), None when it is gone."""
     try:
@@ -245,12 +257,14 @@ class SupervisedWorkerd:
         *,
         kill_log: KillLog | None = None,
         on_kill: Callable[[Kill], None] | None = None,
+        on_state: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
         self.host = host
         self.limits = limits
         self.kill_log = kill_log
         self.on_kill = on_kill
+        self.on_state = on_state
         self.state = "starting"  # starting, serving, restarting, failed, stopped
         self.state_since = time.time()
         self.last_kill: Kill | None = None
@@ -297,12 +311,15 @@ class SupervisedWorkerd:
         }
 
     def _set_state(self, state: str) -> None:
-        if state != self.state:
+        changed = state != self.state
+        if changed:
             self.state, self.state_since = state, time.time()
         if state == "serving":
             self._serving.set()
         else:
             self._serving.clear()
+        if changed and self.on_state is not None:
+            self.on_state()
 
     def run(self, stop: threading.Event, *, stop_seconds: float = 2.0) -> None:
         """Start the process, watch it, restart it (at once after a kill, backed off after a
@@ -345,6 +362,7 @@ class SupervisedWorkerd:
         or `stop` is set (False)."""
         process = self.host.process
         prober = _Prober(self.port)
+        niced = False
         interval = self.limits.probe_interval_ms / 1000
         stall = self.limits.stall_ms / 1000
         self.alive_at = time.time()
@@ -363,9 +381,15 @@ class SupervisedWorkerd:
                 self.unanswered_since = prober.sent_at
                 if answered:
                     self.alive_at = time.time()
+                    if niced:  # without the privilege to undo it, it stays low until restarted
+                        niced = not _set_nice(process.pid, 0)
                     # Answered: probe again one interval after the last, not at once.
                     stop.wait(max(0.0, interval - (time.monotonic() - tick_started)))
                 now = time.time()
+                if not niced and now - self.alive_at > _NICE_AFTER_SILENT_INTERVALS * interval:
+                    # Until it answers again or is stopped, a spinning workerd yields the CPU
+                    # to the others (it would hold a whole core of a small machine).
+                    niced = _set_nice(process.pid, 19)
                 rss = read_rss_mb(process.pid)
                 if self._kill_requested or now - self.alive_at > stall or (rss or 0) > self.limits.memory_mb:
                     reason = self._kill_requested or ("memory" if (rss or 0) > self.limits.memory_mb else "cpu")
@@ -442,6 +466,7 @@ class WorkerdGroup:
         self._failures: list[BaseException] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._status_lock = threading.Lock()
 
     def ensure(self, name: str, *, timeout: float = 15.0) -> int:
         """Start the process of `name` unless it runs; return its port once it serves.
@@ -467,6 +492,8 @@ class WorkerdGroup:
                     self.limits,
                     kill_log=self.kill_log,
                     on_kill=self.on_kill,
+                    # Other processes wait for a new name's process to serve: tell them at once.
+                    on_state=self.write_status if self.status_path is not None else None,
                 )
                 thread = threading.Thread(target=self._run_one, args=(supervised,), name=f"workerd-{name}", daemon=True)
                 self.processes[name] = supervised
@@ -506,13 +533,14 @@ class WorkerdGroup:
             self.status_path.unlink(missing_ok=True)
 
     def write_status(self) -> None:
-        status = {
-            "pid": os.getpid(),
-            "at": time.time(),
-            "processes": {name: p.snapshot() for name, p in sorted(self.processes.items())},
-        }
-        self.status_path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.status_path, json.dumps(status).encode())
+        with self._status_lock:  # in order: a later snapshot is never replaced by an earlier one
+            status = {
+                "pid": os.getpid(),
+                "at": time.time(),
+                "processes": {name: p.snapshot() for name, p in sorted(self.processes.items())},
+            }
+            self.status_path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(self.status_path, json.dumps(status).encode())
 
 
 def read_status(path: Path, *, max_age: float = STATUS_MAX_AGE_SECONDS) -> dict[str, Any] | None:

@@ -67,7 +67,14 @@ class LocalProcesses:
         return slot.partition(SEPARATOR)[0]
 
     def group(self, *, code_dir: Path, binary: str, secret: str, limits: Limits, own_session: bool) -> WorkerdGroup:
-        """The supervisor's side: one supervised workerd per agent in the registry."""
+        """The supervisor's side: one supervised workerd per agent in the registry, which
+        first takes in every agent with a placement (made before the registry existed, or
+        while it was lost), so their calls find a process at once."""
+        slots = Path(code_dir) / "slots"
+        if slots.is_dir():
+            for pointer in slots.iterdir():
+                if pointer.is_file() and not pointer.name.startswith("."):
+                    self.registry.port_for(self.name_for(pointer.name))
 
         def make_host(name: str, port: int) -> WorkerdHost:
             # A directory per process: each writes its config and copies the host module there.
@@ -244,12 +251,18 @@ class LocalRuntime(Runtime):
 
     def call_stopped(self, *, slot: str, sent_at: float) -> CallStopped | None:
         """The watchdog's kill record of the slot's process, when it stopped the process after
-        the call was sent, or shortly before (the call then found it restarting)."""
-        kill = self._kill_log.latest(self.processes.name_for(slot))
+        the call was sent, or shortly before while the fresh one was not serving yet."""
+        name = self.processes.name_for(slot)
+        kill = self._kill_log.latest(name)
         if kill is None or kill.at < sent_at - RESTART_GRACE_SECONDS:
             return None
-        culprit = sent_at <= kill.at and kill.blames(sent_at)
-        return CallStopped(culprit=culprit, reason=kill.reason, message=kill.describe())
+        if kill.at < sent_at:
+            status = read_status(self.processes.status_path) or {"processes": {}}
+            entry = status["processes"].get(name)
+            if entry is not None and entry["state"] == "serving" and kill.at <= entry["since"] <= sent_at:
+                return None  # a fresh process served when the call was sent: some other failure
+            return CallStopped(culprit=False, reason=kill.reason, message=kill.describe())
+        return CallStopped(culprit=kill.blames(sent_at), reason=kill.reason, message=kill.describe())
 
     def check(self) -> None:
         """The supervisor is running and reports every agent's workerd serving (it probes

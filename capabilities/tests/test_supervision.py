@@ -128,7 +128,7 @@ def test_the_status_file_lists_each_process(group, tmp_path):
 
 
 @pytest.mark.slow
-def test_stopping_the_group_kills_a_stalled_process_promptly(tmp_path):
+def test_a_stalled_process_yields_the_cpu_and_stopping_the_group_kills_it_promptly(tmp_path):
     code_dir = tmp_path / "code"
     group = WorkerdGroup(
         lambda name, port: WorkerdHost(
@@ -144,6 +144,8 @@ def test_stopping_the_group_kills_a_stalled_process_promptly(tmp_path):
     pid = group.get("stuck").host.process.pid
     threading.Thread(target=call, args=(port, place(group, SPIN)), daemon=True).start()
     wait_until(lambda: call(port, "0" * 64, timeout=0.3)[0] is None, timeout=5, what="the loop to stall")
+    # Spinning, it yields the CPU to every other process until it is stopped.
+    wait_until(lambda: os.getpriority(os.PRIO_PROCESS, pid) == 19, timeout=3, what="the process to be niced")
 
     started = time.monotonic()
     stop.set()

@@ -44,3 +44,22 @@ def test_new_code_frees_the_bundle_it_replaces_unless_another_slot_uses_it(runti
     runtime.place(slot="bob--two", bundle=second)
     assert not (runtime.code_dir / f"{first.sha}.json").exists()
     assert call(runtime.route(slot="bob--two", sha=second.sha)).data == b"hello /"
+
+
+def test_the_supervisor_takes_in_every_agent_with_a_placement(tmp_path):
+    from capabilities.runtimes.local import LocalProcesses, local_limits
+
+    (tmp_path / "code" / "slots").mkdir(parents=True)
+    for slot in ("alice--one", "alice--two", "bob--three"):
+        (tmp_path / "code" / "slots" / slot).write_text("0" * 64)
+    processes = LocalProcesses(state_dir=tmp_path / "workerd", base_port=9000)
+
+    processes.group(
+        code_dir=tmp_path / "code",
+        binary="workerd",
+        secret="s",
+        limits=local_limits(cpu_ms=1000, memory_mb=512),
+        own_session=True,
+    )
+
+    assert processes.registry.names() == ["alice", "bob"]
