@@ -13,6 +13,12 @@ The grace covers what the emulator cannot measure finely: /proc counts CPU in cl
 (10 ms), and a first call pays for its isolate's start, which Cloudflare does not charge to
 the call (startup has its own limit). So a call is stopped once it has used between its
 limit and its limit plus the grace of CPU, one poll and the supervisor's kill later.
+
+One exception: the supervisor renices a process whose event loop stays silent (a script
+spinning), so that it yields its core to the others. A script running on Cloudflare has
+its core to itself; so while its process is silent and reniced, a call is charged the
+wall time that passes when that is more than the CPU it got, or a runaway on a busy
+machine would wait for its limit's worth of CPU for many times as long.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,12 +57,30 @@ class Ticket:
     exceeded: bool = False
 
 
+def _reniced(pid: int) -> bool:
+    """Whether `pid` runs nicer than the emulator that started it."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, pid) > os.getpriority(os.PRIO_PROCESS, 0)
+    except OSError:
+        return False
+
+
 @dataclass(eq=False)
 class _Metered:
     pid: int
     stop: Callable[[], None]
+    silent: Callable[[], bool]
     tickets: list[Ticket] = field(default_factory=list)
     last_cpu_ms: float | None = None
+    last_at: float = field(default_factory=time.monotonic)
+
+    def spent_ms(self, cpu_ms: float, now: float) -> float:
+        """What the process spent since the last look: its CPU, or the wall time while
+        silent and reniced (see the module's docstring)."""
+        spent = cpu_ms - self.last_cpu_ms
+        if self.silent() and _reniced(self.pid):
+            spent = max(spent, (now - self.last_at) * 1000)
+        return spent
 
 
 class CpuMeter:
@@ -81,14 +106,19 @@ class CpuMeter:
             self._thread = None
 
     @contextmanager
-    def call(self, *, pid: int, stop: Callable[[], None], limit_ms: int) -> Iterator[Ticket]:
+    def call(
+        self, *, pid: int, stop: Callable[[], None], limit_ms: int, silent: Callable[[], bool] = lambda: False
+    ) -> Iterator[Ticket]:
         """Meter one call on process `pid` for as long as the block runs; `stop()` ends
-        that process (it must not block on the meter). The ticket says whether it was stopped."""
+        that process (it must not block on the meter); `silent()` tells whether its event
+        loop has stopped answering. The ticket says whether it was stopped."""
         ticket = Ticket(limit_ms=limit_ms)
         with self._lock:
             metered = self._processes.get(pid)
             if metered is None:
-                metered = self._processes[pid] = _Metered(pid=pid, stop=stop, last_cpu_ms=process_cpu_ms(pid))
+                metered = self._processes[pid] = _Metered(
+                    pid=pid, stop=stop, silent=silent, last_cpu_ms=process_cpu_ms(pid)
+                )
             metered.tickets.append(ticket)
         try:
             yield ticket
@@ -108,12 +138,12 @@ class CpuMeter:
         stopping: list[tuple[_Metered, Ticket]] = []
         with self._lock:
             for metered in self._processes.values():
-                now = process_cpu_ms(metered.pid)
-                if now is None or metered.last_cpu_ms is None or not metered.tickets:
-                    metered.last_cpu_ms = now
+                cpu_ms, at = process_cpu_ms(metered.pid), time.monotonic()
+                if cpu_ms is None or metered.last_cpu_ms is None or not metered.tickets:
+                    metered.last_cpu_ms, metered.last_at = cpu_ms, at
                     continue
-                share = (now - metered.last_cpu_ms) / len(metered.tickets)
-                metered.last_cpu_ms = now
+                share = metered.spent_ms(cpu_ms, at) / len(metered.tickets)
+                metered.last_cpu_ms, metered.last_at = cpu_ms, at
                 for ticket in metered.tickets:
                     ticket.used_ms += share
                 worst = max(metered.tickets, key=lambda t: t.used_ms - t.limit_ms)

@@ -85,6 +85,10 @@ class ScriptProcess:
         process = self.supervised.host.process
         return process.pid if process is not None else None
 
+    def silent(self) -> bool:
+        """Whether its event loop has left the supervisor's probe unanswered for a while."""
+        return self.supervised.blame_ends_at() is not None
+
     def stop_for_cpu(self) -> None:
         """Have the supervisor kill it now (a call ran past its CPU limit) and start a fresh one."""
         self.supervised.kill("cpu")

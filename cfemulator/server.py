@@ -205,7 +205,9 @@ class EmulatorServer:
         pid = running.pid
         if pid is None:
             raise ApiError(500, 10002, "the emulator's workerd for start checks is restarting; try again")
-        with self.meter.call(pid=pid, stop=running.stop_for_cpu, limit_ms=STARTUP_CPU_MS) as ticket:
+        with self.meter.call(
+            pid=pid, stop=running.stop_for_cpu, limit_ms=STARTUP_CPU_MS, silent=running.silent
+        ) as ticket:
             try:
                 if loader_host_start_check(_START_CHECKS, route):
                     return None
@@ -400,7 +402,9 @@ class _RequestHandler(BaseHTTPRequestHandler):
                     continue
                 raise RuntimeError(f"workerd for {target.name} keeps stopping")
             sent_at = time.time()
-            with emulator.meter.call(pid=pid, stop=running.stop_for_cpu, limit_ms=limit_ms) as ticket:
+            with emulator.meter.call(
+                pid=pid, stop=running.stop_for_cpu, limit_ms=limit_ms, silent=running.silent
+            ) as ticket:
                 try:
                     return emulator.proxy(self.command, path, headers, body, port=running.port)
                 except urllib3.exceptions.HTTPError as exc:

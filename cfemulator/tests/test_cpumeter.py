@@ -3,6 +3,7 @@ waits is not, and CPU is shared among the calls in flight."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -68,3 +69,19 @@ def test_calls_in_flight_together_share_their_process_cpu(meter, processes):
         time.sleep(0.5)
     assert first.used_ms > 50 and abs(first.used_ms - second.used_ms) < 50
     assert first.used_ms + second.used_ms <= process_cpu_ms(spinning.pid) + 10
+
+
+def test_a_silent_process_its_supervisor_reniced_is_charged_the_wall_time_it_waits(meter, processes):
+    # Stands for a spinning workerd starved of CPU after its supervisor reniced it: on
+    # Cloudflare the call would have had its core, so it is charged as if it had.
+    starved, merely_slow = processes(WAIT), processes(WAIT)
+    os.setpriority(os.PRIO_PROCESS, starved.pid, 19)
+    with (
+        meter.call(pid=starved.pid, stop=starved.kill, limit_ms=100, silent=lambda: True) as charged,
+        meter.call(pid=merely_slow.pid, stop=merely_slow.kill, limit_ms=100, silent=lambda: True) as spared,
+    ):
+        deadline = time.monotonic() + 5
+        while starved.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert charged.exceeded and starved.poll() is not None
+    assert not spared.exceeded and merely_slow.poll() is None
