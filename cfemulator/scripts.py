@@ -29,12 +29,13 @@ from cfemulator.bound import BoundHost, needs_own_workerd
 from cfemulator.limits import MAX_CPU_MS
 from cfemulator.uploads import ScriptUpload
 
-# A script may hold its event loop for its whole CPU limit, up to 5 min: the supervisor's own
-# stall limit is only a backstop beyond it; the meter stops calls at their own limits.
 # Cloudflare allows 128 MB per isolate; workerd itself is about 50 MB resident, and the
 # loader runtime's Worker holds every capability's isolate in one process: a backstop against
 # a runaway allocation rather than the per-isolate limit, which one process cannot measure.
 MEMORY_MB = 512
+# A script may hold its event loop for its whole CPU limit, up to 5 min: the supervisor's own
+# stall limit is only a backstop beyond it; the meter stops calls at their own limits. The
+# probe interval bounds how soon the supervisor acts on the meter's kill.
 LIMITS = Limits(stall_ms=MAX_CPU_MS + 1000, memory_mb=MEMORY_MB, probe_interval_ms=200)
 _RESTART_SECONDS = 5.0
 
