@@ -37,6 +37,7 @@ from capabilities.upstream import (
 from sigil_site.errors import (
     CapabilityError,
     Degraded,
+    InternalError,
     InvalidRequest,
     NotFound,
     SigilError,
@@ -44,6 +45,7 @@ from sigil_site.errors import (
     TooLarge,
     UpstreamError,
     error_body,
+    error_for_unexpected,
     error_headers,
 )
 from sigil_site.redis_client import get_redis
@@ -114,6 +116,12 @@ class Gateway:
             result = self.handle(environ, start_and_remember, started)
         except SigilError as error:
             result = self.reply_error(start_and_remember, error)
+        except Exception as exc:
+            # The edge answers in the contract, always: a bug or an unreachable Redis still
+            # gets the envelope and its access-log line, never the server's bare 500.
+            if sent:
+                raise  # the status line is out; the server can only cut the response
+            result = self.reply_error(start_and_remember, _unexpected(environ, exc))
         try:
             if isinstance(result, ResponseBody):
                 result.environ = environ  # logged when the body has been sent
@@ -162,7 +170,7 @@ class Gateway:
     def forward(self, environ, start_response, call: Call, route: routes.CachedRoute, rest: str):
         page_in_ms = None
         if route.state not in routes.SERVED_STATES:
-            if "respond-async" in environ.get("HTTP_PREFER", ""):
+            if _prefers_async(environ):
                 return self.reply_warming(start_response, call)
             route, page_in_ms = self.page_in(call.full)
         target = self.target(route)
@@ -185,7 +193,12 @@ class Gateway:
             from capabilities.services import capability_mark_missing
 
             capability_mark_missing(full=call.full, slot=route.slot, backend=route.backend)
-            route, page_in_ms = self.page_in(call.full)
+            try:
+                route, page_in_ms = self.page_in(call.full)
+            except Timeout:
+                if not _prefers_async(environ):
+                    raise
+                return self.reply_warming(start_response, call)  # another call is placing it
             upstream_started = time.perf_counter()
             upstream = self.send_once(environ, call, route, rest)
         upstream_ms = (time.perf_counter() - upstream_started) * 1000
@@ -225,7 +238,8 @@ class Gateway:
         from capabilities.services import capability_page_in
 
         started = time.perf_counter()
-        route, _ = capability_page_in(full=full)
+        # Waiting on another call's page-in is bounded as the call itself is (then Timeout).
+        route, _ = capability_page_in(full=full, wait_seconds=self.upstream.read_timeout)
         return route, (time.perf_counter() - started) * 1000
 
     def send_once(self, environ, call: Call, route: routes.CachedRoute, rest: str) -> UpstreamResponse:
@@ -407,14 +421,19 @@ class ResponseBody:
         # WSGI servers call close() after the last byte is written, so this bookkeeping is
         # off the caller's latency.
         self.upstream.release_conn()
-        self.gateway.finish(self.call, ok=self.ok)
-        log_access(
-            self.environ,
-            self.upstream.status,
-            self.call.started,
-            capability=self.call.full,
-            page_in_ms=self.call.page_in_ms,
-        )
+        try:
+            self.gateway.finish(self.call, ok=self.ok)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # The caller has its answer; only this call's counters and breaker update are lost.
+            logger.error("Redis unreachable: the call to %s was not recorded: %s", self.call.full, exc)
+        finally:
+            log_access(
+                self.environ,
+                self.upstream.status,
+                self.call.started,
+                capability=self.call.full,
+                page_in_ms=self.call.page_in_ms,
+            )
 
 
 STATUS_TEXT = {
@@ -496,6 +515,21 @@ def read_limited(stream, limit: int) -> bytes:
     if len(data) > limit:
         raise TooLarge(f"the request body is over {limit} bytes")
     return data
+
+
+def _prefers_async(environ) -> bool:
+    return "respond-async" in environ.get("HTTP_PREFER", "")
+
+
+def _unexpected(environ, exc: Exception) -> SigilError:
+    """The contract's answer to `exc`, logged once here with the request id the caller sees."""
+    error = error_for_unexpected(exc)
+    method, path = environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", "")
+    if isinstance(error, InternalError):
+        logger.exception("request %s failed: %s %s", error.request_id, method, quote(path))
+    else:
+        logger.warning("%s %s answered %s: %s", method, quote(path), error.code, exc)
+    return error
 
 
 def _db_connection_open() -> bool:
