@@ -4,6 +4,8 @@ round trip after the response, and read back in batches by the flush task."""
 from __future__ import annotations
 
 import bisect
+import json
+import uuid
 from dataclasses import dataclass, field
 
 from sigil_site.redis_client import get_redis
@@ -83,12 +85,38 @@ end
 return ''
 """
 
-# KEYS: stats hash. Reads and clears the counters in one step, so that calls made while a
-# flush runs are counted by the next one rather than lost.
-TAKE_STATS = """
-local values = redis.call('HGETALL', KEYS[1])
-redis.call('DEL', KEYS[1])
-return values
+# The flush moves counters to the database in three steps, each safe to die after: claim a
+# batch (this script: the counters move, atomically, into a batch hash named by a fresh
+# flush id, listed in PENDING_KEY), apply it in one database transaction that records the
+# flush id (so a batch is applied at most once), then release it (delete the batch). A
+# flush that died leaves its batch pending, and the next flush applies it (unless its
+# transaction had committed) and releases it: every call counted reaches the database once.
+PENDING_KEY = "sigil:stats:pending"
+
+
+def batch_key(flush_id: str) -> str:
+    """A claimed batch: full name → the capability's counters (a JSON list of field, value)."""
+    return f"sigil:stats:batch:{flush_id}"
+
+
+# KEYS: dirty set, pending index, the new batch, then the stats hash of each candidate
+# ARGV: flush id, claim time (epoch s), then each candidate's full name, in KEYS' order
+# Returns how many capabilities the batch holds (0: nothing claimed, nothing pending).
+CLAIM_STATS = """
+local dirty, pending, batch = KEYS[1], KEYS[2], KEYS[3]
+local taken = 0
+for i = 3, #ARGV do
+  local full, stats = ARGV[i], KEYS[i + 1]
+  redis.call('SREM', dirty, full)
+  local values = redis.call('HGETALL', stats)
+  if #values > 0 then
+    redis.call('HSET', batch, full, cjson.encode(values))
+    redis.call('DEL', stats)
+    taken = taken + 1
+  end
+end
+if taken > 0 then redis.call('ZADD', pending, ARGV[2], ARGV[1]) end
+return taken
 """
 
 
@@ -102,20 +130,66 @@ class CallStats:
     page_in_ms: float = 0.0
     buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_MS) + 1))
 
+    @classmethod
+    def from_fields(cls, values: dict[str, str]) -> CallStats:
+        """From a stats hash's fields, as RECORD_CALL writes them."""
+        return cls(
+            calls=int(values.get("calls", 0)),
+            errors=int(values.get("errors", 0)),
+            latency_ms=float(values.get("latency_ms", 0.0)),
+            last_access_epoch=float(values["last_access"]) if "last_access" in values else None,
+            cold_calls=int(values.get("cold", 0)),
+            page_in_ms=float(values.get("page_in_ms", 0.0)),
+            buckets=[int(values.get(f"b{i}", 0)) for i in range(len(LATENCY_BUCKETS_MS) + 1)],
+        )
 
-def stats_take(full: str) -> CallStats:
-    """Read and reset the counters recorded for `full` since the last flush."""
-    raw = get_redis().eval(TAKE_STATS, 1, stats_key(full))
-    values = {raw[i].decode(): raw[i + 1].decode() for i in range(0, len(raw), 2)}
-    return CallStats(
-        calls=int(values.get("calls", 0)),
-        errors=int(values.get("errors", 0)),
-        latency_ms=float(values.get("latency_ms", 0.0)),
-        last_access_epoch=float(values["last_access"]) if "last_access" in values else None,
-        cold_calls=int(values.get("cold", 0)),
-        page_in_ms=float(values.get("page_in_ms", 0.0)),
-        buckets=[int(values.get(f"b{i}", 0)) for i in range(len(LATENCY_BUCKETS_MS) + 1)],
-    )
+
+@dataclass(frozen=True)
+class StatsBatch:
+    """Counters claimed by one flush, waiting to be applied and released."""
+
+    flush_id: str
+    claimed_epoch: float
+    calls: dict[str, CallStats]  # by full name
+
+
+def stats_claim(*, now_epoch: float, batch_size: int) -> StatsBatch | None:
+    """Move the counters of up to `batch_size` dirty capabilities into a new pending batch;
+    None when no capability has counted a call since the last claim."""
+    redis = get_redis()
+    candidates = [m.decode() for m in redis.srandmember(DIRTY_KEY, batch_size) or []]
+    if not candidates:
+        return None
+    flush_id = uuid.uuid4().hex
+    keys = [DIRTY_KEY, PENDING_KEY, batch_key(flush_id), *(stats_key(full) for full in candidates)]
+    if not redis.eval(CLAIM_STATS, len(keys), *keys, flush_id, f"{now_epoch:.6f}", *candidates):
+        return None
+    return _batch_read(redis, flush_id, now_epoch)
+
+
+def stats_pending(*, limit: int) -> list[StatsBatch]:
+    """Batches claimed by flushes that did not release them (they died, or are running), oldest first."""
+    redis = get_redis()
+    batches = []
+    for flush_id, claimed in redis.zrange(PENDING_KEY, 0, limit - 1, withscores=True):
+        batches.append(_batch_read(redis, flush_id.decode(), claimed))
+    return batches
+
+
+def stats_release(flush_id: str) -> None:
+    """Forget a batch once the database holds it. Idempotent."""
+    pipe = get_redis().pipeline(transaction=True)
+    pipe.delete(batch_key(flush_id))
+    pipe.zrem(PENDING_KEY, flush_id)
+    pipe.execute()
+
+
+def _batch_read(redis, flush_id: str, claimed_epoch: float) -> StatsBatch:
+    calls = {}
+    for full, encoded in redis.hgetall(batch_key(flush_id)).items():
+        flat = json.loads(encoded)
+        calls[full.decode()] = CallStats.from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
+    return StatsBatch(flush_id=flush_id, claimed_epoch=claimed_epoch, calls=calls)
 
 
 def percentile_ms(buckets: list[int], fraction: float) -> float | None:

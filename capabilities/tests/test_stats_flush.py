@@ -1,0 +1,104 @@
+"""The stats flush loses no call and counts none twice, whichever step it dies after: claiming
+a batch in Redis, committing it to the database, or releasing it."""
+
+import time
+
+import pytest
+from django.db import DatabaseError
+
+from capabilities import services, stats, tasks
+from capabilities.models import Capability, CapabilityStatsWindow, StatsFlush
+from sigil_site.redis_client import get_redis
+from testsupport.capability_code import PONG
+from testsupport.cast import wait_for
+
+
+def call_and_wait_until_recorded(alice, times: int) -> None:
+    """Call alice's ping `times` times; return once the gateway has counted them all."""
+    redis = get_redis()
+    before = int(redis.hget(stats.stats_key("alice--ping"), "calls") or 0)
+    for _ in range(times):
+        assert alice.call("/alice/ping").text == "pong"
+    wait_for(
+        lambda: int(redis.hget(stats.stats_key("alice--ping"), "calls") or 0) >= before + times,
+        message=f"{times} calls counted",
+    )
+
+
+def totals() -> tuple[int, int]:
+    """(calls in the capability's totals, calls in its minute windows)."""
+    capability = Capability.objects.get(full_name="alice--ping")
+    in_windows = sum(CapabilityStatsWindow.objects.filter(full_name="alice--ping").values_list("calls", flat=True))
+    return capability.calls_total, in_windows
+
+
+def nothing_pending() -> bool:
+    redis = get_redis()
+    return redis.zcard(stats.PENDING_KEY) == 0 and not redis.keys(stats.batch_key("*"))
+
+
+@pytest.fixture
+def ping(alice):
+    alice.deploy(name="ping", code=PONG)
+    return alice
+
+
+def test_a_flush_that_died_after_claiming_its_batch_is_completed_by_the_next(ping):
+    call_and_wait_until_recorded(ping, 3)
+    claimed = stats.stats_claim(now_epoch=time.time(), batch_size=500)  # ... and the flush dies here
+    assert claimed.calls["alice--ping"].calls == 3
+    assert get_redis().hget(stats.stats_key("alice--ping"), "calls") is None  # moved, not copied
+    assert totals() == (0, 0)
+
+    call_and_wait_until_recorded(ping, 2)  # counted meanwhile, in a fresh hash
+    tasks.capability_flush_stats()
+    assert totals() == (5, 5)
+    assert nothing_pending()
+
+    tasks.capability_flush_stats()  # nothing left to count
+    assert totals() == (5, 5)
+
+
+def test_a_flush_that_died_after_its_commit_is_not_counted_twice(ping):
+    call_and_wait_until_recorded(ping, 3)
+    claimed = stats.stats_claim(now_epoch=time.time(), batch_size=500)
+    assert services.capability_apply_stats(batch=claimed)  # committed; the flush dies before releasing
+    assert totals() == (3, 3)
+    assert not services.capability_apply_stats(batch=claimed)  # applying it again changes nothing
+
+    assert services.capability_flush_stats() == 0  # releases the batch, counts nothing
+    assert totals() == (3, 3)
+    assert nothing_pending()
+
+
+def test_a_database_error_mid_flush_keeps_the_batch_for_the_next_flush(ping):
+    call_and_wait_until_recorded(ping, 3)
+    # A total the database cannot grow: adding to it fails inside the flush's transaction.
+    Capability.objects.filter(full_name="alice--ping").update(calls_total=2**63 - 1)
+
+    with pytest.raises((OverflowError, DatabaseError)):
+        tasks.capability_flush_stats()
+    assert get_redis().zcard(stats.PENDING_KEY) == 1  # the claimed calls wait in Redis
+    assert not StatsFlush.objects.exists()  # rolled back with the rest
+    assert not CapabilityStatsWindow.objects.exists()
+
+    Capability.objects.filter(full_name="alice--ping").update(calls_total=0)
+    tasks.capability_flush_stats()
+    assert totals() == (3, 3)
+    assert nothing_pending()
+
+
+def test_flushing_several_capabilities_in_small_batches_counts_each_call_once(alice):
+    for name in ("a", "b", "c"):
+        alice.deploy(name=name, code=PONG)
+    expected = {"alice--a": 1, "alice--b": 2, "alice--c": 3}
+    for full, times in expected.items():
+        for _ in range(times):
+            assert alice.call("/" + full.replace("--", "/")).text == "pong"
+    redis = get_redis()
+    wait_for(lambda: all(redis.hget(stats.stats_key(f), "calls") for f in expected), message="calls counted")
+
+    while services.capability_flush_stats(batch_size=1):
+        pass
+    assert dict(Capability.objects.values_list("full_name", "calls_total")) == expected
+    assert nothing_pending()
