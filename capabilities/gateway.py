@@ -22,11 +22,9 @@ from urllib3.util import parse_url
 
 from agents import tokens
 from agents.selectors import parse_bearer, token_authenticate
-from capabilities import names, pager, routes, stats
-from capabilities.models import BreakerState
+from capabilities import breaker, names, pager, routes, stats
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import Route
-from capabilities.tasks import capability_record_breaker as capability_record_breaker_task
 from capabilities.upstream import (
     HOP_BY_HOP,
     UpstreamConnections,
@@ -36,7 +34,6 @@ from capabilities.upstream import (
 )
 from sigil_site.errors import (
     CapabilityError,
-    Degraded,
     InternalError,
     InvalidRequest,
     NotFound,
@@ -94,8 +91,7 @@ class Gateway:
         self.runtime = get_runtime()
         self.record_call = self.redis.register_script(stats.RECORD_CALL)
         self.max_body = settings.SIGIL_INVOKE_MAX_BODY_BYTES
-        self.breaker_threshold = settings.SIGIL_BREAKER_THRESHOLD
-        self.breaker_cooldown = settings.SIGIL_BREAKER_COOLDOWN_SECONDS
+        self.breaker = breaker.Breaker.from_settings()
         # The pager deletes a victim only once no call to it is in flight; unbounded
         # runtimes never page out, so they skip the counting.
         self.tracks_inflight = self.runtime.total_slots is not None
@@ -142,13 +138,13 @@ class Gateway:
             authorization = None  # the server's environment, not the caller's header
         secret = parse_bearer(authorization)
         token_hash = tokens.hash_secret(secret)
-        keys = (tokens.cache_key(token_hash), routes.key(full), stats.breaker_key(full))
+        keys = (tokens.cache_key(token_hash), routes.key(full), breaker.open_key(full))
         try:
-            token_raw, route_raw, open_until = self.thread_redis().mget(keys)
+            token_raw, route_raw, breaker_raw = self.thread_redis().mget(keys)
         except redis.ConnectionError:
             # The held connection was closed (Redis restarted, or dropped an idle client);
             # redis-py has discarded it, so this reconnects.
-            token_raw, route_raw, open_until = self.thread_redis().mget(keys)
+            token_raw, route_raw, breaker_raw = self.thread_redis().mget(keys)
         principal = token_authenticate(secret, cached=token_raw)
         if route_raw is None:
             route_raw = routes.route_load(full)
@@ -159,7 +155,9 @@ class Gateway:
         if route.expires_epoch is not None and route.expires_epoch <= now:
             raise NotFound(f"{full} has expired")
 
-        is_trial = self.enter_open_breaker(full, float(open_until), now) if open_until is not None else False
+        is_trial = False
+        if breaker_raw is not None:  # not closed: open, half-open or forced
+            is_trial = self.breaker.enter(self.redis, full=full, raw=breaker_raw, now=now)
         call = Call(full, route.type, token_hash, started, is_trial)
         try:
             return self.forward(environ, start_response, call, route, rest)
@@ -251,19 +249,6 @@ class Gateway:
         except UpstreamUnreachable as exc:
             raise UpstreamError(f"the runtime could not be reached for {call.full}: {exc}") from exc
 
-    def enter_open_breaker(self, full: str, open_until: float, now: float) -> bool:
-        """While open, refuse; after the cool-down let exactly one trial call through."""
-        if now < open_until:
-            if open_until - now > self.breaker_cooldown:
-                # Only the owner's "force degraded" opens a breaker for longer than a
-                # cool-down, and it has no end: ask the caller to look again after one.
-                raise Degraded(f"{full} was made degraded by Sigil's owner", retry_after=self.breaker_cooldown)
-            raise Degraded(f"{full} is degraded after repeated failures", retry_after=open_until - now)
-        ttl_ms = int(self.breaker_cooldown * 1000) or 1000
-        if not self.redis.set(stats.trial_key(full), 1, nx=True, px=ttl_ms):
-            raise Degraded(f"{full} is degraded; a trial call is in progress", retry_after=1)
-        return True
-
     def target(self, route: routes.CachedRoute) -> Route:
         # The route's own runtime: while `switchbackend` moves capabilities, some are still
         # placed on the previous one, and are served there until their move is recorded.
@@ -313,9 +298,9 @@ class Gateway:
             client=self.thread_redis(),
             keys=[
                 stats.stats_key(call.full),
-                stats.failures_key(call.full),
-                stats.breaker_key(call.full),
-                stats.trial_key(call.full),
+                breaker.failures_key(call.full),
+                breaker.open_key(call.full),
+                breaker.trial_key(call.full),
                 stats.DIRTY_KEY,
                 stats.TOKENS_USED_KEY,
                 pager.lru_key(call.capability_type),
@@ -328,16 +313,14 @@ class Gateway:
                 f"{latency_ms:.3f}",
                 int(ok),
                 int(call.is_trial),
-                self.breaker_threshold,
-                self.breaker_cooldown,
+                self.breaker.threshold,
+                self.breaker.cooldown_seconds,
                 int(call.holds_inflight),
                 stats.bucket_field(latency_ms),
                 "" if call.page_in_ms is None else f"{call.page_in_ms:.3f}",
             ],
         )
-        if change:
-            state = BreakerState.OPEN if change == b"opened" else BreakerState.CLOSED
-            capability_record_breaker_task.delay(full=call.full, state=state, at_epoch=now)
+        breaker.breaker_changed(full=call.full, change=change, at_epoch=now)
 
     def abandon(self, call: Call) -> None:
         """A call that ended before the capability answered: give back what it holds."""
@@ -346,7 +329,7 @@ class Gateway:
             return
         pipe = self.redis.pipeline(transaction=False)
         if call.is_trial:
-            pipe.delete(stats.trial_key(call.full))
+            pipe.delete(breaker.trial_key(call.full))
         if call.holds_inflight:
             pipe.decr(pager.inflight_key(call.full))
         pipe.execute()

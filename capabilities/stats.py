@@ -1,5 +1,6 @@
-"""What each call leaves behind in Redis (counters, access stamp, breaker), written in one
-round trip after the response, and read back in batches by the flush task."""
+"""What each call leaves behind in Redis (counters, access stamp, and through the breaker's
+Lua its breaker update), written in one round trip after the response, and read back in
+batches by the flush task."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from capabilities import breaker
 from sigil_site.redis_client import get_redis
 
 # Upper bounds (ms) of the latency histogram's buckets; one more bucket holds the rest.
@@ -21,36 +23,24 @@ def stats_key(full: str) -> str:
     return f"sigil:stats:{full}"
 
 
-def failures_key(full: str) -> str:
-    return f"sigil:breaker:failures:{full}"
-
-
-def breaker_key(full: str) -> str:
-    """Holds the epoch until which the breaker stays open; absent means closed."""
-    return f"sigil:breaker:open:{full}"
-
-
-def trial_key(full: str) -> str:
-    return f"sigil:breaker:trial:{full}"
-
-
 def bucket_field(latency_ms: float) -> str:
     """The stats hash field counting calls in the histogram bucket of `latency_ms`."""
     return f"b{bisect.bisect_left(LATENCY_BUCKETS_MS, latency_ms)}"
 
 
-# KEYS: stats, failures, breaker, trial, dirty set, tokens-used hash, the pager's LRU set for
-#       the capability's type, its in-flight counter
+# KEYS: stats, the breaker's failures, open and trial keys, dirty set, tokens-used hash, the
+#       pager's LRU set for the capability's type, its in-flight counter
 # ARGV: full name, token hash, now (epoch s), latency ms, ok (1/0), is trial (1/0),
 #       threshold, cool-down seconds, held an in-flight count (1/0), histogram bucket field,
 #       page-in ms ('' for a warm call)
 # Returns "opened" or "closed" when the breaker changed, "" otherwise.
-RECORD_CALL = """
-local stats, failures, breaker, trial, dirty, used = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+RECORD_CALL = (
+    breaker.RECORD_OUTCOME_LUA
+    + """
+local stats, failures, open, trial, dirty, used = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local lru, inflight = KEYS[7], KEYS[8]
 local full, token, now, latency = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local ok, is_trial = ARGV[5] == '1', ARGV[6] == '1'
-local threshold, cooldown = tonumber(ARGV[7]), tonumber(ARGV[8])
+local ok = ARGV[5] == '1'
 -- XX: stamp only capabilities the pager holds as live; an unbounded runtime has no set.
 redis.call('ZADD', lru, 'XX', now, full)
 if ARGV[9] == '1' then redis.call('DECR', inflight) end
@@ -64,26 +54,10 @@ end
 redis.call('HSET', stats, 'last_access', ARGV[3])
 redis.call('SADD', dirty, full)
 redis.call('HSET', used, token, ARGV[3])
-if is_trial then redis.call('DEL', trial) end
 if not ok then redis.call('HINCRBY', stats, 'errors', 1) end
--- Open for longer than a cool-down: forced by the owner, and only the owner's reset closes
--- it; a call that was already in flight neither closes nor shortens it.
-local open_until = tonumber(redis.call('GET', breaker) or '')
-if open_until and open_until - now > cooldown then return '' end
-if ok then
-  redis.call('DEL', failures)
-  if redis.call('DEL', breaker) == 1 then return 'closed' end
-  return ''
-end
-local count = redis.call('INCR', failures)
-if is_trial or count >= threshold then
-  local was_open = redis.call('EXISTS', breaker)
-  redis.call('SET', breaker, tostring(now + cooldown))
-  if was_open == 1 and not is_trial then return '' end
-  return 'opened'
-end
-return ''
+return breaker_record(open, failures, trial, now, ok, ARGV[6] == '1', tonumber(ARGV[7]), tonumber(ARGV[8]))
 """
+)
 
 # The flush moves counters to the database in three steps, each safe to die after: claim a
 # batch (this script: the counters move, atomically, into a batch hash named by a fresh
