@@ -33,6 +33,7 @@ from capabilities.upstream import (
     UpstreamUnreachable,
 )
 from sigil_site.errors import (
+    REDIS_UNREACHABLE,
     CapabilityError,
     InternalError,
     InvalidRequest,
@@ -406,7 +407,7 @@ class ResponseBody:
         self.upstream.release_conn()
         try:
             self.gateway.finish(self.call, ok=self.ok)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except REDIS_UNREACHABLE as exc:
             # The caller has its answer; only this call's counters and breaker update are lost.
             logger.error("Redis unreachable: the call to %s was not recorded: %s", self.call.full, exc)
         finally:

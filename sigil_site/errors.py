@@ -9,6 +9,7 @@ import math
 import secrets
 import sys
 
+import kombu.exceptions
 import redis
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404, HttpResponse
@@ -96,6 +97,8 @@ class Unavailable(SigilError):
     status, code = 503, "unavailable"
 
 
+# Redis refused, reset or timed out, directly or as Celery's broker (kombu wraps it).
+REDIS_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError)
 # What an unreachable Redis asks callers to wait: a restart or a failover takes seconds.
 UNAVAILABLE_RETRY_SECONDS = 5
 
@@ -107,7 +110,7 @@ def error_for_unexpected(exc: BaseException | None) -> SigilError:
     anything else is `500 internal_error`, whose message carries a fresh request id for the
     caller to quote. The caller of this function logs the exception with that id.
     """
-    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+    if isinstance(exc, REDIS_UNREACHABLE):
         return Unavailable("Sigil's Redis is unreachable; try again shortly", retry_after=UNAVAILABLE_RETRY_SECONDS)
     return InternalError(request_id=secrets.token_hex(8))
 
@@ -175,7 +178,7 @@ def exception_handler(exc, context) -> Response | None:
         return Response(envelope("invalid_request", _first_message(exc.detail)), status=exc.status_code)
     if isinstance(exc, SigilError):
         return Response(envelope(exc.code, exc.message), status=exc.status, headers=error_headers(exc))
-    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+    if isinstance(exc, REDIS_UNREACHABLE):
         from rest_framework.views import set_rollback  # not at the top: it imports the API settings
 
         logger.warning("Redis unreachable during %s: %s", context["request"].path, exc)

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from agents import tokens
 from capabilities import names, routes
 from capabilities.models import Capability, State
 from capabilities.services.placement import placement_lock
@@ -43,6 +44,19 @@ def test_an_unexpected_error_is_a_500_internal_error_logged_with_its_request_id(
     logged = [r for r in caplog.records if r.name == "capabilities.gateway" and request_id in r.getMessage()]
     assert len(logged) == 1 and logged[0].exc_info is not None  # the traceback, once
     assert any('"path":"/alice/ping"' in line and '"status":500' in line for line in access_log())
+
+
+def test_an_unexpected_error_in_the_control_api_is_a_500_internal_error_with_a_request_id(alice, caplog):
+    # A token cache entry Sigil cannot read: authentication itself fails unexpectedly.
+    get_redis().set(tokens.cache_key(tokens.hash_secret(alice.invoke_token)), b"not a cached token")
+
+    listed = alice.session.get(f"{alice.base_url}/_api/capabilities", headers=alice.headers(alice.invoke_token))
+
+    message = assert_error(listed, 500, "internal_error")
+    request_id = re.search(r"request ([0-9a-f]{16})", message).group(1)
+    assert any(r.name == "sigil_site.errors" and request_id in r.getMessage() for r in caplog.records)
+    assert any(r.name == "django.request" and r.exc_info for r in caplog.records)  # Django's traceback
+    assert_error(alice.call("/alice/anything"), 500, "internal_error")  # the gateway reads the same entry
 
 
 @pytest.fixture
