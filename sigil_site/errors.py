@@ -103,16 +103,17 @@ REDIS_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, kombu.exceptions
 UNAVAILABLE_RETRY_SECONDS = 5
 
 
-def error_for_unexpected(exc: BaseException | None) -> SigilError:
+def error_for_unexpected(exc: BaseException | None, *, request_id: str | None = None) -> SigilError:
     """The contract's answer to an exception that no handler expected.
 
     Redis unreachable (refused, reset, timed out) is `503 unavailable` with Retry-After;
-    anything else is `500 internal_error`, whose message carries a fresh request id for the
-    caller to quote. The caller of this function logs the exception with that id.
+    anything else is `500 internal_error`, whose message carries `request_id` (a fresh one
+    unless given) for the caller to quote. The caller of this function logs the exception
+    with that id.
     """
     if isinstance(exc, REDIS_UNREACHABLE):
         return Unavailable("Sigil's Redis is unreachable; try again shortly", retry_after=UNAVAILABLE_RETRY_SECONDS)
-    return InternalError(request_id=secrets.token_hex(8))
+    return InternalError(request_id=request_id or secrets.token_hex(8))
 
 
 def envelope(code: str, message: str) -> dict:

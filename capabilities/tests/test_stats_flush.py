@@ -102,3 +102,22 @@ def test_flushing_several_capabilities_in_small_batches_counts_each_call_once(al
         pass
     assert dict(Capability.objects.values_list("full_name", "calls_total")) == expected
     assert nothing_pending()
+
+
+def test_a_flush_failing_in_the_worker_is_reported_as_internal_error_and_keeps_its_batch(ping, celery_worker):
+    from sigil_site.beat import LAST_RUN_KEY, beat_schedule_list
+
+    call_and_wait_until_recorded(ping, 2)
+    Capability.objects.filter(full_name="alice--ping").update(calls_total=2**63 - 1)
+
+    failed = tasks.capability_flush_stats.delay()
+    wait_for(lambda: get_redis().hexists(LAST_RUN_KEY, "capabilities.capability_flush_stats"), message="a run")
+    (run,) = [e for e in beat_schedule_list() if e.task == "capabilities.capability_flush_stats"]
+    assert run.last_ok is False
+    assert run.last_error.startswith("internal_error: ") and failed.id in run.last_error
+    assert get_redis().zcard(stats.PENDING_KEY) == 1
+
+    Capability.objects.filter(full_name="alice--ping").update(calls_total=0)
+    tasks.capability_flush_stats.delay()
+    wait_for(lambda: totals() == (2, 2), message="the kept batch flushed")
+    assert nothing_pending()
