@@ -2,7 +2,9 @@
 Redis gone, a page-in that holds its lock past the invoke timeout."""
 
 import logging
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -12,7 +14,7 @@ from capabilities import names, routes
 from capabilities.models import Capability, State
 from capabilities.services.placement import placement_lock
 from sigil_site.embedded_redis import EmbeddedRedis
-from sigil_site.redis_client import get_redis
+from sigil_site.redis_client import SOCKET_TIMEOUT_SECONDS, get_redis
 from testsupport.capability_code import PONG
 from testsupport.cast import wait_for
 
@@ -87,6 +89,21 @@ def test_redis_unreachable_is_503_unavailable_with_retry_after_and_recovers(own_
     assert int(listed.headers["Retry-After"]) >= 1
 
     own_redis.start()  # empty: the token and route caches fill again from the database
+    assert alice.call("/alice/ping").text == "pong"
+
+
+@pytest.mark.slow
+def test_a_hung_redis_is_503_unavailable_after_the_socket_timeout_not_a_hung_call(own_redis, alice):
+    alice.deploy(name="ping", code=PONG)
+    assert alice.call("/alice/ping").text == "pong"
+
+    os.kill(own_redis.process.pid, signal.SIGSTOP)  # the server still accepts, never answers
+    try:
+        started = time.monotonic()
+        assert_error(alice.call("/alice/ping"), 503, "unavailable")
+        assert time.monotonic() - started < SOCKET_TIMEOUT_SECONDS + 10
+    finally:
+        os.kill(own_redis.process.pid, signal.SIGCONT)
     assert alice.call("/alice/ping").text == "pong"
 
 
