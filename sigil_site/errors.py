@@ -158,7 +158,8 @@ _DRF_CODES = [
 
 
 def exception_handler(exc, context) -> Response | None:
-    """DRF's EXCEPTION_HANDLER: every expected failure in the contract's envelope.
+    """DRF's EXCEPTION_HANDLER: every expected failure in the contract's envelope, and Redis
+    unreachable as `503 unavailable`.
 
     Unknown exceptions return None so Django logs them and handler500 answers.
     """
@@ -177,15 +178,14 @@ def exception_handler(exc, context) -> Response | None:
                     response[name] = value
                 return response
         return Response(envelope("invalid_request", _first_message(exc.detail)), status=exc.status_code)
-    if isinstance(exc, SigilError):
-        return Response(envelope(exc.code, exc.message), status=exc.status, headers=error_headers(exc))
     if isinstance(exc, REDIS_UNREACHABLE):
         from rest_framework.views import set_rollback  # not at the top: it imports the API settings
 
         logger.warning("Redis unreachable during %s: %s", context["request"].path, exc)
         set_rollback()
-        error = error_for_unexpected(exc)
-        return Response(envelope(error.code, error.message), status=error.status, headers=error_headers(error))
+        exc = error_for_unexpected(exc)
+    if isinstance(exc, SigilError):
+        return Response(envelope(exc.code, exc.message), status=exc.status, headers=error_headers(exc))
     return None
 
 
