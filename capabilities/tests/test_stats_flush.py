@@ -1,6 +1,11 @@
 """The stats flush loses no call and counts none twice, whichever step it dies after: claiming
 a batch in Redis, committing it to the database, or releasing it."""
 
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
 import time
 
 import pytest
@@ -120,4 +125,90 @@ def test_a_flush_failing_in_the_worker_is_reported_as_internal_error_and_keeps_i
     Capability.objects.filter(full_name="alice--ping").update(calls_total=0)
     tasks.capability_flush_stats.delay()
     wait_for(lambda: totals() == (2, 2), message="the kept batch flushed")
+    assert nothing_pending()
+
+
+# --- a flush process killed between its steps -----------------------------------------------
+
+
+@pytest.fixture
+def database_writes_held():
+    """Hold the SQLite database's write lock, as a long writer would; release it by calling."""
+    from django.db import connection
+
+    if connection.vendor != "sqlite":
+        pytest.skip("holds SQLite's single write lock; the steps themselves are tested above")
+    holder = sqlite3.connect(connection.settings_dict["NAME"], isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    released = []
+
+    def release():
+        if not released:
+            holder.execute("ROLLBACK")
+            released.append(True)
+
+    yield release
+    release()
+    holder.close()
+
+
+def start_flush_process() -> subprocess.Popen:
+    """`capability_flush_stats()` in a process of its own, on this test's database and Redis."""
+    from django.conf import settings
+    from django.db import connection
+
+    env = {**os.environ, "DATABASE_URL": f"sqlite:///{connection.settings_dict['NAME']}"}
+    script = "import django; django.setup(); from capabilities import services; services.capability_flush_stats()"
+    return subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=settings.BASE_DIR,
+        env={**env, "DJANGO_SETTINGS_MODULE": "sigil_site.settings"},
+    )
+
+
+def kill(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_a_flush_process_killed_after_claiming_loses_no_call(ping, database_writes_held):
+    call_and_wait_until_recorded(ping, 3)
+    flush = start_flush_process()
+    try:
+        # It claims its batch, then waits for the database: kill it there.
+        wait_for(lambda: get_redis().zcard(stats.PENDING_KEY) == 1, timeout=30, message="the batch claimed")
+    finally:
+        kill(flush)
+    database_writes_held()
+    assert totals() == (0, 0)
+
+    tasks.capability_flush_stats()
+    assert totals() == (3, 3)
+    assert nothing_pending()
+
+
+@pytest.mark.slow
+def test_a_flush_process_killed_after_committing_counts_nothing_twice(ping, database_writes_held):
+    call_and_wait_until_recorded(ping, 3)
+    redis = get_redis()
+    flush = start_flush_process()
+    try:
+        wait_for(lambda: redis.zcard(stats.PENDING_KEY) == 1, timeout=30, message="the batch claimed")
+        # Writes to Redis wait from here, so the flush commits and then stops before releasing.
+        redis.execute_command("CLIENT", "PAUSE", 20_000, "WRITE")
+        try:
+            database_writes_held()
+            wait_for(lambda: StatsFlush.objects.exists(), timeout=15, message="the batch committed")
+        finally:
+            kill(flush)
+            redis.execute_command("CLIENT", "UNPAUSE")
+    finally:
+        if flush.poll() is None:
+            kill(flush)
+    assert totals() == (3, 3)
+    assert redis.zcard(stats.PENDING_KEY) == 1  # never released
+
+    tasks.capability_flush_stats()
+    assert totals() == (3, 3)
     assert nothing_pending()
