@@ -158,6 +158,28 @@ def stats_release(flush_id: str) -> None:
     pipe.execute()
 
 
+# KEYS: tokens-used hash. ARGV: token hash, stamp, token hash, stamp, ...
+# Forgets each stamp the database now holds, unless a newer call has replaced it meanwhile.
+FORGET_STAMPS = """
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
+end
+return 0
+"""
+
+
+def tokens_used_read() -> dict[str, str]:
+    """The last-use stamp (epoch s, as text) of each token used since its stamp was flushed."""
+    return {k.decode(): v.decode() for k, v in get_redis().hgetall(TOKENS_USED_KEY).items()}
+
+
+def tokens_used_forget(stamps: dict[str, str]) -> None:
+    """Drop the stamps the database now holds; a token used again since keeps its new one."""
+    if stamps:
+        args = [item for pair in stamps.items() for item in pair]
+        get_redis().eval(FORGET_STAMPS, 1, TOKENS_USED_KEY, *args)
+
+
 def _batch_read(redis, flush_id: str, claimed_epoch: float) -> StatsBatch:
     calls = {}
     for full, encoded in redis.hgetall(batch_key(flush_id)).items():

@@ -38,7 +38,7 @@ def capability_flush_stats(*, batch_size: int = 500, now: datetime | None = None
     batch = stats.stats_claim(now_epoch=now.timestamp(), batch_size=batch_size)
     if batch is not None:
         applied += _apply_and_release(batch)
-    _flush_token_use(get_redis())
+    _flush_token_use()
     return applied
 
 
@@ -132,15 +132,13 @@ def _alert_on_error_rate(window: CapabilityStatsWindow) -> None:
     )
 
 
-def _flush_token_use(redis) -> None:
-    pipe = redis.pipeline(transaction=True)
-    pipe.hgetall(stats.TOKENS_USED_KEY)
-    pipe.delete(stats.TOKENS_USED_KEY)
-    used, _ = pipe.execute()
+def _flush_token_use() -> None:
+    # Stamps leave Redis only once the database holds them; after a crash in between they
+    # are written again, which is harmless: a stamp is set, not added.
+    used = stats.tokens_used_read()
     for token_hash, stamp in used.items():
-        Token.objects.filter(secret_hash=token_hash.decode()).update(
-            last_used_at=datetime.fromtimestamp(float(stamp), tz=UTC)
-        )
+        Token.objects.filter(secret_hash=token_hash).update(last_used_at=datetime.fromtimestamp(float(stamp), tz=UTC))
+    stats.tokens_used_forget(used)
 
 
 def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None:

@@ -128,6 +128,26 @@ def test_a_flush_failing_in_the_worker_is_reported_as_internal_error_and_keeps_i
     assert nothing_pending()
 
 
+def test_a_token_used_while_its_stamp_is_flushed_keeps_the_newer_stamp(ping):
+    from datetime import UTC, datetime
+
+    from agents.models import Token
+
+    redis = get_redis()
+    call_and_wait_until_recorded(ping, 1)
+    read = stats.tokens_used_read()  # what a flush wrote to the database...
+    (token_hash,) = read
+    call_and_wait_until_recorded(ping, 1)  # ... while the token was used again
+    newer = redis.hget(stats.TOKENS_USED_KEY, token_hash).decode()
+    assert newer != read[token_hash]
+
+    stats.tokens_used_forget(read)
+    assert redis.hget(stats.TOKENS_USED_KEY, token_hash).decode() == newer  # not forgotten
+    tasks.capability_flush_stats()
+    assert Token.objects.get(secret_hash=token_hash).last_used_at == datetime.fromtimestamp(float(newer), tz=UTC)
+    assert not redis.exists(stats.TOKENS_USED_KEY)
+
+
 # --- a flush process killed between its steps -----------------------------------------------
 
 
