@@ -128,7 +128,8 @@ class Breaker:
     def count_failure(self, *, full: str, now: float | None = None) -> bool:
         """Count one failure of `full` that no call's outcome recorded (for example the
         runtime stopping it for exceeding a limit); return whether it opened the breaker,
-        and then persist the transition. Idempotent only in its effect on an open breaker."""
+        whose transition is then persisted. Not idempotent: each call counts one failure.
+        Forced breakers do not move."""
         now = time.time() if now is None else now
         keys = [open_key(full), failures_key(full), trial_key(full)]
         change = get_redis().eval(COUNT_FAILURE, len(keys), *keys, f"{now:.6f}", self.threshold, self.cooldown_seconds)
