@@ -22,11 +22,9 @@ from urllib3.util import parse_url
 
 from agents import tokens
 from agents.selectors import parse_bearer, token_authenticate
-from capabilities import names, pager, routes, stats
-from capabilities.models import BreakerState
+from capabilities import breaker, names, pager, routes, stats
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import Route
-from capabilities.tasks import capability_record_breaker as capability_record_breaker_task
 from capabilities.upstream import (
     HOP_BY_HOP,
     UpstreamConnections,
@@ -35,8 +33,9 @@ from capabilities.upstream import (
     UpstreamUnreachable,
 )
 from sigil_site.errors import (
+    REDIS_UNREACHABLE,
     CapabilityError,
-    Degraded,
+    InternalError,
     InvalidRequest,
     NotFound,
     SigilError,
@@ -45,6 +44,7 @@ from sigil_site.errors import (
     Unavailable,
     UpstreamError,
     error_body,
+    error_for_unexpected,
     error_headers,
 )
 from sigil_site.redis_client import get_redis
@@ -100,8 +100,7 @@ class Gateway:
         self.runtime = get_runtime()
         self.record_call = self.redis.register_script(stats.RECORD_CALL)
         self.max_body = settings.SIGIL_INVOKE_MAX_BODY_BYTES
-        self.breaker_threshold = settings.SIGIL_BREAKER_THRESHOLD
-        self.breaker_cooldown = settings.SIGIL_BREAKER_COOLDOWN_SECONDS
+        self.breaker = breaker.Breaker.from_settings()
         # The pager deletes a victim only once no call to it is in flight; unbounded
         # runtimes never page out, so they skip the counting.
         self.tracks_inflight = self.runtime.total_slots is not None
@@ -122,6 +121,12 @@ class Gateway:
             result = self.handle(environ, start_and_remember, started)
         except SigilError as error:
             result = self.reply_error(start_and_remember, error)
+        except Exception as exc:
+            # The edge answers in the contract, always: a bug or an unreachable Redis still
+            # gets the envelope and its access-log line, never the server's bare 500.
+            if sent:
+                raise  # the status line is out; the server can only cut the response
+            result = self.reply_error(start_and_remember, _unexpected(environ, exc))
         try:
             if isinstance(result, ResponseBody):
                 result.environ = environ  # logged when the body has been sent
@@ -142,13 +147,13 @@ class Gateway:
             authorization = None  # the server's environment, not the caller's header
         secret = parse_bearer(authorization)
         token_hash = tokens.hash_secret(secret)
-        keys = (tokens.cache_key(token_hash), routes.key(full), stats.breaker_key(full))
+        keys = (tokens.cache_key(token_hash), routes.key(full), breaker.open_key(full))
         try:
-            token_raw, route_raw, open_until = self.thread_redis().mget(keys)
+            token_raw, route_raw, breaker_raw = self.thread_redis().mget(keys)
         except redis.ConnectionError:
             # The held connection was closed (Redis restarted, or dropped an idle client);
             # redis-py has discarded it, so this reconnects.
-            token_raw, route_raw, open_until = self.thread_redis().mget(keys)
+            token_raw, route_raw, breaker_raw = self.thread_redis().mget(keys)
         principal = token_authenticate(secret, cached=token_raw)
         if route_raw is None:
             route_raw = routes.route_load(full)
@@ -159,7 +164,9 @@ class Gateway:
         if route.expires_epoch is not None and route.expires_epoch <= now:
             raise NotFound(f"{full} has expired")
 
-        is_trial = self.enter_open_breaker(full, float(open_until), now) if open_until is not None else False
+        is_trial = False
+        if breaker_raw is not None:  # not closed: open, half-open or forced
+            is_trial = self.breaker.enter(self.redis, full=full, raw=breaker_raw, now=now)
         call = Call(full, route.type, token_hash, started, is_trial)
         try:
             return self.forward(environ, start_response, call, route, rest)
@@ -170,7 +177,7 @@ class Gateway:
     def forward(self, environ, start_response, call: Call, route: routes.CachedRoute, rest: str):
         page_in_ms = None
         if route.state not in routes.SERVED_STATES:
-            if "respond-async" in environ.get("HTTP_PREFER", ""):
+            if _prefers_async(environ):
                 return self.reply_warming(start_response, call)
             route, page_in_ms = self.page_in(call.full)
         target = self.target(route)
@@ -193,7 +200,12 @@ class Gateway:
             from capabilities.services import capability_mark_missing
 
             capability_mark_missing(full=call.full, slot=route.slot, backend=route.backend)
-            route, page_in_ms = self.page_in(call.full)
+            try:
+                route, page_in_ms = self.page_in(call.full)
+            except Timeout:
+                if not _prefers_async(environ):
+                    raise
+                return self.reply_warming(start_response, call)  # another call is placing it
             upstream_started = time.perf_counter()
             upstream = self.send_once(environ, call, route, rest)
         upstream_ms = (time.perf_counter() - upstream_started) * 1000
@@ -235,7 +247,8 @@ class Gateway:
         from capabilities.services import capability_page_in
 
         started = time.perf_counter()
-        route, _ = capability_page_in(full=full)
+        # Waiting on another call's page-in is bounded as the call itself is (then Timeout).
+        route, _ = capability_page_in(full=full, wait_seconds=self.upstream.read_timeout)
         return route, (time.perf_counter() - started) * 1000
 
     def send_once(self, environ, call: Call, route: routes.CachedRoute, rest: str) -> UpstreamResponse:
@@ -260,19 +273,6 @@ class Gateway:
             self.finish(call, ok=False)
             message = f"{call.full} {stopped.message} and was stopped"
             raise (Timeout(message) if stopped.reason == "cpu" else CapabilityError(message)) from exc
-
-    def enter_open_breaker(self, full: str, open_until: float, now: float) -> bool:
-        """While open, refuse; after the cool-down let exactly one trial call through."""
-        if now < open_until:
-            if open_until - now > self.breaker_cooldown:
-                # Only the owner's "force degraded" opens a breaker for longer than a
-                # cool-down, and it has no end: ask the caller to look again after one.
-                raise Degraded(f"{full} was made degraded by Sigil's owner", retry_after=self.breaker_cooldown)
-            raise Degraded(f"{full} is degraded after repeated failures", retry_after=open_until - now)
-        ttl_ms = int(self.breaker_cooldown * 1000) or 1000
-        if not self.redis.set(stats.trial_key(full), 1, nx=True, px=ttl_ms):
-            raise Degraded(f"{full} is degraded; a trial call is in progress", retry_after=1)
-        return True
 
     def target(self, route: routes.CachedRoute) -> Route:
         # The route's own runtime: while `switchbackend` moves capabilities, some are still
@@ -323,9 +323,9 @@ class Gateway:
             client=self.thread_redis(),
             keys=[
                 stats.stats_key(call.full),
-                stats.failures_key(call.full),
-                stats.breaker_key(call.full),
-                stats.trial_key(call.full),
+                breaker.failures_key(call.full),
+                breaker.open_key(call.full),
+                breaker.trial_key(call.full),
                 stats.DIRTY_KEY,
                 stats.TOKENS_USED_KEY,
                 pager.lru_key(call.capability_type),
@@ -338,16 +338,14 @@ class Gateway:
                 f"{latency_ms:.3f}",
                 int(ok),
                 int(call.is_trial),
-                self.breaker_threshold,
-                self.breaker_cooldown,
+                self.breaker.threshold,
+                self.breaker.cooldown_seconds,
                 int(call.holds_inflight),
                 stats.bucket_field(latency_ms),
                 "" if call.page_in_ms is None else f"{call.page_in_ms:.3f}",
             ],
         )
-        if change:
-            state = BreakerState.OPEN if change == b"opened" else BreakerState.CLOSED
-            capability_record_breaker_task.delay(full=call.full, state=state, at_epoch=now)
+        breaker.breaker_changed(full=call.full, change=change, at_epoch=now)
 
     def abandon(self, call: Call) -> None:
         """A call that ended before the capability answered: give back what it holds."""
@@ -356,7 +354,7 @@ class Gateway:
             return
         pipe = self.redis.pipeline(transaction=False)
         if call.is_trial:
-            pipe.delete(stats.trial_key(call.full))
+            pipe.delete(breaker.trial_key(call.full))
         if call.holds_inflight:
             pipe.decr(pager.inflight_key(call.full))
         pipe.execute()
@@ -447,17 +445,22 @@ class ResponseBody:
         # WSGI servers call close() after the last byte is written, so this bookkeeping is
         # off the caller's latency.
         self.upstream.release_conn()
-        if self.counts:
-            self.gateway.finish(self.call, ok=self.ok)
-        else:
-            self.gateway.abandon(self.call)
-        log_access(
-            self.environ,
-            self.upstream.status,
-            self.call.started,
-            capability=self.call.full,
-            page_in_ms=self.call.page_in_ms,
-        )
+        try:
+            if self.counts:
+                self.gateway.finish(self.call, ok=self.ok)
+            else:
+                self.gateway.abandon(self.call)
+        except REDIS_UNREACHABLE as exc:
+            # The caller has its answer; only this call's counters and breaker update are lost.
+            logger.error("Redis unreachable: the call to %s was not recorded: %s", self.call.full, exc)
+        finally:
+            log_access(
+                self.environ,
+                self.upstream.status,
+                self.call.started,
+                capability=self.call.full,
+                page_in_ms=self.call.page_in_ms,
+            )
 
 
 STATUS_TEXT = {
@@ -539,6 +542,21 @@ def read_limited(stream, limit: int) -> bytes:
     if len(data) > limit:
         raise TooLarge(f"the request body is over {limit} bytes")
     return data
+
+
+def _prefers_async(environ) -> bool:
+    return "respond-async" in environ.get("HTTP_PREFER", "")
+
+
+def _unexpected(environ, exc: Exception) -> SigilError:
+    """The contract's answer to `exc`, logged once here with the request id the caller sees."""
+    error = error_for_unexpected(exc)
+    method, path = environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", "")
+    if isinstance(error, InternalError):
+        logger.exception("request %s failed: %s %s", error.request_id, method, quote(path))
+    else:
+        logger.warning("%s %s answered %s: %s", method, quote(path), error.code, exc)
+    return error
 
 
 def _db_connection_open() -> bool:

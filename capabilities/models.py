@@ -164,3 +164,14 @@ class CapabilityStatsWindow(models.Model):
 
     def __str__(self) -> str:
         return f"{self.full_name} @ {self.window_start:%Y-%m-%d %H:%M}"
+
+
+class StatsFlush(models.Model):
+    """A batch of counters the stats flush has applied, by the id it was claimed under in
+    Redis: a flush that retries a batch finds it here and does not count it twice."""
+
+    flush_id = models.CharField(max_length=32, unique=True)
+    applied_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    def __str__(self) -> str:
+        return self.flush_id

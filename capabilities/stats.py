@@ -1,11 +1,15 @@
-"""What each call leaves behind in Redis (counters, access stamp, breaker), written in one
-round trip after the response, and read back in batches by the flush task."""
+"""What each call leaves behind in Redis (counters, access stamp, and through the breaker's
+Lua its breaker update), written in one round trip after the response, and read back in
+batches by the flush task."""
 
 from __future__ import annotations
 
 import bisect
+import json
+import uuid
 from dataclasses import dataclass, field
 
+from capabilities import breaker
 from sigil_site.redis_client import get_redis
 
 # Upper bounds (ms) of the latency histogram's buckets; one more bucket holds the rest.
@@ -19,36 +23,24 @@ def stats_key(full: str) -> str:
     return f"sigil:stats:{full}"
 
 
-def failures_key(full: str) -> str:
-    return f"sigil:breaker:failures:{full}"
-
-
-def breaker_key(full: str) -> str:
-    """Holds the epoch until which the breaker stays open; absent means closed."""
-    return f"sigil:breaker:open:{full}"
-
-
-def trial_key(full: str) -> str:
-    return f"sigil:breaker:trial:{full}"
-
-
 def bucket_field(latency_ms: float) -> str:
     """The stats hash field counting calls in the histogram bucket of `latency_ms`."""
     return f"b{bisect.bisect_left(LATENCY_BUCKETS_MS, latency_ms)}"
 
 
-# KEYS: stats, failures, breaker, trial, dirty set, tokens-used hash, the pager's LRU set for
-#       the capability's type, its in-flight counter
+# KEYS: stats, the breaker's failures, open and trial keys, dirty set, tokens-used hash, the
+#       pager's LRU set for the capability's type, its in-flight counter
 # ARGV: full name, token hash, now (epoch s), latency ms, ok (1/0), is trial (1/0),
 #       threshold, cool-down seconds, held an in-flight count (1/0), histogram bucket field,
 #       page-in ms ('' for a warm call)
 # Returns "opened" or "closed" when the breaker changed, "" otherwise.
-RECORD_CALL = """
-local stats, failures, breaker, trial, dirty, used = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+RECORD_CALL = (
+    breaker.RECORD_OUTCOME_LUA
+    + """
+local stats, failures, open, trial, dirty, used = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local lru, inflight = KEYS[7], KEYS[8]
 local full, token, now, latency = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local ok, is_trial = ARGV[5] == '1', ARGV[6] == '1'
-local threshold, cooldown = tonumber(ARGV[7]), tonumber(ARGV[8])
+local ok = ARGV[5] == '1'
 -- XX: stamp only capabilities the pager holds as live; an unbounded runtime has no set.
 redis.call('ZADD', lru, 'XX', now, full)
 if ARGV[9] == '1' then redis.call('DECR', inflight) end
@@ -62,33 +54,43 @@ end
 redis.call('HSET', stats, 'last_access', ARGV[3])
 redis.call('SADD', dirty, full)
 redis.call('HSET', used, token, ARGV[3])
-if is_trial then redis.call('DEL', trial) end
 if not ok then redis.call('HINCRBY', stats, 'errors', 1) end
--- Open for longer than a cool-down: forced by the owner, and only the owner's reset closes
--- it; a call that was already in flight neither closes nor shortens it.
-local open_until = tonumber(redis.call('GET', breaker) or '')
-if open_until and open_until - now > cooldown then return '' end
-if ok then
-  redis.call('DEL', failures)
-  if redis.call('DEL', breaker) == 1 then return 'closed' end
-  return ''
-end
-local count = redis.call('INCR', failures)
-if is_trial or count >= threshold then
-  local was_open = redis.call('EXISTS', breaker)
-  redis.call('SET', breaker, tostring(now + cooldown))
-  if was_open == 1 and not is_trial then return '' end
-  return 'opened'
-end
-return ''
+return breaker_record(open, failures, trial, now, ok, ARGV[6] == '1', tonumber(ARGV[7]), tonumber(ARGV[8]))
 """
+)
 
-# KEYS: stats hash. Reads and clears the counters in one step, so that calls made while a
-# flush runs are counted by the next one rather than lost.
-TAKE_STATS = """
-local values = redis.call('HGETALL', KEYS[1])
-redis.call('DEL', KEYS[1])
-return values
+# The flush moves counters to the database in three steps, each safe to die after: claim a
+# batch (this script: the counters move, atomically, into a batch hash named by a fresh
+# flush id, listed in PENDING_KEY), apply it in one database transaction that records the
+# flush id (so a batch is applied at most once), then release it (delete the batch). A
+# flush that died leaves its batch pending, and the next flush applies it (unless its
+# transaction had committed) and releases it: every call counted reaches the database once.
+PENDING_KEY = "sigil:stats:pending"
+
+
+def batch_key(flush_id: str) -> str:
+    """A claimed batch: full name → the capability's counters (a JSON list of field, value)."""
+    return f"sigil:stats:batch:{flush_id}"
+
+
+# KEYS: dirty set, pending index, the new batch, then the stats hash of each candidate
+# ARGV: flush id, claim time (epoch s), then each candidate's full name, in KEYS' order
+# Returns how many capabilities the batch holds (0: nothing claimed, nothing pending).
+CLAIM_STATS = """
+local dirty, pending, batch = KEYS[1], KEYS[2], KEYS[3]
+local taken = 0
+for i = 3, #ARGV do
+  local full, stats = ARGV[i], KEYS[i + 1]
+  redis.call('SREM', dirty, full)
+  local values = redis.call('HGETALL', stats)
+  if #values > 0 then
+    redis.call('HSET', batch, full, cjson.encode(values))
+    redis.call('DEL', stats)
+    taken = taken + 1
+  end
+end
+if taken > 0 then redis.call('ZADD', pending, ARGV[2], ARGV[1]) end
+return taken
 """
 
 
@@ -102,20 +104,88 @@ class CallStats:
     page_in_ms: float = 0.0
     buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_MS) + 1))
 
+    @classmethod
+    def from_fields(cls, values: dict[str, str]) -> CallStats:
+        """From a stats hash's fields, as RECORD_CALL writes them."""
+        return cls(
+            calls=int(values.get("calls", 0)),
+            errors=int(values.get("errors", 0)),
+            latency_ms=float(values.get("latency_ms", 0.0)),
+            last_access_epoch=float(values["last_access"]) if "last_access" in values else None,
+            cold_calls=int(values.get("cold", 0)),
+            page_in_ms=float(values.get("page_in_ms", 0.0)),
+            buckets=[int(values.get(f"b{i}", 0)) for i in range(len(LATENCY_BUCKETS_MS) + 1)],
+        )
 
-def stats_take(full: str) -> CallStats:
-    """Read and reset the counters recorded for `full` since the last flush."""
-    raw = get_redis().eval(TAKE_STATS, 1, stats_key(full))
-    values = {raw[i].decode(): raw[i + 1].decode() for i in range(0, len(raw), 2)}
-    return CallStats(
-        calls=int(values.get("calls", 0)),
-        errors=int(values.get("errors", 0)),
-        latency_ms=float(values.get("latency_ms", 0.0)),
-        last_access_epoch=float(values["last_access"]) if "last_access" in values else None,
-        cold_calls=int(values.get("cold", 0)),
-        page_in_ms=float(values.get("page_in_ms", 0.0)),
-        buckets=[int(values.get(f"b{i}", 0)) for i in range(len(LATENCY_BUCKETS_MS) + 1)],
-    )
+
+@dataclass(frozen=True)
+class StatsBatch:
+    """Counters claimed by one flush, waiting to be applied and released."""
+
+    flush_id: str
+    claimed_epoch: float
+    calls: dict[str, CallStats]  # by full name
+
+
+def stats_claim(*, now_epoch: float, batch_size: int) -> StatsBatch | None:
+    """Move the counters of up to `batch_size` dirty capabilities into a new pending batch;
+    None when no capability has counted a call since the last claim."""
+    redis = get_redis()
+    candidates = [m.decode() for m in redis.srandmember(DIRTY_KEY, batch_size) or []]
+    if not candidates:
+        return None
+    flush_id = uuid.uuid4().hex
+    keys = [DIRTY_KEY, PENDING_KEY, batch_key(flush_id), *(stats_key(full) for full in candidates)]
+    if not redis.eval(CLAIM_STATS, len(keys), *keys, flush_id, f"{now_epoch:.6f}", *candidates):
+        return None
+    return _batch_read(redis, flush_id, now_epoch)
+
+
+def stats_pending(*, limit: int) -> list[StatsBatch]:
+    """Batches claimed by flushes that did not release them (they died, or are running), oldest first."""
+    redis = get_redis()
+    batches = []
+    for flush_id, claimed in redis.zrange(PENDING_KEY, 0, limit - 1, withscores=True):
+        batches.append(_batch_read(redis, flush_id.decode(), claimed))
+    return batches
+
+
+def stats_release(flush_id: str) -> None:
+    """Forget a batch once the database holds it. Idempotent."""
+    pipe = get_redis().pipeline(transaction=True)
+    pipe.delete(batch_key(flush_id))
+    pipe.zrem(PENDING_KEY, flush_id)
+    pipe.execute()
+
+
+# KEYS: tokens-used hash. ARGV: token hash, stamp, token hash, stamp, ...
+# Forgets each stamp the database now holds, unless a newer call has replaced it meanwhile.
+FORGET_STAMPS = """
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
+end
+return 0
+"""
+
+
+def tokens_used_read() -> dict[str, str]:
+    """The last-use stamp (epoch s, as text) of each token used since its stamp was flushed."""
+    return {k.decode(): v.decode() for k, v in get_redis().hgetall(TOKENS_USED_KEY).items()}
+
+
+def tokens_used_forget(stamps: dict[str, str]) -> None:
+    """Drop the stamps the database now holds; a token used again since keeps its new one."""
+    if stamps:
+        args = [item for pair in stamps.items() for item in pair]
+        get_redis().eval(FORGET_STAMPS, 1, TOKENS_USED_KEY, *args)
+
+
+def _batch_read(redis, flush_id: str, claimed_epoch: float) -> StatsBatch:
+    calls = {}
+    for full, encoded in redis.hgetall(batch_key(flush_id)).items():
+        flat = json.loads(encoded)
+        calls[full.decode()] = CallStats.from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
+    return StatsBatch(flush_id=flush_id, claimed_epoch=claimed_epoch, calls=calls)
 
 
 def percentile_ms(buckets: list[int], fraction: float) -> float | None:

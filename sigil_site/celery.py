@@ -22,7 +22,11 @@ def _remember_success(sender=None, **kwargs) -> None:
 
 
 @task_failure.connect
-def _remember_failure(sender=None, exception=None, **kwargs) -> None:
+def _remember_failure(sender=None, task_id=None, exception=None, **kwargs) -> None:
     from sigil_site.beat import beat_record_run
+    from sigil_site.errors import SigilError, error_for_unexpected
 
-    beat_record_run(task=sender.name, ok=False, at_epoch=time.time(), error=repr(exception))
+    # In the contract's terms. An unexpected error's request id is the task id, which
+    # Celery's own log line of the traceback names too ("Task name[id] raised unexpected").
+    error = exception if isinstance(exception, SigilError) else error_for_unexpected(exception, request_id=task_id)
+    beat_record_run(task=sender.name, ok=False, at_epoch=time.time(), error=f"{error.code}: {error.message}")

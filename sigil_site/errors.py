@@ -4,12 +4,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import secrets
+import sys
 
+import kombu.exceptions
+import redis
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404, HttpResponse
 from rest_framework import exceptions as drf
 from rest_framework.response import Response
+
+logger = logging.getLogger(__name__)
 
 
 class SigilError(Exception):
@@ -70,12 +77,43 @@ class Degraded(SigilError):
     status, code = 503, "degraded"
 
 
+class Timeout(SigilError):
+    status, code = 504, "timeout"
+
+
+class InternalError(SigilError):
+    """A bug, not an expected failure: the one code for what no handler anticipated."""
+
+    status, code = 500, "internal_error"
+
+    def __init__(self, *, request_id: str) -> None:
+        super().__init__(f"Sigil failed unexpectedly; the error was logged as request {request_id}")
+        self.request_id = request_id
+
+
 class Unavailable(SigilError):
+    """Sigil cannot serve this now (Redis unreachable, a runtime process restarting); try again shortly."""
+
     status, code = 503, "unavailable"
 
 
-class Timeout(SigilError):
-    status, code = 504, "timeout"
+# Redis refused, reset or timed out, directly or as Celery's broker (kombu wraps it).
+REDIS_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError)
+# What an unreachable Redis asks callers to wait: a restart or a failover takes seconds.
+UNAVAILABLE_RETRY_SECONDS = 5
+
+
+def error_for_unexpected(exc: BaseException | None, *, request_id: str | None = None) -> SigilError:
+    """The contract's answer to an exception that no handler expected.
+
+    Redis unreachable (refused, reset, timed out) is `503 unavailable` with Retry-After;
+    anything else is `500 internal_error`, whose message carries `request_id` (a fresh one
+    unless given) for the caller to quote. The caller of this function logs the exception
+    with that id.
+    """
+    if isinstance(exc, REDIS_UNREACHABLE):
+        return Unavailable("Sigil's Redis is unreachable; try again shortly", retry_after=UNAVAILABLE_RETRY_SECONDS)
+    return InternalError(request_id=request_id or secrets.token_hex(8))
 
 
 def envelope(code: str, message: str) -> dict:
@@ -120,7 +158,8 @@ _DRF_CODES = [
 
 
 def exception_handler(exc, context) -> Response | None:
-    """DRF's EXCEPTION_HANDLER: every expected failure in the contract's envelope.
+    """DRF's EXCEPTION_HANDLER: every expected failure in the contract's envelope, and Redis
+    unreachable as `503 unavailable`.
 
     Unknown exceptions return None so Django logs them and handler500 answers.
     """
@@ -139,6 +178,12 @@ def exception_handler(exc, context) -> Response | None:
                     response[name] = value
                 return response
         return Response(envelope("invalid_request", _first_message(exc.detail)), status=exc.status_code)
+    if isinstance(exc, REDIS_UNREACHABLE):
+        from rest_framework.views import set_rollback  # not at the top: it imports the API settings
+
+        logger.warning("Redis unreachable during %s: %s", context["request"].path, exc)
+        set_rollback()
+        exc = error_for_unexpected(exc)
     if isinstance(exc, SigilError):
         return Response(envelope(exc.code, exc.message), status=exc.status, headers=error_headers(exc))
     return None
@@ -156,9 +201,10 @@ def handler404(request, exception=None) -> HttpResponse:
 
 
 def handler500(request) -> HttpResponse:
-    response = HttpResponse(
-        json.dumps(envelope("internal_error", "Sigil failed unexpectedly; the error was logged")),
-        status=500,
-        content_type="application/json",
-    )
-    return response
+    """Django's last resort, after it has logged the traceback ("Internal Server Error: …");
+    this adds the line naming the request id the caller sees."""
+    exc = sys.exc_info()[1]
+    error = error_for_unexpected(exc)
+    if isinstance(error, InternalError):
+        logger.error("request %s failed: %s %s: %r", error.request_id, request.method, request.path, exc)
+    return error_response(error)

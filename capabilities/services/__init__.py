@@ -11,6 +11,7 @@ from capabilities.services.controls import (
 )
 from capabilities.services.lifecycle import capability_mark_inactive, capability_prewarm
 from capabilities.services.observability import (
+    capability_apply_stats,
     capability_flush_stats,
     capability_prune_stats,
     capability_record_breaker,
@@ -52,6 +53,7 @@ __all__ = [
     "binding_delete",
     "binding_save",
     "capability_adopt_backend",
+    "capability_apply_stats",
     "capability_deploy",
     "capability_evict",
     "capability_expire_ephemerals",

@@ -11,16 +11,15 @@ from django.db import transaction
 from django.utils import timezone
 
 from agents.services import audit_record
-from capabilities import routes, stats
+from capabilities import breaker, routes
 from capabilities.models import BreakerState, Capability, State
 from capabilities.services.observability import capability_record_breaker
 from sigil_site.errors import InvalidRequest, NotFound
-from sigil_site.redis_client import get_redis
 
 
 def capability_reset_breaker(*, capability: Capability, actor: str) -> None:
     """Close a capability's breaker now (the owner's reset). Idempotent."""
-    get_redis().delete(stats.breaker_key(capability.full_name), stats.failures_key(capability.full_name))
+    breaker.breaker_reset(full=capability.full_name)
     capability_record_breaker(full=capability.full_name, state=BreakerState.CLOSED, at_epoch=timezone.now().timestamp())
     audit_record(
         actor=actor, action="capability.breaker_reset", agent_name=capability.agent.name, subject=capability.full_name
@@ -82,27 +81,18 @@ def capability_set_public(*, capability: Capability, is_public: bool, actor: str
     return bool(changed)
 
 
-# A forced breaker stays open until the owner resets it; the gateway reads "open until" as
-# an epoch, so "forever" is a date far enough away (its Retry-After is capped at one
-# cool-down, see Gateway.enter_open_breaker).
-FORCED_DEGRADED_SECONDS = 10 * 365 * 86400
-
-
 def capability_force_degraded(*, capability: Capability, actor: str) -> None:
     """Open a capability's breaker until the owner resets it (capability_reset_breaker):
     the gateway answers every call 503 `degraded` without trying the code. Idempotent.
 
-    A call already in flight that succeeds closes the breaker, as it would close one
-    opened by failures. Raises NotFound when the capability was removed.
+    A call already in flight neither closes nor shortens it. Raises NotFound when the
+    capability was removed.
     """
     full = capability.full_name
     if not Capability.objects.filter(pk=capability.pk).exclude(state=State.REMOVED).exists():
         raise NotFound(f"no capability {full}")
     now = time.time()
-    pipe = get_redis().pipeline(transaction=True)
-    pipe.set(stats.breaker_key(full), f"{now + FORCED_DEGRADED_SECONDS:.3f}")
-    pipe.delete(stats.trial_key(full))
-    pipe.execute()
+    breaker.breaker_force(full=full)
     with transaction.atomic():
         Capability.objects.filter(pk=capability.pk, breaker_state=BreakerState.CLOSED).update(
             breaker_state=BreakerState.OPEN, breaker_opened_at=datetime.fromtimestamp(now, tz=UTC)

@@ -13,65 +13,91 @@ from django.utils import timezone
 from agents.models import Token
 from agents.services import agent_notify, audit_record
 from capabilities import names, stats
-from capabilities.models import BreakerState, Capability, CapabilityStatsWindow, State
+from capabilities.models import BreakerState, Capability, CapabilityStatsWindow, State, StatsFlush
 from sigil_site.redis_client import get_redis
+
+# Leftover batches one flush retries before claiming its own: bounded, so that a batch the
+# database keeps refusing cannot grow one run without end.
+PENDING_BATCHES_PER_FLUSH = 20
 
 
 def capability_flush_stats(*, batch_size: int = 500, now: datetime | None = None) -> int:
-    """Move the hot path's counters from Redis into the database; return how many capabilities.
+    """Move the hot path's counters from Redis into the database; return how many
+    capabilities' counters it applied.
 
-    Each capability's totals grow, and the calls land in the current minute's stats window.
-    Counters are read-and-reset atomically, so a second run right after changes nothing.
+    Each capability's totals grow, and the calls land in the stats window of the minute
+    they were claimed in. Crash-safe and exactly once (see stats.PENDING_KEY): batches left
+    pending by a flush that died are applied first, unless the database already holds
+    them. Safe to overlap with itself. Raises the database's errors, leaving the batch
+    pending for the next run.
     """
     now = now or timezone.now()
-    window_start = now.replace(second=0, microsecond=0)
-    redis = get_redis()
-    fulls = [m.decode() for m in redis.spop(stats.DIRTY_KEY, batch_size) or []]
-    for full in fulls:
-        taken = stats.stats_take(full)
+    applied = 0
+    for batch in stats.stats_pending(limit=PENDING_BATCHES_PER_FLUSH):
+        applied += _apply_and_release(batch)
+    batch = stats.stats_claim(now_epoch=now.timestamp(), batch_size=batch_size)
+    if batch is not None:
+        applied += _apply_and_release(batch)
+    _flush_token_use()
+    return applied
+
+
+def _apply_and_release(batch: stats.StatsBatch) -> int:
+    applied = capability_apply_stats(batch=batch)
+    stats.stats_release(batch.flush_id)
+    return len(batch.calls) if applied else 0
+
+
+@transaction.atomic
+def capability_apply_stats(*, batch: stats.StatsBatch) -> bool:
+    """Add a claimed batch of counters to the capabilities' totals and minute windows, in one
+    transaction; return False when the batch was applied before (idempotent by flush id)."""
+    # First write of the transaction: a concurrent flush applying the same batch waits on
+    # this row's unique key, then finds it.
+    _, created = StatsFlush.objects.get_or_create(flush_id=batch.flush_id)
+    if not created:
+        return False
+    window_start = datetime.fromtimestamp(batch.claimed_epoch, tz=UTC).replace(second=0, microsecond=0)
+    for full, taken in sorted(batch.calls.items()):  # one lock order for overlapping flushes
         if taken.calls == 0:
             continue
-        with transaction.atomic():
-            capability = (
-                Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(full_name=full).first()
+        capability = Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(full_name=full).first()
+        if capability is not None:
+            capability.calls_total += taken.calls
+            capability.errors_total += taken.errors
+            capability.latency_ms_total += taken.latency_ms
+            capability.cold_calls_total += taken.cold_calls
+            capability.page_in_ms_total += taken.page_in_ms
+            capability.latency_buckets_total = stats.add_buckets(capability.latency_buckets_total, taken.buckets)
+            if taken.last_access_epoch is not None:
+                capability.last_access_at = datetime.fromtimestamp(taken.last_access_epoch, tz=UTC)
+                capability.inactive_at = None  # called again: active
+            capability.save(
+                update_fields=[
+                    "calls_total",
+                    "errors_total",
+                    "latency_ms_total",
+                    "cold_calls_total",
+                    "page_in_ms_total",
+                    "latency_buckets_total",
+                    "last_access_at",
+                    "inactive_at",
+                ]
             )
-            if capability is not None:
-                capability.calls_total += taken.calls
-                capability.errors_total += taken.errors
-                capability.latency_ms_total += taken.latency_ms
-                capability.cold_calls_total += taken.cold_calls
-                capability.page_in_ms_total += taken.page_in_ms
-                capability.latency_buckets_total = stats.add_buckets(capability.latency_buckets_total, taken.buckets)
-                if taken.last_access_epoch is not None:
-                    capability.last_access_at = datetime.fromtimestamp(taken.last_access_epoch, tz=UTC)
-                    capability.inactive_at = None  # called again: active
-                capability.save(
-                    update_fields=[
-                        "calls_total",
-                        "errors_total",
-                        "latency_ms_total",
-                        "cold_calls_total",
-                        "page_in_ms_total",
-                        "latency_buckets_total",
-                        "last_access_at",
-                        "inactive_at",
-                    ]
-                )
-            window, _ = CapabilityStatsWindow.objects.select_for_update().get_or_create(
-                full_name=full,
-                window_start=window_start,
-                defaults={"agent_name": full.split(names.SEPARATOR, 1)[0]},
-            )
-            window.calls += taken.calls
-            window.errors += taken.errors
-            window.cold_calls += taken.cold_calls
-            window.latency_ms_sum += taken.latency_ms
-            window.page_in_ms_sum += taken.page_in_ms
-            window.latency_buckets = stats.add_buckets(window.latency_buckets, taken.buckets)
-            window.save()
-            _alert_on_error_rate(window)
-    _flush_token_use(redis)
-    return len(fulls)
+        window, _ = CapabilityStatsWindow.objects.select_for_update().get_or_create(
+            full_name=full,
+            window_start=window_start,
+            defaults={"agent_name": full.split(names.SEPARATOR, 1)[0]},
+        )
+        window.calls += taken.calls
+        window.errors += taken.errors
+        window.cold_calls += taken.cold_calls
+        window.latency_ms_sum += taken.latency_ms
+        window.page_in_ms_sum += taken.page_in_ms
+        window.latency_buckets = stats.add_buckets(window.latency_buckets, taken.buckets)
+        window.save()
+        _alert_on_error_rate(window)
+    return True
 
 
 def _alert_on_error_rate(window: CapabilityStatsWindow) -> None:
@@ -106,15 +132,13 @@ def _alert_on_error_rate(window: CapabilityStatsWindow) -> None:
     )
 
 
-def _flush_token_use(redis) -> None:
-    pipe = redis.pipeline(transaction=True)
-    pipe.hgetall(stats.TOKENS_USED_KEY)
-    pipe.delete(stats.TOKENS_USED_KEY)
-    used, _ = pipe.execute()
+def _flush_token_use() -> None:
+    # Stamps leave Redis only once the database holds them; after a crash in between they
+    # are written again, which is harmless: a stamp is set, not added.
+    used = stats.tokens_used_read()
     for token_hash, stamp in used.items():
-        Token.objects.filter(secret_hash=token_hash.decode()).update(
-            last_used_at=datetime.fromtimestamp(float(stamp), tz=UTC)
-        )
+        Token.objects.filter(secret_hash=token_hash).update(last_used_at=datetime.fromtimestamp(float(stamp), tz=UTC))
+    stats.tokens_used_forget(used)
 
 
 def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None:
@@ -151,4 +175,6 @@ def capability_prune_stats(*, now: datetime | None = None, batch_size: int = 10_
         .values_list("pk", flat=True)[:batch_size]
     )
     deleted, _ = CapabilityStatsWindow.objects.filter(pk__in=old).delete()
+    # A flush's record is needed only while its batch may still be pending in Redis.
+    StatsFlush.objects.filter(applied_at__lt=cutoff).delete()
     return deleted

@@ -6,6 +6,8 @@ reconciling Sigil's records with what the runtime holds.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -20,14 +22,37 @@ from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import CodeBundle, Runtime, RuntimeRejected, RuntimeUnavailable, ScriptTooLarge
 from capabilities.tasks import capability_page_out as capability_page_out_task
-from sigil_site.errors import Conflict, InvalidRequest, NotFound, SigilError, TooLarge, UpstreamError
+from sigil_site.errors import Conflict, InvalidRequest, NotFound, SigilError, Timeout, TooLarge, UpstreamError
 from sigil_site.redis_client import get_redis
 
 
-def placement_lock(full: str, *, blocking: bool):
-    """The Redis lock held while `full` is placed, paged, moved or removed: one at a time."""
+def placement_lock(full: str, *, blocking: bool, wait_seconds: float | None = None):
+    """The Redis lock held while `full` is placed, paged, moved or removed: one at a time.
+
+    A blocking caller waits up to the lock's own timeout, or `wait_seconds` when given.
+    """
     seconds = settings.SIGIL_PLACEMENT_LOCK_SECONDS
-    return get_redis().lock(f"sigil:lock:place:{full}", timeout=seconds, blocking=blocking, blocking_timeout=seconds)
+    return get_redis().lock(
+        f"sigil:lock:place:{full}", timeout=seconds, blocking=blocking, blocking_timeout=wait_seconds or seconds
+    )
+
+
+@contextmanager
+def placement_lock_within(full: str, *, wait_seconds: float | None) -> Iterator[None]:
+    """Hold `full`'s placement lock, waiting at most `wait_seconds` (None: the lock's timeout).
+
+    Raises Timeout when another placement still holds it then: a caller waiting on a page-in
+    gives up when its call would have (SIGIL_INVOKE_TIMEOUT_SECONDS), not after the lock's
+    far longer timeout.
+    """
+    waited = wait_seconds or settings.SIGIL_PLACEMENT_LOCK_SECONDS
+    lock = placement_lock(full, blocking=True, wait_seconds=waited)
+    if not lock.acquire():
+        raise Timeout(f"{full} is still being placed after {waited:g} s; try again shortly")
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def bundle_for(code: str, declared_bindings: list[str], runtime: Runtime) -> CodeBundle:
@@ -168,14 +193,17 @@ def capability_release_slot(*, capability_id: int) -> bool:
     return True
 
 
-def capability_page_in(*, full: str, reason: str = "call") -> tuple[routes.CachedRoute, bool]:
+def capability_page_in(
+    *, full: str, reason: str = "call", wait_seconds: float | None = None
+) -> tuple[routes.CachedRoute, bool]:
     """Make `full` live on the runtime (the cold path); return its fresh route and whether
     this call placed it.
 
     Concurrent callers for the same capability wait on one lock, so one placement serves
-    them all. Raises NotFound, UpstreamError.
+    them all; a caller waits at most `wait_seconds` for it. Raises NotFound, UpstreamError,
+    Timeout (the wait ran out).
     """
-    with placement_lock(full, blocking=True):
+    with placement_lock_within(full, wait_seconds=wait_seconds):
         capability = (
             Capability.objects.select_related("agent", "current_version")
             .exclude(state=State.REMOVED)

@@ -9,7 +9,7 @@ import time
 import pytest
 import requests
 
-from capabilities import stats
+from capabilities import breaker
 from testsupport.capability_code import PONG
 
 SPIN = "export default { async fetch() { while (true) {} } }"
@@ -74,10 +74,10 @@ def assert_contained(
     assert len(others) > 6
     assert set(others) == {(200, "pong")}
     # Only the runaway's breaker moved.
-    assert int(redis_client.get(stats.failures_key("alice--spin"))) == len(stopped)
+    assert int(redis_client.get(breaker.failures_key("alice--spin"))) == len(stopped)
     for innocent in ("bob--ping", "bob--pong"):
-        assert redis_client.get(stats.failures_key(innocent)) in (None, b"0")
-        assert redis_client.get(stats.breaker_key(innocent)) is None
+        assert redis_client.get(breaker.failures_key(innocent)) in (None, b"0")
+        assert redis_client.get(breaker.open_key(innocent)) is None
 
 
 def wait_healthy(base_url: str) -> dict:

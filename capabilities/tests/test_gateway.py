@@ -11,7 +11,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from agents.models import AuditEvent
-from capabilities import stats
+from capabilities import breaker
 from capabilities.models import Capability
 from testsupport.capability_code import PONG
 from testsupport.cast import wait_for
@@ -36,7 +36,7 @@ def test_a_hung_capability_answers_504_and_counts_as_a_failure(alice, settings, 
     response = alice.call("/alice/hangs")
     assert_error(response, 504, "timeout")
     assert time.monotonic() - started < 5
-    assert redis_client.get(stats.failures_key("alice--hangs")) == b"1"
+    assert redis_client.get(breaker.failures_key("alice--hangs")) == b"1"
 
 
 def test_breaker_opens_after_consecutive_failures_then_half_opens_and_closes(alice, settings, celery_worker):
@@ -190,7 +190,7 @@ def test_an_unreachable_runtime_is_a_502_and_not_the_capabilitys_failure(alice, 
     sigil.app.gateway = None
     response = alice.call("/alice/ping")
     assert_error(response, 502, "upstream_error")
-    assert redis_client.get(stats.failures_key("alice--ping")) is None  # the breaker is not charged
+    assert redis_client.get(breaker.failures_key("alice--ping")) is None  # the breaker is not charged
 
 
 def test_headers_a_server_copies_from_its_own_environment_are_not_forwarded(alice, monkeypatch):

@@ -3,7 +3,7 @@
 import pytest
 
 from agents.models import AuditEvent
-from capabilities import services, stats
+from capabilities import breaker, services
 from capabilities.models import Capability
 from sigil_site.errors import NotFound
 from sigil_site.redis_client import get_redis
@@ -72,7 +72,7 @@ def test_forced_degraded_answers_503_with_a_finite_retry_after_until_the_owner_r
 
     services.capability_reset_breaker(capability=capability, actor="owner:test")
     assert alice.call("/alice/ping").text == "pong"
-    assert get_redis().get(stats.breaker_key("alice--ping")) is None
+    assert get_redis().get(breaker.open_key("alice--ping")) is None
     capability.refresh_from_db()
     assert capability.breaker_state == "closed"
 

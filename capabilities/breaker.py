@@ -1,0 +1,165 @@
+"""The circuit breaker of each capability: its states, its Redis keys and its Lua, in one place.
+
+- **closed** (no key): calls go through; each failure (a 5xx, an exception, a timeout, a
+  limit exceeded) counts, each success resets the count.
+- **open** for SIGIL_BREAKER_COOLDOWN_SECONDS after SIGIL_BREAKER_THRESHOLD failures in a
+  row: calls are refused `503 degraded` with the time left as Retry-After.
+- **half-open** once the cool-down has passed: exactly one trial call goes through; its
+  success closes the breaker, its failure opens it for another cool-down.
+- **forced** by the owner: open with no end, a flag rather than a time; only the owner's
+  reset closes it, and a call in flight when it was forced neither closes nor shortens it.
+
+The gateway reads the open key in the MGET it sends before every call, and records a call's
+outcome inside stats.RECORD_CALL (which includes RECORD_OUTCOME_LUA), so the breaker costs no
+round trip of its own. Transitions to and from open are persisted on the capability's row by
+the capability_record_breaker task, for the admin and the agent's webhook.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from django.conf import settings
+
+from capabilities.models import BreakerState
+from capabilities.tasks import capability_record_breaker as capability_record_breaker_task
+from sigil_site.errors import Degraded
+from sigil_site.redis_client import get_redis
+
+# The open key's value when the owner forced the breaker; otherwise it holds the epoch
+# (seconds) the cool-down ends at.
+FORCED = b"forced"
+
+
+def open_key(full: str) -> str:
+    """Absent: closed. FORCED: forced open. Otherwise: open until this epoch, half-open after."""
+    return f"sigil:breaker:open:{full}"
+
+
+def failures_key(full: str) -> str:
+    """Failures in a row since the last success."""
+    return f"sigil:breaker:failures:{full}"
+
+
+def trial_key(full: str) -> str:
+    """Held by the one trial call of a half-open breaker (expires after a cool-down)."""
+    return f"sigil:breaker:trial:{full}"
+
+
+class Status(enum.StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half-open"
+    FORCED = "forced"
+
+
+def status_of(raw: bytes | None, *, now: float) -> Status:
+    """The state an open key's value (as read from Redis) stands for at `now`."""
+    if raw is None:
+        return Status.CLOSED
+    if raw == FORCED:
+        return Status.FORCED
+    return Status.OPEN if now < float(raw) else Status.HALF_OPEN
+
+
+# A Lua function for scripts that record a call's outcome (stats.RECORD_CALL, COUNT_FAILURE).
+# breaker_record(open, failures, trial: keys; now: epoch s; ok, is_trial: booleans; threshold;
+# cooldown: s) returns 'opened' or 'closed' when the breaker changed, '' otherwise.
+RECORD_OUTCOME_LUA = """
+local function breaker_record(open, failures, trial, now, ok, is_trial, threshold, cooldown)
+  if is_trial then redis.call('DEL', trial) end
+  local state = redis.call('GET', open)
+  if state == 'forced' then return '' end
+  if ok then
+    redis.call('DEL', failures)
+    if redis.call('DEL', open) == 1 then return 'closed' end
+    return ''
+  end
+  local count = redis.call('INCR', failures)
+  if is_trial or count >= threshold then
+    redis.call('SET', open, tostring(now + cooldown))
+    -- already open (calls that were in flight when it opened): not a new transition
+    if state and not is_trial then return '' end
+    return 'opened'
+  end
+  return ''
+end
+"""
+
+# KEYS: open, failures, trial. ARGV: now (epoch s), threshold, cool-down seconds.
+COUNT_FAILURE = (
+    RECORD_OUTCOME_LUA
+    + """
+return breaker_record(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]), false, false, tonumber(ARGV[2]), tonumber(ARGV[3]))
+"""
+)
+
+
+@dataclass(frozen=True)
+class Breaker:
+    """The breaker rules with their settings; one per gateway, or built where needed."""
+
+    threshold: int
+    cooldown_seconds: float
+
+    @classmethod
+    def from_settings(cls) -> Breaker:
+        return cls(threshold=settings.SIGIL_BREAKER_THRESHOLD, cooldown_seconds=settings.SIGIL_BREAKER_COOLDOWN_SECONDS)
+
+    def enter(self, redis, *, full: str, raw: bytes, now: float) -> bool:
+        """Admit a call to a capability whose open key holds `raw`; return True when the call
+        is the half-open breaker's one trial (its outcome must then be recorded as one).
+
+        Raises Degraded while open or forced, or while another trial is in progress.
+        """
+        status = status_of(raw, now=now)
+        if status == Status.FORCED:
+            # No end to announce: ask the caller to look again after one cool-down.
+            raise Degraded(f"{full} was made degraded by Sigil's owner", retry_after=self.cooldown_seconds)
+        if status == Status.OPEN:
+            raise Degraded(f"{full} is degraded after repeated failures", retry_after=float(raw) - now)
+        ttl_ms = int(self.cooldown_seconds * 1000) or 1000
+        if not redis.set(trial_key(full), 1, nx=True, px=ttl_ms):
+            raise Degraded(f"{full} is degraded; a trial call is in progress", retry_after=1)
+        return True
+
+    def count_failure(self, *, full: str, now: float | None = None) -> bool:
+        """Count one failure of `full` that no call's outcome recorded (for example the
+        runtime stopping it for exceeding a limit); return whether it opened the breaker,
+        whose transition is then persisted. Not idempotent: each call counts one failure.
+        Forced breakers do not move."""
+        now = time.time() if now is None else now
+        keys = [open_key(full), failures_key(full), trial_key(full)]
+        change = get_redis().eval(COUNT_FAILURE, len(keys), *keys, f"{now:.6f}", self.threshold, self.cooldown_seconds)
+        breaker_changed(full=full, change=change, at_epoch=now)
+        return change == b"opened"
+
+
+def breaker_count_failure(*, full: str) -> bool:
+    """Count one failure toward `full`'s breaker with the configured threshold and cool-down;
+    return whether it opened. See Breaker.count_failure."""
+    return Breaker.from_settings().count_failure(full=full)
+
+
+def breaker_changed(*, full: str, change: bytes | str | None, at_epoch: float) -> None:
+    """Persist a transition a breaker script reported ('opened', 'closed'; '' is none)."""
+    if not change:
+        return
+    opened = change in (b"opened", "opened")
+    state = BreakerState.OPEN if opened else BreakerState.CLOSED
+    capability_record_breaker_task.delay(full=full, state=state, at_epoch=at_epoch)
+
+
+def breaker_reset(*, full: str) -> None:
+    """Close `full`'s breaker now, forced or not, forgetting its failures. Idempotent."""
+    get_redis().delete(open_key(full), failures_key(full), trial_key(full))
+
+
+def breaker_force(*, full: str) -> None:
+    """Open `full`'s breaker until breaker_reset; any trial in progress ends. Idempotent."""
+    pipe = get_redis().pipeline(transaction=True)
+    pipe.set(open_key(full), FORCED)
+    pipe.delete(trial_key(full))
+    pipe.execute()

@@ -1,0 +1,152 @@
+"""The gateway's edge answers in the contract, whatever fails behind it: an unexpected error,
+Redis gone, a page-in that holds its lock past the invoke timeout."""
+
+import logging
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from agents import tokens
+from capabilities import names, routes
+from capabilities.models import Capability, State
+from capabilities.services.placement import placement_lock
+from sigil_site.embedded_redis import EmbeddedRedis
+from sigil_site.redis_client import SOCKET_TIMEOUT_SECONDS, get_redis
+from testsupport.capability_code import PONG
+from testsupport.cast import wait_for
+
+
+def assert_error(response, status, code):
+    assert response.status_code == status, response.text
+    assert response.headers["Content-Type"] == "application/json"
+    assert response.json()["error"]["code"] == code
+    return response.json()["error"]["message"]
+
+
+@pytest.fixture
+def access_log(caplog):
+    """The gateway's access lines (logger `sigil.access` does not propagate to the root)."""
+    access = logging.getLogger("sigil.access")
+    access.addHandler(caplog.handler)
+    yield lambda: [r.getMessage() for r in caplog.records if r.name == "sigil.access"]
+    access.removeHandler(caplog.handler)
+
+
+def test_an_unexpected_error_is_a_500_internal_error_logged_with_its_request_id(alice, caplog, access_log):
+    alice.deploy(name="ping", code=PONG)
+    # A route entry Sigil cannot read (written by an incompatible version, or by hand).
+    get_redis().set(routes.key("alice--ping"), b'{"id": 1}')
+
+    message = assert_error(alice.call("/alice/ping"), 500, "internal_error")
+
+    request_id = re.search(r"request ([0-9a-f]{16})", message).group(1)
+    logged = [r for r in caplog.records if r.name == "capabilities.gateway" and request_id in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None  # the traceback, once
+    assert any('"path":"/alice/ping"' in line and '"status":500' in line for line in access_log())
+
+
+def test_an_unexpected_error_in_the_control_api_is_a_500_internal_error_with_a_request_id(alice, caplog):
+    # A token cache entry Sigil cannot read: authentication itself fails unexpectedly.
+    get_redis().set(tokens.cache_key(tokens.hash_secret(alice.invoke_token)), b"not a cached token")
+
+    listed = alice.session.get(f"{alice.base_url}/_api/capabilities", headers=alice.headers(alice.invoke_token))
+
+    message = assert_error(listed, 500, "internal_error")
+    request_id = re.search(r"request ([0-9a-f]{16})", message).group(1)
+    assert any(r.name == "sigil_site.errors" and request_id in r.getMessage() for r in caplog.records)
+    assert any(r.name == "django.request" and r.exc_info for r in caplog.records)  # Django's traceback
+    assert_error(alice.call("/alice/anything"), 500, "internal_error")  # the gateway reads the same entry
+
+
+@pytest.fixture
+def own_redis(tmp_path, settings, sigil):
+    """Sigil on a Redis server of this test's own, which the test may stop and start again."""
+    server = EmbeddedRedis(tmp_path / "redis")
+    server.start()
+    settings.REDIS_URL = server.url
+    get_redis.cache_clear()
+    sigil.app.gateway = None  # rebuilt on the next call, on this Redis
+    yield server
+    server.stop()
+    get_redis.cache_clear()
+    sigil.app.gateway = None
+
+
+def test_redis_unreachable_is_503_unavailable_with_retry_after_and_recovers(own_redis, alice, access_log):
+    alice.deploy(name="ping", code=PONG)
+    assert alice.call("/alice/ping").text == "pong"  # the gateway now holds Redis connections
+
+    own_redis.stop()
+    refused = alice.call("/alice/ping")
+    assert_error(refused, 503, "unavailable")
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert any('"status":503' in line for line in access_log())
+    listed = alice.session.get(f"{alice.base_url}/_api/capabilities", headers=alice.headers(alice.invoke_token))
+    assert_error(listed, 503, "unavailable")
+    assert int(listed.headers["Retry-After"]) >= 1
+
+    own_redis.start()  # empty: the token and route caches fill again from the database
+    assert alice.call("/alice/ping").text == "pong"
+
+
+@pytest.mark.slow
+def test_a_hung_redis_is_503_unavailable_after_the_socket_timeout_not_a_hung_call(own_redis, alice):
+    alice.deploy(name="ping", code=PONG)
+    assert alice.call("/alice/ping").text == "pong"
+
+    os.kill(own_redis.process.pid, signal.SIGSTOP)  # the server still accepts, never answers
+    try:
+        started = time.monotonic()
+        assert_error(alice.call("/alice/ping"), 503, "unavailable")
+        assert time.monotonic() - started < SOCKET_TIMEOUT_SECONDS + 10
+    finally:
+        os.kill(own_redis.process.pid, signal.SIGCONT)
+    assert alice.call("/alice/ping").text == "pong"
+
+
+def test_a_page_in_lock_held_past_the_invoke_timeout_is_504_not_a_wait_for_the_lock(alice, settings):
+    settings.SIGIL_INVOKE_TIMEOUT_SECONDS = 1
+    alice.deploy(name="ping", code=PONG)
+    capability = Capability.objects.get(full_name="alice--ping")
+    Capability.objects.filter(pk=capability.pk).update(state=State.PAGED_OUT)
+    capability.refresh_from_db()
+    routes.route_publish(capability)
+
+    lock = placement_lock("alice--ping", blocking=False)
+    assert lock.acquire()  # another placement of this capability, taking its time
+    try:
+        started = time.monotonic()
+        assert_error(alice.call("/alice/ping"), 504, "timeout")
+        # The lock's own wait is SIGIL_PLACEMENT_LOCK_SECONDS (180 s); the call gives up
+        # after its invoke timeout instead (slack for a loaded machine).
+        assert time.monotonic() - started < 15
+        assert Capability.objects.get(pk=capability.pk).state == State.PAGED_OUT
+    finally:
+        lock.release()
+
+    answered = alice.call("/alice/ping")
+    assert answered.text == "pong" and answered.headers["X-Sigil-Cold-Start"] == "1"
+
+
+def test_a_miss_whose_page_in_is_held_answers_202_to_a_caller_that_prefers_async(
+    worker_pool, alice, cf_client, settings, celery_worker
+):
+    settings.SIGIL_INVOKE_TIMEOUT_SECONDS = 1
+    alice.deploy(name="ping", code=PONG)
+    cf_client.script_delete(names.pool_script_name("alice--ping"))  # gone behind Sigil's back
+
+    lock = placement_lock("alice--ping", blocking=False)
+    assert lock.acquire()  # another call is already placing it again
+    try:
+        warming = alice.call("/alice/ping", headers={"Prefer": "respond-async"})
+    finally:
+        lock.release()
+    assert warming.status_code == 202, warming.text
+    assert warming.json()["status"] == "warming"
+    assert warming.headers["Preference-Applied"] == "respond-async"
+    # The page-in the 202 promised runs in the background.
+    wait_for(lambda: Capability.objects.get(full_name="alice--ping").state == State.LIVE, message="paged in again")
+    assert alice.call("/alice/ping").text == "pong"
