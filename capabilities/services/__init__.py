@@ -16,7 +16,6 @@ from capabilities.services.observability import (
     capability_record_breaker,
 )
 from capabilities.services.placement import (
-    PAGE_OUT_INFLIGHT_CHECKS,
     StillInFlight,
     capability_evict,
     capability_mark_missing,
@@ -25,6 +24,7 @@ from capabilities.services.placement import (
     capability_reconcile,
     capability_refresh_bindings,
     capability_release_slot,
+    capability_shed_excess,
     runtime_provision,
 )
 from capabilities.services.registry import (
@@ -44,7 +44,6 @@ from capabilities.services.switching import (
 )
 
 __all__ = [
-    "PAGE_OUT_INFLIGHT_CHECKS",
     "DeployResult",
     "StillInFlight",
     "SwitchStep",
@@ -73,6 +72,7 @@ __all__ = [
     "capability_rollback",
     "capability_set_cpu_limit",
     "capability_set_public",
+    "capability_shed_excess",
     "capability_switch_backend",
     "runtime_provision",
     "runtime_release_previous",

@@ -132,7 +132,7 @@ def test_reconcile_removes_orphans_and_repairs_lost_placements(capped, alice):
     assert set(runtime.list_slots()) == {"alice--a"}
     assert state("alice--b") == "paged_out"
     assert alice.call("/alice/b").text == "b"  # its next call pages it back in
-    assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0}
+    assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0, "shed": 0}
 
 
 def test_a_call_that_finds_its_script_gone_pages_in_and_retries(alice, workerd_host):
