@@ -38,6 +38,13 @@ def capability_release_slot(*, capability_id: int) -> None:
     services.capability_release_slot(capability_id=capability_id)
 
 
+@shared_task(name="capabilities.capability_clear_slot", acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT)
+def capability_clear_slot(*, full: str, slot: str) -> None:
+    from capabilities import services
+
+    services.capability_clear_slot(full=full, slot=slot)
+
+
 @shared_task(name="capabilities.capability_expire_ephemerals", acks_late=True, reject_on_worker_lost=True)
 def capability_expire_ephemerals() -> None:
     from capabilities import services

@@ -17,6 +17,7 @@ from capabilities.services.observability import (
 )
 from capabilities.services.placement import (
     StillInFlight,
+    capability_clear_slot,
     capability_evict,
     capability_mark_missing,
     capability_page_in,
@@ -51,6 +52,7 @@ __all__ = [
     "binding_delete",
     "binding_save",
     "capability_adopt_backend",
+    "capability_clear_slot",
     "capability_deploy",
     "capability_evict",
     "capability_expire_ephemerals",

@@ -22,6 +22,7 @@ from capabilities import pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import CodeBundle, Runtime, RuntimeRejected, RuntimeUnavailable, ScriptTooLarge
+from capabilities.tasks import capability_clear_slot as capability_clear_slot_task
 from capabilities.tasks import capability_page_out as capability_page_out_task
 from sigil_site.errors import Conflict, InvalidRequest, NotFound, TooLarge, UpstreamError
 from sigil_site.redis_client import get_redis
@@ -70,6 +71,7 @@ class Room:
         self.runtime = get_runtime()
         self.claim: pager.Claim | None = None
         self.marked: list[pager.Victim] = []  # victims this placement made evicting in the database
+        self.slot: str | None = None
 
     def place(self, bundle: CodeBundle) -> Placement:
         """Claim a slot (evicting when full), then put `bundle` on the runtime. Raises the
@@ -77,10 +79,11 @@ class Room:
         if self.runtime.total_slots is not None:
             self.claim = self._claim()
             self.marked = [v for v in self.claim.victims if _mark_evicting(v.full)]
-        slot = _place(self.full, bundle, self.runtime)
+        self.slot = slot_for(self.full, self.runtime)
+        _place(self.full, self.slot, bundle, self.runtime)
         victims = self.claim.victims if self.claim else ()
         return Placement(
-            slot=slot,
+            slot=self.slot,
             backend=self.runtime.name,
             cold_start=bool(self.claim and self.claim.outcome == "claimed"),
             evicted=victims[0].full if victims else None,
@@ -124,11 +127,27 @@ class Room:
         and its victims are served again, not evicted for nothing."""
         if self.claim is None:
             return
-        pager.pager_release(
-            full=self.full, claim=self.claim, capability_type=self.capability_type, expires_epoch=self.expires_epoch
-        )
+        if self.claim.outcome == "claimed" and self.slot and not self._slot_cleared():
+            # Its script may still be there: it holds margin until the delete is done.
+            pager.pager_mark_leaving(self.full, now=time.time())
+        else:
+            pager.pager_release(
+                full=self.full, claim=self.claim, capability_type=self.capability_type, expires_epoch=self.expires_epoch
+            )
         for victim in self.marked:
             _restore_victim(victim)
+
+    def _slot_cleared(self) -> bool:
+        """A failed new placement may have left its script behind (uploaded, its URL not yet
+        turned on): delete it now, or have it deleted in the background if the runtime fails."""
+        if Capability.objects.filter(full_name=self.full, state__in=routes.SERVED_STATES).exists():
+            return True  # placed before after all (the pager had lost it): its script serves
+        try:
+            self.runtime.remove(slot=self.slot)
+        except RuntimeUnavailable:
+            capability_clear_slot_task.delay_on_commit(full=self.full, slot=self.slot)
+            return False
+        return True
 
 
 @contextmanager
@@ -243,9 +262,8 @@ def slot_for(full: str, runtime: Runtime) -> str:
     raise Conflict(f"no free runtime name for {full}")
 
 
-def _place(full: str, bundle: CodeBundle, runtime: Runtime) -> str:
-    """Put `bundle` on `runtime` for `full`; return the slot. Runtime errors become API errors."""
-    slot = slot_for(full, runtime)
+def _place(full: str, slot: str, bundle: CodeBundle, runtime: Runtime) -> None:
+    """Put `bundle` on `runtime` at `full`'s `slot`. Runtime errors become API errors."""
     try:
         runtime.place(slot=slot, bundle=bundle)
     except ScriptTooLarge as exc:
@@ -254,7 +272,6 @@ def _place(full: str, bundle: CodeBundle, runtime: Runtime) -> str:
         raise InvalidRequest(f"the runtime refused the script: {exc}") from exc
     except RuntimeUnavailable as exc:
         raise UpstreamError(f"the runtime could not place {full}: {exc}") from exc
-    return slot
 
 
 def capability_release_slot(*, capability_id: int) -> bool:
@@ -278,6 +295,22 @@ def capability_release_slot(*, capability_id: int) -> bool:
         runtime.remove(slot=capability.slot)
         if not Capability.objects.exclude(state=State.REMOVED).filter(full_name=capability.full_name).exists():
             pager.pager_drop_evicting(capability.full_name)
+    return True
+
+
+def capability_clear_slot(*, full: str, slot: str) -> bool:
+    """Delete `slot`, left on the runtime by a failed placement of `full`, unless `full` has
+    been placed there since; return whether it did. Idempotent. Raises RuntimeUnavailable
+    (transient) for the task to retry."""
+    with placement_lock(full, blocking=True):
+        runtime = get_runtime()
+        placed = Capability.objects.filter(
+            full_name=full, slot=slot, state__in=routes.SERVED_STATES, backend__in=_same_runtime(runtime)
+        ).exists()
+        if placed:
+            return False
+        runtime.remove(slot=slot)
+        pager.pager_drop_evicting(full)
     return True
 
 
