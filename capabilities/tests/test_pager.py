@@ -7,9 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from agents.models import AuditEvent
-from capabilities import services
+from capabilities import pager, routes, services
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
+from sigil_site.redis_client import get_redis
 from testsupport.cast import wait_for
 
 
@@ -80,6 +81,30 @@ def test_an_evicted_capability_pages_back_in_on_its_next_call(capped, alice, cel
     assert state("alice--a") == "live"
     assert alice.call("/alice/a").headers.get("X-Sigil-Cold-Start") is None
     assert Capability.objects.get(full_name="alice--a").slot == "alice--a"
+
+
+def test_a_victim_is_routed_away_before_its_script_is_deleted(capped, alice, celery_worker):
+    for name in ("a", "b", "c"):
+        deploy(alice, name, name, type="normal")
+    get_redis().set(pager.inflight_key("alice--a"), 1)  # a call to it is in flight
+    assert deploy(alice, "d", "d", type="normal")["evicted"] == "alice--a"
+
+    # The page-out sends new calls to page it in, then waits for the one in flight.
+    wait_for(lambda: route_state("alice--a") == "paged_out", message="the route to turn away from it")
+    assert state("alice--a") == "evicting" and "alice--a" in get_runtime().list_slots()
+    assert alice.call("/alice/a").text == "a"  # to page it in, which finds it still placed
+    assert not AuditEvent.objects.filter(action="capability.paged_in", subject="alice--a").exists()
+
+    get_redis().decr(pager.inflight_key("alice--a"))  # the call in flight ends
+    wait_for(lambda: state("alice--a") == "paged_out", message="a paged out")
+    # The gateway knew before the registry did: the next call pages it in.
+    assert route_state("alice--a") == "paged_out"
+    assert "alice--a" not in get_runtime().list_slots()
+    assert alice.call("/alice/a").headers["X-Sigil-Cold-Start"] == "1"
+
+
+def route_state(full):
+    return routes.decode(get_redis().get(routes.key(full))).state
 
 
 def test_a_burst_on_one_cold_capability_places_it_once(capped, alice, celery_worker):

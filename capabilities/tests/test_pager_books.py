@@ -102,20 +102,23 @@ def index_of(calls, method, path_end):
 
 
 def test_concurrent_page_ins_on_a_full_pool_keep_the_books(worker_pool, alice, celery_worker, scripts_on_cloudflare):
-    for name in ("a", "b", "c", "d", "e"):
+    # Two ephemerals paged out by three normals: paging both back in at once, the second
+    # would take the first (an ephemeral, still being placed) as its victim if it could.
+    first, second = (deploy(alice, None, text, ttl=3600)["capability"] for text in ("first", "second"))
+    for name in ("n1", "n2", "n3"):
         deploy(alice, name, name, type="normal")
-    wait_for(lambda: state("alice--a") == state("alice--b") == "paged_out", message="a and b paged out")
+    wait_for(lambda: state(first) == state(second) == "paged_out", message="the ephemerals paged out")
     worker_pool.configure(latency=0.3, fail_next=2)
 
-    paths = ["/alice/a"] * 8 + ["/alice/b"] * 4
+    paths = ["/" + first.replace("--", "/")] * 8 + ["/" + second.replace("--", "/")] * 4
     with ThreadPoolExecutor(max_workers=12) as pool:
         results = list(pool.map(lambda path: (r := alice.call(path)) and (r.status_code, r.text), paths))
-    assert results == [(200, "a")] * 8 + [(200, "b")] * 4
+    assert results == [(200, "first")] * 8 + [(200, "second")] * 4
 
     worker_pool.configure(latency=0)
     wait_for(settled, timeout=30, message="page-outs to finish")
     assert book_problems(scripts_on_cloudflare) == []
-    assert {state("alice--a"), state("alice--b")} == {"live"}
+    assert {state(first), state(second)} == {"live"}
     assert most_scripts_at_once(worker_pool) <= 3 + 2
     assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0, "shed": 0}
 
@@ -123,6 +126,7 @@ def test_concurrent_page_ins_on_a_full_pool_keep_the_books(worker_pool, alice, c
 def test_the_victim_is_deleted_only_after_its_replacement_is_placed(worker_pool, alice, celery_worker):
     for name in ("a", "b", "c"):
         deploy(alice, name, name, type="normal")
+    worker_pool.configure(latency=0.2)  # a delete sent early would overtake the upload
     assert deploy(alice, "d", "d", type="normal")["evicted"] == "alice--a"
     wait_for(lambda: state("alice--a") == "paged_out", message="a paged out")
 
