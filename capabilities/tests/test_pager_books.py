@@ -159,6 +159,21 @@ def test_a_failed_placement_restores_its_victim(worker_pool, alice, celery_worke
     assert deploy(alice, "e", "e", type="normal")["evicted"] == "alice--b"
 
 
+def test_what_a_failed_placement_left_is_deleted_later_if_cloudflare_fails_again(
+    worker_pool, alice, celery_worker, settings, scripts_on_cloudflare
+):
+    settings.SIGIL_CF_MAX_RETRIES = 0
+    worker_pool.configure(fail_next=2)  # the upload, then the delete of what it may have left
+    failed = alice.deploy(name="a", code=code("a"), type="normal")
+    assert failed.status_code == 502
+    # Until its delete is done, the failed placement holds margin rather than a slot.
+    assert pager.pager_locations().get("alice--a") == {pager.EVICTING_KEY}
+    wait_for(lambda: "alice--a" not in pager.pager_locations(), message="the background delete")
+    deletes = worker_pool.api_calls(method="DELETE", path_suffix=script("alice--a"))
+    assert [c["status"] >= 500 for c in deletes] == [True, False]
+    assert book_problems(scripts_on_cloudflare) == []
+
+
 def get_redis_score(full):
     from sigil_site.redis_client import get_redis
 
