@@ -160,6 +160,37 @@ def test_reconcile_removes_orphans_and_repairs_lost_placements(capped, alice):
     assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0, "shed": 0}
 
 
+def test_reconcile_repairs_the_pagers_books(capped, alice, celery_worker, settings):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    for name in ("a", "b", "c"):
+        deploy(alice, name, name, type="normal")
+    redis = get_redis()
+    # What concurrent page-ins used to leave: a live capability counted as evicting...
+    redis.zrem(pager.lru_key("normal"), "alice--a")
+    redis.zadd(pager.EVICTING_KEY, {"alice--a": 1})
+    # ... a dead placer's claim, and a name the registry does not have.
+    redis.zadd(pager.PLACING_KEY, {"alice--gone": 1})
+    redis.zadd(pager.lru_key("persistent"), {"alice--ghost": 1})
+    # And a victim whose page-out was never sent (its placement died after placing the newcomer).
+    settings.SIGIL_PLACEMENT_LOCK_SECONDS = 1
+    Capability.objects.filter(full_name="alice--b").update(
+        state="evicting", updated_at=timezone.now() - timedelta(seconds=5)
+    )
+    redis.zrem(pager.lru_key("normal"), "alice--b")
+    redis.zadd(pager.EVICTING_KEY, {"alice--b": 1})
+
+    result = services.capability_reconcile()
+    assert result == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 3, "shed": 0}
+    corrected = AuditEvent.objects.filter(action="pager.corrected").values_list("subject", flat=True)
+    assert sorted(corrected) == ["alice--a", "alice--ghost", "alice--gone"]
+    wait_for(lambda: state("alice--b") == "paged_out", message="the lost page-out, sent again")
+    assert pager.pager_locations() == {"alice--a": {pager.lru_key("normal")}, "alice--c": {pager.lru_key("normal")}}
+    assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0, "shed": 0}
+
+
 def test_a_call_that_finds_its_script_gone_pages_in_and_retries(alice, workerd_host):
     deploy(alice, "a", "never-called-before")
     capability = Capability.objects.get(full_name="alice--a")
