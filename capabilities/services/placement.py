@@ -575,16 +575,21 @@ def capability_refresh_bindings(*, full: str) -> bool:
         bundle = bundle_for(capability.current_version.code, capability.bindings, runtime)
         if bundle.sha == capability.placed_sha:
             return False
-        runtime.place(slot=capability.slot, bundle=bundle)
-        with transaction.atomic():
-            Capability.objects.filter(pk=capability.pk).update(placed_sha=bundle.sha, updated_at=timezone.now())
-            audit_record(
-                actor="system",
-                action="capability.bindings_refreshed",
-                agent_name=capability.agent.name,
-                subject=full,
-                detail={"bindings": capability.bindings},
-            )
+        try:
+            # Through the pager, like any placement: never chosen as a victim meanwhile.
+            with placement_room(full=full, capability_type=capability.type, expires_at=capability.expires_at) as room:
+                room.place(bundle)
+                with transaction.atomic():
+                    Capability.objects.filter(pk=capability.pk).update(placed_sha=bundle.sha, updated_at=timezone.now())
+                    audit_record(
+                        actor="system",
+                        action="capability.bindings_refreshed",
+                        agent_name=capability.agent.name,
+                        subject=full,
+                        detail={"bindings": capability.bindings},
+                    )
+        except UpstreamError as exc:
+            raise RuntimeUnavailable(str(exc)) from exc  # transient: the task tries again
         capability.placed_sha = bundle.sha
         routes.route_publish(capability)
     return True
