@@ -64,7 +64,6 @@ def main() -> int:
                 started = time.perf_counter()
                 claim = pager.pager_claim_slot(
                     full=f"new--c{i}",
-                    capability_type="normal",
                     now=now,
                     slots=size,
                     safety_margin=args.claims + 1,

@@ -95,7 +95,7 @@ def excess(*, used: int, slots: int) -> int:
 
 # --- the same policy, run atomically in Redis ------------------------------------------------
 
-# Shared by the scripts: KEYS are PAGER_KEYS; `now` is set by the script.
+# Shared by the scripts, whose KEYS are always PAGER_KEYS (in that order).
 _LUA_COMMON = """
 local classes = {KEYS[1], KEYS[2], KEYS[3]}
 local expiry, placing, evicting, evictions = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
@@ -133,15 +133,15 @@ local function evict_next(now)
 end
 """
 
-# ARGV: full, class index (1-3), now, slots, safety margin
+# ARGV: full, now, slots, safety margin
 # Returns {outcome, previous score, victim fields...}: outcome 'full' (nothing changed),
 # 'claimed' (a new placement), 'live' (it was served: a new version) or 'rescued' (it was
 # evicting, its script still there); then four fields per victim.
 CLAIM_SLOT = (
     _LUA_COMMON
     + """
-local full, home, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local slots, margin = tonumber(ARGV[4]), tonumber(ARGV[5])
+local full, now = ARGV[1], tonumber(ARGV[2])
+local slots, margin = tonumber(ARGV[3]), tonumber(ARGV[4])
 local class, score = find(full)
 if class or redis.call('ZSCORE', placing, full) then
   -- Already counted: it stays counted, but out of the victims' reach while placed again.
@@ -183,7 +183,7 @@ return result
 """
 )
 
-# ARGV: full, class index, score, expiry ('' when none), now.
+# ARGV: full, class index (1-3), score (its access time), expiry ('' when none).
 # A placement is recorded: serve it from its class. Idempotent.
 SETTLE = (
     _LUA_COMMON
@@ -260,12 +260,12 @@ def _epoch(value: float | None) -> str:
     return "" if value is None else repr(float(value))
 
 
-def pager_claim_slot(*, full: str, capability_type: str, now: float, slots: int, safety_margin: int) -> Claim:
+def pager_claim_slot(*, full: str, now: float, slots: int, safety_margin: int) -> Claim:
     """Take a slot for `full` (which then sits in `placing`), choosing victims when the
     runtime is full. Atomic. Call with `full`'s placement lock held, and end the claim with
     `pager_settle` or `pager_release`."""
     pager_ensure_built()
-    result = _run(CLAIM_SLOT, full, _class_index(capability_type), repr(float(now)), slots, safety_margin)
+    result = _run(CLAIM_SLOT, full, repr(float(now)), slots, safety_margin)
     outcome, previous = result[0].decode(), result[1].decode()
     return Claim(outcome, _victims(result[2:]), float(previous) if previous else None)
 

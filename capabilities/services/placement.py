@@ -94,7 +94,6 @@ class Room:
         while True:
             claim = pager.pager_claim_slot(
                 full=self.full,
-                capability_type=self.capability_type,
                 now=time.time(),
                 slots=self.runtime.total_slots,
                 safety_margin=self.runtime.safety_margin,

@@ -183,7 +183,7 @@ def check_claim(redis, candidates, *, placing, evicting, newcomer, slots, margin
         candidates, placing=placing, evicting=evicting, newcomer=newcomer, slots=slots, margin=margin, now=now
     )
     before = pager.pager_locations()
-    claim = pager.pager_claim_slot(full=newcomer, capability_type="normal", now=now, slots=slots, safety_margin=margin)
+    claim = pager.pager_claim_slot(full=newcomer, now=now, slots=slots, safety_margin=margin)
     assert (claim.outcome, [v.full for v in claim.victims]) == (outcome, victims)
     after = pager.pager_locations()
     if outcome == "full":
@@ -201,9 +201,9 @@ def check_claim(redis, candidates, *, placing, evicting, newcomer, slots, margin
 
 def test_a_served_capability_placed_again_keeps_its_slot_and_is_out_of_reach(redis_client):
     load(redis_client, [c("a", "normal", -5), c("b", "normal", -9), c("c", "normal", -1)])
-    claim = pager.pager_claim_slot(full="a", capability_type="normal", now=NOW, slots=3, safety_margin=2)
+    claim = pager.pager_claim_slot(full="a", now=NOW, slots=3, safety_margin=2)
     assert (claim.outcome, claim.victims, claim.previous_score) == ("live", (), NOW - 5)
-    other = pager.pager_claim_slot(full="d", capability_type="normal", now=NOW, slots=3, safety_margin=2)
+    other = pager.pager_claim_slot(full="d", now=NOW, slots=3, safety_margin=2)
     assert [v.full for v in other.victims] == ["b"]  # not "a", older but being placed
     pager.pager_release(full="a", claim=claim, capability_type="normal", expires_epoch=None)
     assert redis_client.zscore(pager.lru_key("normal"), "a") == NOW - 5
@@ -257,7 +257,7 @@ def test_the_scripts_write_only_the_keys_they_are_given(redis_client):
     def run(script, *args):
         return redis_client.eval(script, len(keys), *keys, *args)
 
-    run(pager.CLAIM_SLOT, "new", 2, NOW, 2, 2)
+    run(pager.CLAIM_SLOT, "new", NOW, 2, 2)
     run(pager.SETTLE, "new", 2, NOW, "")
     run(pager.SHED_EXCESS, NOW, 1)
     run(pager.RESTORE, "a", 2, NOW - 9, "")
