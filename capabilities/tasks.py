@@ -73,16 +73,22 @@ PAGE_OUT_RECHECK_SECONDS = 0.25
 @shared_task(
     name="capabilities.capability_page_out", bind=True, acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT
 )
-def capability_page_out(self, *, full: str, wait_until: float = 0.0) -> None:
-    """Two budgets: the wait for calls in flight is bounded by `wait_until` (the service's
-    rule), runtime failures by RuntimeTask's retries, which the waiting does not use up."""
+def capability_page_out(self, *, full: str, wait_until: float | None = None) -> None:
+    """Two budgets: the wait for calls in flight is bounded in time (the service sets the
+    deadline on its first check), runtime failures by RuntimeTask's retries, which the
+    waiting does not use up."""
     from capabilities import services
 
     try:
         services.capability_page_out(full=full, wait_until=wait_until)
     except services.StillInFlight as exc:
-        # The same task again with the same retry count, where self.retry() would add one.
-        again = self.signature_from_request(countdown=PAGE_OUT_RECHECK_SECONDS, retries=self.request.retries)
+        # The same task again, keeping its deadline and its retry count (self.retry() would
+        # add one to the count).
+        again = self.signature_from_request(
+            kwargs={"full": full, "wait_until": exc.wait_until},
+            countdown=PAGE_OUT_RECHECK_SECONDS,
+            retries=self.request.retries,
+        )
         again.apply_async()
         raise Retry(exc=exc, when=PAGE_OUT_RECHECK_SECONDS, sig=again) from exc
 

@@ -117,9 +117,8 @@ class Room:
         pager.pager_settle(
             full=self.full, capability_type=self.capability_type, now=time.time(), expires_epoch=self.expires_epoch
         )
-        wait_until = time.time() + settings.SIGIL_INVOKE_TIMEOUT_SECONDS + PAGE_OUT_GRACE_SECONDS
         for victim in self.marked:
-            capability_page_out_task.delay_on_commit(full=victim.full, wait_until=wait_until)
+            capability_page_out_task.delay_on_commit(full=victim.full)
 
     def release(self) -> None:
         """The placement failed or was not recorded: the newcomer goes back where it was,
@@ -199,9 +198,7 @@ def _restore_victim(victim: pager.Victim) -> None:
     (it is being removed or evicted by the owner), it is paged out after all."""
     lock = placement_lock(victim.full, blocking=True, wait_seconds=RESTORE_LOCK_WAIT_SECONDS)
     if not lock.acquire():
-        capability_page_out_task.delay_on_commit(
-            full=victim.full, wait_until=time.time() + settings.SIGIL_INVOKE_TIMEOUT_SECONDS
-        )
+        capability_page_out_task.delay_on_commit(full=victim.full)
         return
     try:
         with transaction.atomic():
@@ -229,11 +226,10 @@ def capability_shed_excess(*, now: float | None = None) -> list[str]:
     if runtime.total_slots is None:
         return []
     victims = pager.pager_shed_excess(now=now or time.time(), slots=runtime.total_slots)
-    wait_until = time.time() + settings.SIGIL_INVOKE_TIMEOUT_SECONDS + PAGE_OUT_GRACE_SECONDS
     shed = []
     for victim in victims:
         if _mark_evicting(victim.full):
-            capability_page_out_task.delay_on_commit(full=victim.full, wait_until=wait_until)
+            capability_page_out_task.delay_on_commit(full=victim.full)
             shed.append(victim.full)
     return shed
 
@@ -359,24 +355,28 @@ def capability_page_in(*, full: str, reason: str = "call") -> tuple[routes.Cache
     return routes.decode(routes.encode(capability)), placed
 
 
-# A victim's delete waits for its calls in flight up to the invoke timeout after its
-# replacement is placed, plus this, so that no call still within its timeout is cut.
+# A victim's delete waits for its calls in flight up to the invoke timeout after new calls
+# were turned away from it, plus this: no call still within its timeout is cut.
 PAGE_OUT_GRACE_SECONDS = 2.0
 
 
 class StillInFlight(Exception):
-    """The victim is still serving calls; the page-out task checks again shortly."""
+    """The victim is still serving calls; check again, waiting at most until `wait_until`."""
+
+    def __init__(self, full: str, *, wait_until: float) -> None:
+        super().__init__(full)
+        self.wait_until = wait_until
 
 
-def capability_page_out(*, full: str, wait_until: float = 0.0) -> bool:
+def capability_page_out(*, full: str, wait_until: float | None = None) -> bool:
     """Delete an evicting capability's script from the runtime and mark it paged out.
 
-    New calls are sent to page it in first (they wait for its lock); calls already in flight
-    are waited for until `wait_until` (epoch s), after which a count still held is taken
-    for a call that will never end (its process died). Idempotent: does nothing unless
-    `full` is still evicting (a deploy may have made it live again, or it was removed).
-    Raises StillInFlight while calls to it are in flight, RuntimeUnavailable when the
-    runtime fails transiently.
+    New calls are first sent to page it in (they wait for its lock); calls already in flight
+    are then waited for until `wait_until` (epoch s; None: from now, for the invoke timeout
+    and a grace), after which a count still held is taken for a call that will never end
+    (its process died). Idempotent: does nothing unless `full` is still evicting (a deploy
+    may have made it live again, or it was removed). Raises StillInFlight while calls to it
+    are in flight, RuntimeUnavailable when the runtime fails transiently.
     """
     with placement_lock(full, blocking=True):
         capability = Capability.objects.select_related("agent").filter(full_name=full, state=State.EVICTING).first()
@@ -387,8 +387,10 @@ def capability_page_out(*, full: str, wait_until: float = 0.0) -> bool:
         leaving = copy.copy(capability)
         leaving.state = State.PAGED_OUT
         routes.route_publish(leaving)
+        if wait_until is None:
+            wait_until = time.time() + settings.SIGIL_INVOKE_TIMEOUT_SECONDS + PAGE_OUT_GRACE_SECONDS
         if pager.pager_inflight(full) > 0 and time.time() < wait_until:
-            raise StillInFlight(full)
+            raise StillInFlight(full, wait_until=wait_until)
         runtime_for(capability.backend).remove(slot=capability.slot)
         with transaction.atomic():
             changed = Capability.objects.filter(pk=capability.pk, state=State.EVICTING).update(
@@ -489,10 +491,9 @@ def capability_reconcile() -> dict[str, int]:
     # An evicting capability whose page-out was never sent (the placement that chose it died
     # after placing its newcomer) would hold margin for good: send it again once any such
     # placement's lock has expired (a page-out still queued makes this one a no-op).
-    wait_until = time.time() + settings.SIGIL_INVOKE_TIMEOUT_SECONDS + PAGE_OUT_GRACE_SECONDS
     stale = timezone.now() - timedelta(seconds=settings.SIGIL_PLACEMENT_LOCK_SECONDS)
     for full in on_this_runtime.filter(state=State.EVICTING, updated_at__lt=stale).values_list("full_name", flat=True):
-        capability_page_out_task.delay_on_commit(full=full, wait_until=wait_until)
+        capability_page_out_task.delay_on_commit(full=full)
     shed = capability_shed_excess()
     return {"orphans_removed": orphans, "repaired": repaired, "pager_corrected": len(corrected), "shed": len(shed)}
 
@@ -551,7 +552,7 @@ def capability_evict(*, full: str, actor: str) -> bool:
             )
         if get_runtime().total_slots is not None:
             pager.pager_mark_leaving(full, now=time.time())
-    return capability_page_out(full=full)
+    return capability_page_out(full=full, wait_until=0)
 
 
 def capability_refresh_bindings(*, full: str) -> bool:
