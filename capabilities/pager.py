@@ -54,7 +54,8 @@ PAGER_KEYS = [*LRU_KEYS, EXPIRY_KEY, PLACING_KEY, EVICTING_KEY, EVICTIONS_KEY]
 
 @dataclass(frozen=True)
 class Candidate:
-    """A placed capability the pager may evict: its type, last access and (ephemerals) expiry, epoch s."""
+    """A placed capability the pager may evict (or has: a victim), with what its rank and
+    its restoring take: its type, last access and (ephemerals) expiry, epoch s."""
 
     full: str
     type: str
@@ -215,23 +216,13 @@ return 1
 
 
 @dataclass(frozen=True)
-class Victim:
-    """A capability moved to the evicting set, with what putting it back takes."""
-
-    full: str
-    type: str
-    last_access: float
-    expires: float | None
-
-
-@dataclass(frozen=True)
 class Claim:
     """The outcome of asking for a slot: `full` (wait and ask again), `claimed` (a new
     placement), `live` (placed already: a new version) or `rescued` (it was evicting and
     its script is still there); the victims it evicted; and the score it had before."""
 
     outcome: str
-    victims: tuple[Victim, ...] = ()
+    victims: tuple[Candidate, ...] = ()
     previous_score: float | None = None
 
 
@@ -239,10 +230,10 @@ def _run(script: str, *args) -> list:
     return get_redis().eval(script, len(PAGER_KEYS), *PAGER_KEYS, *args)
 
 
-def _victims(fields: list) -> tuple[Victim, ...]:
+def _victims(fields: list) -> tuple[Candidate, ...]:
     decoded = [f.decode() if isinstance(f, bytes) else str(f) for f in fields]
     return tuple(
-        Victim(
+        Candidate(
             full=decoded[i],
             type=CLASS_ORDER[int(decoded[i + 1]) - 1],
             last_access=float(decoded[i + 2]),
@@ -289,13 +280,13 @@ def pager_release(*, full: str, claim: Claim, capability_type: str, expires_epoc
     pipe.execute()
 
 
-def pager_restore(victim: Victim) -> bool:
+def pager_restore(victim: Candidate) -> bool:
     """Put a victim whose eviction was called off back in its class, with its old access
     time; only if it is still evicting. Returns whether it was."""
     return bool(_run(RESTORE, victim.full, _class_index(victim.type), repr(victim.last_access), _epoch(victim.expires)))
 
 
-def pager_shed_excess(*, now: float, slots: int) -> tuple[Victim, ...]:
+def pager_shed_excess(*, now: float, slots: int) -> tuple[Candidate, ...]:
     """Move the capabilities over `slots` to the evicting set, least valuable first. Atomic."""
     pager_ensure_built()
     return _victims(_run(SHED_EXCESS, repr(float(now)), slots))

@@ -70,7 +70,7 @@ class Room:
         self.expires_epoch = expires_at.timestamp() if expires_at else None
         self.runtime = get_runtime()
         self.claim: pager.Claim | None = None
-        self.marked: list[pager.Victim] = []  # victims this placement made evicting in the database
+        self.marked: list[pager.Candidate] = []  # victims this placement made evicting in the database
         self.slot: str | None = None
 
     def place(self, bundle: CodeBundle) -> Placement:
@@ -193,7 +193,7 @@ def _mark_evicting(victim: str) -> bool:
     return True
 
 
-def _restore_victim(victim: pager.Victim) -> None:
+def _restore_victim(victim: pager.Candidate) -> None:
     """Serve a victim again whose eviction was called off. If its lock is held too long
     (it is being removed or evicted by the owner), it is paged out after all."""
     lock = placement_lock(victim.full, blocking=True, wait_seconds=RESTORE_LOCK_WAIT_SECONDS)

@@ -182,21 +182,28 @@ def check_claim(redis, candidates, *, placing, evicting, newcomer, slots, margin
     outcome, victims = expected_claim(
         candidates, placing=placing, evicting=evicting, newcomer=newcomer, slots=slots, margin=margin, now=now
     )
-    before = pager.pager_locations()
+    before = pager_state(redis)
     claim = pager.pager_claim_slot(full=newcomer, now=now, slots=slots, safety_margin=margin)
     assert (claim.outcome, [v.full for v in claim.victims]) == (outcome, victims)
     after = pager.pager_locations()
     if outcome == "full":
-        assert after == before  # nothing changed
+        assert pager_state(redis) == before  # nothing changed
         return
     assert after[newcomer] == {pager.PLACING_KEY}
     for name in victims:
         assert after[name] == {pager.EVICTING_KEY}
         assert redis.zscore(pager.EXPIRY_KEY, name) is None
-    # Restoring a victim puts it back exactly as it was.
-    for victim, original in zip(claim.victims, victims, strict=True):
-        source = next(x for x in candidates if x.full == original)
-        assert (victim.type, victim.last_access, victim.expires) == (source.type, source.last_access, source.expires)
+    # A placement that fails gives everything back exactly as it was.
+    pager.pager_release(full=newcomer, claim=claim, capability_type="normal", expires_epoch=None)
+    for victim in claim.victims:
+        assert pager.pager_restore(victim)
+    assert pager_state(redis) == before
+
+
+def pager_state(redis):
+    """Every member and score of the pager's sets."""
+    keys = [*pager.LRU_KEYS, pager.EXPIRY_KEY, pager.PLACING_KEY, pager.EVICTING_KEY]
+    return {key: redis.zrange(key, 0, -1, withscores=True) for key in keys}
 
 
 def test_a_served_capability_placed_again_keeps_its_slot_and_is_out_of_reach(redis_client):
