@@ -293,9 +293,10 @@ def pager_shed_excess(*, now: float, slots: int) -> tuple[Candidate, ...]:
 
 
 def pager_forget(full: str) -> None:
-    """Drop `full` from every set: it is no longer placed (paged out or removed)."""
+    """Drop `full` from the served and evicting sets: its script is gone (paged out, lost).
+    A claim under way (`placing`) is left to its placer, who holds the lock."""
     pipe = get_redis().pipeline(transaction=True)
-    for key in (*LRU_KEYS, EXPIRY_KEY, PLACING_KEY, EVICTING_KEY):
+    for key in (*LRU_KEYS, EXPIRY_KEY, EVICTING_KEY):
         pipe.zrem(key, full)
     pipe.execute()
 
