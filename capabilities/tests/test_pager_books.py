@@ -15,10 +15,11 @@ import pytest
 from django.utils import timezone
 
 from agents.models import AuditEvent
-from capabilities import names, pager, services
+from capabilities import names, pager, services, stats
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime, runtimes_forget
 from capabilities.tasks import PAGE_OUT_RECHECK_SECONDS, RuntimeTask
+from sigil_site.redis_client import get_redis
 from testsupport.cast import wait_for
 
 SCRIPT_PATH = re.compile(r".*/workers/scripts/(s-[a-z0-9]+)$")
@@ -175,8 +176,6 @@ def test_what_a_failed_placement_left_is_deleted_later_if_cloudflare_fails_again
 
 
 def get_redis_score(full):
-    from sigil_site.redis_client import get_redis
-
     return get_redis().zscore(pager.lru_key("normal"), full)
 
 
@@ -237,15 +236,12 @@ def test_a_call_in_flight_to_a_victim_is_answered_whole(worker_pool, alice, cele
         response = in_flight.result()
     assert response.status_code == 200 and response.text == "slow and whole"
     wait_for(lambda: state("alice--a") == "paged_out", message="a paged out after its call")
-    deleted = worker_pool.api_calls(method="DELETE")[0]["time"]
+    deleted = worker_pool.api_calls(method="DELETE", path_suffix=script("alice--a"))[0]["time"]
     assert deleted >= time_of_last_access("alice--a")
 
 
 def time_of_last_access(full):
     # The call's end, as the gateway stamped it for the stats flush.
-    from capabilities import stats
-    from sigil_site.redis_client import get_redis
-
     return float(get_redis().hget(stats.stats_key(full), "last_access"))
 
 
@@ -261,8 +257,6 @@ def test_the_page_out_waits_the_invoke_timeout_and_still_has_its_failure_retries
     for name in ("a", "b", "c"):
         deploy(alice, name, name, type="normal")
     # A call whose process died mid-call: its in-flight count is never given back.
-    from sigil_site.redis_client import get_redis
-
     get_redis().set(pager.inflight_key("alice--a"), 1)
 
     assert deploy(alice, "d", "d", type="normal")["evicted"] == "alice--a"
