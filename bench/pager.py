@@ -5,8 +5,9 @@
 For each size N it fills the pager's Redis sets with N live capabilities (a third each
 ephemeral, normal and persistent, some ephemerals expired), then times the claim of a slot
 on a full runtime: the one Lua call that picks the victim in the seed's order, moves it to
-the evicting set and admits the newcomer. Runs against the bundled Redis (or REDIS_URL),
-on a private database number it empties first and last.
+the evicting set and admits the newcomer (settling it once placed is not timed). Runs
+against the bundled Redis (or REDIS_URL), on a private database number it empties first
+and last.
 """
 
 from __future__ import annotations
@@ -63,14 +64,14 @@ def main() -> int:
                 started = time.perf_counter()
                 claim = pager.pager_claim_slot(
                     full=f"new--c{i}",
-                    capability_type="normal",
                     now=now,
                     slots=size,
                     safety_margin=args.claims + 1,
-                    expires_epoch=None,
                 )
                 timings.append((time.perf_counter() - started) * 1000)
-                assert claim.outcome == "evicted", claim
+                assert claim.outcome == "claimed" and len(claim.victims) == 1, claim
+                # The newcomer is placed and served: the next claim finds the runtime full again.
+                pager.pager_settle(full=f"new--c{i}", capability_type="normal", now=now, expires_epoch=None)
             timings.sort()
             p50, p99 = statistics.median(timings), timings[int(len(timings) * 0.99) - 1]
             worst = max(worst, p50)

@@ -1,21 +1,27 @@
-"""The LRU pager for runtimes with a slot limit: which capabilities are live, and which to
+"""The LRU pager for runtimes with a slot limit: which capabilities are placed, and which to
 evict to make room (sigil-backend-lru.md).
 
-Its state lives in Redis sorted sets, so choosing a victim is a few O(log n) reads however
-many capabilities are registered:
+The policy is plain Python (`eviction_order`, `victims_needed`): pure functions over
+candidates, slot counts and `now`. The Lua below runs the same policy atomically on the
+pager's Redis state, and is tested against those functions; it touches only keys passed in
+KEYS. The state, one sorted set per place a capability can be in:
 
-- `sigil:lru:{type}` (ephemeral, normal, persistent): live capabilities by last access;
-- `sigil:lru:expiry`: live ephemerals by expiry time, so expired ones go first;
-- `sigil:lru:evicting`: victims still placed while their page-out runs in the background.
+- `sigil:lru:{type}` (ephemeral, normal, persistent): placed and served, by last access;
+  `sigil:lru:expiry` indexes the ephemerals among them by expiry time;
+- `sigil:lru:placing`: being placed (a page-in, a deploy) by the holder of its placement
+  lock: it holds a slot, and is never chosen as a victim;
+- `sigil:lru:evicting`: victims and removed capabilities whose script is still on the
+  runtime until their delete is done (they count against the safety margin).
 
-A slot is claimed and a victim chosen in one Lua script, so two page-ins never pick the
-same victim or overfill the runtime. The database stays the truth: `pager_rebuild` makes
-the sets again from the registry whenever Redis has lost them.
+Invariant: a capability is in at most one of these places (the expiry index aside), and
+the database agrees: live rows in an LRU set, evicting rows in the evicting set.
+`pager_sync` (run by reconcile) repairs any disagreement; `pager_rebuild` makes the sets
+again from the registry when Redis has lost them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from capabilities.models import Capability, CapabilityType, State
@@ -24,6 +30,7 @@ from sigil_site.redis_client import get_redis
 # Eviction order of the seed: expired ephemerals, then ephemerals, normals, persistents.
 CLASS_ORDER = (CapabilityType.EPHEMERAL, CapabilityType.NORMAL, CapabilityType.PERSISTENT)
 EXPIRY_KEY = "sigil:lru:expiry"
+PLACING_KEY = "sigil:lru:placing"
 EVICTING_KEY = "sigil:lru:evicting"
 BUILT_KEY = "sigil:lru:built"
 EVICTIONS_KEY = "sigil:lru:evictions"
@@ -38,107 +45,295 @@ def inflight_key(full: str) -> str:
 
 
 LRU_KEYS = [lru_key(t) for t in CLASS_ORDER]
+# Every key the scripts below touch, in this order.
+PAGER_KEYS = [*LRU_KEYS, EXPIRY_KEY, PLACING_KEY, EVICTING_KEY, EVICTIONS_KEY]
 
-# KEYS: lru:ephemeral, lru:normal, lru:persistent, expiry, evicting
-# ARGV: full, type, now, slots, safety margin, expires epoch or ''
-# Returns {'live'} | {'claimed'} | {'evicted', victim} | {'full'}
-CLAIM_SLOT = """
-local full, kind, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local slots, margin, expires = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
+
+# --- the policy, as plain Python ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A placed capability the pager may evict (or has: a victim), with what its rank and
+    its restoring take: its type, last access and (ephemerals) expiry, epoch s."""
+
+    full: str
+    type: str
+    last_access: float
+    expires: float | None = None
+
+
+def eviction_order(candidates: Iterable[Candidate], *, now: float) -> list[Candidate]:
+    """The candidates, first victim first: expired ephemerals (earliest expiry first), then
+    ephemerals, normals and persistents, each by last access, oldest first. Ties go by name,
+    as Redis orders equal scores."""
+
+    def rank(c: Candidate) -> tuple:
+        if c.expires is not None and c.expires <= now:
+            return (0, c.expires, c.full)
+        return (1 + CLASS_ORDER.index(c.type), c.last_access, c.full)
+
+    return sorted(candidates, key=rank)
+
+
+def victims_needed(*, used: int, leaving: int, slots: int, margin: int) -> int | None:
+    """How many victims admitting one more capability takes, or None when it must wait.
+
+    `used` counts the capabilities placed or being placed, `leaving` the scripts still on the
+    runtime while their delete runs. Scripts on the runtime never pass slots + margin, so a
+    newcomer waits while victims are deleted; it evicts as many as bring `used` back to
+    `slots` (more than one only after the slots were lowered).
+    """
+    if used + leaving + 1 > slots + margin:
+        return None
+    return max(0, used + 1 - slots)
+
+
+def excess(*, used: int, slots: int) -> int:
+    """How many placed capabilities are over the slots (after the slots were lowered)."""
+    return max(0, used - slots)
+
+
+# --- the same policy, run atomically in Redis ------------------------------------------------
+
+# Shared by the scripts, whose KEYS are always PAGER_KEYS (in that order).
+_LUA_COMMON = """
 local classes = {KEYS[1], KEYS[2], KEYS[3]}
-local expiry, evicting = KEYS[4], KEYS[5]
-for _, key in ipairs(classes) do
-  if redis.call('ZSCORE', key, full) then return {'live'} end
+local expiry, placing, evicting, evictions = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local function live_count()
+  return redis.call('ZCARD', KEYS[1]) + redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])
 end
-local function admit()
-  redis.call('ZADD', 'sigil:lru:' .. kind, now, full)
-  if expires ~= '' then redis.call('ZADD', expiry, tonumber(expires), full) end
-end
-local used = redis.call('ZCARD', KEYS[1]) + redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])
-if used < slots then admit() return {'claimed'} end
--- Full: the newcomer goes into the safety margin while a victim is paged out.
-if redis.call('ZCARD', evicting) >= margin then return {'full'} end
-local victim = redis.call('ZRANGEBYSCORE', expiry, '-inf', now, 'LIMIT', 0, 1)[1]
-if not victim then
-  for _, key in ipairs(classes) do
-    victim = redis.call('ZRANGE', key, 0, 0)[1]
-    if victim then break end
+-- Where `full` is served from: its class index and score, or nil.
+local function find(full)
+  for i, key in ipairs(classes) do
+    local score = redis.call('ZSCORE', key, full)
+    if score then return i, score end
   end
 end
-if not victim then return {'full'} end
-for _, key in ipairs(classes) do redis.call('ZREM', key, victim) end
-redis.call('ZREM', expiry, victim)
-redis.call('ZADD', evicting, now, victim)
-redis.call('INCR', 'sigil:lru:evictions')
-admit()
-return {'evicted', victim}
+-- Move the next victim of the policy (eviction_order) to the evicting set; return what
+-- restoring it takes: name, class index, last access, expiry ('' when none).
+local function evict_next(now)
+  local victim = redis.call('ZRANGEBYSCORE', expiry, '-inf', now, 'LIMIT', 0, 1)[1]
+  if victim and not find(victim) then
+    redis.call('ZREM', expiry, victim)  -- a stale index entry: not served, not a candidate
+    return evict_next(now)
+  end
+  if not victim then
+    for _, key in ipairs(classes) do
+      victim = redis.call('ZRANGE', key, 0, 0)[1]
+      if victim then break end
+    end
+  end
+  local class, score = find(victim)
+  local expires = redis.call('ZSCORE', expiry, victim) or ''
+  redis.call('ZREM', classes[class], victim)
+  redis.call('ZREM', expiry, victim)
+  redis.call('ZADD', evicting, now, victim)
+  redis.call('INCR', evictions)
+  return {victim, tostring(class), score, expires}
+end
 """
+
+# ARGV: full, now, slots, safety margin
+# Returns {outcome, previous score, victim fields...}: outcome 'full' (nothing changed),
+# 'claimed' (a new placement), 'live' (it was served: a new version) or 'rescued' (it was
+# evicting, its script still there); then four fields per victim.
+CLAIM_SLOT = (
+    _LUA_COMMON
+    + """
+local full, now = ARGV[1], tonumber(ARGV[2])
+local slots, margin = tonumber(ARGV[3]), tonumber(ARGV[4])
+local class, score = find(full)
+if class or redis.call('ZSCORE', placing, full) then
+  -- Already counted: it stays counted, but out of the victims' reach while placed again.
+  -- (A stale entry in `placing` is a dead placer's, as the caller holds the lock.)
+  if class then redis.call('ZREM', classes[class], full) end
+  redis.call('ZREM', expiry, full)
+  redis.call('ZADD', placing, now, full)
+  return {class and 'live' or 'claimed', score or ''}
+end
+local was_evicting = redis.call('ZSCORE', evicting, full)
+local used, leaving = live_count() + redis.call('ZCARD', placing), redis.call('ZCARD', evicting)
+if was_evicting then leaving = leaving - 1 end
+-- victims_needed()
+if used + leaving + 1 > slots + margin then return {'full', ''} end
+local needed = math.max(0, used + 1 - slots)
+if needed > live_count() then return {'full', ''} end  -- the rest is being placed
+redis.call('ZREM', evicting, full)
+redis.call('ZADD', placing, now, full)
+local result = {was_evicting and 'rescued' or 'claimed', was_evicting or ''}
+for _ = 1, needed do
+  for _, field in ipairs(evict_next(now)) do table.insert(result, field) end
+end
+return result
+"""
+)
+
+# ARGV: now, slots. Moves the excess over `slots` (excess()) to the evicting set, in the
+# policy's order; returns four fields per victim.
+SHED_EXCESS = (
+    _LUA_COMMON
+    + """
+local now, slots = tonumber(ARGV[1]), tonumber(ARGV[2])
+local count = math.min(live_count(), live_count() + redis.call('ZCARD', placing) - slots)
+local result = {}
+for _ = 1, count do
+  for _, field in ipairs(evict_next(now)) do table.insert(result, field) end
+end
+return result
+"""
+)
+
+# ARGV: full, class index (1-3), score (its access time), expiry ('' when none).
+# A placement is recorded: serve it from its class. Idempotent.
+SETTLE = (
+    _LUA_COMMON
+    + """
+local full, home = ARGV[1], tonumber(ARGV[2])
+redis.call('ZREM', placing, full)
+redis.call('ZREM', evicting, full)
+for i, key in ipairs(classes) do
+  if i ~= home then redis.call('ZREM', key, full) end
+end
+redis.call('ZADD', classes[home], ARGV[3], full)
+if ARGV[4] ~= '' then redis.call('ZADD', expiry, ARGV[4], full) end
+return 1
+"""
+)
+
+# ARGV: full, class index, score, expiry ('' when none).
+# A victim whose eviction is called off goes back where it was, if it is still evicting.
+RESTORE = (
+    _LUA_COMMON
+    + """
+local full = ARGV[1]
+if redis.call('ZREM', evicting, full) == 0 then return 0 end
+redis.call('ZADD', classes[tonumber(ARGV[2])], ARGV[3], full)
+if ARGV[4] ~= '' then redis.call('ZADD', expiry, ARGV[4], full) end
+return 1
+"""
+)
 
 
 @dataclass(frozen=True)
 class Claim:
-    """The outcome of asking for a slot: `live` (already), `claimed`, `evicted` or `full`."""
+    """The outcome of asking for a slot: `full` (wait and ask again), `claimed` (a new
+    placement), `live` (placed already: a new version) or `rescued` (it was evicting and
+    its script is still there); the victims it evicted; and the score it had before."""
 
     outcome: str
-    victim: str | None = None
+    victims: tuple[Candidate, ...] = ()
+    previous_score: float | None = None
 
 
-def pager_claim_slot(
-    *, full: str, capability_type: str, now: float, slots: int, safety_margin: int, expires_epoch: float | None
-) -> Claim:
-    """Reserve a slot for `full`, choosing a victim when the runtime is full. Atomic."""
-    pager_ensure_built()
-    result = get_redis().eval(
-        CLAIM_SLOT,
-        5,
-        *LRU_KEYS,
-        EXPIRY_KEY,
-        EVICTING_KEY,
-        full,
-        capability_type,
-        f"{now:.6f}",
-        slots,
-        safety_margin,
-        "" if expires_epoch is None else f"{expires_epoch:.6f}",
+def _run(script: str, *args) -> list:
+    return get_redis().eval(script, len(PAGER_KEYS), *PAGER_KEYS, *args)
+
+
+def _victims(fields: list) -> tuple[Candidate, ...]:
+    decoded = [f.decode() if isinstance(f, bytes) else str(f) for f in fields]
+    return tuple(
+        Candidate(
+            full=decoded[i],
+            type=CLASS_ORDER[int(decoded[i + 1]) - 1],
+            last_access=float(decoded[i + 2]),
+            expires=float(decoded[i + 3]) if decoded[i + 3] else None,
+        )
+        for i in range(0, len(decoded), 4)
     )
-    outcome = result[0].decode()
-    return Claim(outcome, result[1].decode() if len(result) > 1 else None)
 
 
-def pager_forget(full: str) -> None:
-    """Drop `full` from every set: it is no longer placed (paged out or removed)."""
+def _class_index(capability_type: str) -> int:
+    return CLASS_ORDER.index(capability_type) + 1
+
+
+def _epoch(value: float | None) -> str:
+    return "" if value is None else repr(float(value))
+
+
+def pager_claim_slot(*, full: str, now: float, slots: int, safety_margin: int) -> Claim:
+    """Take a slot for `full` (which then sits in `placing`), choosing victims when the
+    runtime is full. Atomic. Call with `full`'s placement lock held, and end the claim with
+    `pager_settle` or `pager_release`."""
+    pager_ensure_built()
+    result = _run(CLAIM_SLOT, full, repr(float(now)), slots, safety_margin)
+    outcome, previous = result[0].decode(), result[1].decode()
+    return Claim(outcome, _victims(result[2:]), float(previous) if previous else None)
+
+
+def pager_settle(*, full: str, capability_type: str, now: float, expires_epoch: float | None) -> None:
+    """`full` is placed and recorded live: serve it from its class, accessed `now`."""
+    _run(SETTLE, full, _class_index(capability_type), repr(float(now)), _epoch(expires_epoch))
+
+
+def pager_release(*, full: str, claim: Claim, capability_type: str, expires_epoch: float | None) -> None:
+    """A claim whose placement failed: `full` goes back where it was before the claim (served
+    with its old score, still evicting, or nowhere). Its victims are restored apart, with
+    `pager_restore`, once the database has them live again."""
+    if claim.outcome == "live":
+        pager_settle(full=full, capability_type=capability_type, now=claim.previous_score, expires_epoch=expires_epoch)
+        return
     pipe = get_redis().pipeline(transaction=True)
-    for key in LRU_KEYS:
-        pipe.zrem(key, full)
-    pipe.zrem(EXPIRY_KEY, full)
-    pipe.zrem(EVICTING_KEY, full)
+    pipe.zrem(PLACING_KEY, full)
+    if claim.outcome == "rescued":
+        pipe.zadd(EVICTING_KEY, {full: claim.previous_score})
     pipe.execute()
 
 
-def pager_mark_leaving(full: str) -> None:
-    """`full` was removed but its script is still on the runtime: it stops counting as live
-    and counts against the safety margin until the background delete is done."""
+def pager_restore(victim: Candidate) -> bool:
+    """Put a victim whose eviction was called off back in its class, with its old access
+    time; only if it is still evicting. Returns whether it was."""
+    return bool(_run(RESTORE, victim.full, _class_index(victim.type), repr(victim.last_access), _epoch(victim.expires)))
+
+
+def pager_shed_excess(*, now: float, slots: int) -> tuple[Candidate, ...]:
+    """Move the capabilities over `slots` to the evicting set, least valuable first. Atomic."""
+    pager_ensure_built()
+    return _victims(_run(SHED_EXCESS, repr(float(now)), slots))
+
+
+def pager_forget(full: str) -> None:
+    """Drop `full` from the served and evicting sets: its script is gone (paged out, lost).
+    A claim under way (`placing`) is left to its placer, who holds the lock."""
     pipe = get_redis().pipeline(transaction=True)
-    for key in LRU_KEYS:
+    for key in (*LRU_KEYS, EXPIRY_KEY, EVICTING_KEY):
         pipe.zrem(key, full)
-    pipe.zrem(EXPIRY_KEY, full)
-    pipe.zadd(EVICTING_KEY, {full: 0})
+    pipe.execute()
+
+
+def pager_mark_leaving(full: str, *, now: float) -> None:
+    """`full` was removed or evicted but its script is still on the runtime: it stops
+    counting as placed and counts against the safety margin until its delete is done."""
+    pipe = get_redis().pipeline(transaction=True)
+    for key in (*LRU_KEYS, EXPIRY_KEY, PLACING_KEY):
+        pipe.zrem(key, full)
+    pipe.zadd(EVICTING_KEY, {full: now})
     pipe.execute()
 
 
 def pager_drop_evicting(full: str) -> None:
-    """`full` no longer holds margin: its script is deleted, or a deploy made it live again."""
+    """`full`'s script is deleted: it no longer holds margin."""
     get_redis().zrem(EVICTING_KEY, full)
 
 
-def pager_used_slots() -> tuple[int, int]:
-    """(live, evicting) as the pager counts them."""
+@dataclass(frozen=True)
+class Usage:
+    placed: int  # served from an LRU set
+    placing: int
+    evicting: int
+
+    @property
+    def used(self) -> int:
+        return self.placed + self.placing
+
+
+def pager_usage() -> Usage:
+    """How the pager counts the runtime's scripts now."""
     pipe = get_redis().pipeline(transaction=False)
-    for key in LRU_KEYS:
+    for key in (*LRU_KEYS, PLACING_KEY, EVICTING_KEY):
         pipe.zcard(key)
-    pipe.zcard(EVICTING_KEY)
-    *live, evicting = pipe.execute()
-    return sum(live), evicting
+    *live, placing, evicting = pipe.execute()
+    return Usage(sum(live), placing, evicting)
 
 
 def pager_inflight(full: str) -> int:
@@ -159,36 +354,61 @@ def pager_ensure_built() -> None:
 def pager_rebuild() -> None:
     """Make the sets again from the database: live rows by last access, evicting rows apart."""
     pipe = get_redis().pipeline(transaction=True)
-    pipe.delete(*LRU_KEYS, EXPIRY_KEY, EVICTING_KEY)
+    pipe.delete(*LRU_KEYS, EXPIRY_KEY, PLACING_KEY, EVICTING_KEY)
     for full, row in _registry_rows().items():
-        _admit(pipe, full, row)
+        _place_as_recorded(pipe, full, row)
     pipe.set(BUILT_KEY, 1)
     pipe.execute()
 
 
-def pager_sync(*, is_placing: Callable[[str], bool]) -> int:
-    """Make the sets agree with the registry, leaving capabilities being placed alone.
+def pager_locations() -> dict[str, set[str]]:
+    """Every name in the pager's sets, with the places it is in (an LRU key, `placing` or
+    `evicting`; the expiry index aside). For reconcile, and for tests of the invariant."""
+    pipe = get_redis().pipeline(transaction=False)
+    places = (*LRU_KEYS, PLACING_KEY, EVICTING_KEY)
+    for key in places:
+        pipe.zrange(key, 0, -1)
+    found: dict[str, set[str]] = {}
+    for key, members in zip(places, pipe.execute(), strict=True):
+        for member in members:
+            found.setdefault(member.decode(), set()).add(key)
+    return found
 
-    Used by reconcile: unlike a rebuild, it never drops a slot claimed by a page-in that
-    has not reached the database yet. Returns how many names it corrected.
+
+def expected_place(capability_type: str, state: str) -> str | None:
+    """Where the registry says a capability belongs in the pager's sets."""
+    if state == State.LIVE:
+        return lru_key(capability_type)
+    if state == State.EVICTING:
+        return EVICTING_KEY
+    return None
+
+
+def pager_sync(*, is_placing: Callable[[str], bool]) -> list[str]:
+    """Make the sets agree with the registry, leaving capabilities being placed alone: a live
+    row in its LRU set only, an evicting row in the evicting set only, anything else in
+    none (a placing entry nobody holds the lock for is a dead placer's).
+
+    Used by reconcile: unlike a rebuild, it never drops a slot claimed by a page-in that has
+    not reached the database yet. Returns the names it corrected.
     """
     pager_ensure_built()
-    redis = get_redis()
-    pipe = redis.pipeline(transaction=False)
-    for key in (*LRU_KEYS, EVICTING_KEY):
-        pipe.zrange(key, 0, -1)
-    present = {m.decode() for members in pipe.execute() for m in members}
     rows = _registry_rows()
-    corrections = [name for name in present ^ set(rows) if not is_placing(name)]
-    pipe = redis.pipeline(transaction=True)
-    for full in corrections:
-        if full in rows:
-            _admit(pipe, full, rows[full])
-        else:
-            for key in (*LRU_KEYS, EXPIRY_KEY, EVICTING_KEY):
+    found = pager_locations()
+    corrected = []
+    for full in sorted(set(found) | set(rows)):
+        want = expected_place(rows[full][0], rows[full][1]) if full in rows else None
+        if found.get(full, set()) == ({want} if want else set()) or is_placing(full):
+            continue
+        pipe = get_redis().pipeline(transaction=True)
+        for key in (*LRU_KEYS, EXPIRY_KEY, PLACING_KEY, EVICTING_KEY):
+            if key != want:
                 pipe.zrem(key, full)
-    pipe.execute()
-    return len(corrections)
+        if want:
+            _place_as_recorded(pipe, full, rows[full])
+        pipe.execute()
+        corrected.append(full)
+    return corrected
 
 
 def _registry_rows() -> dict[str, tuple]:
@@ -202,12 +422,13 @@ def _registry_rows() -> dict[str, tuple]:
     return {row[0]: row[1:] for row in rows.iterator()}
 
 
-def _admit(pipe, full: str, row: tuple) -> None:
+def _place_as_recorded(pipe, full: str, row: tuple) -> None:
     capability_type, state, last_access_at, updated_at, expires_at = row
     stamp = (last_access_at or updated_at).timestamp()
     if state == State.EVICTING:
         pipe.zadd(EVICTING_KEY, {full: stamp})
         return
-    pipe.zadd(lru_key(capability_type), {full: stamp})
+    # NX: a score already there (a later access the stats have not flushed) is kept.
+    pipe.zadd(lru_key(capability_type), {full: stamp}, nx=True)
     if expires_at is not None:
         pipe.zadd(EXPIRY_KEY, {full: expires_at.timestamp()})

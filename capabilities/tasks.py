@@ -6,6 +6,7 @@ import random
 
 from celery import shared_task
 from celery.contrib.django.task import DjangoTask
+from celery.exceptions import Retry
 
 from capabilities.runtimes.base import RuntimeUnavailable
 
@@ -37,6 +38,13 @@ def capability_release_slot(*, capability_id: int) -> None:
     services.capability_release_slot(capability_id=capability_id)
 
 
+@shared_task(name="capabilities.capability_clear_slot", acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT)
+def capability_clear_slot(*, full: str, slot: str) -> None:
+    from capabilities import services
+
+    services.capability_clear_slot(full=full, slot=slot)
+
+
 @shared_task(name="capabilities.capability_expire_ephemerals", acks_late=True, reject_on_worker_lost=True)
 def capability_expire_ephemerals() -> None:
     from capabilities import services
@@ -58,16 +66,31 @@ def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None
     services.capability_record_breaker(full=full, state=state, at_epoch=at_epoch)
 
 
+# How often a page-out checks again whether its victim's calls in flight have ended.
+PAGE_OUT_RECHECK_SECONDS = 0.25
+
+
 @shared_task(
     name="capabilities.capability_page_out", bind=True, acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT
 )
-def capability_page_out(self, *, full: str) -> None:
+def capability_page_out(self, *, full: str, wait_until: float | None = None) -> None:
+    """Two budgets: the wait for calls in flight is bounded in time (the service sets the
+    deadline on its first check), runtime failures by RuntimeTask's retries, which the
+    waiting does not use up."""
     from capabilities import services
 
     try:
-        services.capability_page_out(full=full, attempt=self.request.retries)
+        services.capability_page_out(full=full, wait_until=wait_until)
     except services.StillInFlight as exc:
-        raise self.retry(exc=exc, countdown=0.2, max_retries=services.PAGE_OUT_INFLIGHT_CHECKS + 8) from exc
+        # The same task again, keeping its deadline and its retry count (self.retry() would
+        # add one to the count).
+        again = self.signature_from_request(
+            kwargs={"full": full, "wait_until": exc.wait_until},
+            countdown=PAGE_OUT_RECHECK_SECONDS,
+            retries=self.request.retries,
+        )
+        again.apply_async()
+        raise Retry(exc=exc, when=PAGE_OUT_RECHECK_SECONDS, sig=again) from exc
 
 
 @shared_task(name="capabilities.capability_page_in", acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT)

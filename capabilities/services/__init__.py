@@ -17,8 +17,8 @@ from capabilities.services.observability import (
     capability_record_breaker,
 )
 from capabilities.services.placement import (
-    PAGE_OUT_INFLIGHT_CHECKS,
     StillInFlight,
+    capability_clear_slot,
     capability_evict,
     capability_mark_missing,
     capability_page_in,
@@ -26,6 +26,7 @@ from capabilities.services.placement import (
     capability_reconcile,
     capability_refresh_bindings,
     capability_release_slot,
+    capability_shed_excess,
     runtime_provision,
 )
 from capabilities.services.registry import (
@@ -45,7 +46,6 @@ from capabilities.services.switching import (
 )
 
 __all__ = [
-    "PAGE_OUT_INFLIGHT_CHECKS",
     "DeployResult",
     "StillInFlight",
     "SwitchStep",
@@ -54,6 +54,7 @@ __all__ = [
     "binding_save",
     "capability_adopt_backend",
     "capability_apply_stats",
+    "capability_clear_slot",
     "capability_deploy",
     "capability_evict",
     "capability_expire_ephemerals",
@@ -75,6 +76,7 @@ __all__ = [
     "capability_rollback",
     "capability_set_cpu_limit",
     "capability_set_public",
+    "capability_shed_excess",
     "capability_switch_backend",
     "runtime_provision",
     "runtime_release_previous",

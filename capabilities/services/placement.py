@@ -5,11 +5,12 @@ reconciling Sigil's records with what the runtime holds.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
@@ -21,8 +22,9 @@ from capabilities import pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import CodeBundle, Runtime, RuntimeRejected, RuntimeUnavailable, ScriptTooLarge
+from capabilities.tasks import capability_clear_slot as capability_clear_slot_task
 from capabilities.tasks import capability_page_out as capability_page_out_task
-from sigil_site.errors import Conflict, InvalidRequest, NotFound, SigilError, Timeout, TooLarge, UpstreamError
+from sigil_site.errors import Conflict, InvalidRequest, NotFound, Timeout, TooLarge, UpstreamError
 from sigil_site.redis_client import get_redis
 
 
@@ -33,7 +35,10 @@ def placement_lock(full: str, *, blocking: bool, wait_seconds: float | None = No
     """
     seconds = settings.SIGIL_PLACEMENT_LOCK_SECONDS
     return get_redis().lock(
-        f"sigil:lock:place:{full}", timeout=seconds, blocking=blocking, blocking_timeout=wait_seconds or seconds
+        f"sigil:lock:place:{full}",
+        timeout=seconds,
+        blocking=blocking,
+        blocking_timeout=seconds if wait_seconds is None else wait_seconds,
     )
 
 
@@ -67,69 +72,186 @@ class Placement:
     slot: str
     backend: str  # the runtime that placed it: what the capability's row records
     cold_start: bool  # this placement paged the capability in (bounded runtimes only)
-    evicted: str | None  # the victim chosen to make room, if any
+    evicted: str | None  # the (first) victim chosen to make room, if any
 
 
 # How long a page-in waits for background page-outs to free the safety margin.
 ROOM_WAIT_SECONDS = 30
+# How long restoring a victim waits for its placement lock before leaving it evicted.
+RESTORE_LOCK_WAIT_SECONDS = 10
 
 
-def place_with_room(
-    *, full: str, capability_type: str, expires_at: datetime | None, bundle: CodeBundle, was_evicting: bool
-) -> Placement:
-    """Place `bundle` for `full`; on a runtime with a slot limit, claim a slot first and
-    evict the least recently used capability when the runtime is full.
+class Room:
+    """A placement on the runtime, made room for by the pager: see `placement_room`."""
 
-    Call with the capability's placement lock held. Raises the errors of `_place`, and
-    UpstreamError when no room frees up in time.
-    """
-    runtime = get_runtime()
-    if runtime.total_slots is None:
-        return Placement(slot=_place(full, bundle, runtime), backend=runtime.name, cold_start=False, evicted=None)
-    if was_evicting:
-        pager.pager_drop_evicting(full)
-    deadline = time.monotonic() + ROOM_WAIT_SECONDS
-    while True:
-        claim = pager.pager_claim_slot(
-            full=full,
-            capability_type=capability_type,
-            now=time.time(),
-            slots=runtime.total_slots,
-            safety_margin=runtime.safety_margin,
-            expires_epoch=expires_at.timestamp() if expires_at else None,
+    def __init__(self, *, full: str, capability_type: str, expires_at: datetime | None) -> None:
+        self.full = full
+        self.capability_type = capability_type
+        self.expires_epoch = expires_at.timestamp() if expires_at else None
+        self.runtime = get_runtime()
+        self.claim: pager.Claim | None = None
+        self.marked: list[pager.Candidate] = []  # victims this placement made evicting in the database
+        self.slot: str | None = None
+
+    def place(self, bundle: CodeBundle) -> Placement:
+        """Claim a slot (evicting when full), then put `bundle` on the runtime. Raises the
+        errors of `_place`, and UpstreamError when no room frees up in time."""
+        if self.runtime.total_slots is not None:
+            self.claim = self._claim()
+            self.marked = [v for v in self.claim.victims if _mark_evicting(v.full)]
+        self.slot = slot_for(self.full, self.runtime)
+        _place(self.full, self.slot, bundle, self.runtime)
+        victims = self.claim.victims if self.claim else ()
+        return Placement(
+            slot=self.slot,
+            backend=self.runtime.name,
+            cold_start=bool(self.claim and self.claim.outcome == "claimed"),
+            evicted=victims[0].full if victims else None,
         )
-        if claim.outcome != "full":
-            break
-        if time.monotonic() > deadline:
-            raise UpstreamError(f"no room on the runtime for {full}: every slot is live and page-outs are pending")
-        time.sleep(0.05)
-    if claim.victim:
-        _mark_evicting(claim.victim)
+
+    def _claim(self) -> pager.Claim:
+        deadline = time.monotonic() + ROOM_WAIT_SECONDS
+        while True:
+            claim = pager.pager_claim_slot(
+                full=self.full,
+                now=time.time(),
+                slots=self.runtime.total_slots,
+                safety_margin=self.runtime.safety_margin,
+            )
+            if claim.outcome != "full":
+                return claim
+            # Full: page-outs under way free room; after the slots were lowered, shedding the
+            # excess starts them.
+            capability_shed_excess()
+            if time.monotonic() > deadline:
+                raise UpstreamError(
+                    f"no room on the runtime for {self.full}: every slot is live and page-outs are pending"
+                )
+            time.sleep(0.05)
+
+    def settle(self) -> None:
+        """The placement is recorded: serve the newcomer from its class, and page the victims
+        out now that it is in place (after their calls in flight, up to the invoke timeout)."""
+        if self.claim is None:
+            return
+        pager.pager_settle(
+            full=self.full, capability_type=self.capability_type, now=time.time(), expires_epoch=self.expires_epoch
+        )
+        for victim in self.marked:
+            capability_page_out_task.delay_on_commit(full=victim.full)
+
+    def release(self) -> None:
+        """The placement failed or was not recorded: the newcomer goes back where it was,
+        and its victims are served again, not evicted for nothing."""
+        if self.claim is None:
+            return
+        if self.claim.outcome == "claimed" and self.slot and not self._slot_cleared():
+            # Its script may still be there: it holds margin until the delete is done.
+            pager.pager_mark_leaving(self.full, now=time.time())
+        else:
+            pager.pager_release(
+                full=self.full, claim=self.claim, capability_type=self.capability_type, expires_epoch=self.expires_epoch
+            )
+        for victim in self.marked:
+            _restore_victim(victim)
+
+    def _slot_cleared(self) -> bool:
+        """A failed new placement may have left its script behind (uploaded, its URL not yet
+        turned on): delete it now, or have it deleted in the background if the runtime fails."""
+        if Capability.objects.filter(full_name=self.full, state__in=routes.SERVED_STATES).exists():
+            return True  # placed before after all (the pager had lost it): its script serves
+        try:
+            self.runtime.remove(slot=self.slot)
+        except RuntimeUnavailable:
+            capability_clear_slot_task.delay_on_commit(full=self.full, slot=self.slot)
+            return False
+        return True
+
+
+@contextmanager
+def placement_room(*, full: str, capability_type: str, expires_at: datetime | None) -> Iterator[Room]:
+    """Place `full` on the runtime with `room.place(bundle)`, and record the placement in the
+    database inside the block.
+
+    Call with `full`'s placement lock held. On a runtime with a slot limit the pager's page-out
+    runs in the seeds' order: victims are marked evicting (still served), the newcomer is
+    placed and recorded, and only then are the victims deleted, in the background. If the
+    block raises, the victims are restored and the newcomer's claim is given back.
+    """
+    room = Room(full=full, capability_type=capability_type, expires_at=expires_at)
     try:
-        slot = _place(full, bundle, runtime)
-    except SigilError:
-        if claim.outcome != "live":
-            pager.pager_forget(full)
+        yield room
+    except BaseException:
+        room.release()
         raise
-    return Placement(slot=slot, backend=runtime.name, cold_start=claim.outcome != "live", evicted=claim.victim)
+    room.settle()
 
 
-def _mark_evicting(victim: str) -> None:
-    """The victim keeps serving while its page-out runs in the background."""
+def _mark_evicting(victim: str) -> bool:
+    """A victim keeps serving while the newcomer is placed; returns whether it was live.
+
+    A victim the database does not have live is not this placement's to page out: one being
+    removed keeps its evicting entry until its delete is done; any other has no script, so
+    it stops holding margin.
+    """
     with transaction.atomic():
         capability = (
             Capability.objects.select_for_update()
             .select_related("agent")
-            .filter(full_name=victim, state=State.LIVE)
+            .exclude(state=State.REMOVED)
+            .filter(full_name=victim)
             .first()
         )
-        if capability is None:
-            return
+        if capability is None or capability.state != State.LIVE:
+            if capability is not None and capability.state != State.EVICTING:
+                pager.pager_drop_evicting(victim)
+            return capability is not None and capability.state == State.EVICTING
         capability.state = State.EVICTING
         capability.updated_at = timezone.now()
         capability.save(update_fields=["state", "updated_at"])
-        capability_page_out_task.delay_on_commit(full=victim)
     routes.route_publish(capability)
+    return True
+
+
+def _restore_victim(victim: pager.Candidate) -> None:
+    """Serve a victim again whose eviction was called off. If its lock is held too long
+    (it is being removed or evicted by the owner), it is paged out after all."""
+    lock = placement_lock(victim.full, blocking=True, wait_seconds=RESTORE_LOCK_WAIT_SECONDS)
+    if not lock.acquire():
+        capability_page_out_task.delay_on_commit(full=victim.full)
+        return
+    try:
+        with transaction.atomic():
+            capability = (
+                Capability.objects.select_for_update()
+                .select_related("agent")
+                .filter(full_name=victim.full, state=State.EVICTING)
+                .first()
+            )
+            if capability is None:
+                return
+            capability.state = State.LIVE
+            capability.save(update_fields=["state"])
+        pager.pager_restore(victim)
+        routes.route_publish(capability)
+    finally:
+        lock.release()
+
+
+def capability_shed_excess(*, now: float | None = None) -> list[str]:
+    """Page out the capabilities over the runtime's slots (after its quota was lowered), least
+    valuable first in the eviction order; return their names. They are deleted in the
+    background, once their calls in flight end. Idempotent: nothing over, nothing done."""
+    runtime = get_runtime()
+    if runtime.total_slots is None:
+        return []
+    victims = pager.pager_shed_excess(now=now or time.time(), slots=runtime.total_slots)
+    shed = []
+    for victim in victims:
+        if _mark_evicting(victim.full):
+            capability_page_out_task.delay_on_commit(full=victim.full)
+            shed.append(victim.full)
+    return shed
 
 
 def slot_for(full: str, runtime: Runtime) -> str:
@@ -155,9 +277,8 @@ def slot_for(full: str, runtime: Runtime) -> str:
     raise Conflict(f"no free runtime name for {full}")
 
 
-def _place(full: str, bundle: CodeBundle, runtime: Runtime) -> str:
-    """Put `bundle` on `runtime` for `full`; return the slot. Runtime errors become API errors."""
-    slot = slot_for(full, runtime)
+def _place(full: str, slot: str, bundle: CodeBundle, runtime: Runtime) -> None:
+    """Put `bundle` on `runtime` at `full`'s `slot`. Runtime errors become API errors."""
     try:
         runtime.place(slot=slot, bundle=bundle)
     except ScriptTooLarge as exc:
@@ -166,7 +287,6 @@ def _place(full: str, bundle: CodeBundle, runtime: Runtime) -> str:
         raise InvalidRequest(f"the runtime refused the script: {exc}") from exc
     except RuntimeUnavailable as exc:
         raise UpstreamError(f"the runtime could not place {full}: {exc}") from exc
-    return slot
 
 
 def capability_release_slot(*, capability_id: int) -> bool:
@@ -193,6 +313,22 @@ def capability_release_slot(*, capability_id: int) -> bool:
     return True
 
 
+def capability_clear_slot(*, full: str, slot: str) -> bool:
+    """Delete `slot`, left on the runtime by a failed placement of `full`, unless `full` has
+    been placed there since; return whether it did. Idempotent. Raises RuntimeUnavailable
+    (transient) for the task to retry."""
+    with placement_lock(full, blocking=True):
+        runtime = get_runtime()
+        placed = Capability.objects.filter(
+            full_name=full, slot=slot, state__in=routes.SERVED_STATES, backend__in=_same_runtime(runtime)
+        ).exists()
+        if placed:
+            return False
+        runtime.remove(slot=slot)
+        pager.pager_drop_evicting(full)
+    return True
+
+
 def capability_page_in(
     *, full: str, reason: str = "call", wait_seconds: float | None = None
 ) -> tuple[routes.CachedRoute, bool]:
@@ -216,59 +352,68 @@ def capability_page_in(
         if placed:
             started = time.perf_counter()
             bundle = bundle_for(capability.current_version.code, capability.bindings, get_runtime())
-            placement = place_with_room(
-                full=full,
-                capability_type=capability.type,
-                expires_at=capability.expires_at,
-                bundle=bundle,
-                was_evicting=False,
-            )
-            with transaction.atomic():
-                Capability.objects.filter(pk=capability.pk).update(
-                    state=State.LIVE,
-                    slot=placement.slot,
-                    placed_sha=bundle.sha,
-                    backend=placement.backend,
-                    updated_at=timezone.now(),
-                )
-                audit_record(
-                    actor="system",
-                    action="capability.paged_in",
-                    agent_name=capability.agent.name,
-                    subject=full,
-                    detail={
-                        "evicted": placement.evicted,
-                        "reason": reason,
-                        "ms": round((time.perf_counter() - started) * 1000, 1),
-                    },
-                )
+            with placement_room(full=full, capability_type=capability.type, expires_at=capability.expires_at) as room:
+                placement = room.place(bundle)
+                with transaction.atomic():
+                    Capability.objects.filter(pk=capability.pk).update(
+                        state=State.LIVE,
+                        slot=placement.slot,
+                        placed_sha=bundle.sha,
+                        backend=placement.backend,
+                        updated_at=timezone.now(),
+                    )
+                    audit_record(
+                        actor="system",
+                        action="capability.paged_in",
+                        agent_name=capability.agent.name,
+                        subject=full,
+                        detail={
+                            "evicted": placement.evicted,
+                            "reason": reason,
+                            "ms": round((time.perf_counter() - started) * 1000, 1),
+                        },
+                    )
             capability.refresh_from_db()
         routes.route_publish(capability)
     return routes.decode(routes.encode(capability)), placed
 
 
-# A victim still answering calls is deleted once they finish, or after this many checks
-# (the gateway treats a call that then finds no script as a miss and pages in again).
-PAGE_OUT_INFLIGHT_CHECKS = 50
+# A victim's delete waits for its calls in flight up to the invoke timeout after new calls
+# were turned away from it, plus this: no call still within its timeout is cut.
+PAGE_OUT_GRACE_SECONDS = 2.0
 
 
 class StillInFlight(Exception):
-    """The victim is still serving calls; the page-out task retries shortly."""
+    """The victim is still serving calls; check again, waiting at most until `wait_until`."""
+
+    def __init__(self, full: str, *, wait_until: float) -> None:
+        super().__init__(full)
+        self.wait_until = wait_until
 
 
-def capability_page_out(*, full: str, attempt: int = 0) -> bool:
+def capability_page_out(*, full: str, wait_until: float | None = None) -> bool:
     """Delete an evicting capability's script from the runtime and mark it paged out.
 
-    Idempotent: does nothing unless `full` is still evicting (a deploy may have made it
-    live again, or it was removed). Raises StillInFlight while calls to it are in flight,
-    RuntimeUnavailable when the runtime fails transiently.
+    New calls are first sent to page it in (they wait for its lock); calls already in flight
+    are then waited for until `wait_until` (epoch s; None: from now, for the invoke timeout
+    and a grace), after which a count still held is taken for a call that will never end
+    (its process died). Idempotent: does nothing unless `full` is still evicting (a deploy
+    may have made it live again, or it was removed). Raises StillInFlight while calls to it
+    are in flight, RuntimeUnavailable when the runtime fails transiently.
     """
     with placement_lock(full, blocking=True):
         capability = Capability.objects.select_related("agent").filter(full_name=full, state=State.EVICTING).first()
         if capability is None:
             return False
-        if pager.pager_inflight(full) > 0 and attempt < PAGE_OUT_INFLIGHT_CHECKS:
-            raise StillInFlight(full)
+        # The route first: a call that still found it served holds an in-flight count by the
+        # time this checks; one that did not goes to page it in, and waits for this lock.
+        leaving = copy.copy(capability)
+        leaving.state = State.PAGED_OUT
+        routes.route_publish(leaving)
+        if wait_until is None:
+            wait_until = time.time() + settings.SIGIL_INVOKE_TIMEOUT_SECONDS + PAGE_OUT_GRACE_SECONDS
+        if pager.pager_inflight(full) > 0 and time.time() < wait_until:
+            raise StillInFlight(full, wait_until=wait_until)
         runtime_for(capability.backend).remove(slot=capability.slot)
         with transaction.atomic():
             changed = Capability.objects.filter(pk=capability.pk, state=State.EVICTING).update(
@@ -278,7 +423,7 @@ def capability_page_out(*, full: str, attempt: int = 0) -> bool:
                 audit_record(
                     actor="system", action="capability.evicted", agent_name=capability.agent.name, subject=full
                 )
-        pager.pager_drop_evicting(full)
+        pager.pager_forget(full)
         capability.refresh_from_db()
         routes.route_publish(capability)
     return bool(changed)
@@ -309,8 +454,10 @@ def capability_reconcile() -> dict[str, int]:
 
     Scripts no capability should have (a worker killed mid-page-in, a lost delete) are
     deleted; capabilities the registry thinks live but the runtime lacks are marked paged
-    out, so their next call pages them in. Placements in progress are left alone. The
-    pager's sets are then rebuilt from the registry. Safe to run at any time.
+    out, so their next call pages them in. On a runtime with a slot limit, the pager's sets
+    are then made to agree with the registry (`pager_sync`), and the capabilities over the
+    slots are shed. Placements in progress are left alone. Each change is in the audit
+    trail; the counts are returned. Safe to run at any time.
     Raises RuntimeUnavailable when the runtime cannot list its slots.
     """
     runtime = get_runtime()
@@ -359,8 +506,19 @@ def capability_reconcile() -> dict[str, int]:
         routes.route_publish(capability)
         repaired += 1
 
-    corrected = pager.pager_sync(is_placing=placement_in_progress) if runtime.total_slots is not None else 0
-    return {"orphans_removed": orphans, "repaired": repaired, "pager_corrected": corrected}
+    if runtime.total_slots is None:
+        return {"orphans_removed": orphans, "repaired": repaired, "pager_corrected": 0, "shed": 0}
+    corrected = pager.pager_sync(is_placing=placement_in_progress)
+    for full in corrected:
+        audit_record(actor="system", action="pager.corrected", subject=full)
+    # An evicting capability whose page-out was never sent (the placement that chose it died
+    # after placing its newcomer) would hold margin for good: send it again once any such
+    # placement's lock has expired (a page-out still queued makes this one a no-op).
+    stale = timezone.now() - timedelta(seconds=settings.SIGIL_PLACEMENT_LOCK_SECONDS)
+    for full in on_this_runtime.filter(state=State.EVICTING, updated_at__lt=stale).values_list("full_name", flat=True):
+        capability_page_out_task.delay_on_commit(full=full)
+    shed = capability_shed_excess()
+    return {"orphans_removed": orphans, "repaired": repaired, "pager_corrected": len(corrected), "shed": len(shed)}
 
 
 def capability_mark_missing(*, full: str, slot: str | None = None, backend: str | None = None) -> None:
@@ -416,8 +574,8 @@ def capability_evict(*, full: str, actor: str) -> bool:
                 actor=actor, action="capability.evict_requested", agent_name=capability.agent.name, subject=full
             )
         if get_runtime().total_slots is not None:
-            pager.pager_mark_leaving(full)
-    return capability_page_out(full=full, attempt=PAGE_OUT_INFLIGHT_CHECKS)
+            pager.pager_mark_leaving(full, now=time.time())
+    return capability_page_out(full=full, wait_until=0)
 
 
 def capability_refresh_bindings(*, full: str) -> bool:
@@ -440,16 +598,21 @@ def capability_refresh_bindings(*, full: str) -> bool:
         bundle = bundle_for(capability.current_version.code, capability.bindings, runtime)
         if bundle.sha == capability.placed_sha:
             return False
-        runtime.place(slot=capability.slot, bundle=bundle)
-        with transaction.atomic():
-            Capability.objects.filter(pk=capability.pk).update(placed_sha=bundle.sha, updated_at=timezone.now())
-            audit_record(
-                actor="system",
-                action="capability.bindings_refreshed",
-                agent_name=capability.agent.name,
-                subject=full,
-                detail={"bindings": capability.bindings},
-            )
+        try:
+            # Through the pager, like any placement: never chosen as a victim meanwhile.
+            with placement_room(full=full, capability_type=capability.type, expires_at=capability.expires_at) as room:
+                room.place(bundle)
+                with transaction.atomic():
+                    Capability.objects.filter(pk=capability.pk).update(placed_sha=bundle.sha, updated_at=timezone.now())
+                    audit_record(
+                        actor="system",
+                        action="capability.bindings_refreshed",
+                        agent_name=capability.agent.name,
+                        subject=full,
+                        detail={"bindings": capability.bindings},
+                    )
+        except UpstreamError as exc:
+            raise RuntimeUnavailable(str(exc)) from exc  # transient: the task tries again
         capability.placed_sha = bundle.sha
         routes.route_publish(capability)
     return True

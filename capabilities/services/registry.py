@@ -20,7 +20,7 @@ from capabilities import names, pager, routes
 from capabilities.models import Capability, CapabilityType, CapabilityVersion, State
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import CodeBundle, code_sha
-from capabilities.services.placement import bundle_for, place_with_room, placement_lock
+from capabilities.services.placement import Placement, bundle_for, placement_lock, placement_room
 from capabilities.tasks import capability_release_slot as capability_release_slot_task
 from sigil_site.errors import Conflict, Cooldown, Forbidden, InvalidRequest, NotFound, RateLimited, TooLarge
 from sigil_site.redis_client import get_redis
@@ -158,35 +158,31 @@ def capability_deploy(
         raise Conflict(f"{full} is being deployed by another request; retry when it is done")
     try:
         expires_at = existing.expires_at if existing else (now + timedelta(seconds=ttl) if ttl is not None else None)
-        try:
-            placement = place_with_room(
+        bundle = CodeBundle.from_code(code, bindings=resolved)
+        with placement_room(full=full, capability_type=type, expires_at=expires_at) as room:
+            try:
+                placement = room.place(bundle)
+            except (InvalidRequest, TooLarge):
+                # The runtime refused the code (it does not start, or is too large): nothing
+                # was deployed, so the fixed code need not wait out a cool-down.
+                get_redis().delete(_cooldown_key(owner.name))
+                raise
+            capability, version, created = _record_deploy(
+                owner=owner,
+                existing=existing,
                 full=full,
-                capability_type=type,
+                type=type,
                 expires_at=expires_at,
-                bundle=(bundle := CodeBundle.from_code(code, bindings=resolved)),
-                was_evicting=existing is not None and existing.state == State.EVICTING,
+                code=code,
+                sha=sha,
+                slot=placement.slot,
+                backend=placement.backend,
+                bundle_sha=bundle.sha,
+                bindings=bindings,
+                is_public=is_public,
+                now=now,
+                principal=principal,
             )
-        except (InvalidRequest, TooLarge):
-            # The runtime refused the code (it does not start, or is too large): nothing was
-            # deployed, so the fixed code need not wait out a cool-down.
-            get_redis().delete(_cooldown_key(owner.name))
-            raise
-        capability, version, created = _record_deploy(
-            owner=owner,
-            existing=existing,
-            full=full,
-            type=type,
-            expires_at=expires_at,
-            code=code,
-            sha=sha,
-            slot=placement.slot,
-            backend=placement.backend,
-            bundle_sha=bundle.sha,
-            bindings=bindings,
-            is_public=is_public,
-            now=now,
-            principal=principal,
-        )
         routes.route_publish(capability)
     finally:
         lock.release()
@@ -311,23 +307,26 @@ def capability_remove_as_owner(*, full: str, actor: str) -> Capability:
 
 
 def _remove(*, full: str, actor: str, action: str, only_if_expired_by: datetime | None = None) -> Capability:
-    now = timezone.now()
-    with transaction.atomic():
-        query = Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(full_name=full)
-        if only_if_expired_by is not None:
-            query = query.filter(expires_at__lte=only_if_expired_by)
-        capability = query.first()
-        if capability is None:
-            raise NotFound(f"no capability {full}")
-        capability.state = State.REMOVED
-        capability.removed_at = now
-        capability.updated_at = now
-        capability.save(update_fields=["state", "removed_at", "updated_at"])
-        audit_record(actor=actor, action=action, agent_name=capability.agent.name, subject=full)
-        capability_release_slot_task.delay_on_commit(capability_id=capability.pk)
-    routes.route_withdraw(full)
-    if get_runtime().total_slots is not None:
-        pager.pager_mark_leaving(full)
+    # Under the placement lock: a deploy or page-in under way finishes first (it would
+    # otherwise record the capability live again), and the pager's sets change with the row.
+    with placement_lock(full, blocking=True):
+        now = timezone.now()
+        with transaction.atomic():
+            query = Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(full_name=full)
+            if only_if_expired_by is not None:
+                query = query.filter(expires_at__lte=only_if_expired_by)
+            capability = query.first()
+            if capability is None:
+                raise NotFound(f"no capability {full}")
+            capability.state = State.REMOVED
+            capability.removed_at = now
+            capability.updated_at = now
+            capability.save(update_fields=["state", "removed_at", "updated_at"])
+            audit_record(actor=actor, action=action, agent_name=capability.agent.name, subject=full)
+            capability_release_slot_task.delay_on_commit(capability_id=capability.pk)
+        routes.route_withdraw(full)
+        if get_runtime().total_slots is not None:
+            pager.pager_mark_leaving(full, now=now.timestamp())
     return capability
 
 
@@ -385,43 +384,50 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
                 capability=current, version=current.current_version, created=False, cold_start=False, evicted=None
             )
         bundle = bundle_for(target.code, current.bindings, get_runtime())
-        placement = place_with_room(
-            full=full,
-            capability_type=current.type,
-            expires_at=current.expires_at,
-            bundle=bundle,
-            was_evicting=current.state == State.EVICTING,
-        )
-        now = timezone.now()
-        with transaction.atomic():
-            locked = Capability.objects.select_for_update().get(pk=current.pk)
-            number = (locked.versions.aggregate(n=Max("number"))["n"] or 0) + 1
-            version = CapabilityVersion.objects.create(
-                capability=locked,
-                number=number,
-                code=target.code,
-                sha=target.sha,
-                size_bytes=target.size_bytes,
-                created_at=now,
-            )
-            locked.current_version = version
-            locked.state = State.LIVE
-            locked.slot = placement.slot
-            locked.placed_sha = bundle.sha
-            locked.updated_at = now
-            locked.save(update_fields=["current_version", "state", "slot", "placed_sha", "updated_at"])
-            audit_record(
-                actor=actor,
-                action="capability.rolled_back",
-                agent_name=current.agent.name,
-                subject=full,
-                detail={"version": number, "restored_version": target.number, "sha": target.sha},
-            )
-        locked.agent = current.agent
+        with placement_room(full=full, capability_type=current.type, expires_at=current.expires_at) as room:
+            placement = room.place(bundle)
+            locked = _record_rollback(current, target=target, placement=placement, bundle_sha=bundle.sha, actor=actor)
         routes.route_publish(locked)
     finally:
         lock.release()
     capability.refresh_from_db()
     return DeployResult(
-        capability=locked, version=version, created=False, cold_start=placement.cold_start, evicted=placement.evicted
+        capability=locked,
+        version=locked.current_version,
+        created=False,
+        cold_start=placement.cold_start,
+        evicted=placement.evicted,
     )
+
+
+def _record_rollback(
+    current: Capability, *, target: CapabilityVersion, placement: Placement, bundle_sha: str, actor: str
+) -> Capability:
+    full = current.full_name
+    now = timezone.now()
+    with transaction.atomic():
+        locked = Capability.objects.select_for_update().get(pk=current.pk)
+        number = (locked.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+        version = CapabilityVersion.objects.create(
+            capability=locked,
+            number=number,
+            code=target.code,
+            sha=target.sha,
+            size_bytes=target.size_bytes,
+            created_at=now,
+        )
+        locked.current_version = version
+        locked.state = State.LIVE
+        locked.slot = placement.slot
+        locked.placed_sha = bundle_sha
+        locked.updated_at = now
+        locked.save(update_fields=["current_version", "state", "slot", "placed_sha", "updated_at"])
+        audit_record(
+            actor=actor,
+            action="capability.rolled_back",
+            agent_name=current.agent.name,
+            subject=full,
+            detail={"version": number, "restored_version": target.number, "sha": target.sha},
+        )
+    locked.agent = current.agent
+    return locked

@@ -13,7 +13,13 @@ from agents.services import audit_record
 from capabilities import pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
-from capabilities.services.placement import bundle_for, place_with_room, placement_in_progress, placement_lock, slot_for
+from capabilities.services.placement import (
+    bundle_for,
+    placement_in_progress,
+    placement_lock,
+    placement_room,
+    slot_for,
+)
 
 
 @dataclass(frozen=True)
@@ -60,40 +66,35 @@ def capability_switch_backend(*, full: str, actor: str) -> SwitchStep:
             bundle = bundle_for(capability.current_version.code, capability.bindings, runtime)
         # The pager's sets speak for the new runtime: this capability is not placed there yet.
         pager.pager_forget(full)
-        if bundle is not None and runtime.total_slots is not None:
-            live, _ = pager.pager_used_slots()
-            if live >= runtime.total_slots:
-                bundle = None
-        if bundle is not None:
-            placement = place_with_room(
-                full=full,
-                capability_type=capability.type,
-                expires_at=capability.expires_at,
-                bundle=bundle,
-                was_evicting=False,
-            )
-            slot, backend, state, placed_sha = placement.slot, placement.backend, State.LIVE, bundle.sha
-        else:
+        if bundle is not None and runtime.total_slots is not None and pager.pager_usage().used >= runtime.total_slots:
+            bundle = None
+        if bundle is None:
             slot, backend = slot_for(full, runtime), runtime.name
             state = State.FAILED if capability.state == State.FAILED else State.PAGED_OUT
-            placed_sha = ""
-        with transaction.atomic():
-            Capability.objects.filter(pk=capability.pk).update(
-                state=state, slot=slot, placed_sha=placed_sha, backend=backend, updated_at=timezone.now()
-            )
-            audit_record(
+            _record_switch(
+                capability,
                 actor=actor,
-                action="capability.switched",
-                agent_name=capability.agent.name,
-                subject=full,
-                detail={
-                    "from": source,
-                    "to": backend,
-                    "from_slot": old_slot,
-                    "to_slot": slot,
-                    "placed": bundle is not None,
-                },
+                source=source,
+                old_slot=old_slot,
+                slot=slot,
+                backend=backend,
+                state=state,
+                placed_sha="",
             )
+        else:
+            with placement_room(full=full, capability_type=capability.type, expires_at=capability.expires_at) as room:
+                placement = room.place(bundle)
+                slot, backend = placement.slot, placement.backend
+                _record_switch(
+                    capability,
+                    actor=actor,
+                    source=source,
+                    old_slot=old_slot,
+                    slot=slot,
+                    backend=backend,
+                    state=State.LIVE,
+                    placed_sha=bundle.sha,
+                )
         capability.refresh_from_db()
         routes.route_publish(capability)
     return SwitchStep(
@@ -103,6 +104,37 @@ def capability_switch_backend(*, full: str, actor: str) -> SwitchStep:
         old_slot=old_slot,
         new_slot=slot,
     )
+
+
+def _record_switch(
+    capability: Capability,
+    *,
+    actor: str,
+    source: str,
+    old_slot: str,
+    slot: str,
+    backend: str,
+    state: str,
+    placed_sha: str,
+) -> None:
+    full = capability.full_name
+    with transaction.atomic():
+        Capability.objects.filter(pk=capability.pk).update(
+            state=state, slot=slot, placed_sha=placed_sha, backend=backend, updated_at=timezone.now()
+        )
+        audit_record(
+            actor=actor,
+            action="capability.switched",
+            agent_name=capability.agent.name,
+            subject=full,
+            detail={
+                "from": source,
+                "to": backend,
+                "from_slot": old_slot,
+                "to_slot": slot,
+                "placed": state == State.LIVE,
+            },
+        )
 
 
 def capability_adopt_backend(*, backend: str) -> int:

@@ -7,9 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from agents.models import AuditEvent
-from capabilities import services
+from capabilities import pager, routes, services
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
+from sigil_site.redis_client import get_redis
 from testsupport.cast import wait_for
 
 
@@ -82,6 +83,30 @@ def test_an_evicted_capability_pages_back_in_on_its_next_call(capped, alice, cel
     assert Capability.objects.get(full_name="alice--a").slot == "alice--a"
 
 
+def test_a_victim_is_routed_away_before_its_script_is_deleted(capped, alice, celery_worker):
+    for name in ("a", "b", "c"):
+        deploy(alice, name, name, type="normal")
+    get_redis().set(pager.inflight_key("alice--a"), 1)  # a call to it is in flight
+    assert deploy(alice, "d", "d", type="normal")["evicted"] == "alice--a"
+
+    # The page-out sends new calls to page it in, then waits for the one in flight.
+    wait_for(lambda: route_state("alice--a") == "paged_out", message="the route to turn away from it")
+    assert state("alice--a") == "evicting" and "alice--a" in get_runtime().list_slots()
+    assert alice.call("/alice/a").text == "a"  # to page it in, which finds it still placed
+    assert not AuditEvent.objects.filter(action="capability.paged_in", subject="alice--a").exists()
+
+    get_redis().decr(pager.inflight_key("alice--a"))  # the call in flight ends
+    wait_for(lambda: state("alice--a") == "paged_out", message="a paged out")
+    # The gateway knew before the registry did: the next call pages it in.
+    assert route_state("alice--a") == "paged_out"
+    assert "alice--a" not in get_runtime().list_slots()
+    assert alice.call("/alice/a").headers["X-Sigil-Cold-Start"] == "1"
+
+
+def route_state(full):
+    return routes.decode(get_redis().get(routes.key(full))).state
+
+
 def test_a_burst_on_one_cold_capability_places_it_once(capped, alice, celery_worker):
     for name in ("a", "b", "c", "d"):
         deploy(alice, name, name, type="normal")
@@ -132,7 +157,38 @@ def test_reconcile_removes_orphans_and_repairs_lost_placements(capped, alice):
     assert set(runtime.list_slots()) == {"alice--a"}
     assert state("alice--b") == "paged_out"
     assert alice.call("/alice/b").text == "b"  # its next call pages it back in
-    assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0}
+    assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0, "shed": 0}
+
+
+def test_reconcile_repairs_the_pagers_books(capped, alice, celery_worker, settings):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    for name in ("a", "b", "c"):
+        deploy(alice, name, name, type="normal")
+    redis = get_redis()
+    # What concurrent page-ins used to leave: a live capability counted as evicting...
+    redis.zrem(pager.lru_key("normal"), "alice--a")
+    redis.zadd(pager.EVICTING_KEY, {"alice--a": 1})
+    # ... a dead placer's claim, and a name the registry does not have.
+    redis.zadd(pager.PLACING_KEY, {"alice--gone": 1})
+    redis.zadd(pager.lru_key("persistent"), {"alice--ghost": 1})
+    # And a victim whose page-out was never sent (its placement died after placing the newcomer).
+    settings.SIGIL_PLACEMENT_LOCK_SECONDS = 1
+    Capability.objects.filter(full_name="alice--b").update(
+        state="evicting", updated_at=timezone.now() - timedelta(seconds=5)
+    )
+    redis.zrem(pager.lru_key("normal"), "alice--b")
+    redis.zadd(pager.EVICTING_KEY, {"alice--b": 1})
+
+    result = services.capability_reconcile()
+    assert result == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 3, "shed": 0}
+    corrected = AuditEvent.objects.filter(action="pager.corrected").values_list("subject", flat=True)
+    assert sorted(corrected) == ["alice--a", "alice--ghost", "alice--gone"]
+    wait_for(lambda: state("alice--b") == "paged_out", message="the lost page-out, sent again")
+    assert pager.pager_locations() == {"alice--a": {pager.lru_key("normal")}, "alice--c": {pager.lru_key("normal")}}
+    assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0, "shed": 0}
 
 
 def test_a_call_that_finds_its_script_gone_pages_in_and_retries(alice, workerd_group):
