@@ -106,6 +106,7 @@ class EmulatorServer:
             account_id=account_id,
             code_dir=workerd.code_dir,
             config=config,
+            seal_key=workerd.secret,
             start_check=functools.partial(_start_check, workerd),
         )
         bound = BoundWorkers(binary=workerd_binary, state_dir=state_dir / "bound")
