@@ -125,7 +125,8 @@ SHOWS_BINDINGS = """export default { async fetch(request, env) {
 
 def binding_form(binding: Binding, **changes) -> dict:
     form = {"kind": binding.kind, "name": binding.name, "value": binding.value, "secret_env": "", "description": ""}
-    return {**form, "secret_value": "", **changes}
+    grants = {"grants-TOTAL_FORMS": 0, "grants-INITIAL_FORMS": 0}  # the grants inline, left as it is
+    return {**form, **grants, "secret_value": "", **changes}
 
 
 def test_a_changed_binding_reaches_the_live_capabilities_that_declare_it(owner_client, alice, celery_worker):

@@ -112,3 +112,130 @@ def test_a_binding_granted_to_one_agent_is_out_of_another_agents_reach(
     ]
     wait_for(lambda: alpha.call("/alpha/uses").json()["key"] == alpha_key, message="the grant restored")
     assert_not_at_rest(backend, alpha_key, request, settings)
+
+
+# --- the owner's grants in the admin ---------------------------------------------------------
+
+GREETS = "export default { async fetch(request, env) { return new Response(env.GREETING ?? 'nothing') } }"
+
+
+@pytest.fixture
+def owner_client(sigil, client):
+    from django.contrib.auth import get_user_model
+
+    user = get_user_model().objects.create_superuser("owner", "owner@example.invalid", "owner-password")
+    client.force_login(user)
+    return client
+
+
+def change_form(client, url: str) -> tuple[dict, dict]:
+    """What the change page at `url` posts back unchanged, and each inline's prefix by model name."""
+    response = client.get(url)
+    assert response.status_code == 200
+    form = response.context["adminform"].form
+    data = {name: form[name].value() for name in form.fields if form[name].value() not in (None, False)}
+    prefixes = {}
+    for inline in response.context["inline_admin_formsets"]:
+        formset = inline.formset
+        prefixes[formset.model._meta.model_name] = formset.prefix
+        for name in formset.management_form.fields:
+            data[f"{formset.prefix}-{name}"] = formset.management_form[name].value()
+        for row in formset.forms:
+            data.update({row.add_prefix(n): row[n].value() for n in row.fields if row[n].value() is not None})
+    return data, prefixes
+
+
+def add_row(data: dict, prefix: str, **fields) -> dict:
+    index = int(data[f"{prefix}-TOTAL_FORMS"])
+    return {**data, f"{prefix}-TOTAL_FORMS": index + 1, **{f"{prefix}-{index}-{k}": v for k, v in fields.items()}}
+
+
+def test_the_owner_grants_and_revokes_a_binding_on_its_page(owner_client, alice, bob, celery_worker):
+    greeting = Binding.objects.create(kind="VAR", name="GREETING", value="hello")
+    url = f"/admin/capabilities/binding/{greeting.pk}/change/"
+    assert alice.deploy(name="greets", code=GREETS, bindings=["VAR:GREETING"]).status_code == 403
+
+    data, prefixes = change_form(owner_client, url)
+    alice_id = Agent.objects.get(name="alice").pk
+    assert owner_client.post(url, add_row(data, prefixes["bindinggrant"], agent=alice_id)).status_code == 302
+    assert list(greeting.grants.values_list("agent__name", flat=True)) == ["alice"]
+    granted = AuditEvent.objects.get(action="binding.granted")
+    assert (granted.actor, granted.agent_name, granted.subject) == ("owner:owner", "alice", "VAR:GREETING")
+    assert alice.deploy(name="greets", code=GREETS, bindings=["VAR:GREETING"]).status_code == 201
+    assert alice.call("/alice/greets").text == "hello"
+    assert "alice" in owner_client.get("/admin/capabilities/binding/").content.decode()  # the list's "granted to"
+
+    # An existing grant is not repointed to another agent: only revoked.
+    data, prefixes = change_form(owner_client, url)
+    row = f"{prefixes['bindinggrant']}-0"
+    owner_client.post(url, {**data, f"{row}-agent": Agent.objects.get(name="bob").pk})
+    assert list(greeting.grants.values_list("agent__name", flat=True)) == ["alice"]
+
+    revoked = owner_client.post(url, {**data, f"{row}-DELETE": "on"}, follow=True)
+    assert "Placing again with the grants changed: alice--greets." in [str(m) for m in revoked.context["messages"]]
+    assert not greeting.grants.exists()
+    assert AuditEvent.objects.filter(action="binding.revoked", agent_name="alice", actor="owner:owner").exists()
+    wait_for(lambda: alice.call("/alice/greets").text == "nothing", message="the grant revoked")
+    page = owner_client.get(f"/admin/capabilities/capability/{Capability.objects.get().pk}/change/").content
+    assert "not granted to alice, left out" in page.decode()
+
+
+def test_the_owner_grants_and_revokes_bindings_on_the_agents_page(owner_client, alice, bob):
+    greeting = Binding.objects.create(kind="VAR", name="GREETING", value="hello")
+    agent = Agent.objects.get(name="bob")
+    url = f"/admin/agents/agent/{agent.pk}/change/"
+
+    data, prefixes = change_form(owner_client, url)
+    assert owner_client.post(url, add_row(data, prefixes["bindinggrant"], binding=greeting.pk)).status_code == 302
+    assert list(agent.binding_grants.values_list("binding__name", flat=True)) == ["GREETING"]
+    assert AuditEvent.objects.filter(action="binding.granted", agent_name="bob", subject="VAR:GREETING").exists()
+    assert bob.deploy(name="greets", code=GREETS, bindings=["VAR:GREETING"]).status_code == 201
+    assert alice.deploy(name="greets", code=GREETS, bindings=["VAR:GREETING"]).status_code == 403
+
+    data, prefixes = change_form(owner_client, url)
+    twice = owner_client.post(url, add_row(data, prefixes["bindinggrant"], binding=greeting.pk))
+    assert twice.status_code == 200  # the form again: it is granted already
+    assert agent.binding_grants.count() == 1
+
+    assert owner_client.post(url, {**data, f"{prefixes['bindinggrant']}-0-DELETE": "on"}).status_code == 302
+    assert not agent.binding_grants.exists()
+    assert AuditEvent.objects.filter(action="binding.revoked", agent_name="bob", subject="VAR:GREETING").exists()
+    again = bob.deploy(name="greets", code=GREETS + "\n", bindings=["VAR:GREETING"])
+    assert again.status_code == 403
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_migration_grants_each_agent_exactly_what_its_current_capabilities_declare():
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    from capabilities.models import BindingGrant
+
+    before = [("capabilities", "0007_binding_grant")]
+    executor = MigrationExecutor(connection)
+    leaves = executor.loader.graph.leaf_nodes()
+    try:
+        executor.migrate(before)
+        old = executor.loader.project_state(before).apps
+        agents = {n: old.get_model("agents", "Agent").objects.create(name=n) for n in ("amy", "ben", "cy")}
+        old_binding = old.get_model("capabilities", "Binding").objects
+        old_binding.create(kind="VAR", name="GREETING", value="hello")
+        old_binding.create(kind="SECRET", name="KEY", secret_env="SOME_KEY")
+        old_binding.create(kind="VAR", name="UNUSED", value="x")
+        capability = old.get_model("capabilities", "Capability").objects
+        for agent, name, state, declared in [
+            ("amy", "a", "live", ["VAR:GREETING", "SECRET:KEY", "VAR:NOT_CONFIGURED"]),
+            ("amy", "b", "paged_out", ["VAR:GREETING"]),
+            ("ben", "gone", "removed", ["VAR:GREETING"]),
+            ("cy", "c", "live", ["SECRET:KEY"]),
+        ]:
+            capability.create(
+                agent=agents[agent], name=name, full_name=f"{agent}--{name}", type="persistent", state=state,
+                bindings=declared,
+            )  # fmt: skip
+        executor = MigrationExecutor(connection)
+        executor.migrate(leaves)
+        grants = sorted((str(g.binding), g.agent.name) for g in BindingGrant.objects.all())
+        assert grants == [("SECRET:KEY", "amy"), ("SECRET:KEY", "cy"), ("VAR:GREETING", "amy")]
+    finally:
+        MigrationExecutor(connection).migrate(leaves)
