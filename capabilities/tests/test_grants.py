@@ -203,6 +203,14 @@ def test_the_owner_grants_and_revokes_bindings_on_the_agents_page(owner_client, 
     again = bob.deploy(name="greets", code=GREETS + "\n", bindings=["VAR:GREETING"])
     assert again.status_code == 403
 
+    # A new agent can be given its grants as it is created.
+    data, prefixes = change_form(owner_client, "/admin/agents/agent/add/")
+    created = owner_client.post(
+        "/admin/agents/agent/add/", add_row({**data, "name": "cy"}, prefixes["bindinggrant"], binding=greeting.pk)
+    )
+    assert created.status_code == 302
+    assert list(greeting.grants.values_list("agent__name", flat=True)) == ["cy"]
+
 
 @pytest.mark.django_db(transaction=True)
 def test_the_migration_grants_each_agent_exactly_what_its_current_capabilities_declare():
@@ -239,3 +247,16 @@ def test_the_migration_grants_each_agent_exactly_what_its_current_capabilities_d
         assert grants == [("SECRET:KEY", "amy"), ("SECRET:KEY", "cy"), ("VAR:GREETING", "amy")]
     finally:
         MigrationExecutor(connection).migrate(leaves)
+
+
+def test_the_owner_grants_a_binding_in_the_browser(sigil, owner, alice):
+    page = owner
+    greeting = Binding.objects.create(kind="VAR", name="GREETING", value="hello")
+    page.goto(f"{sigil.url}/admin/capabilities/binding/{greeting.pk}/change/")
+    page.get_by_text("Add another grant").click()
+    page.select_option("select[name=grants-0-agent]", label="alice")
+    page.click("input[name=_save]")
+    page.get_by_text("was changed successfully").wait_for()
+    assert list(greeting.grants.values_list("agent__name", flat=True)) == ["alice"]
+    assert alice.deploy(name="greets", code=GREETS, bindings=["VAR:GREETING"]).status_code == 201
+    assert alice.call("/alice/greets").text == "hello"
