@@ -20,15 +20,7 @@ from agents.admin import AgentAdmin as BaseAgentAdmin
 from agents.models import Agent
 from capabilities import bindings as binding_rules
 from capabilities import selectors, services
-from capabilities.models import (
-    Binding,
-    BindingGrant,
-    BindingKind,
-    BreakerState,
-    Capability,
-    CapabilityVersion,
-    State,
-)
+from capabilities.models import Binding, BindingGrant, BindingKind, BreakerState, Capability, CapabilityVersion, State
 from capabilities.runtimes.base import RuntimeFailure
 from sigil_site.errors import SigilError
 

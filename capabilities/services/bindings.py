@@ -25,9 +25,9 @@ def binding_check_rename(binding: Binding, *, kind: str, name: str) -> None:
 
 def binding_save(*, binding: Binding, secret_value: str = "", actor: str) -> list[str]:
     """Store `binding` (a new secret value is encrypted and replaces an environment variable),
-    audit it, and queue placing again every live capability that declares it and whose
-    agent holds a grant, so that the new value reaches them. Returns the full names queued. Raises Conflict (see
-    `binding_check_rename`)."""
+    audit it, and queue placing again every live capability that declares it and whose agent
+    holds a grant, so that the new value reaches them. Returns the full names queued. Raises
+    Conflict (see `binding_check_rename`)."""
     created = binding.pk is None
     if not created:
         stored = Binding.objects.get(pk=binding.pk)
