@@ -16,9 +16,11 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
+from agents.admin import AgentAdmin as BaseAgentAdmin
+from agents.models import Agent
 from capabilities import bindings as binding_rules
 from capabilities import selectors, services
-from capabilities.models import Binding, BindingKind, BreakerState, Capability, CapabilityVersion, State
+from capabilities.models import Binding, BindingGrant, BindingKind, BreakerState, Capability, CapabilityVersion, State
 from capabilities.runtimes.base import RuntimeFailure
 from sigil_site.errors import SigilError
 
@@ -205,11 +207,22 @@ class CapabilityAdmin(admin.ModelAdmin):
         if not capability.bindings:
             return "none declared"
         offered = {str(b): b for b in Binding.objects.all()}
+        granted = set(BindingGrant.objects.filter(agent_id=capability.agent_id).values_list("binding_id", flat=True))
         items = []
         for declaration in capability.bindings:
             binding = offered.get(declaration)
             if binding is None:
                 items.append(format_html("<li><code>{}</code>: not offered</li>", declaration))
+            elif binding.pk not in granted:
+                url = reverse("admin:capabilities_binding_change", args=[binding.pk])
+                items.append(
+                    format_html(
+                        '<li><a href="{}"><code>{}</code></a>: not granted to {}, left out</li>',
+                        url,
+                        declaration,
+                        capability.agent.name,
+                    )
+                )
             else:
                 url = reverse("admin:capabilities_binding_change", args=[binding.pk])
                 items.append(
@@ -473,13 +486,90 @@ class BindingForm(forms.ModelForm):
         return data
 
 
+class GrantForm(forms.ModelForm):
+    """One grant in an inline: a new one names its binding or agent; an existing one is
+    only revoked (deleted), never repointed, so that each change is one audited service call."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.instance.pk is not None:
+            for field in self.fields.values():
+                field.disabled = True
+
+
+class GrantInline(admin.TabularInline):
+    model = BindingGrant
+    form = GrantForm
+    extra = 0
+    readonly_fields = ["granted_at"]
+    verbose_name = "grant"
+    verbose_name_plural = "granted to these agents"
+
+
+class AgentGrantInline(GrantInline):
+    fields = ["binding", "granted_at"]
+    verbose_name_plural = "bindings granted (the only ones its capabilities may declare)"
+
+
+class BindingGrantInline(GrantInline):
+    fields = ["agent", "granted_at"]
+    verbose_name_plural = "granted to these agents (the only ones whose capabilities may declare it)"
+
+
+class GrantsSavedByServices:
+    """Saves the grant inline through `binding_grant` and `binding_revoke` (audit, and placing
+    the agent's live capabilities again), never with the formset's own save."""
+
+    def save_formset(self, request, form, formset, change) -> None:
+        if formset.model is not BindingGrant:
+            super().save_formset(request, form, formset, change)
+            return
+        actor = owner_actor(request)
+        refreshing = []
+        # What formset.save() would have set, for the admin's history message.
+        formset.new_objects, formset.changed_objects, formset.deleted_objects = [], [], []
+        for row in formset.deleted_forms:
+            if row.instance.pk is not None:
+                grant = row.instance
+                refreshing += services.binding_revoke(binding=grant.binding, agent=grant.agent, actor=actor)
+                formset.deleted_objects.append(grant)
+        for row in formset.forms:
+            if row in formset.deleted_forms or row.instance.pk is not None or not row.has_changed():
+                continue
+            grant = row.instance
+            setattr(grant, formset.fk.name, formset.instance)  # saved only now, on an add page
+            refreshing += services.binding_grant(binding=grant.binding, agent=grant.agent, actor=actor)
+            formset.new_objects.append(grant)
+        if refreshing:
+            self.message_user(request, f"Placing again with the grants changed: {', '.join(refreshing)}.")
+
+
+admin.site.unregister(Agent)
+
+
+@admin.register(Agent)
+class AgentAdmin(GrantsSavedByServices, BaseAgentAdmin):
+    """The agents' admin, with the bindings granted to each (kept here: agents never imports
+    capabilities)."""
+
+    inlines = [*BaseAgentAdmin.inlines, AgentGrantInline]
+
+
 @admin.register(Binding)
-class BindingAdmin(admin.ModelAdmin):
+class BindingAdmin(GrantsSavedByServices, admin.ModelAdmin):
     form = BindingForm
-    list_display = ["__str__", "kind", "description", "updated_at"]
+    list_display = ["__str__", "kind", "granted_to", "description", "updated_at"]
     list_filter = ["kind"]
     search_fields = ["name", "description"]
     readonly_fields = ["declared_by"]
+    inlines = [BindingGrantInline]
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).prefetch_related("grants__agent")
+
+    @admin.display(description="granted to")
+    def granted_to(self, obj: Binding) -> str:
+        return ", ".join(grant.agent.name for grant in obj.grants.all()) or "no agent"
 
     @admin.display(description="declared by")
     def declared_by(self, obj: Binding) -> str:

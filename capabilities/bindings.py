@@ -1,7 +1,7 @@
 """Bindings: turning a capability's declared `KIND:NAME` list into what a runtime gives it.
 
 Least privilege: a capability gets exactly the bindings it declared, each of which the
-owner must have configured; nothing else reaches its `env`.
+owner must have configured and granted to its agent; nothing else reaches its `env`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from cryptography.fernet import Fernet, InvalidToken
 from django.conf import settings
 
 from capabilities.models import Binding, BindingKind
-from capabilities.runtimes.base import ResolvedBinding
-from sigil_site.errors import InvalidRequest
+from capabilities.runtimes.base import ResolvedBinding, secret_fingerprint
+from sigil_site.errors import Forbidden, InvalidRequest
 
 DECLARATION = re.compile(r"(?P<kind>[A-Z0-9]+):(?P<name>[A-Z][A-Z0-9_]{0,63})")
 
@@ -32,18 +32,27 @@ def parse_declaration(declaration: str) -> tuple[str, str]:
     return match["kind"], match["name"]
 
 
-def bindings_resolve(declarations: list[str], *, supported_kinds: frozenset[str] | None) -> list[ResolvedBinding]:
-    """Resolve declared bindings against the owner's configuration.
+def bindings_resolve(
+    declarations: list[str], *, agent_id: int, supported_kinds: frozenset[str] | None, strict: bool = True
+) -> list[ResolvedBinding]:
+    """Resolve the bindings an agent's capability declares against the owner's grants.
 
-    Raises InvalidRequest for a malformed or duplicate declaration, one the owner has not
-    configured, or a kind the runtime cannot provide (`supported_kinds`, None = all).
+    Raises InvalidRequest for a malformed or duplicate declaration or a kind the runtime
+    cannot provide (`supported_kinds`, None = all), and Forbidden for a binding not granted
+    to the agent, with the same words whether it exists or not, so that refusals tell an
+    agent nothing about other agents' bindings. With `strict` false (placing an already
+    deployed capability) a binding no longer granted is left out instead: that is how a
+    revoked grant leaves the agent's capabilities.
     """
     wanted = [parse_declaration(d) for d in declarations]
     if len({name for _, name in wanted}) != len(wanted):
         raise InvalidRequest("two bindings cannot share a name: each becomes one entry of env")
     if not wanted:
         return []
-    configured = {(b.kind, b.name): b for b in Binding.objects.filter(name__in=[name for _, name in wanted])}
+    granted = {
+        (b.kind, b.name): b
+        for b in Binding.objects.filter(grants__agent_id=agent_id, name__in=[name for _, name in wanted])
+    }
     resolved = []
     for kind, name in wanted:
         if supported_kinds is not None and kind not in supported_kinds:
@@ -51,16 +60,21 @@ def bindings_resolve(declarations: list[str], *, supported_kinds: frozenset[str]
                 f"binding {kind}:{name}: this runtime cannot provide {kind} bindings"
                 f" (it provides {', '.join(sorted(supported_kinds))})"
             )
-        binding = configured.get((kind, name))
+        binding = granted.get((kind, name))
         if binding is None:
-            raise InvalidRequest(f"binding {kind}:{name} is not configured; the owner adds bindings in the admin")
-        resolved.append(ResolvedBinding(kind, name, _value_of(binding)))
+            if strict:
+                raise Forbidden(f"binding {kind}:{name} is not granted to this agent; the owner grants bindings")
+            continue
+        if binding.kind == BindingKind.SECRET:
+            value = _secret_of(binding)
+            fingerprint = secret_fingerprint(value, key=_digest_key())
+            resolved.append(ResolvedBinding(kind, name, value, fingerprint=fingerprint))
+        else:
+            resolved.append(ResolvedBinding(kind, name, binding.value))
     return resolved
 
 
-def _value_of(binding: Binding) -> str:
-    if binding.kind != BindingKind.SECRET:
-        return binding.value
+def _secret_of(binding: Binding) -> str:
     if binding.secret_env:
         value = os.environ.get(binding.secret_env)
         if value is None:
@@ -69,12 +83,21 @@ def _value_of(binding: Binding) -> str:
     return secret_decrypt(binding.secret_encrypted)
 
 
-def _fernet() -> Fernet:
-    key = (
+def _fernet_key() -> str:
+    return (
         settings.SIGIL_SECRETS_KEY
         or base64.urlsafe_b64encode(hashlib.sha256(f"sigil-bindings:{settings.SECRET_KEY}".encode()).digest()).decode()
     )
-    return Fernet(key)
+
+
+def _fernet() -> Fernet:
+    return Fernet(_fernet_key())
+
+
+def _digest_key() -> str:
+    # Derived from the database's key, so a bundle's sha (which covers its secrets'
+    # fingerprints) cannot be used to test guesses of a secret without that key.
+    return hashlib.sha256(f"sigil-secret-fingerprint:{_fernet_key()}".encode()).hexdigest()
 
 
 def secret_encrypt(plain: str) -> str:

@@ -119,10 +119,10 @@ class BindingKind(models.TextChoices):
 class Binding(models.Model):
     """A resource the owner offers to capabilities under one name, e.g. `KV:CACHE`.
 
-    A capability declares the bindings it needs and gets exactly those. `value` is what the
-    kind needs (a KV namespace id, a D1 database id, a bucket, a service or queue name, or
-    the text of a variable); a secret is kept encrypted, or named by an environment
-    variable of the Sigil processes.
+    A capability declares the bindings it needs, among those granted to its agent
+    (BindingGrant), and gets exactly those. `value` is what the kind needs (a KV namespace
+    id, a D1 database id, a bucket, a service or queue name, or the text of a variable); a
+    secret is kept encrypted, or named by an environment variable of the Sigil processes.
     """
 
     kind = models.CharField(max_length=8, choices=BindingKind.choices)
@@ -142,6 +142,25 @@ class Binding(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.name}"
+
+
+class BindingGrant(models.Model):
+    """The owner's leave for one agent to declare one binding.
+
+    An agent may declare only the bindings granted to it; a grant taken back leaves the
+    binding out of that agent's capabilities from their next placement (services queue one).
+    """
+
+    binding = models.ForeignKey(Binding, on_delete=models.CASCADE, related_name="grants")
+    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="binding_grants")
+    granted_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["binding", "agent"]
+        constraints = [models.UniqueConstraint(fields=["binding", "agent"], name="one_grant_per_binding_and_agent")]
+
+    def __str__(self) -> str:
+        return f"{self.binding} to {self.agent}"
 
 
 class CapabilityStatsWindow(models.Model):

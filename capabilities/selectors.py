@@ -96,13 +96,16 @@ def capability_stats(*, capability: Capability, since: datetime) -> dict:
     }
 
 
-def binding_declared_by(kind: str, name: str) -> list[Capability]:
-    """The capabilities (not removed) that declare `KIND:NAME`, ordered by full name."""
+def binding_declared_by(kind: str, name: str, *, agent_id: int | None = None) -> list[Capability]:
+    """The capabilities (not removed; of one agent if given) that declare `KIND:NAME`, ordered
+    by full name."""
     declaration = f"{kind}:{name}"
     # Filtered here rather than with a JSON lookup, which SQLite does not have.
     candidates = Capability.objects.exclude(state=State.REMOVED).exclude(bindings=[]).order_by("full_name")
+    if agent_id is not None:
+        candidates = candidates.filter(agent_id=agent_id)
     return [
         capability
-        for capability in candidates.only("full_name", "state", "bindings")
+        for capability in candidates.only("full_name", "state", "bindings", "agent_id")
         if declaration in capability.bindings
     ]

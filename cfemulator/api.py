@@ -6,11 +6,12 @@ namespaces and values. With Cloudflare's envelope, error codes, script quota, si
 rate limit (a 429 with code 971 locks the token out for the rest of the window), plus
 injected latency and faults. Anything else answers 7003, as an unknown route does.
 
-Uploaded bundles are written to `code_dir` as `{sha}.json` (the loader host's format), so
-each script's workerd runs them (`cfemulator.scripts`); `resolve_host` maps a workers.dev
-Host to the script it runs. Scripts binding KV, a Worker Loader or a dispatch namespace run
-from a config of their own (`cfemulator.bound`), whose KV reads and writes `kv_binding`
-serves from this account.
+Uploaded bundles are written to `code_dir` as `{sha}.json` (the loader host's format, with
+secret_text values sealed for the emulator's workerd as Sigil seals its own), so each
+script's workerd runs them (`cfemulator.scripts`); `resolve_host` maps a workers.dev Host to
+the script it runs. Scripts binding KV, a Worker Loader or a dispatch namespace run from a
+config of their own (`cfemulator.bound`), whose KV reads and writes `kv_binding` serves from
+this account.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from capabilities.runtimes.base import CodeBundle
+from capabilities.runtimes.base import SECRET_KIND, CodeBundle, secret_fingerprint
 from capabilities.workerd import write_atomically
 from cfemulator import envelope
 from cfemulator.bound import kv_list_body, needs_own_workerd
@@ -266,9 +267,13 @@ class CloudflareApi:
         account_id: str,
         code_dir: Path,
         config: EmulatorConfig,
+        seal_key: str,
         start_check: Callable[[str], str | None] | None = None,
     ) -> None:
         self.account_id = account_id
+        # The secret of the loader host that runs the uploaded scripts: secret_text values
+        # are sealed for it on disk, as Cloudflare keeps them encrypted at rest.
+        self._seal_key = seal_key
         # Given a loader id, starts that code on the loader host: None when it starts, else
         # why not. Cloudflare refuses a script that does not start at upload (10021).
         self._start_check = start_check
@@ -899,15 +904,19 @@ class CloudflareApi:
 
     def _write_bundle(self, upload: ScriptUpload) -> str:
         """Write the loader host's bundle for `upload`, once per sha; return the sha."""
+        bindings = tuple(
+            replace(b, fingerprint=secret_fingerprint(b.value, key=self._seal_key)) if b.kind == SECRET_KIND else b
+            for b in upload.text_bindings
+        )
         bundle = CodeBundle(
             main_module=upload.main_module,
             modules=upload.loader_modules,
             compatibility_date=upload.compatibility_date,
-            bindings=upload.text_bindings,
+            bindings=bindings,
         )
         path = self.code_dir / f"{bundle.sha}.json"
         if not path.exists():
-            write_atomically(path, bundle.to_json())
+            write_atomically(path, bundle.to_json(seal_key=self._seal_key))
         return bundle.sha
 
     def _release(self, sha: str) -> None:

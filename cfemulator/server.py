@@ -125,6 +125,7 @@ class EmulatorServer:
             account_id=account_id,
             code_dir=workerd.code_dir,
             config=config,
+            seal_key=workerd.secret,
             # Bound late: the server that runs the checks is made from this account.
             start_check=lambda loader_id: server.start_check(loader_id),
         )

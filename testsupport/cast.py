@@ -40,6 +40,15 @@ def make_agent(name: str, base_url: str) -> AgentClient:
     return AgentClient(name, deploy, invoke, base_url)
 
 
+def grant(binding, *agent_names: str) -> None:
+    """The owner grants `binding` (a Binding) to the named agents, as the admin does."""
+    from agents.models import Agent
+    from capabilities import services as capability_services
+
+    for name in agent_names:
+        capability_services.binding_grant(binding=binding, agent=Agent.objects.get(name=name), actor="owner:test")
+
+
 def wait_for(predicate, *, timeout: float = 10.0, interval: float = 0.05, message: str = "condition"):
     """Poll until `predicate()` is truthy; return its value or fail after `timeout`."""
     deadline = time.monotonic() + timeout

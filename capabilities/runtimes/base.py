@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import hmac
 import json
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 
 class RuntimeFailure(Exception):
@@ -35,11 +42,16 @@ class SlotsExhausted(RuntimeRejected):
 @dataclass(frozen=True)
 class ResolvedBinding:
     """One binding as a runtime gives it: kind (VAR, SECRET, KV, ...), its name in `env`,
-    and its value (a resource id, or the text of a variable or secret)."""
+    and its value (a resource id, or the text of a variable or secret).
+
+    A secret also carries its `fingerprint` (`secret_fingerprint` under a key of Sigil's),
+    which stands for the value wherever a bundle's identity is computed.
+    """
 
     kind: str
     name: str
-    value: str
+    value: str = field(repr=False)
+    fingerprint: str = ""
 
     @property
     def declaration(self) -> str:
@@ -48,15 +60,27 @@ class ResolvedBinding:
 
 # The kinds that become plain values in `env` rather than resources.
 TEXT_BINDING_KINDS = frozenset({"VAR", "SECRET"})
+SECRET_KIND = "SECRET"
+# HKDF's `info` for the key that seals a bundle's secrets; host/host.js derives the same key.
+SEAL_INFO = b"sigil bundle secrets"
+
+
+def secret_fingerprint(value: str, *, key: str) -> str:
+    """A keyed digest of a secret: changes with the value, and reveals nothing without `key`."""
+    return hmac.new(key.encode(), value.encode(), hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
 class CodeBundle:
     """What a runtime places: one ES module Worker and the bindings it declared.
 
-    `sha` is the sha256 of the stored form, so it changes with the code and with any
-    binding value; with the capability's full name it forms the loader id, so a new version
-    (or a rotated secret) always gets a fresh isolate.
+    `sha` covers the code, the variables and the secrets' fingerprints, so it changes with
+    the code and with any binding value; with the capability's full name it forms the
+    loader id, so a new version (or a rotated secret) always gets a fresh isolate.
+
+    The stored form (`to_json`) never holds a secret in plain text: secrets are sealed with
+    AES-256-GCM under a key derived from the loader host's own secret, bound to `sha`, and
+    opened by the host when it loads the code (runtimes/host/host.js).
     """
 
     main_module: str
@@ -66,29 +90,48 @@ class CodeBundle:
     sha: str = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sha", hashlib.sha256(self.to_json()).hexdigest())
+        identity = self._public()
+        if self.secrets:
+            identity["secrets"] = {b.name: b.fingerprint for b in self.bindings if b.kind == SECRET_KIND}
+            if not all(identity["secrets"].values()):
+                raise ValueError("a secret binding needs its fingerprint")
+        object.__setattr__(self, "sha", hashlib.sha256(_canonical(identity)).hexdigest())
 
     @classmethod
     def from_code(cls, code: str, *, bindings: tuple[ResolvedBinding, ...] | list[ResolvedBinding] = ()) -> CodeBundle:
         return cls(main_module="main.js", modules={"main.js": code}, bindings=tuple(bindings))
 
     @property
-    def env(self) -> dict[str, str]:
-        """The text bindings, as the loader host puts them in `env`."""
-        return {b.name: b.value for b in self.bindings if b.kind in TEXT_BINDING_KINDS}
+    def secrets(self) -> dict[str, str]:
+        """The secret bindings' values, as the loader host puts them in `env`."""
+        return {b.name: b.value for b in self.bindings if b.kind == SECRET_KIND}
 
-    def to_json(self) -> bytes:
-        """The stored form read by the loader host (see runtimes/host/host.js)."""
-        return json.dumps(
-            {
-                "mainModule": self.main_module,
-                "modules": self.modules,
-                "compatibilityDate": self.compatibility_date,
-                "env": self.env,
-            },
-            separators=(",", ":"),
-            sort_keys=True,
-        ).encode()
+    def _public(self) -> dict:
+        return {
+            "mainModule": self.main_module,
+            "modules": self.modules,
+            "compatibilityDate": self.compatibility_date,
+            "env": {b.name: b.value for b in self.bindings if b.kind in TEXT_BINDING_KINDS - {SECRET_KIND}},
+        }
+
+    def to_json(self, *, seal_key: str) -> bytes:
+        """The stored form read by the loader host whose SIGIL_SECRET is `seal_key`: code,
+        variables, and the secrets sealed (a fresh nonce each time, so not deterministic)."""
+        stored = self._public()
+        if self.secrets:
+            nonce = os.urandom(12)
+            sealed = AESGCM(bundle_seal_key(seal_key)).encrypt(nonce, _canonical(self.secrets), self.sha.encode())
+            stored["sealed"] = base64.b64encode(nonce + sealed).decode()
+        return _canonical(stored)
+
+
+def bundle_seal_key(host_secret: str) -> bytes:
+    """The AES-256 key sealing bundles' secrets for the loader host that holds `host_secret`."""
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=SEAL_INFO).derive(host_secret.encode())
+
+
+def _canonical(value: dict) -> bytes:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
 
 
 def code_sha(code: str) -> str:

@@ -141,7 +141,8 @@ class LoaderRuntime(FrontedRuntime):
         delete that free its bundle. Idempotent. Raises RuntimeRejected when the code does
         not start."""
         self._ensure_provisioned()
-        self.client.kv_put(self.kv_id, CODE_PREFIX + bundle.sha, bundle.to_json())
+        # Its secrets are sealed for the loader Worker, whose SIGIL_SECRET opens them.
+        self.client.kv_put(self.kv_id, CODE_PREFIX + bundle.sha, bundle.to_json(seal_key=self._secret))
         try:
             # A location that does not see the bundle yet cannot check it: then it is placed
             # unchecked, and a call finds out as on the first call of any placement.

@@ -117,7 +117,8 @@ def local_workerd_group(*, own_session: bool = True) -> WorkerdGroup:
 
 
 class LocalRuntime(Runtime):
-    """Code is stored content-addressed (`{code_dir}/{sha}.json`) and read by the host.
+    """Code is stored content-addressed (`{code_dir}/{sha}.json`) and read by the host; its
+    secrets are stored sealed for the host (CodeBundle.to_json), never in plain text.
 
     A placement is a small pointer file `{code_dir}/slots/{full name}` holding the sha, so
     that `list_slots` sees what is placed and `remove` knows which bundle may be freed.
@@ -168,8 +169,10 @@ class LocalRuntime(Runtime):
         self._wait_for_process(self.processes.name_for(slot))
         bundle_path = self.code_dir / f"{bundle.sha}.json"
         stored_now = not bundle_path.exists()
-        if stored_now:
-            write_atomically(bundle_path, bundle.to_json())
+        # Sealed secrets are written again each time: a bundle sealed for an earlier
+        # internal secret cannot be opened by the host now running.
+        if stored_now or bundle.secrets:
+            write_atomically(bundle_path, bundle.to_json(seal_key=self._secret))
         try:
             started = self._start_check(slot, bundle.sha)
             if not started:

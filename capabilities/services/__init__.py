@@ -2,7 +2,13 @@
 and commands call these functions and translate their results. One module per sub-domain;
 everything callers use is re-exported here."""
 
-from capabilities.services.bindings import binding_check_rename, binding_delete, binding_save
+from capabilities.services.bindings import (
+    binding_check_rename,
+    binding_delete,
+    binding_grant,
+    binding_revoke,
+    binding_save,
+)
 from capabilities.services.controls import (
     capability_force_degraded,
     capability_reset_breaker,
@@ -51,6 +57,8 @@ __all__ = [
     "SwitchStep",
     "binding_check_rename",
     "binding_delete",
+    "binding_grant",
+    "binding_revoke",
     "binding_save",
     "capability_adopt_backend",
     "capability_apply_stats",

@@ -60,10 +60,13 @@ def placement_lock_within(full: str, *, wait_seconds: float | None) -> Iterator[
         lock.release()
 
 
-def bundle_for(code: str, declared_bindings: list[str], runtime: Runtime) -> CodeBundle:
-    """`code` with the current values of the bindings it declares, as `runtime` gives them.
-    Raises InvalidRequest (a binding not configured, or of a kind the runtime lacks)."""
-    resolved = binding_rules.bindings_resolve(declared_bindings, supported_kinds=runtime.binding_kinds)
+def bundle_for(code: str, capability: Capability, runtime: Runtime) -> CodeBundle:
+    """`code` with the current values of the bindings `capability` declares and its agent
+    is still granted, as `runtime` gives them (a binding no longer granted is left out).
+    Raises InvalidRequest (a binding of a kind the runtime lacks, a secret's variable unset)."""
+    resolved = binding_rules.bindings_resolve(
+        capability.bindings, agent_id=capability.agent_id, supported_kinds=runtime.binding_kinds, strict=False
+    )
     return CodeBundle.from_code(code, bindings=resolved)
 
 
@@ -351,7 +354,7 @@ def capability_page_in(
         placed = capability.state not in routes.SERVED_STATES
         if placed:
             started = time.perf_counter()
-            bundle = bundle_for(capability.current_version.code, capability.bindings, get_runtime())
+            bundle = bundle_for(capability.current_version.code, capability, get_runtime())
             with placement_room(full=full, capability_type=capability.type, expires_at=capability.expires_at) as room:
                 placement = room.place(bundle)
                 with transaction.atomic():
@@ -595,7 +598,7 @@ def capability_refresh_bindings(*, full: str) -> bool:
         )
         if capability is None or capability.current_version is None:
             return False
-        bundle = bundle_for(capability.current_version.code, capability.bindings, runtime)
+        bundle = bundle_for(capability.current_version.code, capability, runtime)
         if bundle.sha == capability.placed_sha:
             return False
         try:

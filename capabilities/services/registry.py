@@ -114,8 +114,9 @@ def capability_deploy(
     """Deploy a new capability or a new version of one, and place it on the runtime.
 
     The same code again is idempotent: no new version, no runtime call, no cool-down.
-    Raises InvalidRequest, Forbidden, TooLarge, Conflict (another type holds the name, or a
-    concurrent deploy of it), Cooldown, RateLimited (too many ephemerals), UpstreamError.
+    Raises InvalidRequest, Forbidden (also for a binding not granted to the agent), TooLarge,
+    Conflict (another type holds the name, or a concurrent deploy of it), Cooldown,
+    RateLimited (too many ephemerals), UpstreamError.
     """
     now = now or timezone.now()
     bindings = list(bindings or [])
@@ -123,7 +124,9 @@ def capability_deploy(
         principal=principal, agent=agent, name=name, code=code, type=type, ttl=ttl, bindings=bindings
     )
     sha = code_sha(code)
-    resolved = binding_rules.bindings_resolve(bindings, supported_kinds=get_runtime().binding_kinds)
+    resolved = binding_rules.bindings_resolve(
+        bindings, agent_id=principal.agent_id, supported_kinds=get_runtime().binding_kinds
+    )
     owner = Agent.objects.get(pk=principal.agent_id)
 
     existing = None
@@ -383,7 +386,7 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
             return DeployResult(
                 capability=current, version=current.current_version, created=False, cold_start=False, evicted=None
             )
-        bundle = bundle_for(target.code, current.bindings, get_runtime())
+        bundle = bundle_for(target.code, current, get_runtime())
         with placement_room(full=full, capability_type=current.type, expires_at=current.expires_at) as room:
             placement = room.place(bundle)
             locked = _record_rollback(current, target=target, placement=placement, bundle_sha=bundle.sha, actor=actor)

@@ -10,7 +10,7 @@ from capabilities import services
 from capabilities.models import Binding, Capability
 from capabilities.runtimes import get_runtime
 from testsupport.capability_code import ECHO, PONG, PONG2
-from testsupport.cast import wait_for
+from testsupport.cast import grant, wait_for
 
 BACKENDS = ["local", "worker-pool", "platform", "loader"]
 
@@ -126,8 +126,8 @@ def test_a_capability_that_throws_is_a_capability_error(backend, alice):
 
 def test_a_capability_reads_only_the_bindings_it_declared(backend, alice, monkeypatch):
     monkeypatch.setenv("SIGIL_TEST_API_KEY", "from-the-environment")
-    Binding.objects.create(kind="VAR", name="GREETING", value="hello")
-    Binding.objects.create(kind="SECRET", name="API_KEY", secret_env="SIGIL_TEST_API_KEY")
+    grant(Binding.objects.create(kind="VAR", name="GREETING", value="hello"), "alice")
+    grant(Binding.objects.create(kind="SECRET", name="API_KEY", secret_env="SIGIL_TEST_API_KEY"), "alice")
     alice.deploy(name="greets", code=READS_ENV, bindings=["VAR:GREETING"])
     alice.deploy(name="plain", code=READS_ENV)
     assert alice.call("/alice/greets").json() == {"names": ["GREETING"], "greeting": "hello", "key": None}

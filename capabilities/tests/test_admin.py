@@ -7,7 +7,7 @@ from django.test import Client
 from agents.models import AuditEvent
 from capabilities import bindings, services
 from capabilities.models import Binding, Capability
-from testsupport.cast import wait_for
+from testsupport.cast import grant, wait_for
 
 
 def code(text: str) -> str:
@@ -125,12 +125,15 @@ SHOWS_BINDINGS = """export default { async fetch(request, env) {
 
 def binding_form(binding: Binding, **changes) -> dict:
     form = {"kind": binding.kind, "name": binding.name, "value": binding.value, "secret_env": "", "description": ""}
-    return {**form, "secret_value": "", **changes}
+    grants = {"grants-TOTAL_FORMS": 0, "grants-INITIAL_FORMS": 0}  # the grants inline, left as it is
+    return {**form, **grants, "secret_value": "", **changes}
 
 
 def test_a_changed_binding_reaches_the_live_capabilities_that_declare_it(owner_client, alice, celery_worker):
     greeting = Binding.objects.create(kind="VAR", name="GREETING", value="hello")
     token = Binding.objects.create(kind="SECRET", name="TOKEN", secret_encrypted=bindings.secret_encrypt("old"))
+    grant(greeting, "alice")
+    grant(token, "alice")
     alice.deploy(name="greets", code=SHOWS_BINDINGS, bindings=["VAR:GREETING", "SECRET:TOKEN"])
     alice.deploy(name="plain", code=SHOWS_BINDINGS)
     assert alice.call("/alice/greets").json() == {"greeting": "hello", "token": "old"}
@@ -155,6 +158,7 @@ def test_a_changed_binding_reaches_the_live_capabilities_that_declare_it(owner_c
 
 def test_a_binding_that_capabilities_declare_cannot_be_renamed_or_deleted(owner_client, alice):
     greeting = Binding.objects.create(kind="VAR", name="GREETING", value="hello")
+    grant(greeting, "alice")
     alice.deploy(name="greets", code=SHOWS_BINDINGS, bindings=["VAR:GREETING"])
     page = f"/admin/capabilities/binding/{greeting.pk}"
 

@@ -42,8 +42,9 @@ def test_list_rejects_unknown_filter_values(alice):
 
 def test_inspect_shows_metadata_and_own_code(alice):
     from capabilities.models import Binding
+    from testsupport.cast import grant
 
-    Binding.objects.create(kind="VAR", name="GREETING", value="hello")
+    grant(Binding.objects.create(kind="VAR", name="GREETING", value="hello"), "alice")
     alice.deploy(name="ping", code=PONG, bindings=["VAR:GREETING"])
     seen = get(alice, "/_api/capabilities/alice--ping").json()
     assert seen["capability"] == "alice--ping"

@@ -4,6 +4,7 @@ import pytest
 
 from capabilities import bindings
 from capabilities.models import Binding, Capability
+from testsupport.cast import grant
 
 READS_ENV = """export default { async fetch(request, env) {
   return Response.json({ greeting: env.GREETING ?? null, key: env.API_KEY ?? null, names: Object.keys(env).sort() });
@@ -11,12 +12,18 @@ READS_ENV = """export default { async fetch(request, env) {
 
 
 @pytest.fixture
-def configured(db, monkeypatch):
+def configured(db, monkeypatch, alice):
+    """The owner's bindings, each granted to alice."""
     monkeypatch.setenv("SIGIL_TEST_API_KEY", "from-the-environment")
-    Binding.objects.create(kind="VAR", name="GREETING", value="hello")
-    Binding.objects.create(kind="SECRET", name="API_KEY", secret_env="SIGIL_TEST_API_KEY")
-    Binding.objects.create(kind="SECRET", name="TOKEN", secret_encrypted=bindings.secret_encrypt("stored-encrypted"))
-    Binding.objects.create(kind="KV", name="CACHE", value="0123456789abcdef0123456789abcdef")
+    for binding in [
+        Binding.objects.create(kind="VAR", name="GREETING", value="hello"),
+        Binding.objects.create(kind="SECRET", name="API_KEY", secret_env="SIGIL_TEST_API_KEY"),
+        Binding.objects.create(
+            kind="SECRET", name="TOKEN", secret_encrypted=bindings.secret_encrypt("stored-encrypted")
+        ),
+        Binding.objects.create(kind="KV", name="CACHE", value="0123456789abcdef0123456789abcdef"),
+    ]:
+        grant(binding, "alice")
 
 
 def test_a_capability_sees_exactly_the_bindings_it_declared(configured, alice):
@@ -40,10 +47,12 @@ def test_an_encrypted_secret_reaches_the_capability_and_not_the_api(configured, 
     assert "stored-encrypted" not in Binding.objects.get(name="TOKEN").secret_encrypted
 
 
-def test_an_unconfigured_binding_is_a_400_and_creates_nothing(configured, alice):
+def test_an_unconfigured_binding_is_refused_as_one_not_granted_and_creates_nothing(configured, alice):
     response = alice.deploy(name="wants", code=READS_ENV, bindings=["VAR:MISSING"])
-    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_request"
-    assert "not configured" in response.json()["error"]["message"]
+    assert response.status_code == 403 and response.json()["error"]["code"] == "forbidden"
+    assert response.json()["error"]["message"] == (
+        "binding VAR:MISSING is not granted to this agent; the owner grants bindings"
+    )
     assert not Capability.objects.exists()
 
 
@@ -77,7 +86,7 @@ def test_a_kv_binding_reaches_a_capability_on_the_cloudflare_runtimes(runtime_fi
     request.getfixturevalue(runtime_fixture)
     namespace = cf_client.kv_namespace_create("capability-cache")["id"]
     cf_client.kv_put(namespace, "greeting", b"from kv")
-    Binding.objects.create(kind="KV", name="CACHE", value=namespace)
+    grant(Binding.objects.create(kind="KV", name="CACHE", value=namespace), "alice")
     assert alice.deploy(name="cached", code=READS_KV, bindings=["KV:CACHE"]).status_code == 201
     assert alice.call("/alice/cached").json() == {"names": ["CACHE"], "value": "from kv"}
 

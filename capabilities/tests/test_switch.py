@@ -11,7 +11,7 @@ from agents.models import AuditEvent
 from capabilities.models import Binding, Capability
 from capabilities.runtimes import get_runtime, runtimes_forget
 from capabilities.switch import backend_switch
-from testsupport.cast import wait_for
+from testsupport.cast import grant, wait_for
 
 
 def code(text):
@@ -149,7 +149,7 @@ def test_a_capability_the_new_runtime_cannot_give_its_bindings_stays_served_wher
     platform, alice, sigil, settings, cf_client
 ):
     namespace = cf_client.kv_namespace_create("capability-cache")["id"]
-    Binding.objects.create(kind="KV", name="CACHE", value=namespace)
+    grant(Binding.objects.create(kind="KV", name="CACHE", value=namespace), "alice")
     reads = "export default { async fetch(r, env) { return new Response(typeof env.CACHE) } }"
     alice.deploy(name="cached", code=reads, bindings=["KV:CACHE"])
     alice.deploy(name="plain", code=code("plain"))

@@ -8,6 +8,12 @@
 // Because the id carries the content hash, a new version gets a fresh isolate and an
 // unchanged one is reused.
 //
+// A bundle's secrets are never stored in plain text: `sealed` holds them encrypted with
+// AES-256-GCM under a key derived (HKDF-SHA256) from this host's SIGIL_SECRET, bound to the
+// bundle's sha (capabilities/runtimes/base.py seals them). They are opened here, in memory,
+// when the code is loaded; a bundle that does not open (sealed for another secret) is
+// treated as missing, so Sigil places it again.
+//
 // With `x-sigil-validate: 1` the host only starts the code, as Cloudflare does at upload:
 // it asks the loaded Worker for an entrypoint no capability has, so its top-level code runs
 // but none of its handlers. 204 when it starts; 400 `invalid-code` with workerd's message
@@ -54,14 +60,33 @@ async function readBundle(env, sha) {
   return response.json();
 }
 
+const SEAL_INFO = new TextEncoder().encode("sigil bundle secrets");
+let sealKey = null; // [secret, key]: derived once per SIGIL_SECRET
+
+async function unseal(sealed, secret, sha) {
+  if (!sealKey || sealKey[0] !== secret) {
+    const base = await crypto.subtle.importKey("raw", new TextEncoder().encode(secret), "HKDF", false, ["deriveKey"]);
+    const params = { name: "HKDF", hash: "SHA-256", salt: new Uint8Array(0), info: SEAL_INFO };
+    const aesKey = await crypto.subtle.deriveKey(params, base, { name: "AES-GCM", length: 256 }, false, ["decrypt"]);
+    sealKey = [secret, aesKey];
+  }
+  const raw = Uint8Array.from(atob(sealed), (c) => c.charCodeAt(0));
+  const aes = { name: "AES-GCM", iv: raw.subarray(0, 12), additionalData: new TextEncoder().encode(sha) };
+  try {
+    return JSON.parse(new TextDecoder().decode(await crypto.subtle.decrypt(aes, sealKey[1], raw.subarray(12))));
+  } catch {
+    throw new MissingCode(sha, "its secrets are sealed for another host secret");
+  }
+}
+
 // The loader caches a failed load under its id too. When code was missing (placed later,
 // or restored after a loss), the next load must use a fresh id; the suffix is counted per
 // id so ids only multiply on such failures.
 const retriesAfterMissingCode = new Map();
 
 class MissingCode extends Error {
-  constructor(sha) {
-    super(`no code stored for ${sha}`);
+  constructor(sha, why = "") {
+    super(why ? `the code stored for ${sha} cannot be loaded: ${why}` : `no code stored for ${sha}`);
   }
 }
 
@@ -104,9 +129,10 @@ export default {
     const retry = retriesAfterMissingCode.get(loaderId) || 0;
     const cacheId = retry ? `${loaderId}#${retry}` : loaderId;
     const worker = env.LOADER.get(cacheId, async () => {
-      let bundle;
+      let bundle, secrets;
       try {
         bundle = await readBundle(env, sha);
+        secrets = bundle.sealed ? await unseal(bundle.sealed, env.SIGIL_SECRET, sha) : {};
       } catch (error) {
         if (error instanceof MissingCode) missing = true;
         throw error;
@@ -116,7 +142,7 @@ export default {
         compatibilityFlags: bundle.compatibilityFlags || [],
         mainModule: bundle.mainModule,
         modules: bundle.modules,
-        env: bundle.env || {},
+        env: { ...bundle.env, ...secrets },
         // Capabilities may call out to the network as Workers do on Cloudflare.
       };
     });
