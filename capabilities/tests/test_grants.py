@@ -219,7 +219,7 @@ def test_the_migration_grants_each_agent_exactly_what_its_current_capabilities_d
 
     from capabilities.models import BindingGrant
 
-    before = [("capabilities", "0007_binding_grant")]
+    before = [("capabilities", "0008_binding_grant")]
     executor = MigrationExecutor(connection)
     leaves = executor.loader.graph.leaf_nodes()
     try:

@@ -1,13 +1,16 @@
 """Secrets in a code bundle are stored sealed for the loader host, and opened by it in workerd."""
 
 import json
+import threading
 
 import pytest
 
 from capabilities.runtimes.base import CodeBundle, ResolvedBinding, secret_fingerprint
-from capabilities.runtimes.local import LocalRuntime
+from capabilities.runtimes.local import LocalProcesses, LocalRuntime, local_limits
+from capabilities.supervision import read_status
 from capabilities.tests.runtimes.contract import call
-from capabilities.workerd import WorkerdHost, free_port
+from capabilities.workerd import free_port_block
+from testsupport.processes import wait_until
 
 SHOWS_TOKEN = "export default { fetch(r, env) { return Response.json({ token: env.TOKEN, greeting: env.GREETING }) } }"
 
@@ -24,24 +27,30 @@ def bundle_with(token: str) -> CodeBundle:
 
 @pytest.fixture
 def host_for(settings, tmp_path):
-    """Start workerd hosts with a given secret, all reading one code directory."""
-    started = []
+    """Start the local runtime's supervised workerd processes with a given secret, every
+    group reading one code directory."""
+    stops = []
 
     def start(secret: str) -> LocalRuntime:
-        host = WorkerdHost(
-            binary=settings.SIGIL_WORKERD_BIN,
-            port=free_port(),
+        processes = LocalProcesses(state_dir=tmp_path / f"workerd-{len(stops)}", base_port=free_port_block())
+        group = processes.group(
             code_dir=tmp_path / "code",
-            state_dir=tmp_path / f"workerd-{len(started)}",
+            binary=settings.SIGIL_WORKERD_BIN,
             secret=secret,
+            limits=local_limits(cpu_ms=settings.SIGIL_CPU_MS, memory_mb=settings.SIGIL_WORKERD_MEMORY_MB),
+            own_session=True,
         )
-        host.start()
-        started.append(host)
-        return LocalRuntime(code_dir=host.code_dir, workerd_url=host.url, secret=secret)
+        stop = threading.Event()
+        thread = threading.Thread(target=group.run, args=(stop,), daemon=True)
+        thread.start()
+        stops.append((stop, thread))
+        wait_until(lambda: read_status(processes.status_path), timeout=10, what="the workerd supervisor's status")
+        return LocalRuntime(code_dir=tmp_path / "code", processes=processes, secret=secret)
 
     yield start
-    for host in started:
-        host.stop()
+    for stop, thread in stops:
+        stop.set()
+        thread.join(30)
 
 
 def test_the_code_store_holds_the_secret_sealed_and_the_host_opens_it(host_for):

@@ -9,7 +9,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('agents', '0002_lifecycle'),
-        ('capabilities', '0006_merge'),
+        ('capabilities', '0007_stats_flush'),
     ]
 
     operations = [

@@ -20,6 +20,6 @@ def grant_declared(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-    dependencies = [("capabilities", "0007_binding_grant")]
+    dependencies = [("capabilities", "0008_binding_grant")]
 
     operations = [migrations.RunPython(grant_declared, migrations.RunPython.noop)]
