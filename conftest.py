@@ -54,6 +54,7 @@ def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_host):
     from django.contrib.staticfiles.handlers import StaticFilesHandler
     from django.test.testcases import LiveServerThread
 
+    from sigil_site.devserver import ChunkedThreadedWSGIServer
     from sigil_site.wsgi import SigilApplication
 
     holder = {}
@@ -66,6 +67,7 @@ def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_host):
 
     with django_db_blocker.unblock():
         thread = LiveServerThread("127.0.0.1", static_handler=wrap, port=0)
+        thread.server_class = ChunkedThreadedWSGIServer  # the server `make run` uses
         thread.daemon = True
         thread.start()
         thread.is_ready.wait()
