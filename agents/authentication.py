@@ -5,6 +5,7 @@ from __future__ import annotations
 from rest_framework.authentication import BaseAuthentication
 
 from agents.selectors import parse_bearer, token_authenticate
+from sigil_site.errors import WWW_AUTHENTICATE
 
 
 class BearerTokenAuthentication(BaseAuthentication):
@@ -18,4 +19,4 @@ class BearerTokenAuthentication(BaseAuthentication):
         return principal, principal.scope
 
     def authenticate_header(self, request) -> str:
-        return 'Bearer realm="sigil"'
+        return WWW_AUTHENTICATE

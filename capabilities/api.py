@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import io
 from datetime import timedelta
 
 from django.conf import settings
@@ -13,7 +12,6 @@ from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
-from rest_framework.parsers import JSONParser
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -23,9 +21,10 @@ from agents.permissions import HasDeployScope
 from capabilities import selectors, services
 from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
+from capabilities.parsers import LimitedJSONParser
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import RuntimeUnavailable
-from sigil_site.errors import InvalidRequest, NotFound, TooLarge, Unauthenticated, error_response
+from sigil_site.errors import InvalidRequest, NotFound, Unauthenticated, error_response
 from sigil_site.redis_client import get_redis
 
 
@@ -48,23 +47,17 @@ class StrictIntegerField(serializers.IntegerField):
 
 
 class StrictCharField(serializers.CharField):
-    """Only JSON strings: DRF would otherwise turn 42 into "42"."""
+    """Only JSON strings, taken exactly as sent: DRF would otherwise turn 42 into "42" and
+    trim " ping" to "ping", so a name would not be the one the agent wrote."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("trim_whitespace", False)
+        super().__init__(**kwargs)
 
     def to_internal_value(self, data):
         if not isinstance(data, str):
             self.fail("invalid")
         return super().to_internal_value(data)
-
-
-class LimitedJSONParser(JSONParser):
-    """JSON with a size cap, read without trusting Content-Length: over the cap is a 413."""
-
-    def parse(self, stream, media_type=None, parser_context=None):
-        limit = settings.SIGIL_DEPLOY_MAX_BODY_BYTES
-        raw = stream.read(limit + 1) if stream is not None else b""
-        if len(raw) > limit:
-            raise TooLarge(f"the request body is over {limit} bytes")
-        return super().parse(io.BytesIO(raw), media_type, parser_context)
 
 
 def capability_url(request, capability: Capability) -> str:
@@ -145,7 +138,7 @@ class CapabilityDeployApi(APIView):
     class InputSerializer(serializers.Serializer):
         agent = StrictCharField(required=False, allow_null=True)
         name = StrictCharField(required=False, allow_null=True)
-        code = StrictCharField(trim_whitespace=False)
+        code = StrictCharField()
         type = serializers.ChoiceField(choices=["persistent", "normal", "ephemeral"], required=False, allow_null=True)
         ttl = StrictIntegerField(required=False, allow_null=True)
         bindings = serializers.ListField(child=StrictCharField(), required=False, default=list)

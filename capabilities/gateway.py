@@ -55,6 +55,9 @@ access_logger = logging.getLogger("sigil.access")
 # credentials, and (below) anything posing as Sigil's internal headers.
 DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"authorization"}
 STREAM_CHUNK = 64 * 1024
+# On every answer the gateway writes itself (never on a capability's own responses, which
+# pass through unchanged): a browser must not guess a type other than the one sent.
+NOSNIFF = ("X-Content-Type-Options", "nosniff")
 # What a 202 tells the caller to expect: a page-in is one upload, usually about a second.
 WARMING_ETA_SECONDS = 3
 
@@ -353,7 +356,7 @@ class Gateway:
         call.page_in_ms = page_in_ms
         self.finish(call, ok=True)
         location = target.base_url + rest + ("?" + query if query else "")
-        headers = [("Location", location), ("Content-Length", "0"), ("X-Sigil-Capability", call.full)]
+        headers = [("Location", location), ("Content-Length", "0"), ("X-Sigil-Capability", call.full), NOSNIFF]
         if page_in_ms is not None:
             headers.append(("X-Sigil-Cold-Start", "1"))
         start_response("302 Found", headers)
@@ -373,6 +376,7 @@ class Gateway:
                 ("Content-Type", "application/json"),
                 ("Content-Length", str(len(body))),
                 ("Preference-Applied", "respond-async"),
+                NOSNIFF,
             ],
         )
         return [body]
@@ -380,7 +384,7 @@ class Gateway:
     @staticmethod
     def reply_error(start_response, error: SigilError):
         body = error_body(error)
-        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))), NOSNIFF]
         headers.extend(error_headers(error).items())
         start_response(f"{error.status} {STATUS_TEXT.get(error.status, '')}".rstrip(), headers)
         return [body]

@@ -81,6 +81,9 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    # Sigil's own commands (runsigil, and a runserver that reads chunked bodies: before
+    # staticfiles, whose runserver it replaces).
+    "sigil_site",
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
@@ -88,7 +91,6 @@ INSTALLED_APPS = [
     "agents",
     "capabilities",
     "cfemulator",
-    "sigil_site",  # the project's own management commands (runsigil)
 ]
 
 MIDDLEWARE = [
@@ -232,7 +234,7 @@ REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["agents.authentication.BearerTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["agents.permissions.HasInvokeScope"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["capabilities.parsers.LimitedJSONParser"],
     "EXCEPTION_HANDLER": "sigil_site.errors.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
@@ -265,6 +267,8 @@ SIGIL_SCRIPT_MAX_BYTES = env_int("SIGIL_SCRIPT_MAX_BYTES", 10 * 1024 * 1024)
 # A deploy's JSON body: the script plus its escaping and the other fields.
 SIGIL_DEPLOY_MAX_BODY_BYTES = env_int("SIGIL_DEPLOY_MAX_BODY_BYTES", 16 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = SIGIL_DEPLOY_MAX_BODY_BYTES
+# Deepest nesting of arrays and objects in a JSON request body; deeper is a 400.
+SIGIL_JSON_MAX_DEPTH = env_int("SIGIL_JSON_MAX_DEPTH", 32)
 SIGIL_INVOKE_MAX_BODY_BYTES = env_int("SIGIL_INVOKE_MAX_BODY_BYTES", 100 * 1024 * 1024)
 SIGIL_INVOKE_TIMEOUT_SECONDS = env_float("SIGIL_INVOKE_TIMEOUT_SECONDS", 30.0)
 SIGIL_BREAKER_THRESHOLD = env_int("SIGIL_BREAKER_THRESHOLD", 5)
