@@ -22,6 +22,7 @@ from urllib3.util import parse_url
 
 from agents import tokens
 from agents.selectors import parse_bearer, token_authenticate
+from agents.throttle import FailedAuthThrottle
 from capabilities import names, pager, routes, stats
 from capabilities.models import BreakerState
 from capabilities.runtimes import get_runtime, runtime_for
@@ -42,6 +43,7 @@ from sigil_site.errors import (
     SigilError,
     Timeout,
     TooLarge,
+    Unauthenticated,
     UpstreamError,
     error_body,
     error_headers,
@@ -102,6 +104,7 @@ class Gateway:
         self.tracks_inflight = self.runtime.total_slots is not None
         self.upstream = UpstreamConnections(connect_timeout=5.0, read_timeout=settings.SIGIL_INVOKE_TIMEOUT_SECONDS)
         self.route_memo: dict[tuple, Route] = {}
+        self.auth_throttle = FailedAuthThrottle.from_settings()
         self.local = threading.local()
 
     def __call__(self, environ, start_response):
@@ -137,14 +140,20 @@ class Gateway:
             authorization = None  # the server's environment, not the caller's header
         secret = parse_bearer(authorization)
         token_hash = tokens.hash_secret(secret)
-        keys = (tokens.cache_key(token_hash), routes.key(full), stats.breaker_key(full))
+        address = self.auth_throttle.address(environ)
+        keys = (
+            tokens.cache_key(token_hash),
+            routes.key(full),
+            stats.breaker_key(full),
+            self.auth_throttle.key(address),
+        )
         try:
-            token_raw, route_raw, open_until = self.thread_redis().mget(keys)
+            token_raw, route_raw, open_until, auth_failures = self.thread_redis().mget(keys)
         except redis.ConnectionError:
             # The held connection was closed (Redis restarted, or dropped an idle client);
             # redis-py has discarded it, so this reconnects.
-            token_raw, route_raw, open_until = self.thread_redis().mget(keys)
-        principal = token_authenticate(secret, cached=token_raw)
+            token_raw, route_raw, open_until, auth_failures = self.thread_redis().mget(keys)
+        principal = self.authenticate(secret, token_raw, address, auth_failures)
         if route_raw is None:
             route_raw = routes.route_load(full)
         route = routes.decode(route_raw)
@@ -161,6 +170,15 @@ class Gateway:
         finally:
             if not call.finished:
                 self.abandon(call)
+
+    def authenticate(self, secret: str, token_raw: bytes | None, address: str, auth_failures: bytes | None):
+        """The caller's principal, unless its address is throttled (agents.throttle)."""
+        self.auth_throttle.check(self.redis, address, auth_failures)
+        try:
+            return token_authenticate(secret, cached=token_raw)
+        except Unauthenticated:
+            self.auth_throttle.failed(self.redis, address)
+            raise
 
     def forward(self, environ, start_response, call: Call, route: routes.CachedRoute, rest: str):
         page_in_ms = None

@@ -2,6 +2,7 @@
 that give the embedded mode (SQLite, the bundled Redis, local workerd)."""
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -86,6 +87,7 @@ INSTALLED_APPS = [
     "sigil_site",
     "django.contrib.staticfiles",
     "rest_framework",
+    "axes",
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "agents",
@@ -101,6 +103,14 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes asks: answers a locked-out admin login.
+    "axes.middleware.AxesMiddleware",
+]
+
+# django-axes first: it refuses a locked-out client before the password is even checked.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
 ]
 
 ROOT_URLCONF = "sigil_site.urls"
@@ -178,6 +188,15 @@ REDIS_URL = env_str("REDIS_URL", "")
 if not REDIS_URL:
     REDIS_URL = f"unix://{VAR_DIR / 'redis.sock'}"
 SIGIL_EMBEDDED_REDIS = not os.environ.get("REDIS_URL")
+# Django's cache is Redis too, so what it holds (django-axes' failed logins) is shared by
+# every web process.
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "sigil:django",
+    }
+}
 
 # --- Celery -----------------------------------------------------------------------------
 
@@ -295,6 +314,29 @@ SIGIL_STATS_RETENTION_DAYS = env_int("SIGIL_STATS_RETENTION_DAYS", 30)
 # Retries of a webhook delivery that fails with a connection error or a 5xx (backoff up to
 # 10 minutes apart); after the last, the failure is in the audit trail.
 SIGIL_WEBHOOK_MAX_RETRIES = env_int("SIGIL_WEBHOOK_MAX_RETRIES", 8)
+
+# --- Abuse: failed authentication --------------------------------------------------------
+
+# A client address that sent this many failing tokens within the window is answered 429 on
+# the API and the gateway until the window ends (agents/throttle.py); 0 turns it off.
+SIGIL_AUTH_FAILURE_LIMIT = env_int("SIGIL_AUTH_FAILURE_LIMIT", 20)
+SIGIL_AUTH_FAILURE_WINDOW_SECONDS = env_int("SIGIL_AUTH_FAILURE_WINDOW_SECONDS", 300)
+# Proxies in front of Sigil that append the caller's address to X-Forwarded-For; 0 means
+# callers connect directly and REMOTE_ADDR is their address.
+SIGIL_TRUSTED_PROXY_COUNT = env_int("SIGIL_TRUSTED_PROXY_COUNT", 0)
+# The admin's login: after this many failures from one address, that address is locked out
+# for the lock-out time, the right password included (django-axes); 0 turns it off.
+SIGIL_ADMIN_LOGIN_FAILURE_LIMIT = env_int("SIGIL_ADMIN_LOGIN_FAILURE_LIMIT", 5)
+SIGIL_ADMIN_LOCKOUT_SECONDS = env_int("SIGIL_ADMIN_LOCKOUT_SECONDS", 900)
+AXES_ENABLED = SIGIL_ADMIN_LOGIN_FAILURE_LIMIT > 0
+AXES_FAILURE_LIMIT = SIGIL_ADMIN_LOGIN_FAILURE_LIMIT
+AXES_COOLOFF_TIME = timedelta(seconds=SIGIL_ADMIN_LOCKOUT_SECONDS)
+AXES_LOCKOUT_PARAMETERS = ["ip_address"]
+AXES_RESET_ON_SUCCESS = True
+# Failures are counted in Redis (the cache above), not in database rows per attempt.
+AXES_HANDLER = "axes.handlers.cache.AxesCacheHandler"
+AXES_CLIENT_IP_CALLABLE = "agents.throttle.request_client_address"
+AXES_VERBOSE = False
 
 # Bearer token that GET /metrics requires; empty turns the endpoint off.
 SIGIL_METRICS_TOKEN = env_secret("SIGIL_METRICS_TOKEN")

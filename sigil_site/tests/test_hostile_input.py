@@ -14,6 +14,9 @@ from capabilities.models import Capability
 from testsupport.capability_code import PONG
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
+NESTED_BINDINGS = json.loads("[" * 33 + '"VAR:A"' + "]" * 33)
+BASIC = {"Authorization": "Basic YTpi"}
+EMPTY_BEARER = {"Authorization": "Bearer "}
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,12 @@ def deploy(**fields) -> bytes:
 TABLE = [
     # Bodies
     Bad("json nested 100,000 deep", 400, "invalid_request", body=DEEP),
-    Bad("json nested deep in a field", 400, "invalid_request", body=deploy(bindings=[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["VAR:A"]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]])),
+    Bad(
+        "json nested deep in a field",
+        400,
+        "invalid_request",
+        body=deploy(bindings=[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["VAR:A"]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]),
+    ),
     Bad("not json", 400, "invalid_request", body=b'{"name": "ping",'),
     Bad("a json array", 400, "invalid_request", body=b"[]"),
     Bad("a json string", 400, "invalid_request", body=b'"ping"'),
@@ -53,8 +61,22 @@ TABLE = [
     # Headers
     Bad("form content type", 415, "invalid_request", body=b"name=ping", headers={"Content-Type": "text/plain"}),
     Bad("no authorization", 401, "unauthenticated", token=None, body=deploy()),
-    Bad("basic authorization", 401, "unauthenticated", token=None, body=deploy(), headers={"Authorization": "Basic YTpi"}),
-    Bad("bearer without a token", 401, "unauthenticated", token=None, body=deploy(), headers={"Authorization": "Bearer "}),
+    Bad(
+        "basic authorization",
+        401,
+        "unauthenticated",
+        token=None,
+        body=deploy(),
+        headers=BASIC,
+    ),
+    Bad(
+        "bearer without a token",
+        401,
+        "unauthenticated",
+        token=None,
+        body=deploy(),
+        headers=EMPTY_BEARER,
+    ),
     Bad("invoke scope deploys", 403, "forbidden", token="invoke", body=deploy()),
     Bad("unsupported method", 405, "invalid_request", method="PUT", body=deploy()),
     Bad("unknown API path", 404, "not_found", method="GET", path="/_api/nothing-here"),
