@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework.authentication import BaseAuthentication
 
 from agents import tokens
@@ -37,3 +38,17 @@ class BearerTokenAuthentication(BaseAuthentication):
 
     def authenticate_header(self, request) -> str:
         return WWW_AUTHENTICATE
+
+
+class BearerTokenScheme(OpenApiAuthenticationExtension):
+    """The schema's security scheme for BearerTokenAuthentication (drf-spectacular)."""
+
+    target_class = BearerTokenAuthentication
+    name = "bearerAuth"
+
+    def get_security_definition(self, auto_schema):
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "An agent's deploy or invoke token, as issued by the owner",
+        }
