@@ -97,6 +97,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "sigil_site.middleware.AdminContentSecurityPolicy",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -438,6 +439,8 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("SIGIL_LOG_LEVEL", "INFO")},
     "loggers": {
         "django.server": {"level": "WARNING"},
+        # Every login and failure is INFO there; lock-outs are WARNING.
+        "axes": {"level": "WARNING"},
         "sigil.access": {
             "handlers": ["access"],
             "level": "INFO" if env_bool("SIGIL_ACCESS_LOG", True) else "WARNING",

@@ -147,3 +147,15 @@ def test_a_bad_request_gets_its_status_and_code(alice, tokens, settings, bad):
     if bad.status == 401:
         assert response.headers["WWW-Authenticate"].startswith("Bearer")
     assert set(Capability.objects.values_list("full_name", flat=True)) == {"alice--ping"}
+
+
+def test_the_admin_sends_a_content_security_policy_and_nosniff(sigil):
+    login = requests.get(f"{sigil.url}/admin/login/", timeout=30)
+    assert login.status_code == 200
+    policy = login.headers["Content-Security-Policy"]
+    assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy
+    assert login.headers["X-Content-Type-Options"] == "nosniff"
+    # The API's JSON needs no policy; it still says what it is.
+    health = requests.get(f"{sigil.url}/_health", timeout=30)
+    assert "Content-Security-Policy" not in health.headers
+    assert health.headers["X-Content-Type-Options"] == "nosniff"
