@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from urllib.parse import quote
 
 import requests
 
+from testsupport.capability_code import ECHO
 from testsupport.processes import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,3 +116,27 @@ def served(server: str, *, port: int, environment: dict[str, str], log: Path):
         # Workers that outlived their master are in the session started for it.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def chunks(data: bytes, size: int = 7):
+    """A body requests sends with Transfer-Encoding: chunked (it has no length)."""
+    return (data[i : i + size] for i in range(0, len(data), size))
+
+
+def deploy_and_echo_chunked(base_url: str, agent, session: requests.Session) -> None:
+    body = json.dumps({"name": "echo", "code": ECHO}).encode()
+    deployed = session.post(
+        f"{base_url}/_api/deploy",
+        data=chunks(body),
+        headers={**agent.headers(agent.deploy_token), "Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert deployed.status_code in (200, 201), deployed.text
+    echoed = session.post(
+        f"{base_url}/{agent.name}/echo",
+        data=chunks(b"a body sent in chunks, " * 1000),
+        headers=agent.headers(agent.invoke_token),
+        timeout=30,
+    )
+    assert echoed.status_code == 207, echoed.text
+    assert echoed.json()["body"] == "a body sent in chunks, " * 1000

@@ -8,31 +8,7 @@ import requests
 
 from capabilities.workerd import free_port
 from testsupport.capability_code import ECHO
-from testsupport.servers import SERVERS, served
-
-
-def chunks(data: bytes, size: int = 7):
-    """A body requests sends with Transfer-Encoding: chunked (it has no length)."""
-    return (data[i : i + size] for i in range(0, len(data), size))
-
-
-def deploy_and_echo_chunked(base_url: str, agent, session: requests.Session) -> None:
-    body = json.dumps({"name": "echo", "code": ECHO}).encode()
-    deployed = session.post(
-        f"{base_url}/_api/deploy",
-        data=chunks(body),
-        headers={**agent.headers(agent.deploy_token), "Content-Type": "application/json"},
-        timeout=30,
-    )
-    assert deployed.status_code in (200, 201), deployed.text
-    echoed = session.post(
-        f"{base_url}/{agent.name}/echo",
-        data=chunks(b"a body sent in chunks, " * 1000),
-        headers=agent.headers(agent.invoke_token),
-        timeout=30,
-    )
-    assert echoed.status_code == 207, echoed.text
-    assert echoed.json()["body"] == "a body sent in chunks, " * 1000
+from testsupport.servers import SERVERS, chunks, deploy_and_echo_chunked, served
 
 
 def test_chunked_bodies_on_make_runs_server_and_the_connection_stays_usable(alice):
