@@ -338,6 +338,8 @@ AXES_RESET_ON_SUCCESS = True
 AXES_HANDLER = "axes.handlers.cache.AxesCacheHandler"
 AXES_CLIENT_IP_CALLABLE = "agents.throttle.request_client_address"
 AXES_VERBOSE = False
+# Its admin pages list database records, which the cache handler never writes.
+AXES_ENABLE_ADMIN = False
 
 # Bearer token that GET /metrics requires; empty turns the endpoint off.
 SIGIL_METRICS_TOKEN = env_secret("SIGIL_METRICS_TOKEN")
