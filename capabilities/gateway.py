@@ -306,6 +306,9 @@ class Gateway:
                 headers["Content-Length"] = length
         elif environ.get("HTTP_TRANSFER_ENCODING", "").lower() == "chunked":
             body = read_limited(environ["wsgi.input"], self.max_body)
+            # Read whole, it is a body of known length from here on: never retried as a
+            # bodiless call (the stream cannot be read twice).
+            environ["CONTENT_LENGTH"] = str(len(body))
         return self.upstream.request(
             environ["REQUEST_METHOD"], target.base_url, request_target, headers=headers, body=body, size=size
         )
