@@ -64,6 +64,7 @@ def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_group):
     from django.contrib.staticfiles.handlers import StaticFilesHandler
     from django.test.testcases import LiveServerThread
 
+    from sigil_site.devserver import ChunkedThreadedWSGIServer
     from sigil_site.wsgi import SigilApplication
 
     holder = {}
@@ -76,6 +77,7 @@ def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_group):
 
     with django_db_blocker.unblock():
         thread = LiveServerThread("127.0.0.1", static_handler=wrap, port=0)
+        thread.server_class = ChunkedThreadedWSGIServer  # the server `make run` uses
         thread.daemon = True
         thread.start()
         thread.is_ready.wait()
@@ -294,16 +296,19 @@ def browser_thread():
 @pytest.fixture
 def page(browser_thread, request):
     """A fresh browser context and page for one test; a failed test leaves a screenshot in test-artifacts/."""
-    from testsupport.browser import screenshot
+    from testsupport.browser import screenshot, watch_console
 
     context = browser_thread.browser.new_context(viewport={"width": 1440, "height": 900})
     context.set_default_timeout(15_000)
     page = context.new_page()
+    console_errors = watch_console(page)
     yield page
     report = getattr(request.node, "report_call", None)
     if report is not None and report.failed:
         screenshot(page, f"failed-{request.node.name}")
     context.close()
+    # A page that broke its own Content-Security-Policy, or whose script failed, says so here.
+    assert not console_errors, f"the browser's console showed errors: {console_errors}"
 
 
 @pytest.fixture

@@ -48,6 +48,7 @@ from capabilities.runtimes.base import CodeBundle  # noqa: E402
 from capabilities.supervision import read_status  # noqa: E402
 from capabilities.workerd import free_port, free_port_block  # noqa: E402
 from sigil_site.embedded_redis import EmbeddedRedis  # noqa: E402
+from testsupport.servers import server_command  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 # Latency runs time every call in Lua (wrk's own percentiles are corrected for coordinated
@@ -66,49 +67,6 @@ MAX_ADDED_P50_MS = 1.5
 MAX_ADDED_P99_MS = 4.0
 MIN_THROUGHPUT_RATIO = 0.3
 MAX_COLD_P50_MS = 20.0
-
-
-def server_command(server: str, *, port: int, workers: int, threads: int) -> list[str]:
-    """How each production server runs Sigil's WSGI application (gateway in front of Django)."""
-    bin_dir = Path(sys.executable).parent
-    if server == "gunicorn":
-        return [
-            str(bin_dir / "gunicorn"),
-            "sigil_site.wsgi:application",
-            "--worker-class",
-            "gthread",
-            "--workers",
-            str(workers),
-            "--threads",
-            str(threads),
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--keep-alive",
-            "75",
-            "--log-level",
-            "warning",
-        ]
-    if server == "granian":
-        return [
-            str(bin_dir / "granian"),
-            "--interface",
-            "wsgi",
-            "--workers",
-            str(workers),
-            "--blocking-threads",
-            str(threads),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--http",
-            "1",
-            "--no-ws",
-            "--log-level",
-            "warning",
-            "sigil_site.wsgi:application",
-        ]
-    raise ValueError(f"unknown server {server!r}")
 
 
 SERVER_LABELS = {"gunicorn": "gunicorn gthread", "granian": "granian wsgi"}

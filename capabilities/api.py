@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import hmac
-import io
 from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection
 from django.http import HttpResponse
 from django.utils import timezone
-from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
-from rest_framework.parsers import JSONParser
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -23,9 +21,10 @@ from agents.permissions import HasDeployScope
 from capabilities import selectors, services
 from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
+from capabilities.parsers import LimitedJSONParser
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import RuntimeUnavailable
-from sigil_site.errors import InvalidRequest, NotFound, TooLarge, Unauthenticated, error_response
+from sigil_site.errors import InvalidRequest, NotFound, Unauthenticated, error_response
 from sigil_site.redis_client import get_redis
 
 
@@ -48,7 +47,12 @@ class StrictIntegerField(serializers.IntegerField):
 
 
 class StrictCharField(serializers.CharField):
-    """Only JSON strings: DRF would otherwise turn 42 into "42"."""
+    """Only JSON strings, taken exactly as sent: DRF would otherwise turn 42 into "42" and
+    trim " ping" to "ping", so a name would not be the one the agent wrote."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("trim_whitespace", False)
+        super().__init__(**kwargs)
 
     def to_internal_value(self, data):
         if not isinstance(data, str):
@@ -56,15 +60,35 @@ class StrictCharField(serializers.CharField):
         return super().to_internal_value(data)
 
 
-class LimitedJSONParser(JSONParser):
-    """JSON with a size cap, read without trusting Content-Length: over the cap is a 413."""
+class ErrorSerializer(serializers.Serializer):
+    """The contract's error envelope, for the schema: {"error": {"code": ..., "message": ...}}."""
 
-    def parse(self, stream, media_type=None, parser_context=None):
-        limit = settings.SIGIL_DEPLOY_MAX_BODY_BYTES
-        raw = stream.read(limit + 1) if stream is not None else b""
-        if len(raw) > limit:
-            raise TooLarge(f"the request body is over {limit} bytes")
-        return super().parse(io.BytesIO(raw), media_type, parser_context)
+    error = inline_serializer("ErrorDetail", {"code": serializers.CharField(), "message": serializers.CharField()})
+
+
+# What each status means, as API.md's error table has it; every view documents the ones it
+# can answer, so that a client (and the schema fuzz test) knows every status to expect.
+ERROR_STATUSES = {
+    400: "invalid_request: malformed JSON, a field of the wrong type, a name that breaks a rule",
+    401: "unauthenticated: no token, or an unknown, revoked or expired one (with WWW-Authenticate)",
+    403: "forbidden: wrong scope, or another agent's prefix",
+    404: "not_found: no such capability, or one the caller may not know exists",
+    405: "invalid_request: the method is not one this path answers",
+    406: "invalid_request: the client accepts no JSON",
+    409: "conflict: a name taken by another type, or a concurrent deploy",
+    413: "too_large: code or body over its limit",
+    415: "invalid_request: a body that is not application/json",
+    429: "cooldown, rate_limited or quota_exceeded, with Retry-After",
+    502: "upstream_error: the runtime failed",
+    503: "degraded, or a dependency is down",
+    504: "timeout: the runtime did not answer in time",
+}
+# What any call with a token may meet, whatever it asks.
+AUTHENTICATED = (400, 401, 403, 405, 406, 429)
+
+
+def error_responses(*statuses: int) -> dict[int, OpenApiResponse]:
+    return {status: OpenApiResponse(ErrorSerializer, description=ERROR_STATUSES[status]) for status in statuses}
 
 
 def capability_url(request, capability: Capability) -> str:
@@ -145,7 +169,7 @@ class CapabilityDeployApi(APIView):
     class InputSerializer(serializers.Serializer):
         agent = StrictCharField(required=False, allow_null=True)
         name = StrictCharField(required=False, allow_null=True)
-        code = StrictCharField(trim_whitespace=False)
+        code = StrictCharField()
         type = serializers.ChoiceField(choices=["persistent", "normal", "ephemeral"], required=False, allow_null=True)
         ttl = StrictIntegerField(required=False, allow_null=True)
         bindings = serializers.ListField(child=StrictCharField(), required=False, default=list)
@@ -159,7 +183,14 @@ class CapabilityDeployApi(APIView):
         cold_start = serializers.BooleanField()
         evicted = serializers.CharField(allow_null=True)
 
-    @extend_schema(request=InputSerializer, responses={200: OutputSerializer, 201: OutputSerializer})
+    @extend_schema(
+        request=InputSerializer,
+        responses={
+            200: OutputSerializer,
+            201: OutputSerializer,
+            **error_responses(*AUTHENTICATED, 404, 409, 413, 415, 502, 503, 504),
+        },
+    )
     def post(self, request):
         if not isinstance(request.data, dict):
             raise InvalidRequest("the body must be a JSON object")
@@ -196,6 +227,8 @@ class CapabilityPagination(LimitOffsetPagination):
 
 
 class CapabilityListApi(APIView):
+    pagination_class = CapabilityPagination  # so that the schema shows the page's shape
+
     @extend_schema(
         parameters=[
             OpenApiParameter("type", str, enum=["persistent", "normal", "ephemeral"]),
@@ -204,7 +237,7 @@ class CapabilityListApi(APIView):
             OpenApiParameter("limit", int),
             OpenApiParameter("offset", int),
         ],
-        responses=CapabilitySerializer(many=True),
+        responses={200: CapabilitySerializer(many=True), **error_responses(*AUTHENTICATED)},
     )
     def get(self, request):
         query = selectors.capability_list_visible(
@@ -224,12 +257,12 @@ class CapabilityDetailApi(APIView):
     def get_permissions(self):
         return [HasDeployScope()] if self.request.method == "DELETE" else super().get_permissions()
 
-    @extend_schema(responses=CapabilityDetailSerializer)
+    @extend_schema(responses={200: CapabilityDetailSerializer, **error_responses(*AUTHENTICATED, 404)})
     def get(self, request, full: str):
         capability = selectors.capability_get_visible(principal=request.user, full=full)
         return Response(CapabilityDetailSerializer(capability, context={"request": request}).data)
 
-    @extend_schema(responses={204: None})
+    @extend_schema(responses={204: None, **error_responses(*AUTHENTICATED, 404)})
     def delete(self, request, full: str):
         services.capability_remove(principal=request.user, full=full)
         return Response(status=204)
@@ -237,17 +270,20 @@ class CapabilityDetailApi(APIView):
 
 class StatusApi(APIView):
     @extend_schema(
-        responses=inline_serializer(
-            "Status",
-            {
-                "backend": serializers.CharField(),
-                "total_slots": serializers.IntegerField(allow_null=True),
-                "used_slots": serializers.IntegerField(),
-                "agents": serializers.IntegerField(),
-                "lru_enabled": serializers.BooleanField(),
-                "eviction_count": serializers.IntegerField(),
-            },
-        )
+        responses={
+            200: inline_serializer(
+                "Status",
+                {
+                    "backend": serializers.CharField(),
+                    "total_slots": serializers.IntegerField(allow_null=True),
+                    "used_slots": serializers.IntegerField(),
+                    "agents": serializers.IntegerField(),
+                    "lru_enabled": serializers.BooleanField(),
+                    "eviction_count": serializers.IntegerField(),
+                },
+            ),
+            **error_responses(*AUTHENTICATED),
+        }
     )
     def get(self, request):
         return Response(selectors.backend_status())
@@ -256,18 +292,38 @@ class StatusApi(APIView):
 class CapabilityWarmingStatusApi(APIView):
     """GET /_status/{full}: whether a capability being paged in is ready."""
 
-    @extend_schema(responses=inline_serializer("Warming", {"status": serializers.CharField()}))
+    @extend_schema(
+        responses={
+            200: inline_serializer(
+                "Warming",
+                {"status": serializers.ChoiceField(["ready", "warming"]), "capability": serializers.CharField()},
+            ),
+            **error_responses(*AUTHENTICATED, 404),
+        }
+    )
     def get(self, request, full: str):
         capability = selectors.capability_get_visible(principal=request.user, full=full)
         ready = capability.state in (State.LIVE, State.EVICTING)
         return Response({"status": "ready" if ready else "warming", "capability": capability.full_name})
 
 
+HEALTH = inline_serializer(
+    "Health",
+    {
+        "status": serializers.ChoiceField(["ok", "failing"]),
+        "backend": serializers.CharField(),
+        "capabilities": serializers.IntegerField(allow_null=True),
+        "agents": serializers.IntegerField(allow_null=True),
+        "checks": serializers.DictField(child=serializers.CharField()),
+    },
+)
+
+
 class HealthApi(APIView):
     authentication_classes = []
     permission_classes = [AllowAny]
 
-    @extend_schema(responses=inline_serializer("Health", {"status": serializers.CharField()}))
+    @extend_schema(responses={200: HEALTH, 503: HEALTH, **error_responses(405, 406)})
     def get(self, request):
         checks = {"database": "ok", "redis": "ok", "runtime": "ok"}
         counts = {"capabilities": None, "agents": None}

@@ -77,3 +77,41 @@ def check_workerd_memory(app_configs, **kwargs) -> list[Error]:
             )
         ]
     return []
+
+
+@register()
+def check_abuse_limits(app_configs, **kwargs) -> list[Error]:
+    """A throttle or lock-out that is on needs a time to last; the JSON depth limit must
+    stay below Python's recursion limit, so that a deep body meets Sigil's 400 first."""
+    errors = []
+    if settings.SIGIL_AUTH_FAILURE_LIMIT < 0 or (
+        settings.SIGIL_AUTH_FAILURE_LIMIT and settings.SIGIL_AUTH_FAILURE_WINDOW_SECONDS < 1
+    ):
+        errors.append(
+            Error(
+                "the failed-token throttle needs SIGIL_AUTH_FAILURE_LIMIT >= 0 and, when on, a window",
+                hint="Set SIGIL_AUTH_FAILURE_WINDOW_SECONDS to 1 or more, or SIGIL_AUTH_FAILURE_LIMIT to 0.",
+                id="sigil.E030",
+            )
+        )
+    if settings.SIGIL_ADMIN_LOGIN_FAILURE_LIMIT < 0 or (
+        settings.SIGIL_ADMIN_LOGIN_FAILURE_LIMIT and settings.SIGIL_ADMIN_LOCKOUT_SECONDS < 1
+    ):
+        errors.append(
+            Error(
+                "the admin's lock-out needs SIGIL_ADMIN_LOGIN_FAILURE_LIMIT >= 0 and, when on, a duration",
+                hint="Set SIGIL_ADMIN_LOCKOUT_SECONDS to 1 or more, or SIGIL_ADMIN_LOGIN_FAILURE_LIMIT to 0.",
+                id="sigil.E031",
+            )
+        )
+    if settings.SIGIL_TRUSTED_PROXY_COUNT < 0:
+        errors.append(Error("SIGIL_TRUSTED_PROXY_COUNT cannot be negative", id="sigil.E032"))
+    if not 1 <= settings.SIGIL_JSON_MAX_DEPTH <= 500:
+        errors.append(
+            Error(
+                f"SIGIL_JSON_MAX_DEPTH is {settings.SIGIL_JSON_MAX_DEPTH}",
+                hint="Use 1 to 500: deeper bodies would meet Python's recursion limit first.",
+                id="sigil.E033",
+            )
+        )
+    return errors

@@ -22,6 +22,7 @@ from urllib3.util import parse_url
 
 from agents import tokens
 from agents.selectors import parse_bearer, token_authenticate
+from agents.throttle import FailedAuthThrottle
 from capabilities import breaker, names, pager, routes, stats
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import Route
@@ -41,6 +42,7 @@ from sigil_site.errors import (
     SigilError,
     Timeout,
     TooLarge,
+    Unauthenticated,
     Unavailable,
     UpstreamError,
     error_body,
@@ -61,6 +63,9 @@ STREAM_CHUNK = 64 * 1024
 # say whether CPU or memory ran out, is read as EXCEEDED_LIMITS (Runtime.stopped_at_limits).
 EXCEEDED_CPU = "exceeded-cpu"
 EXCEEDED_LIMITS = "exceeded-limits"
+# On every answer the gateway writes itself (never on a capability's own responses, which
+# pass through unchanged): a browser must not guess a type other than the one sent.
+NOSNIFF = ("X-Content-Type-Options", "nosniff")
 # What a 202 tells the caller to expect: a page-in is one upload, usually about a second.
 WARMING_ETA_SECONDS = 3
 
@@ -106,6 +111,7 @@ class Gateway:
         self.tracks_inflight = self.runtime.total_slots is not None
         self.upstream = UpstreamConnections(connect_timeout=5.0, read_timeout=settings.SIGIL_INVOKE_TIMEOUT_SECONDS)
         self.route_memo: dict[tuple, Route] = {}
+        self.auth_throttle = FailedAuthThrottle.from_settings()
         self.local = threading.local()
 
     def __call__(self, environ, start_response):
@@ -147,14 +153,20 @@ class Gateway:
             authorization = None  # the server's environment, not the caller's header
         secret = parse_bearer(authorization)
         token_hash = tokens.hash_secret(secret)
-        keys = (tokens.cache_key(token_hash), routes.key(full), breaker.open_key(full))
+        address = self.auth_throttle.address(environ)
+        keys = (
+            tokens.cache_key(token_hash),
+            routes.key(full),
+            breaker.open_key(full),
+            self.auth_throttle.key(address),
+        )
         try:
-            token_raw, route_raw, breaker_raw = self.thread_redis().mget(keys)
+            token_raw, route_raw, breaker_raw, auth_failures = self.thread_redis().mget(keys)
         except redis.ConnectionError:
             # The held connection was closed (Redis restarted, or dropped an idle client);
             # redis-py has discarded it, so this reconnects.
-            token_raw, route_raw, breaker_raw = self.thread_redis().mget(keys)
-        principal = token_authenticate(secret, cached=token_raw)
+            token_raw, route_raw, breaker_raw, auth_failures = self.thread_redis().mget(keys)
+        principal = self.authenticate(secret, token_raw, address, auth_failures)
         if route_raw is None:
             route_raw = routes.route_load(full)
         route = routes.decode(route_raw)
@@ -173,6 +185,15 @@ class Gateway:
         finally:
             if not call.finished:
                 self.abandon(call)
+
+    def authenticate(self, secret: str, token_raw: bytes | None, address: str, auth_failures: bytes | None):
+        """The caller's principal, unless its address is throttled (agents.throttle)."""
+        self.auth_throttle.check(self.redis, address, auth_failures)
+        try:
+            return token_authenticate(secret, cached=token_raw)
+        except Unauthenticated:
+            self.auth_throttle.failed(self.redis, address)
+            raise
 
     def forward(self, environ, start_response, call: Call, route: routes.CachedRoute, rest: str):
         page_in_ms = None
@@ -309,6 +330,9 @@ class Gateway:
                 headers["Content-Length"] = length
         elif environ.get("HTTP_TRANSFER_ENCODING", "").lower() == "chunked":
             body = read_limited(environ["wsgi.input"], self.max_body)
+            # Read whole, it is a body of known length from here on: never retried as a
+            # bodiless call (the stream cannot be read twice).
+            environ["CONTENT_LENGTH"] = str(len(body))
         return self.upstream.request(
             environ["REQUEST_METHOD"], target.base_url, request_target, headers=headers, body=body, size=size
         )
@@ -384,7 +408,7 @@ class Gateway:
         call.page_in_ms = page_in_ms
         self.finish(call, ok=True)
         location = target.base_url + rest + ("?" + query if query else "")
-        headers = [("Location", location), ("Content-Length", "0"), ("X-Sigil-Capability", call.full)]
+        headers = [("Location", location), ("Content-Length", "0"), ("X-Sigil-Capability", call.full), NOSNIFF]
         if page_in_ms is not None:
             headers.append(("X-Sigil-Cold-Start", "1"))
         start_response("302 Found", headers)
@@ -404,6 +428,7 @@ class Gateway:
                 ("Content-Type", "application/json"),
                 ("Content-Length", str(len(body))),
                 ("Preference-Applied", "respond-async"),
+                NOSNIFF,
             ],
         )
         return [body]
@@ -411,7 +436,7 @@ class Gateway:
     @staticmethod
     def reply_error(start_response, error: SigilError):
         body = error_body(error)
-        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))), NOSNIFF]
         headers.extend(error_headers(error).items())
         start_response(f"{error.status} {STATUS_TEXT.get(error.status, '')}".rstrip(), headers)
         return [body]

@@ -124,8 +124,17 @@ def retry_after_header(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
 
 
+# Sent with every 401 (RFC 9110 §11.6.1): the scheme a client should answer with.
+WWW_AUTHENTICATE = 'Bearer realm="sigil"'
+
+
 def error_headers(error: SigilError) -> dict[str, str]:
-    return {"Retry-After": retry_after_header(error.retry_after)} if error.retry_after is not None else {}
+    headers = {}
+    if error.retry_after is not None:
+        headers["Retry-After"] = retry_after_header(error.retry_after)
+    if error.status == 401:
+        headers["WWW-Authenticate"] = WWW_AUTHENTICATE
+    return headers
 
 
 def error_body(error: SigilError) -> bytes:

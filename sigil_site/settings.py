@@ -2,6 +2,7 @@
 that give the embedded mode (SQLite, the bundled Redis, local workerd)."""
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -81,24 +82,36 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    # Sigil's own commands (runsigil, and a runserver that reads chunked bodies: before
+    # staticfiles, whose runserver it replaces).
+    "sigil_site",
     "django.contrib.staticfiles",
     "rest_framework",
+    "axes",
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "agents",
     "capabilities",
     "cfemulator",
-    "sigil_site",  # the project's own management commands (runsigil)
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "sigil_site.middleware.AdminContentSecurityPolicy",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes asks: answers a locked-out admin login.
+    "axes.middleware.AxesMiddleware",
+]
+
+# django-axes first: it refuses a locked-out client before the password is even checked.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
 ]
 
 ROOT_URLCONF = "sigil_site.urls"
@@ -176,6 +189,15 @@ REDIS_URL = env_str("REDIS_URL", "")
 if not REDIS_URL:
     REDIS_URL = f"unix://{VAR_DIR / 'redis.sock'}"
 SIGIL_EMBEDDED_REDIS = not os.environ.get("REDIS_URL")
+# Django's cache is Redis too, so what it holds (django-axes' failed logins) is shared by
+# every web process.
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "sigil:django",
+    }
+}
 
 # --- Celery -----------------------------------------------------------------------------
 
@@ -232,7 +254,7 @@ REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["agents.authentication.BearerTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["agents.permissions.HasInvokeScope"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["capabilities.parsers.LimitedJSONParser"],
     "EXCEPTION_HANDLER": "sigil_site.errors.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
@@ -265,6 +287,8 @@ SIGIL_SCRIPT_MAX_BYTES = env_int("SIGIL_SCRIPT_MAX_BYTES", 10 * 1024 * 1024)
 # A deploy's JSON body: the script plus its escaping and the other fields.
 SIGIL_DEPLOY_MAX_BODY_BYTES = env_int("SIGIL_DEPLOY_MAX_BODY_BYTES", 16 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = SIGIL_DEPLOY_MAX_BODY_BYTES
+# Deepest nesting of arrays and objects in a JSON request body; deeper is a 400.
+SIGIL_JSON_MAX_DEPTH = env_int("SIGIL_JSON_MAX_DEPTH", 32)
 SIGIL_INVOKE_MAX_BODY_BYTES = env_int("SIGIL_INVOKE_MAX_BODY_BYTES", 100 * 1024 * 1024)
 SIGIL_INVOKE_TIMEOUT_SECONDS = env_float("SIGIL_INVOKE_TIMEOUT_SECONDS", 30.0)
 SIGIL_BREAKER_THRESHOLD = env_int("SIGIL_BREAKER_THRESHOLD", 5)
@@ -291,6 +315,31 @@ SIGIL_STATS_RETENTION_DAYS = env_int("SIGIL_STATS_RETENTION_DAYS", 30)
 # Retries of a webhook delivery that fails with a connection error or a 5xx (backoff up to
 # 10 minutes apart); after the last, the failure is in the audit trail.
 SIGIL_WEBHOOK_MAX_RETRIES = env_int("SIGIL_WEBHOOK_MAX_RETRIES", 8)
+
+# --- Abuse: failed authentication --------------------------------------------------------
+
+# A client address that sent this many failing tokens within the window is answered 429 on
+# the API and the gateway until the window ends (agents/throttle.py); 0 turns it off.
+SIGIL_AUTH_FAILURE_LIMIT = env_int("SIGIL_AUTH_FAILURE_LIMIT", 20)
+SIGIL_AUTH_FAILURE_WINDOW_SECONDS = env_int("SIGIL_AUTH_FAILURE_WINDOW_SECONDS", 300)
+# Proxies in front of Sigil that append the caller's address to X-Forwarded-For; 0 means
+# callers connect directly and REMOTE_ADDR is their address.
+SIGIL_TRUSTED_PROXY_COUNT = env_int("SIGIL_TRUSTED_PROXY_COUNT", 0)
+# The admin's login: after this many failures from one address, that address is locked out
+# for the lock-out time, the right password included (django-axes); 0 turns it off.
+SIGIL_ADMIN_LOGIN_FAILURE_LIMIT = env_int("SIGIL_ADMIN_LOGIN_FAILURE_LIMIT", 5)
+SIGIL_ADMIN_LOCKOUT_SECONDS = env_int("SIGIL_ADMIN_LOCKOUT_SECONDS", 900)
+AXES_ENABLED = SIGIL_ADMIN_LOGIN_FAILURE_LIMIT > 0
+AXES_FAILURE_LIMIT = SIGIL_ADMIN_LOGIN_FAILURE_LIMIT
+AXES_COOLOFF_TIME = timedelta(seconds=SIGIL_ADMIN_LOCKOUT_SECONDS)
+AXES_LOCKOUT_PARAMETERS = ["ip_address"]
+AXES_RESET_ON_SUCCESS = True
+# Failures are counted in Redis (the cache above), not in database rows per attempt.
+AXES_HANDLER = "axes.handlers.cache.AxesCacheHandler"
+AXES_CLIENT_IP_CALLABLE = "agents.throttle.request_client_address"
+AXES_VERBOSE = False
+# Its admin pages list database records, which the cache handler never writes.
+AXES_ENABLE_ADMIN = False
 
 # Bearer token that GET /metrics requires; empty turns the endpoint off.
 SIGIL_METRICS_TOKEN = env_secret("SIGIL_METRICS_TOKEN")
@@ -397,6 +446,8 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("SIGIL_LOG_LEVEL", "INFO")},
     "loggers": {
         "django.server": {"level": "WARNING"},
+        # Every login and failure is INFO there; lock-outs are WARNING.
+        "axes": {"level": "WARNING"},
         "sigil.access": {
             "handlers": ["access"],
             "level": "INFO" if env_bool("SIGIL_ACCESS_LOG", True) else "WARNING",

@@ -4,8 +4,10 @@ Paths Sigil serves itself (`/_api/`, `/_health`, `/_status/`, `/admin/`, `/stati
 go to Django; every other path is a capability call and goes straight to the gateway.
 """
 
+import io
 import os
 
+from django.conf import settings
 from django.core.wsgi import get_wsgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sigil_site.settings")
@@ -26,12 +28,26 @@ class SigilApplication:
     def __call__(self, environ, start_response):
         path = environ.get("PATH_INFO", "/")
         if path == "/" or path.startswith(DJANGO_PREFIXES):
+            if not environ.get("CONTENT_LENGTH") and "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower():
+                buffer_chunked_body(environ)
             return self.django_app(environ, start_response)
         if self.gateway is None:
             # Built on first use, after the server has forked its workers, so each worker
             # owns its connection pools.
             self.gateway = Gateway()
         return self.gateway(environ, start_response)
+
+
+def buffer_chunked_body(environ) -> None:
+    """Give Django a chunked body (decoded by the server) with its length.
+
+    Django reads a body by its Content-Length only, so a chunked deploy would look empty.
+    The body is read up to the deploy limit and one byte more, so that an oversized one is
+    still refused as a 413 by the API's own check.
+    """
+    body = environ["wsgi.input"].read(settings.SIGIL_DEPLOY_MAX_BODY_BYTES + 1)
+    environ["wsgi.input"] = io.BytesIO(body)
+    environ["CONTENT_LENGTH"] = str(len(body))
 
 
 application = SigilApplication(django_application)

@@ -127,3 +127,17 @@ def log_in(page: Remote, base_url: str, *, username: str, password: str) -> None
     page.fill("#id_password", password)
     page.click("input[type=submit]")
     page.wait_for_url(f"{base_url}/admin/")
+
+
+def watch_console(page: Remote) -> list[str]:
+    """Collect the page's console errors (a script error, a Content-Security-Policy
+    violation, a failed load) and uncaught exceptions, from now on, into the list returned."""
+    errors: list[str] = []
+
+    def on_console(message) -> None:
+        if message.type == "error":
+            errors.append(f"{message.text} ({message.location.get('url', '')})")
+
+    page.on("console", on_console)
+    page.on("pageerror", lambda error: errors.append(f"uncaught: {error}"))
+    return errors

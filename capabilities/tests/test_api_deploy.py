@@ -156,6 +156,11 @@ def test_deploy_is_audited(alice):
         ("export default { async fetch() { return new Response('pong') ", "SyntaxError"),
         ("const config = JSON.parse('{'); export default { fetch() { return new Response('x') } }", "SyntaxError"),
         ("throw new Error('missing setting'); export default {}", "Error: missing setting"),
+        ("export default {}", "the code's default export has no fetch handler"),
+        ("export default class { scheduled() {} }", "the code's default export has no fetch handler"),
+        ("export default async (request) => new Response('x')", "the code's default export has no fetch handler"),
+        ("0", "the code has no default export"),
+        ("export const fetch = () => new Response('x')", "the code has no default export"),
     ],
 )
 def test_code_that_does_not_start_is_a_400_with_the_reason_and_creates_nothing(alice, code, words):
@@ -163,6 +168,15 @@ def test_code_that_does_not_start_is_a_400_with_the_reason_and_creates_nothing(a
     assert error["message"].startswith("the runtime refused the script: Uncaught")
     assert not Capability.objects.exists() and not CapabilityVersion.objects.exists()
     assert alice.call("/alice/broken").status_code == 404
+
+
+def test_a_class_default_export_and_named_entrypoints_still_serve(alice):
+    code = """import { WorkerEntrypoint } from "cloudflare:workers";
+export const other = { async fetch() { return new Response("other") } };
+export default class extends WorkerEntrypoint { async fetch() { return new Response("hi from a class") } }"""
+    deployed = alice.deploy(name="classy", code=code)
+    assert deployed.status_code == 201, deployed.text
+    assert alice.call("/alice/classy").text == "hi from a class"
 
 
 def test_a_broken_new_version_keeps_the_old_one_serving_and_needs_no_cooldown_to_fix(alice, settings):

@@ -50,11 +50,13 @@ def test_command_serves_with_its_options_and_stops_workerd_on_sigterm(tmp_path):
         base = f"http://127.0.0.1:{port}/client/v4/accounts/acc0/workers/scripts"
         auth = {"Authorization": "Bearer command-test-token"}
         meta = '{"main_module": "w.js", "compatibility_date": "2025-01-01"}'
+        # A Worker the loader host can serve: one with a fetch handler.
+        worker = b"export default { fetch() { return new Response('ok') } }"
 
         def upload(name: str) -> requests.Response:
             files = [
                 ("metadata", (None, meta)),
-                ("w.js", ("w.js", b"export default {}", "application/javascript+module")),
+                ("w.js", ("w.js", worker, "application/javascript+module")),
             ]
             return requests.put(f"{base}/{name}", headers=auth, files=files, timeout=10)
 

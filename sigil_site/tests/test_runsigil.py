@@ -20,7 +20,9 @@ from django.contrib.auth.hashers import check_password
 
 from capabilities.workerd import free_port, free_port_block, port_is_open
 from sigil_site.management.commands.runsigil import sigil_programs
+from testsupport.cast import AgentClient
 from testsupport.processes import command_line, descendants, is_alive, wait_until
+from testsupport.servers import deploy_and_echo_chunked
 
 MANAGE = str(settings.BASE_DIR / "manage.py")
 
@@ -113,6 +115,18 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
         assert output.has("SQLite")
         assert output.has("bundled redis-server")
         password = re.search(r"user owner, password (\S+), shown only this once", str(output)).group(1)
+
+        # Its web server reads chunked bodies: a deploy and a call sent in chunks arrive whole.
+        agent = subprocess.run(
+            [sys.executable, MANAGE, "createagent", "chunky", "--json"],
+            env=embedded_env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        tokens = json.loads(agent.stdout)
+        chunky = AgentClient("chunky", tokens["deploy_token"], tokens["invoke_token"], f"http://127.0.0.1:{web_port}")
+        deploy_and_echo_chunked(chunky.base_url, chunky, chunky.session)
 
         children |= descendants(process.pid)
         web = next(pid for pid in children if "runserver" in command_line(pid))

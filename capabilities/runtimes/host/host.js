@@ -90,6 +90,28 @@ class MissingCode extends Error {
   }
 }
 
+// Every bundle is loaded behind this entry module, which re-exports the capability's module
+// and, at the top level, refuses one that is not an ES module whose default export has a
+// `fetch` handler. Checked while the code starts, such code fails the start check with
+// these words instead of failing every call.
+const ENTRY_MODULE = "sigil-entry.js";
+
+function entryModule(mainModule) {
+  const main = JSON.stringify(`./${mainModule}`);
+  return `import * as capability from ${main};
+export * from ${main};
+const handler = capability.default;
+if (handler === undefined) {
+  throw new Error("the code has no default export: a capability is an ES module with export default { async fetch(request, env, ctx) { ... } }");
+}
+const prototype = typeof handler === "function" ? handler.prototype : handler;
+if (prototype === null || typeof prototype !== "object" || typeof prototype.fetch !== "function") {
+  throw new Error("the code's default export has no fetch handler: a capability is an ES module with export default { async fetch(request, env, ctx) { ... } }");
+}
+export default handler;
+`;
+}
+
 // Start the code without calling any of its handlers: the Worker is asked for an entrypoint
 // no capability has, which workerd looks up only once the top-level code has run.
 async function started(worker, codeWasMissing, env) {
@@ -140,8 +162,8 @@ export default {
       return {
         compatibilityDate: bundle.compatibilityDate || "2025-01-01",
         compatibilityFlags: bundle.compatibilityFlags || [],
-        mainModule: bundle.mainModule,
-        modules: bundle.modules,
+        mainModule: ENTRY_MODULE,
+        modules: { ...bundle.modules, [ENTRY_MODULE]: entryModule(bundle.mainModule) },
         env: { ...bundle.env, ...secrets },
         // Capabilities may call out to the network as Workers do on Cloudflare.
       };

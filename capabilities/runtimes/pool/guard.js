@@ -3,7 +3,16 @@
 // that carry Sigil's shared secret, strips Sigil's headers before the capability sees the
 // request, and marks every response it passes on, so the gateway can tell the capability's
 // own 404 from Cloudflare's "no such Worker".
-import capability from "./main.js";
+import * as main from "./main.js";
+
+// Code that is no capability is refused while the script starts (so its upload fails), in
+// the words the loader host uses, not on every call.
+const capability = main.default;
+const USAGE = "a capability is an ES module with export default { async fetch(request, env, ctx) { ... } }";
+if (capability === undefined) throw new Error(`the code has no default export: ${USAGE}`);
+if (capability === null || typeof capability !== "object" || typeof capability.fetch !== "function") {
+  throw new Error(`the code's default export has no fetch handler: ${USAGE}`);
+}
 
 // Not x-sigil-secret: that one is the loader host's, and a host in front may consume it.
 const SECRET_HEADER = "x-sigil-pool-secret";

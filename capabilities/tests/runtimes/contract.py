@@ -13,6 +13,9 @@ SECOND = "export default { async fetch() { return new Response('second version')
 # Code that does not start: Cloudflare refuses it at upload, the loader host at its start check.
 UNFINISHED = "export default { async fetch() { return new Response('hi') "
 THROWS_AT_START = "throw new Error('no config at start'); export default { async fetch() { return new Response('x') } }"
+# Code that starts but is no capability: nothing could ever answer a call to it.
+NO_FETCH = "export default { async scheduled() {} }"
+NOT_A_MODULE_WITH_DEFAULT = "0"
 ECHO_HEADERS = """export default { async fetch(request) {
   return Response.json(Object.fromEntries(request.headers));
 } }"""
@@ -71,7 +74,15 @@ class RuntimeContract:
         assert seen["x-custom"] == "kept"
         assert not [name for name in seen if name.startswith("x-sigil")]
 
-    @pytest.mark.parametrize(("code", "words"), [(UNFINISHED, "SyntaxError"), (THROWS_AT_START, "no config at start")])
+    @pytest.mark.parametrize(
+        ("code", "words"),
+        [
+            (UNFINISHED, "SyntaxError"),
+            (THROWS_AT_START, "no config at start"),
+            (NO_FETCH, "has no fetch handler"),
+            (NOT_A_MODULE_WITH_DEFAULT, "default export"),
+        ],
+    )
     def test_code_that_does_not_start_is_refused_and_placed_nowhere(self, runtime, code, words):
         slot = runtime.slot_for("alice--broken")
         with pytest.raises(RuntimeRejected, match=words):

@@ -1,0 +1,83 @@
+"""Throttling of failed authentication per client address, shared by every process through
+Redis.
+
+An address that sent SIGIL_AUTH_FAILURE_LIMIT tokens that fail (unknown, revoked, expired)
+within SIGIL_AUTH_FAILURE_WINDOW_SECONDS is answered `429 rate_limited`, with Retry-After,
+on the API and the gateway until that window ends, whatever token it sends then: a guess
+that happens to be right is refused too. The window starts at the first failure (a fixed
+window, one Redis key per address).
+
+Written here rather than taken from a library: the gateway is a plain WSGI application, and
+the count must ride in the gateway's one MGET so that a valid warm call pays no extra Redis
+round trip. The owner's admin login has its own lockout (django-axes, see settings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import redis
+from django.conf import settings
+
+from sigil_site.errors import RateLimited
+
+
+def client_address(meta: Mapping[str, str], *, proxies: int) -> str:
+    """The caller's address: REMOTE_ADDR, or behind `proxies` trusted proxies the address
+    the outermost of them saw (each appends one to X-Forwarded-For; earlier ones are the
+    caller's to forge)."""
+    if proxies:
+        forwarded = [part.strip() for part in meta.get("HTTP_X_FORWARDED_FOR", "").split(",")]
+        forwarded = [part for part in forwarded if part]
+        if len(forwarded) >= proxies:
+            return forwarded[-proxies]
+    return meta.get("REMOTE_ADDR", "")
+
+
+def request_client_address(request) -> str:
+    """client_address() of a Django request (django-axes' AXES_CLIENT_IP_CALLABLE)."""
+    return client_address(request.META, proxies=settings.SIGIL_TRUSTED_PROXY_COUNT)
+
+
+class FailedAuthThrottle:
+    """The failure count of client addresses, read with the caller's own Redis reads."""
+
+    def __init__(self, *, limit: int, window_seconds: int, proxies: int) -> None:
+        self.limit = limit
+        self.window_seconds = window_seconds
+        self.proxies = proxies
+
+    @classmethod
+    def from_settings(cls) -> FailedAuthThrottle:
+        return cls(
+            limit=settings.SIGIL_AUTH_FAILURE_LIMIT,
+            window_seconds=settings.SIGIL_AUTH_FAILURE_WINDOW_SECONDS,
+            proxies=settings.SIGIL_TRUSTED_PROXY_COUNT,
+        )
+
+    def address(self, meta: Mapping[str, str]) -> str:
+        return client_address(meta, proxies=self.proxies)
+
+    @staticmethod
+    def key(address: str) -> str:
+        return f"sigil:authfail:{address}"
+
+    def check(self, client: redis.Redis, address: str, failures: bytes | None) -> None:
+        """Raise RateLimited when `failures` (the value of key(address), read by the caller
+        in its own round trip) has reached the limit; a limit of 0 never does."""
+        if failures is None or not self.limit or int(failures) < self.limit:
+            return
+        left_ms = max(client.pttl(self.key(address)), 1000)
+        raise RateLimited(
+            f"too many failed authentications from {address}; retry later",
+            retry_after=left_ms / 1000,
+        )
+
+    def failed(self, client: redis.Redis, address: str) -> None:
+        """Count one failed authentication of `address` (one round trip)."""
+        if not self.limit:
+            return
+        pipe = client.pipeline(transaction=False)
+        pipe.set(self.key(address), 0, ex=self.window_seconds, nx=True)
+        pipe.incr(self.key(address))
+        pipe.execute()

@@ -1,0 +1,52 @@
+"""The control API fuzzed from its own OpenAPI schema (/_api/schema) with schemathesis:
+whatever it is sent, it never answers 5xx, and every answer is one the schema documents
+(status, content type, body shape)."""
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import (
+    content_type_conformance,
+    ignored_auth,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from testsupport.capability_code import PONG
+
+# Bounded so that the run takes about a minute: examples per operation.
+MAX_EXAMPLES = 250
+
+
+@pytest.fixture
+def api_schema(alice):
+    assert alice.deploy(name="ping", code=PONG).status_code == 201  # something to list and inspect
+    return schemathesis.openapi.from_url(f"{alice.base_url}/_api/schema")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@pytest.mark.slow
+@schema.parametrize()
+@settings(
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
+def test_the_api_answers_as_its_schema_says(case, alice):
+    with requests.Session() as session:
+        case.call_and_validate(
+            session=session,
+            headers={"Authorization": f"Bearer {alice.deploy_token}"},
+            checks=[
+                not_a_server_error,
+                status_code_conformance,
+                content_type_conformance,
+                response_schema_conformance,
+                ignored_auth,
+            ],
+        )

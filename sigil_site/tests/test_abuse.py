@@ -1,0 +1,151 @@
+"""A brake on guessing: failed tokens are throttled per client address on the API and the
+gateway, and the admin's login locks an address out, both shared by every process through
+Redis."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import requests
+
+from capabilities.workerd import free_port
+from testsupport.capability_code import PONG
+from testsupport.cast import wait_for
+from testsupport.servers import served
+
+BAD = {"Authorization": "Bearer sgl_not-a-token"}
+
+
+def assert_throttled(response) -> None:
+    assert response.status_code == 429, response.text
+    assert response.json()["error"]["code"] == "rate_limited"
+    assert int(response.headers["Retry-After"]) >= 1
+
+
+@pytest.fixture
+def ping(alice):
+    assert alice.deploy(name="ping", code=PONG).status_code == 201
+
+
+def test_failed_tokens_are_throttled_on_the_gateway_and_the_api_alike(alice, ping, settings):
+    settings.SIGIL_AUTH_FAILURE_LIMIT = 4
+    settings.SIGIL_AUTH_FAILURE_WINDOW_SECONDS = 2
+    for _ in range(2):
+        assert alice.call("/alice/ping", token=None, headers=BAD).status_code == 401
+        assert requests.get(f"{alice.base_url}/_api/capabilities", headers=BAD, timeout=10).status_code == 401
+    # The limit is reached: this address is refused whatever it sends, a valid token too.
+    assert_throttled(alice.call("/alice/ping", token=None, headers=BAD))
+    assert_throttled(alice.call("/alice/ping"))
+    assert_throttled(requests.get(f"{alice.base_url}/_api/capabilities", headers=alice.headers(alice.invoke_token)))
+    # Until the window ends.
+    wait_for(lambda: alice.call("/alice/ping").status_code == 200, timeout=10, message="the window to end")
+
+
+def test_calls_without_a_token_and_valid_calls_are_not_counted(alice, ping, settings):
+    settings.SIGIL_AUTH_FAILURE_LIMIT = 2
+    for _ in range(5):
+        assert alice.call("/alice/ping", token=None).status_code == 401
+        assert alice.call("/alice/ping").status_code == 200
+
+
+def test_addresses_behind_a_trusted_proxy_are_counted_apart(alice, ping, settings):
+    settings.SIGIL_AUTH_FAILURE_LIMIT = 2
+    settings.SIGIL_TRUSTED_PROXY_COUNT = 1
+    guesser = {"X-Forwarded-For": "203.0.113.9, 198.51.100.7"}  # the proxy appended the last
+    for _ in range(2):
+        assert alice.call("/alice/ping", token=None, headers={**BAD, **guesser}).status_code == 401
+    assert_throttled(alice.call("/alice/ping", headers=guesser))
+    # Another caller behind the same proxy, whatever it claims further left, is not held back.
+    assert alice.call("/alice/ping", headers={"X-Forwarded-For": "198.51.100.7, 192.0.2.1"}).status_code == 200
+
+
+# What a call's commands name: the capability, the token or the throttle's count.
+CALL_KEYS = ("alice--ping", "sigil:token:", "sigil:authfail:")
+
+
+def test_a_valid_warm_call_makes_no_more_redis_round_trips(alice, ping, redis_client):
+    """One MGET before the call and one script call after it, as before the throttle."""
+    import threading
+
+    from capabilities import stats
+
+    def recorded(calls: int) -> bool:
+        return int(redis_client.hget(stats.stats_key("alice--ping"), "calls") or 0) == calls
+
+    assert alice.call("/alice/ping").status_code == 200  # fills the caches
+    wait_for(lambda: recorded(1), message="the first call to be recorded")
+    seen, ready, done = [], threading.Event(), threading.Event()
+
+    def watch() -> None:
+        with redis_client.monitor() as monitor:
+            ready.set()
+            for command in monitor.listen():
+                text = command["command"]
+                if text.startswith("HGET") and "calls" in text:
+                    if done.is_set():
+                        return
+                    continue  # the test's own polling
+                # Commands a script runs are no round trips; a Celery worker of the session
+                # may be polling its queue meanwhile.
+                if command["client_type"] != "lua" and any(mark in text for mark in CALL_KEYS):
+                    seen.append(text.split()[0].upper())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    ready.wait(10)
+    assert alice.call("/alice/ping").status_code == 200
+    wait_for(lambda: recorded(2), message="the second call to be recorded")
+    done.set()
+    redis_client.hget(stats.stats_key("alice--ping"), "calls")
+    watcher.join(10)
+    assert seen == ["MGET", "EVALSHA"]
+
+
+def admin_login(session: requests.Session, base_url: str, password: str) -> requests.Response:
+    form = session.get(f"{base_url}/admin/login/", timeout=30)
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form.text).group(1)
+    return session.post(
+        f"{base_url}/admin/login/?next=/admin/",
+        data={"csrfmiddlewaretoken": token, "username": "owner", "password": password, "next": "/admin/"},
+        allow_redirects=False,
+        timeout=30,
+    )
+
+
+@pytest.fixture
+def owner_account(transactional_db):
+    from django.contrib.auth import get_user_model
+
+    get_user_model().objects.create_superuser("owner", "owner@example.invalid", "the-right-password")
+
+
+@pytest.mark.slow
+def test_lockout_and_throttling_hold_across_two_processes(alice, ping, owner_account, tmp_path):
+    environment = {
+        "SIGIL_AUTH_FAILURE_LIMIT": "4",
+        "SIGIL_AUTH_FAILURE_WINDOW_SECONDS": "60",
+        "SIGIL_ADMIN_LOGIN_FAILURE_LIMIT": "3",
+        "SIGIL_ADMIN_LOCKOUT_SECONDS": "60",
+    }
+    with (
+        served("granian", port=free_port(), environment=environment, log=tmp_path / "granian.log") as first,
+        served("gunicorn", port=free_port(), environment=environment, log=tmp_path / "gunicorn.log") as second,
+    ):
+        # Bad tokens, half to each process: the count is one.
+        for url in (first, second, first, second):
+            assert requests.get(f"{url}/alice/ping", headers=BAD, timeout=10).status_code == 401
+        for url in (first, second):
+            assert_throttled(requests.get(f"{url}/alice/ping", headers=alice.headers(alice.invoke_token), timeout=10))
+            assert_throttled(requests.get(f"{url}/_api/status", headers=alice.headers(alice.invoke_token), timeout=10))
+
+        # Wrong admin passwords on one process lock the address out on the other, the right
+        # password included.
+        with requests.Session() as session:
+            for _ in range(2):
+                assert admin_login(session, first, "wrong").status_code == 200  # the form again
+            assert admin_login(session, first, "wrong").status_code == 429
+        with requests.Session() as session:
+            refused = admin_login(session, second, "the-right-password")
+            assert refused.status_code == 429
+            assert "sessionid" not in session.cookies
