@@ -114,11 +114,14 @@ class CodeBundle:
             "env": {b.name: b.value for b in self.bindings if b.kind in TEXT_BINDING_KINDS - {SECRET_KIND}},
         }
 
-    def to_json(self, *, seal_key: str) -> bytes:
+    def to_json(self, *, seal_key: str | None = None) -> bytes:
         """The stored form read by the loader host whose SIGIL_SECRET is `seal_key`: code,
-        variables, and the secrets sealed (a fresh nonce each time, so not deterministic)."""
+        variables, and the secrets sealed (a fresh nonce each time, so not deterministic).
+        Raises ValueError for a bundle with secrets and no `seal_key`: none is stored in clear."""
         stored = self._public()
         if self.secrets:
+            if not seal_key:
+                raise ValueError("a bundle with secrets is stored only sealed: give seal_key")
             nonce = os.urandom(12)
             sealed = AESGCM(bundle_seal_key(seal_key)).encrypt(nonce, _canonical(self.secrets), self.sha.encode())
             stored["sealed"] = base64.b64encode(nonce + sealed).decode()
