@@ -5,16 +5,16 @@ from __future__ import annotations
 from django.conf import settings
 from django.core.checks import Error, register
 
-KNOWN_BACKENDS = ("local", "worker-pool", "platform", "loader")
+from capabilities.runtimes import RUNTIMES
 
 
 @register()
 def check_backend(app_configs, **kwargs) -> list[Error]:
-    if settings.SIGIL_BACKEND not in KNOWN_BACKENDS:
+    if settings.SIGIL_BACKEND not in RUNTIMES:
         return [
             Error(
                 f"SIGIL_BACKEND is {settings.SIGIL_BACKEND!r}",
-                hint=f"Use one of: {', '.join(KNOWN_BACKENDS)}.",
+                hint=f"Use one of: {', '.join(RUNTIMES)}.",
                 id="sigil.E001",
             )
         ]
@@ -45,7 +45,7 @@ def check_pool_slots(app_configs, **kwargs) -> list[Error]:
 
 @register()
 def check_cloudflare_credentials(app_configs, **kwargs) -> list[Error]:
-    if settings.SIGIL_BACKEND in settings.CLOUDFLARE_BACKENDS and not settings.CF_ACCOUNT_ID:
+    if settings.SIGIL_ON_CLOUDFLARE and not settings.CF_ACCOUNT_ID:
         return [Error("CF_ACCOUNT_ID is required with CF_API_TOKEN", id="sigil.E003")]
     return []
 

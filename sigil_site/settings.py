@@ -398,8 +398,9 @@ CF_EMULATOR_PORT = env_int("CF_EMULATOR_PORT", 8787)
 
 # A Cloudflare runtime without CF_API_TOKEN runs against the local emulator (started by
 # `manage.py runsigil`), never against Cloudflare.
-CLOUDFLARE_BACKENDS = ("worker-pool", "platform", "loader")
-SIGIL_CF_EMULATED = SIGIL_BACKEND in CLOUDFLARE_BACKENDS and not CF_API_TOKEN
+# Every runtime but the local one (capabilities.runtimes.RUNTIMES) runs on Cloudflare.
+SIGIL_ON_CLOUDFLARE = SIGIL_BACKEND != "local"
+SIGIL_CF_EMULATED = SIGIL_ON_CLOUDFLARE and not CF_API_TOKEN
 if SIGIL_CF_EMULATED:
     CF_API_BASE = f"http://127.0.0.1:{CF_EMULATOR_PORT}/client/v4"
     CF_API_TOKEN = "sigil-emulator-dev-token"

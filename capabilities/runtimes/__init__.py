@@ -5,61 +5,25 @@ from __future__ import annotations
 import functools
 
 from django.conf import settings
+from django.utils.module_loading import import_string
 
 from capabilities.runtimes.base import Runtime
+
+# The one list of runtimes: SIGIL_BACKEND's values, each naming the class that builds itself
+# from settings (Runtime.from_settings). The checks and commands read their choices here.
+RUNTIMES = {
+    "local": "capabilities.runtimes.local.LocalRuntime",
+    "worker-pool": "capabilities.runtimes.worker_pool.WorkerPoolRuntime",
+    "platform": "capabilities.runtimes.platform.PlatformRuntime",
+    "loader": "capabilities.runtimes.loader.LoaderRuntime",
+}
 
 
 def build_runtime(backend: str) -> Runtime:
     """Construct the runtime named `backend` from settings. Raises ValueError for unknown names."""
-    if backend == "local":
-        from capabilities.runtimes.local import LocalRuntime, local_processes
-
-        return LocalRuntime(
-            code_dir=settings.SIGIL_CODE_DIR,
-            processes=local_processes(),
-            secret=settings.SIGIL_INTERNAL_SECRET,
-            max_slots=settings.SIGIL_LOCAL_SLOTS or None,
-            safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
-        )
-    if backend == "worker-pool":
-        from capabilities.cloudflare import CloudflareClient
-        from capabilities.runtimes.worker_pool import WorkerPoolRuntime
-
-        return WorkerPoolRuntime(
-            client=CloudflareClient.from_settings(),
-            secret=settings.SIGIL_INTERNAL_SECRET,
-            total_quota=settings.SIGIL_POOL_TOTAL_QUOTA,
-            system_reserved=settings.SIGIL_POOL_SYSTEM_RESERVED,
-            user_reserved=settings.SIGIL_POOL_USER_RESERVED,
-            safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
-            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
-            redirect=settings.SIGIL_POOL_REDIRECT,
-        )
-    if backend == "platform":
-        from capabilities.cloudflare import CloudflareClient
-        from capabilities.runtimes.platform import PlatformRuntime
-
-        return PlatformRuntime(
-            client=CloudflareClient.from_settings(),
-            namespace=settings.SIGIL_PLATFORM_NAMESPACE,
-            dispatcher=settings.SIGIL_PLATFORM_DISPATCHER,
-            secret=settings.SIGIL_INTERNAL_SECRET,
-            cpu_ms=settings.SIGIL_CPU_MS,
-            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
-        )
-    if backend == "loader":
-        from capabilities.cloudflare import CloudflareClient
-        from capabilities.runtimes.loader import LoaderRuntime
-
-        return LoaderRuntime(
-            client=CloudflareClient.from_settings(),
-            worker=settings.SIGIL_LOADER_WORKER,
-            kv_title=settings.SIGIL_LOADER_KV_TITLE,
-            secret=settings.SIGIL_INTERNAL_SECRET,
-            cpu_ms=settings.SIGIL_CPU_MS,
-            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
-        )
-    raise ValueError(f"unknown SIGIL_BACKEND {backend!r}")
+    if backend not in RUNTIMES:
+        raise ValueError(f"unknown SIGIL_BACKEND {backend!r}")
+    return import_string(RUNTIMES[backend]).from_settings()
 
 
 @functools.cache

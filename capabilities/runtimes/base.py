@@ -172,8 +172,13 @@ class CallStopped:
 class Runtime(ABC):
     """One place where capability code runs. Subclasses read settings only in __init__."""
 
-    #: the value of SIGIL_BACKEND that selects this runtime
+    #: the value of SIGIL_BACKEND that selects this runtime (its key in RUNTIMES)
     name: str = ""
+
+    @classmethod
+    @abstractmethod
+    def from_settings(cls) -> Runtime:
+        """This runtime as Sigil's settings describe it: the one place a runtime reads them."""
 
     @property
     def total_slots(self) -> int | None:

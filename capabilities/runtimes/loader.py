@@ -35,6 +35,20 @@ class LoaderRuntime(FrontedRuntime):
     """
 
     name = "loader"
+
+    @classmethod
+    def from_settings(cls) -> LoaderRuntime:
+        from django.conf import settings
+
+        return cls(
+            client=CloudflareClient.from_settings(),
+            worker=settings.SIGIL_LOADER_WORKER,
+            kv_title=settings.SIGIL_LOADER_KV_TITLE,
+            secret=settings.SIGIL_INTERNAL_SECRET,
+            cpu_ms=settings.SIGIL_CPU_MS,
+            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
+        )
+
     marker_header = "x-sigil-host"
     # A Dynamic Worker's env holds plain values (reference §5.3): variables and secrets.
     binding_kinds = TEXT_BINDING_KINDS

@@ -130,6 +130,18 @@ class LocalRuntime(Runtime):
     # workerd on this machine has no Cloudflare account behind it: only values can be given.
     binding_kinds = TEXT_BINDING_KINDS
 
+    @classmethod
+    def from_settings(cls) -> LocalRuntime:
+        from django.conf import settings
+
+        return cls(
+            code_dir=settings.SIGIL_CODE_DIR,
+            processes=local_processes(),
+            secret=settings.SIGIL_INTERNAL_SECRET,
+            max_slots=settings.SIGIL_LOCAL_SLOTS or None,
+            safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
+        )
+
     def __init__(
         self,
         *,

@@ -33,6 +33,20 @@ class PlatformRuntime(FrontedRuntime):
     """
 
     name = "platform"
+
+    @classmethod
+    def from_settings(cls) -> PlatformRuntime:
+        from django.conf import settings
+
+        return cls(
+            client=CloudflareClient.from_settings(),
+            namespace=settings.SIGIL_PLATFORM_NAMESPACE,
+            dispatcher=settings.SIGIL_PLATFORM_DISPATCHER,
+            secret=settings.SIGIL_INTERNAL_SECRET,
+            cpu_ms=settings.SIGIL_CPU_MS,
+            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
+        )
+
     marker_header = "x-sigil-dispatch"
 
     def __init__(

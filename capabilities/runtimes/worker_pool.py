@@ -41,6 +41,21 @@ class WorkerPoolRuntime(Runtime):
 
     name = "worker-pool"
 
+    @classmethod
+    def from_settings(cls) -> WorkerPoolRuntime:
+        from django.conf import settings
+
+        return cls(
+            client=CloudflareClient.from_settings(),
+            secret=settings.SIGIL_INTERNAL_SECRET,
+            total_quota=settings.SIGIL_POOL_TOTAL_QUOTA,
+            system_reserved=settings.SIGIL_POOL_SYSTEM_RESERVED,
+            user_reserved=settings.SIGIL_POOL_USER_RESERVED,
+            safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
+            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
+            redirect=settings.SIGIL_POOL_REDIRECT,
+        )
+
     def __init__(
         self,
         *,

@@ -5,7 +5,7 @@ SIGIL_BACKEND; run it again if it was interrupted."""
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from capabilities.checks import KNOWN_BACKENDS
+from capabilities.runtimes import RUNTIMES
 from capabilities.runtimes.base import RuntimeFailure
 from capabilities.switch import SwitchEvent, backend_switch
 from sigil_site.errors import SigilError
@@ -22,7 +22,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--from",
             dest="source",
-            choices=KNOWN_BACKENDS,
+            choices=list(RUNTIMES),
             help="move only capabilities on this runtime; also the runtime of capabilities placed before "
             "Sigil recorded runtimes",
         )

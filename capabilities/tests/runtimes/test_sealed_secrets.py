@@ -5,9 +5,8 @@ import threading
 
 import pytest
 
-from capabilities.runtimes.base import CodeBundle, ResolvedBinding, secret_fingerprint
+from capabilities.runtimes.base import CodeBundle, ResolvedBinding, RuntimeUnavailable, secret_fingerprint
 from capabilities.runtimes.local import LocalProcesses, LocalRuntime, local_limits
-from capabilities.supervision import read_status
 from capabilities.tests.runtimes.contract import call
 from capabilities.workerd import free_port_block
 from testsupport.processes import wait_until
@@ -23,6 +22,14 @@ def bundle_with(token: str) -> CodeBundle:
             ResolvedBinding("SECRET", "TOKEN", token, fingerprint=secret_fingerprint(token, key="test-key")),
         ],
     )
+
+
+def serving(runtime: LocalRuntime) -> bool:
+    try:
+        runtime.check()
+    except RuntimeUnavailable:
+        return False
+    return True
 
 
 @pytest.fixture
@@ -44,8 +51,10 @@ def host_for(settings, tmp_path):
         thread = threading.Thread(target=group.run, args=(stop,), daemon=True)
         thread.start()
         stops.append((stop, thread))
-        wait_until(lambda: read_status(processes.status_path), timeout=10, what="the workerd supervisor's status")
-        return LocalRuntime(code_dir=tmp_path / "code", processes=processes, secret=secret)
+        runtime = LocalRuntime(code_dir=tmp_path / "code", processes=processes, secret=secret)
+        # A group over a code store with placements starts their agents' processes at once.
+        wait_until(lambda: serving(runtime), timeout=15, what="the workerd processes serving")
+        return runtime
 
     yield start
     for stop, thread in stops:
