@@ -66,6 +66,7 @@ def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_group):
 
     from sigil_site.devserver import ChunkedThreadedWSGIServer
     from sigil_site.wsgi import SigilApplication
+    from testsupport.inflight import SERVER_REQUESTS, RequestsInFlight
 
     holder = {}
 
@@ -73,7 +74,9 @@ def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_group):
         # Static files served as `runsigil` serves them (runserver --insecure), so that
         # the admin has its style sheets in browser tests.
         holder["app"] = SigilApplication(StaticFilesHandler(django_handler))
-        return holder["app"]
+        holder["requests"] = RequestsInFlight(holder["app"])
+        SERVER_REQUESTS.append(holder["requests"])
+        return holder["requests"]
 
     with django_db_blocker.unblock():
         thread = LiveServerThread("127.0.0.1", static_handler=wrap, port=0)
@@ -84,6 +87,7 @@ def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_group):
         if thread.error:
             raise thread.error
     yield thread, holder["app"]
+    SERVER_REQUESTS.remove(holder["requests"])
     thread.terminate()
 
 
@@ -143,6 +147,8 @@ def celery_worker(celery_worker_session, transactional_db):
     from celery.worker import state as worker_state
     from django.conf import settings
 
+    from testsupport.inflight import SERVER_REQUESTS
+
     received = []
 
     def remember(request, **kwargs):
@@ -153,6 +159,9 @@ def celery_worker(celery_worker_session, transactional_db):
     broker = redis.Redis.from_url(settings.REDIS_URL)
     deadline = time.monotonic() + 30
     try:
+        # A response still closing may queue a task yet (a breaker change).
+        for server in SERVER_REQUESTS:
+            server.wait_idle(timeout=10)
         while time.monotonic() < deadline:
             worker_state.revoked.update(received)
             if not (worker_state.active_requests or worker_state.reserved_requests or broker.llen("celery")):
