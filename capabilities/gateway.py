@@ -25,7 +25,7 @@ from agents.selectors import parse_bearer, token_authenticate
 from agents.throttle import FailedAuthThrottle
 from capabilities import breaker, names, pager, routes, stats
 from capabilities.runtimes import get_runtime, runtime_for
-from capabilities.runtimes.base import Route
+from capabilities.runtimes.base import Route, RuntimeUnavailable
 from capabilities.upstream import (
     HOP_BY_HOP,
     UpstreamConnections,
@@ -301,7 +301,10 @@ class Gateway:
         key = (route.backend, route.slot, route.sha, route.cpu_ms)
         target = self.route_memo.get(key)
         if target is None:
-            target = runtime_for(route.backend).route(slot=route.slot, sha=route.sha, cpu_ms=route.cpu_ms)
+            try:
+                target = runtime_for(route.backend).route(slot=route.slot, sha=route.sha, cpu_ms=route.cpu_ms)
+            except RuntimeUnavailable as exc:  # e.g. Cloudflare failing when asked for the account's subdomain
+                raise UpstreamError(f"the runtime could not say where slot {route.slot} answers: {exc}") from exc
             if len(self.route_memo) > 10_000:
                 self.route_memo.clear()
             self.route_memo[key] = target

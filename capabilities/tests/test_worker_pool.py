@@ -14,6 +14,7 @@ from django.db import connection
 from agents.models import AuditEvent
 from capabilities import names, services
 from capabilities.models import Capability
+from capabilities.runtimes import runtimes_forget
 from testsupport.cast import wait_for
 
 
@@ -275,3 +276,18 @@ def test_a_capabilitys_own_404_is_not_taken_for_a_lost_script(worker_pool, alice
     assert response.status_code == 404 and response.text == "no such page"
     assert "X-Sigil-Cold-Start" not in response.headers
     assert not AuditEvent.objects.filter(subject="alice--nothing", action="capability.repaired").exists()
+
+
+def test_cloudflare_failing_when_asked_where_scripts_answer_is_a_502_in_the_envelope(
+    worker_pool, alice, settings, sigil
+):
+    deploy(alice, "a", "a")
+    # A fresh process: the account's subdomain is asked for on the first call it routes.
+    runtimes_forget()
+    sigil.app.gateway = None
+    settings.SIGIL_CF_MAX_RETRIES = 0
+    worker_pool.configure(fail_next=1)
+    failed = alice.call("/alice/a")
+    assert failed.status_code == 502, failed.text
+    assert failed.json()["error"]["code"] == "upstream_error"
+    assert alice.call("/alice/a").text == "a"  # asked again on the next call, and answered
