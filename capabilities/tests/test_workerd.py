@@ -144,6 +144,11 @@ def test_runworkerd_restarts_workerd_and_stops_it_on_sigterm(tmp_path):
     assert not port_is_open(port)
 
 
+# Holds a few MB of its own, as a capability with a parsed config or a table does.
+WITH_STATE = """const table = Array.from({ length: 5000 }, (_, i) => ({ key: "k" + i, value: i }));
+export default { async fetch() { return new Response("%s " + table.length) } }"""
+
+
 @pytest.mark.slow
 def test_workerd_memory_levels_off_under_steady_calls(host):
     host.start()
@@ -159,3 +164,24 @@ def test_workerd_memory_levels_off_under_steady_calls(host):
     # Memory, not time: a loaded machine changes nothing here. Until each collection was a
     # full one, every call left about 13 KB behind: over 50 MB for these calls.
     assert resident_mb(host.process.pid) - settled < 20
+
+
+@pytest.mark.slow
+def test_workerd_memory_levels_off_as_new_versions_replace_old_ones(host):
+    host.start()
+    runtime = LocalRuntime(code_dir=host.code_dir, workerd_url=host.url, secret=host.secret)
+    slot = "alice--versioned"
+
+    def deploy_and_call(version: int) -> None:
+        bundle = CodeBundle.from_code(WITH_STATE % version)
+        runtime.place(slot=slot, bundle=bundle)
+        for _ in range(20):
+            assert call(runtime.route(slot=slot, sha=bundle.sha)).data == f"{version} 5000".encode()
+
+    for version in range(5):
+        deploy_and_call(version)
+    settled = resident_mb(host.process.pid)
+    for version in range(5, 35):
+        deploy_and_call(version)
+    # An isolate kept per version would hold over 3 MB each: about 100 MB for these 30.
+    assert resident_mb(host.process.pid) - settled < 30
