@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from invoke import Processes, deploy, load_average, manage, request, wait_for_health  # noqa: E402
+from invoke import Processes, cpu_seconds, deploy, load_average, manage, request, wait_for_health  # noqa: E402
 
 from capabilities.workerd import free_port  # noqa: E402
 from testsupport.processes import command_line, descendants, resident_mb, wait_until  # noqa: E402
@@ -66,6 +66,10 @@ class Sigil:
         if not self.pids:
             raise RuntimeError("no workerd process found under runsigil")
 
+    def cpu(self) -> float:
+        """CPU seconds workerd has used so far."""
+        return sum(cpu_seconds(pid) for pid in self.pids)
+
     def rss(self) -> float:
         pids = workerd_pids(self.root_pid)
         if sorted(pids) != sorted(self.pids):
@@ -92,8 +96,9 @@ class Sigil:
             raise RuntimeError(f"the removal of {name} answered {response.status}: {data[:300]!r}")
 
 
-def steady_calls(sigil: Sigil, calls: int) -> list[tuple[int, float]]:
-    """`calls` calls to one capability over CONNECTIONS connections; RSS after each eighth."""
+def steady_calls(sigil: Sigil, calls: int) -> tuple[list[tuple[int, float]], float]:
+    """`calls` calls to one capability over CONNECTIONS connections: RSS after each eighth,
+    and workerd's CPU time per call in µs."""
     name = "steady"
     connection = sigil.connection()
     sigil.deploy(connection, name, CODE % 0)
@@ -101,6 +106,7 @@ def steady_calls(sigil: Sigil, calls: int) -> list[tuple[int, float]]:
         sigil.call(connection, name)
     connection.close()
     samples = [(0, sigil.rss())]
+    cpu_before = sigil.cpu()
     failures: list[BaseException] = []
 
     def run(count: int) -> None:
@@ -128,7 +134,7 @@ def steady_calls(sigil: Sigil, calls: int) -> list[tuple[int, float]]:
         done += batch
         samples.append((done, sigil.rss()))
         print(f"  {done:6d} calls  workerd RSS {samples[-1][1]:7.1f} MB", flush=True)
-    return samples
+    return samples, (sigil.cpu() - cpu_before) / calls * 1e6
 
 
 def new_versions(sigil: Sigil, versions: int) -> list[tuple[int, float]]:
@@ -214,7 +220,7 @@ def main() -> int:
         print(f"workerd RSS at start: {started:.1f} MB")
 
         print(f"steady calls to one capability ({CONNECTIONS} connections):")
-        steady = steady_calls(sigil, args.calls)
+        steady, cpu_per_call = steady_calls(sigil, args.calls)
         print(f"new versions of one capability, each called {CALLS_PER_VERSION} times:")
         versions = new_versions(sigil, args.versions)
         print(f"{args.capabilities} capabilities, each called {CALLS_PER_VERSION} times, then removed:")
@@ -228,7 +234,8 @@ def main() -> int:
     print(
         f"steady calls: workerd RSS {steady[0][1]:.1f} MB after warm-up, {half[1]:.1f} MB after {half[0]} calls, "
         f"{steady[-1][1]:.1f} MB after {steady[-1][0]} "
-        f"({(steady[-1][1] - half[1]) * 1024 / max(1, steady[-1][0] - half[0]):.2f} KB per call in the second half)"
+        f"({(steady[-1][1] - half[1]) * 1024 / max(1, steady[-1][0] - half[0]):.2f} KB per call in the second half); "
+        f"workerd's CPU {cpu_per_call:.0f} µs per call"
     )
     print(
         f"new versions: workerd RSS {versions[0][1]:.1f} MB at version 1, {versions[-1][1]:.1f} MB at "
