@@ -54,10 +54,11 @@ format: install
 	$(VENV)/bin/ruff format .
 
 # The figures in the README: warm-call overhead and throughput against bare workerd (needs
-# wrk), paging costs, and the runtimes side by side.
+# wrk), paging costs, the runtimes side by side, and workerd's memory.
 bench: install
 	$(PY) bench/invoke.py
 	$(PY) bench/pagein.py
 	$(PY) bench/pager.py
 	$(PY) bench/runtimes.py
 	$(PY) bench/emulator_limits.py
+	$(PY) bench/workerd_memory.py

@@ -21,6 +21,13 @@ logger = logging.getLogger(__name__)
 
 HOST_DIR = Path(__file__).resolve().parent / "runtimes" / "host"
 COMPATIBILITY_DATE = "2025-01-01"
+# Every V8 collection a full one. Each request leaves native objects (its Request, Response,
+# headers, I/O state) behind JS wrappers that only a full collection frees; workerd turns off
+# incremental marking and, open-source, sets no heap limit, and the JS heaps stay small, so a
+# full collection hardly ever came and the native memory piled up: about 13 KB per call
+# through the loader host, hundreds of MB within minutes (bench/workerd_memory.py). A full
+# collection of a Worker's small heap costs about what the scavenge it replaces does.
+V8_FLAGS = ("--gc-global",)
 
 
 class WorkerdMissing(RuntimeError):
@@ -129,6 +136,7 @@ class WorkerdHost:
         config = f"""using Workerd = import "/workerd/workerd.capnp";
 
 const config :Workerd.Config = (
+  v8Flags = [{", ".join(_capnp_string(flag) for flag in V8_FLAGS)}],
   services = [
     (name = "host", worker = .host),
     (name = "code", disk = (path = {_capnp_string(str(self.code_dir.resolve()))}, writable = false)),

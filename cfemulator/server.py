@@ -54,7 +54,7 @@ _BACKLOG = 512
 # The emulator buffers bodies and sets its own length.
 _HOP_BY_HOP = HOP_BY_HOP | {"content-length"}
 _WORKER_HOST_SUFFIXES = (".workers.dev", ".dispatch.localhost")
-_HOST_HEADERS = frozenset({"x-sigil-secret", "x-sigil-loader-id", "x-sigil-validate"})
+_HOST_HEADERS = frozenset({"x-sigil-secret", "x-sigil-loader-id", "x-sigil-validate", "x-sigil-retire"})
 # Sent by the emulator itself on every answer; a Worker's own (or a nested emulator
 # answer's, through a dispatch namespace) would repeat them.
 _OWN_HEADERS = frozenset({"content-type", "server", "date"})

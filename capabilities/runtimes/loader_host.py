@@ -1,10 +1,13 @@
-"""The loader host's start check (host/host.js): does placed code start at all?
+"""Questions to the loader host (host/host.js) about placed code: does it start, and release it.
 
 Cloudflare runs a script's top-level code when it is uploaded and refuses one that does not
 start (error 10021). Code the loader host runs (the local and loader runtimes, and the
 emulator's scripts) is never uploaded as a script, so the host is asked the same question
 before a placement is made: it starts the code under the loader id calls will use, without
 calling any of its handlers.
+
+The host keeps the isolates of a slot's two latest versions and retires older ones itself;
+a removed slot's isolate is retired on request.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import urllib3
 from capabilities.runtimes.base import Route, RuntimeRejected, RuntimeUnavailable
 
 START_CHECK_HEADER = "X-Sigil-Validate"
+RETIRE_HEADER = "X-Sigil-Retire"
 
 
 def loader_host_start_check(pool: urllib3.PoolManager, route: Route) -> bool:
@@ -40,6 +44,25 @@ def loader_host_start_check(pool: urllib3.PoolManager, route: Route) -> bool:
     if response.status == 400 and kind == "invalid-code":
         raise RuntimeRejected(_message(response.data))
     raise RuntimeUnavailable(f"the loader host answered the start check with {response.status} ({kind or 'unmarked'})")
+
+
+def loader_host_retire(pool: urllib3.PoolManager, route: Route) -> None:
+    """Have the host release the isolate it runs for `route`'s loader id, once the calls in it
+    end; a later call would load the code again. Idempotent: releasing what is not loaded does
+    nothing.
+
+    Raises RuntimeUnavailable when the host cannot be asked.
+    """
+    headers = {**dict(route.headers), RETIRE_HEADER: "1"}
+    if route.host_header:
+        headers["Host"] = route.host_header
+    try:
+        response = pool.request("POST", route.base_url + "/", headers=headers)
+    except urllib3.exceptions.HTTPError as exc:
+        raise RuntimeUnavailable(f"the loader host could not be asked to release the code: {exc}") from exc
+    if response.status != 204:
+        kind = response.headers.get("x-sigil-error")
+        raise RuntimeUnavailable(f"the loader host answered the release with {response.status} ({kind or 'unmarked'})")
 
 
 def _message(body: bytes) -> str:

@@ -3,6 +3,7 @@ one workerd process per agent (see LocalProcesses)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from capabilities.runtimes.base import (
     RuntimeRejected,
     RuntimeUnavailable,
 )
-from capabilities.runtimes.loader_host import loader_host_start_check
+from capabilities.runtimes.loader_host import loader_host_retire, loader_host_start_check
 from capabilities.supervision import Kill, KillLog, Limits, PortRegistry, WorkerdGroup, read_status
 from capabilities.workerd import WorkerdHost, write_atomically
 
@@ -116,6 +117,9 @@ def local_workerd_group(*, own_session: bool = True) -> WorkerdGroup:
     )
 
 
+logger = logging.getLogger(__name__)
+
+
 class LocalRuntime(Runtime):
     """Code is stored content-addressed (`{code_dir}/{sha}.json`) and read by the host; its
     secrets are stored sealed for the host (CodeBundle.to_json), never in plain text.
@@ -200,13 +204,22 @@ class LocalRuntime(Runtime):
             self._drop_if_unused(previous)  # the replaced code (and any old secret it held)
 
     def remove(self, *, slot: str) -> None:
-        """Drop the slot's pointer, and its bundle when no other slot uses it. Idempotent."""
+        """Drop the slot's pointer, its bundle when no other slot uses it, and its isolate in
+        workerd. Idempotent."""
         pointer = self.slots_dir / slot
         sha = _pointed_sha(pointer)
         if sha is None:
             return
         pointer.unlink(missing_ok=True)
         self._drop_if_unused(sha)
+        # The host retires a replaced version by itself, but a removed slot is never called
+        # again: without this, its isolate would stay until workerd restarts.
+        try:
+            loader_host_retire(self._start_checks, self.route(slot=slot, sha=sha))
+        except RuntimeUnavailable as exc:
+            # The slot is gone all the same; a workerd that cannot be reached holds nothing
+            # once it is restarted.
+            logger.warning("workerd did not release %s@%s: %s", slot, sha, exc)
 
     def _drop_if_unused(self, sha: str) -> None:
         if not any(_pointed_sha(p) == sha for p in self.slots_dir.iterdir() if not p.name.startswith(".")):

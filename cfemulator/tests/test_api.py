@@ -107,9 +107,9 @@ def test_worker_sees_its_request_bindings_and_no_internal_headers(api, cf_emulat
     assert api.upload("echo", ECHO, metadata={"bindings": bindings}).status_code == 200
     api.enable("echo")
     host = cf_emulator_fresh.workers_dev_host("echo")
-    seen = cf_emulator_fresh.worker_request(
-        host, "/p?q=1", "POST", data=b"payload", headers={"X-Custom": "kept", "X-Sigil-Secret": "forged"}
-    ).json()
+    # A caller's X-Sigil-Retire would have the loader host release the script instead of running it.
+    forged = {"X-Custom": "kept", "X-Sigil-Secret": "forged", "X-Sigil-Retire": "1"}
+    seen = cf_emulator_fresh.worker_request(host, "/p?q=1", "POST", data=b"payload", headers=forged).json()
     assert seen["url"] == f"http://{host}/p?q=1"
     assert (seen["method"], seen["body"]) == ("POST", "payload")
     assert seen["headers"]["x-custom"] == "kept"

@@ -18,6 +18,13 @@
 // it asks the loaded Worker for an entrypoint no capability has, so its top-level code runs
 // but none of its handlers. 204 when it starts; 400 `invalid-code` with workerd's message
 // (a syntax error, a top-level exception) when it does not.
+//
+// Old versions are released. workerd's loader keeps every named isolate for the life of the
+// process, and drops one only when the code in it calls `abortIsolate()`; so the host runs each
+// capability behind a small main module of its own that re-exports the capability's exports and
+// adds an entrypoint that does just that. The host keeps two versions of a slot loaded (see
+// VERSIONS_KEPT) and retires older ones as newer ones are called; `x-sigil-retire: 1` retires
+// the id's isolate at once (the slot was removed): 204 whether or not it was loaded.
 
 const SECRET_HEADER = "x-sigil-secret";
 const LOADER_ID_HEADER = "x-sigil-loader-id";
@@ -26,7 +33,11 @@ const ERROR_HEADER = "x-sigil-error";
 const VERSION_HEADER = "x-sigil-version";
 const HOST_HEADER = "x-sigil-host";
 const VALIDATE_HEADER = "x-sigil-validate";
+const RETIRE_HEADER = "x-sigil-retire";
 const PROBE_ENTRYPOINT = "SigilStartProbe";
+const RETIRE_ENTRYPOINT = "SigilRetire";
+// A name no capability module has: Sigil names them main.js (CodeBundle.from_code).
+const HOST_MAIN_MODULE = "sigil-host-main.js";
 // `_` is allowed because Cloudflare script names (which the emulator uses as the name) may hold it.
 const LOADER_ID = /^[a-z0-9_][a-z0-9_-]*(?:--[a-z0-9][a-z0-9-]*)?@[0-9a-f]{64}$/;
 
@@ -90,15 +101,16 @@ class MissingCode extends Error {
   }
 }
 
-// Every bundle is loaded behind this entry module, which re-exports the capability's module
-// and, at the top level, refuses one that is not an ES module whose default export has a
-// `fetch` handler. Checked while the code starts, such code fails the start check with
-// these words instead of failing every call.
-const ENTRY_MODULE = "sigil-entry.js";
-
-function entryModule(mainModule) {
-  const main = JSON.stringify(`./${mainModule}`);
-  return `import * as capability from ${main};
+// Every bundle is loaded behind this main module of the host's own. It re-exports the
+// capability's module unchanged; at the top level it refuses one that is not an ES module
+// whose default export has a `fetch` handler, so such code fails the start check with these
+// words instead of failing every call; and it adds the retire entrypoint, which the
+// capability cannot replace (an explicit export wins over `export *`). The namespace import
+// of cloudflare:workers keeps the module valid where `abortIsolate` is not offered.
+function hostMainModule(capabilityMain) {
+  const main = JSON.stringify(`./${capabilityMain}`);
+  return `import * as workers from "cloudflare:workers";
+import * as capability from ${main};
 export * from ${main};
 const handler = capability.default;
 if (handler === undefined) {
@@ -109,7 +121,61 @@ if (prototype === null || typeof prototype !== "object" || typeof prototype.fetc
   throw new Error("the code's default export has no fetch handler: a capability is an ES module with export default { async fetch(request, env, ctx) { ... } }");
 }
 export default handler;
+export const ${RETIRE_ENTRYPOINT} = {
+  fetch() {
+    if (typeof workers.abortIsolate === "function") workers.abortIsolate("replaced or removed");
+    return new Response(null, { status: 501 });
+  },
+};
 `;
+}
+
+// What a retire loads when the id is not loaded (any more): nothing of the capability's, only a
+// module that releases itself at once.
+const RETIRE_ONLY = {
+  compatibilityDate: "2025-01-01",
+  mainModule: HOST_MAIN_MODULE,
+  modules: {
+    [HOST_MAIN_MODULE]: `import * as workers from "cloudflare:workers";
+export const ${RETIRE_ENTRYPOINT} = { fetch() { workers.abortIsolate("retired"); } };
+export default {};
+`,
+  },
+};
+
+// How many versions of one slot stay loaded: the one called last, and the one before it, for
+// the calls still routed to it while a deploy switches over. Older ones are retired.
+const VERSIONS_KEPT = 2;
+// Slot → the cache ids loaded for it in this process, least recently called first.
+const loadedBySlot = new Map();
+
+// Note a call (or a start check) of `cacheId`; returns the ids of the slot to retire.
+function touch(slot, cacheId) {
+  const ids = (loadedBySlot.get(slot) || []).filter((id) => id !== cacheId);
+  ids.push(cacheId);
+  loadedBySlot.set(slot, ids);
+  return ids.splice(0, Math.max(0, ids.length - VERSIONS_KEPT));
+}
+
+// Forget the slot's cache ids for `loaderId` (retried ones too); returns them.
+function forget(slot, loaderId) {
+  const ids = loadedBySlot.get(slot) || [];
+  const kept = ids.filter((id) => id !== loaderId && !id.startsWith(`${loaderId}#`));
+  if (kept.length) loadedBySlot.set(slot, kept);
+  else loadedBySlot.delete(slot);
+  retriesAfterMissingCode.delete(loaderId);
+  return ids.filter((id) => !kept.includes(id));
+}
+
+// Calls already running in a retired isolate finish; the next call of its id loads it afresh.
+async function retire(env, cacheIds) {
+  for (const id of cacheIds) {
+    try {
+      await env.LOADER.get(id, () => RETIRE_ONLY).getEntrypoint(RETIRE_ENTRYPOINT).fetch("http://retire/");
+    } catch {
+      // abortIsolate() ends the call with an error; code that failed to load throws its error.
+    }
+  }
 }
 
 // Start the code without calling any of its handlers: the Worker is asked for an entrypoint
@@ -138,7 +204,12 @@ export default {
     if (!LOADER_ID.test(loaderId)) {
       return refuse(400, "bad-loader-id", `malformed loader id ${JSON.stringify(loaderId)}`);
     }
+    const slot = loaderId.slice(0, loaderId.indexOf("@"));
     const sha = loaderId.slice(loaderId.indexOf("@") + 1);
+    if (request.headers.get(RETIRE_HEADER) === "1") {
+      await retire(env, forget(slot, loaderId));
+      return new Response(null, { status: 204 });
+    }
 
     const cpuMs = Number.parseInt(request.headers.get(CPU_HEADER) || "", 10);
     const headers = new Headers(request.headers);
@@ -150,6 +221,9 @@ export default {
     let missing = false;
     const retry = retriesAfterMissingCode.get(loaderId) || 0;
     const cacheId = retry ? `${loaderId}#${retry}` : loaderId;
+    // Awaited, so that once a new version has been started (its start check), the one two
+    // versions back is gone; it is one short call, made once per version.
+    await retire(env, touch(slot, cacheId));
     const worker = env.LOADER.get(cacheId, async () => {
       let bundle, secrets;
       try {
@@ -162,8 +236,8 @@ export default {
       return {
         compatibilityDate: bundle.compatibilityDate || "2025-01-01",
         compatibilityFlags: bundle.compatibilityFlags || [],
-        mainModule: ENTRY_MODULE,
-        modules: { ...bundle.modules, [ENTRY_MODULE]: entryModule(bundle.mainModule) },
+        mainModule: HOST_MAIN_MODULE,
+        modules: { ...bundle.modules, [HOST_MAIN_MODULE]: hostMainModule(bundle.mainModule) },
         env: { ...bundle.env, ...secrets },
         // Capabilities may call out to the network as Workers do on Cloudflare.
       };

@@ -63,3 +63,51 @@ def test_the_supervisor_takes_in_every_agent_with_a_placement(tmp_path):
     )
 
     assert processes.registry.names() == ["alice", "bob"]
+
+
+# Counts its calls in module state, which lives as long as its isolate does.
+COUNTER = "let calls = 0; export default { async fetch() { return new Response('%s ' + ++calls) } }"
+
+
+def test_workerd_keeps_a_slots_two_latest_versions_loaded_and_releases_older_ones(runtime):
+    slot = "alice--counted"
+    one, two, three = (CodeBundle.from_code(COUNTER % version) for version in ("one", "two", "three"))
+    runtime.place(slot=slot, bundle=one)
+    assert call(runtime.route(slot=slot, sha=one.sha)).data == b"one 1"
+    runtime.place(slot=slot, bundle=two)
+    assert call(runtime.route(slot=slot, sha=two.sha)).data == b"two 1"
+    runtime.place(slot=slot, bundle=three)  # its start check loads it: a third version
+
+    # The previous version still answers calls routed to it before the switch, from the
+    # isolate it ran in (its bundle is already deleted)...
+    assert not (runtime.code_dir / f"{two.sha}.json").exists()
+    assert call(runtime.route(slot=slot, sha=two.sha)).data == b"two 2"
+    # ...while the one before it was released: nothing answers for it any more.
+    gone = call(runtime.route(slot=slot, sha=one.sha))
+    assert (gone.status, gone.headers["x-sigil-error"]) == (404, "missing-code")
+    assert call(runtime.route(slot=slot, sha=three.sha)).data == b"three 1"
+
+
+def test_removing_a_slot_releases_its_isolate(runtime):
+    slot, bundle = "alice--released", CodeBundle.from_code(COUNTER % "released")
+    runtime.place(slot=slot, bundle=bundle)
+    route = runtime.route(slot=slot, sha=bundle.sha)
+    assert [call(route).data for _ in range(2)] == [b"released 1", b"released 2"]
+    runtime.remove(slot=slot)
+    runtime.place(slot=slot, bundle=bundle)
+    assert call(route).data == b"released 1"  # a fresh isolate: the old one was let go
+
+
+def test_code_keeps_its_own_exports_and_cannot_take_the_hosts_release_entrypoint(runtime):
+    slot = "alice--exports"
+    code = """import { WorkerEntrypoint } from "cloudflare:workers";
+export default class extends WorkerEntrypoint { async fetch() { return new Response('class ' + ++globalThis.n) } }
+export const SigilRetire = { async fetch() { return new Response('taken') } };
+globalThis.n = 0;"""
+    bundle = CodeBundle.from_code(code)
+    runtime.place(slot=slot, bundle=bundle)
+    route = runtime.route(slot=slot, sha=bundle.sha)
+    assert call(route).data == b"class 1"
+    runtime.remove(slot=slot)  # the host's SigilRetire ran, not the capability's
+    runtime.place(slot=slot, bundle=bundle)
+    assert call(route).data == b"class 1"
