@@ -12,7 +12,9 @@ import pytest
 import urllib3
 from django.conf import settings
 
+from capabilities.runtimes import build_runtime
 from capabilities.runtimes.base import CodeBundle, Route
+from capabilities.supervision import read_status
 from capabilities.tests.runtimes.contract import HELLO, call
 from capabilities.workerd import (
     WorkerdHost,
@@ -186,28 +188,31 @@ WITH_STATE = """const table = Array.from({ length: 5000 }, (_, i) => ({ key: "k"
 export default { async fetch() { return new Response("%s " + table.length) } }"""
 
 
+def agent_process_mb(runtime, agent: str) -> float:
+    """Resident memory of the workerd serving `agent`'s capabilities (each agent has one)."""
+    return resident_mb(read_status(runtime.processes.status_path)["processes"][agent]["pid"])
+
+
 @pytest.mark.slow
-def test_workerd_memory_levels_off_under_steady_calls(host):
-    host.start()
-    runtime = LocalRuntime(code_dir=host.code_dir, workerd_url=host.url, secret=host.secret)
+def test_workerd_memory_levels_off_under_steady_calls(workerd_group):
+    runtime = build_runtime("local")
     bundle = CodeBundle.from_code(HELLO)
-    runtime.place(slot="alice--steady", bundle=bundle)
-    route = runtime.route(slot="alice--steady", sha=bundle.sha)
+    runtime.place(slot="steady--hello", bundle=bundle)  # an agent, so a process, of its own
+    route = runtime.route(slot="steady--hello", sha=bundle.sha)
     for _ in range(1500):  # the allocator's and the isolates' own start-up growth
         assert call(route).status == 200
-    settled = resident_mb(host.process.pid)
+    settled = agent_process_mb(runtime, "steady")
     for _ in range(4000):
         assert call(route).status == 200
     # Memory, not time: a loaded machine changes nothing here. Until each collection was a
     # full one, every call left about 13 KB behind: over 50 MB for these calls.
-    assert resident_mb(host.process.pid) - settled < 20
+    assert agent_process_mb(runtime, "steady") - settled < 20
 
 
 @pytest.mark.slow
-def test_workerd_memory_levels_off_as_new_versions_replace_old_ones(host):
-    host.start()
-    runtime = LocalRuntime(code_dir=host.code_dir, workerd_url=host.url, secret=host.secret)
-    slot = "alice--versioned"
+def test_workerd_memory_levels_off_as_new_versions_replace_old_ones(workerd_group):
+    runtime = build_runtime("local")
+    slot = "versioned--table"
 
     def deploy_and_call(version: int) -> None:
         bundle = CodeBundle.from_code(WITH_STATE % version)
@@ -217,8 +222,8 @@ def test_workerd_memory_levels_off_as_new_versions_replace_old_ones(host):
 
     for version in range(5):
         deploy_and_call(version)
-    settled = resident_mb(host.process.pid)
+    settled = agent_process_mb(runtime, "versioned")
     for version in range(5, 35):
         deploy_and_call(version)
     # An isolate kept per version would hold over 3 MB each: about 100 MB for these 30.
-    assert resident_mb(host.process.pid) - settled < 30
+    assert agent_process_mb(runtime, "versioned") - settled < 30
