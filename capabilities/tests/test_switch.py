@@ -2,6 +2,7 @@
 agents keep calling them over HTTP, against the Cloudflare emulator."""
 
 import io
+import re
 import threading
 
 import pytest
@@ -88,7 +89,12 @@ def test_worker_pool_to_platform_with_capabilities_live_loses_none_and_leaves_no
     assert len(cf_emulator_fresh.api_calls(method="PUT", path_suffix="/scripts/sigil-dispatcher")) == 1
     # Each of the five is moved or reassigned by the switch, or was paged in on the new
     # runtime by a call meanwhile (a paged-out capability has nothing to move).
-    assert "[1/5]" in out and "[5/5]" in out and "Switched to platform:" in out
+    total = int(re.search(r"\[1/(\d+)\]", out).group(1))
+    assert f"[{total}/{total}]" in out and "Switched to platform:" in out
+    listed = set(re.findall(r"\] alice--(\w+):", out))
+    assert len(listed) == total
+    paged_in_meanwhile = AuditEvent.objects.filter(action="capability.paged_in").values_list("subject", flat=True)
+    assert {f"alice--{name}" for name in set(names) - listed} <= set(paged_in_meanwhile)
     assert pool_scripts(cf_client) == []
     assert [s.id for s in cf_client.script_list()] == ["sigil-dispatcher"]
     namespace = sorted(s.id for s in cf_client.namespace_script_list("sigil"))
