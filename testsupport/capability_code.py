@@ -10,3 +10,8 @@ ECHO = """export default { async fetch(request) {
     headers: Object.fromEntries(request.headers), body: await request.text(),
   }, { status: 207, headers: { 'x-echo': 'yes', 'set-cookie': 'a=b' } });
 } }"""
+
+
+def answering(text: str) -> str:
+    """Code whose every call answers `text` (a quote-free word)."""
+    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"

@@ -117,3 +117,12 @@ def flush_stats_when_recorded(**expected_calls: int) -> None:
             message=f"{calls} calls of {full}",
         )
     tasks.capability_flush_stats()
+
+
+def deploy_answering(agent, name: str | None, text: str, **body) -> dict:
+    """Deploy, as `agent`, code that answers `text`; the deploy must succeed."""
+    from testsupport.capability_code import answering
+
+    response = agent.deploy(name=name, code=answering(text), **body)
+    assert response.status_code in (200, 201), response.text
+    return response.json()

@@ -7,11 +7,8 @@ from django.test import Client
 from agents.models import AuditEvent
 from capabilities import bindings, services
 from capabilities.models import Binding, Capability
+from testsupport.capability_code import answering as code
 from testsupport.cast import grant, wait_for
-
-
-def code(text: str) -> str:
-    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"
 
 
 @pytest.fixture

@@ -6,11 +6,8 @@ from capabilities.models import Capability
 from sigil_site.beat import LAST_RUN_KEY
 from sigil_site.redis_client import get_redis
 from testsupport.browser import screenshot
+from testsupport.capability_code import answering as code
 from testsupport.cast import flush_stats_when_recorded, wait_for
-
-
-def code(text: str) -> str:
-    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"
 
 
 def run_action(page, base_url: str, capability: Capability, action: str) -> None:

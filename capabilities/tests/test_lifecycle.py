@@ -11,16 +11,13 @@ from django.utils import timezone
 from agents.models import Agent, AuditEvent
 from capabilities import services
 from capabilities.models import Capability
+from testsupport.capability_code import answering as code
 from testsupport.cast import flush_stats_when_recorded, wait_for
 
 FLAKY = """export default { async fetch(request) {
   if (new URL(request.url).searchParams.has('fail')) return new Response('broken', { status: 500 });
   return new Response('fine');
 } }"""
-
-
-def code(text: str) -> str:
-    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"
 
 
 def subscribe(agent_name: str, url: str, secret: str = "shared-with-the-agent") -> str:

@@ -7,10 +7,7 @@ from capabilities import breaker, services
 from capabilities.models import Capability
 from sigil_site.errors import NotFound
 from sigil_site.redis_client import get_redis
-
-
-def code(text: str) -> str:
-    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"
+from testsupport.capability_code import answering as code
 
 
 def test_rollback_deploys_the_old_code_as_a_new_version_and_serves_it(alice):

@@ -11,11 +11,9 @@ from capabilities import pager, routes, services
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
 from sigil_site.redis_client import get_redis
+from testsupport.capability_code import answering as code
+from testsupport.cast import deploy_answering as deploy
 from testsupport.cast import wait_for
-
-
-def code(text: str) -> str:
-    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"
 
 
 @pytest.fixture
@@ -23,12 +21,6 @@ def capped(settings):
     settings.SIGIL_LOCAL_SLOTS = 3
     settings.SIGIL_POOL_SAFETY_MARGIN = 2
     return settings
-
-
-def deploy(agent, name, text, **body):
-    response = agent.deploy(name=name, code=code(text), **body)
-    assert response.status_code in (200, 201), response.text
-    return response.json()
 
 
 def state(full):

@@ -20,21 +20,13 @@ from capabilities.models import Capability
 from capabilities.runtimes import get_runtime, runtimes_forget
 from capabilities.tasks import PAGE_OUT_RECHECK_SECONDS, RuntimeTask
 from sigil_site.redis_client import get_redis
+from testsupport.capability_code import answering as code
+from testsupport.cast import deploy_answering as deploy
 from testsupport.cast import wait_for
 
 SCRIPT_PATH = re.compile(r".*/workers/scripts/(s-[a-z0-9]+)$")
 # Code that does not start: the emulator refuses it at upload, as Cloudflare does.
 CODE_THAT_DOES_NOT_START = "throw new Error('broken at start'); export default {}"
-
-
-def code(text: str) -> str:
-    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"
-
-
-def deploy(agent, name, text, **body):
-    response = agent.deploy(name=name, code=code(text), **body)
-    assert response.status_code in (200, 201), response.text
-    return response.json()
 
 
 def state(full):

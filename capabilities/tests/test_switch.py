@@ -12,11 +12,8 @@ from agents.models import AuditEvent
 from capabilities.models import Binding, Capability
 from capabilities.runtimes import get_runtime, runtimes_forget
 from capabilities.switch import backend_switch
+from testsupport.capability_code import answering as code
 from testsupport.cast import grant, wait_for
-
-
-def code(text):
-    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"
 
 
 class Callers:

@@ -15,17 +15,9 @@ from agents.models import AuditEvent
 from capabilities import names, services
 from capabilities.models import Capability
 from capabilities.runtimes import runtimes_forget
+from testsupport.capability_code import answering as code
+from testsupport.cast import deploy_answering as deploy
 from testsupport.cast import wait_for
-
-
-def code(text: str) -> str:
-    return f"export default {{ async fetch() {{ return new Response('{text}') }} }}"
-
-
-def deploy(agent, name, text, **body):
-    response = agent.deploy(name=name, code=code(text), **body)
-    assert response.status_code in (200, 201), response.text
-    return response.json()
 
 
 @pytest.fixture
