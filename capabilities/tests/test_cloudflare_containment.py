@@ -64,11 +64,22 @@ def incident(alice, bob, *, runaway_calls: int = 3, code: str = SPIN):
 
 
 def assert_contained(
-    stopped, others, redis_client, *, status: int, code: str, message: str, within: float = STOPPED_WITHIN_SECONDS
+    stopped,
+    others,
+    redis_client,
+    *,
+    status: int,
+    code: str,
+    message: str,
+    within: float = STOPPED_WITHIN_SECONDS,
+    or_answer: tuple[int, str, str] | None = None,
 ) -> None:
+    """The runaway's calls got the answer (or `or_answer`, when either limit may be met
+    first), and nobody else noticed."""
+    answers = {(status, code, message)} | ({or_answer} if or_answer else set())
     for response, took in stopped:
-        assert response.status_code == status
-        assert response.json()["error"] == {"code": code, "message": message}
+        error = response.json()["error"]
+        assert (response.status_code, error["code"], error["message"]) in answers
         assert took < within
     # Every call of the other agent succeeded, during the incident and after it.
     assert len(others) > 6
@@ -127,7 +138,7 @@ def test_a_runaway_capability_on_the_worker_pool_runtime_is_stopped_by_cloudflar
 
 @pytest.mark.slow
 def test_a_capability_allocating_without_bound_on_the_platform_runtime_is_stopped_unnoticed(
-    platform, alice, bob, redis_client
+    platform, alice, bob, redis_client, settings
 ):
     stopped, others = incident(alice, bob, runaway_calls=1, code=HOG)
     assert_contained(
@@ -138,6 +149,8 @@ def test_a_capability_allocating_without_bound_on_the_platform_runtime_is_stoppe
         code="capability_error",
         # The dispatch binding's exception, as Sigil's dispatch Worker passes on any other.
         message="alice--spin threw: Error: Worker exceeded memory limit.",
+        # Filling memory is CPU work too: on a slow machine its CPU limit may be met first.
+        or_answer=(504, "timeout", f"alice--spin ran past its CPU limit of {settings.SIGIL_CPU_MS} ms and was stopped"),
         within=15,  # the emulator's 512 MB per script process fill at the loaded machine's pace
     )
     assert wait_healthy(alice.base_url)["checks"]["runtime"] == "ok"
