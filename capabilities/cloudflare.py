@@ -776,7 +776,13 @@ def _plan_message(path: str, detail: str, code: int | None) -> str:
 
 
 def _segment(value: str) -> str:
-    """One URL path segment, percent-encoded (KV keys may hold `/`, `?` and the like)."""
+    """One URL path segment, percent-encoded (KV keys may hold `/`, `?` and the like).
+
+    Raises CloudflareRejected, sending nothing, when empty: `.../scripts/` would address the
+    whole collection (a name misread from a listing must never become a delete of everything).
+    """
+    if not value:
+        raise CloudflareRejected("an empty name in a Cloudflare API path; nothing was sent")
     return quote(value, safe="")
 
 

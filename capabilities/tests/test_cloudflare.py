@@ -342,6 +342,14 @@ def test_dispatch_namespace_scripts_round_trip(cf_client, cf_emulator_fresh):
         cf_client.namespace_get("sigil-ns")
 
 
+def test_an_empty_name_never_reaches_cloudflare(cf_client, cf_emulator_fresh):
+    with pytest.raises(CloudflareRejected, match="empty name"):
+        cf_client.namespace_script_delete("sigil-ns", "")
+    with pytest.raises(CloudflareRejected, match="empty name"):
+        cf_client.script_delete("")
+    assert cf_emulator_fresh.api_calls() == []
+
+
 @pytest.mark.parametrize("code", [10007, 10090])
 def test_a_missing_namespace_is_not_found_whatever_its_code(cf_client, cf_emulator_fresh, code):
     # No public source gives Cloudflare's code for a missing dispatch namespace: a 404 is read
