@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 # Cloudflare's error codes (reference §7.1) that the client treats specially.
 CODE_RATE_LIMITED = 971
+CODE_NO_ROUTE = 7000
+CODE_BAD_ROUTE = 7003
 CODE_AUTHENTICATION = 10000
 CODE_INTERNAL = 10002
 CODE_NOT_FOUND = 10007
@@ -48,9 +50,20 @@ CODE_UNAUTHORIZED = 10023
 CODE_SCRIPT_TOO_LARGE = 10027
 CODE_CONCURRENT_CHANGE = 10035
 CODE_TOO_MANY_SCRIPTS = 10037
+CODE_NOT_ENTITLED = 10015
+CODE_VALIDATION = 10021
+CODE_KV_BINDING_INVALID = 10042
+CODE_PAID_PLAN_REQUIRED = 10075
+CODE_LOADER_PAID_PLAN = 10195
 
 _NOT_FOUND_CODES = frozenset({CODE_NOT_FOUND, CODE_KV_KEY_NOT_FOUND, CODE_KV_NAMESPACE_NOT_FOUND})
 _AUTH_CODES = frozenset({CODE_AUTHENTICATION, CODE_UNAUTHORIZED})
+# A 404 means "not found" whatever its code (the code of a missing dispatch namespace is in no
+# public source), except these: no route for the URL, i.e. a wrong account id or API base.
+_ROUTE_CODES = frozenset({CODE_NO_ROUTE, CODE_BAD_ROUTE})
+# The account's plan lacks a feature: Workers Paid (10075), Dynamic Workers (10195, observed),
+# or an entitlement such as Workers for Platforms (10015; its real code is in no source).
+_PLAN_CODES = frozenset({CODE_NOT_ENTITLED, CODE_PAID_PLAN_REQUIRED, CODE_LOADER_PAID_PLAN})
 # 10035: "multiple attempts to modify a resource at the same time"; waiting resolves it.
 _TRANSIENT_CODES = frozenset({CODE_INTERNAL, CODE_CONCURRENT_CHANGE})
 # Statuses worth another attempt, as Cloudflare's own SDK decides (reference §0), less 409:
@@ -111,7 +124,13 @@ class CloudflareRejected(CloudflareError, RuntimeRejected):
 
 
 class CloudflareNotFound(CloudflareRejected):
-    """The script, subdomain, namespace or KV key does not exist (10007, 10009, 10013)."""
+    """The script, subdomain, namespace or KV key does not exist (any 404 but a bad route,
+    and 10007, 10009, 10013 whatever the status)."""
+
+
+class CloudflarePlanRequired(CloudflareRejected):
+    """The account's plan lacks what the call needs: the Workers Paid plan for a Worker
+    Loader binding, or the Workers for Platforms subscription for dispatch namespaces."""
 
 
 class CloudflareAuthFailure(CloudflareRejected):
@@ -140,11 +159,15 @@ class ScriptInfo:
 
     @classmethod
     def from_result(cls, result: Mapping[str, Any]) -> ScriptInfo:
+        """Read an account script, or a namespace script, whose name Cloudflare's schema nests
+        in `script.id` (a flat `id` is read too, as one third-party client expects it)."""
+        nested = result.get("script")
+        script = nested if isinstance(nested, Mapping) else result
         return cls(
-            id=str(result.get("id", "")),
-            etag=str(result.get("etag") or ""),
-            created_on=str(result.get("created_on") or ""),
-            modified_on=str(result.get("modified_on") or ""),
+            id=str(script.get("id") or ""),
+            etag=str(script.get("etag") or ""),
+            created_on=str(result.get("created_on") or script.get("created_on") or ""),
+            modified_on=str(result.get("modified_on") or script.get("modified_on") or ""),
         )
 
 
@@ -273,7 +296,7 @@ class CloudflareClient:
         account_id: str,
         api_token: str,
         redis: redis.Redis,
-        rate_limit: int = 1200,
+        rate_limit: int = 1000,
         rate_window_seconds: float = 300.0,
         max_rate_wait_seconds: float = 30.0,
         max_retries: int = 4,
@@ -597,10 +620,11 @@ class CloudflareClient:
                 raise error
             delay = self._backoff(attempt)
             if isinstance(error, CloudflareRateLimited) and error.retry_after is not None:
+                # Cloudflare locks the whole token out: every process waits, not only this one,
+                # even when this call gives up rather than wait that long itself.
+                self.budget.pause(error.retry_after)
                 if error.retry_after > self.budget.max_wait_seconds:
                     raise error
-                # Cloudflare locks the whole token out: every process waits, not only this one.
-                self.budget.pause(error.retry_after)
                 delay = 0.0
             attempt += 1
             logger.warning(
@@ -664,7 +688,15 @@ class CloudflareClient:
             return CloudflareScriptTooLarge(message, **kwargs)
         if code == CODE_TOO_MANY_SCRIPTS:
             return CloudflareSlotsExhausted(message, **kwargs)
-        if code in _NOT_FOUND_CODES:
+        if code in _PLAN_CODES or (code == CODE_VALIDATION and "of type worker_loader is invalid" in detail):
+            return CloudflarePlanRequired(self._redact(where + _plan_message(path, detail, code)), **kwargs)
+        if code == CODE_KV_BINDING_INVALID:
+            return CloudflareRejected(
+                self._redact(f"{where}a KV binding names a KV namespace the account lacks (code {code}: {detail})"),
+                **kwargs,
+            )
+        # A 404 without Cloudflare's envelope comes from something else (a proxy, a wrong API base).
+        if code in _NOT_FOUND_CODES or (status == 404 and code not in _ROUTE_CODES and isinstance(envelope, dict)):
             return CloudflareNotFound(message, **kwargs)
         if code in _TRANSIENT_CODES or status >= 500 or status in _RETRY_STATUSES:
             return CloudflareUnavailable(message, **kwargs)
@@ -732,8 +764,25 @@ def upload_parts(
     return parts
 
 
+def _plan_message(path: str, detail: str, code: int | None) -> str:
+    """Plain words for a plan refusal, with Cloudflare's own answer after them."""
+    if "/workers/dispatch/" in path:
+        need = "dispatch namespaces need a Workers for Platforms subscription on the account"
+    elif "worker_loader" in detail or code == CODE_LOADER_PAID_PLAN:
+        need = "a Worker Loader binding (the loader runtime) needs the Workers Paid plan"
+    else:
+        need = "the account's plan does not include this feature"
+    return f"{need} (Cloudflare answered code {code}: {detail})"
+
+
 def _segment(value: str) -> str:
-    """One URL path segment, percent-encoded (KV keys may hold `/`, `?` and the like)."""
+    """One URL path segment, percent-encoded (KV keys may hold `/`, `?` and the like).
+
+    Raises CloudflareRejected, sending nothing, when empty: `.../scripts/` would address the
+    whole collection (a name misread from a listing must never become a delete of everything).
+    """
+    if not value:
+        raise CloudflareRejected("an empty name in a Cloudflare API path; nothing was sent")
     return quote(value, safe="")
 
 

@@ -55,6 +55,7 @@ _LOG_SIZE = 10_000
 # Bodies above this are refused before they are read (Cloudflare's request limit).
 MAX_BODY_BYTES = 100 * 1024 * 1024
 _KV_MIN_TTL_SECONDS = 60
+PLANS = frozenset({"free", "paid"})
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,13 @@ class EmulatorConfig:
     default_cpu_ms: int = DEFAULT_CPU_MS
     # CPU ms a call may use past its limit before it is stopped (see cfemulator.cpumeter).
     cpu_grace_ms: int = 100
+    # The account's plan: "paid" (Workers Paid) or "free". Dynamic Worker Loader needs Paid.
+    plan: str = "paid"
+    # Whether the account subscribes to Workers for Platforms (dispatch namespaces).
+    workers_for_platforms: bool = True
+    # The code of the 404 for a missing dispatch namespace. No public source gives the real
+    # one, so tests run the client against 10007 and against another code.
+    namespace_not_found_code: int = 10007
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -93,7 +101,7 @@ class EmulatorConfig:
         for key, value in changes.items():
             if key == "rate_limit":
                 values["rate_limit"], values["rate_window"] = parse_rate_limit(str(value))
-            elif key in ("script_limit", "fail_next", "script_max_bytes", "cpu_grace_ms"):
+            elif key in ("script_limit", "fail_next", "script_max_bytes", "cpu_grace_ms", "namespace_not_found_code"):
                 if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                     raise ValueError(f"{key} must be a whole number, at least 0")
                 values[key] = value
@@ -110,6 +118,14 @@ class EmulatorConfig:
             elif key == "fault_seed":
                 if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                     raise ValueError("fault_seed must be a whole number or null")
+                values[key] = value
+            elif key == "plan":
+                if value not in PLANS:
+                    raise ValueError(f"plan is one of {sorted(PLANS)}")
+                values[key] = value
+            elif key == "workers_for_platforms":
+                if not isinstance(value, bool):
+                    raise ValueError("workers_for_platforms is true or false")
                 values[key] = value
             elif key == "subdomain":
                 if not isinstance(value, str) or (value and not re.fullmatch(_LABEL, value)):
@@ -516,6 +532,10 @@ class CloudflareApi:
         params = {key: unquote(value) for key, value in match.groupdict().items()}
         if params.pop("account") != self.account_id:
             raise ApiError(400, 7003, f"Could not route to {request.path}, perhaps your object identifier is invalid?")
+        if "/workers/dispatch/" in path and not self._config.workers_for_platforms:
+            # No public source gives Cloudflare's answer here; 403 with 10015 ("not entitled")
+            # is the closest documented code, and the client reads both (README, plan checks).
+            raise ApiError(403, 10015, "This account is not entitled to Workers for Platforms (dispatch namespaces).")
         if request.method == "PUT" and "script" in params and not path.endswith("/tags"):
             # Parsing (and compressing) a large upload must not hold the account lock.
             params["upload"] = parse_upload(
@@ -664,8 +684,8 @@ class CloudflareApi:
         if not isinstance(name, str) or not name or "/" in name:
             raise ApiError(400, 10021, "name is required")
         if name in self.namespaces:
-            # No source gives this code; it mirrors KV's duplicate-title answer (10014).
-            raise ApiError(409, 10014, f"a dispatch namespace named {name!r} already exists")
+            # Cloudflare answers 400; no source gives the code, so this keeps KV's (10014).
+            raise ApiError(400, 10014, f"a dispatch namespace named {name!r} already exists")
         stamp = _now()
         self.namespaces[name] = DispatchNamespace(id=str(uuid.uuid4()), name=name, created_on=stamp, modified_on=stamp)
         return _ok(self._namespace_json(self.namespaces[name]))
@@ -687,7 +707,7 @@ class CloudflareApi:
         offset = _int_arg(request, "cursor", 0)
         page = matching[offset : offset + limit]
         cursor = str(offset + limit) if offset + limit < len(matching) else ""
-        items = [{**s.to_json(), "tags": s.upload.tags} for s in page]
+        items = [_ns_script_json(namespace, s) for s in page]
         return _ok(items, result_info={"count": len(items), "cursor": cursor})
 
     def _ns_script_bulk_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
@@ -713,15 +733,7 @@ class CloudflareApi:
 
     def _ns_script_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
         namespace = self._namespace(params["namespace"])
-        script = self._ns_script(namespace, params["script"])
-        return _ok(
-            {
-                "created_on": script.created_on,
-                "modified_on": script.modified_on,
-                "dispatch_namespace": namespace.name,
-                "script": script.to_json(),
-            }
-        )
+        return _ok(_ns_script_json(namespace, self._ns_script(namespace, params["script"])))
 
     def _ns_script_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
         namespace = self._namespace(params["namespace"])
@@ -746,7 +758,7 @@ class CloudflareApi:
     def _namespace(self, name: str) -> DispatchNamespace:
         namespace = self.namespaces.get(name)
         if namespace is None:
-            raise ApiError(404, 10007, f"dispatch namespace {name!r} not found")
+            raise ApiError(404, self._config.namespace_not_found_code, f"dispatch namespace {name!r} not found")
         return namespace
 
     @staticmethod
@@ -873,12 +885,15 @@ class CloudflareApi:
         return item
 
     def _check_binding_targets(self, upload: ScriptUpload) -> None:
-        """A KV or dispatch namespace binding must name a namespace of the account (10021,
-        the reference's code for an invalid binding)."""
+        """A KV binding must name a KV namespace of the account (10042), a dispatch namespace
+        binding a dispatch namespace (10021), and a Worker Loader needs the Paid plan (10021,
+        with the text a free account gets)."""
         for binding in upload.bindings:
             kind = binding["type"]
+            if kind == "worker_loader" and self._config.plan != "paid":
+                raise ApiError(400, 10021, f"binding {binding['name']} of type {kind} is invalid")
             if kind == "kv_namespace" and binding["namespace_id"] not in self.kv_namespaces:
-                raise ApiError(400, 10021, f"binding {binding['name']} of type {kind} is invalid: no such KV namespace")
+                raise ApiError(400, 10042, f"KV namespace '{binding['namespace_id']}' is not valid.")
             if kind == "dispatch_namespace" and binding["namespace"] not in self.namespaces:
                 raise ApiError(
                     400, 10021, f"binding {binding['name']} of type {kind} is invalid: no such dispatch namespace"
@@ -954,6 +969,17 @@ def _upload_result(script: Script) -> dict[str, Any]:
         "startup_time_ms": 0,
         "compatibility_date": script.upload.compatibility_date,
         "compatibility_flags": script.upload.compatibility_flags,
+    }
+
+
+def _ns_script_json(namespace: DispatchNamespace, script: Script) -> dict[str, Any]:
+    """A namespace script as Cloudflare lists and shows it: the name nests in `script.id`
+    (`namespace-worker-list-scripts` in cloudflare/api-schemas)."""
+    return {
+        "created_on": script.created_on,
+        "modified_on": script.modified_on,
+        "dispatch_namespace": namespace.name,
+        "script": {**script.to_json(), "tags": script.upload.tags},
     }
 
 

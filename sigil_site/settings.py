@@ -384,9 +384,10 @@ SIGIL_PLACEMENT_LOCK_SECONDS = env_int("SIGIL_PLACEMENT_LOCK_SECONDS", 180)
 CF_API_BASE = env_str("CF_API_BASE", "https://api.cloudflare.com/client/v4")
 CF_ACCOUNT_ID = env_str("CF_ACCOUNT_ID", "")
 CF_API_TOKEN = env_secret("CF_API_TOKEN")
-# Cloudflare allows 1200 API requests per 5 minutes per token; every Sigil process draws on
-# one budget kept in Redis, so a burst queues instead of tripping a 5-minute lockout.
-SIGIL_CF_RATE_LIMIT = env_int("SIGIL_CF_RATE_LIMIT", 1200)
+# Cloudflare allows 1200 API requests per 5 minutes per user, shared with the dashboard and other
+# tools; every Sigil process draws on one budget kept in Redis (1000, leaving them 200), so a
+# burst queues instead of tripping a 5-minute lockout.
+SIGIL_CF_RATE_LIMIT = env_int("SIGIL_CF_RATE_LIMIT", 1000)
 SIGIL_CF_RATE_WINDOW_SECONDS = env_float("SIGIL_CF_RATE_WINDOW_SECONDS", 300.0)
 # How long a call may wait for room in that budget before it fails as rate limited.
 SIGIL_CF_MAX_RATE_WAIT_SECONDS = env_float("SIGIL_CF_MAX_RATE_WAIT_SECONDS", 30.0)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +16,7 @@ from capabilities.cloudflare import (
     CloudflareAuthFailure,
     CloudflareClient,
     CloudflareNotFound,
+    CloudflarePlanRequired,
     CloudflareRateLimited,
     CloudflareRejected,
     CloudflareScriptTooLarge,
@@ -217,6 +220,61 @@ def test_retry_after_beyond_the_allowed_wait_is_raised_as_rate_limited(cf_emulat
     assert isinstance(limited.value, RuntimeUnavailable)
 
 
+# A second process: the one thing it shares with the test is Redis. It calls once, allowed to
+# wait up to 20 s for room, and prints how long it waited before its call was answered.
+OTHER_PROCESS = """
+import sys, time, redis
+from capabilities.cloudflare import CloudflareClient
+base, account, token, redis_url = sys.argv[1:5]
+client = CloudflareClient(base_url=base, account_id=account, api_token=token,
+                          redis=redis.Redis.from_url(redis_url), max_rate_wait_seconds=20.0)
+started = time.monotonic()
+client.script_list()
+print(time.monotonic() - started)
+"""
+
+
+def test_a_lockout_longer_than_the_allowed_wait_still_pauses_every_process(cf_emulator_fresh, redis_client, settings):
+    # Cloudflare's lockout (Retry-After: 3 here, 300 s on a real account) is longer than this
+    # client may wait: it gives up, but first pauses the shared budget, so another process
+    # waits the lockout out instead of calling into it.
+    client = make_client(cf_emulator_fresh, redis_client, max_rate_wait_seconds=0.5)
+    cf_emulator_fresh.configure(rate_limit="1/3")
+    client.script_list()
+    with pytest.raises(CloudflareRateLimited):
+        client.script_list()
+    assert 2000 < redis_client.pttl(client.budget.pause_key) <= 3000
+    emulator = cf_emulator_fresh
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            OTHER_PROCESS,
+            emulator.api_base,
+            emulator.account_id,
+            emulator.token,
+            settings.REDIS_URL,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    statuses = [call["status"] for call in cf_emulator_fresh.api_calls()]
+    assert statuses == [200, 429, 200]  # the other process never called into the lockout
+    assert float(other.stdout) > 1.0  # it waited (most of the 3 s; its start-up took the rest)
+
+
+def test_the_default_budget_leaves_cloudflares_limit_a_margin(cf_emulator_fresh, redis_client):
+    client = CloudflareClient(
+        base_url=cf_emulator_fresh.api_base,
+        account_id=cf_emulator_fresh.account_id,
+        api_token=cf_emulator_fresh.token,
+        redis=redis_client,
+    )
+    assert client.budget.limit < 1200 and client.budget.window_ms == 300_000
+
+
 # --- the shared rate budget --------------------------------------------------------------------------
 
 
@@ -282,6 +340,70 @@ def test_dispatch_namespace_scripts_round_trip(cf_client, cf_emulator_fresh):
     cf_client.namespace_delete("sigil-ns")
     with pytest.raises(CloudflareNotFound):
         cf_client.namespace_get("sigil-ns")
+
+
+def test_an_empty_name_never_reaches_cloudflare(cf_client, cf_emulator_fresh):
+    with pytest.raises(CloudflareRejected, match="empty name"):
+        cf_client.namespace_script_delete("sigil-ns", "")
+    with pytest.raises(CloudflareRejected, match="empty name"):
+        cf_client.script_delete("")
+    assert cf_emulator_fresh.api_calls() == []
+
+
+@pytest.mark.parametrize("code", [10007, 10090])
+def test_a_missing_namespace_is_not_found_whatever_its_code(cf_client, cf_emulator_fresh, code):
+    # No public source gives Cloudflare's code for a missing dispatch namespace: a 404 is read
+    # as not found with 10007 and with any other code.
+    cf_emulator_fresh.configure(namespace_not_found_code=code)
+    with pytest.raises(CloudflareNotFound) as missing:
+        cf_client.namespace_get("sigil-absent")
+    assert (missing.value.status, missing.value.code) == (404, code)
+    with pytest.raises(CloudflareNotFound):
+        cf_client.namespace_script_list("sigil-absent")
+
+
+def test_a_404_for_a_wrong_route_is_not_read_as_not_found(cf_emulator_fresh, redis_client):
+    # 7003 "No route for the URI" says the API base (or account) is wrong, not that a thing is missing.
+    client = make_client(cf_emulator_fresh, redis_client, base_url=cf_emulator_fresh.api_base + "/v0")
+    with pytest.raises(CloudflareRejected) as wrong:
+        client.namespace_get("sigil")
+    assert wrong.value.status == 404 and wrong.value.code == 7003
+    assert not isinstance(wrong.value, CloudflareNotFound)
+
+
+def test_a_duplicate_namespace_is_rejected_with_400(cf_client):
+    cf_client.namespace_create("sigil-ns")
+    with pytest.raises(CloudflareRejected) as duplicate:
+        cf_client.namespace_create("sigil-ns")
+    assert duplicate.value.status == 400 and not isinstance(duplicate.value, CloudflareNotFound)
+
+
+def test_a_kv_binding_to_a_missing_namespace_is_10042_in_plain_words(cf_client):
+    with pytest.raises(CloudflareRejected) as refused:
+        upload(cf_client, "reads-kv", bindings=[{"type": "kv_namespace", "name": "STORE", "namespace_id": "0" * 32}])
+    assert refused.value.code == 10042
+    assert "KV binding names a KV namespace the account lacks" in str(refused.value)
+
+
+def test_a_free_account_refuses_a_worker_loader_binding_as_a_plan_error(cf_client, cf_emulator_fresh):
+    cf_emulator_fresh.configure(plan="free")
+    with pytest.raises(CloudflarePlanRequired) as refused:
+        upload(cf_client, "loads", bindings=[{"type": "worker_loader", "name": "LOADER"}])
+    assert refused.value.code == 10021 and isinstance(refused.value, RuntimeRejected)
+    assert "needs the Workers Paid plan" in str(refused.value)
+    assert "binding LOADER of type worker_loader is invalid" in str(refused.value)
+    # Any other validation failure stays a plain rejection.
+    with pytest.raises(CloudflareRejected) as invalid:
+        upload(cf_client, "broken", bindings=[{"type": "teleporter", "name": "T"}])
+    assert not isinstance(invalid.value, CloudflarePlanRequired)
+
+
+def test_an_account_without_workers_for_platforms_is_a_plan_error(cf_client, cf_emulator_fresh):
+    cf_emulator_fresh.configure(workers_for_platforms=False)
+    with pytest.raises(CloudflarePlanRequired) as refused:
+        cf_client.namespace_get("sigil")
+    assert "need a Workers for Platforms subscription" in str(refused.value)
+    assert not isinstance(refused.value, CloudflareNotFound)  # provisioning must not try to create it
 
 
 def test_kv_values_round_trip(cf_client):

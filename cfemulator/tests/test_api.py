@@ -351,13 +351,16 @@ def test_dispatch_namespace_holds_uncapped_scripts_filtered_by_tag(api, cf_emula
     created = api.call("POST", "/workers/dispatch/namespaces", json={"name": "sigil-test"}).json()["result"]
     assert created["namespace_name"] == "sigil-test" and created["script_count"] == 0
     duplicate = api.call("POST", "/workers/dispatch/namespaces", json={"name": "sigil-test"})
-    assert duplicate.status_code == 409
+    assert duplicate.status_code == 400  # as Cloudflare answers, not 409
     for i, tag in enumerate(["blue", "blue", "red"]):
         response = api.upload(f"user-{i}", namespace="sigil-test", metadata={"tags": [tag]})
         assert response.status_code == 200
     assert api.call("GET", "/workers/dispatch/namespaces/sigil-test").json()["result"]["script_count"] == 3
     blue = api.call("GET", "/workers/dispatch/namespaces/sigil-test/scripts", params={"tags": "blue:yes"})
-    assert sorted(s["id"] for s in blue.json()["result"]) == ["user-0", "user-1"]
+    # Cloudflare's schema nests each name in `script.id`, beside the namespace and the dates.
+    listed = blue.json()["result"]
+    assert sorted(s["script"]["id"] for s in listed) == ["user-0", "user-1"]
+    assert all("id" not in s and s["dispatch_namespace"] == "sigil-test" and s["created_on"] for s in listed)
     detail = api.call("GET", "/workers/dispatch/namespaces/sigil-test/scripts/user-2").json()["result"]
     assert detail["dispatch_namespace"] == "sigil-test" and detail["script"]["id"] == "user-2"
 
@@ -365,11 +368,27 @@ def test_dispatch_namespace_holds_uncapped_scripts_filtered_by_tag(api, cf_emula
     assert served.text == "hello /x"
     assert api.call("DELETE", "/workers/dispatch/namespaces/sigil-test/scripts", params={"tags": "blue:yes"}).ok
     remaining = api.call("GET", "/workers/dispatch/namespaces/sigil-test/scripts").json()["result"]
-    assert [s["id"] for s in remaining] == ["user-2"]
+    assert [s["script"]["id"] for s in remaining] == ["user-2"]
     assert api.call("DELETE", "/workers/dispatch/namespaces/sigil-test").ok
     gone = api.call("GET", "/workers/dispatch/namespaces/sigil-test")
     assert (gone.status_code, first_error(gone)) == (404, 10007)
     assert cf_emulator_fresh.worker_request(cf_emulator_fresh.dispatch_host("sigil-test", "user-2")).status_code == 404
+
+
+def test_a_free_account_refuses_worker_loader_bindings_as_cloudflare_does(api, cf_emulator_fresh):
+    cf_emulator_fresh.configure(plan="free")
+    refused = api.upload("loads", metadata={"bindings": [{"type": "worker_loader", "name": "LOADER"}]})
+    assert (refused.status_code, first_error(refused)) == (400, 10021)
+    assert refused.json()["errors"][0]["message"] == "binding LOADER of type worker_loader is invalid"
+    assert api.upload("plain").status_code == 200  # everything else still deploys
+
+
+def test_an_account_without_workers_for_platforms_refuses_dispatch_namespaces(api, cf_emulator_fresh):
+    cf_emulator_fresh.configure(workers_for_platforms=False)
+    for method, path in [("GET", ""), ("POST", ""), ("GET", "/sigil"), ("GET", "/sigil/scripts")]:
+        refused = api.call(method, f"/workers/dispatch/namespaces{path}", json={"name": "sigil"})
+        assert (refused.status_code, first_error(refused)) == (403, 10015)
+    assert api.upload("plain").status_code == 200
 
 
 def test_kv_values_are_raw_bytes_with_envelopes_around_everything_else(api):

@@ -118,17 +118,20 @@ def test_a_reupload_runs_the_new_code(api, cf_emulator_fresh):
 
 
 @pytest.mark.parametrize(
-    "binding",
+    ("binding", "code"),
     [
-        {"type": "kv_namespace", "name": "STORE", "namespace_id": "0" * 32},
-        {"type": "dispatch_namespace", "name": "DISPATCHER", "namespace": "no-such"},
-        {"type": "kv_namespace", "name": "STORE"},
+        # Cloudflare's code for a KV binding to a namespace the account lacks.
+        ({"type": "kv_namespace", "name": "STORE", "namespace_id": "0" * 32}, 10042),
+        ({"type": "dispatch_namespace", "name": "DISPATCHER", "namespace": "no-such"}, 10021),
+        ({"type": "kv_namespace", "name": "STORE"}, 10021),
     ],
 )
-def test_a_binding_to_a_namespace_the_account_lacks_is_10021(api, binding):
+def test_a_binding_to_a_namespace_the_account_lacks_is_refused(api, binding, code):
     response = api.upload("broken", KV_WORKER, metadata={"bindings": [binding]})
-    assert (response.status_code, first_error(response)) == (400, 10021)
-    assert "is invalid" in response.json()["errors"][0]["message"]
+    assert (response.status_code, first_error(response)) == (400, code)
+    assert (
+        "invalid" in response.json()["errors"][0]["message"] or "not valid" in response.json()["errors"][0]["message"]
+    )
 
 
 def test_text_bindings_of_a_bound_script_stay_out_of_its_config_file(api, cf_emulator_fresh, settings):

@@ -36,6 +36,9 @@ def test_command_serves_with_its_options_and_stops_workerd_on_sigterm(tmp_path):
             "acc0",
             "--state-dir",
             str(tmp_path),
+            "--plan",
+            "free",
+            "--no-workers-for-platforms",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -53,13 +56,18 @@ def test_command_serves_with_its_options_and_stops_workerd_on_sigterm(tmp_path):
         # A Worker the loader host can serve: one with a fetch handler.
         worker = b"export default { fetch() { return new Response('ok') } }"
 
-        def upload(name: str) -> requests.Response:
+        def upload(name: str, metadata: str = meta) -> requests.Response:
             files = [
-                ("metadata", (None, meta)),
+                ("metadata", (None, metadata)),
                 ("w.js", ("w.js", worker, "application/javascript+module")),
             ]
             return requests.put(f"{base}/{name}", headers=auth, files=files, timeout=10)
 
+        loads = meta[:-1] + ', "bindings": [{"type": "worker_loader", "name": "LOADER"}]}'
+        refused = upload("loads", loads).json()["errors"][0]  # a free account
+        assert (refused["code"], refused["message"]) == (10021, "binding LOADER of type worker_loader is invalid")
+        namespaces = requests.get(base.replace("/scripts", "/dispatch/namespaces"), headers=auth, timeout=10)
+        assert namespaces.status_code == 403  # no Workers for Platforms subscription
         assert upload("first").status_code == 200
         assert upload("second").json()["errors"][0]["code"] == 10037
         assert port_is_open(workerd_port)

@@ -5,6 +5,7 @@ emulator's KV store."""
 import pytest
 import urllib3
 
+from capabilities.cloudflare import CloudflarePlanRequired
 from capabilities.runtimes.base import CodeBundle, ResolvedBinding, RuntimeRejected
 from capabilities.runtimes.loader import LoaderRuntime
 from capabilities.tests.runtimes.contract import HELLO, RuntimeContract, call
@@ -80,6 +81,12 @@ def test_the_loader_worker_refuses_calls_without_sigils_secret(runtime):
     headers = {"Host": route.host_header, "X-Sigil-Loader-Id": f"alice--guarded@{bundle.sha}"}
     response = urllib3.request("GET", route.base_url + "/", headers=headers)
     assert response.status == 403 and response.headers["x-sigil-error"] == "forbidden"
+
+
+def test_a_free_account_is_told_the_loader_needs_the_workers_paid_plan(runtime, cf_emulator_fresh):
+    cf_emulator_fresh.configure(plan="free")
+    with pytest.raises(CloudflarePlanRequired, match="needs the Workers Paid plan"):
+        runtime.provision()
 
 
 def test_provisioning_creates_the_kv_namespace_once_and_is_idempotent(runtime, cf_client, cf_emulator_fresh):

@@ -4,6 +4,7 @@
 import pytest
 import urllib3
 
+from capabilities.cloudflare import CloudflarePlanRequired
 from capabilities.runtimes.base import CodeBundle
 from capabilities.runtimes.platform import PlatformRuntime
 from capabilities.tests.runtimes.contract import HELLO, RuntimeContract, call
@@ -47,6 +48,21 @@ def test_provisioning_is_idempotent(runtime, cf_emulator_fresh):
     uploads = len(cf_emulator_fresh.api_calls(method="PUT"))
     assert runtime.provision() == []
     assert len(cf_emulator_fresh.api_calls(method="PUT")) == uploads
+
+
+def test_a_fresh_account_gets_its_namespace_whatever_code_says_it_is_missing(runtime, cf_emulator_fresh):
+    # No source gives the code of a missing namespace: provisioning reads any 404 as missing.
+    cf_emulator_fresh.configure(namespace_not_found_code=10090)
+    assert runtime.provision()[0] == "created the dispatch namespace sigil-test"
+    runtime.place(slot="alice--hello", bundle=CodeBundle.from_code(HELLO))
+    assert runtime.list_slots() == ["alice--hello"]  # the name Cloudflare nests in script.id
+
+
+def test_an_account_without_workers_for_platforms_is_told_so(runtime, cf_emulator_fresh):
+    cf_emulator_fresh.configure(workers_for_platforms=False)
+    with pytest.raises(CloudflarePlanRequired, match="Workers for Platforms subscription"):
+        runtime.provision()
+    assert cf_emulator_fresh.api_calls(method="POST") == []  # it did not try to create the namespace
 
 
 def test_a_missing_script_in_the_namespace_is_a_404_sigil_reads_as_a_miss(runtime):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import signal
 import threading
 from pathlib import Path
@@ -11,7 +12,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from capabilities.workerd import WorkerdMissing, free_port
-from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig, parse_rate_limit
+from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, PLANS, EmulatorConfig, parse_rate_limit
 from cfemulator.server import EmulatorServer
 
 
@@ -41,6 +42,18 @@ class Command(BaseCommand):
             help="CPU ms a call may use when its script sets no limit (Paid plan: 30000, Free: 10)",
         )
         parser.add_argument(
+            "--plan",
+            choices=sorted(PLANS),
+            default=defaults.plan,
+            help="the account's plan (free refuses worker_loader)",
+        )
+        parser.add_argument(
+            "--workers-for-platforms",
+            action=argparse.BooleanOptionalAction,
+            default=defaults.workers_for_platforms,
+            help="whether the account subscribes to Workers for Platforms (dispatch namespaces)",
+        )
+        parser.add_argument(
             "--token", default=settings.CF_API_TOKEN or DEV_TOKEN, help="the API token accepted (default CF_API_TOKEN)"
         )
         parser.add_argument(
@@ -65,6 +78,8 @@ class Command(BaseCommand):
                     "subdomain": options["subdomain"],
                     "default_cpu_ms": options["default_cpu_ms"],
                     "rate_limit": f"{limit}/{window:g}",
+                    "plan": options["plan"],
+                    "workers_for_platforms": options["workers_for_platforms"],
                 }
             )
         except ValueError as exc:
