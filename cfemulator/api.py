@@ -1,10 +1,10 @@
 """The emulated Cloudflare account and the REST endpoints Sigil uses, as the reference describes them.
 
-Covered: verifying the API token, Worker scripts (upload, delete, list, settings), the workers.dev subdomain (account
-and per script), Workers for Platforms dispatch namespaces and their scripts, Workers KV
-namespaces and values. With Cloudflare's envelope, error codes, script quota, size limit and
-rate limit (a 429 with code 971 locks the token out for the rest of the window), plus
-injected latency and faults. Anything else answers 7003, as an unknown route does.
+Covered: verifying the API token, Worker scripts (upload, delete, list, settings), the
+workers.dev subdomain (account and per script), Workers for Platforms dispatch namespaces and
+their scripts, Workers KV namespaces and values. With Cloudflare's envelope, error codes,
+script quota, size limit and rate limit (a 429 with code 971 locks the token out for the rest
+of the window), plus injected latency and faults. Anything else answers 7003, as an unknown route does.
 
 Uploaded bundles are written to `code_dir` as `{sha}.json` (the loader host's format, with
 secret_text values sealed for the emulator's workerd as Sigil seals its own), so each
