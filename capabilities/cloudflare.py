@@ -361,6 +361,19 @@ class CloudflareClient:
     def close(self) -> None:
         self._session.close()
 
+    # --- the API token ---------------------------------------------------------------------
+
+    def token_verify(self) -> dict[str, Any]:
+        """The token's own record (`id`, `status`: "active", "disabled" or "expired").
+
+        Asks as a user's token, then as an account's own token (`/accounts/{id}/tokens/verify`),
+        since Cloudflare has both kinds. Raises CloudflareAuthFailure when neither knows it.
+        """
+        try:
+            return self._request("GET", "/user/tokens/verify", on_account=False)
+        except CloudflareAuthFailure:
+            return self._request("GET", "/tokens/verify")
+
     # --- Worker scripts ------------------------------------------------------------------
 
     def script_upload(
@@ -579,13 +592,15 @@ class CloudflareClient:
         raw: bool = False,
         whole_envelope: bool = False,
         not_found_retries: int = 0,
+        on_account: bool = True,
     ) -> Any:
         """Send one API call, retrying what is transient; return the envelope's `result`.
 
+        `path` is under the account, or under the API's root when `on_account` is false.
         `raw` returns the body bytes of a successful answer (KV reads are not enveloped);
         `whole_envelope` returns the parsed envelope (for `result_info`).
         """
-        url = f"{self.base_url}/accounts/{_segment(self.account_id)}{path}"
+        url = f"{self.base_url}/accounts/{_segment(self.account_id)}{path}" if on_account else self.base_url + path
         attempt = 0
         while True:
             ticket = self.budget.acquire()

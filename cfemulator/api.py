@@ -1,10 +1,10 @@
 """The emulated Cloudflare account and the REST endpoints Sigil uses, as the reference describes them.
 
-Covered: Worker scripts (upload, delete, list, settings), the workers.dev subdomain (account
-and per script), Workers for Platforms dispatch namespaces and their scripts, Workers KV
-namespaces and values. With Cloudflare's envelope, error codes, script quota, size limit and
-rate limit (a 429 with code 971 locks the token out for the rest of the window), plus
-injected latency and faults. Anything else answers 7003, as an unknown route does.
+Covered: verifying the API token, Worker scripts (upload, delete, list, settings), the
+workers.dev subdomain (account and per script), Workers for Platforms dispatch namespaces and
+their scripts, Workers KV namespaces and values. With Cloudflare's envelope, error codes,
+script quota, size limit and rate limit (a 429 with code 971 locks the token out for the rest
+of the window), plus injected latency and faults. Anything else answers 7003, as an unknown route does.
 
 Uploaded bundles are written to `code_dir` as `{sha}.json` (the loader host's format, with
 secret_text values sealed for the emulator's workerd as Sigil seals its own), so each
@@ -16,6 +16,7 @@ this account.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
@@ -528,9 +529,11 @@ class CloudflareApi:
         else:
             raise ApiError(404, 7003)
         if not self._authorized(request.headers.get("authorization", "")):
+            if handler == self._token_verify:
+                raise ApiError(401, 1000, "Invalid API Token")
             raise ApiError(403, 10000)
         params = {key: unquote(value) for key, value in match.groupdict().items()}
-        if params.pop("account") != self.account_id:
+        if params.pop("account", self.account_id) != self.account_id:
             raise ApiError(400, 7003, f"Could not route to {request.path}, perhaps your object identifier is invalid?")
         if "/workers/dispatch/" in path and not self._config.workers_for_platforms:
             # No public source gives Cloudflare's answer here; 403 with 10015 ("not entitled")
@@ -574,6 +577,9 @@ class CloudflareApi:
         kv = account + r"/storage/kv/namespaces"
         kv_ns = kv + r"/(?P<kv>[^/]+)"
         table: list[tuple[str, str, Handler]] = [
+            # A user's token, then an account's own token (Cloudflare has both kinds).
+            ("GET", r"/user/tokens/verify", self._token_verify),
+            ("GET", account + r"/tokens/verify", self._token_verify),
             ("GET", scripts, self._script_list),
             ("PUT", script, self._script_upload),
             ("DELETE", script, self._script_delete),
@@ -605,6 +611,13 @@ class CloudflareApi:
             ("GET", kv_ns + "/keys", self._kv_keys),
         ]
         return [(method, re.compile(pattern), handler) for method, pattern, handler in table]
+
+    # --- API tokens ---------------------------------------------------------------------------
+
+    def _token_verify(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        # Cloudflare's answer for an active token; a bad one is 401/1000 (see _dispatch).
+        token_id = hashlib.sha256(self._token.encode()).hexdigest()[:32]
+        return _ok({"id": token_id, "status": "active"})
 
     # --- Worker scripts -----------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ import os
 import time
 
 from celery import Celery
-from celery.signals import task_failure, task_success
+from celery.signals import task_failure, task_success, worker_ready
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sigil_site.settings")
 
@@ -30,3 +30,12 @@ def _remember_failure(sender=None, task_id=None, exception=None, **kwargs) -> No
     # Celery's own log line of the traceback names too ("Task name[id] raised unexpected").
     error = exception if isinstance(exception, SigilError) else error_for_unexpected(exception, request_id=task_id)
     beat_record_run(task=sender.name, ok=False, at_epoch=time.time(), error=f"{error.code}: {error.message}")
+
+
+# A Celery worker places capabilities: it makes Sigil's own Worker ready as it starts, as the
+# web process does (sigil_site/wsgi.py), so a worker alone is enough on a fresh account.
+@worker_ready.connect
+def _runtime_ready(sender=None, **kwargs) -> None:
+    from capabilities.services import runtime_ready
+
+    runtime_ready(actor="system")

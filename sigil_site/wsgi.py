@@ -51,3 +51,10 @@ def buffer_chunked_body(environ) -> None:
 
 
 application = SigilApplication(django_application)
+
+from capabilities.services import runtime_ready  # noqa: E402
+
+# A web process serves capabilities: Sigil's own Worker (and its namespace) must exist before
+# the first call, not after a first deploy. Done while the server loads the application, so
+# it answers ready; a failure is logged and /_health reports it.
+runtime_ready(actor="system")

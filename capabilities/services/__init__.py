@@ -34,6 +34,7 @@ from capabilities.services.placement import (
     capability_release_slot,
     capability_shed_excess,
     runtime_provision,
+    runtime_ready,
 )
 from capabilities.services.registry import (
     DeployResult,
@@ -87,6 +88,7 @@ __all__ = [
     "capability_shed_excess",
     "capability_switch_backend",
     "runtime_provision",
+    "runtime_ready",
     "runtime_release_previous",
     "runtime_sweep_previous",
 ]

@@ -6,6 +6,7 @@ reconciling Sigil's records with what the runtime holds.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,11 +22,20 @@ from capabilities import bindings as binding_rules
 from capabilities import pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
-from capabilities.runtimes.base import CodeBundle, Runtime, RuntimeRejected, RuntimeUnavailable, ScriptTooLarge
+from capabilities.runtimes.base import (
+    CodeBundle,
+    Runtime,
+    RuntimeFailure,
+    RuntimeRejected,
+    RuntimeUnavailable,
+    ScriptTooLarge,
+)
 from capabilities.tasks import capability_clear_slot as capability_clear_slot_task
 from capabilities.tasks import capability_page_out as capability_page_out_task
 from sigil_site.errors import Conflict, InvalidRequest, NotFound, Timeout, TooLarge, UpstreamError
 from sigil_site.redis_client import get_redis
+
+logger = logging.getLogger(__name__)
 
 
 def placement_lock(full: str, *, blocking: bool, wait_seconds: float | None = None):
@@ -441,6 +451,23 @@ def runtime_provision(*, actor: str) -> list[str]:
     if done:
         audit_record(actor=actor, action="runtime.provisioned", subject=runtime.name, detail={"done": done})
     return done
+
+
+def runtime_ready(*, actor: str) -> list[str]:
+    """Make the current runtime ready to serve as a process starts (web, Celery worker): what
+    `runtime_provision` does, once per process (the runtime remembers it), with the deploy of
+    Sigil's own Worker made once across processes by its lock. So `/_health` is ok right after
+    a start without a separate `deployruntime`.
+
+    Never raises a runtime failure: a process must start even while Cloudflare is down or
+    misconfigured; the failure is logged, `/_health` reports it, and the first placement
+    provisions again. Returns what was done.
+    """
+    try:
+        return runtime_provision(actor=actor)
+    except RuntimeFailure as exc:
+        logger.warning("%s runtime not ready at start: %s", settings.SIGIL_BACKEND, exc)
+        return []
 
 
 def _same_runtime(runtime: Runtime) -> tuple[str, ...]:

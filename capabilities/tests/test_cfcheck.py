@@ -1,0 +1,92 @@
+"""`manage.py cfcheck` against the emulator: a good account, and accounts set up wrong."""
+
+import io
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from capabilities.services.cfcheck import LOADER_PROBE_SCRIPT
+
+
+def cfcheck(backend: str) -> tuple[str, bool]:
+    """The command's output, and whether it exited with success."""
+    out = io.StringIO()
+    try:
+        call_command("cfcheck", backend=backend, stdout=out)
+    except CommandError as exc:
+        return out.getvalue() + str(exc), False
+    return out.getvalue(), True
+
+
+def lines(output: str) -> dict[str, str]:
+    """topic -> its mark (ok, MISSING), from the command's output."""
+    found = {}
+    for line in output.splitlines():
+        mark, _, rest = line.partition(" ")
+        topic = rest.strip().partition(":")[0]
+        if mark in ("ok", "MISSING"):
+            found[topic] = mark
+    return found
+
+
+@pytest.mark.parametrize("backend", ["platform", "loader", "worker-pool"])
+def test_a_good_account_is_ready_for_each_runtime(backend, cf_settings, cf_emulator_fresh, redis_client):
+    output, ok = cfcheck(backend)
+    assert ok, output
+    assert lines(output) == {
+        "API token": "ok",
+        "account": "ok",
+        "workers.dev subdomain": "ok",
+        "plan": "ok",
+        "scripts": "ok",
+    }
+    assert f"{cf_emulator_fresh.subdomain}.workers.dev" in output
+    assert f"the {backend} runtime can work" in output
+
+
+def test_the_loader_check_removes_its_probe_worker(cf_settings, cf_emulator_fresh, redis_client):
+    output, ok = cfcheck("loader")
+    assert ok, output
+    probe = f"/workers/scripts/{LOADER_PROBE_SCRIPT}"
+    assert [call["status"] for call in cf_emulator_fresh.api_calls(method="PUT", path_suffix=probe)] == [200]
+    assert [call["status"] for call in cf_emulator_fresh.api_calls(method="DELETE", path_suffix=probe)] == [200]
+    # Checked twice: the probe left nothing behind, so the second upload creates it anew.
+    assert cfcheck("loader")[1]
+
+
+def test_a_token_cloudflare_does_not_know_stops_the_check(cf_settings, redis_client):
+    cf_settings.CF_API_TOKEN = "not-the-token"
+    output, ok = cfcheck("platform")
+    assert not ok
+    assert lines(output) == {"API token": "MISSING"}
+    assert "CF_API_TOKEN" in output
+    assert "not-the-token" not in output  # never echoed
+
+
+def test_an_account_the_token_cannot_use(cf_settings, redis_client):
+    cf_settings.CF_ACCOUNT_ID = "0" * 32
+    output, ok = cfcheck("loader")
+    assert not ok
+    assert lines(output) == {"API token": "ok", "account": "MISSING"}
+    assert "CF_ACCOUNT_ID" in output
+
+
+def test_an_account_without_a_workers_dev_subdomain(cf_settings, cf_emulator_fresh, redis_client):
+    cf_emulator_fresh.configure(subdomain="")
+    output, ok = cfcheck("platform")
+    assert not ok
+    assert lines(output)["workers.dev subdomain"] == "MISSING"
+    assert lines(output)["plan"] == "ok"
+
+
+def test_a_full_script_quota_leaves_no_room_for_sigils_worker(cf_settings, cf_client):
+    cf_settings.SIGIL_POOL_TOTAL_QUOTA = 1
+    assert cfcheck("platform")[1]  # the account's one script can be the dispatch Worker
+    source = {"owner.js": 'export default { fetch() { return new Response("mine") } }'}
+    cf_client.script_upload(
+        "owners-own-worker", modules=source, main_module="owner.js", compatibility_date="2025-01-01"
+    )
+    output, ok = cfcheck("platform")
+    assert not ok
+    assert lines(output)["scripts"] == "MISSING"
+    assert "1 of the account's 1 Worker scripts" in output
