@@ -90,3 +90,22 @@ def test_a_full_script_quota_leaves_no_room_for_sigils_worker(cf_settings, cf_cl
     assert not ok
     assert lines(output)["scripts"] == "MISSING"
     assert "1 of the account's 1 Worker scripts" in output
+
+
+def test_a_free_account_is_not_ready_for_the_loader_runtime(cf_settings, cf_emulator_fresh, redis_client):
+    cf_emulator_fresh.configure(plan="free")
+    output, ok = cfcheck("loader")
+    assert not ok, output
+    assert lines(output)["plan"] == "MISSING"
+    assert "Workers Paid" in output
+    assert cfcheck("worker-pool")[1]  # the pool needs nothing beyond the free plan
+
+
+def test_an_account_without_workers_for_platforms_is_not_ready_for_the_platform_runtime(
+    cf_settings, cf_emulator_fresh, redis_client
+):
+    cf_emulator_fresh.configure(workers_for_platforms=False)
+    output, ok = cfcheck("platform")
+    assert not ok, output
+    assert lines(output)["plan"] == "MISSING"
+    assert "Workers for Platforms" in output
