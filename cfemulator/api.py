@@ -39,6 +39,7 @@ from cfemulator import envelope
 from cfemulator.bound import kv_list_body, needs_own_workerd
 from cfemulator.envelope import ApiError
 from cfemulator.limits import DEFAULT_CPU_MS, MAX_CPU_MS
+from cfemulator.state import AccountState, load_state, save_state
 from cfemulator.uploads import ScriptUpload, parse_form, parse_upload
 
 logger = logging.getLogger(__name__)
@@ -269,6 +270,7 @@ class CloudflareApi:
         config: EmulatorConfig,
         seal_key: str,
         start_check: Callable[[str], str | None] | None = None,
+        state_file: Path | None = None,
     ) -> None:
         self.account_id = account_id
         # The secret of the loader host that runs the uploaded scripts: secret_text values
@@ -283,7 +285,11 @@ class CloudflareApi:
         self._initial_config = config
         self._lock = threading.RLock()
         self._routes = self._route_table()
+        self._state_file: Path | None = None  # not saved while the start state is set up
         self._reset_locked()
+        if state_file is not None:
+            self._restore(state_file)
+            self._state_file = state_file
 
     # --- control (/__emulator/...) ------------------------------------------------------------
 
@@ -309,6 +315,38 @@ class CloudflareApi:
         self._fault_count = 0
         for path in self.code_dir.glob("*.json"):
             path.unlink(missing_ok=True)
+        self._save_locked()
+
+    def _restore(self, state_file: Path) -> None:
+        """Take up the account as it was saved in `state_file`, if it was.
+
+        Each script's bundle is written again: the code directory was emptied, and
+        secret_text values are sealed for this run's workerd, whose key is new.
+        """
+        state = load_state(state_file)
+        if state is None:
+            return
+        with self._lock:
+            self.subdomain = state.subdomain
+            self.scripts, self.namespaces, self.kv_namespaces = state.scripts, state.namespaces, state.kv_namespaces
+            for script in [
+                *self.scripts.values(),
+                *(s for ns in self.namespaces.values() for s in ns.scripts.values()),
+            ]:
+                script.sha = self._write_bundle(script.upload)
+
+    def _save_locked(self) -> None:
+        """Save the account's state, when it is kept on disk (after each change, lock held)."""
+        if self._state_file is not None:
+            save_state(
+                self._state_file,
+                AccountState(
+                    subdomain=self.subdomain,
+                    scripts=self.scripts,
+                    namespaces=self.namespaces,
+                    kv_namespaces=self.kv_namespaces,
+                ),
+            )
 
     def configure(self, changes: dict[str, Any]) -> EmulatorConfig:
         """Change the running config. Raises ValueError for unknown keys or bad values."""
@@ -434,9 +472,11 @@ class CloudflareApi:
                 namespace.values[key] = KvValue(
                     value=body, expiration=expiration, metadata=json.loads(metadata_header) if metadata_header else None
                 )
+                self._save_locked()
                 return ApiResponse(200, b"", content_type="text/plain")
             if method == "DELETE":
                 namespace.values.pop(key, None)
+                self._save_locked()
                 return ApiResponse(200, b"", content_type="text/plain")
         return ApiResponse(405, b"", content_type="text/plain")
 
@@ -524,7 +564,10 @@ class CloudflareApi:
                 max_compressed_bytes=self._config.script_max_bytes,
             )
         with self._lock:
-            return handler(request, params)
+            response = handler(request, params)
+            if request.method != "GET":
+                self._save_locked()
+            return response
 
     def _check_start(self, name: str, upload: ScriptUpload) -> None:
         """Refuse code that does not start, as Cloudflare does at upload, after the cheaper

@@ -21,9 +21,11 @@ concurrent clients are served at once; the account state is guarded by `Cloudfla
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
+import socket
 import sys
 import threading
 import time
@@ -131,6 +133,8 @@ class EmulatorServer:
             seal_key=workerd.secret,
             # Bound late: the server that runs the checks is made from this account.
             start_check=lambda loader_id: server.start_check(loader_id),
+            # The account outlives the process, as a Cloudflare account does.
+            state_file=state_dir / "account.pickle",
         )
         server = cls(api=api, workerd=workerd, token=token, port=port)
         return server
@@ -177,6 +181,7 @@ class EmulatorServer:
                 self._thread.join(timeout=5)
                 self._thread = None
             self._http.server_close()
+            self._http.close_connections()
             self._http = None
         self.meter.stop()
         with self._pools_lock:
@@ -266,7 +271,28 @@ class _HttpServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], emulator: EmulatorServer) -> None:
         self.emulator = emulator
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
         super().__init__(address, _RequestHandler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        """Hang up on every client, as a stopped process would: a keep-alive connection
+        must not go on being served by a stopped emulator."""
+        with self._open_lock:
+            open_now, self._open = self._open, set()
+        for connection in open_now:
+            with contextlib.suppress(OSError):  # already gone
+                connection.shutdown(socket.SHUT_RDWR)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that hangs up mid-answer is routine; anything else is an emulator bug.
