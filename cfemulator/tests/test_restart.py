@@ -97,3 +97,22 @@ def test_a_reset_is_not_undone_by_a_restart(emulator):
     emulator.control.reset()
     emulator.restart()
     assert api.call("GET", "/workers/scripts").json()["result"] == []
+
+
+def test_switchbackend_after_a_restart_moves_what_was_deployed_before_it(emulator, alice, settings, sigil):
+    import io
+
+    from django.core.management import call_command
+
+    from capabilities.runtimes import runtimes_forget
+
+    settings.SIGIL_BACKEND = "platform"
+    assert alice.deploy(name="ping", code=PONG).status_code == 201
+    emulator.restart()
+    # What the owner does: change SIGIL_BACKEND, restart Sigil, then switch.
+    settings.SIGIL_BACKEND = "loader"
+    runtimes_forget()
+    sigil.app.gateway = None
+    call_command("switchbackend", stdout=io.StringIO())
+    response = alice.call("/alice/ping")
+    assert (response.status_code, response.text) == (200, "pong")
