@@ -41,6 +41,12 @@ class Command(BaseCommand):
             help="CPU ms a call may use when its script sets no limit (Paid plan: 30000, Free: 10)",
         )
         parser.add_argument(
+            "--propagation-delay",
+            type=float,
+            default=defaults.propagation_delay,
+            help="seconds before new scripts, workers.dev toggles and KV writes reach the Workers runtime",
+        )
+        parser.add_argument(
             "--token", default=settings.CF_API_TOKEN or DEV_TOKEN, help="the API token accepted (default CF_API_TOKEN)"
         )
         parser.add_argument(
@@ -64,6 +70,7 @@ class Command(BaseCommand):
                     "script_max_bytes": options["script_max_bytes"],
                     "subdomain": options["subdomain"],
                     "default_cpu_ms": options["default_cpu_ms"],
+                    "propagation_delay": options["propagation_delay"],
                     "rate_limit": f"{limit}/{window:g}",
                 }
             )
