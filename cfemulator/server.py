@@ -16,7 +16,10 @@ concurrent clients are served at once; the account state is guarded by `Cloudfla
 - `GET|POST /__emulator/config`  read or change script_limit, latency, fault_rate,
                                  fault_seed, fail_next, rate_limit ("N/S"),
                                  script_max_bytes, subdomain, default_cpu_ms,
-                                 cpu_grace_ms
+                                 cpu_grace_ms, propagation_delay
+
+Bodies stream both ways through the proxy to a script's workerd; the account's state is kept
+in `account.pickle` under the state directory (`cfemulator.state`), so it survives a restart.
 """
 
 from __future__ import annotations
