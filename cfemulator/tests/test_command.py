@@ -30,6 +30,8 @@ def test_command_serves_with_its_options_and_stops_workerd_on_sigterm(tmp_path):
             str(workerd_port),
             "--script-limit",
             "1",
+            "--propagation-delay",
+            "2.5",
             "--token",
             "command-test-token",
             "--account-id",
@@ -60,6 +62,8 @@ def test_command_serves_with_its_options_and_stops_workerd_on_sigterm(tmp_path):
             ]
             return requests.put(f"{base}/{name}", headers=auth, files=files, timeout=10)
 
+        config = requests.get(f"http://127.0.0.1:{port}/__emulator/config", timeout=10).json()["config"]
+        assert config["propagation_delay"] == 2.5
         assert upload("first").status_code == 200
         assert upload("second").json()["errors"][0]["code"] == 10037
         assert port_is_open(workerd_port)
