@@ -40,6 +40,7 @@ from cfemulator import envelope
 from cfemulator.bound import kv_list_body, needs_own_workerd
 from cfemulator.envelope import ApiError
 from cfemulator.limits import DEFAULT_CPU_MS, MAX_CPU_MS
+from cfemulator.state import AccountState, load_state, save_state
 from cfemulator.uploads import ScriptUpload, parse_form, parse_upload
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,10 @@ class EmulatorConfig:
     # The code of the 404 for a missing dispatch namespace. No public source gives the real
     # one, so tests run the client against 10007 and against another code.
     namespace_not_found_code: int = 10007
+    # Seconds before a change reaches the Workers runtime, as Cloudflare's propagation: a new
+    # script (its API calls answer 10007 and its URL 404 until then), a workers.dev toggle,
+    # a KV value written over the API (bindings read the one before). 0: at once.
+    propagation_delay: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -110,7 +115,7 @@ class EmulatorConfig:
                 if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_CPU_MS:
                     raise ValueError(f"default_cpu_ms is a whole number of ms, 1 to {MAX_CPU_MS}")
                 values[key] = value
-            elif key in ("latency", "fault_rate"):
+            elif key in ("latency", "fault_rate", "propagation_delay"):
                 if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
                     raise ValueError(f"{key} must be a number, at least 0")
                 if key == "fault_rate" and value > 1:
@@ -187,6 +192,14 @@ class Script:
     modified_on: str
     subdomain_enabled: bool = False
     previews_enabled: bool = False
+    # Epoch seconds from which the script (first upload) and its workers.dev route (last
+    # toggle) are known to the Workers runtime (EmulatorConfig.propagation_delay).
+    live_at: float = 0.0
+    route_live_at: float = 0.0
+
+    def serves(self, now: float) -> bool:
+        """Whether the Workers runtime runs it at `now` (its workers.dev URL aside)."""
+        return now >= self.live_at
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -215,6 +228,17 @@ class KvValue:
     value: bytes
     expiration: int | None
     metadata: Any
+    # Until then (epoch seconds) bindings read `previous` (None: not found), as a Worker
+    # elsewhere reads a value written over the API before it propagates.
+    visible_at: float = 0.0
+    previous: KvValue | None = None
+
+    def as_seen(self, now: float) -> KvValue | None:
+        """The value a binding reads at `now`."""
+        seen: KvValue | None = self
+        while seen is not None and seen.visible_at > now:
+            seen = seen.previous
+        return seen
 
 
 @dataclass
@@ -286,6 +310,7 @@ class CloudflareApi:
         config: EmulatorConfig,
         seal_key: str,
         start_check: Callable[[str], str | None] | None = None,
+        state_file: Path | None = None,
     ) -> None:
         self.account_id = account_id
         # The secret of the loader host that runs the uploaded scripts: secret_text values
@@ -300,7 +325,11 @@ class CloudflareApi:
         self._initial_config = config
         self._lock = threading.RLock()
         self._routes = self._route_table()
+        self._state_file: Path | None = None  # not saved while the start state is set up
         self._reset_locked()
+        if state_file is not None:
+            self._restore(state_file)
+            self._state_file = state_file
 
     # --- control (/__emulator/...) ------------------------------------------------------------
 
@@ -326,6 +355,38 @@ class CloudflareApi:
         self._fault_count = 0
         for path in self.code_dir.glob("*.json"):
             path.unlink(missing_ok=True)
+        self._save_locked()
+
+    def _restore(self, state_file: Path) -> None:
+        """Take up the account as it was saved in `state_file`, if it was.
+
+        Each script's bundle is written again: the code directory was emptied, and
+        secret_text values are sealed for this run's workerd, whose key is new.
+        """
+        state = load_state(state_file)
+        if state is None:
+            return
+        with self._lock:
+            self.subdomain = state.subdomain
+            self.scripts, self.namespaces, self.kv_namespaces = state.scripts, state.namespaces, state.kv_namespaces
+            for script in [
+                *self.scripts.values(),
+                *(s for ns in self.namespaces.values() for s in ns.scripts.values()),
+            ]:
+                script.sha = self._write_bundle(script.upload)
+
+    def _save_locked(self) -> None:
+        """Save the account's state, when it is kept on disk (after each change, lock held)."""
+        if self._state_file is not None:
+            save_state(
+                self._state_file,
+                AccountState(
+                    subdomain=self.subdomain,
+                    scripts=self.scripts,
+                    namespaces=self.namespaces,
+                    kv_namespaces=self.kv_namespaces,
+                ),
+            )
 
     def configure(self, changes: dict[str, Any]) -> EmulatorConfig:
         """Change the running config. Raises ValueError for unknown keys or bad values."""
@@ -360,14 +421,20 @@ class CloudflareApi:
                 suffix = f".{self.subdomain}.workers.dev"
                 if name.endswith(suffix):
                     script = self.scripts.get(name[: -len(suffix)])
-                    if script is not None and script.subdomain_enabled:
+                    now = time.time()
+                    if (
+                        script is not None
+                        and script.subdomain_enabled
+                        and script.serves(now)
+                        and now >= script.route_live_at
+                    ):
                         return WorkerTarget(f"script:{script.name}", script.name, script.sha, script.upload)
                     return None
             match = re.fullmatch(rf"({_LABEL})\.([^.]+)\.dispatch\.localhost", name)
             if match:
                 namespace = self.namespaces.get(match.group(2))
                 script = namespace.scripts.get(match.group(1)) if namespace else None
-                if script is not None:
+                if script is not None and script.serves(time.time()):
                     key = f"ns:{namespace.name}:{script.name}"
                     return WorkerTarget(key, script.name, script.sha, script.upload, namespace=namespace.name)
         return None
@@ -436,9 +503,12 @@ class CloudflareApi:
                 return ApiResponse(200, kv_list_body(items, cursor=cursor))
             if method == "GET":
                 try:
-                    value = self._kv_value(namespace, key)
+                    seen = self._kv_value(namespace, key).as_seen(time.time())
                 except ApiError:
+                    seen = None
+                if seen is None:
                     return ApiResponse(404, b"", content_type="text/plain")
+                value = seen
                 extra = [("CF-KV-Metadata", json.dumps(value.metadata))] if value.metadata is not None else []
                 return ApiResponse(200, value.value, extra, content_type="application/octet-stream")
             if method == "PUT":
@@ -451,9 +521,11 @@ class CloudflareApi:
                 namespace.values[key] = KvValue(
                     value=body, expiration=expiration, metadata=json.loads(metadata_header) if metadata_header else None
                 )
+                self._save_locked()
                 return ApiResponse(200, b"", content_type="text/plain")
             if method == "DELETE":
                 namespace.values.pop(key, None)
+                self._save_locked()
                 return ApiResponse(200, b"", content_type="text/plain")
         return ApiResponse(405, b"", content_type="text/plain")
 
@@ -547,7 +619,10 @@ class CloudflareApi:
                 max_compressed_bytes=self._config.script_max_bytes,
             )
         with self._lock:
-            return handler(request, params)
+            response = handler(request, params)
+            if request.method != "GET":
+                self._save_locked()
+            return response
 
     def _check_start(self, name: str, upload: ScriptUpload) -> None:
         """Refuse code that does not start, as Cloudflare does at upload, after the cheaper
@@ -655,9 +730,13 @@ class CloudflareApi:
 
     def _script_subdomain_set(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
         script = self._script(params["script"])
+        if not script.serves(time.time()):
+            raise ApiError(404, 10007)  # a first upload still propagating (reference §3.2)
         body = request.json()
         if not isinstance(body, dict) or not isinstance(body.get("enabled"), bool):
             raise ApiError(400, 10021, "enabled (true or false) is required")
+        if body["enabled"] != script.subdomain_enabled:
+            script.route_live_at = time.time() + self._config.propagation_delay
         script.subdomain_enabled = body["enabled"]
         script.previews_enabled = bool(body.get("previews_enabled", False))
         return _ok({"enabled": script.subdomain_enabled, "previews_enabled": script.previews_enabled})
@@ -844,7 +923,15 @@ class CloudflareApi:
                     metadata = json.loads(parts["metadata"].body)
                 except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                     raise ApiError(400, 10026, f"metadata is not JSON ({exc})") from exc
-        namespace.values[key] = KvValue(value=value, expiration=expiration, metadata=metadata)
+        now = time.time()
+        previous = namespace.values.get(key)
+        namespace.values[key] = KvValue(
+            value=value,
+            expiration=expiration,
+            metadata=metadata,
+            visible_at=now + self._config.propagation_delay,
+            previous=_visible_alone(previous, now),
+        )
         return _ok(None)
 
     def _kv_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
@@ -923,7 +1010,8 @@ class CloudflareApi:
         sha = self._write_bundle(upload)
         stamp = _now()
         if existing is None:
-            return Script(name=name, sha=sha, upload=upload, created_on=stamp, modified_on=stamp)
+            live_at = time.time() + self._config.propagation_delay
+            return Script(name=name, sha=sha, upload=upload, created_on=stamp, modified_on=stamp, live_at=live_at)
         old_sha = existing.sha
         existing.sha, existing.upload, existing.modified_on = sha, upload, stamp
         if old_sha != sha:
@@ -957,6 +1045,12 @@ class CloudflareApi:
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
+
+def _visible_alone(value: KvValue | None, now: float) -> KvValue | None:
+    """What bindings read of `value` at `now`, without the older values it no longer needs."""
+    seen = value.as_seen(now) if value is not None else None
+    return replace(seen, previous=None) if seen is not None else None
 
 
 def _ok(result: Any, **extra: Any) -> ApiResponse:

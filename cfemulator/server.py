@@ -16,17 +16,23 @@ concurrent clients are served at once; the account state is guarded by `Cloudfla
 - `GET|POST /__emulator/config`  read or change script_limit, latency, fault_rate,
                                  fault_seed, fail_next, rate_limit ("N/S"),
                                  script_max_bytes, subdomain, default_cpu_ms,
-                                 cpu_grace_ms
+                                 cpu_grace_ms, propagation_delay
+
+Bodies stream both ways through the proxy to a script's workerd; the account's state is kept
+in `account.pickle` under the state directory (`cfemulator.state`), so it survives a restart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
+import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -51,8 +57,10 @@ logger = logging.getLogger(__name__)
 LISTEN_ADDRESS = "127.0.0.1"
 # Accepted-but-not-yet-served connections; the stdlib default of 5 refuses bursts.
 _BACKLOG = 512
-# The emulator buffers bodies and sets its own length.
+# The emulator frames every body itself: a known length is passed on, anything else is chunked.
 _HOP_BY_HOP = HOP_BY_HOP | {"content-length"}
+# Bodies are relayed in pieces of at most this many bytes, as they arrive.
+_PIECE = 64 * 1024
 _WORKER_HOST_SUFFIXES = (".workers.dev", ".dispatch.localhost")
 _HOST_HEADERS = frozenset({"x-sigil-secret", "x-sigil-loader-id", "x-sigil-validate", "x-sigil-retire"})
 # Sent by the emulator itself on every answer; a Worker's own (or a nested emulator
@@ -128,6 +136,8 @@ class EmulatorServer:
             seal_key=workerd.secret,
             # Bound late: the server that runs the checks is made from this account.
             start_check=lambda loader_id: server.start_check(loader_id),
+            # The account outlives the process, as a Cloudflare account does.
+            state_file=state_dir / "account.pickle",
         )
         server = cls(api=api, workerd=workerd, token=token, port=port)
         return server
@@ -174,6 +184,7 @@ class EmulatorServer:
                 self._thread.join(timeout=5)
                 self._thread = None
             self._http.server_close()
+            self._http.close_connections()
             self._http = None
         self.meter.stop()
         with self._pools_lock:
@@ -223,9 +234,14 @@ class EmulatorServer:
     # --- called by the request handler --------------------------------------------------------
 
     def proxy(
-        self, method: str, target: str, headers: HTTPHeaderDict, body: bytes, *, port: int
+        self, method: str, target: str, headers: HTTPHeaderDict, body: Iterator[bytes] | None, *, port: int
     ) -> urllib3.BaseHTTPResponse:
-        """Send one request to the workerd listening on `port`."""
+        """Send one request to the workerd listening on `port`; its body is read as it arrives.
+
+        The request body is sent as the caller sends it (with `headers`' Content-Length if
+        given, else chunked); the answer comes back unread (`preload_content=False`), so the
+        caller relays it as workerd produces it and must close it.
+        """
         with self._pools_lock:
             pool = self._pools.get(port)
             if pool is None:
@@ -240,11 +256,11 @@ class EmulatorServer:
         return pool.urlopen(
             method,
             target,
-            body=body if body or method not in ("GET", "HEAD") else None,
+            body=body,
             headers=headers,
             redirect=False,
             retries=False,
-            preload_content=True,
+            preload_content=False,
             decode_content=False,
             assert_same_host=False,
         )
@@ -258,7 +274,28 @@ class _HttpServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], emulator: EmulatorServer) -> None:
         self.emulator = emulator
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
         super().__init__(address, _RequestHandler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        """Hang up on every client, as a stopped process would: a keep-alive connection
+        must not go on being served by a stopped emulator."""
+        with self._open_lock:
+            open_now, self._open = self._open, set()
+        for connection in open_now:
+            with contextlib.suppress(OSError):  # already gone
+                connection.shutdown(socket.SHUT_RDWR)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that hangs up mid-answer is routine; anything else is an emulator bug.
@@ -280,6 +317,11 @@ class _RequestHandler(BaseHTTPRequestHandler):
     def do_request(self) -> None:
         emulator = self.server.emulator
         split = urlsplit(self.path)
+        host = (self.headers.get("Host") or "").split(":", 1)[0].lower()
+        if host.endswith(_WORKER_HOST_SUFFIXES) and self.headers.get(KV_HEADER) is None:
+            # A script's call streams both ways, as on Cloudflare: its body is not read here.
+            self._serve_worker(host, split)
+            return
         try:
             body = self._read_body()
         except BodyTooLarge:
@@ -291,7 +333,6 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._send(400, b"malformed request body framing", "text/plain")
             return
-        host = (self.headers.get("Host") or "").split(":", 1)[0].lower()
         kv_namespace = self.headers.get(KV_HEADER)
         if kv_namespace is not None:
             response = emulator.api.kv_binding(
@@ -303,8 +344,6 @@ class _RequestHandler(BaseHTTPRequestHandler):
                 body,
             )
             self._send(response.status, response.body, response.content_type, response.headers)
-        elif host.endswith(_WORKER_HOST_SUFFIXES):
-            self._serve_worker(host, split, body)
         elif split.path.startswith("/__emulator/"):
             self._control(split.path, body)
         else:
@@ -328,11 +367,13 @@ class _RequestHandler(BaseHTTPRequestHandler):
 
     # --- workers.dev ----------------------------------------------------------------------------
 
-    def _serve_worker(self, host: str, split: Any, body: bytes) -> None:
+    def _serve_worker(self, host: str, split: Any) -> None:
         emulator = self.server.emulator
         target = emulator.api.resolve_host(host)
         limits = self.headers.get(LIMITS_HEADER)
         if target is None:
+            # The body is left unread, so the connection cannot be reused.
+            self.close_connection = True
             # The reference does not say what a workers.dev host without a Worker answers;
             # a plain 404 is what a client can rely on. The header tells the emulator's
             # dispatch namespace binding to throw "Worker not found" instead.
@@ -343,6 +384,16 @@ class _RequestHandler(BaseHTTPRequestHandler):
                 [(NOT_FOUND_HEADER, "1")],
             )
             self._log_dispatch(host, limits, 404)
+            return
+        try:
+            body = _RequestBody(self)
+        except BodyTooLarge:
+            self.close_connection = True
+            self._send(413, b"request body too large", "text/plain")
+            return
+        except ValueError:
+            self.close_connection = True
+            self._send(400, b"malformed request body framing", "text/plain")
             return
         headers = HTTPHeaderDict()
         original_host = self.headers.get(ORIGINAL_HOST_HEADER)
@@ -357,38 +408,51 @@ class _RequestHandler(BaseHTTPRequestHandler):
             if lower in _HOST_HEADERS and not target.runs_bound:
                 continue
             headers.add(name, value)
+        if body.length:  # urllib3 frames an empty one as the method expects
+            headers["Content-Length"] = str(body.length)
         path = split.path + (f"?{split.query}" if split.query else "")
+
+        def answered(upstream: urllib3.BaseHTTPResponse) -> None:
+            self._log_dispatch(host, limits, upstream.status, target)
+            self._relay(upstream)
+
         try:
-            upstream = self._run(target, path, headers, body, limits)
+            self._run(target, path, headers, body, limits, answered)
         except LimitExceeded as exceeded:
             answer = exceeded_answer(host=original_host or host, accept=self.headers.get("Accept"))
             extra = [(EXCEEDED_HEADER, exceeded.reason)] if host.endswith(".dispatch.localhost") else []
             self._send(answer.status, answer.body, answer.content_type, answer.headers + extra)
             self._log_dispatch(host, limits, answer.status, target)
-            return
+        except BodyTooLarge:
+            self._send(413, b"request body too large", "text/plain")
+        except ValueError:
+            self._send(400, b"malformed request body framing", "text/plain")
         except urllib3.exceptions.HTTPError as exc:
             logger.warning("workerd did not answer for %s: %s", target.name, exc)
             self._send(502, b"the emulator's workerd did not answer\n", "text/plain")
-            return
         except (RuntimeError, TimeoutError) as exc:
             logger.warning("workerd could not start for %s: %s", target.name, exc)
             self._send(502, f"the emulator could not run {target.name}: {exc}\n".encode(), "text/plain")
-            return
-        self._log_dispatch(host, limits, upstream.status, target)
-        passed = [
-            (name, value)
-            for name, value in upstream.headers.items()
-            if name.lower() not in _HOP_BY_HOP and name.lower() not in _OWN_HEADERS
-        ]
-        self._send(upstream.status, upstream.data, upstream.headers.get("content-type"), passed)
+        finally:
+            if not body.finished:
+                # What the script did not read is still on the socket: the next request
+                # on it could not be told from it.
+                self.close_connection = True
 
     def _run(
-        self, target: WorkerTarget, path: str, headers: HTTPHeaderDict, body: bytes, limits: str | None
-    ) -> urllib3.BaseHTTPResponse:
-        """Run one call in the script's own workerd, metered against its CPU limit.
+        self,
+        target: WorkerTarget,
+        path: str,
+        headers: HTTPHeaderDict,
+        body: _RequestBody,
+        limits: str | None,
+        answered: Callable[[urllib3.BaseHTTPResponse], None],
+    ) -> None:
+        """Run one call in the script's own workerd, metered against its CPU limit until its
+        answer has been relayed by `answered` (a streamed answer keeps the script running).
 
-        Raises LimitExceeded when it ran past it, RuntimeError when workerd cannot start,
-        urllib3's errors when workerd does not answer.
+        Raises LimitExceeded when it ran past it before answering, RuntimeError when workerd
+        cannot start, urllib3's errors when workerd does not answer.
         """
         emulator = self.server.emulator
         limit_ms = call_cpu_ms(target.upload.limits, _parse_limits(limits), default=emulator.api.config.default_cpu_ms)
@@ -407,7 +471,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
                 pid=pid, stop=running.stop_for_cpu, limit_ms=limit_ms, silent=running.silent
             ) as ticket:
                 try:
-                    return emulator.proxy(self.command, path, headers, body, port=running.port)
+                    upstream = emulator.proxy(self.command, path, headers, body.pieces(), port=running.port)
                 except urllib3.exceptions.HTTPError as exc:
                     if ticket.exceeded:
                         raise LimitExceeded("cpu") from None
@@ -415,11 +479,72 @@ class _RequestHandler(BaseHTTPRequestHandler):
                     if reason is not None:
                         raise LimitExceeded(reason) from None
                     # Refused: the process was stopped (another call ran past a limit) before
-                    # this one reached it. Nothing ran, so it goes to the fresh one.
-                    if attempt == 1 and isinstance(exc, urllib3.exceptions.NewConnectionError):
+                    # this one reached it. Nothing ran (no body was read), so it goes to the
+                    # fresh one.
+                    if attempt == 1 and isinstance(exc, urllib3.exceptions.NewConnectionError) and not body.started:
                         continue
                     raise
+                answered(upstream)
+                return
         raise AssertionError("unreachable")
+
+    def _relay(self, upstream: urllib3.BaseHTTPResponse) -> None:
+        """Send workerd's answer on as it arrives: each chunk as workerd writes it.
+
+        Once the status line is out, a failure can no longer be answered: the connection is
+        closed before the body's end, which the client sees as a truncated answer (as a
+        Worker that fails mid-stream is seen on Cloudflare).
+        """
+        passed = [
+            (name, value)
+            for name, value in upstream.headers.items()
+            if name.lower() not in _HOP_BY_HOP and name.lower() not in _OWN_HEADERS
+        ]
+        length = upstream.headers.get("content-length")
+        bodiless = self.command == "HEAD" or upstream.status in (204, 304)
+        chunked = length is None and not bodiless
+        complete = False
+        try:
+            self.send_response(upstream.status)
+            content_type = upstream.headers.get("content-type")
+            if content_type:
+                self.send_header("Content-Type", content_type)
+            for name, value in passed:
+                self.send_header(name, value)
+            if chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            elif length is not None:
+                self.send_header("Content-Length", length)
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            if bodiless:
+                complete = True
+                return
+            pieces = (
+                upstream.read_chunked(decode_content=False)
+                if upstream.chunked
+                else upstream.stream(_PIECE, decode_content=False)
+            )
+            for piece in pieces:
+                if not piece:
+                    continue
+                if chunked:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                else:
+                    self.wfile.write(piece)
+                self.wfile.flush()
+            if chunked:
+                self.wfile.write(b"0\r\n\r\n")
+            complete = True
+        except urllib3.exceptions.HTTPError as exc:
+            logger.warning("workerd's answer broke off: %s", exc)
+        finally:
+            if complete:
+                upstream.release_conn()
+            else:
+                self.close_connection = True
+                upstream.close()
 
     def _log_dispatch(self, host: str, limits: str | None, status: int, target: WorkerTarget | None = None) -> None:
         """Calls through a dispatch namespace binding are logged with the limits they asked for."""
@@ -498,6 +623,67 @@ class _RequestHandler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
+
+
+class _RequestBody:
+    """A call's request body, read from the client only as workerd takes it.
+
+    `length` is the Content-Length when the client sent one, None when it is chunked (it is
+    then sent on chunked). Raises BodyTooLarge or ValueError (bad framing) when made, or
+    while read for a chunked body.
+    """
+
+    def __init__(self, handler: BaseHTTPRequestHandler) -> None:
+        self._rfile = handler.rfile
+        self.chunked = "chunked" in (handler.headers.get("Transfer-Encoding") or "").lower()
+        self.length: int | None = None
+        if not self.chunked:
+            self.length = int(handler.headers.get("Content-Length") or 0)
+            if self.length < 0:
+                raise ValueError("negative Content-Length")
+            if self.length > MAX_BODY_BYTES:
+                raise BodyTooLarge
+        self.started = False
+        self.finished = not self.chunked and not self.length
+
+    def pieces(self) -> Iterator[bytes] | None:
+        """The body for urllib3: None when there is none, else its pieces as they arrive."""
+        if self.finished:
+            return None
+        return self._read_chunked() if self.chunked else self._read_length()
+
+    def _read_length(self) -> Iterator[bytes]:
+        self.started = True
+        left = self.length or 0
+        while left:
+            piece = self._rfile.read(min(left, _PIECE))
+            if not piece:
+                raise ConnectionError("the client hung up before the end of its body")
+            left -= len(piece)
+            yield piece
+        self.finished = True
+
+    def _read_chunked(self) -> Iterator[bytes]:
+        self.started = True
+        total = 0
+        while True:
+            size = int(self._rfile.readline(1024).split(b";", 1)[0].strip() or b"0", 16)
+            if size == 0:
+                # Trailer fields, if any, end with an empty line.
+                while self._rfile.readline(8192) not in (b"\r\n", b"\n", b""):
+                    pass
+                self.finished = True
+                return
+            total += size
+            if total > MAX_BODY_BYTES:
+                raise BodyTooLarge
+            while size:
+                piece = self._rfile.read(min(size, _PIECE))
+                if not piece:
+                    raise ConnectionError("the client hung up before the end of its body")
+                size -= len(piece)
+                yield piece
+            self._rfile.readline(8)
 
 
 def _parse_limits(header: str | None) -> Any:

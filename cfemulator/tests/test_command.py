@@ -30,6 +30,8 @@ def test_command_serves_with_its_options_and_stops_workerd_on_sigterm(tmp_path):
             str(workerd_port),
             "--script-limit",
             "1",
+            "--propagation-delay",
+            "2.5",
             "--token",
             "command-test-token",
             "--account-id",
@@ -68,6 +70,8 @@ def test_command_serves_with_its_options_and_stops_workerd_on_sigterm(tmp_path):
         assert (refused["code"], refused["message"]) == (10021, "binding LOADER of type worker_loader is invalid")
         namespaces = requests.get(base.replace("/scripts", "/dispatch/namespaces"), headers=auth, timeout=10)
         assert namespaces.status_code == 403  # no Workers for Platforms subscription
+        config = requests.get(f"http://127.0.0.1:{port}/__emulator/config", timeout=10).json()["config"]
+        assert config["propagation_delay"] == 2.5
         assert upload("first").status_code == 200
         assert upload("second").json()["errors"][0]["code"] == 10037
         assert port_is_open(workerd_port)

@@ -54,6 +54,12 @@ class Command(BaseCommand):
             help="whether the account subscribes to Workers for Platforms (dispatch namespaces)",
         )
         parser.add_argument(
+            "--propagation-delay",
+            type=float,
+            default=defaults.propagation_delay,
+            help="seconds before new scripts, workers.dev toggles and KV writes reach the Workers runtime",
+        )
+        parser.add_argument(
             "--token", default=settings.CF_API_TOKEN or DEV_TOKEN, help="the API token accepted (default CF_API_TOKEN)"
         )
         parser.add_argument(
@@ -77,6 +83,7 @@ class Command(BaseCommand):
                     "script_max_bytes": options["script_max_bytes"],
                     "subdomain": options["subdomain"],
                     "default_cpu_ms": options["default_cpu_ms"],
+                    "propagation_delay": options["propagation_delay"],
                     "rate_limit": f"{limit}/{window:g}",
                     "plan": options["plan"],
                     "workers_for_platforms": options["workers_for_platforms"],

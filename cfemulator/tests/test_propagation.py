@@ -1,0 +1,99 @@
+"""Cloudflare's propagation delays, emulated (`propagation_delay`), so the client's and the
+runtimes' waiting and retry paths run: a new script, a workers.dev toggle and a KV value
+written over the API reach the Workers runtime some time after the API answered."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from capabilities.cloudflare import CloudflareClient
+from cfemulator.tests.test_api import Api
+from testsupport.capability_code import PONG
+
+DELAY = 0.5
+
+
+@pytest.fixture
+def api(cf_emulator_fresh):
+    cf_emulator_fresh.configure(propagation_delay=DELAY)
+    return Api(cf_emulator_fresh)
+
+
+def test_the_workers_dev_toggle_of_a_fresh_script_is_retried_through_its_10007(api, cf_emulator_fresh, redis_client):
+    # Backoffs as in production: its two not-found retries outlast the delay.
+    client = CloudflareClient(
+        base_url=cf_emulator_fresh.api_base,
+        account_id=cf_emulator_fresh.account_id,
+        api_token=cf_emulator_fresh.token,
+        redis=redis_client,
+        backoff_base_seconds=0.5,
+    )
+    try:
+        assert api.upload("fresh").status_code == 200
+        assert client.script_subdomain_set("fresh", enabled=True)["enabled"] is True
+    finally:
+        client.close()
+    toggles = cf_emulator_fresh.api_calls(method="POST", path_suffix="/fresh/subdomain")
+    assert (toggles[0]["status"], toggles[0]["code"]) == (404, 10007)
+    assert toggles[-1]["status"] == 200
+
+
+def test_a_new_script_and_its_route_are_served_only_once_propagated(api, cf_emulator_fresh):
+    host = cf_emulator_fresh.workers_dev_host("fresh")
+    assert api.upload("fresh").status_code == 200
+    assert api.enable("fresh").json()["errors"][0]["code"] == 10007
+    time.sleep(DELAY)
+    assert api.enable("fresh").status_code == 200
+    assert cf_emulator_fresh.worker_request(host).status_code == 404  # the toggle propagates in turn
+    time.sleep(DELAY)
+    assert cf_emulator_fresh.worker_request(host).status_code == 200
+
+
+def test_a_kv_value_written_over_the_api_reaches_bindings_after_the_delay(api, cf_emulator_fresh):
+    reads = """export default { async fetch(request, env) {
+      return new Response(String(await env.STORE.get("k")));
+    } }"""
+    namespace = api.call("POST", "/storage/kv/namespaces", json={"title": "store"}).json()["result"]["id"]
+    values = f"/storage/kv/namespaces/{namespace}/values"
+    api.call("PUT", f"{values}/k", data=b"old")
+    cf_emulator_fresh.configure(propagation_delay=0)
+    bindings = [{"type": "kv_namespace", "name": "STORE", "namespace_id": namespace}]
+    assert api.upload("reader", reads, metadata={"bindings": bindings}).status_code == 200
+    api.enable("reader")
+    host = cf_emulator_fresh.workers_dev_host("reader")
+    cf_emulator_fresh.configure(propagation_delay=DELAY)
+    time.sleep(DELAY)
+
+    assert cf_emulator_fresh.worker_request(host).text == "old"
+    api.call("PUT", f"{values}/k", data=b"new")
+    assert api.call("GET", f"{values}/k").content == b"new"  # the API reads the central store
+    assert cf_emulator_fresh.worker_request(host).text == "old"
+    time.sleep(DELAY)
+    assert cf_emulator_fresh.worker_request(host).text == "new"
+
+
+# Known gaps, each a strict xfail so the test turns red once it is closed: nothing waits for
+# Cloudflare to propagate a Worker Sigil has just uploaded.
+_NOT_WAITED_FOR = {
+    "worker_pool": "the gateway re-places a fresh script whose URL answers 404 and retries once, at once: "
+    "the caller gets Cloudflare's 404",
+    "platform": "the dispatch Worker deployed by the first placement is called before its workers.dev URL "
+    "propagates: the caller gets Cloudflare's 404",
+    "loader": "the loader Worker deployed by the first placement is asked for a start check before its "
+    "workers.dev URL propagates: the deploy is a 502 (start check answered 404, unmarked)",
+}
+
+
+@pytest.mark.parametrize(
+    "runtime",
+    [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=why)) for name, why in _NOT_WAITED_FOR.items()],
+)
+def test_a_capability_answers_its_first_call_while_cloudflare_propagates(runtime, request, alice):
+    emulator = request.getfixturevalue(runtime)
+    emulator.configure(propagation_delay=DELAY)
+    deployed = alice.deploy(name="ping", code=PONG)
+    assert deployed.status_code == 201, deployed.text
+    response = alice.call("/alice/ping")
+    assert (response.status_code, response.text) == (200, "pong"), dict(response.headers)

@@ -1,0 +1,118 @@
+"""The emulated account outlives the emulator's process, as a Cloudflare account outlives
+any client: a restart between a deploy and a call changes nothing Sigil can see."""
+
+from __future__ import annotations
+
+import pytest
+
+from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
+from cfemulator.control import EmulatorControl
+from cfemulator.server import EmulatorServer
+from cfemulator.tests.test_api import Api
+from testsupport.capability_code import PONG
+
+KV_AND_SECRET = """export default { async fetch(request, env) {
+  if (request.method === "PUT") { await env.STORE.put("k", await request.text()); return new Response("stored"); }
+  return new Response(`${await env.STORE.get("k")} ${env.TOKEN}`);
+} }"""
+
+
+class RestartableEmulator:
+    """An emulator of its own on a fixed port and state directory, which a test can restart."""
+
+    def __init__(self, state_dir, workerd_binary: str) -> None:
+        from capabilities.workerd import free_port
+
+        self.state_dir = state_dir
+        self.workerd_binary = workerd_binary
+        self.port = free_port()
+        self.server: EmulatorServer | None = None
+        self.start()
+        self.control = EmulatorControl(url=self.server.url, token=DEV_TOKEN, account_id=DEV_ACCOUNT_ID)
+
+    def start(self) -> None:
+        from capabilities.workerd import free_port
+
+        self.server = EmulatorServer.build(
+            workerd_binary=self.workerd_binary,
+            state_dir=self.state_dir,
+            token=DEV_TOKEN,
+            account_id=DEV_ACCOUNT_ID,
+            config=EmulatorConfig(),
+            port=self.port,
+            workerd_port=free_port(),
+        )
+        self.server.start()
+
+    def restart(self) -> None:
+        self.server.stop()
+        self.start()
+
+
+@pytest.fixture
+def emulator(settings, tmp_path):
+    handle = RestartableEmulator(tmp_path / "cfemulator", settings.SIGIL_WORKERD_BIN)
+    settings.CF_API_BASE = handle.control.api_base
+    settings.CF_ACCOUNT_ID = handle.control.account_id
+    settings.CF_API_TOKEN = handle.control.token
+    settings.SIGIL_CF_WORKERS_BASE = handle.control.url
+    yield handle
+    handle.server.stop()
+
+
+@pytest.mark.parametrize("backend", ["platform", "worker-pool"])
+def test_a_capability_deployed_before_a_restart_answers_after_it(emulator, backend, alice, settings):
+    settings.SIGIL_BACKEND = backend
+    assert alice.deploy(name="ping", code=PONG).status_code == 201
+    assert alice.call("/alice/ping").text == "pong"
+    emulator.restart()
+    response = alice.call("/alice/ping")
+    assert (response.status_code, response.text) == (200, "pong")
+    assert "X-Sigil-Cold-Start" not in response.headers  # found where it was, not placed again
+
+
+def test_kv_values_secrets_and_workers_dev_routes_survive_a_restart(emulator):
+    api = Api(emulator.control)
+    namespace = api.call("POST", "/storage/kv/namespaces", json={"title": "store"}).json()["result"]["id"]
+    bindings = [
+        {"type": "kv_namespace", "name": "STORE", "namespace_id": namespace},
+        {"type": "secret_text", "name": "TOKEN", "text": "s3cr3t"},
+    ]
+    assert api.upload("keeper", KV_AND_SECRET, metadata={"bindings": bindings}).status_code == 200
+    api.enable("keeper")
+    host = emulator.control.workers_dev_host("keeper")
+    assert emulator.control.worker_request(host, method="PUT", data=b"kept").text == "stored"
+
+    emulator.restart()
+
+    # Read through the binding, with the secret sealed again for the new run's workerd.
+    assert emulator.control.worker_request(host).text == "kept s3cr3t"
+    listed = api.call("GET", "/workers/scripts").json()["result"]
+    assert [script["id"] for script in listed] == ["keeper"]
+
+
+def test_a_reset_is_not_undone_by_a_restart(emulator):
+    api = Api(emulator.control)
+    assert api.upload("gone").status_code == 200
+    emulator.control.reset()
+    emulator.restart()
+    assert api.call("GET", "/workers/scripts").json()["result"] == []
+
+
+def test_switchbackend_after_a_restart_moves_what_was_deployed_before_it(emulator, alice, settings, sigil):
+    import io
+
+    from django.core.management import call_command
+
+    from capabilities.runtimes import runtimes_forget
+
+    settings.SIGIL_BACKEND = "platform"
+    assert alice.deploy(name="ping", code=PONG).status_code == 201
+    emulator.restart()
+    # What the owner does: change SIGIL_BACKEND, restart Sigil, then switch.
+    settings.SIGIL_BACKEND = "loader"
+    runtimes_forget()
+    sigil.app.gateway = None
+    call_command("switchbackend", stdout=io.StringIO())
+    response = alice.call("/alice/ping")
+    assert (response.status_code, response.text) == (200, "pong")
