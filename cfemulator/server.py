@@ -324,14 +324,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
             return
         try:
             body = self._read_body()
-        except BodyTooLarge:
-            self.close_connection = True
-            self._send(413, b"request body too large", "text/plain")
-            return
-        except ValueError:
-            # A Content-Length or chunk size that is not a number: the stream cannot be trusted.
-            self.close_connection = True
-            self._send(400, b"malformed request body framing", "text/plain")
+        except (BodyTooLarge, ValueError) as exc:
+            self._refuse_body(exc)
             return
         kv_namespace = self.headers.get(KV_HEADER)
         if kv_namespace is not None:
@@ -358,6 +352,15 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self._send(response.status, response.body, response.content_type, response.headers)
 
     do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_request
+
+    def _refuse_body(self, exc: Exception) -> None:
+        """A body over the limit (413), or whose Content-Length or chunk size is not a number
+        (400): either way the stream cannot be trusted, so the connection ends."""
+        self.close_connection = True
+        if isinstance(exc, BodyTooLarge):
+            self._send(413, b"request body too large", "text/plain")
+        else:
+            self._send(400, b"malformed request body framing", "text/plain")
 
     def version_string(self) -> str:
         return self.server_version
@@ -387,13 +390,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
             return
         try:
             body = _RequestBody(self)
-        except BodyTooLarge:
-            self.close_connection = True
-            self._send(413, b"request body too large", "text/plain")
-            return
-        except ValueError:
-            self.close_connection = True
-            self._send(400, b"malformed request body framing", "text/plain")
+        except (BodyTooLarge, ValueError) as exc:
+            self._refuse_body(exc)
             return
         headers = HTTPHeaderDict()
         original_host = self.headers.get(ORIGINAL_HOST_HEADER)
