@@ -581,28 +581,9 @@ class _RequestHandler(BaseHTTPRequestHandler):
     # --- plumbing -------------------------------------------------------------------------------
 
     def _read_body(self) -> bytes:
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            return self._read_chunked()
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
-            raise BodyTooLarge
-        return self.rfile.read(length) if length else b""
-
-    def _read_chunked(self) -> bytes:
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            size = int(self.rfile.readline(1024).split(b";", 1)[0].strip() or b"0", 16)
-            if size == 0:
-                # Trailer fields, if any, end with an empty line.
-                while self.rfile.readline(8192) not in (b"\r\n", b"\n", b""):
-                    pass
-                return b"".join(chunks)
-            total += size
-            if total > MAX_BODY_BYTES:
-                raise BodyTooLarge
-            chunks.append(self.rfile.read(size))
-            self.rfile.readline(8)
+        """The whole body of an API or control call (a script's call streams instead)."""
+        pieces = _RequestBody(self).pieces()
+        return b"".join(pieces) if pieces is not None else b""
 
     def _send_json(self, status: int, payload: Any) -> None:
         self._send(status, json.dumps(payload).encode(), "application/json")

@@ -22,6 +22,18 @@ START_CHECK_HEADER = "X-Sigil-Validate"
 RETIRE_HEADER = "X-Sigil-Retire"
 
 
+def _ask_host(pool: urllib3.PoolManager, route: Route, header: str, what: str) -> urllib3.BaseHTTPResponse:
+    """POST to the loader host behind `route` with the control `header` set. Raises
+    RuntimeUnavailable when the host cannot be reached."""
+    headers = {**dict(route.headers), header: "1"}
+    if route.host_header:
+        headers["Host"] = route.host_header
+    try:
+        return pool.request("POST", route.base_url + "/", headers=headers)
+    except urllib3.exceptions.HTTPError as exc:
+        raise RuntimeUnavailable(f"the loader host could not be asked to {what}: {exc}") from exc
+
+
 def loader_host_start_check(pool: urllib3.PoolManager, route: Route) -> bool:
     """Start the code behind `route` on its loader host. Returns True when it started, False
     when the host does not see the code yet (Workers KV is eventually consistent).
@@ -29,13 +41,7 @@ def loader_host_start_check(pool: urllib3.PoolManager, route: Route) -> bool:
     Raises RuntimeRejected with workerd's own words (a syntax error, an exception thrown by
     top-level code), RuntimeUnavailable when the host cannot be asked or cannot tell.
     """
-    headers = {**dict(route.headers), START_CHECK_HEADER: "1"}
-    if route.host_header:
-        headers["Host"] = route.host_header
-    try:
-        response = pool.request("POST", route.base_url + "/", headers=headers)
-    except urllib3.exceptions.HTTPError as exc:
-        raise RuntimeUnavailable(f"the loader host could not be asked to start the code: {exc}") from exc
+    response = _ask_host(pool, route, START_CHECK_HEADER, "start the code")
     if response.status == 204:
         return True
     kind = response.headers.get("x-sigil-error")
@@ -53,13 +59,7 @@ def loader_host_retire(pool: urllib3.PoolManager, route: Route) -> None:
 
     Raises RuntimeUnavailable when the host cannot be asked.
     """
-    headers = {**dict(route.headers), RETIRE_HEADER: "1"}
-    if route.host_header:
-        headers["Host"] = route.host_header
-    try:
-        response = pool.request("POST", route.base_url + "/", headers=headers)
-    except urllib3.exceptions.HTTPError as exc:
-        raise RuntimeUnavailable(f"the loader host could not be asked to release the code: {exc}") from exc
+    response = _ask_host(pool, route, RETIRE_HEADER, "release the code")
     if response.status != 204:
         kind = response.headers.get("x-sigil-error")
         raise RuntimeUnavailable(f"the loader host answered the release with {response.status} ({kind or 'unmarked'})")
