@@ -292,8 +292,7 @@ class Gateway:
                     retry_after=1,
                 ) from exc
             self.finish(call, ok=False)
-            message = f"{call.full} {stopped.message} and was stopped"
-            raise (Timeout(message) if stopped.reason == "cpu" else CapabilityError(message)) from exc
+            raise stopped_at_limit(call.full, stopped.message, cpu=stopped.reason == "cpu") from exc
 
     def target(self, route: routes.CachedRoute) -> Route:
         # The route's own runtime: while `switchbackend` moves capabilities, some are still
@@ -397,10 +396,9 @@ class Gateway:
             # and classed as the local runtime's stops are: 504 for CPU, else 502.
             self.finish(call, ok=False)
             if failure == EXCEEDED_CPU:
-                error = Timeout(f"{call.full} {_runtime_message(message, 'ran past its CPU limit')} and was stopped")
+                error = stopped_at_limit(call.full, _runtime_message(message, "ran past its CPU limit"), cpu=True)
             else:
-                limits = "its resource limits (CPU time or memory)"
-                error = CapabilityError(f"{call.full} ran past {limits} and was stopped")
+                error = stopped_at_limit(call.full, "ran past its resource limits (CPU time or memory)", cpu=False)
         else:
             logger.error("runtime refused a call to %s: %s %s", call.full, failure, message)
             error = UpstreamError(f"the runtime failed to run {call.full} ({failure})")
@@ -590,6 +588,13 @@ def _unexpected(environ, exc: Exception) -> SigilError:
 def _db_connection_open() -> bool:
     """Whether this thread holds an open database connection (cheap: no I/O)."""
     return connection.connection is not None
+
+
+def stopped_at_limit(full: str, what: str, *, cpu: bool) -> SigilError:
+    """The answer to a call its runtime stopped at a limit, alike on every runtime: 504 for
+    CPU time, 502 otherwise (memory, or a limit Cloudflare does not name)."""
+    message = f"{full} {what} and was stopped"
+    return Timeout(message) if cpu else CapabilityError(message)
 
 
 def _runtime_message(body: str, fallback: str) -> str:
