@@ -173,7 +173,8 @@ class CapabilityDeployApi(APIView):
         type = serializers.ChoiceField(choices=["persistent", "normal", "ephemeral"], required=False, allow_null=True)
         ttl = StrictIntegerField(required=False, allow_null=True)
         bindings = serializers.ListField(child=StrictCharField(), required=False, default=list)
-        public = StrictBooleanField(required=False, default=False)
+        # Omitted: a redeploy keeps the capability's value, a new capability is private.
+        public = StrictBooleanField(required=False)
 
     class OutputSerializer(serializers.Serializer):
         capability = serializers.CharField()
@@ -208,7 +209,7 @@ class CapabilityDeployApi(APIView):
             type=data.get("type"),
             ttl=data.get("ttl"),
             bindings=data["bindings"],
-            is_public=data["public"],
+            is_public=data.get("public"),
         )
         body = {
             "capability": result.capability.full_name,

@@ -108,11 +108,13 @@ def capability_deploy(
     type: str | None = None,
     ttl: int | None = None,
     bindings: list[str] | None = None,
-    is_public: bool = False,
+    is_public: bool | None = None,
     now: datetime | None = None,
 ) -> DeployResult:
     """Deploy a new capability or a new version of one, and place it on the runtime.
 
+    A field left as None was not sent: a redeploy keeps the capability's value for it
+    (`_keep_omitted`), a new capability gets the default.
     The same code again is idempotent: no new version, no runtime call, no cool-down.
     Raises InvalidRequest, Forbidden (also for a binding not granted to the agent), TooLarge,
     Conflict (another type holds the name, or a concurrent deploy of it), Cooldown,
@@ -120,6 +122,10 @@ def capability_deploy(
     """
     now = now or timezone.now()
     bindings = list(bindings or [])
+    kept = _keep_omitted(
+        _existing_capability(principal, agent=agent, name=name), {"type": type, "is_public": is_public}
+    )
+    type, is_public = kept["type"], kept["is_public"]
     type, name, ttl = _validate_deploy(
         principal=principal, agent=agent, name=name, code=code, type=type, ttl=ttl, bindings=bindings
     )
@@ -196,6 +202,33 @@ def capability_deploy(
         cold_start=placement.cold_start,
         evicted=placement.evicted,
     )
+
+
+# What a redeploy keeps when the agent leaves a field out, read from the capability; a new
+# capability gets the default instead (None: decided by the deploy's rules, as for `type`).
+KEPT_WHEN_OMITTED = {"type": None, "is_public": False}
+
+
+def _existing_capability(principal: Principal, *, agent: str | None, name: str | None) -> Capability | None:
+    """The capability a deploy would replace, if any (another agent's is refused later)."""
+    if name is None or (agent is not None and agent != principal.agent_name):
+        return None
+    return (
+        Capability.objects.exclude(state=State.REMOVED)
+        .filter(full_name=names.full_name(principal.agent_name, name))
+        .first()
+    )
+
+
+def _keep_omitted(existing: Capability | None, sent: dict) -> dict:
+    """`sent` with each omitted (None) field of KEPT_WHEN_OMITTED filled from `existing`, or
+    with its default when there is no capability yet."""
+    return {
+        field: value
+        if value is not None
+        else (getattr(existing, field) if existing is not None else KEPT_WHEN_OMITTED[field])
+        for field, value in sent.items()
+    }
 
 
 def _unused_ephemeral_name(agent_name: str) -> str:

@@ -107,6 +107,44 @@ def test_name_taken_by_another_type_is_a_conflict(alice):
     assert Capability.objects.get(full_name="alice--ping").type == "normal"
 
 
+def test_a_redeploy_without_type_or_public_keeps_them(alice, bob):
+    assert alice.deploy(name="ping", code=PONG, type="normal", public=True).status_code == 201
+    redeployed = alice.deploy(name="ping", code=PONG + " ")
+    assert redeployed.status_code == 200, redeployed.text
+    assert redeployed.json()["version"] == 2
+    inspected = bob.session.get(f"{bob.base_url}/_api/capabilities/alice--ping", headers=bob.headers(bob.invoke_token))
+    assert inspected.status_code == 200
+    assert (inspected.json()["type"], inspected.json()["public"]) == ("normal", True)
+    # Sent, they still change what they name.
+    assert alice.deploy(name="ping", code=PONG + "  ", public=False).status_code == 200
+    assert bob.call("/alice/ping").status_code == 404
+    assert Capability.objects.get(full_name="alice--ping").type == "normal"
+
+
+def test_an_unchanged_redeploy_without_public_keeps_it(alice, bob):
+    assert alice.deploy(name="ping", code=PONG, public=True).status_code == 201
+    assert alice.deploy(name="ping", code=PONG).status_code == 200
+    assert bob.call("/alice/ping").status_code == 200
+
+
+def test_a_new_capability_without_type_or_public_is_persistent_and_private(alice, bob):
+    assert alice.deploy(name="ping", code=PONG).status_code == 201
+    inspected = alice.session.get(
+        f"{alice.base_url}/_api/capabilities/alice--ping", headers=alice.headers(alice.invoke_token)
+    )
+    assert (inspected.json()["type"], inspected.json()["public"]) == ("persistent", False)
+    assert bob.call("/alice/ping").status_code == 404
+
+
+def test_an_ephemeral_redeployed_by_name_without_type_stays_ephemeral(alice):
+    full = alice.deploy(code=PONG, public=True).json()["capability"]
+    name = full.split("--", 1)[1]
+    redeployed = alice.deploy(name=name, code=PONG + " ")
+    assert redeployed.status_code == 200, redeployed.text
+    capability = Capability.objects.get(full_name=full)
+    assert (capability.type, capability.is_public) == ("ephemeral", True)
+
+
 def test_deploy_cooldown_answers_429_with_retry_after(alice, settings):
     settings.SIGIL_DEPLOY_COOLDOWN_SECONDS = 5
     assert alice.deploy(name="one", code=PONG).status_code == 201
