@@ -42,6 +42,38 @@ class SwitchEvent:
     lines: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class SwitchPlan:
+    """What a switch would do, read without touching anything: `moving` are (full name, its
+    runtime) in the order they would move; `unrecorded` were placed before Sigil recorded
+    runtimes (they count as `source`'s, and make the switch refuse without one)."""
+
+    target: str
+    source: str | None
+    moving: list[tuple[str, str]]
+    unrecorded: int
+
+
+def switch_plan(*, source: str | None) -> SwitchPlan:
+    """The capabilities a switch to the current runtime would move. Raises InvalidRequest
+    where the switch itself would refuse to start."""
+    target = get_runtime().name
+    if source == target:
+        raise InvalidRequest(f"SIGIL_BACKEND is already {source}: set it to the runtime to switch to")
+    unrecorded = Capability.objects.exclude(state=State.REMOVED).filter(backend="").count()
+    if unrecorded and source is None:
+        raise InvalidRequest(
+            f"{unrecorded} capabilities were placed before Sigil recorded their runtime: name it with --from"
+        )
+    moving = Capability.objects.exclude(state=State.REMOVED).exclude(backend=target)
+    if source is not None:
+        moving = moving.filter(backend__in=[source, ""])
+    # Most recently called first: on a runtime with a slot limit, they are the ones placed.
+    fulls = moving.order_by(F("last_access_at").desc(nulls_last=True), "full_name").values_list("full_name", "backend")
+    moving_now = [(full, backend or source) for full, backend in fulls]
+    return SwitchPlan(target=target, source=source, moving=moving_now, unrecorded=unrecorded)
+
+
 def backend_switch(*, source: str | None, actor: str, grace_seconds: float) -> Iterator[SwitchEvent]:
     """Move every capability not on the current runtime to it, yielding progress.
 
@@ -52,26 +84,13 @@ def backend_switch(*, source: str | None, actor: str, grace_seconds: float) -> I
     A capability that cannot move is reported and keeps being served where it is.
     """
     runtime = get_runtime()
-    if source == runtime.name:
-        raise InvalidRequest(f"SIGIL_BACKEND is already {source}: set it to the runtime to switch to")
+    switch_plan(source=source)  # refuses what the switch cannot start with
     yield SwitchEvent("provisioned", backend=runtime.name, lines=runtime.provision())
 
-    unrecorded = Capability.objects.exclude(state=State.REMOVED).filter(backend="")
-    if unrecorded.exists():
-        if source is None:
-            raise InvalidRequest(
-                f"{unrecorded.count()} capabilities were placed before Sigil recorded their runtime: "
-                "name it with --from"
-            )
+    if Capability.objects.exclude(state=State.REMOVED).filter(backend="").exists():
         yield SwitchEvent("adopted", backend=source, total=services.capability_adopt_backend(backend=source))
 
-    moving = Capability.objects.exclude(state=State.REMOVED).exclude(backend=runtime.name)
-    if source is not None:
-        moving = moving.filter(backend=source)
-    # Most recently called first: on a runtime with a slot limit, they are the ones placed.
-    fulls = list(
-        moving.order_by(F("last_access_at").desc(nulls_last=True), "full_name").values_list("full_name", "backend")
-    )
+    fulls = switch_plan(source=source).moving
     sources = {backend for _, backend in fulls} | ({source} if source else set())
 
     pending: deque[tuple[float, str, str, str]] = deque()  # (due, backend, slot, full)

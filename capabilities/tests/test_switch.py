@@ -2,6 +2,7 @@
 agents keep calling them over HTTP, against the Cloudflare emulator."""
 
 import io
+import json
 import re
 import threading
 
@@ -168,3 +169,29 @@ def test_a_capability_the_new_runtime_cannot_give_its_bindings_stays_served_wher
     assert alice.call("/alice/plain").text == "plain"
     assert sorted(s.id for s in cf_client.namespace_script_list("sigil")) == ["alice--cached"]
     assert get_runtime().name == "loader"
+
+
+def test_a_dry_run_lists_what_would_move_and_changes_nothing(on_the_pool, alice, sigil, settings, cf_emulator_fresh):
+    switch_to(settings, sigil, "platform")
+    calls_before = len(cf_emulator_fresh.api_calls())
+    output = io.StringIO()
+    call_command("switchbackend", "--dry-run", "--json", stdout=output)
+    plan = json.loads(output.getvalue())
+    assert plan["to"] == "platform" and plan["unrecorded"] == 0
+    assert sorted(item["capability"] for item in plan["moving"]) == [f"alice--{n}" for n in on_the_pool]
+    assert {item["from"] for item in plan["moving"]} == {"worker-pool"}
+    assert len(cf_emulator_fresh.api_calls()) == calls_before  # no runtime was called
+    assert set(Capability.objects.values_list("backend", flat=True)) == {"worker-pool"}
+    assert not AuditEvent.objects.filter(action="capability.switched").exists()
+    text = io.StringIO()
+    call_command("switchbackend", "--dry-run", stdout=text)
+    assert "alice--a: worker-pool -> platform" in text.getvalue()
+    assert "Would switch 5 capabilities to platform; nothing was changed." in text.getvalue()
+
+    Capability.objects.update(backend="")
+    with pytest.raises(CommandError, match="--from"):
+        call_command("switchbackend", "--dry-run", stdout=io.StringIO())
+    output = io.StringIO()
+    call_command("switchbackend", "--dry-run", "--json", "--from", "worker-pool", stdout=output)
+    assert json.loads(output.getvalue())["unrecorded"] == 5
+    assert set(Capability.objects.values_list("backend", flat=True)) == {""}

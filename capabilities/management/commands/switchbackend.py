@@ -1,13 +1,15 @@
-"""`python manage.py switchbackend [--from BACKEND]`: move every capability to the runtime
+"""`python manage.py switchbackend [--from BACKEND] [--dry-run [--json]]`: move every capability to the runtime
 SIGIL_BACKEND now names, showing progress. Run it after restarting Sigil with the new
 SIGIL_BACKEND; run it again if it was interrupted."""
+
+import json
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from capabilities.runtimes import RUNTIMES
 from capabilities.runtimes.base import RuntimeFailure
-from capabilities.switch import SwitchEvent, backend_switch
+from capabilities.switch import SwitchEvent, SwitchPlan, backend_switch, switch_plan
 from sigil_site.errors import SigilError
 
 
@@ -26,8 +28,23 @@ class Command(BaseCommand):
             help="move only capabilities on this runtime; also the runtime of capabilities placed before "
             "Sigil recorded runtimes",
         )
+        parser.add_argument(
+            "--dry-run", action="store_true", help="only list what would move; change nothing, call no runtime"
+        )
+        parser.add_argument(
+            "--json", action="store_true", dest="as_json", help="with --dry-run: print the list as JSON"
+        )
 
-    def handle(self, *args, source: str | None = None, **options) -> None:
+    def handle(self, *args, source: str | None = None, dry_run: bool = False, as_json: bool = False, **options) -> None:
+        if as_json and not dry_run:
+            raise CommandError("--json goes with --dry-run")
+        if dry_run:
+            try:
+                plan = switch_plan(source=source)
+            except SigilError as exc:
+                raise CommandError(str(exc)) from exc
+            self._show_plan(plan, as_json=as_json)
+            return
         target = settings.SIGIL_BACKEND
         counts = {"moved": 0, "reassigned": 0, "already": 0, "gone": 0, "failed": 0}
         try:
@@ -41,6 +58,15 @@ class Command(BaseCommand):
         self.stdout.write(f"Switched to {target}: {summary or 'nothing to move'}.")
         if counts["failed"]:
             raise CommandError(f"{counts['failed']} could not be switched; they are still served where they were")
+
+    def _show_plan(self, plan: SwitchPlan, *, as_json: bool) -> None:
+        moving = [{"capability": full, "from": backend} for full, backend in plan.moving]
+        if as_json:
+            self.stdout.write(json.dumps({"to": plan.target, "unrecorded": plan.unrecorded, "moving": moving}))
+            return
+        for item in moving:
+            self.stdout.write(f"{item['capability']}: {item['from']} -> {plan.target}")
+        self.stdout.write(f"Would switch {len(moving)} capabilities to {plan.target}; nothing was changed.")
 
     def _show(self, event: SwitchEvent, target: str, counts: dict[str, int]) -> None:
         if event.kind == "provisioned":

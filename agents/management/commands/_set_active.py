@@ -1,0 +1,22 @@
+"""What `disableagent` and `enableagent` share (not a command itself: its name starts with _)."""
+
+from django.core.management.base import CommandParser
+
+from agents import services
+from sigil_site.owner_commands import CLI_ACTOR, OwnerCommand, agent_named
+
+
+class SetAgentActive(OwnerCommand):
+    is_active: bool
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        super().add_arguments(parser)
+        parser.add_argument("agent")
+
+    def act(self, *, agent: str, **options) -> dict:
+        changed = services.agent_set_active(agent=agent_named(agent), is_active=self.is_active, actor=CLI_ACTOR)
+        return {"agent": agent, "active": self.is_active, "changed": changed}
+
+    def describe(self, result: dict) -> str:
+        done = "enabled" if self.is_active else "disabled"
+        return f"{result['agent']} {done}" if result["changed"] else f"{result['agent']} was already {done}"

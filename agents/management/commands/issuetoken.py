@@ -1,0 +1,31 @@
+"""`python manage.py issuetoken AGENT --scope deploy|invoke [--label L] [--expires-days N] [--json]`."""
+
+from datetime import timedelta
+
+from django.core.management.base import CommandParser
+from django.utils import timezone
+
+from agents import services
+from agents.models import Scope
+from sigil_site.owner_commands import CLI_ACTOR, OwnerCommand, agent_named, iso
+
+
+class Command(OwnerCommand):
+    help = "Issue a token to an agent; its secret is shown once."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        super().add_arguments(parser)
+        parser.add_argument("agent")
+        parser.add_argument("--scope", required=True, choices=Scope.values)
+        parser.add_argument("--label", default="", help="a note to recognise the token by")
+        parser.add_argument("--expires-days", type=float, help="days until the token stops working (default never)")
+
+    def act(self, *, agent: str, scope: str, label: str, expires_days: float | None, **options) -> dict:
+        expires_at = timezone.now() + timedelta(days=expires_days) if expires_days is not None else None
+        token, secret = services.token_issue(
+            agent=agent_named(agent), scope=scope, actor=CLI_ACTOR, label=label, expires_at=expires_at
+        )
+        return {"agent": agent, "scope": scope, "prefix": token.prefix, "token": secret, "expires_at": iso(expires_at)}
+
+    def describe(self, result: dict) -> str:
+        return f"{result['scope']} token for {result['agent']}, shown once:\n  {result['token']}"

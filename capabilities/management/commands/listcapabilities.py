@@ -1,0 +1,41 @@
+"""`python manage.py listcapabilities [--agent NAME] [--state STATE] [--json]`."""
+
+from django.core.management.base import CommandParser
+
+from capabilities.models import Capability, State
+from sigil_site.owner_commands import OwnerCommand, agent_named, iso, table
+
+
+class Command(OwnerCommand):
+    help = "List the capabilities (removed ones only with --state removed), with their version, breaker and calls."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        super().add_arguments(parser)
+        parser.add_argument("--agent", help="only this agent's")
+        parser.add_argument("--state", choices=State.values, help="only those in this state")
+
+    def act(self, *, agent: str | None, state: str | None, **options) -> list[dict]:
+        query = Capability.objects.select_related("agent", "current_version").order_by("full_name")
+        query = query.filter(state=state) if state else query.exclude(state=State.REMOVED)
+        if agent:
+            query = query.filter(agent=agent_named(agent))
+        return [
+            {
+                "capability": c.full_name,
+                "agent": c.agent.name,
+                "type": c.type,
+                "public": c.is_public,
+                "state": c.state,
+                "backend": c.backend,
+                "version": c.current_version.number if c.current_version else None,
+                "breaker": c.breaker_state,
+                "calls": c.calls_total,
+                "errors": c.errors_total,
+                "last_access_at": iso(c.last_access_at),
+                "expires_at": iso(c.expires_at),
+            }
+            for c in query
+        ]
+
+    def describe(self, result: list[dict]) -> str:
+        return table(result, ["capability", "type", "public", "state", "version", "breaker", "calls", "errors"])

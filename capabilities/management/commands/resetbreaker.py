@@ -1,0 +1,21 @@
+"""`python manage.py resetbreaker AGENT--NAME [--json]`."""
+
+from django.core.management.base import CommandParser
+
+from capabilities import services
+from sigil_site.owner_commands import CLI_ACTOR, OwnerCommand, capability_named
+
+
+class Command(OwnerCommand):
+    help = "Close a capability's breaker now: calls reach it again (a forced degraded state ends too)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        super().add_arguments(parser)
+        parser.add_argument("capability", help="its full name, agent--name")
+
+    def act(self, *, capability: str, **options) -> dict:
+        services.capability_reset_breaker(capability=capability_named(capability), actor=CLI_ACTOR)
+        return {"capability": capability, "breaker": "closed"}
+
+    def describe(self, result: dict) -> str:
+        return f"{result['capability']}: breaker closed"

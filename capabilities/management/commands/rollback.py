@@ -1,0 +1,34 @@
+"""`python manage.py rollback AGENT--NAME VERSION [--json]`."""
+
+from django.core.management.base import CommandParser
+
+from capabilities import services
+from sigil_site.owner_commands import CLI_ACTOR, OwnerCommand, capability_named
+
+
+class Command(OwnerCommand):
+    help = (
+        "Serve an earlier version's code again, as a new version numbered after the latest "
+        "(bindings and the public flag stay as they are)."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        super().add_arguments(parser)
+        parser.add_argument("capability", help="its full name, agent--name")
+        parser.add_argument("version", type=int, help="the version whose code to serve")
+
+    def act(self, *, capability: str, version: int, **options) -> dict:
+        current = capability_named(capability)
+        previous = current.current_version.number if current.current_version else None
+        result = services.capability_rollback(capability=current, version_number=version, actor=CLI_ACTOR)
+        return {
+            "capability": capability,
+            "restored": version,
+            "version": result.version.number,
+            "changed": result.version.number != previous,
+        }
+
+    def describe(self, result: dict) -> str:
+        if not result["changed"]:
+            return f"{result['capability']} already serves the code of version {result['restored']}"
+        return f"{result['capability']}: version {result['version']} serves the code of version {result['restored']}"
