@@ -16,7 +16,7 @@ NODE_STAMP := node_modules/.sigil-package-lock
 # that Playwright downloads itself).
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: install run test lint format bench
+.PHONY: install run dev test lint format bench
 
 install: $(PY_STAMP) $(NODE_STAMP)
 
@@ -41,6 +41,11 @@ $(CHROMIUM):
 run: install
 	$(PY) manage.py migrate --noinput
 	exec $(PY) manage.py runsigil --port $(PORT)
+
+# The same, with Django's development server restarting the web process when the code changes.
+dev: install
+	$(PY) manage.py migrate --noinput
+	exec $(PY) manage.py runsigil --dev --port $(PORT)
 
 test: install $(CHROMIUM)
 	$(PY) -m pytest -n $(TEST_WORKERS)

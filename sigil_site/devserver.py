@@ -1,4 +1,4 @@
-"""Django's development server (`make run`'s, and the test suite's) reading chunked bodies.
+"""Django's development server (`make dev`'s, and the test suite's) reading chunked bodies.
 
 Django's server reads a request body by its Content-Length only: a chunked body was read as
 empty, and its bytes were then taken for the next request on the connection. Production

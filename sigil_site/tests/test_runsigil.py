@@ -85,6 +85,14 @@ def http_status(port: int, path: str) -> int | None:
         connection.close()
 
 
+def oversized_headers_answer(port: int) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /_health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 2_000_000 + b"\r\n\r\n")
+        answer = sock.recv(4096)
+    assert b"<html" not in answer.lower()
+    return answer
+
+
 @pytest.mark.slow
 def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(embedded_env):
     web_port, workerd_port = free_port(), int(embedded_env["SIGIL_WORKERD_PORT"])
@@ -128,8 +136,13 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
         chunky = AgentClient("chunky", tokens["deploy_token"], tokens["invoke_token"], f"http://127.0.0.1:{web_port}")
         deploy_and_echo_chunked(chunky.base_url, chunky, chunky.session)
 
+        # granian, as in production: the admin's files, and headers past its limit refused
+        # with a bare 431 (no HTML page), the connection closed.
+        assert http_status(web_port, "/static/admin/css/base.css") == 200
+        assert oversized_headers_answer(web_port).startswith(b"HTTP/1.1 431 ")
+
         children |= descendants(process.pid)
-        web = next(pid for pid in children if "runserver" in command_line(pid))
+        web = next(pid for pid in children if "granian" in command_line(pid) and "--interface" in command_line(pid))
         runworkerd = next(pid for pid in children if "runworkerd" in command_line(pid))
         workerd = next(pid for pid in descendants(runworkerd) if "workerd serve" in command_line(pid))
         # workerd outlives a runworkerd killed outright unless the supervisor stops its group.
@@ -183,6 +196,16 @@ def test_the_local_backend_runs_workerd_and_no_emulator(settings):
     programs, _ = sigil_programs(port=8000)
 
     assert [program.name for program in programs] == ["workerd", "celery", "web"]
+    assert "granian" in programs[-1].argv[0] and "sigil_site.wsgi:application" in programs[-1].argv
+
+
+def test_dev_serves_with_djangos_reloading_server(settings):
+    settings.SIGIL_EMBEDDED_REDIS = False
+
+    programs, _ = sigil_programs(port=8000, dev=True)
+
+    web = programs[-1].argv
+    assert "runserver" in web and "--noreload" not in web
 
 
 def test_the_emulator_runs_when_the_cloudflare_api_base_points_at_it(settings):

@@ -1,4 +1,4 @@
-"""Chunked request bodies reach the control API and capabilities whole, under `make run`'s
+"""Chunked request bodies reach the control API and capabilities whole, under `make dev`'s
 server and under each production server the README names."""
 
 import json
@@ -11,7 +11,7 @@ from testsupport.capability_code import ECHO
 from testsupport.servers import SERVERS, chunks, deploy_and_echo_chunked, served
 
 
-def test_chunked_bodies_on_make_runs_server_and_the_connection_stays_usable(alice):
+def test_chunked_bodies_on_make_devs_server_and_the_connection_stays_usable(alice):
     with requests.Session() as session:
         deploy_and_echo_chunked(alice.base_url, alice, session)
         # The same kept-alive connection serves the next request: no chunk was left behind.
@@ -31,7 +31,7 @@ def test_an_oversized_chunked_deploy_is_a_413_in_the_envelope(alice, settings):
     assert response.json()["error"]["code"] == "too_large"
 
 
-def test_a_malformed_chunked_body_is_a_400_on_make_runs_server(sigil):
+def test_a_malformed_chunked_body_is_a_400_on_make_devs_server(sigil):
     import socket
 
     with socket.create_connection(("127.0.0.1", int(sigil.url.rsplit(":", 1)[1])), timeout=10) as sock:

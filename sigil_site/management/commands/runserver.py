@@ -1,4 +1,4 @@
-"""`runserver` (as `make run` starts it) on Sigil's server, which reads chunked bodies."""
+"""`runserver` (as `make dev` starts it) on Sigil's server, which reads chunked bodies."""
 
 from django.contrib.staticfiles.management.commands.runserver import Command as StaticFilesRunserver
 

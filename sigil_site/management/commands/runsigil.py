@@ -12,6 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from django.conf import settings
+from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
@@ -30,7 +31,7 @@ MANAGE = str(settings.BASE_DIR / "manage.py")
 class Command(BaseCommand):
     help = (
         "Run Sigil: the bundled Redis (when REDIS_URL is unset), workerd, a Celery worker with beat "
-        "and the web server on 127.0.0.1:PORT; restart any that dies; stop them all on Ctrl-C or SIGTERM."
+        "and the web server (granian) on 127.0.0.1:PORT; restart any that dies; stop them all on Ctrl-C or SIGTERM."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -38,12 +39,21 @@ class Command(BaseCommand):
         parser.add_argument(
             "--ready-timeout", type=float, default=60.0, help="Seconds to wait for everything to answer."
         )
+        parser.add_argument(
+            "--dev",
+            action="store_true",
+            help="serve with Django's development server, which restarts when the code changes (make dev), "
+            "instead of granian",
+        )
 
-    def handle(self, *args, port: int, ready_timeout: float, **options) -> None:
+    def handle(self, *args, port: int, ready_timeout: float, dev: bool = False, **options) -> None:
         self._check_can_start(port)
         base_url = f"http://127.0.0.1:{port}"
+        if not dev:
+            # granian serves the admin's files from STATIC_ROOT, as a proxy would in production.
+            call_command("collectstatic", interactive=False, verbosity=0)
 
-        programs, redis_url = sigil_programs(port=port)
+        programs, redis_url = sigil_programs(port=port, dev=dev)
         self._say(
             f"Sigil: backend  {describe_backend()}\n"
             f"       database {describe_database()}\n"
@@ -109,7 +119,7 @@ def runs_emulator() -> bool:
     return api.hostname in ("127.0.0.1", "localhost") and api.port == settings.CF_EMULATOR_PORT
 
 
-def sigil_programs(*, port: int) -> tuple[list[Program], str]:
+def sigil_programs(*, port: int, dev: bool = False) -> tuple[list[Program], str]:
     """What runsigil runs, in the order it starts them, and the Redis URL they are given."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     programs = []
@@ -147,17 +157,27 @@ def sigil_programs(*, port: int) -> tuple[list[Program], str]:
         "--schedule", str(settings.CELERY_BEAT_SCHEDULE_FILENAME),
     ]  # fmt: skip
     programs.append(Program("celery", celery, ready=lambda: celery_answers(node), env=env, stop_timeout=20.0))
-    # --insecure serves the admin's static files although DEBUG is off; --noreload
-    # because the supervisor restarts it, and WSGI_APPLICATION is the gateway app.
-    programs.append(
-        Program(
-            "web",
-            [sys.executable, MANAGE, "runserver", f"127.0.0.1:{port}", "--noreload", "--insecure"],
-            ready=lambda: http_answers(port),
-            env=env,
-        )
-    )
+    web = runserver_command(port) if dev else granian_command(port)
+    programs.append(Program("web", web, ready=lambda: http_answers(port), env=env))
     return programs, env.get("REDIS_URL", settings.REDIS_URL)
+
+
+def granian_command(port: int) -> list[str]:
+    """The server the README's Production section runs, with one worker."""
+    return [
+        str(Path(sys.executable).parent / "granian"),
+        "--interface", "wsgi", "--host", "127.0.0.1", "--port", str(port),
+        "--workers", "1", "--blocking-threads", "8", "--http", "1", "--no-ws",
+        "--respawn-failed-workers",
+        "--static-path-route", "/static", "--static-path-mount", str(settings.STATIC_ROOT),
+        "sigil_site.wsgi:application",
+    ]  # fmt: skip
+
+
+def runserver_command(port: int) -> list[str]:
+    """Django's development server, restarting when the code changes. --insecure serves the
+    admin's static files although DEBUG is off; WSGI_APPLICATION is the gateway app."""
+    return [sys.executable, MANAGE, "runserver", f"127.0.0.1:{port}", "--insecure"]
 
 
 def banner(base_url: str, owner: OwnerAccount) -> str:
