@@ -505,25 +505,26 @@ STATUS_TEXT = {
 
 
 def log_access(environ, status: int, started: float, *, capability: str | None, page_in_ms: float | None) -> None:
-    """One JSON line per gateway request (logger `sigil.access`).
-
-    Built by hand rather than with json.dumps of a dict: this runs on every call, and only
-    the path (the caller's text) needs escaping; the method is an HTTP token and the
-    capability a validated name.
-    """
+    """One line per gateway request (logger `sigil.access`), its fields as the log's own
+    (sigil_site/logs.py: JSON or text, with the time, process and request id)."""
     if not access_logger.isEnabledFor(logging.INFO):
         return
-    ms = (time.perf_counter() - started) * 1000
+    ms = round((time.perf_counter() - started) * 1000, 3)
+    method, path = environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", "")
     access_logger.info(
-        '{"time":%.3f,"method":"%s","path":%s,"capability":%s,"status":%d,"cold":%s,"page_in_ms":%s,"ms":%.3f}',
-        time.time(),
-        environ.get("REQUEST_METHOD", ""),
-        json.dumps(environ.get("PATH_INFO", "")),
-        f'"{capability}"' if capability else "null",
+        "%s %s %d",
+        method,
+        path,
         status,
-        "false" if page_in_ms is None else "true",
-        "null" if page_in_ms is None else f"{page_in_ms:.3f}",
-        ms,
+        extra={
+            "method": method,
+            "path": path,
+            "capability": capability,
+            "status": status,
+            "cold": page_in_ms is not None,
+            "page_in_ms": None if page_in_ms is None else round(page_in_ms, 3),
+            "ms": ms,
+        },
     )
 
 

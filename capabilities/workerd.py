@@ -82,6 +82,21 @@ def _capnp_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+#: what workerd prints (its warnings, a capability's uncaught errors), relayed into Sigil's log
+output_logger = logging.getLogger("capabilities.workerd.output")
+
+
+def _relay_output(process: subprocess.Popen, log_path: Path, port: int) -> None:
+    """Copy each line workerd prints to its log file and to Sigil's log, until it exits.
+    Read on whatever happens, or workerd would block on a full pipe."""
+    with open(log_path, "ab") as log:
+        for raw in process.stdout:
+            log.write(raw)
+            log.flush()
+            output_logger.info("%s", raw.decode(errors="replace").rstrip(), extra={"workerd_port": port})
+    process.stdout.close()
+
+
 @dataclass
 class WorkerdHost:
     """One workerd process serving the loader host on 127.0.0.1:`port`.
@@ -184,15 +199,17 @@ const host :Workerd.Worker = (
             )
         self.write_config()
         env = {**os.environ, **self.environment()}
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [self.binary, "serve", str(self.config_path), "--experimental"],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=self.own_session,
-            )
+        self.process = subprocess.Popen(
+            [self.binary, "serve", str(self.config_path), "--experimental"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=self.own_session,
+        )
+        threading.Thread(
+            target=_relay_output, args=(self.process, self.log_path, self.port), name="workerd-output", daemon=True
+        ).start()
         deadline = time.monotonic() + wait_seconds
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

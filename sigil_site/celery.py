@@ -1,16 +1,46 @@
 """The Celery app: settings under the CELERY_ namespace, tasks autodiscovered from tasks.py."""
 
+import logging
 import os
 import time
 
 from celery import Celery
-from celery.signals import task_failure, task_success, worker_ready
+from celery.signals import setup_logging, task_failure, task_postrun, task_prerun, task_success, worker_ready
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sigil_site.settings")
+# Warnings (Celery's about running as root) become log records in Sigil's format too.
+logging.captureWarnings(True)
 
 app = Celery("sigil", task_cls="celery.contrib.django.task:DjangoTask")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+# Celery logs through Sigil's own configuration (one format for every process, see
+# sigil_site/logs.py) instead of replacing the root logger's handlers with its own.
+@setup_logging.connect
+def _sigil_logging(**kwargs) -> None:
+    import logging.config
+
+    from django.conf import settings
+
+    logging.config.dictConfig(settings.LOGGING)
+    logging.captureWarnings(True)
+
+
+# A task's log lines carry its id as their request id (the id its failure is logged under).
+@task_prerun.connect
+def _name_task_lines(task_id=None, **kwargs) -> None:
+    from sigil_site.request_id import set_request_id
+
+    set_request_id(task_id)
+
+
+@task_postrun.connect
+def _end_task_lines(**kwargs) -> None:
+    from sigil_site.request_id import set_request_id
+
+    set_request_id(None)
 
 
 # Wiring only: the owner's beat schedule page shows when each periodic task last ran.

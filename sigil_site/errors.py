@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import secrets
 import sys
 
 import kombu.exceptions
@@ -15,6 +14,8 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404, HttpResponse
 from rest_framework import exceptions as drf
 from rest_framework.response import Response
+
+from sigil_site.request_id import current_request_id, new_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -107,13 +108,13 @@ def error_for_unexpected(exc: BaseException | None, *, request_id: str | None = 
     """The contract's answer to an exception that no handler expected.
 
     Redis unreachable (refused, reset, timed out) is `503 unavailable` with Retry-After;
-    anything else is `500 internal_error`, whose message carries `request_id` (a fresh one
-    unless given) for the caller to quote. The caller of this function logs the exception
-    with that id.
+    anything else is `500 internal_error`, whose message carries `request_id` (unless given,
+    the id of the request being served, which names its log lines, else a fresh one) for the
+    caller to quote. The caller of this function logs the exception with that id.
     """
     if isinstance(exc, REDIS_UNREACHABLE):
         return Unavailable("Sigil's Redis is unreachable; try again shortly", retry_after=UNAVAILABLE_RETRY_SECONDS)
-    return InternalError(request_id=request_id or secrets.token_hex(8))
+    return InternalError(request_id=request_id or current_request_id() or new_request_id())
 
 
 def envelope(code: str, message: str) -> dict:

@@ -8,6 +8,8 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from sigil_site.logs import logging_config, process_name
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -433,27 +435,18 @@ SIGIL_SWITCH_GRACE_SECONDS = env_float("SIGIL_SWITCH_GRACE_SECONDS", 5.0)
 
 # --- Logging ----------------------------------------------------------------------------
 
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {
-        "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
-        # The gateway's access lines are whole JSON objects, time included.
-        "access": {"format": "%(message)s"},
-    },
-    "handlers": {
-        "console": {"class": "logging.StreamHandler", "formatter": "plain"},
-        "access": {"class": "logging.StreamHandler", "formatter": "access"},
-    },
-    "root": {"handlers": ["console"], "level": env_str("SIGIL_LOG_LEVEL", "INFO")},
-    "loggers": {
-        "django.server": {"level": "WARNING"},
-        # Every login and failure is INFO there; lock-outs are WARNING.
-        "axes": {"level": "WARNING"},
-        "sigil.access": {
-            "handlers": ["access"],
-            "level": "INFO" if env_bool("SIGIL_ACCESS_LOG", True) else "WARNING",
-            "propagate": False,
-        },
-    },
-}
+# SIGIL_LOG_FORMAT is read by sigil_site/logs.py itself too, where Django's settings are not
+# loaded (granian's own logging, the supervisor); both read the same variable.
+SIGIL_LOG_FORMAT = env_str("SIGIL_LOG_FORMAT", "text")
+if SIGIL_LOG_FORMAT not in ("text", "json"):
+    raise ImproperlyConfigured(f"SIGIL_LOG_FORMAT must be 'text' or 'json', not {SIGIL_LOG_FORMAT!r}")
+# The name this process's log lines carry; runsigil names each program it starts.
+SIGIL_PROCESS_NAME = env_str("SIGIL_PROCESS_NAME", "")
+SIGIL_LOG_LEVEL = env_str("SIGIL_LOG_LEVEL", "INFO")
+
+LOGGING = logging_config(
+    kind=SIGIL_LOG_FORMAT,
+    process=SIGIL_PROCESS_NAME or process_name(),
+    level=SIGIL_LOG_LEVEL,
+    access_log=env_bool("SIGIL_ACCESS_LOG", True),
+)

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sigil_site.logs import relayed_line
+
 logger = logging.getLogger(__name__)
 
 #: a program that dies within this many seconds of its start is backed off before the next try
@@ -62,12 +64,15 @@ class Supervisor:
     """Runs `programs` as children in their own sessions, so that a Ctrl-C in the terminal
     reaches only the supervisor, which then stops them in the reverse order of their start.
 
-    Each line a child prints is passed to `emit` prefixed with the program's name.
+    Each line a child prints is passed to `emit` in the log's format (`log_format`, see
+    sigil_site/logs.py): as it is when it is in that format already, else marked with the
+    program's name.
     """
 
-    def __init__(self, programs: list[Program], *, emit: Callable[[str], None]) -> None:
+    def __init__(self, programs: list[Program], *, emit: Callable[[str], None], log_format: str = "text") -> None:
         self.children = [_Child(program) for program in programs]
         self._emit = emit
+        self._log_format = log_format
         self._emit_lock = threading.Lock()
         self._output_lost = False
         self._width = max((len(p.name) for p in programs), default=0)
@@ -163,12 +168,12 @@ class Supervisor:
         logger.info("started %s (pid %s)", program.name, child.process.pid)
 
     def _relay(self, child: _Child, process: subprocess.Popen) -> None:
-        prefix = f"{child.program.name:<{self._width}} | "
+        name = child.program.name
         for raw in process.stdout:
             line = raw.decode(errors="replace").rstrip("\n")
             child.tail.append(line)
             # Read on even when nobody can see it, or the child would block on a full pipe.
-            self.announce(prefix + line)
+            self.announce(relayed_line(name, line, kind=self._log_format, width=self._width))
         process.stdout.close()
 
     def _join_reader(self, child: _Child) -> None:

@@ -10,6 +10,8 @@ import os
 from django.conf import settings
 from django.core.wsgi import get_wsgi_application
 
+from sigil_site.request_id import new_request_id, set_request_id
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sigil_site.settings")
 
 django_application = get_wsgi_application()
@@ -26,6 +28,10 @@ class SigilApplication:
         self.gateway = None
 
     def __call__(self, environ, start_response):
+        # Every line logged while serving this request names it (sigil_site/logs.py). Left
+        # set afterwards: the gateway writes its access line when the response is closed.
+        environ["sigil.request_id"] = request_id = new_request_id()
+        set_request_id(request_id)
         path = environ.get("PATH_INFO", "/")
         if path == "/" or path.startswith(DJANGO_PREFIXES):
             if not environ.get("CONTENT_LENGTH") and "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower():

@@ -125,16 +125,15 @@ def test_each_call_leaves_one_json_access_line(alice, caplog):
     import json
     import logging
 
+    from sigil_site.logs import SigilFormatter
+
     alice.deploy(name="ping", code=PONG)
-    access = logging.getLogger("sigil.access")  # it does not propagate to the root logger
-    access.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.INFO, logger="sigil.access"):
-            assert alice.call("/alice/ping").status_code == 200
-            assert alice.call("/alice/missing").status_code == 404
-    finally:
-        access.removeHandler(caplog.handler)
-    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "sigil.access"]
+    with caplog.at_level(logging.INFO, logger="sigil.access"):
+        assert alice.call("/alice/ping").status_code == 200
+        assert alice.call("/alice/missing").status_code == 404
+    json_lines = SigilFormatter(kind="json")
+    lines = [json.loads(json_lines.format(r)) for r in caplog.records if r.name == "sigil.access"]
+    assert all(line["time"].endswith("Z") and line["level"] == "INFO" for line in lines)
     assert [(line["path"], line["status"], line["capability"], line["cold"]) for line in lines] == [
         ("/alice/ping", 200, "alice--ping", False),
         ("/alice/missing", 404, None, False),

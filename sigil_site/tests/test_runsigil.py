@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,55 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
     with sqlite3.connect(var_dir / "sigil.sqlite3") as db:
         (encoded,) = db.execute("select password from auth_user where username = 'owner' and is_superuser").fetchone()
     assert check_password(password, encoded)
+
+
+@pytest.mark.slow
+def test_with_a_json_log_every_line_of_every_process_is_one_json_record(embedded_env):
+    web_port = free_port()
+    var_dir = Path(embedded_env["SIGIL_VAR_DIR"])
+    # Beat's stats flush every second: routine lines that must not show at INFO.
+    env = {**embedded_env, "SIGIL_LOG_FORMAT": "json", "SIGIL_STATS_FLUSH_INTERVAL_SECONDS": "1"}
+    subprocess.run([sys.executable, MANAGE, "migrate", "--verbosity", "0"], env=env, check=True)
+    (var_dir / "workerd").mkdir()
+    (var_dir / "workerd" / "ports.json").write_text(json.dumps({"alice": 0}))
+    process = subprocess.Popen(
+        [sys.executable, MANAGE, "runsigil", "--port", str(web_port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    output = Output(process)
+    try:
+        wait_until(lambda: output.has("Press Ctrl-C to stop.") or process.poll() is not None, timeout=60)
+        assert http_status(web_port, "/alice/nothing") == 401
+        wait_until(lambda: output.has('"sigil.access"'), timeout=10, what="the access line")
+        time.sleep(2)  # a few flushes
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 0, str(output)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output.thread.join(5)
+
+    records = [json.loads(line) for line in output.lines]  # every line, or this fails
+    for record in records:
+        assert {"time", "level", "process", "logger", "message"} <= set(record), record
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", record["time"]), record
+    by_process = {record["process"] for record in records}
+    assert {"supervisor", "workerd", "celery", "web"} <= by_process
+    access = next(r for r in records if r["logger"] == "sigil.access")
+    assert (access["process"], access["path"], access["status"]) == ("web", "/alice/nothing", 401)
+    assert re.fullmatch(r"[0-9a-f]{16}", access["request_id"])
+    # Sigil's own lines, Celery's and granian's in the same format (not relayed as output).
+    assert any(r["process"] == "celery" and r["logger"].startswith("celery.") for r in records)
+    assert any(r["process"] == "web" and r["logger"].startswith("_granian") for r in records)
+    assert any(r["process"] == "workerd" and r["logger"].startswith("capabilities.") for r in records)
+    banner = next(r for r in records if "Sigil is running at" in r["message"])
+    assert banner["process"] == "supervisor" and "/_api/schema/docs" in banner["message"]
+    # Routine background work is at DEBUG, below the default INFO.
+    assert not any("Sending due task" in r["message"] or "succeeded in" in r["message"] for r in records)
 
 
 def test_runsigil_refuses_to_start_on_a_port_in_use(embedded_env):

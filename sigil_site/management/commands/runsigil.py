@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import logging
 import os
 import socket
 import sys
@@ -22,10 +23,13 @@ from capabilities.runtimes.local import local_processes
 from capabilities.supervision import read_status
 from capabilities.workerd import port_is_open, supervise_until_signalled
 from sigil_site.embedded_redis import EmbeddedRedis
+from sigil_site.logs import SigilFormatter
 from sigil_site.owner import OwnerAccount, owner_ensure
 from sigil_site.supervisor import Program, StartupFailed, Supervisor
 
 MANAGE = str(settings.BASE_DIR / "manage.py")
+# granian's own lines in Sigil's log format (read by its master process, without Django).
+GRANIAN_LOGGING = settings.BASE_DIR / "sigil_site" / "granian-logging.json"
 
 
 class Command(BaseCommand):
@@ -59,13 +63,13 @@ class Command(BaseCommand):
             f"       database {describe_database()}\n"
             f"       redis    {describe_redis(redis_url)}"
         )
-        supervisor = Supervisor(programs, emit=self._say)
+        supervisor = Supervisor(programs, emit=self._write, log_format=settings.SIGIL_LOG_FORMAT)
 
         def on_ready() -> None:
             # Only now, so that a password generated for the owner is not lost in a failed start.
             owner = owner_ensure(password=settings.SIGIL_OWNER_PASSWORD)
             connections.close_all()
-            supervisor.announce(banner(base_url, owner))
+            supervisor.announce(self._as_log(banner(base_url, owner)))
 
         def supervise(stop: threading.Event) -> None:
             supervisor.run(stop, on_ready=on_ready, ready_timeout=ready_timeout)
@@ -77,7 +81,17 @@ class Command(BaseCommand):
         self._say("Sigil stopped.")
 
     def _say(self, text: str) -> None:
-        self.stdout.write(text)
+        self._write(self._as_log(text))
+
+    def _as_log(self, text: str) -> str:
+        """What runsigil says itself: as it is on a terminal, one record in a JSON log."""
+        if settings.SIGIL_LOG_FORMAT != "json":
+            return text
+        record = logging.LogRecord(__name__, logging.INFO, __file__, 0, text.strip("\n"), None, None)
+        return SigilFormatter(kind="json").format(record)
+
+    def _write(self, line: str) -> None:
+        self.stdout.write(line)
         self.stdout.flush()
 
     def _check_can_start(self, port: int) -> None:
@@ -136,7 +150,7 @@ def sigil_programs(*, port: int, dev: bool = False) -> tuple[list[Program], str]
                 "workerd",
                 [sys.executable, MANAGE, "runworkerd"],
                 ready=lambda: read_status(local_processes().status_path) is not None,
-                env=env,
+                env=named(env, "workerd"),
             )
         )
     if runs_emulator():
@@ -145,21 +159,29 @@ def sigil_programs(*, port: int, dev: bool = False) -> tuple[list[Program], str]
                 "cfemulator",
                 [sys.executable, MANAGE, "cfemulator"],
                 ready=lambda: port_is_open(settings.CF_EMULATOR_PORT),
-                env=env,
+                env=named(env, "cfemulator"),
             )
         )
     node = f"sigil-{os.getpid()}@{socket.gethostname()}"
     celery = [
-        sys.executable, "-m", "celery", "-A", "sigil_site", "worker", "--beat",
+        # --quiet: no banner; Celery logs through Sigil's configuration (sigil_site/celery.py).
+        sys.executable, "-m", "celery", "--quiet", "-A", "sigil_site", "worker", "--beat",
         "--concurrency", "2", "--loglevel", "INFO", "--hostname", node,
         # One worker alone: asking for neighbours only delays its start by a second.
         "--without-mingle", "--without-gossip",
         "--schedule", str(settings.CELERY_BEAT_SCHEDULE_FILENAME),
     ]  # fmt: skip
-    programs.append(Program("celery", celery, ready=lambda: celery_answers(node), env=env, stop_timeout=20.0))
+    programs.append(
+        Program("celery", celery, ready=lambda: celery_answers(node), env=named(env, "celery"), stop_timeout=20.0)
+    )
     web = runserver_command(port) if dev else granian_command(port)
-    programs.append(Program("web", web, ready=lambda: http_answers(port), env=env))
+    programs.append(Program("web", web, ready=lambda: http_answers(port), env=named(env, "web")))
     return programs, env.get("REDIS_URL", settings.REDIS_URL)
+
+
+def named(env: dict[str, str], name: str) -> dict[str, str]:
+    """`env` for the program `name`, whose log lines carry that name."""
+    return {**env, "SIGIL_PROCESS_NAME": name}
 
 
 def granian_command(port: int) -> list[str]:
@@ -168,7 +190,7 @@ def granian_command(port: int) -> list[str]:
         str(Path(sys.executable).parent / "granian"),
         "--interface", "wsgi", "--host", "127.0.0.1", "--port", str(port),
         "--workers", "1", "--blocking-threads", "8", "--http", "1", "--no-ws",
-        "--respawn-failed-workers",
+        "--respawn-failed-workers", "--log-config", str(GRANIAN_LOGGING),
         "--static-path-route", "/static", "--static-path-mount", str(settings.STATIC_ROOT),
         "sigil_site.wsgi:application",
     ]  # fmt: skip

@@ -1,0 +1,23 @@
+"""The id of the request (or Celery task) being served, for the log lines written while
+serving it. Each request sets a fresh one as it starts (sigil_site/wsgi.py), each task its
+task id; code that answers the caller reads the same id with `current_request_id()`."""
+
+from __future__ import annotations
+
+import secrets
+from contextvars import ContextVar
+
+_current: ContextVar[str | None] = ContextVar("sigil_request_id", default=None)
+
+
+def new_request_id() -> str:
+    return secrets.token_hex(8)
+
+
+def current_request_id() -> str | None:
+    return _current.get()
+
+
+def set_request_id(request_id: str | None) -> None:
+    """The id of what this thread serves from now on (None: nothing)."""
+    _current.set(request_id)
