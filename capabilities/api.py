@@ -9,7 +9,15 @@ from django.conf import settings
 from django.db import connection
 from django.http import HttpResponse
 from django.utils import timezone
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_field,
+    extend_schema_serializer,
+    inline_serializer,
+)
 from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.permissions import AllowAny
@@ -60,10 +68,31 @@ class StrictCharField(serializers.CharField):
         return super().to_internal_value(data)
 
 
-class ErrorSerializer(serializers.Serializer):
-    """The contract's error envelope, for the schema: {"error": {"code": ..., "message": ...}}."""
+@extend_schema_field(
+    {
+        "type": "object",
+        "properties": {
+            "code": {
+                "type": "string",
+                "description": "What went wrong, for programs: invalid_request, unauthenticated, forbidden, "
+                "not_found, conflict, too_large, cooldown, rate_limited, quota_exceeded, upstream_error, "
+                "capability_error, degraded, unavailable, timeout, internal_error",
+            },
+            "message": {"type": "string", "description": "The same for people, naming the field or limit at fault"},
+        },
+        "required": ["code", "message"],
+    }
+)
+class ErrorBodyField(serializers.JSONField):
+    """The envelope's inside, kept inline so that the envelope is one schema."""
 
-    error = inline_serializer("ErrorDetail", {"code": serializers.CharField(), "message": serializers.CharField()})
+
+@extend_schema_serializer(component_name="Error")
+class ErrorSerializer(serializers.Serializer):
+    """Every error Sigil answers, on the API and the call route alike: a code for programs and a
+    message for people."""
+
+    error = ErrorBodyField()
 
 
 # What each status means, as API.md's error table has it; every view documents the ones it
@@ -87,8 +116,40 @@ ERROR_STATUSES = {
 AUTHENTICATED = (400, 401, 403, 405, 406, 429)
 
 
+# One example answer per status, as the API really words it.
+ERROR_EXAMPLES = {
+    400: ("invalid_request", "capability name 'Bad_Name' must match ^[a-z0-9][a-z0-9-]{0,40}$ with no '--'"),
+    401: ("unauthenticated", "the token is unknown, revoked or expired"),
+    403: ("forbidden", "deploying needs a token with the deploy scope"),
+    404: ("not_found", "no capability xiaoju--nothing"),
+    405: ("invalid_request", 'Method "PUT" not allowed.'),
+    406: ("invalid_request", "Could not satisfy the request Accept header."),
+    409: ("conflict", "xiaoju--ping is a normal capability; it cannot be redeployed as persistent"),
+    413: ("too_large", "code is 10485761 bytes; the limit is 10485760 bytes"),
+    415: ("invalid_request", 'Unsupported media type "text/plain" in request.'),
+    429: ("cooldown", "xiaoju deployed less than 5 s ago; retry later"),
+    502: ("upstream_error", "the runtime could not place xiaoju--ping: Cloudflare answered 500"),
+    503: ("unavailable", "Sigil's Redis is unreachable; try again shortly"),
+    504: ("timeout", "xiaoju--ping is still being placed after 30 s; try again shortly"),
+}
+
+
 def error_responses(*statuses: int) -> dict[int, OpenApiResponse]:
-    return {status: OpenApiResponse(ErrorSerializer, description=ERROR_STATUSES[status]) for status in statuses}
+    return {
+        status: OpenApiResponse(
+            ErrorSerializer,
+            description=ERROR_STATUSES[status],
+            examples=[
+                OpenApiExample(
+                    ERROR_EXAMPLES[status][0],
+                    value={"error": {"code": ERROR_EXAMPLES[status][0], "message": ERROR_EXAMPLES[status][1]}},
+                    response_only=True,
+                    status_codes=[str(status)],
+                )
+            ],
+        )
+        for status in statuses
+    }
 
 
 def capability_url(request, capability: Capability) -> str:
@@ -166,31 +227,99 @@ class CapabilityDeployApi(APIView):
     permission_classes = [HasDeployScope]
     parser_classes = [LimitedJSONParser]
 
+    @extend_schema_serializer(component_name="Deploy")
     class InputSerializer(serializers.Serializer):
-        agent = StrictCharField(required=False, allow_null=True)
-        name = StrictCharField(required=False, allow_null=True)
-        code = StrictCharField()
-        type = serializers.ChoiceField(choices=["persistent", "normal", "ephemeral"], required=False, allow_null=True)
-        ttl = StrictIntegerField(required=False, allow_null=True)
-        bindings = serializers.ListField(child=StrictCharField(), required=False, default=list)
+        agent = StrictCharField(required=False, allow_null=True, help_text="The token's agent; any other is a 403")
+        name = StrictCharField(
+            required=False,
+            allow_null=True,
+            help_text="The capability's name under the agent; null creates an ephemeral one (t-…)",
+        )
+        code = StrictCharField(help_text="An ES module Worker script whose default export has a fetch handler")
+        type = serializers.ChoiceField(
+            choices=["persistent", "normal", "ephemeral"],
+            required=False,
+            allow_null=True,
+            help_text="Omitted: the capability's own on a redeploy; persistent for a new name, ephemeral for null",
+        )
+        ttl = StrictIntegerField(required=False, allow_null=True, help_text="Seconds an ephemeral capability lives")
+        bindings = serializers.ListField(
+            child=StrictCharField(),
+            required=False,
+            default=list,
+            help_text="KIND:NAME of each binding the owner granted this agent, e.g. KV:CACHE",
+        )
         # Omitted: a redeploy keeps the capability's value, a new capability is private.
-        public = StrictBooleanField(required=False)
+        public = StrictBooleanField(
+            required=False, help_text="Whether other agents may call it. Omitted: kept on a redeploy, else false"
+        )
 
+    @extend_schema_serializer(component_name="Deployed")
     class OutputSerializer(serializers.Serializer):
-        capability = serializers.CharField()
-        url = serializers.CharField()
+        capability = serializers.CharField(help_text="Its full name, agent--name")
+        url = serializers.CharField(help_text="Where to call it")
         version = serializers.IntegerField()
         expires_at = serializers.DateTimeField(allow_null=True)
-        cold_start = serializers.BooleanField()
-        evicted = serializers.CharField(allow_null=True)
+        cold_start = serializers.BooleanField(help_text="Whether placing it started code anew")
+        evicted = serializers.CharField(allow_null=True, help_text="The capability paged out to make room, if any")
 
     @extend_schema(
+        operation_id="deployCapability",
+        tags=["Deploy"],
+        summary="Deploy a capability, or a new version of it",
+        description=(
+            "Creates the capability (201) or deploys a new version (200); the same code and bindings again "
+            "change nothing (200, same version). The code must start: code that does not is a 400 with the "
+            "runtime's own words, and the previous version keeps serving. Fields left out of a redeploy "
+            "(`type`, `public`) keep the capability's values. One real deploy per agent per "
+            "SIGIL_DEPLOY_COOLDOWN_SECONDS (429 cooldown)."
+        ),
         request=InputSerializer,
         responses={
             200: OutputSerializer,
             201: OutputSerializer,
             **error_responses(*AUTHENTICATED, 404, 409, 413, 415, 502, 503, 504),
         },
+        examples=[
+            OpenApiExample(
+                "A named capability",
+                request_only=True,
+                value={
+                    "name": "ping",
+                    "code": 'export default { async fetch(request) { return new Response("pong") } }',
+                },
+            ),
+            OpenApiExample(
+                "A public capability with a binding",
+                request_only=True,
+                value={
+                    "name": "weather",
+                    "type": "normal",
+                    "public": True,
+                    "bindings": ["SECRET:WEATHER_KEY"],
+                    "code": "export default { async fetch(request, env) { "
+                    "return fetch(`https://api.example.com/?key=${env.WEATHER_KEY}`) } }",
+                },
+            ),
+            OpenApiExample(
+                "An ephemeral capability for an hour",
+                request_only=True,
+                value={"name": None, "ttl": 3600, "code": "export default { fetch: () => new Response('hi') }"},
+            ),
+            OpenApiExample(
+                "Deployed",
+                response_only=True,
+                status_codes=["201"],
+                value={
+                    "capability": "xiaoju--ping",
+                    "url": "https://sigil.example.com/xiaoju/ping",
+                    "version": 1,
+                    "expires_at": None,
+                    "cold_start": True,
+                    "evicted": None,
+                },
+            ),
+        ],
     )
     def post(self, request):
         if not isinstance(request.data, dict):
@@ -231,6 +360,10 @@ class CapabilityListApi(APIView):
     pagination_class = CapabilityPagination  # so that the schema shows the page's shape
 
     @extend_schema(
+        operation_id="listCapabilities",
+        tags=["Discover"],
+        summary="List the capabilities this agent may call",
+        description="Its own and every public one, by full name, a page at a time.",
         parameters=[
             OpenApiParameter("type", str, enum=["persistent", "normal", "ephemeral"]),
             OpenApiParameter("state", str, enum=State.values),
@@ -258,12 +391,24 @@ class CapabilityDetailApi(APIView):
     def get_permissions(self):
         return [HasDeployScope()] if self.request.method == "DELETE" else super().get_permissions()
 
-    @extend_schema(responses={200: CapabilityDetailSerializer, **error_responses(*AUTHENTICATED, 404)})
+    @extend_schema(
+        operation_id="inspectCapability",
+        tags=["Discover"],
+        summary="Inspect a capability",
+        description="Its owner also sees its code, its totals (`stats`) and its last 24 hours (`recent`).",
+        responses={200: CapabilityDetailSerializer, **error_responses(*AUTHENTICATED, 404)},
+    )
     def get(self, request, full: str):
         capability = selectors.capability_get_visible(principal=request.user, full=full)
         return Response(CapabilityDetailSerializer(capability, context={"request": request}).data)
 
-    @extend_schema(responses={204: None, **error_responses(*AUTHENTICATED, 404)})
+    @extend_schema(
+        operation_id="removeCapability",
+        tags=["Deploy"],
+        summary="Remove a capability",
+        description="It stops serving at once; its script is deleted in the background. Needs a deploy token.",
+        responses={204: None, **error_responses(*AUTHENTICATED, 404)},
+    )
     def delete(self, request, full: str):
         services.capability_remove(principal=request.user, full=full)
         return Response(status=204)
@@ -271,9 +416,12 @@ class CapabilityDetailApi(APIView):
 
 class StatusApi(APIView):
     @extend_schema(
+        operation_id="runtimeStatus",
+        tags=["Operate"],
+        summary="The runtime and its slots",
         responses={
             200: inline_serializer(
-                "Status",
+                "RuntimeStatus",
                 {
                     "backend": serializers.CharField(),
                     "total_slots": serializers.IntegerField(allow_null=True),
@@ -284,7 +432,7 @@ class StatusApi(APIView):
                 },
             ),
             **error_responses(*AUTHENTICATED),
-        }
+        },
     )
     def get(self, request):
         return Response(selectors.backend_status())
@@ -294,13 +442,17 @@ class CapabilityWarmingStatusApi(APIView):
     """GET /_status/{full}: whether a capability being paged in is ready."""
 
     @extend_schema(
+        operation_id="warmingStatus",
+        tags=["Discover"],
+        summary="Whether a capability being paged in is ready",
+        description="The URL a `202` answer to a call with `Prefer: respond-async` points to.",
         responses={
             200: inline_serializer(
-                "Warming",
+                "WarmingStatus",
                 {"status": serializers.ChoiceField(["ready", "warming"]), "capability": serializers.CharField()},
             ),
             **error_responses(*AUTHENTICATED, 404),
-        }
+        },
     )
     def get(self, request, full: str):
         capability = selectors.capability_get_visible(principal=request.user, full=full)
@@ -324,7 +476,13 @@ class HealthApi(APIView):
     authentication_classes = []
     permission_classes = [AllowAny]
 
-    @extend_schema(responses={200: HEALTH, 503: HEALTH, **error_responses(405, 406)})
+    @extend_schema(
+        operation_id="health",
+        tags=["Operate"],
+        summary="Health check",
+        description="No token. 200 when the database, Redis and the runtime answer; 503 naming what fails.",
+        responses={200: HEALTH, 503: HEALTH, **error_responses(405, 406)},
+    )
     def get(self, request):
         checks = {"database": "ok", "redis": "ok", "runtime": "ok"}
         counts = {"capabilities": None, "agents": None}

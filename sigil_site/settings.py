@@ -9,6 +9,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from sigil_site.logs import logging_config, process_name
+from sigil_site.schema import TAGS as SCHEMA_TAGS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -263,7 +264,11 @@ REST_FRAMEWORK = {
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Sigil",
-    "DESCRIPTION": "Capability registry and gateway for AI agents.",
+    "DESCRIPTION": (
+        "Capability registry and gateway for AI agents. An agent deploys small functions (Cloudflare "
+        "Worker scripts) with its deploy token and calls them at `/{agent}/{capability}` with its invoke "
+        'token. Every error is `{"error": {"code": …, "message": …}}` (the `Error` schema).'
+    ),
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
@@ -273,6 +278,19 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # Operation groups by purpose, and the routes served outside Django's views (sigil_site/schema.py).
+    "TAGS": SCHEMA_TAGS,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "sigil_site.schema.document_outside_routes",
+    ],
+    "ENUM_NAME_OVERRIDES": {
+        "CapabilityType": "capabilities.models.CapabilityType",
+        "CapabilityState": "capabilities.models.State",
+        "HealthState": ["ok", "failing"],
+        "WarmingState": ["ready", "warming"],
+    },
+    "ENUM_ADD_EXPLICIT_BLANK_NULL_CHOICE": False,
 }
 
 # --- Sigil ------------------------------------------------------------------------------

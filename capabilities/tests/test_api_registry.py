@@ -140,6 +140,39 @@ def test_schema_describes_the_control_api(sigil):
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
 
 
+def test_the_schema_teaches(sigil):
+    schema = requests.get(f"{sigil.url}/_api/schema?format=json", timeout=10).json()
+    operations = [op for path in schema["paths"].values() for op in path.values()]
+    # Every operation has a summary and a group named for what it is for.
+    assert all(op.get("summary") for op in operations)
+    assert {tag for op in operations for tag in op["tags"]} == {"Deploy", "Call", "Discover", "Operate"}
+    assert [tag["name"] for tag in schema["tags"]] == ["Deploy", "Call", "Discover", "Operate"]
+    # The routes served outside Django's views are there too.
+    assert {"get", "post"} <= set(schema["paths"]["/{agent}/{capability}"])
+    assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    # Schemas named for what they hold; the error envelope is one of them, used for every error.
+    components = schema["components"]["schemas"]
+    assert {"DeployRequest", "Deployed", "Error", "Capability", "CapabilityDetail"} <= set(components)
+    assert not {"InputRequest", "Output", "ErrorDetail", "NullEnum"} & set(components)
+    for path in schema["paths"].values():
+        for op in path.values():
+            for status, answer in op["responses"].items():
+                failing_health = (op["operationId"], status) == ("health", "503")  # the health report itself
+                if (
+                    status.startswith(("4", "5"))
+                    and "application/json" in answer.get("content", {})
+                    and not failing_health
+                ):
+                    assert answer["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Error"}
+    # Deploy shows what to send and what comes back, and errors have examples.
+    deploy = schema["paths"]["/_api/deploy"]["post"]
+    examples = deploy["requestBody"]["content"]["application/json"]["examples"]
+    assert any(example["value"].get("name") == "ping" for example in examples.values())
+    assert "examples" in deploy["responses"]["201"]["content"]["application/json"]
+    conflict = deploy["responses"]["409"]["content"]["application/json"]["examples"]
+    assert next(iter(conflict.values()))["value"]["error"]["code"] == "conflict"
+
+
 def test_unknown_paths_outside_the_gateway_answer_in_the_envelope(sigil):
     response = requests.get(f"{sigil.url}/_api/nothing-here", timeout=10)
     assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
