@@ -14,19 +14,27 @@ from capabilities.runtimes import get_runtime
 from sigil_site.errors import InvalidRequest, NotFound
 
 
-def capability_get_visible(*, principal: Principal, full: str) -> Capability:
-    """The capability `full` if the caller may see it: its own, or another agent's public one.
-
-    Another agent's private capability is NotFound, so its existence is not revealed.
-    """
-    names.split_full_name(full)
+def capability_get(*, full: str) -> Capability:
+    """The capability `full`, unless removed (the owner's view: every agent's). Raises NotFound."""
     capability = (
         Capability.objects.select_related("agent", "current_version")
         .exclude(state=State.REMOVED)
         .filter(full_name=full)
         .first()
     )
-    if capability is None or not (capability.agent_id == principal.agent_id or capability.is_public):
+    if capability is None:
+        raise NotFound(f"no capability {full}")
+    return capability
+
+
+def capability_get_visible(*, principal: Principal, full: str) -> Capability:
+    """The capability `full` if the caller may see it: its own, or another agent's public one.
+
+    Another agent's private capability is NotFound, so its existence is not revealed.
+    """
+    names.split_full_name(full)
+    capability = capability_get(full=full)
+    if not (capability.agent_id == principal.agent_id or capability.is_public):
         raise NotFound(f"no capability {full}")
     return capability
 

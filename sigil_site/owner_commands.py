@@ -69,15 +69,6 @@ def agent_named(name: str):
 
 
 def capability_named(full: str):
-    from capabilities.models import Capability, State
-    from sigil_site.errors import NotFound
+    from capabilities.selectors import capability_get
 
-    capability = (
-        Capability.objects.select_related("agent", "current_version")
-        .exclude(state=State.REMOVED)
-        .filter(full_name=full)
-        .first()
-    )
-    if capability is None:
-        raise NotFound(f"no capability {full!r}")
-    return capability
+    return capability_get(full=full)

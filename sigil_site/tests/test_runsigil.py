@@ -94,22 +94,28 @@ def oversized_headers_answer(port: int) -> bytes:
     return answer
 
 
-@pytest.mark.slow
-def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(embedded_env):
-    web_port, workerd_port = free_port(), int(embedded_env["SIGIL_WORKERD_PORT"])
-    var_dir = Path(embedded_env["SIGIL_VAR_DIR"])
-    subprocess.run([sys.executable, MANAGE, "migrate", "--verbosity", "0"], env=embedded_env, check=True)
-    # An agent placed by an earlier run: its workerd (on the first port) is started at once.
+def start_runsigil(env: dict[str, str], web_port: int) -> tuple[subprocess.Popen, Output]:
+    """`make run` on a fresh var directory, where an earlier run placed an agent (so its
+    workerd, on the first port, is started at once)."""
+    var_dir = Path(env["SIGIL_VAR_DIR"])
+    subprocess.run([sys.executable, MANAGE, "migrate", "--verbosity", "0"], env=env, check=True)
     (var_dir / "workerd").mkdir()
     (var_dir / "workerd" / "ports.json").write_text(json.dumps({"alice": 0}))
     process = subprocess.Popen(
         [sys.executable, MANAGE, "runsigil", "--port", str(web_port)],
-        env=embedded_env,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    output = Output(process)
+    return process, Output(process)
+
+
+@pytest.mark.slow
+def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(embedded_env):
+    web_port, workerd_port = free_port(), int(embedded_env["SIGIL_WORKERD_PORT"])
+    var_dir = Path(embedded_env["SIGIL_VAR_DIR"])
+    process, output = start_runsigil(embedded_env, web_port)
     children: set[int] = set()
     try:
         wait_until(lambda: output.has("Press Ctrl-C to stop.") or process.poll() is not None, timeout=60)
@@ -180,20 +186,9 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
 @pytest.mark.slow
 def test_with_a_json_log_every_line_of_every_process_is_one_json_record(embedded_env):
     web_port = free_port()
-    var_dir = Path(embedded_env["SIGIL_VAR_DIR"])
     # Beat's stats flush every second: routine lines that must not show at INFO.
     env = {**embedded_env, "SIGIL_LOG_FORMAT": "json", "SIGIL_STATS_FLUSH_INTERVAL_SECONDS": "1"}
-    subprocess.run([sys.executable, MANAGE, "migrate", "--verbosity", "0"], env=env, check=True)
-    (var_dir / "workerd").mkdir()
-    (var_dir / "workerd" / "ports.json").write_text(json.dumps({"alice": 0}))
-    process = subprocess.Popen(
-        [sys.executable, MANAGE, "runsigil", "--port", str(web_port)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    output = Output(process)
+    process, output = start_runsigil(env, web_port)
     try:
         wait_until(lambda: output.has("Press Ctrl-C to stop.") or process.poll() is not None, timeout=60)
         assert http_status(web_port, "/alice/nothing") == 401
