@@ -52,7 +52,7 @@ def process_name() -> str:
     program = os.path.basename(sys.argv[0]) if sys.argv else "python"
     if program in ("granian", "gunicorn"):
         return "web"
-    if program == "celery" or "celery" in sys.argv[1:3]:
+    if "celery" in (sys.argv[0] if sys.argv else "") or "celery" in sys.argv[1:3]:  # also `python -m celery`
         return "celery"
     if program == "manage.py" and len(sys.argv) > 1:
         return "supervisor" if sys.argv[1] == "runsigil" else sys.argv[1]
