@@ -18,7 +18,7 @@ from rest_framework.views import APIView
 
 from agents.models import Agent
 from agents.permissions import HasDeployScope
-from capabilities import selectors, services
+from capabilities import contracts, selectors, services
 from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
 from capabilities.parsers import LimitedJSONParser
@@ -96,8 +96,43 @@ def capability_url(request, capability: Capability) -> str:
     return f"{base}/{capability.agent.name}/{capability.name}"
 
 
+class ContractExampleSerializer(serializers.Serializer):
+    """One example of a contract, for the schema: what the capability takes and answers."""
+
+    input = serializers.JSONField(required=False, help_text="A JSON body matching input_schema.")
+    output = serializers.JSONField(required=False, help_text="What the capability answers, matching output_schema.")
+    description = serializers.CharField(required=False)
+
+
+class ContractFields(serializers.Serializer):
+    """The contract of a version (capabilities/contracts.py), as deploy takes it and the
+    catalogue shows it. Checked by the contract's own rules, which name the field."""
+
+    description = StrictCharField(
+        required=False,
+        allow_null=True,
+        allow_blank=True,
+        help_text=f"What the capability does, in plain text (at most {contracts.DESCRIPTION_MAX_CHARS} characters).",
+    )
+    input_schema = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        help_text='JSON Schema (draft 2020-12) of the JSON object it takes; "type": "object" at the root.',
+    )
+    output_schema = serializers.JSONField(
+        required=False, allow_null=True, help_text="JSON Schema (draft 2020-12) of the JSON it answers."
+    )
+    examples = ContractExampleSerializer(
+        many=True,
+        required=False,
+        allow_null=True,
+        help_text=f"At most {contracts.EXAMPLES_MAX} input/output pairs, each checked against the schemas.",
+    )
+
+
 class CapabilitySerializer(serializers.ModelSerializer):
-    """A capability as agents see it; the code only for its owner."""
+    """A capability as agents see it, with its current version's contract; the code only
+    for its owner."""
 
     capability = serializers.CharField(source="full_name")
     agent = serializers.CharField(source="agent.name")
@@ -107,6 +142,10 @@ class CapabilitySerializer(serializers.ModelSerializer):
     url = serializers.SerializerMethodField()
     breaker = serializers.CharField(source="breaker_state")
     stats = serializers.SerializerMethodField()
+    description = serializers.CharField(source="current_version.description", default="")
+    input_schema = serializers.JSONField(source="current_version.input_schema", default=None)
+    output_schema = serializers.JSONField(source="current_version.output_schema", default=None)
+    examples = ContractExampleSerializer(source="current_version.examples", many=True, default=list)
 
     class Meta:
         model = Capability
@@ -114,6 +153,7 @@ class CapabilitySerializer(serializers.ModelSerializer):
             "capability",
             "agent",
             "name",
+            "description",
             "type",
             "public",
             "state",
@@ -127,6 +167,9 @@ class CapabilitySerializer(serializers.ModelSerializer):
             "last_access_at",
             "breaker",
             "stats",
+            "input_schema",
+            "output_schema",
+            "examples",
         ]
 
     def get_url(self, obj) -> str:
@@ -166,7 +209,7 @@ class CapabilityDeployApi(APIView):
     permission_classes = [HasDeployScope]
     parser_classes = [LimitedJSONParser]
 
-    class InputSerializer(serializers.Serializer):
+    class InputSerializer(ContractFields):
         agent = StrictCharField(required=False, allow_null=True)
         name = StrictCharField(required=False, allow_null=True)
         code = StrictCharField()
@@ -209,6 +252,8 @@ class CapabilityDeployApi(APIView):
             ttl=data.get("ttl"),
             bindings=data["bindings"],
             is_public=data["public"],
+            # The raw values: the contract's rules check them (the serializer only documents them).
+            contract={name: request.data[name] for name in contracts.FIELDS if name in request.data},
         )
         body = {
             "capability": result.capability.full_name,
@@ -234,6 +279,12 @@ class CapabilityListApi(APIView):
             OpenApiParameter("type", str, enum=["persistent", "normal", "ephemeral"]),
             OpenApiParameter("state", str, enum=State.values),
             OpenApiParameter("agent", str),
+            OpenApiParameter(
+                "q",
+                str,
+                description="Words to look for in each capability's full name and description "
+                "(case-insensitive; every word must appear).",
+            ),
             OpenApiParameter("limit", int),
             OpenApiParameter("offset", int),
         ],
@@ -245,6 +296,7 @@ class CapabilityListApi(APIView):
             type=request.query_params.get("type"),
             state=request.query_params.get("state"),
             agent=request.query_params.get("agent"),
+            q=request.query_params.get("q"),
         )
         paginator = CapabilityPagination()
         page = paginator.paginate_queryset(query, request, view=self)

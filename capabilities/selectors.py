@@ -13,6 +13,8 @@ from capabilities.models import Capability, CapabilityStatsWindow, CapabilityTyp
 from capabilities.runtimes import get_runtime
 from sigil_site.errors import InvalidRequest, NotFound
 
+SEARCH_MAX_CHARS = 200
+
 
 def capability_get_visible(*, principal: Principal, full: str) -> Capability:
     """The capability `full` if the caller may see it: its own, or another agent's public one.
@@ -32,9 +34,18 @@ def capability_get_visible(*, principal: Principal, full: str) -> Capability:
 
 
 def capability_list_visible(
-    *, principal: Principal, type: str | None = None, state: str | None = None, agent: str | None = None
+    *,
+    principal: Principal,
+    type: str | None = None,
+    state: str | None = None,
+    agent: str | None = None,
+    q: str | None = None,
 ) -> QuerySet[Capability]:
-    """The caller's own capabilities and every public one, filtered; removed ones only on request."""
+    """The caller's own capabilities and every public one, filtered; removed ones only on request.
+
+    `q` keeps those whose full name or current description contains each of its words
+    (case-insensitive), so an agent can look for a capability by what it does.
+    """
     query = Capability.objects.select_related("agent", "current_version").filter(
         Q(agent_id=principal.agent_id) | Q(is_public=True)
     )
@@ -52,6 +63,12 @@ def capability_list_visible(
         query = query.exclude(state=State.REMOVED)
     if agent is not None:
         query = query.filter(agent__name=agent)
+    if q is not None:
+        words = q.split()
+        if not words or len(q) > SEARCH_MAX_CHARS:
+            raise InvalidRequest(f"q must hold at least one word and at most {SEARCH_MAX_CHARS} characters")
+        for word in words:
+            query = query.filter(Q(full_name__icontains=word) | Q(current_version__description__icontains=word))
     return query.order_by("full_name", "id")
 
 
