@@ -255,15 +255,20 @@ class CapabilityDeployApi(APIView):
             # The raw values: the contract's rules check them (the serializer only documents them).
             contract={name: request.data[name] for name in contracts.FIELDS if name in request.data},
         )
-        body = {
-            "capability": result.capability.full_name,
-            "url": capability_url(request, result.capability),
-            "version": result.version.number,
-            "expires_at": result.capability.expires_at,
-            "cold_start": result.cold_start,
-            "evicted": result.evicted,
-        }
-        return Response(self.OutputSerializer(body).data, status=201 if result.created else 200)
+        return Response(deploy_answer(request, result), status=201 if result.created else 200)
+
+
+def deploy_answer(request, result: services.DeployResult) -> dict:
+    """What a deploy answers, over REST and MCP alike."""
+    body = {
+        "capability": result.capability.full_name,
+        "url": capability_url(request, result.capability),
+        "version": result.version.number,
+        "expires_at": result.capability.expires_at,
+        "cold_start": result.cold_start,
+        "evicted": result.evicted,
+    }
+    return CapabilityDeployApi.OutputSerializer(body).data
 
 
 class CapabilityPagination(LimitOffsetPagination):
