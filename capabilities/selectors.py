@@ -77,26 +77,6 @@ def capability_list_visible(
     return query.order_by("full_name", "id")
 
 
-def capability_contract_visible(*, principal: Principal, full: str) -> Contract | None:
-    """The current contract of `full` if the caller may call it, else None. Reads only the
-    contract's columns (never the code): MCP checks a tool call's arguments with it."""
-    row = (
-        Capability.objects.exclude(state=State.REMOVED)
-        .filter(visible_to(principal), full_name=full)
-        .values_list(
-            "current_version__description",
-            "current_version__input_schema",
-            "current_version__output_schema",
-            "current_version__examples",
-        )
-        .first()
-    )
-    if row is None:
-        return None
-    description, input_schema, output_schema, examples = row
-    return Contract(description or "", input_schema, output_schema, examples or [])
-
-
 def capability_tools_visible(*, principal: Principal, after: str, limit: int) -> list[tuple[str, Contract]]:
     """The capabilities the caller may call, by full name after `after`, with their contracts:
     what MCP lists as tools. Expired ephemerals are left out (they no longer answer)."""

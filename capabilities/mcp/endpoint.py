@@ -28,6 +28,7 @@ import binascii
 import json
 import logging
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
@@ -108,6 +109,17 @@ def session_key(session_id: str) -> str:
     return f"sigil:mcp:session:{session_id}"
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """One HTTP request to /_mcp, authenticated."""
+
+    environ: dict
+    principal: Principal
+    session_id: str | None
+    session: bytes | None  # the record of the session it names, if that session exists
+    prefetched: list | None  # a tool call's route and contract copies (Toolbox.prefetch_keys)
+
+
 class McpEndpoint:
     """The WSGI application at `/_mcp`. `gateway` returns the process's gateway application."""
 
@@ -135,55 +147,63 @@ class McpEndpoint:
         return [body]
 
     def handle(self, environ) -> tuple[int, list[tuple[str, str]], bytes]:
-        session_id = environ.get("HTTP_MCP_SESSION_ID")
-        principal, session = self.authenticate(environ, session_id)
+        secret = parse_bearer(environ.get("HTTP_AUTHORIZATION"))
         method = environ.get("REQUEST_METHOD")
-        if method == "DELETE" and session_id is not None:
-            if session is None:
+        message = malformed = None
+        if method == "POST":
+            try:
+                message = read_message(environ)
+            except RpcError as error:
+                malformed = error
+        exchange = self.authenticate(environ, secret, message)
+        if malformed is not None:
+            status = malformed.status or STATELESS_ERROR_STATUS.get(malformed.code, 400)
+            return status, [], rpc_error_body(malformed.request_id, **error_fields(malformed))
+        if method == "DELETE" and exchange.session_id is not None:
+            if exchange.session is None:
                 return session_not_found()
-            get_redis().delete(session_key(session_id))
+            get_redis().delete(session_key(exchange.session_id))
             return 204, [], b""
         if method != "POST":
             # No stream of server-sent messages (GET): this server sends none.
             return 405, [("Allow", "POST, DELETE")], rpc_error_body(None, INVALID_REQUEST, "use POST")
         try:
-            message = read_message(environ)
             version_header = environ.get("HTTP_MCP_PROTOCOL_VERSION")
             if version_header is None or version_header in HANDSHAKE_ERA:
-                return self.session_era(environ, principal, message, session_id, session)
-            return self.stateless(environ, principal, message)
-        except RpcError as error:  # the message itself is malformed
+                return self.session_era(exchange, message)
+            return self.stateless(exchange, message)
+        except RpcError as error:  # the message is no JSON-RPC request
             status = error.status or STATELESS_ERROR_STATUS.get(error.code, 400)
             return status, [], rpc_error_body(error.request_id, **error_fields(error))
 
-    def authenticate(self, environ, session_id: str | None) -> tuple[Principal, bytes | None]:
-        """The caller's principal, and its session's record when it names one; the token, the
-        failed-token count and the session come in one Redis round trip."""
-        secret = parse_bearer(environ.get("HTTP_AUTHORIZATION"))
+    def authenticate(self, environ, secret: str, message: Any) -> Exchange:
+        """Who calls, and what the request needs from Redis, in one round trip: the token, the
+        failed-token count, the session it names, and for a tool call the tool's route and
+        contract. Raises Unauthenticated or RateLimited."""
         throttle = FailedAuthThrottle.from_settings()
         address = throttle.address(environ)
+        session_id = environ.get("HTTP_MCP_SESSION_ID")
+        keys = [tokens.cache_key(tokens.hash_secret(secret)), throttle.key(address), session_key(session_id or "")]
+        tool_keys = Toolbox.prefetch_keys(message)
         redis = get_redis()
-        keys = [tokens.cache_key(tokens.hash_secret(secret)), throttle.key(address)]
-        if session_id is not None:
-            keys.append(session_key(session_id))
-        cached, failures, *session = redis.mget(keys)
+        cached, failures, session, *prefetched = redis.mget(keys + tool_keys)
         throttle.check(redis, address, failures)
         try:
             principal = token_authenticate(secret, cached=cached)
         except Unauthenticated:
             throttle.failed(redis, address)
             raise
-        return principal, session[0] if session else None
+        return Exchange(environ, principal, session_id, session if session_id else None, prefetched or None)
 
     # The stateless revision (2026-07-28).
 
-    def stateless(self, environ, principal: Principal, message: dict):
+    def stateless(self, exchange: Exchange, message: dict):
         kind, request_id, method, params = message_parts(message)
         if kind != "request":
             return 202, [], b""  # the revision defines no client notifications: nothing to act on
         try:
-            check_envelope(environ, method, params)
-            result = self.answer(environ, principal, method, params, legacy=False)
+            check_envelope(exchange.environ, method, params)
+            result = self.answer(exchange, method, params, legacy=False)
         except RpcError as error:
             return STATELESS_ERROR_STATUS.get(error.code, 200), [], rpc_error_body(request_id, **error_fields(error))
         result["resultType"] = "complete"
@@ -192,8 +212,9 @@ class McpEndpoint:
 
     # The session revisions (2025-06-18, 2025-11-25).
 
-    def session_era(self, environ, principal: Principal, message: dict, session_id: str | None, session):
+    def session_era(self, exchange: Exchange, message: dict):
         kind, request_id, method, params = message_parts(message)
+        principal, session_id, session = exchange.principal, exchange.session_id, exchange.session
         headers: list[tuple[str, str]] = []
         try:
             if kind == "request" and method == "initialize":
@@ -212,23 +233,25 @@ class McpEndpoint:
                 # Unknown, expired, or opened with another token: all the same to the caller.
                 return session_not_found()
             version = session.decode().split("|")[1]
-            header = environ.get("HTTP_MCP_PROTOCOL_VERSION")
+            header = exchange.environ.get("HTTP_MCP_PROTOCOL_VERSION")
             if header is not None and header != version:
                 raise RpcError(INVALID_REQUEST, f"this session speaks MCP {version}, not {header}", status=400)
             get_redis().expire(session_key(session_id), SESSION_IDLE_SECONDS)
             if kind != "request":
                 return 202, [], b""
-            result = {} if method == "ping" else self.answer(environ, principal, method, params, legacy=True)
+            result = {} if method == "ping" else self.answer(exchange, method, params, legacy=True)
         except RpcError as error:
             return error.status or 200, headers, rpc_error_body(request_id, **error_fields(error))
         return 200, headers, rpc_result_body(request_id, result)
 
     # What both eras answer.
 
-    def answer(self, environ, principal: Principal, method: str, params: dict, *, legacy: bool) -> dict:
+    def answer(self, exchange: Exchange, method: str, params: dict, *, legacy: bool) -> dict:
         try:
             if method == "tools/list":
-                tools, next_cursor = tools_list(principal=principal, cursor=params.get("cursor"), legacy=legacy)
+                tools, next_cursor = tools_list(
+                    principal=exchange.principal, cursor=params.get("cursor"), legacy=legacy
+                )
                 result: dict[str, Any] = {"tools": tools}
                 if next_cursor is not None:
                     result["nextCursor"] = next_cursor
@@ -237,11 +260,11 @@ class McpEndpoint:
                 return result
             if method == "tools/call":
                 outcome = self.toolbox.call(
-                    principal=principal,
+                    principal=exchange.principal,
                     name=params.get("name"),
                     arguments=params.get("arguments"),
-                    environ=environ,
-                    legacy=legacy,
+                    environ=exchange.environ,
+                    prefetched=exchange.prefetched,
                 )
                 return outcome.wire(legacy=legacy)
             if method == "server/discover" and not legacy:

@@ -18,7 +18,7 @@ from agents.models import Agent
 from agents.services import audit_record
 from agents.tokens import Principal
 from capabilities import bindings as binding_rules
-from capabilities import names, pager, routes
+from capabilities import contract_copies, names, pager, routes
 from capabilities.contracts import Contract, contract_merge
 from capabilities.models import Capability, CapabilityType, CapabilityVersion, State
 from capabilities.runtimes import get_runtime
@@ -196,6 +196,7 @@ def capability_deploy(
                 principal=principal,
             )
         routes.route_publish(capability)
+        contract_copies.contract_publish(capability)
     finally:
         lock.release()
     return DeployResult(
@@ -420,6 +421,7 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
             placement = room.place(bundle)
             locked = _record_rollback(current, target=target, placement=placement, bundle_sha=bundle.sha, actor=actor)
         routes.route_publish(locked)
+        contract_copies.contract_publish(locked)
     finally:
         lock.release()
     capability.refresh_from_db()

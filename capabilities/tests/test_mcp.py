@@ -346,3 +346,15 @@ def test_http_level_refusals(sigil, alice, settings):
     settings.SIGIL_DEPLOY_MAX_BODY_BYTES = 1000
     big = post(sigil, alice.invoke_token, {"jsonrpc": "2.0", "id": 1, "method": "x", "params": {"p": "x" * 1000}})
     assert big.status_code == 413 and big.json()["error"]["data"]["code"] == "too_large"
+
+
+def test_a_new_contract_holds_from_the_next_call(sigil, alice):
+    alice.deploy(name="add", code=ADD, **ADD_CONTRACT)
+
+    async def call(client):
+        return await client.call_tool("alice--add", {"a": 1, "b": 2, "c": 3})
+
+    assert run(sigil, alice.invoke_token, "2026-07-28", call).is_error  # additionalProperties: false
+    looser = {**ADD_INPUT, "additionalProperties": True}
+    assert alice.deploy(name="add", code=ADD, input_schema=looser).json()["version"] == 2
+    assert run(sigil, alice.invoke_token, "2026-07-28", call).structured_content == {"sum": 3}
