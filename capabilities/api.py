@@ -8,6 +8,7 @@ from datetime import timedelta
 from django.conf import settings
 from django.db import connection
 from django.http import HttpResponse
+from django.template.loader import render_to_string
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import serializers
@@ -404,6 +405,15 @@ class HealthApi(APIView):
         healthy = all(value == "ok" for value in checks.values())
         body = {"status": "ok" if healthy else "failing", "backend": settings.SIGIL_BACKEND, **counts, "checks": checks}
         return Response(body, status=200 if healthy else 503)
+
+
+def llms_txt_view(request):
+    """GET /llms.txt: a short guide for agents (the llms.txt convention), in plain text."""
+    if request.method not in ("GET", "HEAD"):
+        return error_response(InvalidRequest("llms.txt answers GET"))
+    base = settings.SIGIL_PUBLIC_URL.rstrip("/") or request.build_absolute_uri("/").rstrip("/")
+    text = render_to_string("llms.txt", {"base": base})
+    return HttpResponse(text, content_type="text/plain; charset=utf-8")
 
 
 def metrics_view(request):

@@ -20,7 +20,7 @@ from capabilities.mcp.endpoint import McpEndpoint  # noqa: E402
 MCP_PATH = "/_mcp"
 
 # Agent names start with a letter and exclude these, so the two never overlap.
-DJANGO_PREFIXES = ("/_", "/admin/", "/admin", "/static/", "/metrics", "/favicon.ico")
+DJANGO_PREFIXES = ("/_", "/admin/", "/admin", "/static/", "/metrics", "/favicon.ico", "/llms.txt")
 
 
 class SigilApplication:

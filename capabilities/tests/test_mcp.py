@@ -358,3 +358,13 @@ def test_a_new_contract_holds_from_the_next_call(sigil, alice):
     looser = {**ADD_INPUT, "additionalProperties": True}
     assert alice.deploy(name="add", code=ADD, input_schema=looser).json()["version"] == 2
     assert run(sigil, alice.invoke_token, "2026-07-28", call).structured_content == {"sum": 3}
+
+
+def test_llms_txt_guides_agents_to_the_api_and_mcp(sigil):
+    response = requests.get(f"{sigil.url}/llms.txt", timeout=30)
+    assert response.status_code == 200
+    assert response.headers["Content-Type"] == "text/plain; charset=utf-8"
+    text = response.text
+    assert text.startswith("# Sigil")
+    for where in ("/_api/deploy", "/_api/capabilities?q=", "/_mcp", "/_api/schema"):
+        assert f"{sigil.url}{where}" in text
