@@ -31,6 +31,7 @@ FIELDS = ("description", "input_schema", "output_schema", "examples")
 # Keywords whose values are instances, not schemas: a "$ref" key inside them is data.
 INSTANCE_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 SCHEMA_URI = "urn:sigil:schema"
+ENDLESS = "the schema refers to itself without end (a $ref cycle)"
 # An MCP tool's input schema when a capability declares none: any JSON object.
 OPEN_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -93,10 +94,19 @@ def contract_validate(contract: Contract) -> None:
     _check_examples(contract)
 
 
+def json_size(name: str, value: Any) -> int:
+    """How many bytes `value` takes as JSON; a number JSON cannot carry (1e400 read as
+    infinity) is refused, as no database or client could store it."""
+    try:
+        return len(json.dumps(value, allow_nan=False))
+    except ValueError:
+        raise InvalidRequest(f"{name} holds a number out of JSON's range") from None
+
+
 def _check_schema(name: str, schema: Any) -> None:
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{name} must be a JSON Schema object (draft 2020-12)")
-    if len(json.dumps(schema)) > SCHEMA_MAX_BYTES:
+    if json_size(name, schema) > SCHEMA_MAX_BYTES:
         raise InvalidRequest(f"{name} is over {SCHEMA_MAX_BYTES} bytes of JSON")
     declared = schema.get("$schema")
     if declared is not None and declared.rstrip("#") != Draft202012Validator.META_SCHEMA["$id"].rstrip("#"):
@@ -106,6 +116,8 @@ def _check_schema(name: str, schema: Any) -> None:
     except SchemaError as exc:
         raise InvalidRequest(f"{name} is not a valid JSON Schema (draft 2020-12): {_where(exc)}{exc.message}") from None
     _check_refs(name, schema)
+    if schema_problem(schema, {}) == ENDLESS:
+        raise InvalidRequest(f"{name}: {ENDLESS}")
 
 
 def _check_refs(name: str, schema: dict) -> None:
@@ -139,7 +151,7 @@ def _check_examples(contract: Contract) -> None:
         label = f"examples[{index}]"
         if not isinstance(example, dict) or not set(example) <= {"input", "output", "description"} or not example:
             raise InvalidRequest(f"{label} must be an object with input, output and optionally description")
-        if len(json.dumps(example)) > EXAMPLE_MAX_BYTES:
+        if json_size(label, example) > EXAMPLE_MAX_BYTES:
             raise InvalidRequest(f"{label} is over {EXAMPLE_MAX_BYTES} bytes of JSON")
         if not isinstance(example.get("description", ""), str):
             raise InvalidRequest(f"{label}.description must be a string")
@@ -171,6 +183,8 @@ def schema_problem(schema: dict, instance: Any) -> str | None:
         error = best_match(validator_for(schema).iter_errors(instance))
     except Unresolvable as exc:
         return f"the schema has a $ref that does not resolve: {exc}"
+    except RecursionError:
+        return ENDLESS
     if error is None:
         return None
     return f"{_where(error)}{error.message}"

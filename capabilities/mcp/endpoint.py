@@ -124,6 +124,7 @@ class McpEndpoint:
     """The WSGI application at `/_mcp`. `gateway` returns the process's gateway application."""
 
     def __init__(self, gateway) -> None:
+        self.gateway = gateway
         self.toolbox = Toolbox(gateway)
 
     def __call__(self, environ, start_response):
@@ -185,7 +186,8 @@ class McpEndpoint:
         session_id = environ.get("HTTP_MCP_SESSION_ID")
         keys = [tokens.cache_key(tokens.hash_secret(secret)), throttle.key(address), session_key(session_id or "")]
         tool_keys = Toolbox.prefetch_keys(message)
-        redis = get_redis()
+        # The gateway's connection for this thread: a tool call's other round trips use it too.
+        redis = self.gateway().thread_redis()
         cached, failures, session, *prefetched = redis.mget(keys + tool_keys)
         throttle.check(redis, address, failures)
         try:
