@@ -9,6 +9,7 @@ at all (an empty registry), so a deploy cannot make Sigil reach out to a URL.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ FIELDS = ("description", "input_schema", "output_schema", "examples")
 # Keywords whose values are instances, not schemas: a "$ref" key inside them is data.
 INSTANCE_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 SCHEMA_URI = "urn:sigil:schema"
+# A NUL as json.dumps writes it: \u0000 after an even number of backslashes.
+ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 ENDLESS = "the schema refers to itself without end (a $ref cycle)"
 # An MCP tool's input schema when a capability declares none: any JSON object.
 OPEN_OBJECT: dict[str, Any] = {"type": "object"}
@@ -95,12 +98,15 @@ def contract_validate(contract: Contract) -> None:
 
 
 def json_size(name: str, value: Any) -> int:
-    """How many bytes `value` takes as JSON; a number JSON cannot carry (1e400 read as
-    infinity) is refused, as no database or client could store it."""
+    """How many bytes `value` takes as JSON. What not every database and client can store is
+    refused: a number out of JSON's range (1e400 read as infinity), a NUL character."""
     try:
-        return len(json.dumps(value, allow_nan=False))
+        text = json.dumps(value, allow_nan=False)
     except ValueError:
         raise InvalidRequest(f"{name} holds a number out of JSON's range") from None
+    if ESCAPED_NUL.search(text):
+        raise InvalidRequest(f"{name} holds a NUL character (\\u0000)")
+    return len(text)
 
 
 def _check_schema(name: str, schema: Any) -> None:

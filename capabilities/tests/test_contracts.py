@@ -56,6 +56,7 @@ def test_a_capability_without_a_contract_shows_an_empty_one(alice):
         ({"output_schema": {"$ref": "https://example.com/schema.json"}}, "points outside the schema"),
         ({"output_schema": {"$ref": "#/$defs/missing"}}, "does not resolve"),
         ({"output_schema": {"$ref": "#"}}, "without end"),
+        ({"input_schema": {"type": "object", "title": "a\u0000b"}}, "NUL character"),
         ({"input_schema": {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object"}}, "2020-12"),
         ({"examples": {"input": {}}}, "examples"),
         ({"examples": [{"input": {}}] * 11}, "limit is 10"),
