@@ -65,5 +65,6 @@ bench: install
 	$(PY) bench/pagein.py
 	$(PY) bench/pager.py
 	$(PY) bench/runtimes.py
+	$(PY) bench/mcp.py
 	$(PY) bench/emulator_limits.py
 	$(PY) bench/workerd_memory.py

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 from datetime import timedelta
 
 from django import forms
@@ -20,6 +21,7 @@ from agents.admin import AgentAdmin as BaseAgentAdmin
 from agents.models import Agent
 from capabilities import bindings as binding_rules
 from capabilities import selectors, services
+from capabilities.contracts import Contract
 from capabilities.models import Binding, BindingGrant, BindingKind, BreakerState, Capability, CapabilityVersion, State
 from capabilities.runtimes.base import RuntimeFailure
 from sigil_site.errors import SigilError
@@ -96,13 +98,26 @@ class InactiveFilter(admin.SimpleListFilter):
         return queryset
 
 
-def version_diff(old: CapabilityVersion | None, new: CapabilityVersion) -> list[tuple[str, str]]:
-    """The unified diff from `old` to `new` as (kind, line) pairs, for the template to
-    escape: kind is `add`, `del`, `hunk`, `file` or `same`."""
-    before = old.code.splitlines() if old else []
+def contract_text(version: CapabilityVersion | None) -> str:
+    """A version's contract as text, one field after the other, schemas as indented JSON: what
+    the capability page shows and the version view diffs. Empty when it declares none."""
+    parts = []
+    for name, value in Contract.of(version).as_fields().items():
+        if value:
+            shown = value if isinstance(value, str) else json.dumps(value, indent=2, sort_keys=True)
+            parts.append(f"{name}:\n{shown}")
+    return "\n\n".join(parts)
+
+
+def version_diff(
+    old: CapabilityVersion | None, new: CapabilityVersion, text=lambda version: version.code
+) -> list[tuple[str, str]]:
+    """The unified diff from `old` to `new` (their code, or another `text` of them) as (kind,
+    line) pairs, for the template to escape: kind is `add`, `del`, `hunk`, `file` or `same`."""
+    before = text(old).splitlines() if old else []
     lines = difflib.unified_diff(
         before,
-        new.code.splitlines(),
+        text(new).splitlines(),
         fromfile=f"v{old.number}" if old else "(nothing)",
         tofile=f"v{new.number}",
         lineterm="",
@@ -145,7 +160,7 @@ class CapabilityAdmin(admin.ModelAdmin):
         "agent",
     ]
     list_select_related = ["agent", "current_version"]
-    search_fields = ["full_name", "agent__name", "slot"]
+    search_fields = ["full_name", "agent__name", "slot", "current_version__description"]
     actions = [
         "make_public",
         "make_private",
@@ -158,6 +173,7 @@ class CapabilityAdmin(admin.ModelAdmin):
     change_form_template = "admin/capabilities/capability/change_form.html"
     fieldsets = [
         (None, {"fields": ["agent", "full_name", "type", "is_public", "declared_bindings", "current_version"]}),
+        ("Contract", {"fields": ["contract"]}),
         ("Runtime", {"fields": ["state", "slot", "placed_sha", "health", "breaker_opened_at"]}),
         ("Traffic, last 24 hours", {"fields": ["traffic"]}),
         (
@@ -174,6 +190,7 @@ class CapabilityAdmin(admin.ModelAdmin):
         "is_public",
         "declared_bindings",
         "current_version",
+        "contract",
         "state",
         "slot",
         "placed_sha",
@@ -197,6 +214,11 @@ class CapabilityAdmin(admin.ModelAdmin):
         if capability.breaker_state == BreakerState.OPEN:
             return mark_safe('<strong class="degraded-state" style="color: var(--error-fg)">degraded</strong>')
         return "ok"
+
+    @admin.display(description="description, schemas and examples")
+    def contract(self, capability: Capability) -> str:
+        text = contract_text(capability.current_version)
+        return format_html('<pre class="contract">{}</pre>', text) if text else "none declared"
 
     @admin.display(description="version", ordering="current_version__number")
     def version(self, capability: Capability) -> str:
@@ -344,6 +366,8 @@ class CapabilityAdmin(admin.ModelAdmin):
             "against": against,
             "others": [n for n in sorted(versions) if n != number],
             "diff": version_diff(against, version) if against else [],
+            "contract": contract_text(version),
+            "contract_diff": version_diff(against, version, contract_text) if against else [],
             "is_current": version.pk == capability.current_version_id,
             "can_roll_back": capability.state != State.REMOVED and self.has_change_permission(request, capability),
         }

@@ -8,6 +8,7 @@ from datetime import timedelta
 from django.conf import settings
 from django.db import connection
 from django.http import HttpResponse
+from django.template.loader import render_to_string
 from django.utils import timezone
 from drf_spectacular.utils import (
     OpenApiExample,
@@ -26,7 +27,7 @@ from rest_framework.views import APIView
 
 from agents.models import Agent
 from agents.permissions import HasDeployScope
-from capabilities import selectors, services
+from capabilities import contracts, selectors, services
 from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
 from capabilities.parsers import LimitedJSONParser
@@ -157,8 +158,43 @@ def capability_url(request, capability: Capability) -> str:
     return f"{base}/{capability.agent.name}/{capability.name}"
 
 
+class ContractExampleSerializer(serializers.Serializer):
+    """One example of a contract, for the schema: what the capability takes and answers."""
+
+    input = serializers.JSONField(required=False, help_text="A JSON body matching input_schema.")
+    output = serializers.JSONField(required=False, help_text="What the capability answers, matching output_schema.")
+    description = serializers.CharField(required=False)
+
+
+class ContractFields(serializers.Serializer):
+    """The contract of a version (capabilities/contracts.py), as deploy takes it and the
+    catalogue shows it. Checked by the contract's own rules, which name the field."""
+
+    description = StrictCharField(
+        required=False,
+        allow_null=True,
+        allow_blank=True,
+        help_text=f"What the capability does, in plain text (at most {contracts.DESCRIPTION_MAX_CHARS} characters).",
+    )
+    input_schema = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        help_text='JSON Schema (draft 2020-12) of the JSON object it takes; "type": "object" at the root.',
+    )
+    output_schema = serializers.JSONField(
+        required=False, allow_null=True, help_text="JSON Schema (draft 2020-12) of the JSON it answers."
+    )
+    examples = ContractExampleSerializer(
+        many=True,
+        required=False,
+        allow_null=True,
+        help_text=f"At most {contracts.EXAMPLES_MAX} input/output pairs, each checked against the schemas.",
+    )
+
+
 class CapabilitySerializer(serializers.ModelSerializer):
-    """A capability as agents see it; the code only for its owner."""
+    """A capability as agents see it, with its current version's contract; the code only
+    for its owner."""
 
     capability = serializers.CharField(source="full_name")
     agent = serializers.CharField(source="agent.name")
@@ -168,6 +204,10 @@ class CapabilitySerializer(serializers.ModelSerializer):
     url = serializers.SerializerMethodField()
     breaker = serializers.CharField(source="breaker_state")
     stats = serializers.SerializerMethodField()
+    description = serializers.CharField(source="current_version.description", default="")
+    input_schema = serializers.JSONField(source="current_version.input_schema", default=None)
+    output_schema = serializers.JSONField(source="current_version.output_schema", default=None)
+    examples = ContractExampleSerializer(source="current_version.examples", many=True, default=list)
 
     class Meta:
         model = Capability
@@ -175,6 +215,7 @@ class CapabilitySerializer(serializers.ModelSerializer):
             "capability",
             "agent",
             "name",
+            "description",
             "type",
             "public",
             "state",
@@ -188,6 +229,9 @@ class CapabilitySerializer(serializers.ModelSerializer):
             "last_access_at",
             "breaker",
             "stats",
+            "input_schema",
+            "output_schema",
+            "examples",
         ]
 
     def get_url(self, obj) -> str:
@@ -228,7 +272,7 @@ class CapabilityDeployApi(APIView):
     parser_classes = [LimitedJSONParser]
 
     @extend_schema_serializer(component_name="Deploy")
-    class InputSerializer(serializers.Serializer):
+    class InputSerializer(ContractFields):
         agent = StrictCharField(required=False, allow_null=True, help_text="The token's agent; any other is a 403")
         name = StrictCharField(
             required=False,
@@ -339,16 +383,23 @@ class CapabilityDeployApi(APIView):
             ttl=data.get("ttl"),
             bindings=data["bindings"],
             is_public=data.get("public"),
+            # The raw values: the contract's rules check them (the serializer only documents them).
+            contract={name: request.data[name] for name in contracts.FIELDS if name in request.data},
         )
-        body = {
-            "capability": result.capability.full_name,
-            "url": capability_url(request, result.capability),
-            "version": result.version.number,
-            "expires_at": result.capability.expires_at,
-            "cold_start": result.cold_start,
-            "evicted": result.evicted,
-        }
-        return Response(self.OutputSerializer(body).data, status=201 if result.created else 200)
+        return Response(deploy_answer(request, result), status=201 if result.created else 200)
+
+
+def deploy_answer(request, result: services.DeployResult) -> dict:
+    """What a deploy answers, over REST and MCP alike."""
+    body = {
+        "capability": result.capability.full_name,
+        "url": capability_url(request, result.capability),
+        "version": result.version.number,
+        "expires_at": result.capability.expires_at,
+        "cold_start": result.cold_start,
+        "evicted": result.evicted,
+    }
+    return CapabilityDeployApi.OutputSerializer(body).data
 
 
 class CapabilityPagination(LimitOffsetPagination):
@@ -368,6 +419,12 @@ class CapabilityListApi(APIView):
             OpenApiParameter("type", str, enum=["persistent", "normal", "ephemeral"]),
             OpenApiParameter("state", str, enum=State.values),
             OpenApiParameter("agent", str),
+            OpenApiParameter(
+                "q",
+                str,
+                description="Words to look for in each capability's full name and description "
+                "(case-insensitive; every word must appear).",
+            ),
             OpenApiParameter("limit", int),
             OpenApiParameter("offset", int),
         ],
@@ -379,6 +436,7 @@ class CapabilityListApi(APIView):
             type=request.query_params.get("type"),
             state=request.query_params.get("state"),
             agent=request.query_params.get("agent"),
+            q=request.query_params.get("q"),
         )
         paginator = CapabilityPagination()
         page = paginator.paginate_queryset(query, request, view=self)
@@ -506,6 +564,15 @@ class HealthApi(APIView):
         healthy = all(value == "ok" for value in checks.values())
         body = {"status": "ok" if healthy else "failing", "backend": settings.SIGIL_BACKEND, **counts, "checks": checks}
         return Response(body, status=200 if healthy else 503)
+
+
+def llms_txt_view(request):
+    """GET /llms.txt: a short guide for agents (the llms.txt convention), in plain text."""
+    if request.method not in ("GET", "HEAD"):
+        return error_response(InvalidRequest("llms.txt answers GET"))
+    base = settings.SIGIL_PUBLIC_URL.rstrip("/") or request.build_absolute_uri("/").rstrip("/")
+    text = render_to_string("llms.txt", {"base": base})
+    return HttpResponse(text, content_type="text/plain; charset=utf-8")
 
 
 def metrics_view(request):

@@ -171,7 +171,7 @@ class Gateway:
             route_raw = routes.route_load(full)
         route = routes.decode(route_raw)
         now = time.time()
-        if route is None or (route.agent != principal.agent_name and not route.is_public):
+        if not routes.route_visible(route, principal.agent_name):
             raise NotFound(f"no capability {full}")
         if route.expires_epoch is not None and route.expires_epoch <= now:
             raise NotFound(f"{full} has expired")

@@ -97,6 +97,11 @@ class CapabilityVersion(models.Model):
     sha = models.CharField(max_length=64)
     size_bytes = models.PositiveIntegerField()
     created_at = models.DateTimeField(default=timezone.now, editable=False)
+    # The contract (capabilities/contracts.py): part of the version, as the code is.
+    description = models.TextField(blank=True)
+    input_schema = models.JSONField(null=True, blank=True, help_text="JSON Schema (2020-12) of the JSON it takes.")
+    output_schema = models.JSONField(null=True, blank=True, help_text="JSON Schema (2020-12) of the JSON it answers.")
+    examples = models.JSONField(default=list, blank=True, help_text="A few {input, output} pairs.")
 
     class Meta:
         ordering = ["capability", "-number"]

@@ -25,12 +25,12 @@ class LimitedJSONParser(JSONParser):
             data = super().parse(io.BytesIO(raw), media_type, parser_context)
         except RecursionError:
             raise too_deep from None
-        if _json_depth_over(data, max_depth):
+        if json_depth_over(data, max_depth):
             raise too_deep
         return data
 
 
-def _json_depth_over(value, limit: int) -> bool:
+def json_depth_over(value, limit: int) -> bool:
     """Whether parsed JSON nests arrays and objects more than `limit` deep (no recursion)."""
     pending = [(value, 1)]
     while pending:

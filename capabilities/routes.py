@@ -35,6 +35,11 @@ class CachedRoute:
     cpu_ms: int | None = None
 
 
+def route_visible(route: CachedRoute | None, agent_name: str) -> bool:
+    """Whether an agent may call the capability behind `route`: its own, or a public one."""
+    return route is not None and (route.agent == agent_name or route.is_public)
+
+
 def key(full: str) -> str:
     return f"sigil:route:{full}"
 

@@ -5,13 +5,22 @@ from __future__ import annotations
 from datetime import datetime
 
 from django.db.models import Q, QuerySet
+from django.utils import timezone
 
 from agents.models import Agent, AuditEvent
 from agents.tokens import Principal
 from capabilities import names, stats
+from capabilities.contracts import Contract
 from capabilities.models import Capability, CapabilityStatsWindow, CapabilityType, State
 from capabilities.runtimes import get_runtime
 from sigil_site.errors import InvalidRequest, NotFound
+
+SEARCH_MAX_CHARS = 200
+
+
+def visible_to(principal: Principal) -> Q:
+    """What an agent may see and call: its own capabilities and every public one."""
+    return Q(agent_id=principal.agent_id) | Q(is_public=True)
 
 
 def capability_get(*, full: str) -> Capability:
@@ -40,12 +49,19 @@ def capability_get_visible(*, principal: Principal, full: str) -> Capability:
 
 
 def capability_list_visible(
-    *, principal: Principal, type: str | None = None, state: str | None = None, agent: str | None = None
+    *,
+    principal: Principal,
+    type: str | None = None,
+    state: str | None = None,
+    agent: str | None = None,
+    q: str | None = None,
 ) -> QuerySet[Capability]:
-    """The caller's own capabilities and every public one, filtered; removed ones only on request."""
-    query = Capability.objects.select_related("agent", "current_version").filter(
-        Q(agent_id=principal.agent_id) | Q(is_public=True)
-    )
+    """The caller's own capabilities and every public one, filtered; removed ones only on request.
+
+    `q` keeps those whose full name or current description contains each of its words
+    (case-insensitive), so an agent can look for a capability by what it does.
+    """
+    query = Capability.objects.select_related("agent", "current_version").filter(visible_to(principal))
     if type is not None:
         if type not in CapabilityType.values:
             raise InvalidRequest(f"type must be one of {', '.join(CapabilityType.values)}")
@@ -60,7 +76,34 @@ def capability_list_visible(
         query = query.exclude(state=State.REMOVED)
     if agent is not None:
         query = query.filter(agent__name=agent)
+    if q is not None:
+        words = q.split()
+        if not words or len(q) > SEARCH_MAX_CHARS:
+            raise InvalidRequest(f"q must hold at least one word and at most {SEARCH_MAX_CHARS} characters")
+        for word in words:
+            query = query.filter(Q(full_name__icontains=word) | Q(current_version__description__icontains=word))
     return query.order_by("full_name", "id")
+
+
+def capability_tools_visible(*, principal: Principal, after: str, limit: int) -> list[tuple[str, Contract]]:
+    """The capabilities the caller may call, by full name after `after`, with their contracts:
+    what MCP lists as tools. Expired ephemerals are left out (they no longer answer)."""
+    rows = (
+        Capability.objects.exclude(state=State.REMOVED)
+        .filter(visible_to(principal), full_name__gt=after)
+        .exclude(expires_at__lte=timezone.now())
+        .order_by("full_name")
+        .values_list(
+            "full_name",
+            "current_version__description",
+            "current_version__input_schema",
+            "current_version__output_schema",
+        )[:limit]
+    )
+    return [
+        (full, Contract(description or "", input_schema, output_schema))
+        for full, description, input_schema, output_schema in rows
+    ]
 
 
 def backend_status() -> dict:

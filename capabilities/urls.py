@@ -10,4 +10,5 @@ urlpatterns = [
     path("_status/<str:full>", api.CapabilityWarmingStatusApi.as_view(), name="capability-warming-status"),
     path("_health", api.HealthApi.as_view(), name="health"),
     path("metrics", api.metrics_view, name="metrics"),
+    path("llms.txt", api.llms_txt_view, name="llms-txt"),
 ]

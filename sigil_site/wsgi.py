@@ -17,15 +17,20 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sigil_site.settings")
 django_application = get_wsgi_application()
 
 from capabilities.gateway import Gateway  # noqa: E402  (needs Django set up first)
+from capabilities.mcp.endpoint import McpEndpoint  # noqa: E402
+
+MCP_PATH = "/_mcp"
 
 # Agent names start with a letter and exclude these, so the two never overlap.
-DJANGO_PREFIXES = ("/_", "/admin/", "/admin", "/static/", "/metrics", "/favicon.ico")
+DJANGO_PREFIXES = ("/_", "/admin/", "/admin", "/static/", "/metrics", "/favicon.ico", "/llms.txt")
 
 
 class SigilApplication:
     def __init__(self, django_app) -> None:
         self.django_app = django_app
         self.gateway = None
+        # MCP tool calls go through this same gateway, in-process.
+        self.mcp = McpEndpoint(gateway=self.get_gateway)
 
     def __call__(self, environ, start_response):
         # Every line logged while serving this request names it (sigil_site/logs.py). Left
@@ -33,15 +38,20 @@ class SigilApplication:
         environ["sigil.request_id"] = request_id = new_request_id()
         set_request_id(request_id)
         path = environ.get("PATH_INFO", "/")
+        if path == MCP_PATH:
+            return self.mcp(environ, start_response)
         if path == "/" or path.startswith(DJANGO_PREFIXES):
             if not environ.get("CONTENT_LENGTH") and "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower():
                 buffer_chunked_body(environ)
             return self.django_app(environ, start_response)
+        return self.get_gateway()(environ, start_response)
+
+    def get_gateway(self) -> Gateway:
         if self.gateway is None:
             # Built on first use, after the server has forked its workers, so each worker
             # owns its connection pools.
             self.gateway = Gateway()
-        return self.gateway(environ, start_response)
+        return self.gateway
 
 
 def buffer_chunked_body(environ) -> None:

@@ -4,8 +4,10 @@ expiring ephemerals, and rolling back to an earlier version.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -16,7 +18,8 @@ from agents.models import Agent
 from agents.services import audit_record
 from agents.tokens import Principal
 from capabilities import bindings as binding_rules
-from capabilities import names, pager, routes
+from capabilities import contract_copies, names, pager, routes
+from capabilities.contracts import Contract, contract_merge
 from capabilities.models import Capability, CapabilityType, CapabilityVersion, State
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import CodeBundle, code_sha
@@ -109,13 +112,16 @@ def capability_deploy(
     ttl: int | None = None,
     bindings: list[str] | None = None,
     is_public: bool | None = None,
+    contract: Mapping[str, Any] | None = None,
     now: datetime | None = None,
 ) -> DeployResult:
     """Deploy a new capability or a new version of one, and place it on the runtime.
 
     A field left as None was not sent: a redeploy keeps the capability's value for it
     (`_keep_omitted`), a new capability gets the default.
-    The same code again is idempotent: no new version, no runtime call, no cool-down.
+    `contract` holds the contract fields the agent sent (description, input_schema,
+    output_schema, examples); those it omits keep their current value. The same code,
+    bindings and contract again is idempotent: no new version, no runtime call, no cool-down.
     Raises InvalidRequest, Forbidden (also for a binding not granted to the agent), TooLarge,
     Conflict (another type holds the name, or a concurrent deploy of it), Cooldown,
     RateLimited (too many ephemerals), UpstreamError.
@@ -149,7 +155,8 @@ def capability_deploy(
         if existing is not None and existing.type != type:
             raise Conflict(f"{full} is a {existing.type} capability; it cannot be redeployed as {type}")
         unchanged = existing is not None and existing.current_version and existing.current_version.sha == sha
-        if unchanged and existing.bindings == bindings:
+        wanted = contract_merge(Contract.of(existing.current_version if existing else None), contract or {})
+        if unchanged and existing.bindings == bindings and wanted == Contract.of(existing.current_version):
             return _redeploy_unchanged(existing, principal=principal, is_public=is_public)
     elif type == CapabilityType.EPHEMERAL:
         live_ephemerals = Capability.objects.filter(
@@ -160,6 +167,7 @@ def capability_deploy(
                 f"{owner.name} already has {settings.SIGIL_EPHEMERAL_MAX_PER_AGENT} live ephemeral capabilities"
             )
         full = _unused_ephemeral_name(owner.name)
+        wanted = contract_merge(Contract(), contract or {})
 
     _claim_cooldown(owner.name)
     lock = placement_lock(full, blocking=False)
@@ -189,10 +197,12 @@ def capability_deploy(
                 bundle_sha=bundle.sha,
                 bindings=bindings,
                 is_public=is_public,
+                contract=wanted,
                 now=now,
                 principal=principal,
             )
         routes.route_publish(capability)
+        contract_copies.contract_publish(capability)
     finally:
         lock.release()
     return DeployResult(
@@ -253,6 +263,7 @@ def _record_deploy(
     bundle_sha: str,
     bindings: list[str],
     is_public: bool,
+    contract: Contract,
     now: datetime,
     principal: Principal,
 ) -> tuple[Capability, CapabilityVersion, bool]:
@@ -282,7 +293,13 @@ def _record_deploy(
             capability = Capability.objects.select_for_update().get(pk=existing.pk)
             number = (capability.versions.aggregate(n=Max("number"))["n"] or 0) + 1
         version = CapabilityVersion.objects.create(
-            capability=capability, number=number, code=code, sha=sha, size_bytes=len(code.encode()), created_at=now
+            capability=capability,
+            number=number,
+            code=code,
+            sha=sha,
+            size_bytes=len(code.encode()),
+            created_at=now,
+            **contract.as_fields(),
         )
         capability.current_version = version
         capability.is_public = is_public
@@ -298,7 +315,14 @@ def _record_deploy(
             action="capability.created" if existing is None else "capability.deployed",
             agent_name=owner.name,
             subject=full,
-            detail={"version": number, "sha": sha, "type": type, "public": is_public, "bindings": bindings},
+            detail={
+                "version": number,
+                "sha": sha,
+                "type": type,
+                "public": is_public,
+                "bindings": bindings,
+                "contract": [name for name, value in contract.as_fields().items() if value],
+            },
         )
     capability.agent = owner
     return capability, version, existing is None
@@ -387,12 +411,12 @@ def capability_expire_ephemerals(*, now: datetime | None = None, batch_size: int
 def capability_rollback(*, capability: Capability, version_number: int, actor: str) -> DeployResult:
     """Serve the code of an earlier version again, placed exactly as a deploy places code.
 
-    The rollback is a new version, numbered after the latest, with the old version's code:
-    history only grows, the version an agent reads never goes back, and the audit trail
+    The rollback is a new version, numbered after the latest, with the old version's code
+    and contract: history only grows, the version an agent reads never goes back, and the audit trail
     says which version was restored. The capability keeps its current bindings and public
     flag (they are not versioned), and the agent's deploy cool-down does not apply.
-    Rolling back to the code that is already current changes nothing (as a deploy of the
-    same code does). Raises NotFound (no such version, or the capability was removed),
+    Rolling back to the code and contract that are already current changes nothing (as a
+    deploy of the same code does). Raises NotFound (no such version, or the capability was removed),
     Conflict (a deploy of it is in progress), and what placing code raises (TooLarge,
     InvalidRequest, UpstreamError).
     """
@@ -415,7 +439,13 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
         )
         if current is None:
             raise NotFound(f"no capability {full}")
-        if current.current_version is not None and current.current_version.sha == target.sha:
+        if current.current_version is not None and (
+            current.current_version.sha,
+            Contract.of(current.current_version),
+        ) == (
+            target.sha,
+            Contract.of(target),
+        ):
             return DeployResult(
                 capability=current, version=current.current_version, created=False, cold_start=False, evicted=None
             )
@@ -424,6 +454,7 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
             placement = room.place(bundle)
             locked = _record_rollback(current, target=target, placement=placement, bundle_sha=bundle.sha, actor=actor)
         routes.route_publish(locked)
+        contract_copies.contract_publish(locked)
     finally:
         lock.release()
     capability.refresh_from_db()
@@ -451,6 +482,7 @@ def _record_rollback(
             sha=target.sha,
             size_bytes=target.size_bytes,
             created_at=now,
+            **Contract.of(target).as_fields(),
         )
         locked.current_version = version
         locked.state = State.LIVE
