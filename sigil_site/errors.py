@@ -103,6 +103,12 @@ REDIS_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, kombu.exceptions
 UNAVAILABLE_RETRY_SECONDS = 5
 
 
+def request_id_new() -> str:
+    """A fresh id for one request: sent as `X-Request-Id`, logged with it, and quoted in a
+    500's message and a failure record, so one id finds everything about one answer."""
+    return secrets.token_hex(8)
+
+
 def error_for_unexpected(exc: BaseException | None, *, request_id: str | None = None) -> SigilError:
     """The contract's answer to an exception that no handler expected.
 
@@ -113,7 +119,7 @@ def error_for_unexpected(exc: BaseException | None, *, request_id: str | None = 
     """
     if isinstance(exc, REDIS_UNREACHABLE):
         return Unavailable("Sigil's Redis is unreachable; try again shortly", retry_after=UNAVAILABLE_RETRY_SECONDS)
-    return InternalError(request_id=request_id or secrets.token_hex(8))
+    return InternalError(request_id=request_id or request_id_new())
 
 
 def envelope(code: str, message: str) -> dict:
@@ -213,7 +219,7 @@ def handler500(request) -> HttpResponse:
     """Django's last resort, after it has logged the traceback ("Internal Server Error: …");
     this adds the line naming the request id the caller sees."""
     exc = sys.exc_info()[1]
-    error = error_for_unexpected(exc)
+    error = error_for_unexpected(exc, request_id=getattr(request, "request_id", None))
     if isinstance(error, InternalError):
         logger.error("request %s failed: %s %s: %r", error.request_id, request.method, request.path, exc)
     return error_response(error)
