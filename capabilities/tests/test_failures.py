@@ -142,3 +142,12 @@ def get_field(full, field):
     from sigil_site.redis_client import get_redis
 
     return get_redis().hget(stats.stats_key(full), field) or 0
+
+
+def test_removing_a_capability_forgets_its_failures(alice):
+    alice.deploy(name="flaky", code=THROWS)
+    alice.call("/alice/flaky")
+    recorded("alice--flaky", 1)
+    url = f"{alice.base_url}/_api/capabilities/alice--flaky"
+    assert alice.session.delete(url, headers=alice.headers(alice.deploy_token)).status_code == 204
+    assert failures.failures_list(full="alice--flaky") == []
