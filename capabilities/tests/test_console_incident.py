@@ -136,3 +136,45 @@ def test_a_private_capability_shows_no_error_icon_and_view_site_opens_the_dashbo
     page.locator("#kpi-calls").wait_for()
     page.click("#nav-api-docs")
     page.wait_for_url(f"{sigil.url}/_api/schema/docs")
+
+
+# WCAG contrast of each chart colour (its swatch) and of the quiet label text against the
+# page's background, computed by the browser from the styles it applied.
+CONTRASTS = """() => {
+  const rgb = (text) => text.match(/[\\d.]+/g).slice(0, 3).map(Number);
+  const linear = (v) => (v /= 255) <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4;
+  const luminance = ([r, g, b]) => 0.2126 * linear(r) + 0.7152 * linear(g) + 0.0722 * linear(b);
+  const ratio = (a, b) => {
+    const [x, y] = [luminance(a), luminance(b)].sort((p, q) => q - p);
+    return (x + 0.05) / (y + 0.05);
+  };
+  const background = rgb(getComputedStyle(document.body).backgroundColor);
+  const found = {};
+  for (const swatch of document.querySelectorAll('.swatch')) {
+    found['swatch ' + swatch.className] = ratio(rgb(getComputedStyle(swatch).backgroundColor), background);
+  }
+  for (const label of document.querySelectorAll('.kpi .label')) {
+    found['label'] = Math.min(found['label'] ?? 99, ratio(rgb(getComputedStyle(label).color), background));
+  }
+  for (const axis of document.querySelectorAll('.sigil-chart .axis')) {
+    found['axis'] = Math.min(found['axis'] ?? 99, ratio(rgb(getComputedStyle(axis).fill), background));
+  }
+  return found;
+}"""
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_dashboard_colours_keep_their_contrast_in_both_themes(sigil, owner, alice, scheme):
+    page = owner
+    assert alice.deploy(name="ping", code=answering("hi")).status_code == 201
+    for _ in range(3):
+        alice.call("/alice/ping")
+    alice.call("/alice/nothing-here")
+    flush_stats_when_recorded(alice__ping=3)
+    page.emulate_media(color_scheme=scheme)
+    page.goto(f"{sigil.url}/admin/dashboard/?refresh=off")
+    page.locator("#kpi-calls .value", has_text="3").wait_for()
+    contrasts = page.evaluate(CONTRASTS)
+    assert any(name.startswith("swatch") for name in contrasts)
+    # 3:1 for graphics and large text (WCAG 1.4.11), which chart marks and axis labels are.
+    assert {name: round(value, 2) for name, value in contrasts.items() if value < 3} == {}
