@@ -563,86 +563,69 @@ class CapabilityAdmin(admin.ModelAdmin):
             )
         return HttpResponseRedirect(change_url)
 
-    def _each(self, request, queryset, done: str, call) -> None:
-        """Run one service per capability; count those it changed, report each failure, and
-        write each change to the admin's history (the service writes the audit trail)."""
+    def _each(self, request, queryset, slug: str, done: str):
+        """Run one of PAGE_ACTIONS on each selected capability: asked first when destructive
+        (the confirmation page lists them and posts the selection back), then one service
+        call each; count those it changed, report each failure, and write each change to the
+        admin's history (the service writes the audit trail)."""
+        action = PAGE_ACTIONS_BY_SLUG[slug]
+        selected = list(queryset.select_related("agent").exclude(state=State.REMOVED))
+        if action.confirm and request.POST.get("confirmed") != "yes":
+            context = {
+                **self.admin_site.each_context(request),
+                "opts": self.opts,
+                "title": f"{action.label}: are you sure?",
+                "subject": ", ".join(c.full_name for c in selected) or "no capability",
+                "subject_url": reverse("admin:capabilities_capability_changelist"),
+                "changelist_url": reverse("admin:capabilities_capability_changelist"),
+                "action": action.label,
+                "what": action.confirm,
+                "fields": {"action": request.POST.get("action", ""), "confirmed": "yes"},
+                "selected": [c.pk for c in selected],
+            }
+            return TemplateResponse(request, "admin/sigil/confirm.html", context)
+        actor = owner_actor(request)
         changed = 0
-        history = request.POST.get("action", "").replace("_", " ").capitalize()
-        for capability in queryset.select_related("agent").exclude(state=State.REMOVED):
+        for capability in selected:
             try:
-                result = call(capability)
+                result = action.run(capability, actor)
             except ACTION_ERRORS as exc:
                 message = getattr(exc, "message", None) or str(exc)
                 self.message_user(request, f"{capability.full_name}: {message}", level=messages.ERROR)
                 continue
             if result is None or bool(result):
                 changed += 1
-                self.log_change(request, capability, history)
+                self.log_change(request, capability, action.label)
         self.message_user(request, done.format(plural(changed)))
+        return None
 
     @admin.action(description="Make selected capabilities public")
-    def make_public(self, request, queryset) -> None:
-        actor = owner_actor(request)
-        self._each(
-            request,
-            queryset,
-            "Made {} public.",
-            lambda c: services.capability_set_public(capability=c, is_public=True, actor=actor),
-        )
+    def make_public(self, request, queryset):
+        return self._each(request, queryset, "make-public", "Made {} public.")
 
     @admin.action(description="Make selected capabilities private")
-    def make_private(self, request, queryset) -> None:
-        actor = owner_actor(request)
-        self._each(
-            request,
-            queryset,
-            "Made {} private.",
-            lambda c: services.capability_set_public(capability=c, is_public=False, actor=actor),
-        )
+    def make_private(self, request, queryset):
+        return self._each(request, queryset, "make-private", "Made {} private.")
 
     @admin.action(description="Reset the circuit breaker of selected capabilities")
-    def reset_breakers(self, request, queryset) -> None:
-        actor = owner_actor(request)
-        self._each(
-            request,
-            queryset,
-            "Reset the breaker of {}.",
-            lambda c: services.capability_reset_breaker(capability=c, actor=actor),
-        )
+    def reset_breakers(self, request, queryset):
+        return self._each(request, queryset, "reset-breaker", "Reset the breaker of {}.")
 
-    @admin.action(description="Force selected capabilities degraded (503 until reset)")
-    def force_degraded(self, request, queryset) -> None:
-        actor = owner_actor(request)
-        self._each(
-            request,
-            queryset,
-            "Forced {} degraded; reset the breaker to serve again.",
-            lambda c: services.capability_force_degraded(capability=c, actor=actor),
-        )
+    @admin.action(description="Force selected capabilities degraded (503 until reset)…")
+    def force_degraded(self, request, queryset):
+        return self._each(request, queryset, "force-degraded", "Forced {} degraded; reset the breaker to serve again.")
 
     @admin.action(description="Page in selected capabilities (place them on the runtime)")
-    def page_in(self, request, queryset) -> None:
-        self._each(
-            request,
-            queryset,
-            "Paged in {}.",
-            lambda c: services.capability_page_in(full=c.full_name, reason=owner_actor(request))[1],
-        )
+    def page_in(self, request, queryset):
+        return self._each(request, queryset, "page-in", "Paged in {}.")
 
-    @admin.action(description="Evict selected capabilities (page them out)")
-    def evict(self, request, queryset) -> None:
-        actor = owner_actor(request)
-        self._each(request, queryset, "Evicted {}.", lambda c: services.capability_evict(full=c.full_name, actor=actor))
+    @admin.action(description="Evict selected capabilities (page them out)…")
+    def evict(self, request, queryset):
+        return self._each(request, queryset, "evict", "Evicted {}.")
 
-    @admin.action(description="Remove selected capabilities")
-    def remove_capabilities(self, request, queryset) -> None:
-        actor = owner_actor(request)
-        self._each(
-            request,
-            queryset,
-            "Removed {}.",
-            lambda c: services.capability_remove_as_owner(full=c.full_name, actor=actor),
-        )
+    @admin.action(description="Remove selected capabilities…")
+    def remove_capabilities(self, request, queryset):
+        return self._each(request, queryset, "remove", "Removed {}.")
 
 
 class BindingForm(forms.ModelForm):

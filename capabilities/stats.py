@@ -52,11 +52,13 @@ def code_field(code: str | None) -> str:
 
 def answer_count(*, full: str | None, status: int, code: str | None) -> None:
     """Count one answer the capability's code did not give (a refusal: 401, 404, 429, 503
-    degraded, ...) on `full`, or on UNROUTED when the path named no registered capability.
+    degraded, ...; or a 202 while it pages in) on `full`, or on UNROUTED when the path named
+    no registered capability.
     One round trip; the flush moves it to the database with the calls."""
     pipe = get_redis().pipeline(transaction=True)
     key = stats_key(full or UNROUTED)
-    pipe.hincrby(key, "refused", 1)
+    if status >= 400:  # a 202 (paging in behind `respond-async`) is answered, not refused
+        pipe.hincrby(key, "refused", 1)
     pipe.hincrby(key, status_field(status), 1)
     if code:
         pipe.hincrby(key, code_field(code), 1)

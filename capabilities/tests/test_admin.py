@@ -19,9 +19,10 @@ def owner_client(sigil, client):
 
 
 def act(client, action: str, *capabilities: Capability):
+    """Run a list action on `capabilities`, confirming it when it asks first."""
     return client.post(
         "/admin/capabilities/capability/",
-        {"action": action, "_selected_action": [c.pk for c in capabilities]},
+        {"action": action, "_selected_action": [c.pk for c in capabilities], "confirmed": "yes"},
         follow=True,
     )
 
@@ -195,3 +196,15 @@ def test_a_binding_that_capabilities_declare_cannot_be_renamed_or_deleted(owner_
     assert owner_client.post(f"{page}/delete/", {"post": "yes"}).status_code == 302
     assert not Binding.objects.exists()
     assert AuditEvent.objects.filter(action="binding.deleted", subject="VAR:GREETING", actor="owner:owner").exists()
+
+
+def test_destructive_list_actions_ask_first(owner_client, alice):
+    alice.deploy(name="x", code=code("one"))
+    capability = Capability.objects.get(full_name="alice--x")
+    asked = owner_client.post(
+        "/admin/capabilities/capability/", {"action": "remove_capabilities", "_selected_action": [capability.pk]}
+    )
+    body = asked.content.decode()
+    assert asked.status_code == 200 and "stops serving at once" in body and "alice--x" in body
+    assert f'name="_selected_action" value="{capability.pk}"' in body
+    assert alice.call("/alice/x").text == "one"

@@ -15,6 +15,8 @@ def run_action(page, base_url: str, capability: Capability, action: str) -> None
     page.check(f"input[name=_selected_action][value='{capability.pk}']")
     page.select_option("select[name=action]", action)
     page.click("button[name=index]")
+    if page.locator("#confirm").count():  # a destructive action asks first
+        page.click("#confirm")
 
 
 def test_owner_forces_a_capability_degraded_and_resets_it(sigil, owner, alice):
