@@ -181,13 +181,22 @@ class AgentAdmin(admin.ModelAdmin):
 
     @admin.action(description="Disable selected agents (their tokens stop at once)")
     def disable_agents(self, request, queryset) -> None:
-        count = sum(services.agent_set_active(agent=a, is_active=False, actor=owner_actor(request)) for a in queryset)
+        count = self._set_active(request, queryset, is_active=False)
         self.message_user(request, f"Disabled {count} agent(s).")
 
     @admin.action(description="Enable selected agents")
     def enable_agents(self, request, queryset) -> None:
-        count = sum(services.agent_set_active(agent=a, is_active=True, actor=owner_actor(request)) for a in queryset)
+        count = self._set_active(request, queryset, is_active=True)
         self.message_user(request, f"Enabled {count} agent(s).")
+
+    def _set_active(self, request, queryset, *, is_active: bool) -> int:
+        """Enable or disable each agent through the service; each change goes to the admin's history too."""
+        count = 0
+        for agent in queryset:
+            if services.agent_set_active(agent=agent, is_active=is_active, actor=owner_actor(request)):
+                count += 1
+                self.log_change(request, agent, "Enabled" if is_active else "Disabled")
+        return count
 
 
 class TokenCreationForm(forms.ModelForm):
@@ -300,12 +309,29 @@ class TokenAdmin(admin.ModelAdmin):
         return [path("<path:object_id>/revoke/", revoke, name="agents_token_revoke"), *super().get_urls()]
 
     def revoke_view(self, request, object_id):
-        if request.method != "POST":
-            return HttpResponseNotAllowed(["POST"])
+        """Revoke one token: GET asks (the confirmation page), POST revokes."""
+        if request.method not in ("GET", "POST"):
+            return HttpResponseNotAllowed(["GET", "POST"])
         token = get_object_or_404(Token.objects.select_related("agent"), pk=object_id)
         if not self.has_change_permission(request, token):
             return HttpResponseRedirect(reverse("admin:index"))
+        token_url = reverse("admin:agents_token_change", args=[token.pk])
+        if request.method == "GET":
+            context = {
+                **self.admin_site.each_context(request),
+                "opts": self.opts,
+                "title": "Revoke this token: are you sure?",
+                "subject": f"{token.prefix}… of {token.agent.name}",
+                "subject_url": token_url,
+                "changelist_url": reverse("admin:agents_token_changelist"),
+                "action": "Revoke this token",
+                "what": f"Every call and deploy with it is refused from the next request on; {token.agent.name}'s "
+                "other tokens keep working. A revoked token cannot be restored.",
+                "fields": {},
+            }
+            return TemplateResponse(request, "admin/sigil/confirm.html", context)
         if services.token_revoke(token=token, actor=owner_actor(request)):
+            self.log_change(request, token, "Revoked")
             self.message_user(request, f"Revoked token {token.prefix}… of {token.agent.name}.")
         else:
             self.message_user(request, f"Token {token.prefix}… was already revoked.", level=messages.WARNING)
@@ -319,9 +345,13 @@ class TokenAdmin(admin.ModelAdmin):
         count = 0
         for token in queryset.select_related("agent"):
             try:
-                count += services.token_revoke(token=token, actor=owner_actor(request))
+                revoked = services.token_revoke(token=token, actor=owner_actor(request))
             except SigilError as exc:
                 self.message_user(request, f"{token.prefix}…: {exc.message}", level=messages.ERROR)
+                continue
+            if revoked:
+                count += 1
+                self.log_change(request, token, "Revoked")
         self.message_user(request, f"Revoked {count} token(s).")
 
 

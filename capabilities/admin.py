@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import difflib
 import json
-from datetime import timedelta
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 from django import forms
+from django.conf import settings
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponseNotAllowed, HttpResponseRedirect
@@ -20,10 +23,13 @@ from django.utils.safestring import mark_safe
 from agents.admin import AgentAdmin as BaseAgentAdmin
 from agents.models import Agent
 from capabilities import bindings as binding_rules
-from capabilities import selectors, services
+from capabilities import breaker, failures, selectors, services
+from capabilities.api import capability_url
 from capabilities.contracts import Contract
+from capabilities.dashboard import dashboard_get
 from capabilities.models import Binding, BindingGrant, BindingKind, BreakerState, Capability, CapabilityVersion, State
 from capabilities.runtimes.base import RuntimeFailure
+from sigil_site import charts
 from sigil_site.errors import SigilError
 
 # What an action may fail with: Sigil's API errors, and a runtime failing under it.
@@ -134,6 +140,80 @@ def plural(count: int) -> str:
     return f"{count} capability" if count == 1 else f"{count} capabilities"
 
 
+@dataclass(frozen=True)
+class PageAction:
+    """A button on a capability's page: the service it calls, and for a destructive one,
+    what the confirmation page says will happen."""
+
+    slug: str
+    label: str
+    run: Callable[[Capability, str], object]  # (capability, actor) → the service's result
+    done: str  # "{}" is the capability's name
+    applies: Callable[[Capability, breaker.BreakerReport], bool]
+    confirm: str = ""  # empty: no confirmation page
+
+
+PAGE_ACTIONS = [
+    PageAction(
+        "reset-breaker",
+        "Reset the breaker",
+        lambda c, actor: services.capability_reset_breaker(capability=c, actor=actor),
+        "Reset the breaker of {}: calls go through again.",
+        lambda c, b: b.status != breaker.Status.CLOSED or c.breaker_state == BreakerState.OPEN,
+    ),
+    PageAction(
+        "force-degraded",
+        "Force degraded",
+        lambda c, actor: services.capability_force_degraded(capability=c, actor=actor),
+        "Forced {} degraded; reset the breaker to serve again.",
+        lambda c, b: b.status != breaker.Status.FORCED,
+        confirm="Every call will be answered 503 degraded, without running the code, until the breaker is reset.",
+    ),
+    PageAction(
+        "page-in",
+        "Page in",
+        lambda c, actor: services.capability_page_in(full=c.full_name, reason=actor)[1],
+        "Paged in {}.",
+        lambda c, b: c.state in (State.PAGED_OUT, State.FAILED),
+    ),
+    PageAction(
+        "evict",
+        "Evict",
+        lambda c, actor: services.capability_evict(full=c.full_name, actor=actor),
+        "Evicted {}; its next call pages it back in.",
+        lambda c, b: c.state == State.LIVE,
+        confirm="Its script will be deleted from the runtime; the next call pages it back in (a cold start).",
+    ),
+    PageAction(
+        "make-public",
+        "Make public",
+        lambda c, actor: services.capability_set_public(capability=c, is_public=True, actor=actor),
+        "Made {} public.",
+        lambda c, b: not c.is_public,
+    ),
+    PageAction(
+        "make-private",
+        "Make private",
+        lambda c, actor: services.capability_set_public(capability=c, is_public=False, actor=actor),
+        "Made {} private.",
+        lambda c, b: c.is_public,
+    ),
+    PageAction(
+        "remove",
+        "Remove",
+        lambda c, actor: services.capability_remove_as_owner(full=c.full_name, actor=actor),
+        "Removed {}.",
+        lambda c, b: True,
+        confirm="It stops serving at once and its script is deleted; its versions and audit trail stay.",
+    ),
+]
+PAGE_ACTIONS_BY_SLUG = {action.slug: action for action in PAGE_ACTIONS}
+
+
+def epoch_time(epoch: float | None) -> datetime | None:
+    return None if epoch is None else timezone.localtime(datetime.fromtimestamp(epoch, tz=UTC))
+
+
 @admin.register(Capability)
 class CapabilityAdmin(admin.ModelAdmin):
     list_display = [
@@ -141,13 +221,13 @@ class CapabilityAdmin(admin.ModelAdmin):
         "agent",
         "type",
         "state",
-        "slot",
-        "is_public",
+        "visibility",
         "health",
         "version",
-        "last_access_at",
-        "calls_total",
-        "errors_total",
+        "last_call",
+        "calls",
+        "errors",
+        "refused",
     ]
     list_filter = [
         "state",
@@ -172,10 +252,8 @@ class CapabilityAdmin(admin.ModelAdmin):
     ]
     change_form_template = "admin/capabilities/capability/change_form.html"
     fieldsets = [
-        (None, {"fields": ["agent", "full_name", "type", "is_public", "declared_bindings", "current_version"]}),
-        ("Contract", {"fields": ["contract"]}),
+        (None, {"fields": ["agent", "full_name", "type", "visibility", "declared_bindings", "current_version"]}),
         ("Runtime", {"fields": ["state", "slot", "placed_sha", "health", "breaker_opened_at"]}),
-        ("Traffic, last 24 hours", {"fields": ["traffic"]}),
         (
             "Since it was created",
             {"fields": ["calls_total", "errors_total", "cold_calls_total", "last_access_at", "inactive_at"]},
@@ -187,16 +265,14 @@ class CapabilityAdmin(admin.ModelAdmin):
         "agent",
         "full_name",
         "type",
-        "is_public",
+        "visibility",
         "declared_bindings",
         "current_version",
-        "contract",
         "state",
         "slot",
         "placed_sha",
         "health",
         "breaker_opened_at",
-        "traffic",
         "calls_total",
         "errors_total",
         "cold_calls_total",
@@ -215,10 +291,30 @@ class CapabilityAdmin(admin.ModelAdmin):
             return mark_safe('<strong class="degraded-state" style="color: var(--error-fg)">degraded</strong>')
         return "ok"
 
-    @admin.display(description="description, schemas and examples")
-    def contract(self, capability: Capability) -> str:
-        text = contract_text(capability.current_version)
-        return format_html('<pre class="contract">{}</pre>', text) if text else "none declared"
+    @admin.display(description="visibility", ordering="is_public")
+    def visibility(self, capability: Capability) -> str:
+        # Words, not the admin's ✓/✗ icons: a private capability is no error.
+        return "public" if capability.is_public else "private"
+
+    # Short headings, so that the list fits 1400 px beside the filters.
+    @admin.display(description="last call", ordering="last_access_at")
+    def last_call(self, capability: Capability):
+        return capability.last_access_at
+
+    @admin.display(description="calls", ordering="calls_total")
+    def calls(self, capability: Capability) -> int:
+        return capability.calls_total
+
+    @admin.display(description="errors", ordering="errors_total")
+    def errors(self, capability: Capability) -> int:
+        return capability.errors_total
+
+    @admin.display(description="refused", ordering="refused_total")
+    def refused(self, capability: Capability) -> int:
+        return capability.refused_total
+
+    def changelist_view(self, request, extra_context=None):
+        return super().changelist_view(request, {"title": "Capabilities", **(extra_context or {})})
 
     @admin.display(description="version", ordering="current_version__number")
     def version(self, capability: Capability) -> str:
@@ -257,26 +353,6 @@ class CapabilityAdmin(admin.ModelAdmin):
                 )
         return format_html('<ul class="bindings">{}</ul>', format_html_join("", "{}", ((i,) for i in items)))
 
-    @admin.display(description="calls")
-    def traffic(self, capability: Capability) -> str:
-        report = selectors.capability_stats(capability=capability, since=timezone.now() - timedelta(hours=24))
-        if not report["calls"]:
-            return "no calls flushed in the last 24 hours"
-
-        def ms(value):
-            return "–" if value is None else f"{value:.1f} ms"
-
-        return format_html(
-            "{} calls, {} errors ({}), {} cold; p50 {}, p95 {}; mean page-in {}",
-            report["calls"],
-            report["errors"],
-            f"{100 * report['error_rate']:.1f} %",
-            report["cold_calls"],
-            ms(report["p50_ms"]),
-            ms(report["p95_ms"]),
-            ms(report["mean_page_in_ms"]),
-        )
-
     @admin.display(description="all versions")
     def versions_panel(self, capability: Capability) -> str:
         rows = []
@@ -288,8 +364,8 @@ class CapabilityAdmin(admin.ModelAdmin):
                 action = mark_safe("<strong>current</strong>")
             elif can_roll_back:
                 action = format_html(
-                    '<button type="submit" class="button" form="rollback-form" name="version" value="{}" '
-                    'id="rollback-v{}">Roll back to v{}</button>',
+                    '<a class="button" href="{}?version={}" id="rollback-v{}">Roll back to v{}…</a>',
+                    reverse("admin:capabilities_capability_rollback", args=[capability.pk]),
                     version.number,
                     version.number,
                     version.number,
@@ -328,7 +404,50 @@ class CapabilityAdmin(admin.ModelAdmin):
             "show_save_and_continue": False,
             "show_save_and_add_another": False,
         }
+        capability = Capability.objects.select_related("agent", "current_version").filter(pk=object_id).first()
+        if capability is not None:
+            extra_context.update(self.page_context(request, capability))
         return super().change_view(request, object_id, form_url, extra_context)
+
+    def page_context(self, request, capability: Capability) -> dict:
+        """What the capability's page shows above its details: how to call it, its breaker and
+        why, the last 24 hours, its recent failures, its code, and the actions that apply."""
+        report = breaker.breaker_describe(full=capability.full_name)
+        removed = capability.state == State.REMOVED
+        can_change = self.has_change_permission(request, capability)
+        now = timezone.now()
+        day = dashboard_get(now=now, span=timedelta(hours=24), step=timedelta(minutes=30), full=capability.full_name)
+        labels = [timezone.localtime(bucket.start).strftime("%H:%M") for bucket in day.buckets]
+        chart = charts.time_chart(
+            title="Answers, last 24 hours",
+            x_labels=labels,
+            kind="bars",
+            series=[
+                charts.Series("calls", [b.calls for b in day.buckets], "calls"),
+                charts.Series("errors", [b.errors for b in day.buckets], "errors"),
+                charts.Series("refused", [b.refused for b in day.buckets], "refused"),
+            ],
+        )
+        return {
+            "title": f"Capability {capability.full_name}",
+            "subtitle": None,
+            "call_url": capability_url(request, capability),
+            "contract": contract_text(capability.current_version),
+            "breaker_report": report,
+            "breaker_opened_at": epoch_time(report.opened_at_epoch),
+            "breaker_until": epoch_time(report.until_epoch),
+            "breaker_forced_at": epoch_time(report.forced_at_epoch),
+            "tripped_ids": {f.request_id for f in report.tripped_by},
+            "failures": [(f, epoch_time(f.at_epoch)) for f in failures.failures_list(full=capability.full_name)],
+            "failures_kept": settings.SIGIL_FAILURES_KEPT,
+            "day": day,
+            "day_chart": chart,
+            "statuses": sorted(day.total.statuses.items()),
+            "codes": sorted(day.total.codes.items()),
+            "page_actions": []
+            if removed or not can_change
+            else [a for a in PAGE_ACTIONS if a.applies(capability, report)],
+        }
 
     def get_urls(self):
         view = self.admin_site.admin_view
@@ -339,6 +458,11 @@ class CapabilityAdmin(admin.ModelAdmin):
                 name="capabilities_capability_version",
             ),
             path("<path:object_id>/rollback/", view(self.rollback_view), name="capabilities_capability_rollback"),
+            path(
+                "<path:object_id>/actions/<slug:slug>/",
+                view(self.action_view),
+                name="capabilities_capability_action",
+            ),
             *super().get_urls(),
         ]
 
@@ -373,18 +497,73 @@ class CapabilityAdmin(admin.ModelAdmin):
         }
         return TemplateResponse(request, "admin/capabilities/capability/version.html", context)
 
-    def rollback_view(self, request, object_id):
-        if request.method != "POST":
-            return HttpResponseNotAllowed(["POST"])
+    def confirmation(
+        self, request, capability: Capability, *, action: str, what: str, fields: dict
+    ) -> TemplateResponse:
+        """The page that asks before a destructive action; its form posts back to the same URL."""
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": f"{action}: are you sure?",
+            "subject": capability.full_name,
+            "subject_url": reverse("admin:capabilities_capability_change", args=[capability.pk]),
+            "changelist_url": reverse("admin:capabilities_capability_changelist"),
+            "action": action,
+            "what": what,
+            "fields": fields,
+        }
+        return TemplateResponse(request, "admin/sigil/confirm.html", context)
+
+    def action_view(self, request, object_id, slug):
+        """One of PAGE_ACTIONS on one capability: asked first when destructive (GET shows the
+        confirmation page), done on POST, written to the admin's history and, by the
+        service, to the audit trail."""
+        action = PAGE_ACTIONS_BY_SLUG.get(slug)
+        if action is None:
+            raise Http404(f"no action {slug}")
         capability = get_object_or_404(Capability.objects.select_related("agent"), pk=object_id)
         if not self.has_change_permission(request, capability):
             raise PermissionDenied
         change_url = reverse("admin:capabilities_capability_change", args=[capability.pk])
+        if request.method == "GET":
+            what = action.confirm or f"{action.label}: {action.done.format(capability.full_name)}"
+            return self.confirmation(request, capability, action=action.label, what=what, fields={})
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["GET", "POST"])
         try:
-            number = int(request.POST.get("version", ""))
+            action.run(capability, owner_actor(request))
+        except ACTION_ERRORS as exc:
+            message = getattr(exc, "message", None) or str(exc)
+            self.message_user(request, f"{capability.full_name}: {message}", level=messages.ERROR)
+            return HttpResponseRedirect(change_url)
+        self.log_change(request, capability, action.label)
+        self.message_user(request, action.done.format(capability.full_name))
+        if slug == "remove":
+            return HttpResponseRedirect(reverse("admin:capabilities_capability_changelist"))
+        return HttpResponseRedirect(change_url)
+
+    def rollback_view(self, request, object_id):
+        """Roll back to `version`: GET asks (the confirmation page), POST does it."""
+        if request.method not in ("GET", "POST"):
+            return HttpResponseNotAllowed(["GET", "POST"])
+        capability = get_object_or_404(Capability.objects.select_related("agent", "current_version"), pk=object_id)
+        if not self.has_change_permission(request, capability):
+            raise PermissionDenied
+        change_url = reverse("admin:capabilities_capability_change", args=[capability.pk])
+        try:
+            number = int(request.POST.get("version", request.GET.get("version", "")))
         except ValueError:
             self.message_user(request, "Choose a version to roll back to.", level=messages.ERROR)
             return HttpResponseRedirect(change_url)
+        if request.method == "GET":
+            current = capability.current_version.number if capability.current_version else None
+            what = (
+                f"The code of v{number} is deployed again as a new version, through the same placement as a "
+                f"deploy, and served instead of v{current}'s. Bindings and the public flag stay as they are."
+            )
+            return self.confirmation(
+                request, capability, action=f"Roll back to v{number}", what=what, fields={"version": number}
+            )
         try:
             result = services.capability_rollback(
                 capability=capability, version_number=number, actor=owner_actor(request)
@@ -396,87 +575,75 @@ class CapabilityAdmin(admin.ModelAdmin):
         if result.version.number == number:
             self.message_user(request, f"{capability.full_name} already serves v{number}.", level=messages.WARNING)
         else:
+            self.log_change(request, capability, f"Rolled back to v{number} (now v{result.version.number})")
             self.message_user(
                 request, f"Rolled {capability.full_name} back to the code of v{number}, now v{result.version.number}."
             )
         return HttpResponseRedirect(change_url)
 
-    def _each(self, request, queryset, done: str, call) -> None:
-        """Run one service per capability; count those it changed, report each failure."""
+    def _each(self, request, queryset, slug: str, done: str):
+        """Run one of PAGE_ACTIONS on each selected capability: asked first when destructive
+        (the confirmation page lists them and posts the selection back), then one service
+        call each; count those it changed, report each failure, and write each change to the
+        admin's history (the service writes the audit trail)."""
+        action = PAGE_ACTIONS_BY_SLUG[slug]
+        selected = list(queryset.select_related("agent").exclude(state=State.REMOVED))
+        if action.confirm and request.POST.get("confirmed") != "yes":
+            context = {
+                **self.admin_site.each_context(request),
+                "opts": self.opts,
+                "title": f"{action.label}: are you sure?",
+                "subject": ", ".join(c.full_name for c in selected) or "no capability",
+                "subject_url": reverse("admin:capabilities_capability_changelist"),
+                "changelist_url": reverse("admin:capabilities_capability_changelist"),
+                "action": action.label,
+                "what": action.confirm,
+                "fields": {"action": request.POST.get("action", ""), "confirmed": "yes"},
+                "selected": [c.pk for c in selected],
+            }
+            return TemplateResponse(request, "admin/sigil/confirm.html", context)
+        actor = owner_actor(request)
         changed = 0
-        for capability in queryset.select_related("agent").exclude(state=State.REMOVED):
+        for capability in selected:
             try:
-                result = call(capability)
+                result = action.run(capability, actor)
             except ACTION_ERRORS as exc:
                 message = getattr(exc, "message", None) or str(exc)
                 self.message_user(request, f"{capability.full_name}: {message}", level=messages.ERROR)
                 continue
-            changed += result is None or bool(result)
+            if result is None or bool(result):
+                changed += 1
+                self.log_change(request, capability, action.label)
         self.message_user(request, done.format(plural(changed)))
+        return None
 
     @admin.action(description="Make selected capabilities public")
-    def make_public(self, request, queryset) -> None:
-        actor = owner_actor(request)
-        self._each(
-            request,
-            queryset,
-            "Made {} public.",
-            lambda c: services.capability_set_public(capability=c, is_public=True, actor=actor),
-        )
+    def make_public(self, request, queryset):
+        return self._each(request, queryset, "make-public", "Made {} public.")
 
     @admin.action(description="Make selected capabilities private")
-    def make_private(self, request, queryset) -> None:
-        actor = owner_actor(request)
-        self._each(
-            request,
-            queryset,
-            "Made {} private.",
-            lambda c: services.capability_set_public(capability=c, is_public=False, actor=actor),
-        )
+    def make_private(self, request, queryset):
+        return self._each(request, queryset, "make-private", "Made {} private.")
 
     @admin.action(description="Reset the circuit breaker of selected capabilities")
-    def reset_breakers(self, request, queryset) -> None:
-        actor = owner_actor(request)
-        self._each(
-            request,
-            queryset,
-            "Reset the breaker of {}.",
-            lambda c: services.capability_reset_breaker(capability=c, actor=actor),
-        )
+    def reset_breakers(self, request, queryset):
+        return self._each(request, queryset, "reset-breaker", "Reset the breaker of {}.")
 
-    @admin.action(description="Force selected capabilities degraded (503 until reset)")
-    def force_degraded(self, request, queryset) -> None:
-        actor = owner_actor(request)
-        self._each(
-            request,
-            queryset,
-            "Forced {} degraded; reset the breaker to serve again.",
-            lambda c: services.capability_force_degraded(capability=c, actor=actor),
-        )
+    @admin.action(description="Force selected capabilities degraded (503 until reset)…")
+    def force_degraded(self, request, queryset):
+        return self._each(request, queryset, "force-degraded", "Forced {} degraded; reset the breaker to serve again.")
 
     @admin.action(description="Page in selected capabilities (place them on the runtime)")
-    def page_in(self, request, queryset) -> None:
-        self._each(
-            request,
-            queryset,
-            "Paged in {}.",
-            lambda c: services.capability_page_in(full=c.full_name, reason=owner_actor(request))[1],
-        )
+    def page_in(self, request, queryset):
+        return self._each(request, queryset, "page-in", "Paged in {}.")
 
-    @admin.action(description="Evict selected capabilities (page them out)")
-    def evict(self, request, queryset) -> None:
-        actor = owner_actor(request)
-        self._each(request, queryset, "Evicted {}.", lambda c: services.capability_evict(full=c.full_name, actor=actor))
+    @admin.action(description="Evict selected capabilities (page them out)…")
+    def evict(self, request, queryset):
+        return self._each(request, queryset, "evict", "Evicted {}.")
 
-    @admin.action(description="Remove selected capabilities")
-    def remove_capabilities(self, request, queryset) -> None:
-        actor = owner_actor(request)
-        self._each(
-            request,
-            queryset,
-            "Removed {}.",
-            lambda c: services.capability_remove_as_owner(full=c.full_name, actor=actor),
-        )
+    @admin.action(description="Remove selected capabilities…")
+    def remove_capabilities(self, request, queryset):
+        return self._each(request, queryset, "remove", "Removed {}.")
 
 
 class BindingForm(forms.ModelForm):

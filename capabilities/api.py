@@ -27,7 +27,7 @@ from rest_framework.views import APIView
 
 from agents.models import Agent
 from agents.permissions import HasDeployScope
-from capabilities import contracts, selectors, services
+from capabilities import breaker, contracts, failures, selectors, services
 from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
 from capabilities.parsers import LimitedJSONParser
@@ -252,9 +252,25 @@ class CapabilitySerializer(serializers.ModelSerializer):
 class CapabilityDetailSerializer(CapabilitySerializer):
     code = serializers.SerializerMethodField()
     recent = serializers.SerializerMethodField()
+    failures = serializers.SerializerMethodField()
+    breaker_detail = serializers.SerializerMethodField()
 
     class Meta(CapabilitySerializer.Meta):
-        fields = [*CapabilitySerializer.Meta.fields, "recent", "code"]
+        fields = [*CapabilitySerializer.Meta.fields, "recent", "failures", "breaker_detail", "code"]
+
+    def get_failures(self, obj) -> list[dict] | None:
+        """The recent failures, newest first (time, status, code, message, duration, request
+        id, version), for the owner only."""
+        if obj.agent_id != self.context["request"].user.agent_id:
+            return None
+        return [failure.as_dict() for failure in failures.failures_list(full=obj.full_name)]
+
+    def get_breaker_detail(self, obj) -> dict | None:
+        """Why the breaker is where it is (forced by whom, or tripped by which failures' request
+        ids) and until when, for the owner only."""
+        if obj.agent_id != self.context["request"].user.agent_id:
+            return None
+        return breaker.breaker_describe(full=obj.full_name).as_dict()
 
     def get_recent(self, obj) -> dict | None:
         """The last 24 hours' calls, errors and latency percentiles, for the owner only."""

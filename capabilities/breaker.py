@@ -18,11 +18,13 @@ the capability_record_breaker task, for the admin and the agent's webhook.
 from __future__ import annotations
 
 import enum
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from django.conf import settings
 
+from capabilities import failures
 from capabilities.models import BreakerState
 from capabilities.tasks import capability_record_breaker as capability_record_breaker_task
 from sigil_site.errors import Degraded
@@ -46,6 +48,11 @@ def failures_key(full: str) -> str:
 def trial_key(full: str) -> str:
     """Held by the one trial call of a half-open breaker (expires after a cool-down)."""
     return f"sigil:breaker:trial:{full}"
+
+
+def forced_by_key(full: str) -> str:
+    """Who forced the breaker open and when (JSON), while it is forced."""
+    return f"sigil:breaker:forced-by:{full}"
 
 
 class Status(enum.StrEnum):
@@ -154,12 +161,70 @@ def breaker_changed(*, full: str, change: bytes | str | None, at_epoch: float) -
 
 def breaker_reset(*, full: str) -> None:
     """Close `full`'s breaker now, forced or not, forgetting its failures. Idempotent."""
-    get_redis().delete(open_key(full), failures_key(full), trial_key(full))
+    get_redis().delete(open_key(full), failures_key(full), trial_key(full), forced_by_key(full))
 
 
-def breaker_force(*, full: str) -> None:
-    """Open `full`'s breaker until breaker_reset; any trial in progress ends. Idempotent."""
+def breaker_force(*, full: str, actor: str = "", now: float | None = None) -> None:
+    """Open `full`'s breaker until breaker_reset, noting `actor` as who forced it; any trial
+    in progress ends. Idempotent (forcing again keeps the first actor and time)."""
+    now = time.time() if now is None else now
     pipe = get_redis().pipeline(transaction=True)
     pipe.set(open_key(full), FORCED)
+    pipe.set(forced_by_key(full), json.dumps({"by": actor, "at": round(now, 3)}), nx=True)
     pipe.delete(trial_key(full))
     pipe.execute()
+
+
+@dataclass(frozen=True)
+class BreakerReport:
+    """Why a breaker is where it is: forced by whom, or tripped by which failures, and until when."""
+
+    status: Status
+    failures_in_a_row: int
+    forced_by: str | None = None
+    forced_at_epoch: float | None = None
+    opened_at_epoch: float | None = None
+    until_epoch: float | None = None  # when a trial call may go through; None while forced
+    tripped_by: list[failures.Failure] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "state": str(self.status),
+            "failures_in_a_row": self.failures_in_a_row,
+            "forced_by": self.forced_by,
+            "forced_at": self.forced_at_epoch,
+            "opened_at": self.opened_at_epoch,
+            "until": self.until_epoch,
+            "tripped_by": [f.request_id for f in self.tripped_by],
+        }
+
+
+def breaker_describe(*, full: str, now: float | None = None) -> BreakerReport:
+    """The breaker of `full` now, with the reason it is open. Reads Redis only."""
+    now = time.time() if now is None else now
+    raw, count, forced_raw = get_redis().mget(open_key(full), failures_key(full), forced_by_key(full))
+    status = status_of(raw, now=now)
+    in_a_row = int(count or 0)
+    if status == Status.CLOSED:
+        return BreakerReport(status=status, failures_in_a_row=in_a_row)
+    if status == Status.FORCED:
+        forced = json.loads(forced_raw) if forced_raw else {}
+        return BreakerReport(
+            status=status,
+            failures_in_a_row=in_a_row,
+            forced_by=forced.get("by") or "unknown",
+            forced_at_epoch=forced.get("at"),
+        )
+    rules = Breaker.from_settings()
+    until = float(raw)
+    opened = until - rules.cooldown_seconds
+    # The failures recorded up to the moment it opened: at most a threshold's worth of them.
+    recent = failures.failures_list(full=full, limit=rules.threshold + 5)
+    tripped = [f for f in recent if f.at_epoch <= opened + 0.01][: rules.threshold]
+    return BreakerReport(
+        status=status,
+        failures_in_a_row=in_a_row,
+        opened_at_epoch=round(opened, 3),
+        until_epoch=round(until, 3),
+        tripped_by=tripped,
+    )

@@ -19,10 +19,21 @@ class Traffic:
     errors: int = 0
     cold_calls: int = 0
     latency_buckets: list[int] = field(default_factory=list)
+    refused: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    codes: dict[str, int] = field(default_factory=dict)
 
     @property
     def error_rate(self) -> float | None:
         return self.errors / self.calls if self.calls else None
+
+    def error_rate_over(self, min_calls: int) -> float | None:
+        """The error rate, or None below `min_calls` calls (one failed call of one is no 100 %)."""
+        return self.error_rate if self.calls >= max(1, min_calls) else None
+
+    @property
+    def answers(self) -> int:
+        return sum(self.statuses.values())
 
     @property
     def p50_ms(self) -> float | None:
@@ -59,8 +70,18 @@ class Dashboard:
     status: dict
 
 
-def dashboard_get(*, now: datetime, span: timedelta, step: timedelta, top_n: int = 10) -> Dashboard:
-    """Everything the dashboard draws for the `span` up to `now`, in steps of `step`.
+def dashboard_get(
+    *,
+    now: datetime,
+    span: timedelta,
+    step: timedelta,
+    top_n: int = 10,
+    agent: str | None = None,
+    full: str | None = None,
+) -> Dashboard:
+    """Everything the dashboard draws for the `span` up to `now`, in steps of `step`, for
+    every capability, one agent's or one capability's. Answers that named no capability
+    (stats.UNROUTED) count in the totals of the unfiltered view only.
 
     Reads every minute window in the span once; spans are hours, not months.
     """
@@ -74,19 +95,36 @@ def dashboard_get(*, now: datetime, span: timedelta, step: timedelta, top_n: int
     def index(at: datetime) -> int:
         return min(count - 1, max(0, int((at - since) / step)))
 
-    windows = CapabilityStatsWindow.objects.filter(window_start__gte=since, window_start__lt=until).values_list(
-        "full_name", "window_start", "calls", "errors", "cold_calls", "latency_buckets"
+    windows = CapabilityStatsWindow.objects.filter(window_start__gte=since, window_start__lt=until)
+    paging = AuditEvent.objects.filter(
+        action__in=("capability.paged_in", "capability.evicted"), created_at__gte=since, created_at__lt=until
     )
-    for full, start, calls, errors, cold, latency in windows.iterator():
-        for row in (buckets[index(start)], total, per_capability.setdefault(full, CapabilityTraffic(full_name=full))):
+    degraded = Capability.objects.select_related("agent").exclude(state=State.REMOVED)
+    if agent is not None:
+        windows = windows.filter(agent_name=agent)
+        paging = paging.filter(agent_name=agent)
+        degraded = degraded.filter(agent__name=agent)
+    if full is not None:
+        windows = windows.filter(full_name=full)
+        paging = paging.filter(subject=full)
+        degraded = degraded.filter(full_name=full)
+    rows = windows.values_list(
+        "full_name", "window_start", "calls", "errors", "cold_calls", "latency_buckets", "refused", "statuses", "codes"
+    )
+    for name, start, calls, errors, cold, latency, refused, statuses, codes in rows.iterator():
+        counted = [buckets[index(start)], total]
+        if name != stats.UNROUTED:
+            counted.append(per_capability.setdefault(name, CapabilityTraffic(full_name=name)))
+        for row in counted:
             row.calls += calls
             row.errors += errors
             row.cold_calls += cold
+            row.refused += refused
             row.latency_buckets = stats.add_buckets(row.latency_buckets, latency)
+            row.statuses = stats.add_counts(row.statuses, statuses)
+            row.codes = stats.add_counts(row.codes, codes)
 
-    paging = AuditEvent.objects.filter(
-        action__in=("capability.paged_in", "capability.evicted"), created_at__gte=since, created_at__lt=until
-    ).values_list("action", "created_at")
+    paging = paging.values_list("action", "created_at")
     for action, at in paging.iterator():
         bucket = buckets[index(at)]
         if action == "capability.paged_in":
@@ -94,13 +132,8 @@ def dashboard_get(*, now: datetime, span: timedelta, step: timedelta, top_n: int
         else:
             bucket.evictions += 1
 
-    top = sorted(per_capability.values(), key=lambda c: (-c.calls, c.full_name))[:top_n]
-    degraded = list(
-        Capability.objects.select_related("agent")
-        .exclude(state=State.REMOVED)
-        .filter(breaker_state=BreakerState.OPEN)
-        .order_by("-breaker_opened_at", "full_name")
-    )
+    top = sorted(per_capability.values(), key=lambda c: (-(c.calls + c.refused), c.full_name))[:top_n]
+    degraded = list(degraded.filter(breaker_state=BreakerState.OPEN).order_by("-breaker_opened_at", "full_name"))
     return Dashboard(
         since=since,
         until=until,

@@ -3,7 +3,12 @@
 A plain WSGI application, mounted in front of Django by sigil_site/wsgi.py, so a call pays
 for no middleware, URL resolver or request object. On a warm call it does no SQL: the
 token, the route and the breaker come from Redis in one MGET, and the call's counters,
-access stamp and breaker update go back in one script call after the response is sent.
+access stamp, breaker update and (for a failure) its failure record go back in one script
+call after the response is sent. An answer the capability's code did not give (a refusal:
+401, 404, 429, 503 degraded, ...) is counted in one more round trip.
+
+Every answer carries `X-Request-Id`, the id that names it in the access log, the failure
+record and any logged traceback; the capability receives it as the same header.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from urllib3.util import parse_url
 from agents import tokens
 from agents.selectors import parse_bearer, token_authenticate
 from agents.throttle import FailedAuthThrottle
-from capabilities import breaker, names, pager, routes, stats
+from capabilities import breaker, failures, names, pager, routes, stats
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import Route, RuntimeUnavailable
 from capabilities.upstream import (
@@ -50,6 +55,7 @@ from sigil_site.errors import (
     error_headers,
 )
 from sigil_site.redis_client import get_redis
+from sigil_site.request_id import current_request_id, new_request_id, set_request_id
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("sigil.access")
@@ -80,21 +86,29 @@ class Call:
         "holds_inflight",
         "is_trial",
         "page_in_ms",
+        "recorded",
+        "request_id",
         "sent_at",
         "started",
         "token_hash",
+        "version",
     )
 
-    def __init__(self, full: str, capability_type: str, token_hash: str, started: float, is_trial: bool) -> None:
+    def __init__(
+        self, full: str, capability_type: str, token_hash: str, started: float, is_trial: bool, request_id: str
+    ) -> None:
         self.full = full
         self.capability_type = capability_type
         self.token_hash = token_hash
         self.started = started
         self.is_trial = is_trial
+        self.request_id = request_id
         self.holds_inflight = False
         self.finished = False
+        self.recorded = False  # counted as a call (finish), not as a refusal
         self.page_in_ms: float | None = None
         self.sent_at = 0.0  # epoch the request left for the runtime
+        self.version: int | None = None  # the version number of the code that answered
 
 
 class Gateway:
@@ -105,6 +119,7 @@ class Gateway:
         self.runtime = get_runtime()
         self.record_call = self.redis.register_script(stats.RECORD_CALL)
         self.max_body = settings.SIGIL_INVOKE_MAX_BODY_BYTES
+        self.failures_kept = settings.SIGIL_FAILURES_KEPT
         self.breaker = breaker.Breaker.from_settings()
         # The pager deletes a victim only once no call to it is in flight; unbounded
         # runtimes never page out, so they skip the counting.
@@ -117,27 +132,44 @@ class Gateway:
     def __call__(self, environ, start_response):
         started = time.perf_counter()
         connection_was_open = _db_connection_open()
+        # One id per answer: the one sigil_site/wsgi.py gave the request (an MCP tool call
+        # shares its MCP request's), so the access line, the failure record and the header agree.
+        request_id = environ.get(REQUEST_ID) or current_request_id()
+        if request_id is None:
+            request_id = new_request_id()
+            set_request_id(request_id)
+        environ[REQUEST_ID] = request_id
         sent = []
 
         def start_and_remember(status, headers, exc_info=None):
             sent.append(status)
+            headers.append(("X-Request-Id", request_id))
             return start_response(status, headers, exc_info)
 
+        code = None
         try:
             result = self.handle(environ, start_and_remember, started)
         except SigilError as error:
+            code = error.code
             result = self.reply_error(start_and_remember, error)
         except Exception as exc:
             # The edge answers in the contract, always: a bug or an unreachable Redis still
             # gets the envelope and its access-log line, never the server's bare 500.
             if sent:
                 raise  # the status line is out; the server can only cut the response
-            result = self.reply_error(start_and_remember, _unexpected(environ, exc))
+            error = _unexpected(environ, exc)
+            code = error.code
+            result = self.reply_error(start_and_remember, error)
         try:
             if isinstance(result, ResponseBody):
                 result.environ = environ  # logged when the body has been sent
             else:
-                log_access(environ, int(sent[0][:3]), started, capability=None, page_in_ms=None)
+                status = int(sent[0][:3])
+                full = environ.get(CAPABILITY)
+                call = environ.get(CALL)
+                if call is None or not call.recorded:
+                    self.count_answer(full, status, code)
+                log_access(environ, status, started, capability=full, page_in_ms=None, code=code)
             return result
         finally:
             if _db_connection_open() != connection_was_open:
@@ -166,10 +198,14 @@ class Gateway:
             # The held connection was closed (Redis restarted, or dropped an idle client);
             # redis-py has discarded it, so this reconnects.
             token_raw, route_raw, breaker_raw, auth_failures = self.thread_redis().mget(keys)
+        if route_raw is not None and route_raw != routes.TOMBSTONE:
+            environ[CAPABILITY] = full  # a refusal from here on is counted on the capability
         principal = self.authenticate(secret, token_raw, address, auth_failures)
         if route_raw is None:
             route_raw = routes.route_load(full)
         route = routes.decode(route_raw)
+        if route is not None:
+            environ[CAPABILITY] = full
         now = time.time()
         if not routes.route_visible(route, principal.agent_name):
             raise NotFound(f"no capability {full}")
@@ -179,7 +215,7 @@ class Gateway:
         is_trial = False
         if breaker_raw is not None:  # not closed: open, half-open or forced
             is_trial = self.breaker.enter(self.redis, full=full, raw=breaker_raw, now=now)
-        call = Call(full, route.type, token_hash, started, is_trial)
+        call = environ[CALL] = Call(full, route.type, token_hash, started, is_trial, environ[REQUEST_ID])
         try:
             return self.forward(environ, start_response, call, route, rest)
         finally:
@@ -201,6 +237,7 @@ class Gateway:
             if _prefers_async(environ):
                 return self.reply_warming(start_response, call)
             route, page_in_ms = self.page_in(call.full)
+        call.version = route.version
         target = self.target(route)
         if target.redirect:
             return self.reply_redirect(start_response, call, target, rest, environ.get("QUERY_STRING"), page_in_ms)
@@ -227,6 +264,7 @@ class Gateway:
                 if not _prefers_async(environ):
                     raise
                 return self.reply_warming(start_response, call)  # another call is placing it
+            call.version = route.version
             upstream_started = time.perf_counter()
             upstream = self.send_once(environ, call, route, rest)
         upstream_ms = (time.perf_counter() - upstream_started) * 1000
@@ -277,8 +315,9 @@ class Gateway:
         try:
             return self.send(environ, self.target(route), rest)
         except UpstreamTimeout as exc:
-            self.finish(call, ok=False)
-            raise Timeout(f"{call.full} did not answer within {self.upstream.read_timeout:g} s") from exc
+            error = Timeout(f"{call.full} did not answer within {self.upstream.read_timeout:g} s")
+            self.finish(call, status=error.status, code=error.code, message=error.message)
+            raise error from exc
         except UpstreamUnreachable as exc:
             stopped = runtime_for(route.backend).call_stopped(slot=route.slot, sent_at=sent_at)
             if stopped is None:
@@ -291,8 +330,9 @@ class Gateway:
                     "a fresh process is starting",
                     retry_after=1,
                 ) from exc
-            self.finish(call, ok=False)
-            raise stopped_at_limit(call.full, stopped.message, cpu=stopped.reason == "cpu") from exc
+            error = stopped_at_limit(call.full, stopped.message, cpu=stopped.reason == "cpu")
+            self.finish(call, status=error.status, code=error.code, message=error.message)
+            raise error from exc
 
     def target(self, route: routes.CachedRoute) -> Route:
         # The route's own runtime: while `switchbackend` moves capabilities, some are still
@@ -311,6 +351,7 @@ class Gateway:
 
     def send(self, environ, target: Route, rest: str) -> UpstreamResponse:
         headers = request_headers(environ)
+        headers["x-request-id"] = environ[REQUEST_ID]  # Sigil's, never the caller's
         headers.update(target.headers)
         if target.host_header:
             headers["host"] = target.host_header  # request_headers() keys are lower case
@@ -339,12 +380,29 @@ class Gateway:
             environ["REQUEST_METHOD"], target.base_url, request_target, headers=headers, body=body, size=size
         )
 
-    def finish(self, call: Call, *, ok: bool) -> None:
-        """Record a call that reached the capability, in one Redis round trip; persist a
+    def finish(
+        self, call: Call, *, status: int, ok: bool | None = None, code: str | None = None, message: str = ""
+    ) -> None:
+        """Record a call that reached the capability, answered `status` (ok unless 5xx, or
+        as given), in one Redis round trip: its counters, and for a failure its failure
+        record with Sigil's error `code` and the capability's own `message`; persist a
         breaker transition through Celery."""
         call.finished = True
+        call.recorded = True
+        ok = status < 500 if ok is None else ok
         now = time.time()
         latency_ms = (time.perf_counter() - call.started) * 1000
+        record = ""
+        if not ok:
+            record = failures.failure_encode(
+                status=status,
+                code=code,
+                message=message,
+                duration_ms=latency_ms,
+                request_id=call.request_id,
+                version=call.version,
+                at_epoch=now,
+            )
         change = self.record_call(
             client=self.thread_redis(),
             keys=[
@@ -356,6 +414,7 @@ class Gateway:
                 stats.TOKENS_USED_KEY,
                 pager.lru_key(call.capability_type),
                 pager.inflight_key(call.full),
+                failures.failures_key(call.full),
             ],
             args=[
                 call.full,
@@ -369,9 +428,21 @@ class Gateway:
                 int(call.holds_inflight),
                 stats.bucket_field(latency_ms),
                 "" if call.page_in_ms is None else f"{call.page_in_ms:.3f}",
+                stats.status_field(status),
+                stats.code_field(code),
+                record,
+                self.failures_kept,
             ],
         )
         breaker.breaker_changed(full=call.full, change=change, at_epoch=now)
+
+    def count_answer(self, full: str | None, status: int, code: str | None) -> None:
+        """Count an answer that was no call to the capability's code (see stats.answer_count)."""
+        try:
+            stats.answer_count(full=full, status=status, code=code)
+        except REDIS_UNREACHABLE as exc:
+            # The caller has its answer (likely `503 unavailable` for this same reason).
+            logger.warning("Redis unreachable: a %s answer was not counted: %s", status, exc)
 
     def abandon(self, call: Call) -> None:
         """A call that ended before the capability answered: give back what it holds."""
@@ -389,25 +460,26 @@ class Gateway:
         message = upstream.data.decode(errors="replace")[:2000]
         upstream.release_conn()
         if failure == "exception":
-            self.finish(call, ok=False)
-            error: SigilError = CapabilityError(f"{call.full} threw: {_exception_text(message)}")
+            thrown = _exception_text(message)
+            error: SigilError = CapabilityError(f"{call.full} threw: {thrown}")
+            self.finish(call, status=error.status, code=error.code, message=thrown)
         elif failure in (EXCEEDED_CPU, EXCEEDED_LIMITS):
             # The capability's own doing: it counts toward its breaker, and no other's. Worded
             # and classed as the local runtime's stops are: 504 for CPU, else 502.
-            self.finish(call, ok=False)
             if failure == EXCEEDED_CPU:
                 error = stopped_at_limit(call.full, _runtime_message(message, "ran past its CPU limit"), cpu=True)
             else:
                 error = stopped_at_limit(call.full, "ran past its resource limits (CPU time or memory)", cpu=False)
+            self.finish(call, status=error.status, code=error.code, message=error.message)
         else:
             logger.error("runtime refused a call to %s: %s %s", call.full, failure, message)
             error = UpstreamError(f"the runtime failed to run {call.full} ({failure})")
-        return self.reply_error(start_response, error)
+        raise error  # answered by __call__, which logs and counts it with its code
 
     def reply_redirect(self, start_response, call: Call, target: Route, rest: str, query: str | None, page_in_ms):
         """SIGIL_POOL_REDIRECT: send the caller to the script's own URL (the seed's 302)."""
         call.page_in_ms = page_in_ms
-        self.finish(call, ok=True)
+        self.finish(call, status=302)
         location = target.base_url + rest + ("?" + query if query else "")
         headers = [("Location", location), ("Content-Length", "0"), ("X-Sigil-Capability", call.full), NOSNIFF]
         if page_in_ms is not None:
@@ -454,12 +526,17 @@ class ResponseBody:
         self.route = route
         self.ok = ok
         self.counts = True
+        self.message = ""  # for a failure record: the start of a 5xx body, or why it was cut
 
     def __iter__(self):
         try:
-            yield from self.upstream.stream(STREAM_CHUNK)
+            for chunk in self.upstream.stream(STREAM_CHUNK):
+                if not self.ok and not self.message:
+                    self.message = _first_line(chunk)
+                yield chunk
         except (UpstreamTimeout, UpstreamUnreachable) as exc:
             self.ok = False  # the capability stalled or broke mid-body; the caller sees a cut response
+            self.message = f"failed while streaming its response: {exc}"
             logger.warning("%s failed while streaming its response: %s", self.call.full, exc)
             if isinstance(exc, UpstreamUnreachable):
                 runtime = runtime_for(self.route.backend)
@@ -473,7 +550,7 @@ class ResponseBody:
         self.upstream.release_conn()
         try:
             if self.counts:
-                self.gateway.finish(self.call, ok=self.ok)
+                self.gateway.finish(self.call, status=self.upstream.status, ok=self.ok, message=self.message)
             else:
                 self.gateway.abandon(self.call)
         except REDIS_UNREACHABLE as exc:
@@ -504,9 +581,24 @@ STATUS_TEXT = {
 }
 
 
-def log_access(environ, status: int, started: float, *, capability: str | None, page_in_ms: float | None) -> None:
+# What the gateway keeps in a request's environ while serving it.
+REQUEST_ID = "sigil.request_id"  # set by sigil_site/wsgi.py for every request
+CAPABILITY = "sigil.capability"  # the full name, once the path is known to name a capability
+CALL = "sigil.call"
+
+
+def log_access(
+    environ,
+    status: int,
+    started: float,
+    *,
+    capability: str | None,
+    page_in_ms: float | None,
+    code: str | None = None,
+) -> None:
     """One line per gateway request (logger `sigil.access`), its fields as the log's own
-    (sigil_site/logs.py: JSON or text, with the time, process and request id)."""
+    (sigil_site/logs.py: JSON or text, with the time, process and request id), and for an
+    answer Sigil wrote as an error, its error code."""
     if not access_logger.isEnabledFor(logging.INFO):
         return
     ms = round((time.perf_counter() - started) * 1000, 3)
@@ -521,6 +613,7 @@ def log_access(environ, status: int, started: float, *, capability: str | None, 
             "path": path,
             "capability": capability,
             "status": status,
+            "code": code,
             "cold": page_in_ms is not None,
             "page_in_ms": None if page_in_ms is None else round(page_in_ms, 3),
             "ms": ms,
@@ -577,7 +670,7 @@ def _prefers_async(environ) -> bool:
 
 def _unexpected(environ, exc: Exception) -> SigilError:
     """The contract's answer to `exc`, logged once here with the request id the caller sees."""
-    error = error_for_unexpected(exc)
+    error = error_for_unexpected(exc, request_id=environ.get(REQUEST_ID))
     method, path = environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", "")
     if isinstance(error, InternalError):
         logger.exception("request %s failed: %s %s", error.request_id, method, quote(path))
@@ -605,6 +698,11 @@ def _runtime_message(body: str, fallback: str) -> str:
     except (ValueError, KeyError, TypeError):
         return fallback
     return message[:200] if isinstance(message, str) else fallback
+
+
+def _first_line(chunk: bytes) -> str:
+    lines = chunk[: failures.MESSAGE_MAX_CHARS].decode(errors="replace").strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _exception_text(host_message: str) -> str:

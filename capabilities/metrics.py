@@ -1,4 +1,9 @@
-"""`GET /metrics`: Sigil's counters and gauges in the Prometheus text format."""
+"""`GET /metrics`: Sigil's counters and gauges in the Prometheus text format.
+
+Cardinality stays bounded however many capabilities there are: a capability's series carry
+only its name and agent, plus at most the five status classes (`2xx` … `5xx`, and `1xx`
+never occurs) and the latency buckets, a fixed number per capability; error codes, an open
+set as Sigil grows, are counted in totals only, never per capability."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from django.db.models import Count
 from agents.models import Agent, AuditEvent
 from capabilities import stats
 from capabilities.cloudflare import API_CALLS_KEY, API_RATE_LIMITED_KEY
-from capabilities.models import Capability, State
+from capabilities.models import BreakerState, Capability, State
 from capabilities.runtimes import get_runtime
 from sigil_site.redis_client import get_redis
 
@@ -38,6 +43,10 @@ def metrics_render() -> str:
             "latency_ms_total",
             "page_in_ms_total",
             "latency_buckets_total",
+            "refused_total",
+            "statuses_total",
+            "codes_total",
+            "breaker_state",
         )
     )
     per_capability = [
@@ -45,12 +54,38 @@ def metrics_render() -> str:
         ("sigil_capability_errors_total", "counter", "Calls answered 5xx, thrown or timed out.", "errors_total"),
         ("sigil_capability_cold_calls_total", "counter", "Calls that paged the capability in.", "cold_calls_total"),
         ("sigil_capability_page_in_ms_total", "counter", "Time spent paging the capability in.", "page_in_ms_total"),
+        (
+            "sigil_capability_refused_total",
+            "counter",
+            "Answers Sigil gave without running the capability (401, 404, 429, 503 degraded, ...).",
+            "refused_total",
+        ),
     ]
     for name, kind, help_text, attribute in per_capability:
         lines.extend(_family(name, kind, help_text))
         for capability in capabilities:
             labels = f'capability="{_escape(capability.full_name)}",agent="{_escape(capability.agent.name)}"'
             lines.append(f"{name}{{{labels}}} {getattr(capability, attribute)}")
+
+    lines.extend(
+        _family("sigil_capability_answers_total", "counter", "Every answer about the capability, by status class.")
+    )
+    unrouted_statuses, unrouted_codes = stats.unrouted_totals()
+    statuses, codes = dict(unrouted_statuses), dict(unrouted_codes)
+    for capability in capabilities:
+        labels = f'capability="{_escape(capability.full_name)}",agent="{_escape(capability.agent.name)}"'
+        for status_class, count in sorted(capability.statuses_total.items()):
+            lines.append(f'sigil_capability_answers_total{{{labels},class="{_escape(status_class)}"}} {count}')
+        statuses = stats.add_counts(statuses, capability.statuses_total)
+        codes = stats.add_counts(codes, capability.codes_total)
+    lines.extend(_family("sigil_answers_total", "counter", "Every answer of the gateway, by status class."))
+    for status_class, count in sorted(statuses.items()):
+        lines.append(f'sigil_answers_total{{class="{_escape(status_class)}"}} {count}')
+    lines.extend(_family("sigil_answer_errors_total", "counter", "Every error answer of the gateway, by error code."))
+    for code, count in sorted(codes.items()):
+        lines.append(f'sigil_answer_errors_total{{code="{_escape(code)}"}} {count}')
+    lines.extend(_family("sigil_capabilities_degraded", "gauge", "Capabilities whose breaker is open or forced."))
+    lines.append(f"sigil_capabilities_degraded {sum(c.breaker_state == BreakerState.OPEN for c in capabilities)}")
 
     lines.extend(_family("sigil_capability_latency_ms", "histogram", "Call latency through the gateway."))
     for capability in capabilities:

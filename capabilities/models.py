@@ -65,6 +65,9 @@ class Capability(models.Model):
     cold_calls_total = models.BigIntegerField(default=0)
     page_in_ms_total = models.FloatField(default=0.0)
     latency_buckets_total = models.JSONField(default=list, blank=True)
+    refused_total = models.BigIntegerField(default=0, help_text="Answers Sigil gave without running the code.")
+    statuses_total = models.JSONField(default=dict, blank=True, help_text="Every answer, by status class.")
+    codes_total = models.JSONField(default=dict, blank=True, help_text="Every answer with an error code, by code.")
     breaker_state = models.CharField(max_length=8, choices=BreakerState.choices, default=BreakerState.CLOSED)
     breaker_opened_at = models.DateTimeField(null=True, blank=True)
     inactive_at = models.DateTimeField(
@@ -181,6 +184,9 @@ class CapabilityStatsWindow(models.Model):
     latency_ms_sum = models.FloatField(default=0.0)
     page_in_ms_sum = models.FloatField(default=0.0)
     latency_buckets = models.JSONField(default=list, help_text="Counts per bucket of stats.LATENCY_BUCKETS_MS.")
+    refused = models.PositiveIntegerField(default=0)
+    statuses = models.JSONField(default=dict, blank=True, help_text='Answers by status class, e.g. {"5xx": 3}.')
+    codes = models.JSONField(default=dict, blank=True, help_text='Answers by error code, e.g. {"degraded": 3}.')
 
     class Meta:
         ordering = ["-window_start", "full_name"]

@@ -33,6 +33,7 @@ class CachedRoute:
     sha: str
     backend: str = ""  # the runtime the slot is on; "" is the process's own
     cpu_ms: int | None = None
+    version: int | None = None  # the number of the version whose code the slot holds
 
 
 def route_visible(route: CachedRoute | None, agent_name: str) -> bool:
@@ -57,6 +58,7 @@ def encode(capability: Capability) -> bytes:
             "sha": capability.placed_sha,
             "backend": capability.backend,
             "cpu": capability.cpu_ms,
+            "ver": _placed_version(capability),
         },
         separators=(",", ":"),
     ).encode()
@@ -77,7 +79,14 @@ def decode(raw: bytes) -> CachedRoute | None:
         data["sha"],
         data.get("backend", ""),
         data.get("cpu"),
+        data.get("ver"),
     )
+
+
+def _placed_version(capability: Capability) -> int | None:
+    """The number of the current version: every placement places it (a deploy, a rollback
+    and a page-in all publish the route after placing), so it is the one that answers."""
+    return capability.current_version.number if capability.current_version_id else None
 
 
 def route_publish(capability: Capability) -> None:
@@ -95,7 +104,12 @@ def route_withdraw(full: str) -> None:
 
 def route_load(full: str) -> bytes:
     """Read the route from the database and cache it unless a writer got there first."""
-    capability = Capability.objects.select_related("agent").exclude(state=State.REMOVED).filter(full_name=full).first()
+    capability = (
+        Capability.objects.select_related("agent", "current_version")
+        .exclude(state=State.REMOVED)
+        .filter(full_name=full)
+        .first()
+    )
     if capability is None:
         value, ttl = TOMBSTONE, NEGATIVE_TTL_SECONDS
     else:

@@ -17,6 +17,13 @@ LATENCY_BUCKETS_MS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10
 
 DIRTY_KEY = "sigil:stats:dirty"
 TOKENS_USED_KEY = "sigil:tokens:used"
+# Answers that named no registered capability (a path that is no capability, one that does
+# not exist, a 401 before the route was known) are counted under this name: no agent or
+# capability can have it, and the totals still add up to every answer.
+UNROUTED = "-"
+# The same answers' running totals by status class and code, for /metrics (the per-minute
+# windows are pruned, so they cannot give a counter); kept in Redis only.
+UNROUTED_TOTALS_KEY = "sigil:stats:unrouted-totals"
 
 
 def stats_key(full: str) -> str:
@@ -28,11 +35,67 @@ def bucket_field(latency_ms: float) -> str:
     return f"b{bisect.bisect_left(LATENCY_BUCKETS_MS, latency_ms)}"
 
 
+def status_class(status: int) -> str:
+    """`503` → `5xx`: answers are counted by class, so their labels are a fixed few."""
+    return f"{status // 100}xx"
+
+
+def status_field(status: int) -> str:
+    """The stats hash field counting answers of `status`'s class."""
+    return f"s:{status_class(status)}"
+
+
+def code_field(code: str | None) -> str:
+    """The stats hash field counting answers with Sigil's error `code` ('' for none)."""
+    return f"e:{code}" if code else ""
+
+
+def answer_count(*, full: str | None, status: int, code: str | None) -> None:
+    """Count one answer the capability's code did not give (a refusal: 401, 404, 429, 503
+    degraded, ...; or a 202 while it pages in) on `full`, or on UNROUTED when the path named
+    no registered capability.
+    One round trip; the flush moves it to the database with the calls."""
+    pipe = get_redis().pipeline(transaction=True)
+    key = stats_key(full or UNROUTED)
+    if status >= 400:  # a 202 (paging in behind `respond-async`) is answered, not refused
+        pipe.hincrby(key, "refused", 1)
+    pipe.hincrby(key, status_field(status), 1)
+    if code:
+        pipe.hincrby(key, code_field(code), 1)
+    pipe.sadd(DIRTY_KEY, full or UNROUTED)
+    if not full:
+        pipe.hincrby(UNROUTED_TOTALS_KEY, status_field(status), 1)
+        if code:
+            pipe.hincrby(UNROUTED_TOTALS_KEY, code_field(code), 1)
+    pipe.execute()
+
+
+def unrouted_totals() -> tuple[dict[str, int], dict[str, int]]:
+    """Answers that named no capability since Redis started keeping them: (by status class, by code)."""
+    raw = {k.decode(): int(v) for k, v in get_redis().hgetall(UNROUTED_TOTALS_KEY).items()}
+    return _split_answers(raw)
+
+
+def _split_answers(values: dict) -> tuple[dict[str, int], dict[str, int]]:
+    statuses = {k[2:]: int(v) for k, v in values.items() if k.startswith("s:")}
+    codes = {k[2:]: int(v) for k, v in values.items() if k.startswith("e:")}
+    return statuses, codes
+
+
+def add_counts(a: dict[str, int] | None, b: dict[str, int] | None) -> dict[str, int]:
+    """Key-wise sum of two count maps (by status class or by code)."""
+    total = dict(a or {})
+    for key, value in (b or {}).items():
+        total[key] = total.get(key, 0) + value
+    return total
+
+
 # KEYS: stats, the breaker's failures, open and trial keys, dirty set, tokens-used hash, the
-#       pager's LRU set for the capability's type, its in-flight counter
+#       pager's LRU set for the capability's type, its in-flight counter, its failure records
 # ARGV: full name, token hash, now (epoch s), latency ms, ok (1/0), is trial (1/0),
 #       threshold, cool-down seconds, held an in-flight count (1/0), histogram bucket field,
-#       page-in ms ('' for a warm call)
+#       page-in ms ('' for a warm call), status class field, error code field (''),
+#       failure record ('' for a success), failure records kept
 # Returns "opened" or "closed" when the breaker changed, "" otherwise.
 RECORD_CALL = (
     breaker.RECORD_OUTCOME_LUA
@@ -54,7 +117,13 @@ end
 redis.call('HSET', stats, 'last_access', ARGV[3])
 redis.call('SADD', dirty, full)
 redis.call('HSET', used, token, ARGV[3])
+redis.call('HINCRBY', stats, ARGV[12], 1)
+if ARGV[13] ~= '' then redis.call('HINCRBY', stats, ARGV[13], 1) end
 if not ok then redis.call('HINCRBY', stats, 'errors', 1) end
+if ARGV[14] ~= '' then
+  redis.call('LPUSH', KEYS[9], ARGV[14])
+  redis.call('LTRIM', KEYS[9], 0, tonumber(ARGV[15]) - 1)
+end
 return breaker_record(open, failures, trial, now, ok, ARGV[6] == '1', tonumber(ARGV[7]), tonumber(ARGV[8]))
 """
 )
@@ -103,11 +172,18 @@ class CallStats:
     cold_calls: int = 0
     page_in_ms: float = 0.0
     buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_MS) + 1))
+    refused: int = 0  # answers the capability's code did not give
+    statuses: dict[str, int] = field(default_factory=dict)  # every answer, by status class
+    codes: dict[str, int] = field(default_factory=dict)  # every answer with an error code, by code
 
     @classmethod
     def from_fields(cls, values: dict[str, str]) -> CallStats:
-        """From a stats hash's fields, as RECORD_CALL writes them."""
+        """From a stats hash's fields, as RECORD_CALL and answer_count write them."""
+        statuses, codes = _split_answers(values)
         return cls(
+            refused=int(values.get("refused", 0)),
+            statuses=statuses,
+            codes=codes,
             calls=int(values.get("calls", 0)),
             errors=int(values.get("errors", 0)),
             latency_ms=float(values.get("latency_ms", 0.0)),

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django.conf import settings
 from django.contrib import admin
 from django.template.response import TemplateResponse
 from django.utils import timezone
+from django.utils.http import urlencode
 
+from agents.models import Agent
 from capabilities.dashboard import dashboard_get
 from sigil_site import charts
 from sigil_site.beat import beat_schedule_list
@@ -16,6 +19,8 @@ from sigil_site.beat import beat_schedule_list
 admin.site.site_header = "Sigil"
 admin.site.site_title = "Sigil"
 admin.site.index_title = "The owner's console"
+# "View site" opens the dashboard: Sigil's own root answers agents, not people.
+admin.site.site_url = "/admin/dashboard/"
 
 # The spans the dashboard offers, with the step of their time axis: each is read from the
 # per-minute windows, so they stay in hours.
@@ -26,52 +31,64 @@ SPANS = {
 }
 
 
+# Auto-refresh of the dashboard, seconds: a meta refresh, so no script is needed.
+REFRESH_SECONDS = 60
+# Colours (CSS classes of charts_style.html) of the status classes.
+STATUS_CSS = {"1xx": "s3xx", "2xx": "s2xx", "3xx": "s3xx", "4xx": "s4xx", "5xx": "s5xx"}
+
+
 def dashboard_view(request):
-    """Slots, traffic, errors, latency and paging over time, top and degraded capabilities."""
+    """Slots, traffic, errors, refusals, latency and paging over time, top and degraded
+    capabilities; for every agent or one (`?agent=`), refreshed every minute unless `?refresh=off`."""
     span_key = request.GET.get("span") if request.GET.get("span") in SPANS else "1h"
     span_label, span, step = SPANS[span_key]
-    data = dashboard_get(now=timezone.now(), span=span, step=step)
+    agents = list(Agent.objects.order_by("name").values_list("name", flat=True))
+    agent = request.GET.get("agent") if request.GET.get("agent") in agents else None
+    refresh = request.GET.get("refresh") != "off"
+    data = dashboard_get(now=timezone.now(), span=span, step=step, agent=agent)
     labels = [timezone.localtime(bucket.start).strftime("%H:%M") for bucket in data.buckets]
     buckets = data.buckets
     status = data.status
     total = data.total
-    context = {
-        **admin.site.each_context(request),
-        "title": "Dashboard",
-        "spans": [(key, label) for key, (label, _, _) in SPANS.items()],
-        "span": span_key,
-        "span_label": span_label,
-        "data": data,
-        "status": status,
-        "total": total,
-        "warm_calls": total.calls - total.cold_calls,
-        "slots_meter": charts.meter(value=status["used_slots"], total=status["total_slots"]),
-        "top": [(c, charts.meter(value=c.calls, total=data.top[0].calls)) for c in data.top],
-        "charts": [
-            charts.time_chart(
-                title="Calls and errors",
-                x_labels=labels,
-                kind="overlay",
-                series=[
-                    charts.Series("calls", [b.calls for b in buckets], "calls"),
-                    charts.Series("errors", [b.errors for b in buckets], "errors"),
-                ],
-            ),
-            charts.time_chart(
-                title="Error rate",
-                x_labels=labels,
-                unit="%",
-                series=[charts.Series("errors / calls", [b.error_rate for b in buckets], "errors")],
-            ),
-            charts.time_chart(
-                title="Latency through the gateway",
-                x_labels=labels,
-                unit="ms",
-                series=[
-                    charts.Series("p50", [b.p50_ms for b in buckets], "p50"),
-                    charts.Series("p95", [b.p95_ms for b in buckets], "p95"),
-                ],
-            ),
+    # One failed call of one is no 100 % error rate: steps with fewer calls show no rate.
+    min_calls = settings.SIGIL_ALERT_MIN_CALLS
+    classes = sorted({c for b in buckets for c in b.statuses}) or ["2xx"]
+    charts_shown = [
+        charts.time_chart(
+            title="Calls and errors",
+            x_labels=labels,
+            kind="overlay",
+            series=[
+                charts.Series("calls", [b.calls for b in buckets], "calls"),
+                charts.Series("errors", [b.errors for b in buckets], "errors"),
+            ],
+        ),
+        charts.time_chart(
+            title="Answers by status",
+            x_labels=labels,
+            kind="bars",
+            series=[
+                charts.Series(c, [b.statuses.get(c, 0) for b in buckets], STATUS_CSS.get(c, "s3xx")) for c in classes
+            ],
+        ),
+        charts.time_chart(
+            title=f"Error rate (steps with {min_calls} calls or more)",
+            x_labels=labels,
+            unit="%",
+            series=[charts.Series("errors / calls", [b.error_rate_over(min_calls) for b in buckets], "errors")],
+        ),
+        charts.time_chart(
+            title="Latency through the gateway",
+            x_labels=labels,
+            unit="ms",
+            series=[
+                charts.Series("p50", [b.p50_ms for b in buckets], "p50"),
+                charts.Series("p95", [b.p95_ms for b in buckets], "p95"),
+            ],
+        ),
+    ]
+    if status["total_slots"] is not None:
+        charts_shown.append(
             charts.time_chart(
                 title="Page-ins and evictions",
                 x_labels=labels,
@@ -80,8 +97,32 @@ def dashboard_view(request):
                     charts.Series("page-ins", [b.page_ins for b in buckets], "pageins"),
                     charts.Series("evictions", [b.evictions for b in buckets], "evictions"),
                 ],
-            ),
-        ],
+            )
+        )
+    query = {"span": span_key, **({"agent": agent} if agent else {}), **({} if refresh else {"refresh": "off"})}
+    context = {
+        **admin.site.each_context(request),
+        "title": "Dashboard" if agent is None else f"Dashboard: {agent}",
+        "spans": [(key, label, urlencode({**query, "span": key})) for key, (label, _, _) in SPANS.items()],
+        "span": span_key,
+        "span_label": span_label,
+        "agents": [(name, urlencode({**query, "agent": name})) for name in agents],
+        "all_agents_query": urlencode({k: v for k, v in query.items() if k != "agent"}),
+        "agent": agent,
+        "refresh": refresh,
+        "refresh_seconds": REFRESH_SECONDS,
+        "refresh_toggle_query": urlencode({**query, "refresh": "on" if not refresh else "off"}),
+        "data": data,
+        "status": status,
+        "total": total,
+        "total_error_rate": total.error_rate_over(min_calls),
+        "min_calls": min_calls,
+        "warm_calls": total.calls - total.cold_calls,
+        "slots_meter": charts.meter(value=status["used_slots"], total=status["total_slots"]),
+        "top": [(c, charts.meter(value=c.calls, total=data.top[0].calls)) for c in data.top],
+        "charts": charts_shown,
+        "statuses": sorted(total.statuses.items()),
+        "codes": sorted(total.codes.items(), key=lambda item: (-item[1], item[0])),
         "warm_cold": charts.share_bar(
             title="Warm and cold calls",
             parts=[("warm", total.calls - total.cold_calls, "calls"), ("cold", total.cold_calls, "cold")],

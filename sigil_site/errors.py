@@ -214,7 +214,7 @@ def handler500(request) -> HttpResponse:
     """Django's last resort, after it has logged the traceback ("Internal Server Error: …");
     this adds the line naming the request id the caller sees."""
     exc = sys.exc_info()[1]
-    error = error_for_unexpected(exc)
+    error = error_for_unexpected(exc, request_id=getattr(request, "request_id", None))
     if isinstance(error, InternalError):
         logger.error("request %s failed: %s %s: %r", error.request_id, request.method, request.path, exc)
     return error_response(error)

@@ -99,6 +99,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "sigil_site.middleware.RequestId",
     "django.middleware.security.SecurityMiddleware",
     "sigil_site.middleware.AdminContentSecurityPolicy",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -313,6 +314,8 @@ SIGIL_INVOKE_MAX_BODY_BYTES = env_int("SIGIL_INVOKE_MAX_BODY_BYTES", 100 * 1024 
 SIGIL_INVOKE_TIMEOUT_SECONDS = env_float("SIGIL_INVOKE_TIMEOUT_SECONDS", 30.0)
 SIGIL_BREAKER_THRESHOLD = env_int("SIGIL_BREAKER_THRESHOLD", 5)
 SIGIL_BREAKER_COOLDOWN_SECONDS = env_float("SIGIL_BREAKER_COOLDOWN_SECONDS", 30.0)
+# Recent failures kept per capability in Redis, for its owner (capabilities/failures.py).
+SIGIL_FAILURES_KEPT = env_int("SIGIL_FAILURES_KEPT", 50)
 # Secret that the gateway sends to workerd hosts; requests without it are refused there.
 SIGIL_INTERNAL_SECRET = env_secret("SIGIL_INTERNAL_SECRET")
 if not SIGIL_INTERNAL_SECRET:

@@ -46,6 +46,10 @@ def test_owner_creates_an_agent_and_a_token_reads_it_once_uses_it_and_revokes_it
 
     page.goto(f"{sigil.url}/admin/agents/token/{token.pk}/change/")
     page.click("#revoke-token")
+    page.get_by_text("Every call and deploy with it is refused").wait_for()  # asked first
+    screenshot(page, "agents-token-revoke-confirmation")
+    assert list_capabilities(sigil.url, secret).status_code == 200
+    page.click("#confirm")
     page.get_by_text(f"Revoked token {token.prefix}").wait_for()
     screenshot(page, "agents-token-revoked")
     wait_for(lambda: list_capabilities(sigil.url, secret).status_code == 401, message="the revoked token refused")

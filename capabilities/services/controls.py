@@ -92,7 +92,7 @@ def capability_force_degraded(*, capability: Capability, actor: str) -> None:
     if not Capability.objects.filter(pk=capability.pk).exclude(state=State.REMOVED).exists():
         raise NotFound(f"no capability {full}")
     now = time.time()
-    breaker.breaker_force(full=full)
+    breaker.breaker_force(full=full, actor=actor, now=now)
     with transaction.atomic():
         Capability.objects.filter(pk=capability.pk, breaker_state=BreakerState.CLOSED).update(
             breaker_state=BreakerState.OPEN, breaker_opened_at=datetime.fromtimestamp(now, tz=UTC)

@@ -59,7 +59,7 @@ def capability_apply_stats(*, batch: stats.StatsBatch) -> bool:
         return False
     window_start = datetime.fromtimestamp(batch.claimed_epoch, tz=UTC).replace(second=0, microsecond=0)
     for full, taken in sorted(batch.calls.items()):  # one lock order for overlapping flushes
-        if taken.calls == 0:
+        if taken.calls == 0 and taken.refused == 0:
             continue
         capability = Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(full_name=full).first()
         if capability is not None:
@@ -69,6 +69,9 @@ def capability_apply_stats(*, batch: stats.StatsBatch) -> bool:
             capability.cold_calls_total += taken.cold_calls
             capability.page_in_ms_total += taken.page_in_ms
             capability.latency_buckets_total = stats.add_buckets(capability.latency_buckets_total, taken.buckets)
+            capability.refused_total += taken.refused
+            capability.statuses_total = stats.add_counts(capability.statuses_total, taken.statuses)
+            capability.codes_total = stats.add_counts(capability.codes_total, taken.codes)
             if taken.last_access_epoch is not None:
                 capability.last_access_at = datetime.fromtimestamp(taken.last_access_epoch, tz=UTC)
                 capability.inactive_at = None  # called again: active
@@ -80,6 +83,9 @@ def capability_apply_stats(*, batch: stats.StatsBatch) -> bool:
                     "cold_calls_total",
                     "page_in_ms_total",
                     "latency_buckets_total",
+                    "refused_total",
+                    "statuses_total",
+                    "codes_total",
                     "last_access_at",
                     "inactive_at",
                 ]
@@ -95,6 +101,9 @@ def capability_apply_stats(*, batch: stats.StatsBatch) -> bool:
         window.latency_ms_sum += taken.latency_ms
         window.page_in_ms_sum += taken.page_in_ms
         window.latency_buckets = stats.add_buckets(window.latency_buckets, taken.buckets)
+        window.refused += taken.refused
+        window.statuses = stats.add_counts(window.statuses, taken.statuses)
+        window.codes = stats.add_counts(window.codes, taken.codes)
         window.save()
         _alert_on_error_rate(window)
     return True

@@ -18,7 +18,7 @@ from agents.models import Agent
 from agents.services import audit_record
 from agents.tokens import Principal
 from capabilities import bindings as binding_rules
-from capabilities import contract_copies, names, pager, routes
+from capabilities import contract_copies, failures, names, pager, routes
 from capabilities.contracts import Contract, contract_merge
 from capabilities.models import Capability, CapabilityType, CapabilityVersion, State
 from capabilities.runtimes import get_runtime
@@ -385,6 +385,8 @@ def _remove(*, full: str, actor: str, action: str, only_if_expired_by: datetime 
             audit_record(actor=actor, action=action, agent_name=capability.agent.name, subject=full)
             capability_release_slot_task.delay_on_commit(capability_id=capability.pk)
         routes.route_withdraw(full)
+        # A capability deployed later under the same name starts with no failures of this one.
+        failures.failures_forget(full=full)
         if get_runtime().total_slots is not None:
             pager.pager_mark_leaving(full, now=now.timestamp())
     return capability

@@ -19,9 +19,10 @@ def owner_client(sigil, client):
 
 
 def act(client, action: str, *capabilities: Capability):
+    """Run a list action on `capabilities`, confirming it when it asks first."""
     return client.post(
         "/admin/capabilities/capability/",
-        {"action": action, "_selected_action": [c.pk for c in capabilities]},
+        {"action": action, "_selected_action": [c.pk for c in capabilities], "confirmed": "yes"},
         follow=True,
     )
 
@@ -89,7 +90,7 @@ def test_version_page_shows_code_and_diff_escaped(owner_client, alice):
     assert owner_client.get(f"/admin/capabilities/capability/{capability.pk}/versions/7/").status_code == 404
 
 
-def test_rollback_needs_the_csrf_token_and_a_post(sigil, alice):
+def test_rollback_asks_first_and_needs_the_csrf_token_and_a_post(sigil, alice):
     alice.deploy(name="x", code=code("one"))
     alice.deploy(name="x", code=code("two"))
     capability = Capability.objects.get(full_name="alice--x")
@@ -99,7 +100,8 @@ def test_rollback_needs_the_csrf_token_and_a_post(sigil, alice):
     url = f"/admin/capabilities/capability/{capability.pk}/rollback/"
 
     assert client.post(url, {"version": 1}).status_code == 403
-    assert client.get(url).status_code == 405
+    asked = client.get(url, {"version": 1})  # the confirmation page, which changes nothing
+    assert asked.status_code == 200 and "The code of v1 is deployed again" in asked.content.decode()
     assert alice.call("/alice/x").text == "two"
     assert capability.versions.count() == 2
 
@@ -110,9 +112,27 @@ def test_change_page_shows_bindings_versions_and_traffic(owner_client, alice):
     response = owner_client.get(f"/admin/capabilities/capability/{capability.pk}/change/")
     body = response.content.decode()
     assert response.status_code == 200
-    assert 'id="versions"' in body and "none declared" in body and "no calls flushed" in body
-    assert 'id="rollback-form"' in body
+    assert 'id="versions"' in body and "none declared" in body and "0 calls, 0 errors, 0 refused" in body
+    assert "<h1>Capability alice--x</h1>" in body and "Change capability" not in body
+    assert 'id="call-url"' in body and 'id="recent-failures"' in body and 'id="contract"' in body
+    assert 'id="action-force-degraded"' in body and 'id="action-reset-breaker"' not in body  # closed
     assert 'name="_save"' not in body  # read-only: changed through actions and buttons
+
+
+def test_destructive_page_actions_ask_first_and_write_the_admins_history(owner_client, alice):
+    from django.contrib.admin.models import LogEntry
+
+    alice.deploy(name="x", code=code("one"))
+    capability = Capability.objects.get(full_name="alice--x")
+    url = f"/admin/capabilities/capability/{capability.pk}/actions/remove/"
+    asked = owner_client.get(url)
+    assert asked.status_code == 200 and "stops serving at once" in asked.content.decode()
+    assert alice.call("/alice/x").text == "one"
+
+    assert owner_client.post(url).status_code == 302
+    assert alice.call("/alice/x").status_code == 404
+    assert LogEntry.objects.get(object_id=str(capability.pk)).get_change_message() == "Remove"
+    assert owner_client.get(f"/admin/capabilities/capability/{capability.pk}/actions/nothing/").status_code == 404
 
 
 SHOWS_BINDINGS = """export default { async fetch(request, env) {
@@ -176,3 +196,15 @@ def test_a_binding_that_capabilities_declare_cannot_be_renamed_or_deleted(owner_
     assert owner_client.post(f"{page}/delete/", {"post": "yes"}).status_code == 302
     assert not Binding.objects.exists()
     assert AuditEvent.objects.filter(action="binding.deleted", subject="VAR:GREETING", actor="owner:owner").exists()
+
+
+def test_destructive_list_actions_ask_first(owner_client, alice):
+    alice.deploy(name="x", code=code("one"))
+    capability = Capability.objects.get(full_name="alice--x")
+    asked = owner_client.post(
+        "/admin/capabilities/capability/", {"action": "remove_capabilities", "_selected_action": [capability.pk]}
+    )
+    body = asked.content.decode()
+    assert asked.status_code == 200 and "stops serving at once" in body and "alice--x" in body
+    assert f'name="_selected_action" value="{capability.pk}"' in body
+    assert alice.call("/alice/x").text == "one"

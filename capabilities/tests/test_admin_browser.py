@@ -15,6 +15,8 @@ def run_action(page, base_url: str, capability: Capability, action: str) -> None
     page.check(f"input[name=_selected_action][value='{capability.pk}']")
     page.select_option("select[name=action]", action)
     page.click("button[name=index]")
+    if page.locator("#confirm").count():  # a destructive action asks first
+        page.click("#confirm")
 
 
 def test_owner_forces_a_capability_degraded_and_resets_it(sigil, owner, alice):
@@ -53,6 +55,9 @@ def test_owner_rolls_back_to_an_earlier_version_and_the_old_code_is_served(sigil
 
     page.goto(f"{sigil.url}/admin/capabilities/capability/{capability.pk}/change/")
     page.click("#rollback-v1")
+    page.locator("#confirm-what", has_text="The code of v1 is deployed again").wait_for()
+    assert alice.call("/alice/greet").text == "hello, two"  # nothing changed before the confirmation
+    page.click("#confirm")
     page.get_by_text("Rolled alice--greet back to the code of v1, now v3").wait_for()
     screenshot(page, "capabilities-rolled-back")
     assert alice.call("/alice/greet").text == "hello, one"

@@ -41,9 +41,11 @@ def test_an_unexpected_error_is_a_500_internal_error_logged_with_its_request_id(
     # A route entry Sigil cannot read (written by an incompatible version, or by hand).
     get_redis().set(routes.key("alice--ping"), b'{"id": 1}')
 
-    message = assert_error(alice.call("/alice/ping"), 500, "internal_error")
+    answer = alice.call("/alice/ping")
+    message = assert_error(answer, 500, "internal_error")
 
     request_id = re.search(r"request ([0-9a-f]{16})", message).group(1)
+    assert answer.headers["X-Request-Id"] == request_id  # one id for the answer, its log lines and traceback
     logged = [r for r in caplog.records if r.name == "capabilities.gateway" and request_id in r.getMessage()]
     assert len(logged) == 1 and logged[0].exc_info is not None  # the traceback, once
     # The access line carries the same id, as every line logged while serving the request.
@@ -61,6 +63,7 @@ def test_an_unexpected_error_in_the_control_api_is_a_500_internal_error_with_a_r
 
     message = assert_error(listed, 500, "internal_error")
     request_id = re.search(r"request ([0-9a-f]{16})", message).group(1)
+    assert listed.headers["X-Request-Id"] == request_id
     assert any(r.name == "sigil_site.errors" and request_id in r.getMessage() for r in caplog.records)
     assert any(r.name == "django.request" and r.exc_info for r in caplog.records)  # Django's traceback
     assert_error(alice.call("/alice/anything"), 500, "internal_error")  # the gateway reads the same entry

@@ -65,3 +65,28 @@ def test_metrics_count_cloudflare_api_calls_and_429s(sigil, worker_pool, alice, 
     assert found[("sigil_cloudflare_api_calls_total", ())] == made
     assert found[("sigil_cloudflare_rate_limited_total", ())] == 0
     assert found[("sigil_slots_total", ())] == 3
+
+
+def test_metrics_count_refusals_by_class_and_code_and_gauge_degraded_capabilities(sigil, alice, settings):
+    from capabilities.models import Capability
+    from capabilities.services import capability_force_degraded
+
+    settings.SIGIL_METRICS_TOKEN = "scrape-me"
+    alice.deploy(name="ok", code="export default { async fetch() { return new Response('ok') } }")
+    assert alice.call("/alice/ok").status_code == 200
+    capability_force_degraded(capability=Capability.objects.get(full_name="alice--ok"), actor="owner:root")
+    for _ in range(2):
+        assert alice.call("/alice/ok").status_code == 503
+    assert alice.call("/alice/missing").status_code == 404
+    flush_stats_when_recorded(alice__ok=1)
+
+    found = samples(scrape(sigil).text)
+    ok = (("agent", "alice"), ("capability", "alice--ok"))
+    assert found[("sigil_capability_calls_total", ok)] == 1
+    assert found[("sigil_capability_refused_total", ok)] == 2
+    assert found[("sigil_capability_answers_total", (*ok, ("class", "2xx")))] == 1
+    assert found[("sigil_capability_answers_total", (*ok, ("class", "5xx")))] == 2
+    assert found[("sigil_answers_total", (("class", "4xx"),))] == 1  # the 404 named no capability
+    assert found[("sigil_answer_errors_total", (("code", "degraded"),))] == 2
+    assert found[("sigil_answer_errors_total", (("code", "not_found"),))] == 1
+    assert found[("sigil_capabilities_degraded", ())] == 1

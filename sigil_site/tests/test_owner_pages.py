@@ -98,3 +98,34 @@ def test_admin_pages_refuse_framing_and_sniffing(client):
     assert response["X-Frame-Options"] == "DENY"
     assert response["X-Content-Type-Options"] == "nosniff"
     assert response["Referrer-Policy"] == "same-origin"
+
+
+def test_dashboard_filters_by_agent_counts_refusals_and_explains_what_does_not_apply(sigil, alice, bob, client):
+    user = get_user_model().objects.create_superuser("owner", "owner@example.invalid", "owner-password")
+    client.force_login(user)
+    alice.deploy(name="ping", code="export default { async fetch() { return new Response('a') } }")
+    bob.deploy(name="ping", code="export default { async fetch() { return new Response('b') } }")
+    for _ in range(2):
+        alice.call("/alice/ping")
+    bob.call("/bob/ping")
+    assert alice.call("/alice/ping", token=None).status_code == 401  # counted on the capability
+    flush_stats_when_recorded(alice__ping=2, bob__ping=1)
+
+    everyone = client.get("/admin/dashboard/").context
+    assert (everyone["total"].calls, everyone["total"].refused) == (3, 1)
+    assert everyone["total"].statuses == {"2xx": 3, "4xx": 1}
+    assert everyone["total"].codes == {"unauthenticated": 1}
+    only_bob = client.get("/admin/dashboard/?agent=bob")
+    assert (only_bob.context["total"].calls, only_bob.context["total"].refused) == (1, 0)
+    assert [c.full_name for c in only_bob.context["data"].top] == ["bob--ping"]
+    assert client.get("/admin/dashboard/?agent=nobody").context["agent"] is None  # unknown: everyone
+
+    # Three calls are too few for an error rate; the local runtime pages nothing.
+    assert everyone["total_error_rate"] is None
+    body = client.get("/admin/dashboard/").content.decode()
+    assert (
+        'http-equiv="refresh"' in body
+        and 'id="paging-note"' in body
+        and "Page-ins and evictions</figcaption><svg" not in body
+    )
+    assert 'http-equiv="refresh"' not in client.get("/admin/dashboard/?refresh=off").content.decode()
