@@ -11,7 +11,7 @@ from agents.tokens import Principal
 from capabilities import names, stats
 from capabilities.models import Capability, CapabilityStatsWindow, CapabilityType, State
 from capabilities.runtimes import get_runtime
-from sigil_site.errors import InvalidRequest, NotFound
+from sigil_site.errors import Forbidden, InvalidRequest, NotFound
 
 
 def capability_get_visible(*, principal: Principal, full: str) -> Capability:
@@ -21,7 +21,7 @@ def capability_get_visible(*, principal: Principal, full: str) -> Capability:
     """
     names.split_full_name(full)
     capability = (
-        Capability.objects.select_related("agent", "current_version")
+        Capability.objects.select_related("agent", "current_version", "staged_version")
         .exclude(state=State.REMOVED)
         .filter(full_name=full)
         .first()
@@ -31,12 +31,22 @@ def capability_get_visible(*, principal: Principal, full: str) -> Capability:
     return capability
 
 
+def capability_get_owned(*, principal: Principal, full: str) -> Capability:
+    """The capability `full` for a change by its own agent: NotFound when the caller may not
+    see it, Forbidden when it may but it is another agent's."""
+    capability = capability_get_visible(principal=principal, full=full)
+    if capability.agent_id != principal.agent_id:
+        raise Forbidden(f"{full} is not under {principal.agent_name}'s prefix")
+    return capability
+
+
 def capability_list_visible(
     *, principal: Principal, type: str | None = None, state: str | None = None, agent: str | None = None
 ) -> QuerySet[Capability]:
     """The caller's own capabilities and every public one, filtered; removed ones only on request."""
-    query = Capability.objects.select_related("agent", "current_version").filter(
-        Q(agent_id=principal.agent_id) | Q(is_public=True)
+    # The placements of staged versions in traffic are the split's, never listed.
+    query = Capability.objects.select_related("agent", "current_version", "staged_version").filter(
+        Q(agent_id=principal.agent_id) | Q(is_public=True), variant_of__isnull=True
     )
     if type is not None:
         if type not in CapabilityType.values:
@@ -109,3 +119,35 @@ def binding_declared_by(kind: str, name: str, *, agent_id: int | None = None) ->
         for capability in candidates.only("full_name", "state", "bindings", "agent_id")
         if declaration in capability.bindings
     ]
+
+
+def capability_split_report(*, capability: Capability) -> dict | None:
+    """The versions of a running traffic split side by side: each one's share, its calls,
+    errors and latency since the minute the split began (from the flushed windows; the
+    current version's first minute may hold calls from just before), state and breaker.
+    None when no split runs."""
+    if not capability.has_split:
+        return None
+    from capabilities import routes
+
+    since = capability.split_started_at.replace(second=0, microsecond=0)
+    variant = Capability.objects.exclude(state=State.REMOVED).filter(full_name=routes.variant_name(capability)).first()
+    return {
+        "started_at": capability.split_started_at,
+        "caller_header": capability.split_caller_header or None,
+        "guard": (
+            {"margin": capability.split_guard_margin, "min_calls": capability.split_guard_min_calls}
+            if capability.split_guard_margin is not None
+            else None
+        ),
+        "current": {
+            "version": capability.current_version.number,
+            "weight": 100 - capability.split_weight,
+            "stats": capability_stats(capability=capability, since=since),
+        },
+        "staged": {
+            "version": capability.staged_version.number,
+            "weight": capability.split_weight,
+            "stats": capability_stats(capability=variant, since=since) if variant else None,
+        },
+    }
