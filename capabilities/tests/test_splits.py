@@ -350,3 +350,26 @@ def test_the_owner_splits_promotes_and_aborts_from_the_admin_after_confirming(ow
     assert list(trail.order_by("id")) == ["capability.split_started", "capability.split_aborted", "capability.promoted"]
     # The staged version's own placement is shown on its capability's page, not listed apart.
     assert VARIANT not in owner_client.get("/admin/capabilities/capability/").content.decode()
+
+
+def test_on_the_pool_a_staged_version_in_traffic_pages_out_and_in_like_any_capability(
+    worker_pool, celery_worker, cf_client, alice
+):
+    deploy(alice, "ping", "one", type="normal")
+    stage(alice, "two", type="normal")
+    assert split(alice, weight=100).status_code == 200  # every caller on v2: v1 is left idle
+    assert alice.call("/alice/ping").text == "two"
+    for name in ("a", "b", "c"):  # three slots: ping, then the variant, are the least recently used
+        deploy(alice, name, name, type="normal")
+    wait_for(lambda: Capability.objects.get(full_name=VARIANT).state == "paged_out", message="the variant paged out")
+    assert names.pool_script_name(VARIANT) not in [s.id for s in cf_client.script_list()]
+
+    response = alice.call("/alice/ping")
+    assert (response.text, response.headers["X-Sigil-Version"], response.headers["X-Sigil-Cold-Start"]) == (
+        "two",
+        "2",
+        "1",
+    )
+    wait_for(settled, message="the pager to settle")
+    assert book_problems(lambda: sorted(s.id for s in cf_client.script_list())) == []
+    assert AuditEvent.objects.filter(subject=VARIANT, action="capability.evicted").exists()
