@@ -458,7 +458,7 @@ class HealthApi(APIView):
             with connection.cursor() as cursor:
                 cursor.execute("SELECT 1")
             counts = {
-                "capabilities": Capability.objects.exclude(state=State.REMOVED).count(),
+                "capabilities": Capability.objects.exclude(state=State.REMOVED).filter(variant_of__isnull=True).count(),
                 "agents": Agent.objects.count(),
             }
         except Exception as exc:
