@@ -260,6 +260,7 @@ class CapabilityAdmin(admin.ModelAdmin):
         ),
         ("Dates", {"fields": ["created_at", "updated_at", "expires_at", "removed_at"]}),
         ("Versions", {"fields": ["versions_panel"]}),
+        ("Traffic split", {"fields": ["split_panel"]}),
     ]
     readonly_fields = [
         "agent",
@@ -283,6 +284,7 @@ class CapabilityAdmin(admin.ModelAdmin):
         "expires_at",
         "removed_at",
         "versions_panel",
+        "split_panel",
     ]
 
     @admin.display(description="breaker", ordering="breaker_state")
@@ -390,6 +392,14 @@ class CapabilityAdmin(admin.ModelAdmin):
             format_html_join("", "{}", ((row,) for row in rows)),
         )
 
+    @admin.display(description="versions in traffic")
+    def split_panel(self, capability: Capability) -> str:
+        return split_panel(capability)
+
+    def get_queryset(self, request):
+        # A staged version in traffic is shown on its capability's page, not as one of its own.
+        return super().get_queryset(request).filter(variant_of__isnull=True)
+
     def has_add_permission(self, request) -> bool:
         return False  # capabilities are deployed by agents over the API
 
@@ -462,6 +472,11 @@ class CapabilityAdmin(admin.ModelAdmin):
                 "<path:object_id>/actions/<slug:slug>/",
                 view(self.action_view),
                 name="capabilities_capability_action",
+            ),
+            path(
+                "<path:object_id>/split/<str:action>/",
+                view(self.split_view),
+                name="capabilities_capability_split",
             ),
             *super().get_urls(),
         ]
@@ -581,6 +596,44 @@ class CapabilityAdmin(admin.ModelAdmin):
             )
         return HttpResponseRedirect(change_url)
 
+    def split_view(self, request, object_id, action):
+        """Change, promote or abort a traffic split: a confirmation page, then the service."""
+        if action not in SPLIT_ACTIONS:
+            raise Http404(f"no split action {action}")
+        capability = get_object_or_404(
+            Capability.objects.select_related("agent", "current_version", "staged_version"), pk=object_id
+        )
+        if not self.has_change_permission(request, capability):
+            raise PermissionDenied
+        change_url = reverse("admin:capabilities_capability_change", args=[capability.pk])
+        form = SplitForm(request.POST or None, initial=SplitForm.initial_for(capability))
+        if request.method == "POST" and (action != "set" or form.is_valid()):
+            actor = owner_actor(request)
+            try:
+                if action == "set":
+                    services.capability_split_set(capability=capability, actor=actor, **form.split_arguments())
+                elif action == "promote":
+                    services.capability_promote(capability=capability, actor=actor)
+                else:
+                    services.capability_split_abort(capability=capability, actor=actor)
+            except ACTION_ERRORS as exc:
+                message = getattr(exc, "message", None) or str(exc)
+                self.message_user(request, f"{capability.full_name}: {message}", level=messages.ERROR)
+                return HttpResponseRedirect(change_url)
+            self.log_change(request, capability, SPLIT_ACTIONS[action][0])
+            self.message_user(request, f"{capability.full_name}: {SPLIT_ACTIONS[action][1]}")
+            return HttpResponseRedirect(change_url)
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": f"{SPLIT_ACTIONS[action][0]}: {capability.full_name}",
+            "capability": capability,
+            "action": action,
+            "question": SPLIT_ACTIONS[action][0],
+            "form": form if action == "set" else None,
+        }
+        return TemplateResponse(request, "admin/capabilities/capability/split_confirm.html", context)
+
     def _each(self, request, queryset, slug: str, done: str):
         """Run one of PAGE_ACTIONS on each selected capability: asked first when destructive
         (the confirmation page lists them and posts the selection back), then one service
@@ -644,6 +697,93 @@ class CapabilityAdmin(admin.ModelAdmin):
     @admin.action(description="Remove selected capabilities…")
     def remove_capabilities(self, request, queryset):
         return self._each(request, queryset, "remove", "Removed {}.")
+
+
+# action → (what the confirmation page asks, what is said once done)
+SPLIT_ACTIONS = {
+    "set": ("Split traffic", "the split is set."),
+    "promote": ("Promote the staged version", "the staged version is current; the split has ended."),
+    "abort": ("Abort the split", "the split has ended; every call goes to the current version."),
+}
+
+
+def split_panel(capability: Capability) -> str:
+    """The staged version and the split, versions side by side, with links to change them."""
+    if capability.staged_version_id is None:
+        return 'no staged version (an agent stages one by deploying with "stage": true)'
+    links = format_html_join(
+        " ",
+        '<a class="button" href="{}" id="split-{}">{}</a>',
+        (
+            (reverse("admin:capabilities_capability_split", args=[capability.pk, action]), action, words[0])
+            for action, words in SPLIT_ACTIONS.items()
+        ),
+    )
+    report = selectors.capability_split_report(capability=capability)
+    if report is None:
+        return format_html("v{} is staged, not in traffic. {}", capability.staged_version.number, links)
+    rows = []
+    for role in ("current", "staged"):
+        version = report[role]
+        figures = version["stats"] or {}
+        rate = figures.get("error_rate")
+        rows.append(
+            (
+                role,
+                version["version"],
+                f"{version['weight']} %",
+                figures.get("calls", 0),
+                figures.get("errors", 0),
+                "–" if rate is None else f"{100 * rate:.1f} %",
+                "–" if figures.get("p50_ms") is None else f"{figures['p50_ms']:.1f} ms",
+                figures.get("state", "–"),
+                figures.get("breaker", "–"),
+            )
+        )
+    guard = report["guard"]
+    return format_html(
+        '<table id="split"><thead><tr><th></th><th>version</th><th>share</th><th>calls</th><th>errors</th>'
+        "<th>error rate</th><th>p50</th><th>state</th><th>breaker</th></tr></thead><tbody>{}</tbody></table>"
+        "<p>Since {}; callers keyed by {}; guard: {}.</p><p>{}</p>",
+        format_html_join("", "<tr>" + "<td>{}</td>" * 9 + "</tr>", rows),
+        report["started_at"].strftime("%Y-%m-%d %H:%M:%S"),
+        report["caller_header"] or "their invoke token",
+        f"abort past {100 * guard['margin']:.0f} points over {guard['min_calls']} calls" if guard else "off",
+        links,
+    )
+
+
+class SplitForm(forms.Form):
+    weight = forms.IntegerField(min_value=0, max_value=100, help_text="Percent of callers sent to the staged version.")
+    caller_header = forms.CharField(
+        required=False, help_text="The header whose value keeps a caller on one version; empty: its invoke token."
+    )
+    guard_margin = forms.FloatField(
+        required=False,
+        min_value=0,
+        max_value=1,
+        help_text="Abort by itself when the staged error rate exceeds the current one's by this share (0.1 = 10 "
+        "points); empty: no guard.",
+    )
+    guard_min_calls = forms.IntegerField(required=False, min_value=1, help_text="Calls to the staged version first.")
+
+    @staticmethod
+    def initial_for(capability: Capability) -> dict:
+        return {
+            "weight": capability.split_weight if capability.has_split else 10,
+            "caller_header": capability.split_caller_header,
+            "guard_margin": capability.split_guard_margin,
+            "guard_min_calls": capability.split_guard_min_calls,
+        }
+
+    def split_arguments(self) -> dict:
+        data = self.cleaned_data
+        guard = None
+        if data["guard_margin"] is not None:
+            guard = services.SplitGuard(
+                margin=data["guard_margin"], min_calls=data["guard_min_calls"] or services.SplitGuard.min_calls
+            )
+        return {"weight": data["weight"], "caller_header": data["caller_header"], "guard": guard}
 
 
 class BindingForm(forms.ModelForm):

@@ -208,6 +208,7 @@ class CapabilitySerializer(serializers.ModelSerializer):
     input_schema = serializers.JSONField(source="current_version.input_schema", default=None)
     output_schema = serializers.JSONField(source="current_version.output_schema", default=None)
     examples = ContractExampleSerializer(source="current_version.examples", many=True, default=list)
+    staged_version = serializers.IntegerField(source="staged_version.number", allow_null=True, default=None)
 
     class Meta:
         model = Capability
@@ -220,6 +221,7 @@ class CapabilitySerializer(serializers.ModelSerializer):
             "public",
             "state",
             "version",
+            "staged_version",
             "sha256",
             "bindings",
             "url",
@@ -253,10 +255,11 @@ class CapabilityDetailSerializer(CapabilitySerializer):
     code = serializers.SerializerMethodField()
     recent = serializers.SerializerMethodField()
     failures = serializers.SerializerMethodField()
+    split = serializers.SerializerMethodField()
     breaker_detail = serializers.SerializerMethodField()
 
     class Meta(CapabilitySerializer.Meta):
-        fields = [*CapabilitySerializer.Meta.fields, "recent", "failures", "breaker_detail", "code"]
+        fields = [*CapabilitySerializer.Meta.fields, "recent", "failures", "breaker_detail", "split", "code"]
 
     def get_failures(self, obj) -> list[dict] | None:
         """The recent failures, newest first (time, status, code, message, duration, request
@@ -271,6 +274,12 @@ class CapabilityDetailSerializer(CapabilitySerializer):
         if obj.agent_id != self.context["request"].user.agent_id:
             return None
         return breaker.breaker_describe(full=obj.full_name).as_dict()
+
+    def get_split(self, obj) -> dict | None:
+        """The traffic split running, its versions side by side, for the owner only."""
+        if obj.agent_id != self.context["request"].user.agent_id:
+            return None
+        return split_body(obj)
 
     def get_recent(self, obj) -> dict | None:
         """The last 24 hours' calls, errors and latency percentiles, for the owner only."""
@@ -313,12 +322,18 @@ class CapabilityDeployApi(APIView):
         public = StrictBooleanField(
             required=False, help_text="Whether other agents may call it. Omitted: kept on a redeploy, else false"
         )
+        stage = StrictBooleanField(
+            required=False,
+            default=False,
+            help_text="Keep the new version aside, for a traffic split, without making it current",
+        )
 
     @extend_schema_serializer(component_name="Deployed")
     class OutputSerializer(serializers.Serializer):
         capability = serializers.CharField(help_text="Its full name, agent--name")
         url = serializers.CharField(help_text="Where to call it")
         version = serializers.IntegerField()
+        staged = serializers.BooleanField()
         expires_at = serializers.DateTimeField(allow_null=True)
         cold_start = serializers.BooleanField(help_text="Whether placing it started code anew")
         evicted = serializers.CharField(allow_null=True, help_text="The capability paged out to make room, if any")
@@ -399,6 +414,7 @@ class CapabilityDeployApi(APIView):
             ttl=data.get("ttl"),
             bindings=data["bindings"],
             is_public=data.get("public"),
+            stage=data["stage"],
             # The raw values: the contract's rules check them (the serializer only documents them).
             contract={name: request.data[name] for name in contracts.FIELDS if name in request.data},
         )
@@ -411,6 +427,7 @@ def deploy_answer(request, result: services.DeployResult) -> dict:
         "capability": result.capability.full_name,
         "url": capability_url(request, result.capability),
         "version": result.version.number,
+        "staged": result.staged,
         "expires_at": result.capability.expires_at,
         "cold_start": result.cold_start,
         "evicted": result.evicted,
@@ -486,6 +503,120 @@ class CapabilityDetailApi(APIView):
     def delete(self, request, full: str):
         services.capability_remove(principal=request.user, full=full)
         return Response(status=204)
+
+
+def split_body(capability: Capability) -> dict | None:
+    report = selectors.capability_split_report(capability=capability)
+    return None if report is None else SplitSerializer(report).data
+
+
+class VersionStatsSerializer(serializers.Serializer):
+    calls = serializers.IntegerField()
+    errors = serializers.IntegerField()
+    error_rate = serializers.FloatField(allow_null=True)
+    cold_calls = serializers.IntegerField()
+    p50_ms = serializers.FloatField(allow_null=True)
+    p95_ms = serializers.FloatField(allow_null=True)
+    state = serializers.CharField()
+    breaker = serializers.CharField()
+
+
+class SplitVersionSerializer(serializers.Serializer):
+    version = serializers.IntegerField()
+    weight = serializers.IntegerField()
+    stats = VersionStatsSerializer(allow_null=True)
+
+
+class SplitGuardSerializer(serializers.Serializer):
+    margin = serializers.FloatField()
+    min_calls = serializers.IntegerField()
+
+
+class SplitSerializer(serializers.Serializer):
+    """A running split: both versions' shares and figures since it began."""
+
+    started_at = serializers.DateTimeField()
+    caller_header = serializers.CharField(allow_null=True)
+    guard = SplitGuardSerializer(allow_null=True)
+    current = SplitVersionSerializer()
+    staged = SplitVersionSerializer()
+
+
+def reject_unknown_fields(data, serializer: serializers.Serializer) -> None:
+    if not isinstance(data, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    unknown = set(data) - set(serializer.fields)
+    if unknown:
+        raise InvalidRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
+
+
+class CapabilitySplitApi(APIView):
+    """PUT starts or changes the split of calls between the current and the staged version;
+    GET shows it (the owner's)."""
+
+    parser_classes = [LimitedJSONParser]
+
+    def get_permissions(self):
+        return [HasDeployScope()] if self.request.method == "PUT" else super().get_permissions()
+
+    class InputSerializer(serializers.Serializer):
+        weight = StrictIntegerField(min_value=0, max_value=100)
+        caller_header = StrictCharField(required=False, allow_null=True, allow_blank=True)
+        guard = inline_serializer(
+            "SplitGuardInput",
+            {
+                "margin": serializers.FloatField(min_value=0, max_value=1),
+                "min_calls": StrictIntegerField(required=False, min_value=1),
+            },
+            required=False,
+            allow_null=True,
+        )
+
+    @extend_schema(responses={200: SplitSerializer, **error_responses(*AUTHENTICATED, 404)})
+    def get(self, request, full: str):
+        capability = selectors.capability_get_owned(principal=request.user, full=full)
+        body = split_body(capability)
+        if body is None:
+            raise NotFound(f"{full} has no traffic split")
+        return Response(body)
+
+    @extend_schema(
+        request=InputSerializer,
+        responses={200: SplitSerializer, **error_responses(*AUTHENTICATED, 404, 409, 413, 415, 502, 504)},
+    )
+    def put(self, request, full: str):
+        reject_unknown_fields(request.data, self.InputSerializer())
+        serializer = self.InputSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        capability = selectors.capability_get_owned(principal=request.user, full=full)
+        guard = data.get("guard")
+        capability = services.capability_split_set(
+            capability=capability,
+            weight=data["weight"],
+            caller_header=data.get("caller_header") or "",
+            guard=services.SplitGuard(**guard) if guard else None,
+            actor=f"agent:{request.user.agent_name}",
+        )
+        return Response(split_body(capability))
+
+
+class CapabilitySplitEndApi(APIView):
+    """POST …/split/promote or …/split/abort: end the split one way or the other."""
+
+    permission_classes = [HasDeployScope]
+    action: str = ""
+
+    @extend_schema(
+        request=None,
+        responses={200: CapabilityDetailSerializer, **error_responses(*AUTHENTICATED, 404, 409, 413, 502, 504)},
+    )
+    def post(self, request, full: str):
+        capability = selectors.capability_get_owned(principal=request.user, full=full)
+        end = services.capability_promote if self.action == "promote" else services.capability_split_abort
+        capability = end(capability=capability, actor=f"agent:{request.user.agent_name}")
+        capability = selectors.capability_get_owned(principal=request.user, full=full)
+        return Response(CapabilityDetailSerializer(capability, context={"request": request}).data)
 
 
 class StatusApi(APIView):
@@ -564,7 +695,7 @@ class HealthApi(APIView):
             with connection.cursor() as cursor:
                 cursor.execute("SELECT 1")
             counts = {
-                "capabilities": Capability.objects.exclude(state=State.REMOVED).count(),
+                "capabilities": Capability.objects.exclude(state=State.REMOVED).filter(variant_of__isnull=True).count(),
                 "agents": Agent.objects.count(),
             }
         except Exception as exc:

@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+import zlib
 from urllib.parse import quote
 
 import redis
@@ -89,6 +90,7 @@ class Call:
         "recorded",
         "request_id",
         "sent_at",
+        "shown",
         "started",
         "token_hash",
         "version",
@@ -97,7 +99,8 @@ class Call:
     def __init__(
         self, full: str, capability_type: str, token_hash: str, started: float, is_trial: bool, request_id: str
     ) -> None:
-        self.full = full
+        self.full = full  # what is placed, counted and broken: a staged version's own name in a split
+        self.shown = full  # the capability the caller called
         self.capability_type = capability_type
         self.token_hash = token_hash
         self.started = started
@@ -211,16 +214,36 @@ class Gateway:
             raise NotFound(f"no capability {full}")
         if route.expires_epoch is not None and route.expires_epoch <= now:
             raise NotFound(f"{full} has expired")
+        called = full
+        if route.split is not None:
+            chosen = self.split_variant(route.split, environ, token_hash)
+            if chosen is not None:
+                full, route, breaker_raw = chosen
 
         is_trial = False
         if breaker_raw is not None:  # not closed: open, half-open or forced
             is_trial = self.breaker.enter(self.redis, full=full, raw=breaker_raw, now=now)
         call = environ[CALL] = Call(full, route.type, token_hash, started, is_trial, environ[REQUEST_ID])
+        call.shown = called
         try:
             return self.forward(environ, start_response, call, route, rest)
         finally:
             if not call.finished:
                 self.abandon(call)
+
+    def split_variant(self, split: routes.Split, environ, token_hash: str):
+        """The staged version's name, route and breaker state when this caller's key falls in
+        the split's share, else None. One hash of the key (the named header, else the token),
+        salted with the version so each split draws its own callers; a call that goes there
+        reads its route and breaker in one more MGET."""
+        caller = environ.get(split.caller_environ) or token_hash
+        if zlib.crc32(f"{split.variant}|{caller}".encode()) % 100 >= split.weight:
+            return None
+        route_raw, breaker_raw = self.thread_redis().mget((routes.key(split.variant), breaker.open_key(split.variant)))
+        if route_raw is None:
+            route_raw = routes.route_load(split.variant)
+        route = routes.decode(route_raw)
+        return None if route is None else (split.variant, route, breaker_raw)  # None: the split just ended
 
     def authenticate(self, secret: str, token_raw: bytes | None, address: str, auth_failures: bytes | None):
         """The caller's principal, unless its address is throttled (agents.throttle)."""
@@ -283,7 +306,9 @@ class Gateway:
         ]
         sigil_ms = (time.perf_counter() - call.started) * 1000 - upstream_ms - (page_in_ms or 0)
         timing = f"sigil;dur={sigil_ms:.2f}, capability;dur={upstream_ms:.2f}"
-        headers.append(("X-Sigil-Capability", call.full))
+        headers.append(("X-Sigil-Capability", call.shown))
+        if route.version is not None:
+            headers.append(("X-Sigil-Version", str(route.version)))
         if page_in_ms is not None:
             headers.append(("X-Sigil-Cold-Start", "1"))
             timing += f", page-in;dur={page_in_ms:.2f}"
@@ -481,7 +506,7 @@ class Gateway:
         call.page_in_ms = page_in_ms
         self.finish(call, status=302)
         location = target.base_url + rest + ("?" + query if query else "")
-        headers = [("Location", location), ("Content-Length", "0"), ("X-Sigil-Capability", call.full), NOSNIFF]
+        headers = [("Location", location), ("Content-Length", "0"), ("X-Sigil-Capability", call.shown), NOSNIFF]
         if page_in_ms is not None:
             headers.append(("X-Sigil-Cold-Start", "1"))
         start_response("302 Found", headers)
@@ -493,7 +518,7 @@ class Gateway:
 
         capability_page_in_task.delay(full=call.full)
         body = json.dumps(
-            {"status": "warming", "callback": f"/_status/{call.full}", "eta_seconds": WARMING_ETA_SECONDS}
+            {"status": "warming", "callback": f"/_status/{call.shown}", "eta_seconds": WARMING_ETA_SECONDS}
         ).encode()
         start_response(
             "202 Accepted",

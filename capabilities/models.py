@@ -33,7 +33,7 @@ class Capability(models.Model):
 
     agent = models.ForeignKey(Agent, on_delete=models.PROTECT, related_name="capabilities")
     name = models.CharField(max_length=41)
-    full_name = models.CharField(max_length=73, db_index=True)
+    full_name = models.CharField(max_length=90, db_index=True)
     type = models.CharField(max_length=10, choices=CapabilityType.choices)
     is_public = models.BooleanField(default=False)
     bindings = models.JSONField(default=list, blank=True)
@@ -73,6 +73,26 @@ class Capability(models.Model):
     inactive_at = models.DateTimeField(
         null=True, blank=True, help_text="Set when a normal capability went uncalled for SIGIL_INACTIVE_AFTER_DAYS."
     )
+    # A version deployed without being made current, and the share of calls sent to it.
+    staged_version = models.ForeignKey(
+        "CapabilityVersion", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    split_weight = models.PositiveSmallIntegerField(
+        null=True, blank=True, help_text="Percent of callers sent to the staged version; empty when no split runs."
+    )
+    split_caller_header = models.CharField(
+        max_length=100, blank=True, help_text="The header whose value keeps a caller on one version; empty: its token."
+    )
+    split_started_at = models.DateTimeField(null=True, blank=True)
+    split_guard_margin = models.FloatField(
+        null=True,
+        blank=True,
+        help_text="Abort the split when the staged version's error rate exceeds the current one's by this much.",
+    )
+    split_guard_min_calls = models.PositiveIntegerField(null=True, blank=True)
+    # Set on the placement of a staged version in traffic ({full}--v{n}): a capability of its
+    # own for the runtime, the pager, stats and the breaker, never listed to agents.
+    variant_of = models.ForeignKey("self", null=True, blank=True, on_delete=models.CASCADE, related_name="variants")
 
     class Meta:
         verbose_name_plural = "capabilities"
@@ -89,6 +109,10 @@ class Capability(models.Model):
     @property
     def is_ephemeral(self) -> bool:
         return self.type == CapabilityType.EPHEMERAL
+
+    @property
+    def has_split(self) -> bool:
+        return self.split_weight is not None
 
 
 class CapabilityVersion(models.Model):
@@ -175,7 +199,7 @@ class CapabilityStatsWindow(models.Model):
     """One minute of a capability's calls, flushed from Redis: the dashboard's and the
     agents' source for rates and percentiles over time."""
 
-    full_name = models.CharField(max_length=73)
+    full_name = models.CharField(max_length=90)
     agent_name = models.CharField(max_length=31, db_index=True)
     window_start = models.DateTimeField(db_index=True)
     calls = models.PositiveIntegerField(default=0)

@@ -1,7 +1,8 @@
 """The Redis copy of each capability's route, read by the gateway on every call.
 
 `sigil:route:{full}` holds a small JSON document (owner, visibility, expiry, state, slot,
-code sha, the runtime the slot is on, CPU limit) or a tombstone `-`. Services write it
+code sha, the runtime the slot is on, CPU limit, the version number, and while a traffic
+split runs, where it sends a share of the callers) or a tombstone `-`. Services write it
 after their transaction commits (write-through, never just delete), and the gateway fills
 a missing entry from the database with SET NX, so a fill that raced a deploy can never hide
 the new version.
@@ -34,6 +35,7 @@ class CachedRoute:
     backend: str = ""  # the runtime the slot is on; "" is the process's own
     cpu_ms: int | None = None
     version: int | None = None  # the number of the version whose code the slot holds
+    split: Split | None = None
 
 
 def route_visible(route: CachedRoute | None, agent_name: str) -> bool:
@@ -41,11 +43,25 @@ def route_visible(route: CachedRoute | None, agent_name: str) -> bool:
     return route is not None and (route.agent == agent_name or route.is_public)
 
 
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A traffic split as the gateway applies it: callers whose key hashes below `weight`
+    (of 100) go to `variant`, the staged version's own route; the key is the request header
+    `caller_environ` (a WSGI environ key) when the caller sends it, else its token."""
+
+    variant: str
+    weight: int
+    caller_environ: str
+
+
 def key(full: str) -> str:
     return f"sigil:route:{full}"
 
 
 def encode(capability: Capability) -> bytes:
+    split = None
+    if capability.has_split:
+        split = [variant_name(capability), capability.split_weight, caller_environ(capability.split_caller_header)]
     return json.dumps(
         {
             "id": capability.pk,
@@ -59,6 +75,7 @@ def encode(capability: Capability) -> bytes:
             "backend": capability.backend,
             "cpu": capability.cpu_ms,
             "ver": _placed_version(capability),
+            "split": split,
         },
         separators=(",", ":"),
     ).encode()
@@ -80,6 +97,7 @@ def decode(raw: bytes) -> CachedRoute | None:
         data.get("backend", ""),
         data.get("cpu"),
         data.get("ver"),
+        Split(*data["split"]) if data.get("split") else None,
     )
 
 
@@ -87,6 +105,17 @@ def _placed_version(capability: Capability) -> int | None:
     """The number of the current version: every placement places it (a deploy, a rollback
     and a page-in all publish the route after placing), so it is the one that answers."""
     return capability.current_version.number if capability.current_version_id else None
+
+
+def variant_name(capability: Capability) -> str:
+    """The full name of the placement of `capability`'s staged version: `{full}--v{n}`, which
+    no capability can have (names hold no `--`)."""
+    return f"{capability.full_name}--v{capability.staged_version.number}"
+
+
+def caller_environ(header: str) -> str:
+    """The WSGI environ key of a request header (`X-User` → `HTTP_X_USER`); "" for none."""
+    return "HTTP_" + header.upper().replace("-", "_") if header else ""
 
 
 def route_publish(capability: Capability) -> None:
@@ -105,7 +134,7 @@ def route_withdraw(full: str) -> None:
 def route_load(full: str) -> bytes:
     """Read the route from the database and cache it unless a writer got there first."""
     capability = (
-        Capability.objects.select_related("agent", "current_version")
+        Capability.objects.select_related("agent", "current_version", "staged_version")
         .exclude(state=State.REMOVED)
         .filter(full_name=full)
         .first()

@@ -13,20 +13,21 @@ from capabilities import names, stats
 from capabilities.contracts import Contract
 from capabilities.models import Capability, CapabilityStatsWindow, CapabilityType, State
 from capabilities.runtimes import get_runtime
-from sigil_site.errors import InvalidRequest, NotFound
+from sigil_site.errors import Forbidden, InvalidRequest, NotFound
 
 SEARCH_MAX_CHARS = 200
 
 
 def visible_to(principal: Principal) -> Q:
-    """What an agent may see and call: its own capabilities and every public one."""
-    return Q(agent_id=principal.agent_id) | Q(is_public=True)
+    """What an agent may see and call: its own capabilities and every public one. The
+    placements of staged versions in traffic are the split's, never listed on their own."""
+    return (Q(agent_id=principal.agent_id) | Q(is_public=True)) & Q(variant_of__isnull=True)
 
 
 def capability_get(*, full: str) -> Capability:
     """The capability `full`, unless removed (the owner's view: every agent's). Raises NotFound."""
     capability = (
-        Capability.objects.select_related("agent", "current_version")
+        Capability.objects.select_related("agent", "current_version", "staged_version")
         .exclude(state=State.REMOVED)
         .filter(full_name=full)
         .first()
@@ -48,6 +49,15 @@ def capability_get_visible(*, principal: Principal, full: str) -> Capability:
     return capability
 
 
+def capability_get_owned(*, principal: Principal, full: str) -> Capability:
+    """The capability `full` for a change by its own agent: NotFound when the caller may not
+    see it, Forbidden when it may but it is another agent's."""
+    capability = capability_get_visible(principal=principal, full=full)
+    if capability.agent_id != principal.agent_id:
+        raise Forbidden(f"{full} is not under {principal.agent_name}'s prefix")
+    return capability
+
+
 def capability_list_visible(
     *,
     principal: Principal,
@@ -61,7 +71,9 @@ def capability_list_visible(
     `q` keeps those whose full name or current description contains each of its words
     (case-insensitive), so an agent can look for a capability by what it does.
     """
-    query = Capability.objects.select_related("agent", "current_version").filter(visible_to(principal))
+    query = Capability.objects.select_related("agent", "current_version", "staged_version").filter(
+        visible_to(principal)
+    )
     if type is not None:
         if type not in CapabilityType.values:
             raise InvalidRequest(f"type must be one of {', '.join(CapabilityType.values)}")
@@ -160,3 +172,35 @@ def binding_declared_by(kind: str, name: str, *, agent_id: int | None = None) ->
         for capability in candidates.only("full_name", "state", "bindings", "agent_id")
         if declaration in capability.bindings
     ]
+
+
+def capability_split_report(*, capability: Capability) -> dict | None:
+    """The versions of a running traffic split side by side: each one's share, its calls,
+    errors and latency since the minute the split began (from the flushed windows; the
+    current version's first minute may hold calls from just before), state and breaker.
+    None when no split runs."""
+    if not capability.has_split:
+        return None
+    from capabilities import routes
+
+    since = capability.split_started_at.replace(second=0, microsecond=0)
+    variant = Capability.objects.exclude(state=State.REMOVED).filter(full_name=routes.variant_name(capability)).first()
+    return {
+        "started_at": capability.split_started_at,
+        "caller_header": capability.split_caller_header or None,
+        "guard": (
+            {"margin": capability.split_guard_margin, "min_calls": capability.split_guard_min_calls}
+            if capability.split_guard_margin is not None
+            else None
+        ),
+        "current": {
+            "version": capability.current_version.number,
+            "weight": 100 - capability.split_weight,
+            "stats": capability_stats(capability=capability, since=since),
+        },
+        "staged": {
+            "version": capability.staged_version.number,
+            "weight": capability.split_weight,
+            "stats": capability_stats(capability=variant, since=since) if variant else None,
+        },
+    }

@@ -6,6 +6,17 @@ urlpatterns = [
     path("_api/deploy", api.CapabilityDeployApi.as_view(), name="capability-deploy"),
     path("_api/capabilities", api.CapabilityListApi.as_view(), name="capability-list"),
     path("_api/capabilities/<str:full>", api.CapabilityDetailApi.as_view(), name="capability-detail"),
+    path("_api/capabilities/<str:full>/split", api.CapabilitySplitApi.as_view(), name="capability-split"),
+    path(
+        "_api/capabilities/<str:full>/split/promote",
+        api.CapabilitySplitEndApi.as_view(action="promote"),
+        name="capability-split-promote",
+    ),
+    path(
+        "_api/capabilities/<str:full>/split/abort",
+        api.CapabilitySplitEndApi.as_view(action="abort"),
+        name="capability-split-abort",
+    ),
     path("_api/status", api.StatusApi.as_view(), name="status"),
     path("_status/<str:full>", api.CapabilityWarmingStatusApi.as_view(), name="capability-warming-status"),
     path("_health", api.HealthApi.as_view(), name="health"),

@@ -44,6 +44,13 @@ from capabilities.services.registry import (
     capability_remove_as_owner,
     capability_rollback,
 )
+from capabilities.services.splits import (
+    SplitGuard,
+    capability_promote,
+    capability_split_abort,
+    capability_split_guard,
+    capability_split_set,
+)
 from capabilities.services.switching import (
     SwitchStep,
     capability_adopt_backend,
@@ -54,6 +61,7 @@ from capabilities.services.switching import (
 
 __all__ = [
     "DeployResult",
+    "SplitGuard",
     "StillInFlight",
     "SwitchStep",
     "binding_check_rename",
@@ -74,6 +82,7 @@ __all__ = [
     "capability_page_in",
     "capability_page_out",
     "capability_prewarm",
+    "capability_promote",
     "capability_prune_stats",
     "capability_reconcile",
     "capability_record_breaker",
@@ -86,6 +95,9 @@ __all__ = [
     "capability_set_cpu_limit",
     "capability_set_public",
     "capability_shed_excess",
+    "capability_split_abort",
+    "capability_split_guard",
+    "capability_split_set",
     "capability_switch_backend",
     "runtime_provision",
     "runtime_ready",

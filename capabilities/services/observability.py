@@ -28,8 +28,8 @@ def capability_flush_stats(*, batch_size: int = 500, now: datetime | None = None
     Each capability's totals grow, and the calls land in the stats window of the minute
     they were claimed in. Crash-safe and exactly once (see stats.PENDING_KEY): batches left
     pending by a flush that died are applied first, unless the database already holds
-    them. Safe to overlap with itself. Raises the database's errors, leaving the batch
-    pending for the next run.
+    them. Then the traffic splits' guards look at the new figures. Safe to overlap with
+    itself. Raises the database's errors, leaving the batch pending for the next run.
     """
     now = now or timezone.now()
     applied = 0
@@ -39,6 +39,10 @@ def capability_flush_stats(*, batch_size: int = 500, now: datetime | None = None
     if batch is not None:
         applied += _apply_and_release(batch)
     _flush_token_use()
+    if applied:
+        from capabilities.services.splits import capability_split_guard
+
+        capability_split_guard()  # it reads the windows just written
     return applied
 
 

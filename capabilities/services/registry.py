@@ -24,6 +24,7 @@ from capabilities.models import Capability, CapabilityType, CapabilityVersion, S
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import CodeBundle, code_sha
 from capabilities.services.placement import Placement, bundle_for, placement_lock, placement_room
+from capabilities.services.splits import stage_allowed
 from capabilities.tasks import capability_release_slot as capability_release_slot_task
 from sigil_site.errors import Conflict, Cooldown, Forbidden, InvalidRequest, NotFound, RateLimited, TooLarge
 from sigil_site.redis_client import get_redis
@@ -36,6 +37,7 @@ class DeployResult:
     created: bool
     cold_start: bool
     evicted: str | None
+    staged: bool = False  # the version was staged, not made current
 
 
 def _actor(principal: Principal) -> str:
@@ -113,9 +115,12 @@ def capability_deploy(
     bindings: list[str] | None = None,
     is_public: bool | None = None,
     contract: Mapping[str, Any] | None = None,
+    stage: bool = False,
     now: datetime | None = None,
 ) -> DeployResult:
-    """Deploy a new capability or a new version of one, and place it on the runtime.
+    """Deploy a new capability or a new version of one, and place it on the runtime; with
+    `stage`, a new version of an existing capability is kept aside instead (see
+    services.splits), neither current nor placed.
 
     A field left as None was not sent: a redeploy keeps the capability's value for it
     (`_keep_omitted`), a new capability gets the default.
@@ -145,7 +150,7 @@ def capability_deploy(
     if name is not None:
         full = names.full_name(owner.name, name)
         existing = (
-            Capability.objects.select_related("current_version")
+            Capability.objects.select_related("agent", "current_version", "staged_version")
             .exclude(state=State.REMOVED)
             .filter(full_name=full)
             .first()
@@ -154,10 +159,23 @@ def capability_deploy(
             raise NotFound(f"no ephemeral capability {full}: deploy with name null to create one")
         if existing is not None and existing.type != type:
             raise Conflict(f"{full} is a {existing.type} capability; it cannot be redeployed as {type}")
-        unchanged = existing is not None and existing.current_version and existing.current_version.sha == sha
         wanted = contract_merge(Contract.of(existing.current_version if existing else None), contract or {})
+        if stage:
+            return _stage(
+                existing,
+                full=full,
+                type=type,
+                code=code,
+                sha=sha,
+                bindings=bindings,
+                contract=wanted,
+                principal=principal,
+            )
+        unchanged = existing is not None and existing.current_version and existing.current_version.sha == sha
         if unchanged and existing.bindings == bindings and wanted == Contract.of(existing.current_version):
             return _redeploy_unchanged(existing, principal=principal, is_public=is_public)
+    elif stage:
+        stage_allowed(type)
     elif type == CapabilityType.EPHEMERAL:
         live_ephemerals = Capability.objects.filter(
             agent=owner, type=CapabilityType.EPHEMERAL, expires_at__gt=now
@@ -239,6 +257,78 @@ def _keep_omitted(existing: Capability | None, sent: dict) -> dict:
         else (getattr(existing, field) if existing is not None else KEPT_WHEN_OMITTED[field])
         for field, value in sent.items()
     }
+
+
+def _stage(
+    existing: Capability | None,
+    *,
+    full: str,
+    type: str,
+    code: str,
+    sha: str,
+    bindings: list[str],
+    contract: Contract,
+    principal: Principal,
+) -> DeployResult:
+    """Keep `code` as the capability's staged version: a new version, not current, not placed
+    (it is placed, and its code checked, when a split sends callers to it). The same code
+    as the current or the staged version again changes nothing."""
+    stage_allowed(type)
+    if existing is None:
+        raise NotFound(f"no capability {full}: deploy its first version without stage")
+    if existing.bindings != bindings:
+        raise InvalidRequest("a staged version runs with the capability's bindings: deploy new bindings without stage")
+    staged = existing.staged_version
+    for version in (existing.current_version, staged):
+        if version is not None and version.sha == sha:
+            return DeployResult(
+                capability=existing,
+                version=version,
+                created=False,
+                cold_start=False,
+                evicted=None,
+                staged=version == staged,
+            )
+    if existing.has_split:
+        raise Conflict(f"{full} has a split running with v{staged.number}: promote or abort it first")
+    _claim_cooldown(principal.agent_name)
+    lock = placement_lock(full, blocking=False)
+    if not lock.acquire():
+        raise Conflict(f"{full} is being deployed by another request; retry when it is done")
+    try:
+        with transaction.atomic():
+            capability = (
+                Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(pk=existing.pk).first()
+            )
+            if capability is None:
+                raise NotFound(f"no capability {full}")
+            if capability.has_split:
+                raise Conflict(f"{full} has a split running: promote or abort it first")
+            number = (capability.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+            version = CapabilityVersion.objects.create(
+                capability=capability,
+                number=number,
+                code=code,
+                sha=sha,
+                size_bytes=len(code.encode()),
+                **contract.as_fields(),
+            )
+            capability.staged_version = version
+            capability.updated_at = timezone.now()
+            capability.save(update_fields=["staged_version", "updated_at"])
+            audit_record(
+                actor=_actor(principal),
+                action="capability.staged",
+                agent_name=principal.agent_name,
+                subject=full,
+                detail={"version": number, "sha": sha},
+            )
+    finally:
+        lock.release()
+    capability.agent = existing.agent
+    return DeployResult(
+        capability=capability, version=version, created=False, cold_start=False, evicted=None, staged=True
+    )
 
 
 def _unused_ephemeral_name(agent_name: str) -> str:
@@ -389,6 +479,12 @@ def _remove(*, full: str, actor: str, action: str, only_if_expired_by: datetime 
         failures.failures_forget(full=full)
         if get_runtime().total_slots is not None:
             pager.pager_mark_leaving(full, now=now.timestamp())
+    # The placement of a staged version in traffic goes with its capability.
+    for variant in Capability.objects.filter(variant_of=capability).exclude(state=State.REMOVED):
+        try:
+            _remove(full=variant.full_name, actor=actor, action=action)
+        except NotFound:
+            continue
     return capability
 
 

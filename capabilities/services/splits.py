@@ -1,0 +1,293 @@
+"""Staged versions and traffic splits: a version deployed without being made current, a share
+of the callers sent to it, then `promote` (it becomes current) or `abort` (it leaves traffic),
+by hand or by the guard when it fails more than the current one.
+
+While a split runs, the staged version is placed as a capability of its own, named
+`{full}--v{n}` (`variant_of` the capability): the runtime, the pager, the stats and the
+breaker treat it as any other, so it takes its own slot and pages like any other. The
+gateway picks the version per call from the route (routes.Split), by a hash of the caller's
+key: no query.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from django.db import transaction
+from django.utils import timezone
+
+from agents.services import agent_notify, audit_record
+from capabilities import contract_copies, routes, selectors
+from capabilities.models import Capability, CapabilityType, State
+from capabilities.runtimes import get_runtime
+from capabilities.services.placement import bundle_for, capability_page_in, placement_lock, placement_room
+from sigil_site.errors import Conflict, InvalidRequest, NotFound
+
+# The guard's least number of calls to the staged version when the agent names none.
+GUARD_MIN_CALLS_DEFAULT = 20
+HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,100}$")
+# Headers that never reach a capability, or that Sigil writes: no caller key there.
+UNUSABLE_HEADERS = {"authorization", "connection", "host", "content-length", "transfer-encoding"}
+
+
+@dataclass(frozen=True)
+class SplitGuard:
+    margin: float  # how much higher (0 to 1) the staged error rate may be than the current one's
+    min_calls: int = GUARD_MIN_CALLS_DEFAULT
+
+
+def _validate_split(*, weight: int, caller_header: str, guard: SplitGuard | None) -> None:
+    if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= 100:
+        raise InvalidRequest("weight is the percent of callers sent to the staged version, an integer from 0 to 100")
+    if caller_header:
+        lowered = caller_header.lower()
+        if not HEADER_NAME.match(caller_header) or lowered in UNUSABLE_HEADERS or lowered.startswith("x-sigil-"):
+            raise InvalidRequest(
+                "caller_header must be a request header name (letters, digits and dashes), "
+                "not Authorization, a hop-by-hop header or X-Sigil-*"
+            )
+    if guard is not None:
+        if not 0 < guard.margin <= 1:
+            raise InvalidRequest("guard.margin is a share of calls, greater than 0 and at most 1")
+        if guard.min_calls < 1:
+            raise InvalidRequest("guard.min_calls must be at least 1")
+
+
+def _locked(full: str):
+    lock = placement_lock(full, blocking=False)
+    if not lock.acquire():
+        raise Conflict(f"{full} is being deployed or placed; retry when it is done")
+    return lock
+
+
+def _current(capability: Capability) -> Capability:
+    current = (
+        Capability.objects.select_related("agent", "current_version", "staged_version")
+        .exclude(state=State.REMOVED)
+        .filter(pk=capability.pk)
+        .first()
+    )
+    if current is None:
+        raise NotFound(f"no capability {capability.full_name}")
+    return current
+
+
+def capability_split_set(
+    *, capability: Capability, weight: int, caller_header: str = "", guard: SplitGuard | None = None, actor: str
+) -> Capability:
+    """Send `weight` percent of the callers to the staged version (starting the split, or
+    changing it); the same caller key always reaches the same version. Starting it places
+    the staged version (its code must start, as at deploy). Returns the capability.
+
+    Raises InvalidRequest (bad weight, header or guard; staged code that does not start),
+    Conflict (nothing staged; a placement under way), NotFound, TooLarge, UpstreamError.
+    """
+    _validate_split(weight=weight, caller_header=caller_header, guard=guard)
+    lock = _locked(capability.full_name)
+    try:
+        current = _current(capability)
+        if current.staged_version is None:
+            raise Conflict(f'{current.full_name} has no staged version: deploy one with "stage": true first')
+        starting = not current.has_split
+        if starting:
+            _place_variant(current)
+        with transaction.atomic():
+            locked = Capability.objects.select_for_update().get(pk=current.pk)
+            locked.split_weight = weight
+            locked.split_caller_header = caller_header
+            locked.split_guard_margin = guard.margin if guard else None
+            locked.split_guard_min_calls = guard.min_calls if guard else None
+            if starting:
+                locked.split_started_at = timezone.now()
+            locked.updated_at = timezone.now()
+            locked.save()
+            audit_record(
+                actor=actor,
+                action="capability.split_started" if starting else "capability.split_changed",
+                agent_name=current.agent.name,
+                subject=current.full_name,
+                detail={
+                    "current_version": current.current_version.number,
+                    "staged_version": current.staged_version.number,
+                    "weight": weight,
+                    "caller_header": caller_header or None,
+                    "guard": {"margin": guard.margin, "min_calls": guard.min_calls} if guard else None,
+                },
+            )
+        current.refresh_from_db()
+        routes.route_publish(current)
+    finally:
+        lock.release()
+    return current
+
+
+def _place_variant(capability: Capability) -> None:
+    """Register the staged version's own placement and place it; a placement that fails
+    leaves nothing behind (the split does not start)."""
+    full = routes.variant_name(capability)
+    variant = Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).first()
+    if variant is None:
+        variant = Capability.objects.create(
+            agent=capability.agent,
+            name=capability.name,
+            full_name=full,
+            type=capability.type,
+            is_public=capability.is_public,
+            bindings=capability.bindings,
+            cpu_ms=capability.cpu_ms,
+            state=State.PAGED_OUT,
+            current_version=capability.staged_version,
+            variant_of=capability,
+        )
+    try:
+        capability_page_in(full=full, reason="split")
+    except BaseException:
+        Capability.objects.filter(pk=variant.pk, state=State.PAGED_OUT).delete()
+        raise
+
+
+def capability_promote(*, capability: Capability, actor: str) -> Capability:
+    """Make the staged version current (placed where the capability is, as a deploy places
+    code) and end the split; the staged version's own placement leaves the runtime.
+
+    Raises Conflict (nothing staged; a placement under way), NotFound, and what placing code
+    raises (InvalidRequest, TooLarge, UpstreamError).
+    """
+    lock = _locked(capability.full_name)
+    try:
+        current = _current(capability)
+        staged = current.staged_version
+        if staged is None:
+            raise Conflict(f"{current.full_name} has no staged version to promote")
+        previous = current.current_version
+        bundle = bundle_for(staged.code, current, get_runtime())
+        with placement_room(
+            full=current.full_name, capability_type=current.type, expires_at=current.expires_at
+        ) as room:
+            placement = room.place(bundle)
+            with transaction.atomic():
+                locked = Capability.objects.select_for_update().get(pk=current.pk)
+                locked.current_version = staged
+                locked.state = State.LIVE
+                locked.slot = placement.slot
+                locked.placed_sha = bundle.sha
+                locked.backend = placement.backend
+                _end_split(locked)
+                audit_record(
+                    actor=actor,
+                    action="capability.promoted",
+                    agent_name=current.agent.name,
+                    subject=current.full_name,
+                    detail={"version": staged.number, "previous_version": previous.number if previous else None},
+                )
+        current.refresh_from_db()
+        routes.route_publish(current)
+        contract_copies.contract_publish(current)  # the promoted version's contract is now the tool's
+    finally:
+        lock.release()
+    _retire_variants(current, actor=actor)
+    return current
+
+
+def capability_split_abort(*, capability: Capability, actor: str, reason: dict | None = None) -> Capability:
+    """End the split and unstage the staged version (it stays among the versions); every
+    call goes to the current version again, and the staged version's placement leaves the
+    runtime. `reason` is recorded with the audit event (the guard's figures).
+
+    Raises Conflict (nothing staged; a placement under way), NotFound.
+    """
+    lock = _locked(capability.full_name)
+    try:
+        current = _current(capability)
+        staged = current.staged_version
+        if staged is None:
+            raise Conflict(f"{current.full_name} has no staged version to abort")
+        with transaction.atomic():
+            locked = Capability.objects.select_for_update().get(pk=current.pk)
+            _end_split(locked)
+            audit_record(
+                actor=actor,
+                action="capability.split_aborted",
+                agent_name=current.agent.name,
+                subject=current.full_name,
+                detail={"staged_version": staged.number, **(reason or {})},
+            )
+        current.refresh_from_db()
+        routes.route_publish(current)
+    finally:
+        lock.release()
+    _retire_variants(current, actor=actor)
+    return current
+
+
+def _end_split(locked: Capability) -> None:
+    locked.staged_version = None
+    locked.split_weight = None
+    locked.split_caller_header = ""
+    locked.split_started_at = None
+    locked.split_guard_margin = None
+    locked.split_guard_min_calls = None
+    locked.updated_at = timezone.now()
+    locked.save()
+
+
+def _retire_variants(capability: Capability, *, actor: str) -> None:
+    """Remove the placements of versions no longer in traffic (their rows stay, with their
+    stats, as any removed capability's do)."""
+    from capabilities.services.registry import capability_remove_as_owner
+
+    for full in (
+        Capability.objects.filter(variant_of=capability)
+        .exclude(state=State.REMOVED)
+        .values_list("full_name", flat=True)
+    ):
+        try:
+            capability_remove_as_owner(full=full, actor=actor)
+        except NotFound:
+            continue  # retired meanwhile
+
+
+def capability_split_guard() -> list[str]:
+    """Abort every split whose guard trips: the staged version's error rate since the split
+    began exceeds the current version's by more than the guard's margin, over at least its
+    least number of calls. Each abort is audited (actor `system`) and sent to the agent's
+    webhook. Returns the capabilities whose split it aborted. Safe to run at any time."""
+    aborted = []
+    guarded = Capability.objects.select_related("agent", "current_version", "staged_version").filter(
+        split_weight__isnull=False, split_guard_margin__isnull=False
+    )
+    for capability in guarded.exclude(state=State.REMOVED):
+        report = selectors.capability_split_report(capability=capability)
+        staged, current = report["staged"]["stats"], report["current"]["stats"]
+        if staged is None or staged["calls"] < capability.split_guard_min_calls:
+            continue
+        staged_rate = staged["errors"] / staged["calls"]
+        current_rate = current["errors"] / current["calls"] if current["calls"] else 0.0
+        if staged_rate - current_rate <= capability.split_guard_margin:
+            continue
+        reason = {
+            "reason": "guard",
+            "staged_error_rate": round(staged_rate, 4),
+            "current_error_rate": round(current_rate, 4),
+            "staged_calls": staged["calls"],
+            "margin": capability.split_guard_margin,
+        }
+        try:
+            capability_split_abort(capability=capability, actor="system", reason=reason)
+        except (Conflict, NotFound):
+            continue  # promoted, aborted or being placed meanwhile: the next run looks again
+        agent_notify(
+            agent_name=capability.agent.name,
+            event="capability.split_aborted",
+            payload={"capability": capability.full_name, "staged_version": capability.staged_version.number, **reason},
+        )
+        aborted.append(capability.full_name)
+    return aborted
+
+
+def stage_allowed(capability_type: str) -> None:
+    """Raise InvalidRequest for a type that has no staged versions (ephemerals are their own
+    quick experiments)."""
+    if capability_type == CapabilityType.EPHEMERAL:
+        raise InvalidRequest("ephemeral capabilities have no staged versions: stage a persistent or normal one")
