@@ -24,6 +24,7 @@ from capabilities.models import Capability, State
 from capabilities.parsers import LimitedJSONParser
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import RuntimeUnavailable
+from capabilities.services import async_calls
 from sigil_site.errors import InvalidRequest, NotFound, Unauthenticated, error_response
 from sigil_site.redis_client import get_redis
 
@@ -305,6 +306,39 @@ class CapabilityWarmingStatusApi(APIView):
         capability = selectors.capability_get_visible(principal=request.user, full=full)
         ready = capability.state in (State.LIVE, State.EVICTING)
         return Response({"status": "ready" if ready else "warming", "capability": capability.full_name})
+
+
+class CallStatusApi(APIView):
+    """GET /_api/calls/{id}: an asynchronous call, pending (202) or, once it has run, its own
+    answer: the status, headers and body the capability (or the gateway) gave it."""
+
+    @extend_schema(
+        responses={
+            (200, "*/*"): OpenApiResponse(description="The call has run: its own status, headers and body"),
+            202: inline_serializer(
+                "CallPending",
+                {
+                    "call": serializers.CharField(),
+                    "capability": serializers.CharField(),
+                    "status": serializers.ChoiceField(["accepted", "running"]),
+                },
+            ),
+            **error_responses(*AUTHENTICATED, 404),
+        }
+    )
+    def get(self, request, call_id: str):
+        call = async_calls.async_call_get(principal=request.user, call_id=call_id)
+        if call.result is None:
+            pending = Response({"call": call.call_id, "capability": call.capability, "status": call.state}, status=202)
+            pending["Retry-After"] = "1"
+            return pending
+        answer = HttpResponse(call.result.body, status=call.result.status)
+        for name, value in call.result.headers:
+            answer[name] = value
+        answer["X-Sigil-Call"] = call.call_id
+        if call.result.truncated:
+            answer["X-Sigil-Result-Truncated"] = "true"
+        return answer
 
 
 HEALTH = inline_serializer(

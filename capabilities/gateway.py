@@ -66,8 +66,10 @@ EXCEEDED_LIMITS = "exceeded-limits"
 # On every answer the gateway writes itself (never on a capability's own responses, which
 # pass through unchanged): a browser must not guess a type other than the one sent.
 NOSNIFF = ("X-Content-Type-Options", "nosniff")
-# What a 202 tells the caller to expect: a page-in is one upload, usually about a second.
-WARMING_ETA_SECONDS = 3
+# The environ key under which an accepted asynchronous call is run again, from Celery, as
+# the caller who sent it (capabilities/services/async_calls.py). A client cannot set it: the
+# server puts the caller's headers under HTTP_*.
+ACCEPTED_CALLER = "sigil.accepted_caller"
 
 
 class Call:
@@ -105,6 +107,7 @@ class Gateway:
         self.runtime = get_runtime()
         self.record_call = self.redis.register_script(stats.RECORD_CALL)
         self.max_body = settings.SIGIL_INVOKE_MAX_BODY_BYTES
+        self.async_max_body = settings.SIGIL_ASYNC_MAX_BODY_BYTES
         self.breaker = breaker.Breaker.from_settings()
         # The pager deletes a victim only once no call to it is in flight; unbounded
         # runtimes never page out, so they skip the counting.
@@ -148,6 +151,11 @@ class Gateway:
     def handle(self, environ, start_response, started: float):
         agent, name, rest = split_path(environ.get("PATH_INFO", ""))
         full = names.full_name(agent, name)
+        accepted = environ.get(ACCEPTED_CALLER)
+        if accepted is not None:
+            caller, token_hash = accepted
+            route_raw, breaker_raw = self.thread_redis().mget((routes.key(full), breaker.open_key(full)))
+            return self.serve(environ, start_response, started, full, rest, caller, token_hash, route_raw, breaker_raw)
         authorization = environ.get("HTTP_AUTHORIZATION")
         if authorization is not None and SERVER_ENVIRONMENT_HEADERS.get("HTTP_AUTHORIZATION") == authorization:
             authorization = None  # the server's environment, not the caller's header
@@ -167,15 +175,28 @@ class Gateway:
             # redis-py has discarded it, so this reconnects.
             token_raw, route_raw, breaker_raw, auth_failures = self.thread_redis().mget(keys)
         principal = self.authenticate(secret, token_raw, address, auth_failures)
+        if _prefers_async(environ):
+            return self.reply_accepted(environ, start_response, full, principal.agent_name, token_hash, route_raw)
+        return self.serve(
+            environ, start_response, started, full, rest, principal.agent_name, token_hash, route_raw, breaker_raw
+        )
+
+    def visible_route(self, full: str, caller: str, route_raw: bytes | None) -> routes.CachedRoute:
+        """The route of `full` as `caller` may see it; NotFound for another agent's private
+        capability, an unknown or an expired one."""
         if route_raw is None:
             route_raw = routes.route_load(full)
         route = routes.decode(route_raw)
-        now = time.time()
-        if route is None or (route.agent != principal.agent_name and not route.is_public):
+        if route is None or (route.agent != caller and not route.is_public):
             raise NotFound(f"no capability {full}")
-        if route.expires_epoch is not None and route.expires_epoch <= now:
+        if route.expires_epoch is not None and route.expires_epoch <= time.time():
             raise NotFound(f"{full} has expired")
+        return route
 
+    def serve(self, environ, start_response, started, full, rest, caller, token_hash, route_raw, breaker_raw):
+        """From the route on: the breaker, the page-in when cold, the call and its record."""
+        route = self.visible_route(full, caller, route_raw)
+        now = time.time()
         is_trial = False
         if breaker_raw is not None:  # not closed: open, half-open or forced
             is_trial = self.breaker.enter(self.redis, full=full, raw=breaker_raw, now=now)
@@ -198,8 +219,6 @@ class Gateway:
     def forward(self, environ, start_response, call: Call, route: routes.CachedRoute, rest: str):
         page_in_ms = None
         if route.state not in routes.SERVED_STATES:
-            if _prefers_async(environ):
-                return self.reply_warming(start_response, call)
             route, page_in_ms = self.page_in(call.full)
         target = self.target(route)
         if target.redirect:
@@ -221,12 +240,7 @@ class Gateway:
             from capabilities.services import capability_mark_missing
 
             capability_mark_missing(full=call.full, slot=route.slot, backend=route.backend)
-            try:
-                route, page_in_ms = self.page_in(call.full)
-            except Timeout:
-                if not _prefers_async(environ):
-                    raise
-                return self.reply_warming(start_response, call)  # another call is placing it
+            route, page_in_ms = self.page_in(call.full)
             upstream_started = time.perf_counter()
             upstream = self.send_once(environ, call, route, rest)
         upstream_ms = (time.perf_counter() - upstream_started) * 1000
@@ -415,19 +429,44 @@ class Gateway:
         start_response("302 Found", headers)
         return [b""]
 
-    def reply_warming(self, start_response, call: Call):
-        """`Prefer: respond-async` on a cold capability: page it in behind a 202."""
-        from capabilities.tasks import capability_page_in as capability_page_in_task
+    def reply_accepted(self, environ, start_response, full: str, caller: str, token_hash: str, route_raw):
+        """`Prefer: respond-async`: keep the call, run it in Celery, answer 202 with where its
+        result will be (capabilities/services/async_calls.py)."""
+        from capabilities.services.async_calls import async_call_accept
 
-        capability_page_in_task.delay(full=call.full)
+        self.visible_route(full, caller, route_raw)  # a call nobody could serve is refused now
+        headers = request_headers(environ)
+        callback_url = headers.pop("x-callback-url", None)
+        headers.pop("prefer", None)  # both were addressed to Sigil
+        length = environ.get("CONTENT_LENGTH")
+        if length and not length.isdigit():
+            raise InvalidRequest("Content-Length is not a number")
+        if length and int(length) > self.async_max_body:
+            raise TooLarge(f"the request body of an asynchronous call is over {self.async_max_body} bytes")
+        chunked = environ.get("HTTP_TRANSFER_ENCODING", "").lower() == "chunked"
+        body = read_limited(environ["wsgi.input"], self.async_max_body) if length or chunked else b""
+        if length and len(body) < int(length):
+            raise InvalidRequest("the request body ended before its Content-Length")
+        accepted = async_call_accept(
+            caller=caller,
+            full=full,
+            token_hash=token_hash,
+            method=environ["REQUEST_METHOD"],
+            path=environ.get("PATH_INFO", ""),
+            query=environ.get("QUERY_STRING", ""),
+            headers=headers,
+            body=body,
+            callback_url=callback_url,
+        )
         body = json.dumps(
-            {"status": "warming", "callback": f"/_status/{call.full}", "eta_seconds": WARMING_ETA_SECONDS}
+            {"status": "accepted", "call": accepted.call_id, "capability": full, "status_url": accepted.status_url}
         ).encode()
         start_response(
             "202 Accepted",
             [
                 ("Content-Type", "application/json"),
                 ("Content-Length", str(len(body))),
+                ("Location", accepted.status_url),
                 ("Preference-Applied", "respond-async"),
                 NOSNIFF,
             ],

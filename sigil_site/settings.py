@@ -315,6 +315,13 @@ SIGIL_STATS_RETENTION_DAYS = env_int("SIGIL_STATS_RETENTION_DAYS", 30)
 # Retries of a webhook delivery that fails with a connection error or a 5xx (backoff up to
 # 10 minutes apart); after the last, the failure is in the audit trail.
 SIGIL_WEBHOOK_MAX_RETRIES = env_int("SIGIL_WEBHOOK_MAX_RETRIES", 8)
+# Asynchronous calls (`Prefer: respond-async`): how long a call and then its result are
+# kept, how much of the result's body, the largest request body held for one, and the Celery
+# queue their runs and callbacks go to.
+SIGIL_ASYNC_RESULT_TTL_SECONDS = env_int("SIGIL_ASYNC_RESULT_TTL_SECONDS", 3600)
+SIGIL_ASYNC_RESULT_MAX_BYTES = env_int("SIGIL_ASYNC_RESULT_MAX_BYTES", 1024 * 1024)
+SIGIL_ASYNC_MAX_BODY_BYTES = env_int("SIGIL_ASYNC_MAX_BODY_BYTES", 1024 * 1024)
+SIGIL_ASYNC_QUEUE = env_str("SIGIL_ASYNC_QUEUE", "celery")
 
 # --- Abuse: failed authentication --------------------------------------------------------
 
