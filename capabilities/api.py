@@ -175,6 +175,7 @@ class CapabilityDeployApi(APIView):
         ttl = StrictIntegerField(required=False, allow_null=True)
         bindings = serializers.ListField(child=StrictCharField(), required=False, default=list)
         public = StrictBooleanField(required=False, default=False)
+        cache_when_degraded = StrictBooleanField(required=False, allow_null=True, default=None)
 
     class OutputSerializer(serializers.Serializer):
         capability = serializers.CharField()
@@ -210,6 +211,7 @@ class CapabilityDeployApi(APIView):
             ttl=data.get("ttl"),
             bindings=data["bindings"],
             is_public=data["public"],
+            cache_when_degraded=data["cache_when_degraded"],
         )
         body = {
             "capability": result.capability.full_name,

@@ -8,6 +8,7 @@ access stamp and breaker update go back in one script call after the response is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from urllib3.util import parse_url
 from agents import tokens
 from agents.selectors import parse_bearer, token_authenticate
 from agents.throttle import FailedAuthThrottle
-from capabilities import breaker, names, pager, routes, stats
+from capabilities import breaker, degraded_cache, names, pager, routes, stats
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import Route, RuntimeUnavailable
 from capabilities.upstream import (
@@ -36,6 +37,7 @@ from capabilities.upstream import (
 from sigil_site.errors import (
     REDIS_UNREACHABLE,
     CapabilityError,
+    Degraded,
     InternalError,
     InvalidRequest,
     NotFound,
@@ -108,6 +110,7 @@ class Gateway:
         self.record_call = self.redis.register_script(stats.RECORD_CALL)
         self.max_body = settings.SIGIL_INVOKE_MAX_BODY_BYTES
         self.async_max_body = settings.SIGIL_ASYNC_MAX_BODY_BYTES
+        self.degraded_cache = degraded_cache.DegradedCache.from_settings()
         self.breaker = breaker.Breaker.from_settings()
         # The pager deletes a victim only once no call to it is in flight; unbounded
         # runtimes never page out, so they skip the counting.
@@ -199,7 +202,13 @@ class Gateway:
         now = time.time()
         is_trial = False
         if breaker_raw is not None:  # not closed: open, half-open or forced
-            is_trial = self.breaker.enter(self.redis, full=full, raw=breaker_raw, now=now)
+            try:
+                is_trial = self.breaker.enter(self.redis, full=full, raw=breaker_raw, now=now)
+            except Degraded:
+                cached = self.cached_answer(environ, route, full, rest, now)
+                if cached is None:
+                    raise
+                return self.reply_cached(start_response, cached, now)
         call = Call(full, route.type, token_hash, started, is_trial)
         try:
             return self.forward(environ, start_response, call, route, rest)
@@ -266,7 +275,32 @@ class Gateway:
         headers.append(("Server-Timing", timing))
         start_response(f"{upstream.status} {upstream.reason or ''}".rstrip(), headers)
         call.finished = True  # from here ResponseBody.close() records the call
-        return ResponseBody(self, upstream, call, route, ok=upstream.status < 500)
+        body = ResponseBody(self, upstream, call, route, ok=upstream.status < 500)
+        if route.cache_when_degraded and environ["REQUEST_METHOD"] == "GET" and 200 <= upstream.status < 300:
+            body.keep_for_cache(
+                cache_target(rest, environ.get("QUERY_STRING")),
+                degraded_cache.CachedAnswer(
+                    status=upstream.status,
+                    reason=upstream.reason or "",
+                    headers=[(k, v) for k, v in headers if k.lower() not in ("content-length", "server-timing")],
+                    body=b"",
+                    stored_epoch=0.0,
+                ),
+            )
+        return body
+
+    def cached_answer(self, environ, route, full: str, rest: str, now: float):
+        """The last good answer to this GET, for a degraded capability that opted in; else None."""
+        if not route.cache_when_degraded or environ["REQUEST_METHOD"] != "GET":
+            return None
+        target = cache_target(rest, environ.get("QUERY_STRING"))
+        return self.degraded_cache.lookup(self.redis, full=full, target=target, now=now)
+
+    def reply_cached(self, start_response, cached: degraded_cache.CachedAnswer, now: float):
+        headers = [*cached.headers, ("Content-Length", str(len(cached.body)))]
+        headers += [degraded_cache.CACHE_HEADER, ("Age", str(int(max(0.0, now - cached.stored_epoch))))]
+        start_response(f"{cached.status} {cached.reason}".rstrip(), headers)
+        return [cached.body]
 
     def thread_redis(self) -> redis.Redis:
         """A client holding one connection for this server thread, for the two commands every
@@ -493,10 +527,31 @@ class ResponseBody:
         self.route = route
         self.ok = ok
         self.counts = True
+        self.cache_target: str | None = None
+        self.cache_answer: degraded_cache.CachedAnswer | None = None
+        self.cache_chunks: list[bytes] = []
+        self.cache_complete = False  # the whole body was sent (not cut, not abandoned)
+
+    def keep_for_cache(self, target: str, answer: degraded_cache.CachedAnswer) -> None:
+        """Keep the body as it streams, to store it as the last good answer to `target`
+        (capabilities that opted in: degraded_cache)."""
+        self.cache_target, self.cache_answer = target, answer
 
     def __iter__(self):
         try:
-            yield from self.upstream.stream(STREAM_CHUNK)
+            if self.cache_answer is None:
+                yield from self.upstream.stream(STREAM_CHUNK)
+                return
+            room = self.gateway.degraded_cache.max_body_bytes
+            for chunk in self.upstream.stream(STREAM_CHUNK):
+                if self.cache_answer is not None:
+                    room -= len(chunk)
+                    if room < 0:
+                        self.cache_answer = None  # too large to keep: the call is not cached
+                    else:
+                        self.cache_chunks.append(chunk)
+                yield chunk
+            self.cache_complete = True
         except (UpstreamTimeout, UpstreamUnreachable) as exc:
             self.ok = False  # the capability stalled or broke mid-body; the caller sees a cut response
             logger.warning("%s failed while streaming its response: %s", self.call.full, exc)
@@ -515,6 +570,13 @@ class ResponseBody:
                 self.gateway.finish(self.call, ok=self.ok)
             else:
                 self.gateway.abandon(self.call)
+            if self.cache_answer is not None and self.cache_complete and self.ok:
+                answer = dataclasses.replace(
+                    self.cache_answer, body=b"".join(self.cache_chunks), stored_epoch=time.time()
+                )
+                self.gateway.degraded_cache.store(
+                    self.gateway.redis, full=self.call.full, target=self.cache_target, answer=answer
+                )
         except REDIS_UNREACHABLE as exc:
             # The caller has its answer; only this call's counters and breaker update are lost.
             logger.error("Redis unreachable: the call to %s was not recorded: %s", self.call.full, exc)
@@ -564,6 +626,11 @@ def log_access(environ, status: int, started: float, *, capability: str | None, 
         "null" if page_in_ms is None else f"{page_in_ms:.3f}",
         ms,
     )
+
+
+def cache_target(rest: str, query: str | None) -> str:
+    """What a degraded capability's cached answers are kept under: the path and query."""
+    return rest + ("?" + query if query else "")
 
 
 def split_path(path: str) -> tuple[str, str, str]:

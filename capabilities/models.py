@@ -70,6 +70,10 @@ class Capability(models.Model):
     inactive_at = models.DateTimeField(
         null=True, blank=True, help_text="Set when a normal capability went uncalled for SIGIL_INACTIVE_AFTER_DAYS."
     )
+    cache_when_degraded = models.BooleanField(
+        default=False,
+        help_text="While its breaker is open, a GET answered before is answered from its last good response.",
+    )
 
     class Meta:
         verbose_name_plural = "capabilities"

@@ -33,6 +33,7 @@ class CachedRoute:
     sha: str
     backend: str = ""  # the runtime the slot is on; "" is the process's own
     cpu_ms: int | None = None
+    cache_when_degraded: bool = False
 
 
 def key(full: str) -> str:
@@ -52,6 +53,7 @@ def encode(capability: Capability) -> bytes:
             "sha": capability.placed_sha,
             "backend": capability.backend,
             "cpu": capability.cpu_ms,
+            "cache": capability.cache_when_degraded,
         },
         separators=(",", ":"),
     ).encode()
@@ -72,6 +74,7 @@ def decode(raw: bytes) -> CachedRoute | None:
         data["sha"],
         data.get("backend", ""),
         data.get("cpu"),
+        data.get("cache", False),
     )
 
 

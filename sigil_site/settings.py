@@ -322,6 +322,11 @@ SIGIL_ASYNC_RESULT_TTL_SECONDS = env_int("SIGIL_ASYNC_RESULT_TTL_SECONDS", 3600)
 SIGIL_ASYNC_RESULT_MAX_BYTES = env_int("SIGIL_ASYNC_RESULT_MAX_BYTES", 1024 * 1024)
 SIGIL_ASYNC_MAX_BODY_BYTES = env_int("SIGIL_ASYNC_MAX_BODY_BYTES", 1024 * 1024)
 SIGIL_ASYNC_QUEUE = env_str("SIGIL_ASYNC_QUEUE", "celery")
+# A capability deployed with "cache_when_degraded": the last good answers to GETs kept per
+# capability, how long one may be served, and the largest body kept.
+SIGIL_DEGRADED_CACHE_MAX_ENTRIES = env_int("SIGIL_DEGRADED_CACHE_MAX_ENTRIES", 100)
+SIGIL_DEGRADED_CACHE_MAX_AGE_SECONDS = env_int("SIGIL_DEGRADED_CACHE_MAX_AGE_SECONDS", 3600)
+SIGIL_DEGRADED_CACHE_MAX_BYTES = env_int("SIGIL_DEGRADED_CACHE_MAX_BYTES", 256 * 1024)
 
 # --- Abuse: failed authentication --------------------------------------------------------
 

@@ -109,6 +109,7 @@ def capability_deploy(
     ttl: int | None = None,
     bindings: list[str] | None = None,
     is_public: bool = False,
+    cache_when_degraded: bool | None = None,
     now: datetime | None = None,
 ) -> DeployResult:
     """Deploy a new capability or a new version of one, and place it on the runtime.
@@ -144,7 +145,8 @@ def capability_deploy(
             raise Conflict(f"{full} is a {existing.type} capability; it cannot be redeployed as {type}")
         unchanged = existing is not None and existing.current_version and existing.current_version.sha == sha
         if unchanged and existing.bindings == bindings:
-            return _redeploy_unchanged(existing, principal=principal, is_public=is_public)
+            result = _redeploy_unchanged(existing, principal=principal, is_public=is_public)
+            return _set_cache_when_degraded(result, cache_when_degraded, principal=principal)
     elif type == CapabilityType.EPHEMERAL:
         live_ephemerals = Capability.objects.filter(
             agent=owner, type=CapabilityType.EPHEMERAL, expires_at__gt=now
@@ -189,13 +191,33 @@ def capability_deploy(
         routes.route_publish(capability)
     finally:
         lock.release()
-    return DeployResult(
+    result = DeployResult(
         capability=capability,
         version=version,
         created=created,
         cold_start=placement.cold_start,
         evicted=placement.evicted,
     )
+    return _set_cache_when_degraded(result, cache_when_degraded, principal=principal)
+
+
+def _set_cache_when_degraded(result: DeployResult, value: bool | None, *, principal: Principal) -> DeployResult:
+    """Turn the cached answer while degraded on or off as the deploy asked; omitted keeps it."""
+    capability = result.capability
+    if value is None or capability.cache_when_degraded == value:
+        return result
+    with transaction.atomic():
+        Capability.objects.filter(pk=capability.pk).update(cache_when_degraded=value, updated_at=timezone.now())
+        audit_record(
+            actor=_actor(principal),
+            action="capability.updated",
+            agent_name=capability.agent.name,
+            subject=capability.full_name,
+            detail={"cache_when_degraded": value},
+        )
+    capability.cache_when_degraded = value
+    routes.route_publish(capability)
+    return result
 
 
 def _unused_ephemeral_name(agent_name: str) -> str:
