@@ -16,9 +16,10 @@ from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from agents.authentication import BearerTokenAuthentication, OwnerTokenAuthentication, StaffSessionAuthentication
 from agents.models import Agent
-from agents.permissions import HasDeployScope
-from capabilities import selectors, services
+from agents.permissions import HasDeployScope, IsOwner
+from capabilities import cost, selectors, services
 from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
 from capabilities.parsers import LimitedJSONParser
@@ -341,6 +342,36 @@ class CallStatusApi(APIView):
         if call.result.truncated:
             answer["X-Sigil-Result-Truncated"] = "true"
         return answer
+
+
+class CostApi(APIView):
+    """GET /_api/cost?days=N: the owner's monthly cost estimate per runtime (capabilities/cost.py)."""
+
+    authentication_classes = [OwnerTokenAuthentication, StaffSessionAuthentication, BearerTokenAuthentication]
+    permission_classes = [IsOwner]
+
+    @extend_schema(
+        parameters=[OpenApiParameter("days", float, description="the window, in days (default 30)")],
+        responses={
+            200: OpenApiResponse(description="The estimate: usage, a bill per runtime, the pool's figures, the prices"),
+            **error_responses(*AUTHENTICATED),
+        },
+    )
+    def get(self, request):
+        days = _days(request.query_params.get("days"))
+        return Response(cost.cost_estimate(now=timezone.now(), days=days).as_json())
+
+
+def _days(raw: str | None) -> float:
+    if raw is None:
+        return cost.DAYS_PER_MONTH
+    try:
+        days = float(raw)
+    except ValueError as exc:
+        raise InvalidRequest("days must be a number") from exc
+    if not 0 < days <= settings.SIGIL_STATS_RETENTION_DAYS:
+        raise InvalidRequest(f"days must be over 0 and at most {settings.SIGIL_STATS_RETENTION_DAYS}")
+    return days
 
 
 HEALTH = inline_serializer(

@@ -111,6 +111,7 @@ class Gateway:
         self.max_body = settings.SIGIL_INVOKE_MAX_BODY_BYTES
         self.async_max_body = settings.SIGIL_ASYNC_MAX_BODY_BYTES
         self.degraded_cache = degraded_cache.DegradedCache.from_settings()
+        self.access_log_length = settings.SIGIL_ACCESS_PATTERN_MAX_CALLS
         self.breaker = breaker.Breaker.from_settings()
         # The pager deletes a victim only once no call to it is in flight; unbounded
         # runtimes never page out, so they skip the counting.
@@ -404,6 +405,7 @@ class Gateway:
                 stats.TOKENS_USED_KEY,
                 pager.lru_key(call.capability_type),
                 pager.inflight_key(call.full),
+                stats.ACCESS_LOG_KEY,
             ],
             args=[
                 call.full,
@@ -417,6 +419,8 @@ class Gateway:
                 int(call.holds_inflight),
                 stats.bucket_field(latency_ms),
                 "" if call.page_in_ms is None else f"{call.page_in_ms:.3f}",
+                call.capability_type,
+                self.access_log_length,
             ],
         )
         breaker.breaker_changed(full=call.full, change=change, at_epoch=now)

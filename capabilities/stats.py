@@ -17,6 +17,10 @@ LATENCY_BUCKETS_MS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10
 
 DIRTY_KEY = "sigil:stats:dirty"
 TOKENS_USED_KEY = "sigil:tokens:used"
+# The last calls in the order they ended, `epoch|full|type` each, at most
+# SIGIL_ACCESS_PATTERN_MAX_CALLS of them: the access pattern the cost estimate replays
+# through the pager's eviction policy (capabilities/cost.py).
+ACCESS_LOG_KEY = "sigil:access:log"
 
 
 def stats_key(full: str) -> str:
@@ -29,10 +33,10 @@ def bucket_field(latency_ms: float) -> str:
 
 
 # KEYS: stats, the breaker's failures, open and trial keys, dirty set, tokens-used hash, the
-#       pager's LRU set for the capability's type, its in-flight counter
+#       pager's LRU set for the capability's type, its in-flight counter, the access log
 # ARGV: full name, token hash, now (epoch s), latency ms, ok (1/0), is trial (1/0),
 #       threshold, cool-down seconds, held an in-flight count (1/0), histogram bucket field,
-#       page-in ms ('' for a warm call)
+#       page-in ms ('' for a warm call), the capability's type, the access log's length (0: off)
 # Returns "opened" or "closed" when the breaker changed, "" otherwise.
 RECORD_CALL = (
     breaker.RECORD_OUTCOME_LUA
@@ -55,6 +59,11 @@ redis.call('HSET', stats, 'last_access', ARGV[3])
 redis.call('SADD', dirty, full)
 redis.call('HSET', used, token, ARGV[3])
 if not ok then redis.call('HINCRBY', stats, 'errors', 1) end
+local log_length = tonumber(ARGV[13])
+if log_length > 0 then
+  redis.call('RPUSH', KEYS[9], ARGV[3] .. '|' .. full .. '|' .. ARGV[12])
+  redis.call('LTRIM', KEYS[9], -log_length, -1)
+end
 return breaker_record(open, failures, trial, now, ok, ARGV[6] == '1', tonumber(ARGV[7]), tonumber(ARGV[8]))
 """
 )
