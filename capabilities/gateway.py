@@ -4,6 +4,11 @@ A plain WSGI application, mounted in front of Django by sigil_site/wsgi.py, so a
 for no middleware, URL resolver or request object. On a warm call it does no SQL: the
 token, the route and the breaker come from Redis in one MGET, and the call's counters,
 access stamp and breaker update go back in one script call after the response is sent.
+
+Two paths leave the warm one as soon as they are recognised, and cost it nothing more:
+`Prefer: respond-async` (the call is kept and answered 202, then run from Celery through
+this same code: ACCEPTED_CALLER), and a GET to a degraded capability that opted in to a
+cached answer (degraded_cache; only such capabilities keep their answers).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from django.db import close_old_connections, connection
 from urllib3.util import parse_url
 
 from agents import tokens
-from agents.selectors import parse_bearer, token_authenticate
+from agents.selectors import parse_bearer, token_authenticate, token_authenticate_hash
 from agents.throttle import FailedAuthThrottle
 from capabilities import breaker, degraded_cache, names, pager, routes, stats
 from capabilities.runtimes import get_runtime, runtime_for
@@ -68,9 +73,9 @@ EXCEEDED_LIMITS = "exceeded-limits"
 # On every answer the gateway writes itself (never on a capability's own responses, which
 # pass through unchanged): a browser must not guess a type other than the one sent.
 NOSNIFF = ("X-Content-Type-Options", "nosniff")
-# The environ key under which an accepted asynchronous call is run again, from Celery, as
-# the caller who sent it (capabilities/services/async_calls.py). A client cannot set it: the
-# server puts the caller's headers under HTTP_*.
+# The environ key under which an accepted asynchronous call is run again, from Celery, with
+# the hash of the token that sent it (capabilities/services/async_calls.py). A client cannot
+# set it: the server puts the caller's headers under HTTP_*.
 ACCEPTED_CALLER = "sigil.accepted_caller"
 
 
@@ -157,9 +162,22 @@ class Gateway:
         full = names.full_name(agent, name)
         accepted = environ.get(ACCEPTED_CALLER)
         if accepted is not None:
-            caller, token_hash = accepted
-            route_raw, breaker_raw = self.thread_redis().mget((routes.key(full), breaker.open_key(full)))
-            return self.serve(environ, start_response, started, full, rest, caller, token_hash, route_raw, breaker_raw)
+            # Run as the caller who sent it, if its token still stands (it may have been revoked since).
+            token_hash = accepted
+            keys = (tokens.cache_key(token_hash), routes.key(full), breaker.open_key(full))
+            token_raw, route_raw, breaker_raw = self.thread_redis().mget(keys)
+            principal = token_authenticate_hash(token_hash, cached=token_raw)
+            return self.serve(
+                environ,
+                start_response,
+                started=started,
+                full=full,
+                rest=rest,
+                caller=principal.agent_name,
+                token_hash=token_hash,
+                route_raw=route_raw,
+                breaker_raw=breaker_raw,
+            )
         authorization = environ.get("HTTP_AUTHORIZATION")
         if authorization is not None and SERVER_ENVIRONMENT_HEADERS.get("HTTP_AUTHORIZATION") == authorization:
             authorization = None  # the server's environment, not the caller's header
@@ -182,7 +200,15 @@ class Gateway:
         if _prefers_async(environ):
             return self.reply_accepted(environ, start_response, full, principal.agent_name, token_hash, route_raw)
         return self.serve(
-            environ, start_response, started, full, rest, principal.agent_name, token_hash, route_raw, breaker_raw
+            environ,
+            start_response,
+            started=started,
+            full=full,
+            rest=rest,
+            caller=principal.agent_name,
+            token_hash=token_hash,
+            route_raw=route_raw,
+            breaker_raw=breaker_raw,
         )
 
     def visible_route(self, full: str, caller: str, route_raw: bytes | None) -> routes.CachedRoute:
@@ -197,7 +223,7 @@ class Gateway:
             raise NotFound(f"{full} has expired")
         return route
 
-    def serve(self, environ, start_response, started, full, rest, caller, token_hash, route_raw, breaker_raw):
+    def serve(self, environ, start_response, *, started, full, rest, caller, token_hash, route_raw, breaker_raw):
         """From the route on: the breaker, the page-in when cold, the call and its record."""
         route = self.visible_route(full, caller, route_raw)
         now = time.time()

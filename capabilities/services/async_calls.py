@@ -244,7 +244,7 @@ def _run_through_gateway(record: dict[str, bytes]) -> CallResult:
         "SERVER_PORT": "0",
         "REMOTE_ADDR": "127.0.0.1",
         "wsgi.input": io.BytesIO(body),
-        ACCEPTED_CALLER: (record["agent"].decode(), record["token_hash"].decode()),
+        ACCEPTED_CALLER: record["token_hash"].decode(),
     }
     if body:
         environ["CONTENT_LENGTH"] = str(len(body))

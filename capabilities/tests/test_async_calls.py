@@ -40,9 +40,12 @@ def accepted(response) -> str:
 
 
 def result_of(agent, status_url: str, timeout: float = 30.0):
+    # Read with the deploy token, which a test may leave standing when it revokes the other.
     # A list, as a requests Response with a 4xx or 5xx status is false.
     return wait_for(
-        lambda: (r := agent.call(status_url)).status_code != 202 and [r], timeout=timeout, message="the call's result"
+        lambda: (r := agent.call(status_url, token=agent.deploy_token)).status_code != 202 and [r],
+        timeout=timeout,
+        message="the call's result",
     )[0]
 
 
@@ -120,6 +123,20 @@ def test_the_result_is_posted_signed_to_the_callback_url(alice, webhook_receiver
     assert delivery["capability"] == "alice--ping"
     assert delivery["result"]["status"] == 200 and delivery["result"]["body"] == "pong"
     assert webhook_receiver.refused == 1 and len(webhook_receiver.received) == 1
+
+
+def test_a_call_whose_token_is_revoked_before_it_runs_is_refused(alice, settings):
+    from agents import services, tokens
+    from agents.models import Token
+
+    settings.SIGIL_ASYNC_QUEUE = "held"  # no worker takes it: it runs below, once the token is gone
+    deploy_answering(alice, "ping", "pong")
+    status_url = accepted(alice.call("/alice/ping", headers=ASYNC))
+    token = Token.objects.get(secret_hash=tokens.hash_secret(alice.invoke_token))
+    services.token_revoke(token=token, actor="owner:test")
+    async_calls.async_call_run(call_id=status_url.rsplit("/", 1)[1])  # the queued task's body
+    result = result_of(alice, status_url)
+    assert result.status_code == 401 and result.json()["error"]["code"] == "unauthenticated"
 
 
 def test_a_bad_callback_url_is_refused(alice):
