@@ -151,7 +151,7 @@ class CapabilityDetailSerializer(CapabilitySerializer):
     recent = serializers.SerializerMethodField()
 
     class Meta(CapabilitySerializer.Meta):
-        fields = [*CapabilitySerializer.Meta.fields, "recent", "code"]
+        fields = [*CapabilitySerializer.Meta.fields, "recent", "code", "cache_when_degraded"]
 
     def get_recent(self, obj) -> dict | None:
         """The last 24 hours' calls, errors and latency percentiles, for the owner only."""

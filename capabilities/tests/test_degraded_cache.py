@@ -88,10 +88,13 @@ def test_the_cache_keeps_only_the_newest_answers_and_none_too_large(alice, setti
     assert alice.call("/alice/stamp/" + "long" * 20).status_code == 503  # its body was over the limit
 
 
-def test_a_redeploy_can_turn_the_cache_off(alice, settings):
+def test_a_redeploy_keeps_the_option_unless_it_turns_it_off(alice, settings):
     deploy_and_break(alice, settings, cache=True)
     assert alice.call("/alice/stamp/a").status_code == 200
+    assert alice.deploy(name="stamp", code=STAMPED).status_code == 200  # omitted: kept
+    assert alice.call("/_api/capabilities/alice--stamp").json()["cache_when_degraded"] is True
     assert alice.deploy(name="stamp", code=STAMPED, cache_when_degraded=False).status_code == 200
+    assert alice.call("/_api/capabilities/alice--stamp").json()["cache_when_degraded"] is False
     open_breaker(alice)
     assert alice.call("/alice/stamp/a").status_code == 503
 
