@@ -13,6 +13,7 @@ Sigil cannot see the CPU time Cloudflare bills: it bills each call's recorded du
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -234,10 +235,19 @@ class Access:
 
 def replay_cold_calls(accesses: Sequence[Access], *, slots: int) -> int:
     """How many of `accesses` would have found their capability paged out with `slots`
-    slots, evicting as the pager does (pager.victims_needed, pager.eviction_order). A
+    slots, evicting as the pager does (pager.victims_needed, pager.eviction_rank). A
     capability's first access is not counted: it was placed when deployed, or before the
-    pattern begins; it takes a slot all the same."""
-    placed: dict[str, pager.Candidate] = {}
+    pattern begins; it takes a slot all the same.
+
+    The placed capabilities wait in a heap under the rank they had when pushed. A later
+    access only raises a rank (the log has no expiry times, so a rank depends on the last
+    access alone), so a victim is found by popping: an entry whose capability was accessed
+    since goes back with its current rank, and the first entry still current is the one
+    eviction_order would put first. A hit costs a dictionary write, and a replay of N
+    calls O(N log N) at most.
+    """
+    placed: dict[str, Access] = {}  # full name -> its last access
+    ranked: list[tuple[tuple, Access]] = []
     seen: set[str] = set()
     cold = 0
     for access in accesses:
@@ -245,13 +255,23 @@ def replay_cold_calls(accesses: Sequence[Access], *, slots: int) -> int:
             if access.full in seen:
                 cold += 1
             # No deletes are pending in a replay, so the margin never holds a newcomer back.
-            needed = pager.victims_needed(used=len(placed), leaving=0, slots=slots, margin=1) or 0
-            if needed:
-                for victim in pager.eviction_order(placed.values(), now=access.at)[:needed]:
-                    del placed[victim.full]
-        seen.add(access.full)
-        placed[access.full] = pager.Candidate(full=access.full, type=access.type, last_access=access.at)
+            for _ in range(pager.victims_needed(used=len(placed), leaving=0, slots=slots, margin=1) or 0):
+                while True:
+                    _, pushed = heapq.heappop(ranked)
+                    last = placed[pushed.full]
+                    if last is pushed:
+                        del placed[pushed.full]
+                        break
+                    heapq.heappush(ranked, (_rank(last), last))
+            heapq.heappush(ranked, (_rank(access), access))
+            seen.add(access.full)
+        placed[access.full] = access
     return cold
+
+
+def _rank(access: Access) -> tuple:
+    candidate = pager.Candidate(full=access.full, type=access.type, last_access=access.at)
+    return pager.eviction_rank(candidate, now=access.at)
 
 
 def smallest_slots(accesses: Sequence[Access], *, target: float = COLD_TARGET) -> int | None:
@@ -318,7 +338,7 @@ def cost_estimate(*, now: datetime, days: float = DAYS_PER_MONTH, prices: Prices
     )
 
     accesses = [a for a in access_log_read() if since.timestamp() <= a.at < until.timestamp()]
-    slots = smallest_slots(accesses)
+    slots = _smallest_slots_kept(accesses, days=days)
     pool = _pool_report(since=since, until=until, calls=calls, cold=cold, accesses=accesses, slots=slots)
     return CostEstimate(
         since=since,
@@ -334,6 +354,22 @@ def cost_estimate(*, now: datetime, days: float = DAYS_PER_MONTH, prices: Prices
         pool=pool,
         prices=prices,
     )
+
+
+# The replay takes seconds on a full log: its result is kept this long, since a figure over
+# weeks of calls does not move in minutes, and the dashboard reads it on every load.
+SLOTS_KEPT_SECONDS = 300
+
+
+def _smallest_slots_kept(accesses: list[Access], *, days: float) -> int | None:
+    key = f"sigil:cost:slots:{days:g}"
+    redis = get_redis()
+    kept = redis.get(key)
+    if kept is not None:
+        return int(kept) if kept else None
+    slots = smallest_slots(accesses)
+    redis.set(key, "" if slots is None else slots, ex=SLOTS_KEPT_SECONDS)
+    return slots
 
 
 def _calls_within(buckets: list[int], limit_ms: float) -> int:

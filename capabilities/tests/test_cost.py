@@ -134,6 +134,8 @@ def test_calls_through_the_gateway_are_logged_as_the_access_pattern(alice, setti
     logged = wait_for(lambda: len(cost.access_log_read()) == 3 and cost.access_log_read(), message="the log")
     assert {(access.full, access.type) for access in logged} == {("alice--a", "normal")}
     assert get_redis().llen(stats.ACCESS_LOG_KEY) == 3  # bounded: the oldest call is gone
+    pool = cost.cost_estimate(now=datetime.now(UTC) + timedelta(seconds=1), days=1).pool
+    assert pool.replayed_calls == 3 and pool.smallest_slots_under_1pct == 1
 
 
 def test_the_owner_reads_the_estimate_over_http_and_agents_cannot(recorded, alice, sigil, settings):
