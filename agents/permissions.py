@@ -19,3 +19,13 @@ class HasDeployScope(BasePermission):
 
     def has_permission(self, request, view) -> bool:
         return isinstance(request.user, Principal) and request.user.can_deploy
+
+
+class IsOwner(BasePermission):
+    """The owner: SIGIL_OWNER_API_TOKEN, or a staff account's admin session. Agents' tokens
+    are refused."""
+
+    message = "this call is the owner's: send SIGIL_OWNER_API_TOKEN, or sign in to the admin"
+
+    def has_permission(self, request, view) -> bool:
+        return not isinstance(request.user, Principal) and bool(getattr(request.user, "is_staff", False))

@@ -179,11 +179,13 @@ def agent_notify(*, agent_name: str, event: str, payload: dict) -> bool:
     return True
 
 
-def agent_webhook_deliver(*, agent_id: int, delivery: dict) -> None:
-    """POST one delivery to the agent's webhook, signed. Raises WebhookUnavailable when a
-    retry may succeed; a 4xx answer is final and audited as failed."""
+def agent_webhook_deliver(*, agent_id: int, delivery: dict, url: str = "") -> None:
+    """POST one delivery to `url` (a call's callback), else to the agent's webhook, signed
+    with the agent's webhook secret. Raises WebhookUnavailable when a retry may succeed; a
+    4xx answer is final and audited as refused."""
     agent = Agent.objects.filter(pk=agent_id).first()
-    if agent is None or not agent.webhook_url:
+    target = url or (agent.webhook_url if agent else "")
+    if agent is None or not target:
         return
     body = json.dumps(delivery, separators=(",", ":"), sort_keys=True).encode()
     headers = {
@@ -195,11 +197,11 @@ def agent_webhook_deliver(*, agent_id: int, delivery: dict) -> None:
     if agent.webhook_secret:
         headers["X-Sigil-Signature"] = webhook_signature(agent.webhook_secret, body)
     try:
-        response = requests.post(agent.webhook_url, data=body, headers=headers, timeout=10, allow_redirects=False)
+        response = requests.post(target, data=body, headers=headers, timeout=10, allow_redirects=False)
     except requests.RequestException as exc:
-        raise WebhookUnavailable(f"{agent.webhook_url}: {exc.__class__.__name__}") from exc
+        raise WebhookUnavailable(f"{target}: {exc.__class__.__name__}") from exc
     if response.status_code >= 500:
-        raise WebhookUnavailable(f"{agent.webhook_url} answered {response.status_code}")
+        raise WebhookUnavailable(f"{target} answered {response.status_code}")
     ok = response.status_code < 300
     audit_record(
         actor="system",

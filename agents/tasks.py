@@ -11,13 +11,14 @@ from agents.services import WebhookUnavailable
 
 
 @shared_task(name="agents.agent_webhook_deliver", bind=True, acks_late=True, reject_on_worker_lost=True)
-def agent_webhook_deliver(self, *, agent_id: int, delivery: dict) -> None:
-    """Deliver, retrying with jittered exponential backoff while the webhook is unavailable;
-    after the last retry the failure is recorded for the owner to see."""
+def agent_webhook_deliver(self, *, agent_id: int, delivery: dict, url: str = "") -> None:
+    """Deliver (to `url`, else the agent's webhook), retrying with jittered exponential
+    backoff while it is unavailable; after the last retry the failure is recorded for the
+    owner to see."""
     from agents import services
 
     try:
-        services.agent_webhook_deliver(agent_id=agent_id, delivery=delivery)
+        services.agent_webhook_deliver(agent_id=agent_id, delivery=delivery, url=url)
     except WebhookUnavailable as exc:
         if self.request.retries >= settings.SIGIL_WEBHOOK_MAX_RETRIES:
             services.agent_webhook_failed(agent_id=agent_id, delivery=delivery, reason=str(exc))

@@ -25,14 +25,16 @@ from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from agents.authentication import BearerTokenAuthentication, OwnerTokenAuthentication, StaffSessionAuthentication
 from agents.models import Agent
-from agents.permissions import HasDeployScope
-from capabilities import breaker, contracts, failures, selectors, services
+from agents.permissions import HasDeployScope, IsOwner
+from capabilities import breaker, contracts, cost, failures, selectors, services
 from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
 from capabilities.parsers import LimitedJSONParser
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import RuntimeUnavailable
+from capabilities.services import async_calls
 from sigil_site.errors import InvalidRequest, NotFound, Unauthenticated, error_response
 from sigil_site.redis_client import get_redis
 
@@ -259,7 +261,15 @@ class CapabilityDetailSerializer(CapabilitySerializer):
     breaker_detail = serializers.SerializerMethodField()
 
     class Meta(CapabilitySerializer.Meta):
-        fields = [*CapabilitySerializer.Meta.fields, "recent", "failures", "breaker_detail", "split", "code"]
+        fields = [
+            *CapabilitySerializer.Meta.fields,
+            "recent",
+            "failures",
+            "breaker_detail",
+            "split",
+            "code",
+            "cache_when_degraded",
+        ]
 
     def get_failures(self, obj) -> list[dict] | None:
         """The recent failures, newest first (time, status, code, message, duration, request
@@ -326,6 +336,13 @@ class CapabilityDeployApi(APIView):
             required=False,
             default=False,
             help_text="Keep the new version aside, for a traffic split, without making it current",
+        )
+        cache_when_degraded = StrictBooleanField(
+            required=False,
+            allow_null=True,
+            default=None,
+            help_text="While its breaker is open, answer a GET it answered before from the last good response. "
+            "Omitted: kept on a redeploy, else false",
         )
 
     @extend_schema_serializer(component_name="Deployed")
@@ -417,6 +434,7 @@ class CapabilityDeployApi(APIView):
             stage=data["stage"],
             # The raw values: the contract's rules check them (the serializer only documents them).
             contract={name: request.data[name] for name in contracts.FIELDS if name in request.data},
+            cache_when_degraded=data["cache_when_degraded"],
         )
         return Response(deploy_answer(request, result), status=201 if result.created else 200)
 
@@ -663,6 +681,69 @@ class CapabilityWarmingStatusApi(APIView):
         capability = selectors.capability_get_visible(principal=request.user, full=full)
         ready = capability.state in (State.LIVE, State.EVICTING)
         return Response({"status": "ready" if ready else "warming", "capability": capability.full_name})
+
+
+class CallStatusApi(APIView):
+    """GET /_api/calls/{id}: an asynchronous call, pending (202) or, once it has run, its own
+    answer: the status, headers and body the capability (or the gateway) gave it."""
+
+    @extend_schema(
+        responses={
+            (200, "*/*"): OpenApiResponse(description="The call has run: its own status, headers and body"),
+            202: inline_serializer(
+                "CallPending",
+                {
+                    "call": serializers.CharField(),
+                    "capability": serializers.CharField(),
+                    "status": serializers.ChoiceField(["accepted", "running"]),
+                },
+            ),
+            **error_responses(*AUTHENTICATED, 404),
+        }
+    )
+    def get(self, request, call_id: str):
+        call = async_calls.async_call_get(principal=request.user, call_id=call_id)
+        if call.result is None:
+            pending = Response({"call": call.call_id, "capability": call.capability, "status": call.state}, status=202)
+            pending["Retry-After"] = "1"
+            return pending
+        answer = HttpResponse(call.result.body, status=call.result.status)
+        for name, value in call.result.headers:
+            answer[name] = value
+        answer["X-Sigil-Call"] = call.call_id
+        if call.result.truncated:
+            answer["X-Sigil-Result-Truncated"] = "true"
+        return answer
+
+
+class CostApi(APIView):
+    """GET /_api/cost?days=N: the owner's monthly cost estimate per runtime (capabilities/cost.py)."""
+
+    authentication_classes = [OwnerTokenAuthentication, StaffSessionAuthentication, BearerTokenAuthentication]
+    permission_classes = [IsOwner]
+
+    @extend_schema(
+        parameters=[OpenApiParameter("days", float, description="the window, in days (default 30)")],
+        responses={
+            200: OpenApiResponse(description="The estimate: usage, a bill per runtime, the pool's figures, the prices"),
+            **error_responses(*AUTHENTICATED),
+        },
+    )
+    def get(self, request):
+        days = _days(request.query_params.get("days"))
+        return Response(cost.cost_estimate(now=timezone.now(), days=days).as_json())
+
+
+def _days(raw: str | None) -> float:
+    if raw is None:
+        return cost.DAYS_PER_MONTH
+    try:
+        days = float(raw)
+    except ValueError as exc:
+        raise InvalidRequest("days must be a number") from exc
+    if not 0 < days <= settings.SIGIL_STATS_RETENTION_DAYS:
+        raise InvalidRequest(f"days must be over 0 and at most {settings.SIGIL_STATS_RETENTION_DAYS}")
+    return days
 
 
 HEALTH = inline_serializer(

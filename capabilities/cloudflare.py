@@ -87,6 +87,13 @@ _SCRIPT_API_DATE = ("Cloudflare-Workers-Script-Api-Date", "2025-08-01")
 # Counters of every API call and every 429 answer, read by GET /metrics.
 API_CALLS_KEY = "sigil:cf:calls"
 API_RATE_LIMITED_KEY = "sigil:cf:rate_limited"
+# API calls per hour, for the cost estimate's Cloudflare budget (capabilities/cost.py): one
+# counter per hour since the epoch, kept a little longer than the statistics' 30 days.
+API_CALLS_HOURS_KEPT = 32 * 24
+
+
+def api_calls_hour_key(hour: int) -> str:
+    return f"sigil:cf:calls:hour:{hour}"
 
 
 # --- errors -----------------------------------------------------------------------------
@@ -655,9 +662,13 @@ class CloudflareClient:
                 time.sleep(delay)
 
     def _count(self, status: int | None) -> None:
-        """Count the call (and a 429) for /metrics, across every process."""
+        """Count the call (and a 429) for /metrics, and in its hour for the cost estimate,
+        across every process."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.incr(API_CALLS_KEY)
+        hour_key = api_calls_hour_key(int(time.time() // 3600))
+        pipe.incr(hour_key)
+        pipe.expire(hour_key, API_CALLS_HOURS_KEPT * 3600)
         if status == 429:
             pipe.incr(API_RATE_LIMITED_KEY)
         pipe.execute()

@@ -9,10 +9,16 @@ call after the response is sent. An answer the capability's code did not give (a
 
 Every answer carries `X-Request-Id`, the id that names it in the access log, the failure
 record and any logged traceback; the capability receives it as the same header.
+
+Two paths leave the warm one as soon as they are recognised, and cost it nothing more:
+`Prefer: respond-async` (the call is kept and answered 202, then run from Celery through
+this same code: ACCEPTED_CALLER), and a GET to a degraded capability that opted in to a
+cached answer (degraded_cache; only such capabilities keep their answers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,9 +33,9 @@ from django.db import close_old_connections, connection
 from urllib3.util import parse_url
 
 from agents import tokens
-from agents.selectors import parse_bearer, token_authenticate
+from agents.selectors import parse_bearer, token_authenticate, token_authenticate_hash
 from agents.throttle import FailedAuthThrottle
-from capabilities import breaker, failures, names, pager, routes, stats
+from capabilities import breaker, degraded_cache, failures, names, pager, routes, stats
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import Route, RuntimeUnavailable
 from capabilities.upstream import (
@@ -42,6 +48,7 @@ from capabilities.upstream import (
 from sigil_site.errors import (
     REDIS_UNREACHABLE,
     CapabilityError,
+    Degraded,
     InternalError,
     InvalidRequest,
     NotFound,
@@ -73,8 +80,10 @@ EXCEEDED_LIMITS = "exceeded-limits"
 # On every answer the gateway writes itself (never on a capability's own responses, which
 # pass through unchanged): a browser must not guess a type other than the one sent.
 NOSNIFF = ("X-Content-Type-Options", "nosniff")
-# What a 202 tells the caller to expect: a page-in is one upload, usually about a second.
-WARMING_ETA_SECONDS = 3
+# The environ key under which an accepted asynchronous call is run again, from Celery, with
+# the hash of the token that sent it (capabilities/services/async_calls.py). A client cannot
+# set it: the server puts the caller's headers under HTTP_*.
+ACCEPTED_CALLER = "sigil.accepted_caller"
 
 
 class Call:
@@ -123,6 +132,9 @@ class Gateway:
         self.record_call = self.redis.register_script(stats.RECORD_CALL)
         self.max_body = settings.SIGIL_INVOKE_MAX_BODY_BYTES
         self.failures_kept = settings.SIGIL_FAILURES_KEPT
+        self.async_max_body = settings.SIGIL_ASYNC_MAX_BODY_BYTES
+        self.degraded_cache = degraded_cache.DegradedCache.from_settings()
+        self.access_log_length = settings.SIGIL_ACCESS_PATTERN_MAX_CALLS
         self.breaker = breaker.Breaker.from_settings()
         # The pager deletes a victim only once no call to it is in flight; unbounded
         # runtimes never page out, so they skip the counting.
@@ -183,6 +195,24 @@ class Gateway:
     def handle(self, environ, start_response, started: float):
         agent, name, rest = split_path(environ.get("PATH_INFO", ""))
         full = names.full_name(agent, name)
+        accepted = environ.get(ACCEPTED_CALLER)
+        if accepted is not None:
+            # Run as the caller who sent it, if its token still stands (it may have been revoked since).
+            token_hash = accepted
+            keys = (tokens.cache_key(token_hash), routes.key(full), breaker.open_key(full))
+            token_raw, route_raw, breaker_raw = self.thread_redis().mget(keys)
+            principal = token_authenticate_hash(token_hash, cached=token_raw)
+            return self.serve(
+                environ,
+                start_response,
+                started=started,
+                full=full,
+                rest=rest,
+                caller=principal.agent_name,
+                token_hash=token_hash,
+                route_raw=route_raw,
+                breaker_raw=breaker_raw,
+            )
         authorization = environ.get("HTTP_AUTHORIZATION")
         if authorization is not None and SERVER_ENVIRONMENT_HEADERS.get("HTTP_AUTHORIZATION") == authorization:
             authorization = None  # the server's environment, not the caller's header
@@ -204,25 +234,52 @@ class Gateway:
         if route_raw is not None and route_raw != routes.TOMBSTONE:
             environ[CAPABILITY] = full  # a refusal from here on is counted on the capability
         principal = self.authenticate(secret, token_raw, address, auth_failures)
+        if _prefers_async(environ):
+            return self.reply_accepted(environ, start_response, full, principal.agent_name, token_hash, route_raw)
+        return self.serve(
+            environ,
+            start_response,
+            started=started,
+            full=full,
+            rest=rest,
+            caller=principal.agent_name,
+            token_hash=token_hash,
+            route_raw=route_raw,
+            breaker_raw=breaker_raw,
+        )
+
+    def visible_route(self, environ, full: str, caller: str, route_raw: bytes | None) -> routes.CachedRoute:
+        """The route of `full` as `caller` may see it; NotFound for another agent's private
+        capability, an unknown or an expired one."""
         if route_raw is None:
             route_raw = routes.route_load(full)
         route = routes.decode(route_raw)
         if route is not None:
             environ[CAPABILITY] = full
-        now = time.time()
-        if not routes.route_visible(route, principal.agent_name):
+        if not routes.route_visible(route, caller):
             raise NotFound(f"no capability {full}")
-        if route.expires_epoch is not None and route.expires_epoch <= now:
+        if route.expires_epoch is not None and route.expires_epoch <= time.time():
             raise NotFound(f"{full} has expired")
+        return route
+
+    def serve(self, environ, start_response, *, started, full, rest, caller, token_hash, route_raw, breaker_raw):
+        """From the route on: the breaker, the page-in when cold, the call and its record."""
+        route = self.visible_route(environ, full, caller, route_raw)
         called = full
         if route.split is not None:
             chosen = self.split_variant(route.split, environ, token_hash)
             if chosen is not None:
                 full, route, breaker_raw = chosen
-
+        now = time.time()
         is_trial = False
         if breaker_raw is not None:  # not closed: open, half-open or forced
-            is_trial = self.breaker.enter(self.redis, full=full, raw=breaker_raw, now=now)
+            try:
+                is_trial = self.breaker.enter(self.redis, full=full, raw=breaker_raw, now=now)
+            except Degraded:
+                cached = self.cached_answer(environ, route, full, rest, now)
+                if cached is None:
+                    raise
+                return self.reply_cached(start_response, cached, now)
         call = environ[CALL] = Call(full, route.type, token_hash, started, is_trial, environ[REQUEST_ID])
         call.shown = called
         try:
@@ -257,8 +314,6 @@ class Gateway:
     def forward(self, environ, start_response, call: Call, route: routes.CachedRoute, rest: str):
         page_in_ms = None
         if route.state not in routes.SERVED_STATES:
-            if _prefers_async(environ):
-                return self.reply_warming(start_response, call)
             route, page_in_ms = self.page_in(call.full)
         call.version = route.version
         target = self.target(route)
@@ -281,12 +336,7 @@ class Gateway:
             from capabilities.services import capability_mark_missing
 
             capability_mark_missing(full=call.full, slot=route.slot, backend=route.backend)
-            try:
-                route, page_in_ms = self.page_in(call.full)
-            except Timeout:
-                if not _prefers_async(environ):
-                    raise
-                return self.reply_warming(start_response, call)  # another call is placing it
+            route, page_in_ms = self.page_in(call.full)
             call.version = route.version
             upstream_started = time.perf_counter()
             upstream = self.send_once(environ, call, route, rest)
@@ -315,7 +365,32 @@ class Gateway:
         headers.append(("Server-Timing", timing))
         start_response(f"{upstream.status} {upstream.reason or ''}".rstrip(), headers)
         call.finished = True  # from here ResponseBody.close() records the call
-        return ResponseBody(self, upstream, call, route, ok=upstream.status < 500)
+        body = ResponseBody(self, upstream, call, route, ok=upstream.status < 500)
+        if route.cache_when_degraded and environ["REQUEST_METHOD"] == "GET" and 200 <= upstream.status < 300:
+            body.keep_for_cache(
+                cache_target(rest, environ.get("QUERY_STRING")),
+                degraded_cache.CachedAnswer(
+                    status=upstream.status,
+                    reason=upstream.reason or "",
+                    headers=[(k, v) for k, v in headers if k.lower() not in ("content-length", "server-timing")],
+                    body=b"",
+                    stored_epoch=0.0,
+                ),
+            )
+        return body
+
+    def cached_answer(self, environ, route, full: str, rest: str, now: float):
+        """The last good answer to this GET, for a degraded capability that opted in; else None."""
+        if not route.cache_when_degraded or environ["REQUEST_METHOD"] != "GET":
+            return None
+        target = cache_target(rest, environ.get("QUERY_STRING"))
+        return self.degraded_cache.lookup(self.redis, full=full, target=target, now=now)
+
+    def reply_cached(self, start_response, cached: degraded_cache.CachedAnswer, now: float):
+        headers = [*cached.headers, ("Content-Length", str(len(cached.body)))]
+        headers += [degraded_cache.CACHE_HEADER, ("Age", str(int(max(0.0, now - cached.stored_epoch))))]
+        start_response(f"{cached.status} {cached.reason}".rstrip(), headers)
+        return [cached.body]
 
     def thread_redis(self) -> redis.Redis:
         """A client holding one connection for this server thread, for the two commands every
@@ -440,6 +515,7 @@ class Gateway:
                 pager.lru_key(call.capability_type),
                 pager.inflight_key(call.full),
                 failures.failures_key(call.full),
+                stats.ACCESS_LOG_KEY,
             ],
             args=[
                 call.full,
@@ -457,6 +533,8 @@ class Gateway:
                 stats.code_field(code),
                 record,
                 self.failures_kept,
+                call.capability_type,
+                self.access_log_length,
             ],
         )
         breaker.breaker_changed(full=call.full, change=change, at_epoch=now)
@@ -512,19 +590,44 @@ class Gateway:
         start_response("302 Found", headers)
         return [b""]
 
-    def reply_warming(self, start_response, call: Call):
-        """`Prefer: respond-async` on a cold capability: page it in behind a 202."""
-        from capabilities.tasks import capability_page_in as capability_page_in_task
+    def reply_accepted(self, environ, start_response, full: str, caller: str, token_hash: str, route_raw):
+        """`Prefer: respond-async`: keep the call, run it in Celery, answer 202 with where its
+        result will be (capabilities/services/async_calls.py)."""
+        from capabilities.services.async_calls import async_call_accept
 
-        capability_page_in_task.delay(full=call.full)
+        self.visible_route(environ, full, caller, route_raw)  # a call nobody could serve is refused now
+        headers = request_headers(environ)
+        callback_url = headers.pop("x-callback-url", None)
+        headers.pop("prefer", None)  # both were addressed to Sigil
+        length = environ.get("CONTENT_LENGTH")
+        if length and not length.isdigit():
+            raise InvalidRequest("Content-Length is not a number")
+        if length and int(length) > self.async_max_body:
+            raise TooLarge(f"the request body of an asynchronous call is over {self.async_max_body} bytes")
+        chunked = environ.get("HTTP_TRANSFER_ENCODING", "").lower() == "chunked"
+        body = read_limited(environ["wsgi.input"], self.async_max_body) if length or chunked else b""
+        if length and len(body) < int(length):
+            raise InvalidRequest("the request body ended before its Content-Length")
+        accepted = async_call_accept(
+            caller=caller,
+            full=full,
+            token_hash=token_hash,
+            method=environ["REQUEST_METHOD"],
+            path=environ.get("PATH_INFO", ""),
+            query=environ.get("QUERY_STRING", ""),
+            headers=headers,
+            body=body,
+            callback_url=callback_url,
+        )
         body = json.dumps(
-            {"status": "warming", "callback": f"/_status/{call.shown}", "eta_seconds": WARMING_ETA_SECONDS}
+            {"status": "accepted", "call": accepted.call_id, "capability": full, "status_url": accepted.status_url}
         ).encode()
         start_response(
             "202 Accepted",
             [
                 ("Content-Type", "application/json"),
                 ("Content-Length", str(len(body))),
+                ("Location", accepted.status_url),
                 ("Preference-Applied", "respond-async"),
                 NOSNIFF,
             ],
@@ -552,13 +655,35 @@ class ResponseBody:
         self.ok = ok
         self.counts = True
         self.message = ""  # for a failure record: the start of a 5xx body, or why it was cut
+        self.cache_target: str | None = None
+        self.cache_answer: degraded_cache.CachedAnswer | None = None
+        self.cache_chunks: list[bytes] = []
+        self.cache_complete = False  # the whole body was sent (not cut, not abandoned)
+
+    def keep_for_cache(self, target: str, answer: degraded_cache.CachedAnswer) -> None:
+        """Keep the body as it streams, to store it as the last good answer to `target`
+        (capabilities that opted in: degraded_cache)."""
+        self.cache_target, self.cache_answer = target, answer
 
     def __iter__(self):
         try:
+            if self.cache_answer is None:
+                for chunk in self.upstream.stream(STREAM_CHUNK):
+                    if not self.ok and not self.message:
+                        self.message = _first_line(chunk)
+                    yield chunk
+                return
+            # Only a good answer (2xx) is kept, so there is no failure message to look for.
+            room = self.gateway.degraded_cache.max_body_bytes
             for chunk in self.upstream.stream(STREAM_CHUNK):
-                if not self.ok and not self.message:
-                    self.message = _first_line(chunk)
+                if self.cache_answer is not None:
+                    room -= len(chunk)
+                    if room < 0:
+                        self.cache_answer = None  # too large to keep: the call is not cached
+                    else:
+                        self.cache_chunks.append(chunk)
                 yield chunk
+            self.cache_complete = True
         except (UpstreamTimeout, UpstreamUnreachable) as exc:
             self.ok = False  # the capability stalled or broke mid-body; the caller sees a cut response
             self.message = f"failed while streaming its response: {exc}"
@@ -578,6 +703,13 @@ class ResponseBody:
                 self.gateway.finish(self.call, status=self.upstream.status, ok=self.ok, message=self.message)
             else:
                 self.gateway.abandon(self.call)
+            if self.cache_answer is not None and self.cache_complete and self.ok:
+                answer = dataclasses.replace(
+                    self.cache_answer, body=b"".join(self.cache_chunks), stored_epoch=time.time()
+                )
+                self.gateway.degraded_cache.store(
+                    self.gateway.redis, full=self.call.full, target=self.cache_target, answer=answer
+                )
         except REDIS_UNREACHABLE as exc:
             # The caller has its answer; only this call's counters and breaker update are lost.
             logger.error("Redis unreachable: the call to %s was not recorded: %s", self.call.full, exc)
@@ -644,6 +776,11 @@ def log_access(
             "ms": ms,
         },
     )
+
+
+def cache_target(rest: str, query: str | None) -> str:
+    """What a degraded capability's cached answers are kept under: the path and query."""
+    return rest + ("?" + query if query else "")
 
 
 def split_path(path: str) -> tuple[str, str, str]:

@@ -93,6 +93,10 @@ class Capability(models.Model):
     # Set on the placement of a staged version in traffic ({full}--v{n}): a capability of its
     # own for the runtime, the pager, stats and the breaker, never listed to agents.
     variant_of = models.ForeignKey("self", null=True, blank=True, on_delete=models.CASCADE, related_name="variants")
+    cache_when_degraded = models.BooleanField(
+        default=False,
+        help_text="While its breaker is open, a GET answered before is answered from its last good response.",
+    )
 
     class Meta:
         verbose_name_plural = "capabilities"

@@ -67,13 +67,14 @@ def eviction_order(candidates: Iterable[Candidate], *, now: float) -> list[Candi
     """The candidates, first victim first: expired ephemerals (earliest expiry first), then
     ephemerals, normals and persistents, each by last access, oldest first. Ties go by name,
     as Redis orders equal scores."""
+    return sorted(candidates, key=lambda c: eviction_rank(c, now=now))
 
-    def rank(c: Candidate) -> tuple:
-        if c.expires is not None and c.expires <= now:
-            return (0, c.expires, c.full)
-        return (1 + CLASS_ORDER.index(c.type), c.last_access, c.full)
 
-    return sorted(candidates, key=rank)
+def eviction_rank(c: Candidate, *, now: float) -> tuple:
+    """Where `c` stands in eviction_order at `now`: the smaller, the sooner it goes."""
+    if c.expires is not None and c.expires <= now:
+        return (0, c.expires, c.full)
+    return (1 + CLASS_ORDER.index(c.type), c.last_access, c.full)
 
 
 def victims_needed(*, used: int, leaving: int, slots: int, margin: int) -> int | None:

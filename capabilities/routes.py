@@ -36,6 +36,7 @@ class CachedRoute:
     cpu_ms: int | None = None
     version: int | None = None  # the number of the version whose code the slot holds
     split: Split | None = None
+    cache_when_degraded: bool = False
 
 
 def route_visible(route: CachedRoute | None, agent_name: str) -> bool:
@@ -76,6 +77,7 @@ def encode(capability: Capability) -> bytes:
             "cpu": capability.cpu_ms,
             "ver": _placed_version(capability),
             "split": split,
+            "cache": capability.cache_when_degraded,
         },
         separators=(",", ":"),
     ).encode()
@@ -98,6 +100,7 @@ def decode(raw: bytes) -> CachedRoute | None:
         data.get("cpu"),
         data.get("ver"),
         Split(*data["split"]) if data.get("split") else None,
+        data.get("cache", False),
     )
 
 

@@ -25,6 +25,11 @@ UNROUTED = "-"
 # windows are pruned, so they cannot give a counter); kept in Redis only.
 UNROUTED_TOTALS_KEY = "sigil:stats:unrouted-totals"
 
+# The last calls in the order they ended, `epoch|full|type` each, at most
+# SIGIL_ACCESS_PATTERN_MAX_CALLS of them: the access pattern the cost estimate replays
+# through the pager's eviction policy (capabilities/cost.py).
+ACCESS_LOG_KEY = "sigil:access:log"
+
 
 def stats_key(full: str) -> str:
     return f"sigil:stats:{full}"
@@ -91,11 +96,13 @@ def add_counts(a: dict[str, int] | None, b: dict[str, int] | None) -> dict[str, 
 
 
 # KEYS: stats, the breaker's failures, open and trial keys, dirty set, tokens-used hash, the
-#       pager's LRU set for the capability's type, its in-flight counter, its failure records
+#       pager's LRU set for the capability's type, its in-flight counter, its failure records,
+#       the access log
 # ARGV: full name, token hash, now (epoch s), latency ms, ok (1/0), is trial (1/0),
 #       threshold, cool-down seconds, held an in-flight count (1/0), histogram bucket field,
 #       page-in ms ('' for a warm call), status class field, error code field (''),
-#       failure record ('' for a success), failure records kept
+#       failure record ('' for a success), failure records kept, the capability's type,
+#       the access log's length (0: off)
 # Returns "opened" or "closed" when the breaker changed, "" otherwise.
 RECORD_CALL = (
     breaker.RECORD_OUTCOME_LUA
@@ -123,6 +130,11 @@ if not ok then redis.call('HINCRBY', stats, 'errors', 1) end
 if ARGV[14] ~= '' then
   redis.call('LPUSH', KEYS[9], ARGV[14])
   redis.call('LTRIM', KEYS[9], 0, tonumber(ARGV[15]) - 1)
+end
+local log_length = tonumber(ARGV[17])
+if log_length > 0 then
+  redis.call('RPUSH', KEYS[10], ARGV[3] .. '|' .. full .. '|' .. ARGV[16])
+  redis.call('LTRIM', KEYS[10], -log_length, -1)
 end
 return breaker_record(open, failures, trial, now, ok, ARGV[6] == '1', tonumber(ARGV[7]), tonumber(ARGV[8]))
 """

@@ -17,6 +17,8 @@ urlpatterns = [
         api.CapabilitySplitEndApi.as_view(action="abort"),
         name="capability-split-abort",
     ),
+    path("_api/calls/<str:call_id>", api.CallStatusApi.as_view(), name="call-status"),
+    path("_api/cost", api.CostApi.as_view(), name="cost"),
     path("_api/status", api.StatusApi.as_view(), name="status"),
     path("_status/<str:full>", api.CapabilityWarmingStatusApi.as_view(), name="capability-warming-status"),
     path("_health", api.HealthApi.as_view(), name="health"),

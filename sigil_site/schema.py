@@ -39,8 +39,8 @@ CALL_OPERATION = {
     "description": (
         "Any method. The path after the capability's name, the query, the headers (but `Authorization`) and "
         "the body reach the capability's `fetch` handler; its status, headers and body come back as they are. "
-        "Errors of Sigil's own are in the error envelope. With `Prefer: respond-async`, a call to a capability "
-        "that is paged out answers `202` and the `/_status/{full}` URL to follow."
+        "Errors of Sigil's own are in the error envelope. With `Prefer: respond-async`, any call answers `202` at "
+        "once with the status URL (`/_api/calls/{call}`) where its result will be."
     ),
     "parameters": [
         {"name": "agent", "in": "path", "required": True, "schema": {"type": "string"}, "example": "xiaoju"},
@@ -49,7 +49,7 @@ CALL_OPERATION = {
     "security": [{"bearerAuth": []}, {}],
     "responses": {
         "200": {"description": "The capability's own response (any status it answers, any content)."},
-        "202": {"description": "`Prefer: respond-async` and the capability is being paged in."},
+        "202": {"description": "`Prefer: respond-async`: the call is accepted; its result will be at the status URL."},
         "401": _error_response("unauthenticated: no token for a private capability, or a bad one"),
         "404": _error_response("not_found: no such capability, or one the caller may not know exists"),
         "413": _error_response("too_large: the body is over SIGIL_INVOKE_MAX_BODY_BYTES"),

@@ -338,6 +338,47 @@ SIGIL_STATS_RETENTION_DAYS = env_int("SIGIL_STATS_RETENTION_DAYS", 30)
 # Retries of a webhook delivery that fails with a connection error or a 5xx (backoff up to
 # 10 minutes apart); after the last, the failure is in the audit trail.
 SIGIL_WEBHOOK_MAX_RETRIES = env_int("SIGIL_WEBHOOK_MAX_RETRIES", 8)
+# Asynchronous calls (`Prefer: respond-async`): how long a call and then its result are
+# kept, how much of the result's body, the largest request body held for one, and the Celery
+# queue their runs and callbacks go to.
+SIGIL_ASYNC_RESULT_TTL_SECONDS = env_int("SIGIL_ASYNC_RESULT_TTL_SECONDS", 3600)
+SIGIL_ASYNC_RESULT_MAX_BYTES = env_int("SIGIL_ASYNC_RESULT_MAX_BYTES", 1024 * 1024)
+SIGIL_ASYNC_MAX_BODY_BYTES = env_int("SIGIL_ASYNC_MAX_BODY_BYTES", 1024 * 1024)
+SIGIL_ASYNC_QUEUE = env_str("SIGIL_ASYNC_QUEUE", "celery")
+# The last calls kept (in Redis) as the access pattern the cost estimate replays; 0: none.
+SIGIL_ACCESS_PATTERN_MAX_CALLS = env_int("SIGIL_ACCESS_PATTERN_MAX_CALLS", 100_000)
+# A capability deployed with "cache_when_degraded": the last good answers to GETs kept per
+# capability, how long one may be served, and the largest body kept.
+SIGIL_DEGRADED_CACHE_MAX_ENTRIES = env_int("SIGIL_DEGRADED_CACHE_MAX_ENTRIES", 100)
+SIGIL_DEGRADED_CACHE_MAX_AGE_SECONDS = env_int("SIGIL_DEGRADED_CACHE_MAX_AGE_SECONDS", 3600)
+SIGIL_DEGRADED_CACHE_MAX_BYTES = env_int("SIGIL_DEGRADED_CACHE_MAX_BYTES", 256 * 1024)
+
+# The owner's token for the owner's API calls (GET /_api/cost); empty: only the admin's
+# session of a staff account.
+SIGIL_OWNER_API_TOKEN = env_secret("SIGIL_OWNER_API_TOKEN")
+
+# --- Cost estimate: Cloudflare's published prices (README: Configuration gives each source) --
+
+# Workers Free: requests a day, CPU ms per call, scripts per account.
+SIGIL_PRICE_FREE_REQUESTS_PER_DAY = env_int("SIGIL_PRICE_FREE_REQUESTS_PER_DAY", 100_000)
+SIGIL_PRICE_FREE_CPU_MS_PER_CALL = env_int("SIGIL_PRICE_FREE_CPU_MS_PER_CALL", 10)
+SIGIL_PRICE_FREE_SCRIPTS = env_int("SIGIL_PRICE_FREE_SCRIPTS", 100)
+# Workers Paid (also the plan Dynamic Workers need): the monthly fee and what it includes,
+# and the Standard usage rates every paid runtime bills beyond what is included.
+SIGIL_PRICE_PAID_MONTHLY_USD = env_float("SIGIL_PRICE_PAID_MONTHLY_USD", 5.0)
+SIGIL_PRICE_PAID_INCLUDED_REQUESTS = env_int("SIGIL_PRICE_PAID_INCLUDED_REQUESTS", 10_000_000)
+SIGIL_PRICE_PAID_INCLUDED_CPU_MS = env_int("SIGIL_PRICE_PAID_INCLUDED_CPU_MS", 30_000_000)
+SIGIL_PRICE_REQUESTS_PER_MILLION_USD = env_float("SIGIL_PRICE_REQUESTS_PER_MILLION_USD", 0.30)
+SIGIL_PRICE_CPU_PER_MILLION_MS_USD = env_float("SIGIL_PRICE_CPU_PER_MILLION_MS_USD", 0.02)
+# Workers for Platforms.
+SIGIL_PRICE_PLATFORMS_MONTHLY_USD = env_float("SIGIL_PRICE_PLATFORMS_MONTHLY_USD", 25.0)
+SIGIL_PRICE_PLATFORMS_INCLUDED_REQUESTS = env_int("SIGIL_PRICE_PLATFORMS_INCLUDED_REQUESTS", 20_000_000)
+SIGIL_PRICE_PLATFORMS_INCLUDED_CPU_MS = env_int("SIGIL_PRICE_PLATFORMS_INCLUDED_CPU_MS", 60_000_000)
+SIGIL_PRICE_PLATFORMS_INCLUDED_SCRIPTS = env_int("SIGIL_PRICE_PLATFORMS_INCLUDED_SCRIPTS", 1000)
+SIGIL_PRICE_PLATFORMS_SCRIPT_USD = env_float("SIGIL_PRICE_PLATFORMS_SCRIPT_USD", 0.02)
+# Dynamic Workers: unique Dynamic Workers a month included, then a price per Worker per day.
+SIGIL_PRICE_DYNAMIC_INCLUDED_WORKERS = env_int("SIGIL_PRICE_DYNAMIC_INCLUDED_WORKERS", 1000)
+SIGIL_PRICE_DYNAMIC_WORKER_DAY_USD = env_float("SIGIL_PRICE_DYNAMIC_WORKER_DAY_USD", 0.002)
 
 # --- Abuse: failed authentication --------------------------------------------------------
 

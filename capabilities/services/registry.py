@@ -116,6 +116,7 @@ def capability_deploy(
     is_public: bool | None = None,
     contract: Mapping[str, Any] | None = None,
     stage: bool = False,
+    cache_when_degraded: bool | None = None,
     now: datetime | None = None,
 ) -> DeployResult:
     """Deploy a new capability or a new version of one, and place it on the runtime; with
@@ -173,7 +174,8 @@ def capability_deploy(
             )
         unchanged = existing is not None and existing.current_version and existing.current_version.sha == sha
         if unchanged and existing.bindings == bindings and wanted == Contract.of(existing.current_version):
-            return _redeploy_unchanged(existing, principal=principal, is_public=is_public)
+            result = _redeploy_unchanged(existing, principal=principal, is_public=is_public)
+            return _set_cache_when_degraded(result, cache_when_degraded, principal=principal)
     elif stage:
         stage_allowed(type)
     elif type == CapabilityType.EPHEMERAL:
@@ -223,13 +225,33 @@ def capability_deploy(
         contract_copies.contract_publish(capability)
     finally:
         lock.release()
-    return DeployResult(
+    result = DeployResult(
         capability=capability,
         version=version,
         created=created,
         cold_start=placement.cold_start,
         evicted=placement.evicted,
     )
+    return _set_cache_when_degraded(result, cache_when_degraded, principal=principal)
+
+
+def _set_cache_when_degraded(result: DeployResult, value: bool | None, *, principal: Principal) -> DeployResult:
+    """Turn the cached answer while degraded on or off as the deploy asked; omitted keeps it."""
+    capability = result.capability
+    if value is None or capability.cache_when_degraded == value:
+        return result
+    with transaction.atomic():
+        Capability.objects.filter(pk=capability.pk).update(cache_when_degraded=value, updated_at=timezone.now())
+        audit_record(
+            actor=_actor(principal),
+            action="capability.updated",
+            agent_name=capability.agent.name,
+            subject=capability.full_name,
+            detail={"cache_when_degraded": value},
+        )
+    capability.cache_when_degraded = value
+    routes.route_publish(capability)
+    return result
 
 
 # What a redeploy keeps when the agent leaves a field out, read from the capability; a new

@@ -114,16 +114,17 @@ def test_a_burst_on_one_cold_capability_places_it_once(capped, alice, celery_wor
     assert AuditEvent.objects.filter(action="capability.paged_in", subject="alice--a").count() == 1
 
 
-def test_respond_async_gets_202_and_a_callback_that_turns_ready(capped, alice, celery_worker):
+def test_respond_async_gets_202_and_the_result_once_paged_in(capped, alice, celery_worker):
     for name in ("a", "b", "c", "d"):
         deploy(alice, name, name, type="normal")
     wait_for(lambda: state("alice--a") == "paged_out", message="a paged out")
 
-    warming = alice.call("/alice/a", headers={"Prefer": "respond-async"})
-    assert warming.status_code == 202
-    assert warming.json() == {"status": "warming", "callback": "/_status/alice--a", "eta_seconds": 3}
-    wait_for(lambda: alice.call("/_status/alice--a").json()["status"] == "ready", message="warming to finish")
-    assert alice.call("/alice/a").text == "a"
+    accepted = alice.call("/alice/a", headers={"Prefer": "respond-async"})
+    assert accepted.status_code == 202
+    status_url = accepted.json()["status_url"]
+    result = wait_for(lambda: (r := alice.call(status_url)).status_code == 200 and r, message="the call's result")
+    assert result.text == "a" and result.headers["X-Sigil-Cold-Start"] == "1"
+    assert alice.call("/_status/alice--a").json()["status"] == "ready"
 
 
 def test_status_reports_slots_and_evictions(capped, alice, celery_worker):

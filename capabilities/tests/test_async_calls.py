@@ -1,0 +1,208 @@
+"""Asynchronous calls: `Prefer: respond-async` answers 202 at once, the call runs in Celery
+through the gateway, and its result is kept for its caller and posted to its callback."""
+
+import hashlib
+import hmac
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agents.models import Agent
+from capabilities.models import Capability
+from capabilities.services import async_calls
+from sigil_site.redis_client import get_redis
+from testsupport.capability_code import ECHO
+from testsupport.cast import deploy_answering, wait_for
+from testsupport.processes import descendants, wait_until
+from testsupport.servers import database_url
+
+ROOT = Path(__file__).resolve().parents[2]
+ASYNC = {"Prefer": "respond-async"}
+# Answers after a pause, so that a test can act while the call is in flight.
+SLOW = """export default { async fetch(request) {
+  await new Promise((resolve) => setTimeout(resolve, 2500));
+  return new Response('slow ' + new URL(request.url).search);
+} }"""
+
+
+def accepted(response) -> str:
+    assert response.status_code == 202, response.text
+    assert response.headers["Preference-Applied"] == "respond-async"
+    body = response.json()
+    assert body["status"] == "accepted"
+    assert response.headers["Location"] == body["status_url"] == f"/_api/calls/{body['call']}"
+    return body["status_url"]
+
+
+def result_of(agent, status_url: str, timeout: float = 30.0):
+    # Read with the deploy token, which a test may leave standing when it revokes the other.
+    # A list, as a requests Response with a 4xx or 5xx status is false.
+    return wait_for(
+        lambda: (r := agent.call(status_url, token=agent.deploy_token)).status_code != 202 and [r],
+        timeout=timeout,
+        message="the call's result",
+    )[0]
+
+
+def subscribe(agent_name: str) -> str:
+    secret = "callback-secret"
+    Agent.objects.filter(name=agent_name).update(webhook_secret=secret)
+    return secret
+
+
+def signed(secret: str, body: bytes) -> str:
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def test_a_warm_call_is_accepted_and_its_own_answer_fetched_by_polling(alice, celery_worker):
+    alice.deploy(name="echo", code=ECHO)
+    assert alice.call("/alice/echo").status_code == 207  # warm
+
+    response = alice.call("/alice/echo/x?y=1", method="POST", data=b"hello", headers={**ASYNC, "X-Mine": "1"})
+    result = result_of(alice, accepted(response))
+    assert result.status_code == 207
+    assert result.headers["x-echo"] == "yes"
+    assert result.headers["X-Sigil-Capability"] == "alice--echo"
+    echoed = result.json()
+    assert echoed["method"] == "POST" and echoed["path"] == "/x" and echoed["query"] == "?y=1"
+    assert echoed["body"] == "hello" and echoed["headers"]["x-mine"] == "1"
+    # Addressed to Sigil, not the capability; and the caller's credentials are not passed on.
+    assert "prefer" not in echoed["headers"] and "authorization" not in echoed["headers"]
+
+
+def test_another_agent_gets_404_for_the_status_url(alice, bob, celery_worker):
+    deploy_answering(alice, "ping", "pong")
+    status_url = accepted(alice.call("/alice/ping", headers=ASYNC))
+    assert result_of(alice, status_url).text == "pong"
+    refused = bob.call(status_url)
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "not_found"
+    assert bob.call("/_api/calls/no-such-call").status_code == 404
+
+
+def test_an_async_call_counts_in_the_capabilitys_stats_and_goes_through_its_breaker(alice, settings, celery_worker):
+    from capabilities import breaker, stats
+
+    settings.SIGIL_BREAKER_THRESHOLD = 1
+    alice.deploy(name="boom", code="export default { async fetch() { throw new Error('kaput') } }")
+    result = result_of(alice, accepted(alice.call("/alice/boom", headers=ASYNC)))
+    assert result.status_code == 502 and result.json()["error"]["code"] == "capability_error"
+    redis = get_redis()
+    assert int(redis.hget(stats.stats_key("alice--boom"), "errors")) == 1
+    assert redis.get(breaker.open_key("alice--boom")) is not None
+    again = result_of(alice, accepted(alice.call("/alice/boom", headers=ASYNC)))
+    assert again.status_code == 503 and again.json()["error"]["code"] == "degraded"
+
+
+def test_a_call_to_a_paged_out_capability_is_run_once_it_is_paged_in(worker_pool, alice, celery_worker):
+    for name in ("a", "b", "c", "d"):  # three slots: `a` is paged out
+        deploy_answering(alice, name, name, type="normal")
+    wait_for(lambda: Capability.objects.get(full_name="alice--a").state == "paged_out", message="a paged out")
+
+    result = result_of(alice, accepted(alice.call("/alice/a", headers=ASYNC)))
+    assert result.status_code == 200 and result.text == "a"
+    assert result.headers["X-Sigil-Cold-Start"] == "1"
+    assert Capability.objects.get(full_name="alice--a").state == "live"
+
+
+def test_the_result_is_posted_signed_to_the_callback_url(alice, webhook_receiver, celery_worker):
+    secret = subscribe("alice")
+    webhook_receiver.fail_first = 1  # the first delivery is retried
+    deploy_answering(alice, "ping", "pong")
+    status_url = accepted(alice.call("/alice/ping", headers={**ASYNC, "X-Callback-Url": webhook_receiver.url}))
+    wait_for(lambda: webhook_receiver.received, timeout=30, message="the callback")
+    headers, body = webhook_receiver.received[0]
+    assert headers["x-sigil-signature"] == signed(secret, body)
+    assert headers["x-sigil-event"] == "call.completed"
+    delivery = json.loads(body)
+    assert delivery["call"] == status_url.rsplit("/", 1)[1] == headers["x-sigil-delivery"]
+    assert delivery["capability"] == "alice--ping"
+    assert delivery["result"]["status"] == 200 and delivery["result"]["body"] == "pong"
+    assert webhook_receiver.refused == 1 and len(webhook_receiver.received) == 1
+
+
+def test_a_call_whose_token_is_revoked_before_it_runs_is_refused(alice, settings):
+    from agents import services, tokens
+    from agents.models import Token
+
+    settings.SIGIL_ASYNC_QUEUE = "held"  # no worker takes it: it runs below, once the token is gone
+    deploy_answering(alice, "ping", "pong")
+    status_url = accepted(alice.call("/alice/ping", headers=ASYNC))
+    token = Token.objects.get(secret_hash=tokens.hash_secret(alice.invoke_token))
+    services.token_revoke(token=token, actor="owner:test")
+    async_calls.async_call_run(call_id=status_url.rsplit("/", 1)[1])  # the queued task's body
+    result = result_of(alice, status_url)
+    assert result.status_code == 401 and result.json()["error"]["code"] == "unauthenticated"
+
+
+def test_a_bad_callback_url_is_refused(alice):
+    deploy_answering(alice, "ping", "pong")
+    response = alice.call("/alice/ping", headers={**ASYNC, "X-Callback-Url": "ftp://example.invalid/x"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_request"
+
+
+def test_an_async_call_to_an_unknown_capability_is_404_at_once(alice):
+    assert alice.call("/alice/nothing", headers=ASYNC).status_code == 404
+
+
+def test_a_large_result_is_kept_up_to_the_limit_and_marked(alice, settings, celery_worker):
+    settings.SIGIL_ASYNC_RESULT_MAX_BYTES = 10
+    deploy_answering(alice, "long", "abcdefghijklmnopqrstuvwxyz")
+    result = result_of(alice, accepted(alice.call("/alice/long", headers=ASYNC)))
+    assert result.content == b"abcdefghij" and result.headers["X-Sigil-Result-Truncated"] == "true"
+
+
+def test_running_a_call_again_after_it_is_done_changes_nothing(alice, webhook_receiver, celery_worker):
+    subscribe("alice")
+    deploy_answering(alice, "ping", "pong")
+    status_url = accepted(alice.call("/alice/ping", headers={**ASYNC, "X-Callback-Url": webhook_receiver.url}))
+    assert result_of(alice, status_url).text == "pong"
+    wait_for(lambda: webhook_receiver.received, message="the callback")
+    call_id = status_url.rsplit("/", 1)[1]
+    async_calls.async_call_run(call_id=call_id)  # a redelivered task
+    assert int(get_redis().hget(async_calls.record_key(call_id), "attempts")) == 1
+    assert len(webhook_receiver.received) == 1
+
+
+@pytest.mark.slow
+def test_a_call_survives_its_worker_being_killed_mid_call(alice, settings, webhook_receiver, tmp_path):
+    from django.db import connection
+
+    from capabilities import stats
+
+    settings.SIGIL_ASYNC_QUEUE = queue = f"async-{os.getpid()}"  # only the worker below takes it
+    subscribe("alice")
+    alice.deploy(name="slow", code=SLOW)
+    env = {**os.environ, "DATABASE_URL": database_url(connection.settings_dict), "SIGIL_ACCESS_LOG": "false"}
+    command = [sys.executable, "-m", "celery", "-A", "sigil_site", "worker", "--pool", "prefork", "--concurrency", "1"]
+    command += ["--queues", queue, "--without-mingle", "--without-gossip", "--hostname", f"{queue}@test"]
+    with (tmp_path / "celery.log").open("wb") as log:
+        worker = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        status_url = accepted(alice.call("/alice/slow?n=1", headers={**ASYNC, "X-Callback-Url": webhook_receiver.url}))
+        call_id = status_url.rsplit("/", 1)[1]
+        wait_until(
+            lambda: alice.call(status_url).json().get("status") == "running",
+            timeout=60,
+            interval=0.1,
+            what="the worker to start the call",
+        )
+        children = descendants(worker.pid)
+        assert len(children) == 1, children  # the pool's one process, running the call
+        os.kill(children.pop(), signal.SIGKILL)
+
+        result = result_of(alice, status_url, timeout=60)
+        assert result.status_code == 200 and result.text == "slow ?n=1"
+        wait_for(lambda: webhook_receiver.received, timeout=30, message="the callback")
+        assert int(get_redis().hget(async_calls.record_key(call_id), "attempts")) == 2
+        # Completed once: one result, one callback, one call recorded as answered.
+        assert len(webhook_receiver.received) == 1
+        assert json.loads(webhook_receiver.received[0][1])["result"]["body"] == "slow ?n=1"
+        assert int(get_redis().hget(stats.stats_key("alice--slow"), "calls")) == 1
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
