@@ -162,6 +162,7 @@ class Gateway:
             return start_response(status, headers, exc_info)
 
         code = None
+        redis_down = False
         try:
             result = self.handle(environ, start_and_remember, started)
         except SigilError as error:
@@ -174,6 +175,7 @@ class Gateway:
                 raise  # the status line is out; the server can only cut the response
             error = _unexpected(environ, exc)
             code = error.code
+            redis_down = isinstance(exc, REDIS_UNREACHABLE)
             result = self.reply_error(start_and_remember, error)
         try:
             if isinstance(result, ResponseBody):
@@ -182,7 +184,8 @@ class Gateway:
                 status = int(sent[0][:3])
                 full = environ.get(CAPABILITY)
                 call = environ.get(CALL)
-                if call is None or not call.recorded:
+                # Counting needs the Redis that just failed: a hung one would hold the answer twice.
+                if (call is None or not call.recorded) and not redis_down:
                     self.count_answer(full, status, code)
                 log_access(environ, status, started, capability=full, page_in_ms=None, code=code)
             return result

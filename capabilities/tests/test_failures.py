@@ -22,12 +22,10 @@ FAILS_500 = (
 
 @pytest.fixture
 def access_log(caplog):
-    access = logging.getLogger("sigil.access")
-    access.addHandler(caplog.handler)
+    """The gateway's access lines, each parsed from its JSON form."""
     caplog.set_level(logging.INFO, logger="sigil.access")
     as_json = SigilFormatter(kind="json")
-    yield lambda: [json.loads(as_json.format(r)) for r in caplog.records if r.name == "sigil.access"]
-    access.removeHandler(caplog.handler)
+    return lambda: [json.loads(as_json.format(r)) for r in caplog.records if r.name == "sigil.access"]
 
 
 def inspect(agent, full):
