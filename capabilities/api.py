@@ -577,6 +577,7 @@ class CapabilitySplitApi(APIView):
     def get_permissions(self):
         return [HasDeployScope()] if self.request.method == "PUT" else super().get_permissions()
 
+    @extend_schema_serializer(component_name="SplitRequest")
     class InputSerializer(serializers.Serializer):
         weight = StrictIntegerField(min_value=0, max_value=100)
         caller_header = StrictCharField(required=False, allow_null=True, allow_blank=True)
@@ -590,7 +591,12 @@ class CapabilitySplitApi(APIView):
             allow_null=True,
         )
 
-    @extend_schema(responses={200: SplitSerializer, **error_responses(*AUTHENTICATED, 404)})
+    @extend_schema(
+        operation_id="getSplit",
+        tags=["Deploy"],
+        summary="The traffic split between the current and the staged version",
+        responses={200: SplitSerializer, **error_responses(*AUTHENTICATED, 404)},
+    )
     def get(self, request, full: str):
         capability = selectors.capability_get_owned(principal=request.user, full=full)
         body = split_body(capability)
@@ -599,6 +605,9 @@ class CapabilitySplitApi(APIView):
         return Response(body)
 
     @extend_schema(
+        operation_id="setSplit",
+        tags=["Deploy"],
+        summary="Start or change a traffic split",
         request=InputSerializer,
         responses={200: SplitSerializer, **error_responses(*AUTHENTICATED, 404, 409, 413, 415, 502, 504)},
     )
@@ -626,6 +635,8 @@ class CapabilitySplitEndApi(APIView):
     action: str = ""
 
     @extend_schema(
+        tags=["Deploy"],
+        summary="End the traffic split: promote the staged version, or abort",
         request=None,
         responses={200: CapabilityDetailSerializer, **error_responses(*AUTHENTICATED, 404, 409, 413, 502, 504)},
     )
@@ -688,6 +699,9 @@ class CallStatusApi(APIView):
     answer: the status, headers and body the capability (or the gateway) gave it."""
 
     @extend_schema(
+        operation_id="asyncCallResult",
+        tags=["Call"],
+        summary="The result of an asynchronous call",
         responses={
             (200, "*/*"): OpenApiResponse(description="The call has run: its own status, headers and body"),
             202: inline_serializer(
@@ -699,7 +713,7 @@ class CallStatusApi(APIView):
                 },
             ),
             **error_responses(*AUTHENTICATED, 404),
-        }
+        },
     )
     def get(self, request, call_id: str):
         call = async_calls.async_call_get(principal=request.user, call_id=call_id)
@@ -723,6 +737,9 @@ class CostApi(APIView):
     permission_classes = [IsOwner]
 
     @extend_schema(
+        operation_id="costEstimate",
+        tags=["Operate"],
+        summary="What the recorded traffic would cost on each runtime, a month",
         parameters=[OpenApiParameter("days", float, description="the window, in days (default 30)")],
         responses={
             200: OpenApiResponse(description="The estimate: usage, a bill per runtime, the pool's figures, the prices"),

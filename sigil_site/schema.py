@@ -8,12 +8,14 @@ from __future__ import annotations
 TAGS = [
     {
         "name": "Deploy",
-        "description": "Deploy a capability or a new version of it, and remove it. Needs a deploy token.",
+        "description": "Deploy a capability or a new version of it, split traffic between two versions, and "
+        "remove it. Needs a deploy token.",
     },
     {
         "name": "Call",
         "description": "Call a capability at `/{agent}/{capability}` with an invoke token (or none, if it is "
-        "public). The request reaches the capability as sent; its response comes back unchanged.",
+        "public). The request reaches the capability as sent; its response comes back unchanged. An "
+        "asynchronous call's result is fetched from its status URL.",
     },
     {
         "name": "Discover",
@@ -22,7 +24,8 @@ TAGS = [
     },
     {
         "name": "Operate",
-        "description": "The runtime's state, a health check for load balancers, and Prometheus metrics.",
+        "description": "The runtime's state, a health check for load balancers, Prometheus metrics, and "
+        "what the traffic would cost on each runtime.",
     },
 ]
 
