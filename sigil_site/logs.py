@@ -49,10 +49,13 @@ def process_name() -> str:
     named = os.environ.get("SIGIL_PROCESS_NAME", "")
     if named:
         return named
-    program = os.path.basename(sys.argv[0]) if sys.argv else "python"
+    argv0 = sys.argv[0] if sys.argv else "python"
+    program = os.path.basename(argv0)
+    if program == "__main__.py":  # python -m PACKAGE
+        program = os.path.basename(os.path.dirname(argv0))
     if program in ("granian", "gunicorn"):
         return "web"
-    if "celery" in (sys.argv[0] if sys.argv else "") or "celery" in sys.argv[1:3]:  # also `python -m celery`
+    if program == "celery" or "celery" in sys.argv[1:3]:
         return "celery"
     if program == "manage.py" and len(sys.argv) > 1:
         return "supervisor" if sys.argv[1] == "runsigil" else sys.argv[1]
