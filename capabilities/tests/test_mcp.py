@@ -64,7 +64,7 @@ async def all_tools(client) -> list:
             return tools
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [*MODES, pytest.param("auto", id="auto-discovers-2026-07-28")])
 def test_the_protocol_is_negotiated_and_tools_are_what_the_agent_may_call(sigil, alice, bob, mode):
     alice.deploy(name="add", code=ADD, **ADD_CONTRACT)
     alice.deploy(name="ping", code=PONG)
