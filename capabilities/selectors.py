@@ -53,7 +53,12 @@ def capability_list_visible(
     `q` keeps those whose full name or current description contains each of its words
     (case-insensitive), so an agent can look for a capability by what it does.
     """
-    query = Capability.objects.select_related("agent", "current_version").filter(visible_to(principal))
+    # A list shows no code: leaving it unread keeps a page of the catalogue light.
+    query = (
+        Capability.objects.select_related("agent", "current_version")
+        .defer("current_version__code")
+        .filter(visible_to(principal))
+    )
     if type is not None:
         if type not in CapabilityType.values:
             raise InvalidRequest(f"type must be one of {', '.join(CapabilityType.values)}")
