@@ -169,24 +169,37 @@ def _check_examples(contract: Contract) -> None:
 
 
 _validators: dict[str, Draft202012Validator] = {}
+# The same schema object again (a contract copy's, a constant) finds its validator without
+# serialising the schema: its identity, checked against the object itself.
+_by_identity: dict[int, tuple[dict, Draft202012Validator]] = {}
 
 
 def validator_for(schema: dict) -> Draft202012Validator:
     """A compiled validator for `schema`, kept per process (compiling costs far more than
     validating); refs resolve only within the schema (an empty registry)."""
+    known = _by_identity.get(id(schema))
+    if known is not None and known[0] is schema:
+        return known[1]
     key = json.dumps(schema, sort_keys=True)
     validator = _validators.get(key)
     if validator is None:
         if len(_validators) > 2000:
             _validators.clear()
+            _by_identity.clear()
         validator = _validators[key] = Draft202012Validator(schema, registry=Registry())
+    if len(_by_identity) > 2000:
+        _by_identity.clear()
+    _by_identity[id(schema)] = (schema, validator)
     return validator
 
 
 def schema_problem(schema: dict, instance: Any) -> str | None:
     """Why `instance` breaks `schema`, in one line; None when it matches."""
     try:
-        error = best_match(validator_for(schema).iter_errors(instance))
+        validator = validator_for(schema)
+        if validator.is_valid(instance):
+            return None
+        error = best_match(validator.iter_errors(instance))
     except Unresolvable as exc:
         return f"the schema has a $ref that does not resolve: {exc}"
     except RecursionError:

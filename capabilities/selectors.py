@@ -71,8 +71,11 @@ def capability_list_visible(
     `q` keeps those whose full name or current description contains each of its words
     (case-insensitive), so an agent can look for a capability by what it does.
     """
-    query = Capability.objects.select_related("agent", "current_version", "staged_version").filter(
-        visible_to(principal)
+    # A list shows no code: leaving it unread keeps a page of the catalogue light.
+    query = (
+        Capability.objects.select_related("agent", "current_version", "staged_version")
+        .defer("current_version__code", "staged_version__code")
+        .filter(visible_to(principal))
     )
     if type is not None:
         if type not in CapabilityType.values:

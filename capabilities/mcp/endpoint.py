@@ -39,7 +39,7 @@ from agents.selectors import parse_bearer, token_authenticate
 from agents.throttle import FailedAuthThrottle
 from agents.tokens import Principal
 from capabilities.gateway import read_limited
-from capabilities.mcp.tools import InvalidParams, Toolbox, tools_list
+from capabilities.mcp.tools import InvalidParams, Prefetched, Toolbox, tools_list
 from capabilities.parsers import json_depth_over
 from sigil_site.errors import (
     InternalError,
@@ -117,7 +117,7 @@ class Exchange:
     principal: Principal
     session_id: str | None
     session: bytes | None  # the record of the session it names, if that session exists
-    prefetched: list | None  # a tool call's route and contract copies (Toolbox.prefetch_keys)
+    prefetched: Prefetched | None  # what a tool call reads from Redis, read with the token
 
 
 class McpEndpoint:
@@ -188,14 +188,15 @@ class McpEndpoint:
         tool_keys = Toolbox.prefetch_keys(message)
         # The gateway's connection for this thread: a tool call's other round trips use it too.
         redis = self.gateway().thread_redis()
-        cached, failures, session, *prefetched = redis.mget(keys + tool_keys)
+        cached, failures, session, *tool_values = redis.mget(keys + tool_keys)
         throttle.check(redis, address, failures)
         try:
             principal = token_authenticate(secret, cached=cached)
         except Unauthenticated:
             throttle.failed(redis, address)
             raise
-        return Exchange(environ, principal, session_id, session if session_id else None, prefetched or None)
+        prefetched = Prefetched(cached, failures, *tool_values) if tool_keys else None
+        return Exchange(environ, principal, session_id, session if session_id else None, prefetched)
 
     # The stateless revision (2026-07-28).
 

@@ -23,8 +23,9 @@ from typing import Any
 from django.core.serializers.json import DjangoJSONEncoder
 
 from agents.tokens import Principal
-from capabilities import contract_copies, contracts, names, routes, selectors, services
+from capabilities import breaker, contract_copies, contracts, names, routes, selectors, services
 from capabilities.contracts import Contract
+from capabilities.gateway import PREFETCHED
 from sigil_site.errors import InvalidRequest, SigilError
 from sigil_site.redis_client import get_redis
 
@@ -48,6 +49,18 @@ PASSED_ENVIRON = (
     "wsgi.run_once",
 )
 JSON_TYPES = ("application/json", "+json")
+
+
+@dataclass(frozen=True)
+class Prefetched:
+    """What the endpoint read from Redis for a tool call of a capability, with the token: the
+    values of the gateway's call_keys() and of the tool's contract copy."""
+
+    token: bytes | None
+    failures: bytes | None
+    route: bytes | None
+    contract: bytes | None
+    breaker: bytes | None
 
 
 class InvalidParams(Exception):
@@ -203,20 +216,21 @@ class Toolbox:
 
     @staticmethod
     def prefetch_keys(message: Any) -> list[str]:
-        """The Redis keys a tool call reads before it runs (its route and contract copies), so
-        that the endpoint fetches them with the token; none for any other message."""
+        """The Redis keys a tool call of a capability reads besides the token and the failed-token
+        count (its route, contract and breaker), so that the endpoint reads them all in one round
+        trip and the gateway needs none of its own; none for any other message."""
         if not isinstance(message, dict) or message.get("method") != "tools/call":
             return []
         params = message.get("params")
         name = params.get("name") if isinstance(params, dict) else None
         if not isinstance(name, str) or name in OWN_TOOLS:
             return []
-        return [routes.key(name), contract_copies.key(name)]
+        return [routes.key(name), contract_copies.key(name), breaker.open_key(name)]
 
     def call(
-        self, *, principal: Principal, name: Any, arguments: Any, environ: dict, prefetched: list | None = None
+        self, *, principal: Principal, name: Any, arguments: Any, environ: dict, prefetched: Prefetched | None = None
     ) -> ToolResult:
-        """Run one tool call; `prefetched` holds the values of prefetch_keys(), if read.
+        """Run one tool call; `prefetched` holds what the endpoint read for it (prefetch_keys()).
         Raises InvalidParams for a tool the caller cannot call."""
         if not isinstance(name, str):
             raise InvalidParams("params.name must be the tool's name")
@@ -232,28 +246,30 @@ class Toolbox:
             names.split_full_name(name)
         except InvalidRequest:
             raise InvalidParams(f"no tool {name}") from None
-        contract = self.contract_if_callable(principal, name, prefetched)
+        if prefetched is None:
+            route_raw, contract_raw = get_redis().mget(routes.key(name), contract_copies.key(name))
+        else:
+            route_raw, contract_raw = prefetched.route, prefetched.contract
+        if route_raw is None:
+            route_raw = routes.route_load(name)
+        if not routes.route_visible(routes.decode(route_raw), principal.agent_name):
+            raise InvalidParams(f"no tool {name}")
+        contract = contract_copies.decode(contract_raw or contract_copies.contract_load(name))
         if contract is None:
             raise InvalidParams(f"no tool {name}")
         if contract.input_schema is not None:
             problem = contracts.schema_problem(contract.input_schema, arguments)
             if problem is not None:
                 return failure(f"the arguments do not match {name}'s input schema: {problem}")
-        return self.call_capability(name, arguments, contract, environ)
+        gateway_values = None
+        if prefetched is not None:  # what the gateway reads, so that it reads nothing again
+            gateway_values = (prefetched.token, route_raw, prefetched.breaker, prefetched.failures)
+        return self.call_capability(name, arguments, contract, environ, gateway_values)
 
-    @staticmethod
-    def contract_if_callable(principal: Principal, full: str, prefetched: list | None) -> Contract | None:
-        """The contract of `full` if `principal` may call it, else None; from the Redis copies
-        of its route and contract (no SQL on a warm call)."""
-        route_raw, contract_raw = prefetched or get_redis().mget(routes.key(full), contract_copies.key(full))
-        if route_raw is None:
-            route_raw = routes.route_load(full)
-        if not routes.route_visible(routes.decode(route_raw), principal.agent_name):
-            return None
-        return contract_copies.decode(contract_raw or contract_copies.contract_load(full))
-
-    def call_capability(self, full: str, arguments: dict, contract: Contract, environ: dict) -> ToolResult:
-        status, headers, body = self.through_gateway(full, arguments, environ)
+    def call_capability(
+        self, full: str, arguments: dict, contract: Contract, environ: dict, gateway_values: tuple | None
+    ) -> ToolResult:
+        status, headers, body = self.through_gateway(full, arguments, environ, gateway_values)
         text = body.decode(errors="replace")
         if status >= 400:
             if "x-sigil-capability" not in headers:  # Sigil's own refusal, in the error envelope
@@ -274,7 +290,9 @@ class Toolbox:
             return failure(f"{full} answered JSON that does not match its output schema: {problem}")
         return ToolResult(text, structured=answer)
 
-    def through_gateway(self, full: str, arguments: dict, environ: dict) -> tuple[int, dict[str, str], bytes]:
+    def through_gateway(
+        self, full: str, arguments: dict, environ: dict, gateway_values: tuple | None
+    ) -> tuple[int, dict[str, str], bytes]:
         """POST the arguments to the capability through the gateway application, in-process."""
         agent, name = names.split_full_name(full)
         body = json.dumps(arguments).encode()
@@ -290,6 +308,8 @@ class Toolbox:
                 "wsgi.input": io.BytesIO(body),
             }
         )
+        if gateway_values is not None:
+            call[PREFETCHED] = gateway_values
         answer: dict[str, Any] = {}
         chunks: list[bytes] = []
 

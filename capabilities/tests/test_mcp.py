@@ -33,19 +33,22 @@ MODES = [pytest.param("2026-07-28", id="stateless-2026-07-28"), pytest.param("le
 
 
 @asynccontextmanager
-async def connected(sigil, token: str, mode: str):
+async def connected(base_url: str, token: str, mode: str):
     http = create_mcp_http_client(headers={"Authorization": f"Bearer {token}"})
     async with http:
-        transport = streamable_http_client(f"{sigil.url}/_mcp", http_client=http)
+        transport = streamable_http_client(f"{base_url}/_mcp", http_client=http)
         async with Client(transport, mode=mode, cache=None) as client:
             yield client
 
 
 def run(sigil, token: str, mode: str, steps):
-    """Run `steps(client)` on a connected client; return what it returns."""
+    """Run `steps(client)` on a client connected to `sigil`; return what it returns."""
+    return run_at(sigil.url, token, mode, steps)
 
+
+def run_at(base_url: str, token: str, mode: str, steps):
     async def main():
-        async with connected(sigil, token, mode) as client:
+        async with connected(base_url, token, mode) as client:
             return await steps(client)
 
     return anyio.run(main)
@@ -61,7 +64,7 @@ async def all_tools(client) -> list:
             return tools
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [*MODES, pytest.param("auto", id="auto-discovers-2026-07-28")])
 def test_the_protocol_is_negotiated_and_tools_are_what_the_agent_may_call(sigil, alice, bob, mode):
     alice.deploy(name="add", code=ADD, **ADD_CONTRACT)
     alice.deploy(name="ping", code=PONG)
@@ -368,3 +371,34 @@ def test_llms_txt_guides_agents_to_the_api_and_mcp(sigil):
     assert text.startswith("# Sigil")
     for where in ("/_api/deploy", "/_api/capabilities?q=", "/_mcp", "/_api/schema"):
         assert f"{sigil.url}{where}" in text
+
+
+def test_a_tool_call_pages_a_cold_capability_in(settings, alice, celery_worker):
+    from capabilities.models import Capability
+    from testsupport.cast import deploy_answering, wait_for
+
+    settings.SIGIL_LOCAL_SLOTS = 3
+    settings.SIGIL_POOL_SAFETY_MARGIN = 2
+    for name in ("a", "b", "c"):
+        deploy_answering(alice, name, name, type="normal")
+    assert deploy_answering(alice, "d", "d", type="normal")["evicted"] == "alice--a"
+    wait_for(lambda: Capability.objects.get(full_name="alice--a").state == "paged_out", message="a paged out")
+
+    async def call(client):
+        return await client.call_tool("alice--a", {})
+
+    result = run_at(alice.base_url, alice.invoke_token, "2026-07-28", call)
+    assert not result.is_error and result.content[0].text == "a"
+    assert Capability.objects.get(full_name="alice--a").state == "live"
+
+
+def test_the_breaker_holds_for_tool_calls(sigil, alice, settings):
+    settings.SIGIL_BREAKER_THRESHOLD = 2
+    alice.deploy(name="down", code=FAILING)
+
+    async def steps(client):
+        return [await client.call_tool("alice--down", {}) for _ in range(3)]
+
+    first, second, third = run(sigil, alice.invoke_token, "2026-07-28", steps)
+    assert first.is_error and second.is_error
+    assert third.is_error and third.content[0].text.startswith("degraded: ")
