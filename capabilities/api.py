@@ -9,7 +9,13 @@ from django.conf import settings
 from django.db import connection
 from django.http import HttpResponse
 from django.utils import timezone
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_field,
+    inline_serializer,
+)
 from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.permissions import AllowAny
@@ -144,12 +150,34 @@ class CapabilitySerializer(serializers.ModelSerializer):
         }
 
 
+DEPLOY_STATE = inline_serializer(
+    "DeployState",
+    {
+        "version": serializers.IntegerField(),
+        "status": serializers.ChoiceField(["placing", "failed", "superseded"]),
+        "error": inline_serializer(
+            "DeployError", {"code": serializers.CharField(), "message": serializers.CharField()}, allow_null=True
+        ),
+    },
+    allow_null=True,
+)
+
+
 class CapabilityDetailSerializer(CapabilitySerializer):
     code = serializers.SerializerMethodField()
     recent = serializers.SerializerMethodField()
+    deploy = serializers.SerializerMethodField()
 
     class Meta(CapabilitySerializer.Meta):
-        fields = [*CapabilitySerializer.Meta.fields, "recent", "code"]
+        fields = [*CapabilitySerializer.Meta.fields, "recent", "deploy", "code"]
+
+    @extend_schema_field(DEPLOY_STATE)
+    def get_deploy(self, obj) -> dict | None:
+        """The owner's latest deploy while it is not the version served: being placed (on the
+        Cloudflare runtimes, by a Celery task), failed with its error, or superseded."""
+        if obj.agent_id != self.context["request"].user.agent_id:
+            return None
+        return selectors.capability_deploy_state(obj)
 
     def get_recent(self, obj) -> dict | None:
         """The last 24 hours' calls, errors and latency percentiles, for the owner only."""
@@ -183,11 +211,23 @@ class CapabilityDeployApi(APIView):
         cold_start = serializers.BooleanField()
         evicted = serializers.CharField(allow_null=True)
 
+    class PendingSerializer(serializers.Serializer):
+        """202: the version is recorded and still being placed; poll `callback`."""
+
+        capability = serializers.CharField()
+        url = serializers.CharField()
+        version = serializers.IntegerField()
+        expires_at = serializers.DateTimeField(allow_null=True)
+        status = serializers.ChoiceField(["deploying"])
+        callback = serializers.CharField()
+        eta_seconds = serializers.IntegerField()
+
     @extend_schema(
         request=InputSerializer,
         responses={
             200: OutputSerializer,
             201: OutputSerializer,
+            202: PendingSerializer,
             **error_responses(*AUTHENTICATED, 404, 409, 413, 415, 502, 503, 504),
         },
     )
@@ -215,9 +255,13 @@ class CapabilityDeployApi(APIView):
             "url": capability_url(request, result.capability),
             "version": result.version.number,
             "expires_at": result.capability.expires_at,
-            "cold_start": result.cold_start,
-            "evicted": result.evicted,
         }
+        if result.pending:
+            # As a cold call with respond-async: the status URL says when it is placed.
+            pending = {**body, "status": "deploying", "callback": f"/_status/{result.capability.full_name}"}
+            pending["eta_seconds"] = DEPLOY_ETA_SECONDS
+            return Response(self.PendingSerializer(pending).data, status=202)
+        body.update(cold_start=result.cold_start, evicted=result.evicted)
         return Response(self.OutputSerializer(body).data, status=201 if result.created else 200)
 
 
@@ -289,22 +333,40 @@ class StatusApi(APIView):
         return Response(selectors.backend_status())
 
 
+# What a 202 for a deploy still being placed suggests waiting before polling its status.
+DEPLOY_ETA_SECONDS = 5
+
+
 class CapabilityWarmingStatusApi(APIView):
-    """GET /_status/{full}: whether a capability being paged in is ready."""
+    """GET /_status/{full}: whether a capability being paged in, or deployed, is ready."""
 
     @extend_schema(
         responses={
             200: inline_serializer(
                 "Warming",
-                {"status": serializers.ChoiceField(["ready", "warming"]), "capability": serializers.CharField()},
+                {
+                    "status": serializers.ChoiceField(["ready", "warming", "deploying", "failed"]),
+                    "capability": serializers.CharField(),
+                    "deploy": DEPLOY_STATE,
+                },
             ),
             **error_responses(*AUTHENTICATED, 404),
         }
     )
     def get(self, request, full: str):
+        """`deploying` while its latest deploy is being placed, `failed` when that deploy
+        failed and no version of it is served; else `ready` or `warming` (being paged in).
+        `deploy` (its owner's only) says which version and why it failed."""
         capability = selectors.capability_get_visible(principal=request.user, full=full)
-        ready = capability.state in (State.LIVE, State.EVICTING)
-        return Response({"status": "ready" if ready else "warming", "capability": capability.full_name})
+        deploy = selectors.capability_deploy_state(capability)
+        if deploy and deploy["status"] == "placing":
+            status = "deploying"
+        elif capability.state == State.FAILED:
+            status = "failed"
+        else:
+            status = "ready" if capability.state in (State.LIVE, State.EVICTING) else "warming"
+        own = capability.agent_id == request.user.agent_id
+        return Response({"status": status, "capability": capability.full_name, "deploy": deploy if own else None})
 
 
 HEALTH = inline_serializer(

@@ -88,8 +88,20 @@ class Capability(models.Model):
         return self.type == CapabilityType.EPHEMERAL
 
 
+class VersionPlacement(models.TextChoices):
+    PLACED = "placed", "placed"  # on the runtime (it is, or was, the current version)
+    PLACING = "placing", "placing"  # recorded; a Celery task is placing it
+    FAILED = "failed", "failed"  # the runtime or a rule refused it; `failure` says why
+    SUPERSEDED = "superseded", "superseded"  # a newer deploy, or a removal, came first
+
+
 class CapabilityVersion(models.Model):
-    """One deployed code of a capability, numbered from 1: the seeds' `code:` backup."""
+    """One deployed code of a capability, numbered from 1: the seeds' `code:` backup.
+
+    On the Cloudflare runtimes a version is recorded before it is placed (by a Celery task):
+    `placement` follows it, and `requested` keeps what its deploy asked for besides the code
+    (bindings, public), applied to the capability once the version is placed.
+    """
 
     capability = models.ForeignKey(Capability, on_delete=models.CASCADE, related_name="versions")
     number = models.PositiveIntegerField()
@@ -97,6 +109,9 @@ class CapabilityVersion(models.Model):
     sha = models.CharField(max_length=64)
     size_bytes = models.PositiveIntegerField()
     created_at = models.DateTimeField(default=timezone.now, editable=False)
+    placement = models.CharField(max_length=10, choices=VersionPlacement.choices, default=VersionPlacement.PLACED)
+    requested = models.JSONField(default=dict, blank=True)
+    failure = models.JSONField(null=True, blank=True, help_text='Why placing it failed: {"code": ..., "message": ...}.')
 
     class Meta:
         ordering = ["capability", "-number"]

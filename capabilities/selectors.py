@@ -9,7 +9,14 @@ from django.db.models import Q, QuerySet
 from agents.models import Agent, AuditEvent
 from agents.tokens import Principal
 from capabilities import names, stats
-from capabilities.models import Capability, CapabilityStatsWindow, CapabilityType, State
+from capabilities.models import (
+    Capability,
+    CapabilityStatsWindow,
+    CapabilityType,
+    CapabilityVersion,
+    State,
+    VersionPlacement,
+)
 from capabilities.runtimes import get_runtime
 from sigil_site.errors import InvalidRequest, NotFound
 
@@ -53,6 +60,20 @@ def capability_list_visible(
     if agent is not None:
         query = query.filter(agent__name=agent)
     return query.order_by("full_name", "id")
+
+
+def capability_deploy_state(capability: Capability) -> dict | None:
+    """The latest deploy when it is not (yet) the version served: {"version", "status":
+    placing | failed | superseded, "error": {"code", "message"} or None}; None once placed."""
+    latest = (
+        CapabilityVersion.objects.filter(capability_id=capability.pk)
+        .order_by("-number")
+        .values("number", "placement", "failure")
+        .first()
+    )
+    if latest is None or latest["placement"] == VersionPlacement.PLACED:
+        return None
+    return {"version": latest["number"], "status": latest["placement"], "error": latest["failure"]}
 
 
 def backend_status() -> dict:

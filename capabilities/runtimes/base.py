@@ -193,6 +193,10 @@ class Runtime(ABC):
     #: binding kinds this runtime can give a capability; None means every kind
     binding_kinds: frozenset[str] | None = None
 
+    #: a deploy hands the placement to a Celery task rather than placing in the web request:
+    #: Cloudflare's latency and the rate budget's waits then hold a worker, not a web thread
+    places_in_background: bool = False
+
     @abstractmethod
     def slot_for(self, full_name: str, *, attempt: int = 0) -> str:
         """The runtime's name for a capability's placement. Pure and stable; a higher

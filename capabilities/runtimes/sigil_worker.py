@@ -145,6 +145,7 @@ class FrontedRuntime(Runtime):
     """
 
     marker_header: str = ""
+    places_in_background = True
 
     def __init__(self, *, cpu_ms: int) -> None:
         self.default_cpu_ms = cpu_ms

@@ -40,6 +40,7 @@ class WorkerPoolRuntime(Runtime):
     """
 
     name = "worker-pool"
+    places_in_background = True
 
     @classmethod
     def from_settings(cls) -> WorkerPoolRuntime:
