@@ -21,7 +21,7 @@ from agents.models import Agent
 from capabilities import bindings as binding_rules
 from capabilities import selectors, services
 from capabilities.models import Binding, BindingGrant, BindingKind, BreakerState, Capability, CapabilityVersion, State
-from capabilities.runtimes.base import RuntimeFailure
+from capabilities.runtimes.errors import RuntimeFailure
 from sigil_site.errors import SigilError
 
 # What an action may fail with: Sigil's API errors, and a runtime failing under it.

@@ -29,7 +29,7 @@ from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
 from capabilities.parsers import LimitedJSONParser
 from capabilities.runtimes import get_runtime
-from capabilities.runtimes.base import RuntimeUnavailable
+from capabilities.runtimes.errors import RuntimeUnavailable
 from sigil_site.errors import InvalidRequest, NotFound, Unauthenticated, error_response
 from sigil_site.redis_client import get_redis
 

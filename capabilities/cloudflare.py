@@ -27,7 +27,7 @@ import redis
 import requests
 from requests.adapters import HTTPAdapter
 
-from capabilities.runtimes.base import (
+from capabilities.runtimes.errors import (
     RuntimeFailure,
     RuntimeRejected,
     RuntimeUnavailable,

@@ -25,7 +25,8 @@ from agents.selectors import parse_bearer, token_authenticate
 from agents.throttle import FailedAuthThrottle
 from capabilities import breaker, names, pager, routes, stats
 from capabilities.runtimes import get_runtime, runtime_for
-from capabilities.runtimes.base import Route, RuntimeUnavailable
+from capabilities.runtimes.base import Route
+from capabilities.runtimes.errors import RuntimeUnavailable
 from capabilities.upstream import (
     HOP_BY_HOP,
     UpstreamConnections,

@@ -22,7 +22,7 @@ from django.db.models import F
 from capabilities import services
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime
-from capabilities.runtimes.base import RuntimeFailure
+from capabilities.runtimes.errors import RuntimeFailure
 from sigil_site.errors import InvalidRequest, SigilError
 
 

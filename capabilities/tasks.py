@@ -8,7 +8,7 @@ from celery import shared_task
 from celery.contrib.django.task import DjangoTask
 from celery.exceptions import Retry
 
-from capabilities.runtimes.base import RuntimeUnavailable
+from capabilities.runtimes.errors import RuntimeUnavailable
 
 
 class RuntimeTask(DjangoTask):

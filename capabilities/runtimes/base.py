@@ -14,29 +14,14 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-
-class RuntimeFailure(Exception):
-    """Base of every error a runtime raises."""
-
-
-class RuntimeUnavailable(RuntimeFailure):
-    """The runtime could not be reached or failed transiently; retrying may succeed."""
-
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class RuntimeRejected(RuntimeFailure):
-    """The runtime refused the code or the request for good; retrying will not help."""
-
-
-class ScriptTooLarge(RuntimeRejected):
-    """The code is over the runtime's script size limit."""
-
-
-class SlotsExhausted(RuntimeRejected):
-    """The runtime has no room for another script (its quota is reached)."""
+# The errors live in their own module; importers of them from here keep working.
+from capabilities.runtimes.errors import (  # noqa: F401
+    RuntimeFailure,
+    RuntimeRejected,
+    RuntimeUnavailable,
+    ScriptTooLarge,
+    SlotsExhausted,
+)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ import threading
 import urllib3
 
 from capabilities.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
-from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route, RuntimeRejected
+from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
+from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader_host import loader_host_start_check
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
 from capabilities.workerd import HOST_DIR

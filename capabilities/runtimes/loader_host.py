@@ -16,7 +16,8 @@ import json
 
 import urllib3
 
-from capabilities.runtimes.base import Route, RuntimeRejected, RuntimeUnavailable
+from capabilities.runtimes.base import Route
+from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
 
 START_CHECK_HEADER = "X-Sigil-Validate"
 RETIRE_HEADER = "X-Sigil-Retire"

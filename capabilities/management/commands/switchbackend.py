@@ -6,7 +6,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from capabilities.runtimes import RUNTIMES
-from capabilities.runtimes.base import RuntimeFailure
+from capabilities.runtimes.errors import RuntimeFailure
 from capabilities.switch import SwitchEvent, backend_switch
 from sigil_site.errors import SigilError
 
