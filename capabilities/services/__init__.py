@@ -46,7 +46,9 @@ from capabilities.services.registry import (
     capability_rollback,
 )
 from capabilities.services.switching import (
+    SwitchEvent,
     SwitchStep,
+    backend_switch,
     capability_adopt_backend,
     capability_switch_backend,
     runtime_release_previous,
@@ -56,7 +58,9 @@ from capabilities.services.switching import (
 __all__ = [
     "DeployResult",
     "StillInFlight",
+    "SwitchEvent",
     "SwitchStep",
+    "backend_switch",
     "binding_check_rename",
     "binding_delete",
     "binding_grant",

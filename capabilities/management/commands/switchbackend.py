@@ -7,7 +7,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from capabilities.runtimes import RUNTIMES
 from capabilities.runtimes.errors import RuntimeFailure
-from capabilities.switch import SwitchEvent, backend_switch
+from capabilities.services import SwitchEvent, backend_switch
 from sigil_site.errors import SigilError
 
 
