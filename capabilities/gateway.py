@@ -71,6 +71,12 @@ NOSNIFF = ("X-Content-Type-Options", "nosniff")
 WARMING_ETA_SECONDS = 3
 
 
+# How a call to a script it has just placed waits for Cloudflare to propagate it: the first
+# pause, doubled after each "not found" up to the longest.
+PROPAGATION_FIRST_PAUSE_SECONDS = 0.05
+PROPAGATION_MAX_PAUSE_SECONDS = 1.0
+
+
 class Call:
     """What one call holds while it is served, and must give back however it ends."""
 
@@ -230,6 +236,9 @@ class Gateway:
                 return self.reply_warming(start_response, call)  # another call is placing it
             upstream_started = time.perf_counter()
             upstream = self.send_once(environ, call, route, rest)
+            missed = upstream.status == 404 and runtime_for(route.backend).is_missing(upstream)
+        if missed and page_in_ms is not None and not environ.get("CONTENT_LENGTH"):
+            upstream = self.resend_while_propagating(environ, call, route, rest, upstream)
         upstream_ms = (time.perf_counter() - upstream_started) * 1000
         call.page_in_ms = page_in_ms
 
@@ -254,6 +263,27 @@ class Gateway:
         start_response(f"{upstream.status} {upstream.reason or ''}".rstrip(), headers)
         call.finished = True  # from here ResponseBody.close() records the call
         return ResponseBody(self, upstream, call, route, ok=upstream.status < 500)
+
+    def resend_while_propagating(
+        self, environ, call: Call, route: routes.CachedRoute, rest: str, upstream: UpstreamResponse
+    ) -> UpstreamResponse:
+        """Send a bodiless call again while the script this call just placed (or Sigil's own
+        Worker in front of it, deployed by that placement) still answers "not found": Cloudflare
+        serves a new Worker, and a workers.dev route just turned on, only once they have
+        propagated. Backs off, within the call's time (SIGIL_INVOKE_TIMEOUT_SECONDS); the last
+        answer is the caller's. Nothing ran the capability's code meanwhile, so resending is safe."""
+        runtime = runtime_for(route.backend)
+        deadline = call.started + self.upstream.read_timeout
+        pause = PROPAGATION_FIRST_PAUSE_SECONDS
+        while time.perf_counter() + pause < deadline:
+            upstream.drain_conn()
+            upstream.release_conn()
+            time.sleep(pause)
+            pause = min(pause * 2, PROPAGATION_MAX_PAUSE_SECONDS)
+            upstream = self.send_once(environ, call, route, rest)
+            if not (upstream.status == 404 and runtime.is_missing(upstream)):
+                break
+        return upstream
 
     def thread_redis(self) -> redis.Redis:
         """A client holding one connection for this server thread, for the two commands every
