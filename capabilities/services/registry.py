@@ -326,25 +326,19 @@ def _record_pending(
     (not served: its calls are 404 until the version is placed)."""
     with transaction.atomic():
         if existing is None:
-            try:
-                with transaction.atomic():
-                    capability = Capability.objects.create(
-                        agent=owner,
-                        name=full.split(names.SEPARATOR, 1)[1],
-                        full_name=full,
-                        type=type,
-                        is_public=requested["public"],
-                        bindings=requested["bindings"],
-                        state=State.PAGED_OUT,
-                        expires_at=expires_at,
-                        created_at=now,
-                        updated_at=now,
-                    )
-            except IntegrityError as exc:
-                raise Conflict(f"{full} was created by a concurrent request") from exc
+            capability = _create_capability(
+                owner=owner,
+                full=full,
+                type=type,
+                expires_at=expires_at,
+                now=now,
+                is_public=requested["public"],
+                bindings=requested["bindings"],
+                state=State.PAGED_OUT,
+            )
         else:
             capability = Capability.objects.select_for_update().get(pk=existing.pk)
-        number = (capability.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+        number = _next_version_number(capability)
         version = CapabilityVersion.objects.create(
             capability=capability,
             number=number,
@@ -536,29 +530,23 @@ def _record_deploy(
 ) -> tuple[Capability, CapabilityVersion, bool]:
     with transaction.atomic():
         if existing is None:
-            try:
-                with transaction.atomic():
-                    capability = Capability.objects.create(
-                        agent=owner,
-                        name=full.split(names.SEPARATOR, 1)[1],
-                        full_name=full,
-                        type=type,
-                        is_public=is_public,
-                        bindings=bindings,
-                        state=State.LIVE,
-                        slot=slot,
-                        placed_sha=bundle_sha,
-                        backend=backend,
-                        expires_at=expires_at,
-                        created_at=now,
-                        updated_at=now,
-                    )
-            except IntegrityError as exc:
-                raise Conflict(f"{full} was created by a concurrent request") from exc
+            capability = _create_capability(
+                owner=owner,
+                full=full,
+                type=type,
+                expires_at=expires_at,
+                now=now,
+                is_public=is_public,
+                bindings=bindings,
+                state=State.LIVE,
+                slot=slot,
+                placed_sha=bundle_sha,
+                backend=backend,
+            )
             number = 1
         else:
             capability = Capability.objects.select_for_update().get(pk=existing.pk)
-            number = (capability.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+            number = _next_version_number(capability)
         version = CapabilityVersion.objects.create(
             capability=capability, number=number, code=code, sha=sha, size_bytes=len(code.encode()), created_at=now
         )
@@ -580,6 +568,32 @@ def _record_deploy(
         )
     capability.agent = owner
     return capability, version, existing is None
+
+
+def _create_capability(
+    *, owner: Agent, full: str, type: str, expires_at: datetime | None, now: datetime, **fields
+) -> Capability:
+    """The row of a capability deployed for the first time. Raises Conflict when a concurrent
+    request created it first."""
+    try:
+        with transaction.atomic():
+            return Capability.objects.create(
+                agent=owner,
+                name=full.split(names.SEPARATOR, 1)[1],
+                full_name=full,
+                type=type,
+                expires_at=expires_at,
+                created_at=now,
+                updated_at=now,
+                **fields,
+            )
+    except IntegrityError as exc:
+        raise Conflict(f"{full} was created by a concurrent request") from exc
+
+
+def _next_version_number(capability: Capability) -> int:
+    """Versions are numbered from 1 and never reused while their rows stay."""
+    return (capability.versions.aggregate(n=Max("number"))["n"] or 0) + 1
 
 
 def _redeploy_unchanged(capability: Capability, *, principal: Principal, is_public: bool) -> DeployResult:
@@ -722,7 +736,7 @@ def _record_rollback(
     now = timezone.now()
     with transaction.atomic():
         locked = Capability.objects.select_for_update().get(pk=current.pk)
-        number = (locked.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+        number = _next_version_number(locked)
         version = CapabilityVersion.objects.create(
             capability=locked,
             number=number,
