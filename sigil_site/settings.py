@@ -219,7 +219,8 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 SIGIL_DEPLOY_QUEUE = "deploys"
 CELERY_TASK_ROUTES = {"capabilities.capability_place_version": {"queue": SIGIL_DEPLOY_QUEUE}}
 # What a worker consumes unless told otherwise (celery -Q): the default queue and deploys.
-CELERY_TASK_QUEUES = (Queue("celery"), Queue(SIGIL_DEPLOY_QUEUE))
+# Each bound by its own name: a message sent to the default exchange's key never lands in both.
+CELERY_TASK_QUEUES = (Queue("celery", routing_key="celery"), Queue(SIGIL_DEPLOY_QUEUE, routing_key=SIGIL_DEPLOY_QUEUE))
 
 SIGIL_TTL_EXPIRY_INTERVAL_SECONDS = env_float("SIGIL_TTL_EXPIRY_INTERVAL_SECONDS", 60.0)
 SIGIL_STATS_FLUSH_INTERVAL_SECONDS = env_float("SIGIL_STATS_FLUSH_INTERVAL_SECONDS", 10.0)

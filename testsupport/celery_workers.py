@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
+import traceback
+import warnings
 from contextlib import contextmanager
+
+# How long the workers may take to stop at the end of the session (a task still running).
+STOP_SECONDS = 60
 
 
 @contextmanager
@@ -45,9 +52,14 @@ def workers_in_threads(app, *, queues: dict[str, list[str]]):
         yield {worker.hostname: worker for worker, _ in started}
     finally:
         state.should_terminate = 0
+        deadline = time.monotonic() + STOP_SECONDS
         for _, thread in started:
-            thread.join(30)
+            thread.join(max(0.0, deadline - time.monotonic()))
         state.should_terminate = None
-        stuck = [worker.hostname for worker, thread in started if thread.is_alive()]
+        stuck = [(worker.hostname, thread) for worker, thread in started if thread.is_alive()]
         if stuck:
-            raise RuntimeError(f"Celery workers {', '.join(stuck)} did not stop within 30 s")
+            # Daemon threads end with the process; say where each was, rather than fail a
+            # session whose tests have all run.
+            frames = sys._current_frames()
+            where = "\n".join(f"{name}:\n{''.join(traceback.format_stack(frames[t.ident]))}" for name, t in stuck)
+            warnings.warn(f"Celery workers still running {STOP_SECONDS} s after the session:\n{where}", stacklevel=1)
