@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 
@@ -107,38 +109,44 @@ def sigil(_sigil_server_thread, transactional_db):
 
 
 @pytest.fixture(scope="session")
-def celery_worker_session(django_db_setup, django_db_blocker):
-    """A real Celery worker consuming from the test Redis, in this process (threads pool)."""
-    from celery.contrib.testing.worker import start_worker
+def _celery_workers(django_db_setup, django_db_blocker):
+    """Two real Celery workers consuming from the test Redis, in this process: one for
+    every queue but the deploys', one for the deploys' (see `celery_deploy_worker`)."""
+    import os
+
+    from django.conf import settings
 
     from sigil_site.celery import app
+    from testsupport.celery_workers import workers_in_threads
 
     app.loader.import_default_modules()
-    with (
-        django_db_blocker.unblock(),
-        # A deep prefetch: with the threads pool (a blocking consumer loop) and late acks, a
-        # worker holding its full prefetch of 2 sometimes waits seconds before fetching
-        # again; 32 is never reached here. Production workers use prefork and are unaffected.
-        start_worker(
-            app,
-            pool="threads",
-            concurrency=2,
-            prefetch_multiplier=16,
-            perform_ping_check=False,
-            shutdown_timeout=10,
-        ) as worker,
-    ):
-        yield worker
+    queues = {f"tasks-{os.getpid()}@test": ["celery"], f"deploys-{os.getpid()}@test": [settings.SIGIL_DEPLOY_QUEUE]}
+    with django_db_blocker.unblock(), workers_in_threads(app, queues=queues) as workers:
+        yield dict(zip(("tasks", "deploys"), workers.values(), strict=True))
 
 
-@pytest.fixture
-def celery_worker(celery_worker_session, transactional_db):
-    """The session's Celery worker, left idle when the test ends.
+@pytest.fixture(scope="session")
+def celery_worker_session(_celery_workers):
+    """The worker for every queue but the deploys'."""
+    return _celery_workers["tasks"]
+
+
+@pytest.fixture(scope="session")
+def celery_deploy_worker_session(_celery_workers):
+    """The worker for the deploys' queue only: a deploy waiting on its placement never queues
+    behind page-outs on the other worker's two threads (nor do page-outs wait for room that
+    only they can free)."""
+    return _celery_workers["deploys"]
+
+
+@contextlib.contextmanager
+def _left_idle(queues: list[str]):
+    """Wait, as the test ends, for the Celery tasks it started to finish, and revoke what it
+    queued that has not run yet.
 
     The database is emptied after each test. A task still running then holds rows that
     PostgreSQL's TRUNCATE must wait for (and may deadlock on), and a retry scheduled for later
-    would run against the next test's rows; so this waits for running tasks to finish and
-    revokes whatever this test queued that has not run yet.
+    would run against the next test's rows.
     """
     import time
 
@@ -155,7 +163,7 @@ def celery_worker(celery_worker_session, transactional_db):
         received.append(request.id)
 
     task_received.connect(remember, weak=False)
-    yield celery_worker_session
+    yield
     broker = redis.Redis.from_url(settings.REDIS_URL)
     deadline = time.monotonic() + 30
     try:
@@ -164,17 +172,35 @@ def celery_worker(celery_worker_session, transactional_db):
             server.wait_idle(timeout=10)
         while time.monotonic() < deadline:
             worker_state.revoked.update(received)
-            if not (worker_state.active_requests or worker_state.reserved_requests or broker.llen("celery")):
+            queued = sum(broker.llen(queue) for queue in queues)
+            if not (worker_state.active_requests or worker_state.reserved_requests or queued):
                 break
             time.sleep(0.05)
         else:
             raise AssertionError(
                 f"the Celery worker was still busy 30 s after the test ended: "
-                f"{len(worker_state.active_requests)} running, {broker.llen('celery')} queued"
+                f"{len(worker_state.active_requests)} running, {queued} queued"
             )
     finally:
         task_received.disconnect(remember)
         broker.close()
+
+
+@pytest.fixture
+def celery_worker(celery_worker_session, transactional_db):
+    """The session's Celery worker, left idle when the test ends (see `_left_idle`)."""
+    with _left_idle(["celery"]):
+        yield celery_worker_session
+
+
+@pytest.fixture
+def celery_deploy_worker(celery_deploy_worker_session, transactional_db):
+    """The session's worker for deploys (the Cloudflare runtimes place them in Celery), left
+    idle when the test ends."""
+    from django.conf import settings
+
+    with _left_idle([settings.SIGIL_DEPLOY_QUEUE]):
+        yield celery_deploy_worker_session
 
 
 @pytest.fixture
@@ -239,6 +265,9 @@ def cf_settings(settings, cf_emulator_fresh):
     settings.CF_API_BASE = cf_emulator_fresh.api_base
     settings.CF_ACCOUNT_ID = cf_emulator_fresh.account_id
     settings.CF_API_TOKEN = cf_emulator_fresh.token
+    # Deploys on a Cloudflare runtime are placed by a Celery task: tests read their outcome,
+    # however loaded the machine; the 202 of a deploy still placing has its own test.
+    settings.SIGIL_DEPLOY_WAIT_SECONDS = 60
     return settings
 
 
@@ -262,7 +291,7 @@ def cf_client(cf_emulator_fresh, redis_client):
 
 
 @pytest.fixture
-def worker_pool(cf_settings, cf_emulator_fresh):
+def worker_pool(cf_settings, cf_emulator_fresh, celery_deploy_worker):
     """Sigil on the worker-pool runtime, against the fresh emulator: a quota of 8 scripts,
     1 + 2 reserved and a margin of 2, so 3 slots. Returns the emulator's control."""
     cf_settings.SIGIL_BACKEND = "worker-pool"
@@ -334,7 +363,7 @@ def owner(sigil, page):
 
 
 @pytest.fixture
-def platform(cf_settings, cf_emulator_fresh):
+def platform(cf_settings, cf_emulator_fresh, celery_deploy_worker):
     """Sigil on the platform runtime, against the fresh emulator: capabilities in a dispatch
     namespace behind the repo's dispatch Worker, deployed by the first placement. Returns
     the emulator's control."""
@@ -344,7 +373,7 @@ def platform(cf_settings, cf_emulator_fresh):
 
 
 @pytest.fixture
-def loader(cf_settings, cf_emulator_fresh):
+def loader(cf_settings, cf_emulator_fresh, celery_deploy_worker):
     """Sigil on the loader runtime, against the fresh emulator: code in KV, run by the repo's
     loader host deployed as a Worker with a Worker Loader, by the first placement. Returns
     the emulator's control."""

@@ -47,6 +47,8 @@ def main() -> int:
             "SIGIL_BACKEND": "worker-pool",
             "CF_EMULATOR_PORT": str(emulator_port),
             "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
+            # No Celery worker here: the deploy answers at once and is placed below.
+            "SIGIL_DEPLOY_WAIT_SECONDS": "0",
             "SIGIL_LOG_LEVEL": "WARNING",
             "SIGIL_ACCESS_LOG": "false",
         }
@@ -79,7 +81,8 @@ def main() -> int:
         agent = agent_services.agent_create(name="bench", actor="owner:bench")
         principal = Principal(agent.pk, agent.name, "deploy", "bench")
         code = "export default { async fetch() { return new Response('paged') } }"
-        services.capability_deploy(principal=principal, name="paged", code=code)
+        deployed = services.capability_deploy(principal=principal, name="paged", code=code)
+        services.capability_place_version(version_id=deployed.version.pk)  # a Celery worker's part
         emulator.api.configure({"latency": args.latency})
         timings, calls = [], []
         for _ in range(args.rounds):

@@ -33,7 +33,7 @@ from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
 from capabilities.parsers import LimitedJSONParser
 from capabilities.runtimes import get_runtime
-from capabilities.runtimes.base import RuntimeUnavailable
+from capabilities.runtimes.errors import RuntimeUnavailable
 from capabilities.services import async_calls
 from sigil_site.errors import InvalidRequest, NotFound, Unauthenticated, error_response
 from sigil_site.redis_client import get_redis
@@ -253,12 +253,26 @@ class CapabilitySerializer(serializers.ModelSerializer):
         }
 
 
+DEPLOY_STATE = inline_serializer(
+    "DeployState",
+    {
+        "version": serializers.IntegerField(),
+        "status": serializers.ChoiceField(["placing", "failed", "superseded"]),
+        "error": inline_serializer(
+            "DeployError", {"code": serializers.CharField(), "message": serializers.CharField()}, allow_null=True
+        ),
+    },
+    allow_null=True,
+)
+
+
 class CapabilityDetailSerializer(CapabilitySerializer):
     code = serializers.SerializerMethodField()
     recent = serializers.SerializerMethodField()
     failures = serializers.SerializerMethodField()
     split = serializers.SerializerMethodField()
     breaker_detail = serializers.SerializerMethodField()
+    deploy = serializers.SerializerMethodField()
 
     class Meta(CapabilitySerializer.Meta):
         fields = [
@@ -267,6 +281,7 @@ class CapabilityDetailSerializer(CapabilitySerializer):
             "failures",
             "breaker_detail",
             "split",
+            "deploy",
             "code",
             "cache_when_degraded",
         ]
@@ -290,6 +305,14 @@ class CapabilityDetailSerializer(CapabilitySerializer):
         if obj.agent_id != self.context["request"].user.agent_id:
             return None
         return split_body(obj)
+
+    @extend_schema_field(DEPLOY_STATE)
+    def get_deploy(self, obj) -> dict | None:
+        """The owner's latest deploy while it is not the version served: being placed (on the
+        Cloudflare runtimes, by a Celery task), failed with its error, or superseded."""
+        if obj.agent_id != self.context["request"].user.agent_id:
+            return None
+        return selectors.capability_deploy_state(obj)
 
     def get_recent(self, obj) -> dict | None:
         """The last 24 hours' calls, errors and latency percentiles, for the owner only."""
@@ -355,6 +378,17 @@ class CapabilityDeployApi(APIView):
         cold_start = serializers.BooleanField(help_text="Whether placing it started code anew")
         evicted = serializers.CharField(allow_null=True, help_text="The capability paged out to make room, if any")
 
+    class PendingSerializer(serializers.Serializer):
+        """202: the version is recorded and still being placed; poll `callback`."""
+
+        capability = serializers.CharField()
+        url = serializers.CharField()
+        version = serializers.IntegerField()
+        expires_at = serializers.DateTimeField(allow_null=True)
+        status = serializers.ChoiceField(["deploying"])
+        callback = serializers.CharField()
+        eta_seconds = serializers.IntegerField()
+
     @extend_schema(
         operation_id="deployCapability",
         tags=["Deploy"],
@@ -370,6 +404,7 @@ class CapabilityDeployApi(APIView):
         responses={
             200: OutputSerializer,
             201: OutputSerializer,
+            202: PendingSerializer,
             **error_responses(*AUTHENTICATED, 404, 409, 413, 415, 502, 503, 504),
         },
         examples=[
@@ -436,20 +471,25 @@ class CapabilityDeployApi(APIView):
             contract={name: request.data[name] for name in contracts.FIELDS if name in request.data},
             cache_when_degraded=data["cache_when_degraded"],
         )
+        if result.pending:
+            # As a cold call with respond-async: the status URL says when it is placed.
+            return Response(self.PendingSerializer(deploy_answer(request, result)).data, status=202)
         return Response(deploy_answer(request, result), status=201 if result.created else 200)
 
 
 def deploy_answer(request, result: services.DeployResult) -> dict:
-    """What a deploy answers, over REST and MCP alike."""
+    """What a deploy answers, over REST and MCP alike; a deploy whose placement is still
+    under way (on the Cloudflare runtimes) says where to follow it instead."""
     body = {
         "capability": result.capability.full_name,
         "url": capability_url(request, result.capability),
         "version": result.version.number,
-        "staged": result.staged,
         "expires_at": result.capability.expires_at,
-        "cold_start": result.cold_start,
-        "evicted": result.evicted,
     }
+    if result.pending:
+        callback = f"/_status/{result.capability.full_name}"
+        return {**body, "status": "deploying", "callback": callback, "eta_seconds": DEPLOY_ETA_SECONDS}
+    body.update(staged=result.staged, cold_start=result.cold_start, evicted=result.evicted)
     return CapabilityDeployApi.OutputSerializer(body).data
 
 
@@ -672,8 +712,12 @@ class StatusApi(APIView):
         return Response(selectors.backend_status())
 
 
+# What a 202 for a deploy still being placed suggests waiting before polling its status.
+DEPLOY_ETA_SECONDS = 5
+
+
 class CapabilityWarmingStatusApi(APIView):
-    """GET /_status/{full}: whether a capability being paged in is ready."""
+    """GET /_status/{full}: whether a capability being paged in, or deployed, is ready."""
 
     @extend_schema(
         operation_id="warmingStatus",
@@ -683,15 +727,29 @@ class CapabilityWarmingStatusApi(APIView):
         responses={
             200: inline_serializer(
                 "WarmingStatus",
-                {"status": serializers.ChoiceField(["ready", "warming"]), "capability": serializers.CharField()},
+                {
+                    "status": serializers.ChoiceField(["ready", "warming", "deploying", "failed"]),
+                    "capability": serializers.CharField(),
+                    "deploy": DEPLOY_STATE,
+                },
             ),
             **error_responses(*AUTHENTICATED, 404),
         },
     )
     def get(self, request, full: str):
+        """`deploying` while its latest deploy is being placed, `failed` when that deploy
+        failed and no version of it is served; else `ready` or `warming` (being paged in).
+        `deploy` (its owner's only) says which version and why it failed."""
         capability = selectors.capability_get_visible(principal=request.user, full=full)
-        ready = capability.state in (State.LIVE, State.EVICTING)
-        return Response({"status": "ready" if ready else "warming", "capability": capability.full_name})
+        deploy = selectors.capability_deploy_state(capability)
+        if deploy and deploy["status"] == "placing":
+            status = "deploying"
+        elif capability.state == State.FAILED:
+            status = "failed"
+        else:
+            status = "ready" if capability.state in (State.LIVE, State.EVICTING) else "warming"
+        own = capability.agent_id == request.user.agent_id
+        return Response({"status": status, "capability": capability.full_name, "deploy": deploy if own else None})
 
 
 class CallStatusApi(APIView):

@@ -6,6 +6,7 @@ from django.conf import settings
 from django.core.checks import Error, register
 
 from capabilities.runtimes import RUNTIMES
+from capabilities.runtimes.worker_pool import pool_slots
 
 
 @register()
@@ -26,11 +27,11 @@ def check_pool_slots(app_configs, **kwargs) -> list[Error]:
     """The quota must leave slots once the reserved scripts and the margin are set aside."""
     if settings.SIGIL_BACKEND != "worker-pool":
         return []
-    slots = (
-        settings.SIGIL_POOL_TOTAL_QUOTA
-        - settings.SIGIL_POOL_SYSTEM_RESERVED
-        - settings.SIGIL_POOL_USER_RESERVED
-        - settings.SIGIL_POOL_SAFETY_MARGIN
+    slots = pool_slots(
+        total_quota=settings.SIGIL_POOL_TOTAL_QUOTA,
+        system_reserved=settings.SIGIL_POOL_SYSTEM_RESERVED,
+        user_reserved=settings.SIGIL_POOL_USER_RESERVED,
+        safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
     )
     if slots < 1:
         return [

@@ -37,7 +37,8 @@ from agents.selectors import parse_bearer, token_authenticate, token_authenticat
 from agents.throttle import FailedAuthThrottle
 from capabilities import breaker, degraded_cache, failures, names, pager, routes, stats
 from capabilities.runtimes import get_runtime, runtime_for
-from capabilities.runtimes.base import Route, RuntimeUnavailable
+from capabilities.runtimes.base import Route
+from capabilities.runtimes.errors import RuntimeUnavailable
 from capabilities.upstream import (
     HOP_BY_HOP,
     UpstreamConnections,
@@ -96,6 +97,12 @@ def call_keys(token_hash: str, full: str, throttle_key: str) -> tuple[str, str, 
     """What a call reads from Redis before it is forwarded, in one MGET: the token, the route,
     the breaker and the caller's failed-token count."""
     return tokens.cache_key(token_hash), routes.key(full), breaker.open_key(full), throttle_key
+
+
+# How a call to a script it has just placed waits for Cloudflare to propagate it: the first
+# pause, doubled after each "not found" up to the longest.
+PROPAGATION_FIRST_PAUSE_SECONDS = 0.05
+PROPAGATION_MAX_PAUSE_SECONDS = 1.0
 
 
 class Call:
@@ -353,6 +360,9 @@ class Gateway:
             call.version = route.version
             upstream_started = time.perf_counter()
             upstream = self.send_once(environ, call, route, rest)
+            missed = upstream.status == 404 and runtime_for(route.backend).is_missing(upstream)
+        if missed and page_in_ms is not None and not environ.get("CONTENT_LENGTH"):
+            upstream = self.resend_while_propagating(environ, call, route, rest, upstream)
         upstream_ms = (time.perf_counter() - upstream_started) * 1000
         call.page_in_ms = page_in_ms
 
@@ -404,6 +414,27 @@ class Gateway:
         headers += [degraded_cache.CACHE_HEADER, ("Age", str(int(max(0.0, now - cached.stored_epoch))))]
         start_response(f"{cached.status} {cached.reason}".rstrip(), headers)
         return [cached.body]
+
+    def resend_while_propagating(
+        self, environ, call: Call, route: routes.CachedRoute, rest: str, upstream: UpstreamResponse
+    ) -> UpstreamResponse:
+        """Send a bodiless call again while the script this call just placed (or Sigil's own
+        Worker in front of it, deployed by that placement) still answers "not found": Cloudflare
+        serves a new Worker, and a workers.dev route just turned on, only once they have
+        propagated. Backs off, within the call's time (SIGIL_INVOKE_TIMEOUT_SECONDS); the last
+        answer is the caller's. Nothing ran the capability's code meanwhile, so resending is safe."""
+        runtime = runtime_for(route.backend)
+        deadline = call.started + self.upstream.read_timeout
+        pause = PROPAGATION_FIRST_PAUSE_SECONDS
+        while time.perf_counter() + pause < deadline:
+            upstream.drain_conn()
+            upstream.release_conn()
+            time.sleep(pause)
+            pause = min(pause * 2, PROPAGATION_MAX_PAUSE_SECONDS)
+            upstream = self.send_once(environ, call, route, rest)
+            if not (upstream.status == 404 and runtime.is_missing(upstream)):
+                break
+        return upstream
 
     def thread_redis(self) -> redis.Redis:
         """A client holding one connection for this server thread, for the two commands every

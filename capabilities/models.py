@@ -119,8 +119,20 @@ class Capability(models.Model):
         return self.split_weight is not None
 
 
+class VersionPlacement(models.TextChoices):
+    PLACED = "placed", "placed"  # on the runtime (it is, or was, the current version)
+    PLACING = "placing", "placing"  # recorded; a Celery task is placing it
+    FAILED = "failed", "failed"  # the runtime or a rule refused it; `failure` says why
+    SUPERSEDED = "superseded", "superseded"  # a newer deploy, or a removal, came first
+
+
 class CapabilityVersion(models.Model):
-    """One deployed code of a capability, numbered from 1: the seeds' `code:` backup."""
+    """One deployed code of a capability, numbered from 1: the seeds' `code:` backup.
+
+    On the Cloudflare runtimes a version is recorded before it is placed (by a Celery task):
+    `placement` follows it, and `requested` keeps what its deploy asked for besides the code
+    (bindings, public), applied to the capability once the version is placed.
+    """
 
     capability = models.ForeignKey(Capability, on_delete=models.CASCADE, related_name="versions")
     number = models.PositiveIntegerField()
@@ -133,6 +145,9 @@ class CapabilityVersion(models.Model):
     input_schema = models.JSONField(null=True, blank=True, help_text="JSON Schema (2020-12) of the JSON it takes.")
     output_schema = models.JSONField(null=True, blank=True, help_text="JSON Schema (2020-12) of the JSON it answers.")
     examples = models.JSONField(default=list, blank=True, help_text="A few {input, output} pairs.")
+    placement = models.CharField(max_length=10, choices=VersionPlacement.choices, default=VersionPlacement.PLACED)
+    requested = models.JSONField(default=dict, blank=True)
+    failure = models.JSONField(null=True, blank=True, help_text='Why placing it failed: {"code": ..., "message": ...}.')
 
     class Meta:
         ordering = ["capability", "-number"]

@@ -11,7 +11,14 @@ from agents.models import Agent, AuditEvent
 from agents.tokens import Principal
 from capabilities import names, stats
 from capabilities.contracts import Contract
-from capabilities.models import Capability, CapabilityStatsWindow, CapabilityType, State
+from capabilities.models import (
+    Capability,
+    CapabilityStatsWindow,
+    CapabilityType,
+    CapabilityVersion,
+    State,
+    VersionPlacement,
+)
 from capabilities.runtimes import get_runtime
 from sigil_site.errors import Forbidden, InvalidRequest, NotFound
 
@@ -119,6 +126,20 @@ def capability_tools_visible(*, principal: Principal, after: str, limit: int) ->
         (full, Contract(description or "", input_schema, output_schema))
         for full, description, input_schema, output_schema in rows
     ]
+
+
+def capability_deploy_state(capability: Capability) -> dict | None:
+    """The latest deploy when it is not (yet) the version served: {"version", "status":
+    placing | failed | superseded, "error": {"code", "message"} or None}; None once placed."""
+    latest = (
+        CapabilityVersion.objects.filter(capability_id=capability.pk)
+        .order_by("-number")
+        .values("number", "placement", "failure")
+        .first()
+    )
+    if latest is None or latest["placement"] == VersionPlacement.PLACED:
+        return None
+    return {"version": latest["number"], "status": latest["placement"], "error": latest["failure"]}
 
 
 def backend_status() -> dict:

@@ -8,7 +8,7 @@ from celery import shared_task
 from celery.contrib.django.task import DjangoTask
 from celery.exceptions import Retry
 
-from capabilities.runtimes.base import RuntimeUnavailable
+from capabilities.runtimes.errors import RuntimeUnavailable
 
 
 class RuntimeTask(DjangoTask):
@@ -29,6 +29,15 @@ class RuntimeTask(DjangoTask):
 
 
 RETRY_TRANSIENT = {"base": RuntimeTask}
+
+
+# Routed to the deploy queue (CELERY_TASK_ROUTES). Its outcome is recorded on the version and
+# handed to the waiting request by the service, so no result backend is needed.
+@shared_task(name="capabilities.capability_place_version", acks_late=True, reject_on_worker_lost=True)
+def capability_place_version(*, version_id: int) -> None:
+    from capabilities import services
+
+    services.capability_place_version(version_id=version_id)
 
 
 @shared_task(name="capabilities.capability_release_slot", acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT)

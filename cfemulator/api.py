@@ -12,12 +12,15 @@ script's workerd runs them (`cfemulator.scripts`); `resolve_host` maps a workers
 the script it runs. Scripts binding KV, a Worker Loader or a dispatch namespace run from a
 config of their own (`cfemulator.bound`), whose KV reads and writes `kv_binding` serves from
 this account.
+
+One module per concern: this one holds the account (control, routing, lock-out, the code
+store); the endpoints are in `api_scripts`, `api_namespaces` and `api_kv`, what they share
+in `api_common`, and the account's records (scripts, namespaces, KV values) in `state`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
 import math
@@ -25,23 +28,43 @@ import random
 import re
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
-from datetime import UTC, datetime
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
 from capabilities.runtimes.base import SECRET_KIND, CodeBundle, secret_fingerprint
 from capabilities.workerd import write_atomically
-from cfemulator import envelope
+from cfemulator.api_common import (
+    _LABEL,
+    ApiRequest,
+    ApiResponse,
+    _error_response,
+    _fault_response,
+    _now,
+    _ok,
+    _same,
+)
+from cfemulator.api_kv import KvEndpoints
+from cfemulator.api_namespaces import NamespaceEndpoints
+from cfemulator.api_scripts import ScriptEndpoints
 from cfemulator.bound import kv_list_body, needs_own_workerd
 from cfemulator.envelope import ApiError
 from cfemulator.limits import DEFAULT_CPU_MS, MAX_CPU_MS
-from cfemulator.state import AccountState, load_state, save_state
-from cfemulator.uploads import ScriptUpload, parse_form, parse_upload
+
+# The account's records live in state.py; named here too, as earlier saved states name them.
+from cfemulator.state import (
+    AccountState,
+    DispatchNamespace,
+    KvNamespace,
+    KvValue,
+    Script,
+    load_state,
+    save_state,
+)
+from cfemulator.uploads import ScriptUpload, parse_upload
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +73,10 @@ API_PREFIX = "/client/v4"
 DEV_TOKEN = "sigil-emulator-dev-token"
 DEV_ACCOUNT_ID = "5169110000000000000000000000e001"
 # Cloudflare's schema pattern (§1.5) with the documented 63-character bound of a DNS label.
-_SCRIPT_NAME = re.compile(r"^[a-z0-9_][a-z0-9_-]{0,62}$")
-_LABEL = r"[a-z0-9_][a-z0-9_-]{0,62}"
 # How many API calls the request log keeps; enough for any test, bounded for long dev runs.
 _LOG_SIZE = 10_000
 # Bodies above this are refused before they are read (Cloudflare's request limit).
 MAX_BODY_BYTES = 100 * 1024 * 1024
-_KV_MIN_TTL_SECONDS = 60
 PLANS = frozenset({"free", "paid"})
 
 
@@ -183,98 +203,6 @@ class LockoutWindow:
         ]
 
 
-@dataclass
-class Script:
-    name: str
-    sha: str
-    upload: ScriptUpload
-    created_on: str
-    modified_on: str
-    subdomain_enabled: bool = False
-    previews_enabled: bool = False
-    # Epoch seconds from which the script (first upload) and its workers.dev route (last
-    # toggle) are known to the Workers runtime (EmulatorConfig.propagation_delay).
-    live_at: float = 0.0
-    route_live_at: float = 0.0
-
-    def serves(self, now: float) -> bool:
-        """Whether the Workers runtime runs it at `now` (its workers.dev URL aside)."""
-        return now >= self.live_at
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.name,
-            "etag": self.sha,
-            "created_on": self.created_on,
-            "modified_on": self.modified_on,
-            "usage_model": "standard",
-            "logpush": False,
-            "has_modules": True,
-            "has_assets": False,
-        }
-
-
-@dataclass
-class DispatchNamespace:
-    id: str
-    name: str
-    created_on: str
-    modified_on: str
-    scripts: dict[str, Script] = field(default_factory=dict)
-
-
-@dataclass
-class KvValue:
-    value: bytes
-    expiration: int | None
-    metadata: Any
-    # Until then (epoch seconds) bindings read `previous` (None: not found), as a Worker
-    # elsewhere reads a value written over the API before it propagates.
-    visible_at: float = 0.0
-    previous: KvValue | None = None
-
-    def as_seen(self, now: float) -> KvValue | None:
-        """The value a binding reads at `now`."""
-        seen: KvValue | None = self
-        while seen is not None and seen.visible_at > now:
-            seen = seen.previous
-        return seen
-
-
-@dataclass
-class KvNamespace:
-    id: str
-    title: str
-    values: dict[str, KvValue] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ApiRequest:
-    method: str
-    path: str
-    query: dict[str, list[str]]
-    headers: dict[str, str]  # lower-case names
-    body: bytes
-
-    def arg(self, name: str, default: str | None = None) -> str | None:
-        values = self.query.get(name)
-        return values[0] if values else default
-
-    def json(self) -> Any:
-        try:
-            return json.loads(self.body or b"null")
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ApiError(400, 10026, f"The request body could not be parsed: {exc}") from exc
-
-
-@dataclass(frozen=True)
-class ApiResponse:
-    status: int
-    body: bytes
-    headers: list[tuple[str, str]] = field(default_factory=list)
-    content_type: str = "application/json"
-
-
 Handler = Callable[[ApiRequest, dict[str, str]], ApiResponse]
 
 
@@ -294,7 +222,7 @@ class WorkerTarget:
         return needs_own_workerd(self.upload)
 
 
-class CloudflareApi:
+class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
     """One emulated account: its state, its endpoints, and the emulator's control operations.
 
     Thread-safe: every read and change of the state holds one lock; latency is slept and
@@ -694,311 +622,6 @@ class CloudflareApi:
         token_id = hashlib.sha256(self._token.encode()).hexdigest()[:32]
         return _ok({"id": token_id, "status": "active"})
 
-    # --- Worker scripts -----------------------------------------------------------------------
-
-    def _script_list(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        return _ok([script.to_json() for script in self.scripts.values()])
-
-    def _script_upload(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        name = _check_name(params["script"])
-        existing = self.scripts.get(name)
-        if existing is None and len(self.scripts) >= self._config.script_limit:
-            # Checked under the lock, so concurrent uploads never overshoot the quota.
-            raise ApiError(
-                400, 10037, f"You have exceeded the limit of {self._config.script_limit} Workers on your account."
-            )
-        self._check_binding_targets(params["upload"])
-        self._check_start(name, params["upload"])
-        script = self._store(name, params["upload"], existing)
-        if existing is None:
-            self.scripts[name] = script
-        return _ok(_upload_result(script))
-
-    def _script_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        script = self.scripts.pop(params["script"], None)
-        if script is None:
-            raise ApiError(404, 10007)
-        self._release(script.sha)
-        return _ok(None)
-
-    def _script_settings(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        return _ok(_settings(self._script(params["script"])))
-
-    def _script_subdomain_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        script = self._script(params["script"])
-        return _ok({"enabled": script.subdomain_enabled, "previews_enabled": script.previews_enabled})
-
-    def _script_subdomain_set(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        script = self._script(params["script"])
-        if not script.serves(time.time()):
-            raise ApiError(404, 10007)  # a first upload still propagating (reference §3.2)
-        body = request.json()
-        if not isinstance(body, dict) or not isinstance(body.get("enabled"), bool):
-            raise ApiError(400, 10021, "enabled (true or false) is required")
-        if body["enabled"] != script.subdomain_enabled:
-            script.route_live_at = time.time() + self._config.propagation_delay
-        script.subdomain_enabled = body["enabled"]
-        script.previews_enabled = bool(body.get("previews_enabled", False))
-        return _ok({"enabled": script.subdomain_enabled, "previews_enabled": script.previews_enabled})
-
-    def _script_subdomain_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        script = self._script(params["script"])
-        script.subdomain_enabled = script.previews_enabled = False
-        return _ok({"enabled": False, "previews_enabled": False})
-
-    def _subdomain_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        if not self.subdomain:
-            raise ApiError(404, 10007, "This account has no workers.dev subdomain.")
-        return _ok({"subdomain": self.subdomain})
-
-    def _subdomain_put(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        body = request.json()
-        name = body.get("subdomain") if isinstance(body, dict) else None
-        if not isinstance(name, str) or not re.fullmatch(_LABEL, name):
-            raise ApiError(400, 10021, "subdomain must be one lowercase DNS label")
-        self.subdomain = name
-        return _ok({"subdomain": name})
-
-    def _script(self, name: str) -> Script:
-        script = self.scripts.get(name)
-        if script is None:
-            raise ApiError(404, 10007)
-        return script
-
-    # --- dispatch namespaces ------------------------------------------------------------------
-
-    def _namespace_list(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        return _ok([self._namespace_json(ns) for ns in self.namespaces.values()])
-
-    def _namespace_create(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        body = request.json()
-        name = body.get("name") if isinstance(body, dict) else None
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ApiError(400, 10021, "name is required")
-        if name in self.namespaces:
-            # Cloudflare answers 400; no source gives the code, so this keeps KV's (10014).
-            raise ApiError(400, 10014, f"a dispatch namespace named {name!r} already exists")
-        stamp = _now()
-        self.namespaces[name] = DispatchNamespace(id=str(uuid.uuid4()), name=name, created_on=stamp, modified_on=stamp)
-        return _ok(self._namespace_json(self.namespaces[name]))
-
-    def _namespace_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        return _ok(self._namespace_json(self._namespace(params["namespace"])))
-
-    def _namespace_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        namespace = self._namespace(params["namespace"])
-        del self.namespaces[namespace.name]
-        for script in namespace.scripts.values():
-            self._release(script.sha)
-        return _ok(None)
-
-    def _ns_script_list(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        namespace = self._namespace(params["namespace"])
-        matching = [s for s in namespace.scripts.values() if _tags_match(s, request.arg("tags", "") or "")]
-        limit = min(1000, max(1, _int_arg(request, "limit", 1000)))
-        offset = _int_arg(request, "cursor", 0)
-        page = matching[offset : offset + limit]
-        cursor = str(offset + limit) if offset + limit < len(matching) else ""
-        items = [_ns_script_json(namespace, s) for s in page]
-        return _ok(items, result_info={"count": len(items), "cursor": cursor})
-
-    def _ns_script_bulk_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        namespace = self._namespace(params["namespace"])
-        selector = request.arg("tags", "") or ""
-        if not selector:
-            raise ApiError(400, 10021, "tags is required to delete scripts in bulk")
-        for name in [n for n, s in namespace.scripts.items() if _tags_match(s, selector)]:
-            self._release(namespace.scripts.pop(name).sha)
-        return _ok(None)
-
-    def _ns_script_upload(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        namespace = self._namespace(params["namespace"])
-        name = _check_name(params["script"])
-        # Namespaces are not capped by the account's Worker quota (reference §7.3).
-        existing = namespace.scripts.get(name)
-        self._check_binding_targets(params["upload"])
-        self._check_start(name, params["upload"])
-        script = self._store(name, params["upload"], existing)
-        namespace.scripts[name] = script
-        namespace.modified_on = script.modified_on
-        return _ok(_upload_result(script))
-
-    def _ns_script_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        namespace = self._namespace(params["namespace"])
-        return _ok(_ns_script_json(namespace, self._ns_script(namespace, params["script"])))
-
-    def _ns_script_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        namespace = self._namespace(params["namespace"])
-        script = self._ns_script(namespace, params["script"])
-        del namespace.scripts[script.name]
-        self._release(script.sha)
-        return _ok(None)
-
-    def _ns_script_tags_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        namespace = self._namespace(params["namespace"])
-        return _ok(list(self._ns_script(namespace, params["script"]).upload.tags))
-
-    def _ns_script_tags_put(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        namespace = self._namespace(params["namespace"])
-        script = self._ns_script(namespace, params["script"])
-        tags = request.json()
-        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags) or len(tags) > 8:
-            raise ApiError(400, 10021, "tags must be a list of at most 8 strings")
-        script.upload = replace(script.upload, tags=list(tags))
-        return _ok(list(tags))
-
-    def _namespace(self, name: str) -> DispatchNamespace:
-        namespace = self.namespaces.get(name)
-        if namespace is None:
-            raise ApiError(404, self._config.namespace_not_found_code, f"dispatch namespace {name!r} not found")
-        return namespace
-
-    @staticmethod
-    def _ns_script(namespace: DispatchNamespace, name: str) -> Script:
-        script = namespace.scripts.get(name)
-        if script is None:
-            raise ApiError(404, 10007, "Worker not found.")
-        return script
-
-    def _namespace_json(self, namespace: DispatchNamespace) -> dict[str, Any]:
-        return {
-            "namespace_id": namespace.id,
-            "namespace_name": namespace.name,
-            "created_on": namespace.created_on,
-            "created_by": self.account_id,
-            "modified_on": namespace.modified_on,
-            "modified_by": self.account_id,
-            "script_count": len(namespace.scripts),
-        }
-
-    # --- Workers KV ---------------------------------------------------------------------------
-
-    def _kv_namespace_list(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        everything = list(self.kv_namespaces.values())
-        page, per_page = max(1, _int_arg(request, "page", 1)), min(1000, max(5, _int_arg(request, "per_page", 20)))
-        chosen = everything[(page - 1) * per_page : page * per_page]
-        items = [_kv_namespace_json(ns) for ns in chosen]
-        info = {"page": page, "per_page": per_page, "count": len(items), "total_count": len(everything)}
-        return _ok(items, result_info=info)
-
-    def _kv_namespace_create(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        body = request.json()
-        title = body.get("title") if isinstance(body, dict) else None
-        if not isinstance(title, str) or not title:
-            raise ApiError(400, 10021, "title is required")
-        if any(ns.title == title for ns in self.kv_namespaces.values()):
-            raise ApiError(400, 10014, "a namespace with this account ID and title already exists")
-        namespace = KvNamespace(id=uuid.uuid4().hex, title=title)
-        self.kv_namespaces[namespace.id] = namespace
-        return _ok(_kv_namespace_json(namespace))
-
-    def _kv_namespace_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        return _ok(_kv_namespace_json(self._kv_namespace(params["kv"])))
-
-    def _kv_namespace_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        del self.kv_namespaces[self._kv_namespace(params["kv"]).id]
-        return _ok(None)
-
-    def _kv_put(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        namespace = self._kv_namespace(params["kv"])
-        key = _check_key(params["key"])
-        expiration: int | None = None
-        ttl = request.arg("expiration_ttl")
-        if ttl is not None:
-            seconds = _int_value(ttl, "expiration_ttl")
-            if seconds < _KV_MIN_TTL_SECONDS:
-                # The minimum is documented (reference §6); the code for breaking it is not.
-                raise ApiError(400, 10033, f"Invalid expiration_ttl of {seconds}. Expiration TTL must be at least 60.")
-            expiration = int(time.time()) + seconds
-        elif request.arg("expiration") is not None:
-            expiration = _int_value(request.arg("expiration") or "", "expiration")
-        value, metadata = request.body, None
-        if request.headers.get("content-type", "").startswith("multipart/form-data"):
-            parts = {part.name: part for part in parse_form(request.headers["content-type"], request.body)}
-            if "value" not in parts:
-                raise ApiError(400, 10026, "The request body could not be parsed: no value part")
-            value = parts["value"].body
-            if "metadata" in parts:
-                try:
-                    metadata = json.loads(parts["metadata"].body)
-                except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                    raise ApiError(400, 10026, f"metadata is not JSON ({exc})") from exc
-        now = time.time()
-        previous = namespace.values.get(key)
-        namespace.values[key] = KvValue(
-            value=value,
-            expiration=expiration,
-            metadata=metadata,
-            visible_at=now + self._config.propagation_delay,
-            previous=_visible_alone(previous, now),
-        )
-        return _ok(None)
-
-    def _kv_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        item = self._kv_value(self._kv_namespace(params["kv"]), params["key"])
-        headers = [("expiration", str(item.expiration))] if item.expiration is not None else []
-        # KV reads are the one answer that is raw bytes, not an envelope (reference §0).
-        return ApiResponse(200, item.value, headers, content_type="application/octet-stream")
-
-    def _kv_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        self._kv_namespace(params["kv"]).values.pop(params["key"], None)
-        return _ok(None)
-
-    def _kv_metadata(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        return _ok(self._kv_value(self._kv_namespace(params["kv"]), params["key"]).metadata)
-
-    def _kv_keys(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        namespace = self._kv_namespace(params["kv"])
-        prefix = request.arg("prefix", "") or ""
-        now = time.time()
-        names = sorted(
-            key
-            for key, item in namespace.values.items()
-            if key.startswith(prefix) and (item.expiration is None or item.expiration > now)
-        )
-        limit = min(1000, max(10, _int_arg(request, "limit", 1000)))
-        offset = _int_arg(request, "cursor", 0)
-        page = names[offset : offset + limit]
-        cursor = str(offset + limit) if offset + limit < len(names) else ""
-        items = []
-        for name in page:
-            item = namespace.values[name]
-            entry: dict[str, Any] = {"name": name}
-            if item.expiration is not None:
-                entry["expiration"] = item.expiration
-            if item.metadata is not None:
-                entry["metadata"] = item.metadata
-            items.append(entry)
-        return _ok(items, result_info={"count": len(items), "cursor": cursor})
-
-    def _kv_namespace(self, namespace_id: str) -> KvNamespace:
-        namespace = self.kv_namespaces.get(namespace_id)
-        if namespace is None:
-            raise ApiError(404, 10013)
-        return namespace
-
-    @staticmethod
-    def _kv_value(namespace: KvNamespace, key: str) -> KvValue:
-        item = namespace.values.get(key)
-        if item is None or (item.expiration is not None and item.expiration <= time.time()):
-            raise ApiError(404, 10009)
-        return item
-
-    def _check_binding_targets(self, upload: ScriptUpload) -> None:
-        """A KV binding must name a KV namespace of the account (10042), a dispatch namespace
-        binding a dispatch namespace (10021), and a Worker Loader needs the Paid plan (10021,
-        with the text a free account gets)."""
-        for binding in upload.bindings:
-            kind = binding["type"]
-            if kind == "worker_loader" and self._config.plan != "paid":
-                raise ApiError(400, 10021, f"binding {binding['name']} of type {kind} is invalid")
-            if kind == "kv_namespace" and binding["namespace_id"] not in self.kv_namespaces:
-                raise ApiError(400, 10042, f"KV namespace '{binding['namespace_id']}' is not valid.")
-            if kind == "dispatch_namespace" and binding["namespace"] not in self.namespaces:
-                raise ApiError(
-                    400, 10021, f"binding {binding['name']} of type {kind} is invalid: no such dispatch namespace"
-                )
-
     # --- the code store -----------------------------------------------------------------------
 
     def _store(self, name: str, upload: ScriptUpload, existing: Script | None) -> Script:
@@ -1042,113 +665,3 @@ class CloudflareApi:
         )
         if not in_use:
             (self.code_dir / f"{sha}.json").unlink(missing_ok=True)
-
-
-# --- helpers ------------------------------------------------------------------------------------
-
-
-def _visible_alone(value: KvValue | None, now: float) -> KvValue | None:
-    """What bindings read of `value` at `now`, without the older values it no longer needs."""
-    seen = value.as_seen(now) if value is not None else None
-    return replace(seen, previous=None) if seen is not None else None
-
-
-def _ok(result: Any, **extra: Any) -> ApiResponse:
-    return ApiResponse(200, envelope.success(result, **extra))
-
-
-def _error_response(error: ApiError, headers: list[tuple[str, str]] | None = None) -> ApiResponse:
-    return ApiResponse(error.status, envelope.failure(error.code, error.message), list(headers or []))
-
-
-def _fault_response(status: int) -> ApiResponse:
-    if status == 502:
-        # What an edge proxy answers: HTML, not an envelope; clients must cope with both.
-        page = b"<html><head><title>502 Bad Gateway</title></head><body>502 Bad Gateway</body></html>"
-        return ApiResponse(502, page, content_type="text/html")
-    return ApiResponse(status, envelope.failure(10002, "Unexpected internal server error"))
-
-
-def _upload_result(script: Script) -> dict[str, Any]:
-    return {
-        **script.to_json(),
-        "handlers": ["fetch"],
-        "startup_time_ms": 0,
-        "compatibility_date": script.upload.compatibility_date,
-        "compatibility_flags": script.upload.compatibility_flags,
-    }
-
-
-def _ns_script_json(namespace: DispatchNamespace, script: Script) -> dict[str, Any]:
-    """A namespace script as Cloudflare lists and shows it: the name nests in `script.id`
-    (`namespace-worker-list-scripts` in cloudflare/api-schemas)."""
-    return {
-        "created_on": script.created_on,
-        "modified_on": script.modified_on,
-        "dispatch_namespace": namespace.name,
-        "script": {**script.to_json(), "tags": script.upload.tags},
-    }
-
-
-def _settings(script: Script) -> dict[str, Any]:
-    # Secret values are write-only on Cloudflare: settings name them but never show them.
-    bindings = [
-        {k: v for k, v in b.items() if not (b.get("type") == "secret_text" and k == "text")}
-        for b in script.upload.bindings
-    ]
-    return {
-        "bindings": bindings,
-        "compatibility_date": script.upload.compatibility_date,
-        "compatibility_flags": script.upload.compatibility_flags,
-        "limits": script.upload.limits,
-        "logpush": False,
-        "tags": script.upload.tags,
-        "tail_consumers": [],
-        "usage_model": "standard",
-    }
-
-
-def _kv_namespace_json(namespace: KvNamespace) -> dict[str, Any]:
-    return {"id": namespace.id, "title": namespace.title, "supports_url_encoding": True}
-
-
-def _check_name(name: str) -> str:
-    if not _SCRIPT_NAME.match(name):
-        raise ApiError(400, 10016, f"Invalid Worker name {name!r}")
-    return name
-
-
-def _check_key(key: str) -> str:
-    if not key or len(key.encode()) > 512:
-        raise ApiError(400, 10021, "a KV key is 1 to 512 bytes")
-    return key
-
-
-def _tags_match(script: Script, selector: str) -> bool:
-    """`tags=a:yes,b:no` (reference §4.2): every `yes` tag present, every `no` tag absent."""
-    for clause in filter(None, selector.split(",")):
-        tag, _, wanted = clause.partition(":")
-        present = tag in script.upload.tags
-        if present != (wanted != "no"):
-            return False
-    return True
-
-
-def _int_arg(request: ApiRequest, name: str, default: int) -> int:
-    raw = request.arg(name)
-    return default if raw in (None, "") else _int_value(raw, name)
-
-
-def _int_value(raw: str, name: str) -> int:
-    try:
-        return int(raw)
-    except ValueError:
-        raise ApiError(400, 10004, f"Malformed URL parameter {name}={raw!r}") from None
-
-
-def _same(given: bytes, expected: bytes) -> bool:
-    return hmac.compare_digest(given, expected)
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")

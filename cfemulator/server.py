@@ -41,7 +41,8 @@ from urllib.parse import parse_qs, urlsplit
 import urllib3
 from urllib3 import HTTPHeaderDict
 
-from capabilities.runtimes.base import Route, RuntimeRejected, RuntimeUnavailable
+from capabilities.runtimes.base import Route
+from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
 from capabilities.runtimes.loader_host import loader_host_start_check
 from capabilities.upstream import HOP_BY_HOP
 from capabilities.workerd import WorkerdHost

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from capabilities.workerd import write_atomically
+from cfemulator.uploads import ScriptUpload
 
 logger = logging.getLogger(__name__)
 
@@ -24,11 +25,76 @@ STATE_VERSION = 1
 
 
 @dataclass
+class Script:
+    name: str
+    sha: str
+    upload: ScriptUpload
+    created_on: str
+    modified_on: str
+    subdomain_enabled: bool = False
+    previews_enabled: bool = False
+    # Epoch seconds from which the script (first upload) and its workers.dev route (last
+    # toggle) are known to the Workers runtime (EmulatorConfig.propagation_delay).
+    live_at: float = 0.0
+    route_live_at: float = 0.0
+
+    def serves(self, now: float) -> bool:
+        """Whether the Workers runtime runs it at `now` (its workers.dev URL aside)."""
+        return now >= self.live_at
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.name,
+            "etag": self.sha,
+            "created_on": self.created_on,
+            "modified_on": self.modified_on,
+            "usage_model": "standard",
+            "logpush": False,
+            "has_modules": True,
+            "has_assets": False,
+        }
+
+
+@dataclass
+class DispatchNamespace:
+    id: str
+    name: str
+    created_on: str
+    modified_on: str
+    scripts: dict[str, Script] = field(default_factory=dict)
+
+
+@dataclass
+class KvValue:
+    value: bytes
+    expiration: int | None
+    metadata: Any
+    # Until then (epoch seconds) bindings read `previous` (None: not found), as a Worker
+    # elsewhere reads a value written over the API before it propagates.
+    visible_at: float = 0.0
+    previous: KvValue | None = None
+
+    def as_seen(self, now: float) -> KvValue | None:
+        """The value a binding reads at `now`."""
+        seen: KvValue | None = self
+        while seen is not None and seen.visible_at > now:
+            seen = seen.previous
+        return seen
+
+
+@dataclass
+class KvNamespace:
+    id: str
+    title: str
+    values: dict[str, KvValue] = field(default_factory=dict)
+
+
+@dataclass
 class AccountState:
     subdomain: str
-    scripts: dict[str, Any]  # name -> cfemulator.api.Script
-    namespaces: dict[str, Any]  # name -> cfemulator.api.DispatchNamespace
-    kv_namespaces: dict[str, Any]  # id -> cfemulator.api.KvNamespace
+    scripts: dict[str, Any]  # name -> Script
+    namespaces: dict[str, Any]  # name -> DispatchNamespace
+    kv_namespaces: dict[str, Any]  # id -> KvNamespace
 
 
 def save_state(path: Path, state: AccountState) -> None:

@@ -98,6 +98,21 @@ class Unavailable(SigilError):
     status, code = 503, "unavailable"
 
 
+def error_from_code(code: str, message: str) -> SigilError:
+    """The error a recorded `{"code", "message"}` stands for (one kept across processes, such
+    as a deploy's failure in a Celery task); an unknown code is an upstream error."""
+    for kind in _error_kinds(SigilError):
+        if kind.code == code:
+            error = SigilError(message)  # InternalError's own constructor writes its message
+            error.status, error.code = kind.status, kind.code
+            return error
+    return UpstreamError(message)
+
+
+def _error_kinds(base: type[SigilError]) -> list[type[SigilError]]:
+    return [base, *(kind for sub in base.__subclasses__() for kind in _error_kinds(sub))]
+
+
 # Redis refused, reset or timed out, directly or as Celery's broker (kombu wraps it).
 REDIS_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError)
 # What an unreachable Redis asks callers to wait: a restart or a failover takes seconds.

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+from kombu import Queue
 
 from sigil_site.logs import logging_config, process_name
 from sigil_site.schema import TAGS as SCHEMA_TAGS
@@ -217,6 +218,13 @@ CELERY_TASK_TIME_LIMIT = 180
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+# Deploys have a queue of their own, so that a request waiting on its deploy's placement is
+# never held behind a backlog of page-outs and other background work.
+SIGIL_DEPLOY_QUEUE = "deploys"
+CELERY_TASK_ROUTES = {"capabilities.capability_place_version": {"queue": SIGIL_DEPLOY_QUEUE}}
+# What a worker consumes unless told otherwise (celery -Q): the default queue and deploys.
+# Each bound by its own name: a message sent to the default exchange's key never lands in both.
+CELERY_TASK_QUEUES = (Queue("celery", routing_key="celery"), Queue(SIGIL_DEPLOY_QUEUE, routing_key=SIGIL_DEPLOY_QUEUE))
 
 SIGIL_TTL_EXPIRY_INTERVAL_SECONDS = env_float("SIGIL_TTL_EXPIRY_INTERVAL_SECONDS", 60.0)
 SIGIL_STATS_FLUSH_INTERVAL_SECONDS = env_float("SIGIL_STATS_FLUSH_INTERVAL_SECONDS", 10.0)
@@ -301,6 +309,9 @@ SIGIL_BACKEND = env_str("SIGIL_BACKEND", "local")
 SIGIL_PUBLIC_URL = env_str("SIGIL_PUBLIC_URL", "")
 SIGIL_MAX_AGENTS = env_int("SIGIL_MAX_AGENTS", 8)
 SIGIL_DEPLOY_COOLDOWN_SECONDS = env_float("SIGIL_DEPLOY_COOLDOWN_SECONDS", 5.0)
+# On the Cloudflare runtimes a Celery task places a deploy; the request waits this long for
+# it, then answers 202 with the status URL.
+SIGIL_DEPLOY_WAIT_SECONDS = env_float("SIGIL_DEPLOY_WAIT_SECONDS", 5.0)
 SIGIL_EPHEMERAL_MAX_PER_AGENT = env_int("SIGIL_EPHEMERAL_MAX_PER_AGENT", 20)
 SIGIL_EPHEMERAL_DEFAULT_TTL_SECONDS = env_int("SIGIL_EPHEMERAL_DEFAULT_TTL_SECONDS", 3600)
 SIGIL_EPHEMERAL_MAX_TTL_SECONDS = env_int("SIGIL_EPHEMERAL_MAX_TTL_SECONDS", 86400)

@@ -14,29 +14,14 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-
-class RuntimeFailure(Exception):
-    """Base of every error a runtime raises."""
-
-
-class RuntimeUnavailable(RuntimeFailure):
-    """The runtime could not be reached or failed transiently; retrying may succeed."""
-
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class RuntimeRejected(RuntimeFailure):
-    """The runtime refused the code or the request for good; retrying will not help."""
-
-
-class ScriptTooLarge(RuntimeRejected):
-    """The code is over the runtime's script size limit."""
-
-
-class SlotsExhausted(RuntimeRejected):
-    """The runtime has no room for another script (its quota is reached)."""
+# The errors live in their own module; importers of them from here keep working.
+from capabilities.runtimes.errors import (  # noqa: F401
+    RuntimeFailure,
+    RuntimeRejected,
+    RuntimeUnavailable,
+    ScriptTooLarge,
+    SlotsExhausted,
+)
 
 
 @dataclass(frozen=True)
@@ -192,6 +177,10 @@ class Runtime(ABC):
 
     #: binding kinds this runtime can give a capability; None means every kind
     binding_kinds: frozenset[str] | None = None
+
+    #: a deploy hands the placement to a Celery task rather than placing in the web request:
+    #: Cloudflare's latency and the rate budget's waits then hold a worker, not a web thread
+    places_in_background: bool = False
 
     @abstractmethod
     def slot_for(self, full_name: str, *, attempt: int = 0) -> str:

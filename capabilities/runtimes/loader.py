@@ -5,12 +5,14 @@ reading bundles from Workers KV (reference §5, §6)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import urllib3
 
 from capabilities.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
-from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route, RuntimeRejected
-from capabilities.runtimes.loader_host import loader_host_start_check
+from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
+from capabilities.runtimes.errors import RuntimeRejected
+from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
 from capabilities.workerd import HOST_DIR
 
@@ -47,6 +49,7 @@ class LoaderRuntime(FrontedRuntime):
             secret=settings.SIGIL_INTERNAL_SECRET,
             cpu_ms=settings.SIGIL_CPU_MS,
             invoke_base=settings.SIGIL_CF_WORKERS_BASE,
+            propagation_wait_seconds=settings.SIGIL_INVOKE_TIMEOUT_SECONDS,
         )
 
     marker_header = "x-sigil-host"
@@ -62,8 +65,10 @@ class LoaderRuntime(FrontedRuntime):
         secret: str,
         cpu_ms: int,
         invoke_base: str = "",
+        propagation_wait_seconds: float = 30.0,
     ) -> None:
         super().__init__(cpu_ms=cpu_ms)
+        self.propagation_wait_seconds = propagation_wait_seconds
         self.client = client
         self.kv_title = kv_title
         self.worker_name = worker
@@ -160,7 +165,7 @@ class LoaderRuntime(FrontedRuntime):
         try:
             # A location that does not see the bundle yet cannot check it: then it is placed
             # unchecked, and a call finds out as on the first call of any placement.
-            loader_host_start_check(self._start_checks, self.route(slot=slot, sha=bundle.sha))
+            self._start_check(self.route(slot=slot, sha=bundle.sha))
         except RuntimeRejected:
             # Code that does not start is placed nowhere, so no slot points at its sha.
             self.client.kv_delete(self.kv_id, CODE_PREFIX + bundle.sha)
@@ -169,6 +174,21 @@ class LoaderRuntime(FrontedRuntime):
         self.client.kv_put(self.kv_id, SLOT_PREFIX + slot, bundle.sha.encode(), metadata={"sha": bundle.sha})
         if previous not in (None, bundle.sha):
             self._drop_if_unused(previous, self._pointers())  # the replaced code, old secrets and all
+
+    def _start_check(self, route: Route) -> bool:
+        """The loader host's start check. The loader Worker deployed by this placement is
+        served only once Cloudflare has propagated it (its URL answers Cloudflare's own 404
+        until then): ask again, backing off, for up to `propagation_wait_seconds`."""
+        deadline = time.monotonic() + self.propagation_wait_seconds
+        pause = 0.05
+        while True:
+            try:
+                return loader_host_start_check(self._start_checks, route)
+            except HostNotReached:
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
 
     def remove(self, *, slot: str) -> None:
         """Drop the slot's pointer, and its bundle when no other slot points at it. Idempotent."""

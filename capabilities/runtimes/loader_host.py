@@ -16,7 +16,8 @@ import json
 
 import urllib3
 
-from capabilities.runtimes.base import Route, RuntimeRejected, RuntimeUnavailable
+from capabilities.runtimes.base import Route
+from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
 
 START_CHECK_HEADER = "X-Sigil-Validate"
 RETIRE_HEADER = "X-Sigil-Retire"
@@ -34,12 +35,18 @@ def _ask_host(pool: urllib3.PoolManager, route: Route, header: str, what: str) -
         raise RuntimeUnavailable(f"the loader host could not be asked to {what}: {exc}") from exc
 
 
+class HostNotReached(RuntimeUnavailable):
+    """The answer did not come from the loader host: a Worker of that name is not served
+    there (yet; Cloudflare serves a new Worker once it has propagated)."""
+
+
 def loader_host_start_check(pool: urllib3.PoolManager, route: Route) -> bool:
     """Start the code behind `route` on its loader host. Returns True when it started, False
     when the host does not see the code yet (Workers KV is eventually consistent).
 
     Raises RuntimeRejected with workerd's own words (a syntax error, an exception thrown by
-    top-level code), RuntimeUnavailable when the host cannot be asked or cannot tell.
+    top-level code), HostNotReached when the answer is not the host's (a 404 it did not
+    mark), RuntimeUnavailable when the host cannot be asked or cannot tell.
     """
     response = _ask_host(pool, route, START_CHECK_HEADER, "start the code")
     if response.status == 204:
@@ -49,6 +56,8 @@ def loader_host_start_check(pool: urllib3.PoolManager, route: Route) -> bool:
         return False
     if response.status == 400 and kind == "invalid-code":
         raise RuntimeRejected(_message(response.data))
+    if response.status == 404 and kind is None:
+        raise HostNotReached("the loader host was not reached for the start check (404, unmarked)")
     raise RuntimeUnavailable(f"the loader host answered the start check with {response.status} ({kind or 'unmarked'})")
 
 

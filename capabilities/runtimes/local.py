@@ -11,15 +11,8 @@ from pathlib import Path
 import urllib3
 
 from capabilities.names import SEPARATOR
-from capabilities.runtimes.base import (
-    TEXT_BINDING_KINDS,
-    CallStopped,
-    CodeBundle,
-    Route,
-    Runtime,
-    RuntimeRejected,
-    RuntimeUnavailable,
-)
+from capabilities.runtimes.base import TEXT_BINDING_KINDS, CallStopped, CodeBundle, Route, Runtime
+from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
 from capabilities.runtimes.loader_host import loader_host_retire, loader_host_start_check
 from capabilities.supervision import Kill, KillLog, Limits, PortRegistry, WorkerdGroup, read_status
 from capabilities.workerd import WorkerdHost, write_atomically

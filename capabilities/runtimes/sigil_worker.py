@@ -13,7 +13,8 @@ from typing import Any
 import urllib3
 
 from capabilities.cloudflare import CloudflareClient, CloudflareNotFound
-from capabilities.runtimes.base import Route, Runtime, RuntimeUnavailable
+from capabilities.runtimes.base import Route, Runtime
+from capabilities.runtimes.errors import RuntimeUnavailable
 
 # The plain-text binding that carries the deployed source's version, and the header the
 # Worker echoes it in when it refuses a request without Sigil's secret.
@@ -145,6 +146,7 @@ class FrontedRuntime(Runtime):
     """
 
     marker_header: str = ""
+    places_in_background = True
 
     def __init__(self, *, cpu_ms: int) -> None:
         self.default_cpu_ms = cpu_ms

@@ -32,6 +32,12 @@ def metadata_binding(binding: ResolvedBinding) -> dict:
     return {"name": binding.name, **shapes[binding.kind]}
 
 
+def pool_slots(*, total_quota: int, system_reserved: int, user_reserved: int, safety_margin: int) -> int:
+    """The worker pool's slots: the account's script quota, less the scripts kept for Sigil's
+    own Workers and for the owner's other Workers, less the margin for deletes under way."""
+    return total_quota - system_reserved - user_reserved - safety_margin
+
+
 class WorkerPoolRuntime(Runtime):
     """Slots = total quota − system reserved − user reserved − safety margin.
 
@@ -40,6 +46,7 @@ class WorkerPoolRuntime(Runtime):
     """
 
     name = "worker-pool"
+    places_in_background = True
 
     @classmethod
     def from_settings(cls) -> WorkerPoolRuntime:
@@ -71,7 +78,12 @@ class WorkerPoolRuntime(Runtime):
         self.client = client
         self.redirects = redirect
         self._secret = secret
-        self.slots = total_quota - system_reserved - user_reserved - safety_margin
+        self.slots = pool_slots(
+            total_quota=total_quota,
+            system_reserved=system_reserved,
+            user_reserved=user_reserved,
+            safety_margin=safety_margin,
+        )
         self.margin = safety_margin
         # Empty: call https://{script}.{subdomain}.workers.dev. Set (the emulator): call this
         # base URL with the workers.dev name in the Host header.

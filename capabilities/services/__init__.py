@@ -40,6 +40,7 @@ from capabilities.services.registry import (
     DeployResult,
     capability_deploy,
     capability_expire_ephemerals,
+    capability_place_version,
     capability_remove,
     capability_remove_as_owner,
     capability_rollback,
@@ -52,18 +53,25 @@ from capabilities.services.splits import (
     capability_split_set,
 )
 from capabilities.services.switching import (
+    SwitchEvent,
+    SwitchPlan,
     SwitchStep,
+    backend_switch,
     capability_adopt_backend,
     capability_switch_backend,
     runtime_release_previous,
     runtime_sweep_previous,
+    switch_plan,
 )
 
 __all__ = [
     "DeployResult",
     "SplitGuard",
     "StillInFlight",
+    "SwitchEvent",
+    "SwitchPlan",
     "SwitchStep",
+    "backend_switch",
     "binding_check_rename",
     "binding_delete",
     "binding_grant",
@@ -81,6 +89,7 @@ __all__ = [
     "capability_mark_missing",
     "capability_page_in",
     "capability_page_out",
+    "capability_place_version",
     "capability_prewarm",
     "capability_promote",
     "capability_prune_stats",
@@ -103,4 +112,5 @@ __all__ = [
     "runtime_ready",
     "runtime_release_previous",
     "runtime_sweep_previous",
+    "switch_plan",
 ]

@@ -22,14 +22,8 @@ from capabilities import bindings as binding_rules
 from capabilities import pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
-from capabilities.runtimes.base import (
-    CodeBundle,
-    Runtime,
-    RuntimeFailure,
-    RuntimeRejected,
-    RuntimeUnavailable,
-    ScriptTooLarge,
-)
+from capabilities.runtimes.base import CodeBundle, Runtime
+from capabilities.runtimes.errors import RuntimeFailure, RuntimeRejected, RuntimeUnavailable, ScriptTooLarge
 from capabilities.tasks import capability_clear_slot as capability_clear_slot_task
 from capabilities.tasks import capability_page_out as capability_page_out_task
 from sigil_site.errors import Conflict, InvalidRequest, NotFound, Timeout, TooLarge, UpstreamError

@@ -4,6 +4,9 @@ expiring ephemerals, and rolling back to an earlier version.
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -20,14 +23,34 @@ from agents.tokens import Principal
 from capabilities import bindings as binding_rules
 from capabilities import contract_copies, failures, names, pager, routes
 from capabilities.contracts import Contract, contract_merge
-from capabilities.models import Capability, CapabilityType, CapabilityVersion, State
+from capabilities.models import Capability, CapabilityType, CapabilityVersion, State, VersionPlacement
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import CodeBundle, code_sha
-from capabilities.services.placement import Placement, bundle_for, placement_lock, placement_room
+from capabilities.services.placement import (
+    Placement,
+    bundle_for,
+    placement_lock,
+    placement_lock_within,
+    placement_room,
+)
 from capabilities.services.splits import stage_allowed
+from capabilities.tasks import capability_place_version as capability_place_version_task
 from capabilities.tasks import capability_release_slot as capability_release_slot_task
-from sigil_site.errors import Conflict, Cooldown, Forbidden, InvalidRequest, NotFound, RateLimited, TooLarge
+from sigil_site.errors import (
+    Conflict,
+    Cooldown,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    RateLimited,
+    SigilError,
+    TooLarge,
+    error_for_unexpected,
+    error_from_code,
+)
 from sigil_site.redis_client import get_redis
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,6 +61,8 @@ class DeployResult:
     cold_start: bool
     evicted: str | None
     staged: bool = False  # the version was staged, not made current
+    # The version is recorded and a Celery task is still placing it (Cloudflare runtimes).
+    pending: bool = False
 
 
 def _actor(principal: Principal) -> str:
@@ -190,11 +215,29 @@ def capability_deploy(
         wanted = contract_merge(Contract(), contract or {})
 
     _claim_cooldown(owner.name)
+    expires_at = existing.expires_at if existing else (now + timedelta(seconds=ttl) if ttl is not None else None)
+    if get_runtime().places_in_background:
+        return _deploy_in_background(
+            owner=owner,
+            existing=existing,
+            full=full,
+            type=type,
+            expires_at=expires_at,
+            code=code,
+            sha=sha,
+            contract=wanted,
+            requested={
+                "bindings": bindings,
+                "public": is_public,
+                "cache_when_degraded": cache_when_degraded,
+                "actor": _actor(principal),
+            },
+            now=now,
+        )
     lock = placement_lock(full, blocking=False)
     if not lock.acquire():
         raise Conflict(f"{full} is being deployed by another request; retry when it is done")
     try:
-        expires_at = existing.expires_at if existing else (now + timedelta(seconds=ttl) if ttl is not None else None)
         bundle = CodeBundle.from_code(code, bindings=resolved)
         with placement_room(full=full, capability_type=type, expires_at=expires_at) as room:
             try:
@@ -326,7 +369,7 @@ def _stage(
                 raise NotFound(f"no capability {full}")
             if capability.has_split:
                 raise Conflict(f"{full} has a split running: promote or abort it first")
-            number = (capability.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+            number = _next_version_number(capability)
             version = CapabilityVersion.objects.create(
                 capability=capability,
                 number=number,
@@ -351,6 +394,279 @@ def _stage(
     return DeployResult(
         capability=capability, version=version, created=False, cold_start=False, evicted=None, staged=True
     )
+
+
+# --- Deploys placed by a Celery task (runtimes with `places_in_background`) ---------------
+#
+# The request records the version (`placing`) and queues its placement; the task places it,
+# makes it current, and announces the outcome on a Redis list the request waits on for up to
+# SIGIL_DEPLOY_WAIT_SECONDS. A request that stops waiting answers 202; the outcome stays on
+# the version (inspect's `deploy`, `/_status/{full}`).
+
+# How long an outcome waits on its list for a request that is still waiting on it.
+OUTCOME_KEEP_SECONDS = 120
+
+
+def _outcome_key(version_id: int) -> str:
+    return f"sigil:deploy:outcome:{version_id}"
+
+
+def _deploy_in_background(
+    *,
+    owner: Agent,
+    existing: Capability | None,
+    full: str,
+    type: str,
+    expires_at: datetime | None,
+    code: str,
+    sha: str,
+    contract: Contract,
+    requested: dict,
+    now: datetime,
+) -> DeployResult:
+    """Record the new version and hand its placement to a Celery task; wait for the outcome
+    up to SIGIL_DEPLOY_WAIT_SECONDS. `requested` holds what applies once it is placed."""
+    # The lock only while recording: a placement of `full` under way (an earlier deploy's
+    # task, a page-in) makes this a concurrent deploy, as when placing in the request.
+    lock = placement_lock(full, blocking=False)
+    if not lock.acquire():
+        raise Conflict(f"{full} is being deployed by another request; retry when it is done")
+    try:
+        capability, version = _record_pending(
+            owner=owner,
+            existing=existing,
+            full=full,
+            type=type,
+            expires_at=expires_at,
+            code=code,
+            sha=sha,
+            contract=contract,
+            requested=requested,
+            now=now,
+        )
+    finally:
+        lock.release()
+    capability_place_version_task.delay(version_id=version.pk)
+    outcome = _await_outcome(version.pk, seconds=settings.SIGIL_DEPLOY_WAIT_SECONDS)
+    if outcome is None:
+        return DeployResult(
+            capability=capability,
+            version=version,
+            created=existing is None,
+            cold_start=False,
+            evicted=None,
+            pending=True,
+        )
+    if outcome["status"] != VersionPlacement.PLACED:
+        _forget_refused(version)
+        raise error_from_code(outcome["code"], outcome["message"])
+    capability.refresh_from_db()
+    capability.agent = owner
+    return DeployResult(
+        capability=capability,
+        version=version,
+        created=existing is None or existing.current_version_id is None,
+        cold_start=outcome["cold_start"],
+        evicted=outcome["evicted"],
+    )
+
+
+def _record_pending(
+    *,
+    owner: Agent,
+    existing: Capability | None,
+    full: str,
+    type: str,
+    expires_at: datetime | None,
+    code: str,
+    sha: str,
+    contract: Contract,
+    requested: dict,
+    now: datetime,
+) -> tuple[Capability, CapabilityVersion]:
+    """A new version, not yet placed. A new capability is recorded without a current version
+    (not served: its calls are 404 until the version is placed)."""
+    with transaction.atomic():
+        if existing is None:
+            capability = _create_capability(
+                owner=owner,
+                full=full,
+                type=type,
+                expires_at=expires_at,
+                now=now,
+                is_public=requested["public"],
+                bindings=requested["bindings"],
+                state=State.PAGED_OUT,
+            )
+        else:
+            capability = Capability.objects.select_for_update().get(pk=existing.pk)
+        number = _next_version_number(capability)
+        version = CapabilityVersion.objects.create(
+            capability=capability,
+            number=number,
+            code=code,
+            sha=sha,
+            size_bytes=len(code.encode()),
+            created_at=now,
+            placement=VersionPlacement.PLACING,
+            requested=requested,
+            **contract.as_fields(),
+        )
+    capability.agent = owner
+    return capability, version
+
+
+def _await_outcome(version_id: int, *, seconds: float) -> dict | None:
+    """The placement's outcome, or None when it has not come within `seconds`. Waits in
+    short blocking reads, each well inside the Redis client's socket timeout."""
+    redis = get_redis()
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        popped = redis.blpop([_outcome_key(version_id)], timeout=min(1.0, max(left, 0.01)))
+        if popped is not None:
+            return json.loads(popped[1])
+    return None
+
+
+def _forget_refused(version: CapabilityVersion) -> None:
+    """A deploy refused while its request still waited leaves nothing, as one placed in the
+    request does: the version goes, and so does a capability it would have created. The
+    audit trail keeps the failure."""
+    with transaction.atomic():
+        CapabilityVersion.objects.filter(pk=version.pk).delete()
+        Capability.objects.filter(pk=version.capability_id, current_version=None, versions__isnull=True).delete()
+
+
+def capability_place_version(*, version_id: int) -> dict:
+    """Place a version recorded by a deploy (the Celery task's work) and make it current;
+    record and announce the outcome: {"status": "placed", "cold_start", "evicted"} or
+    {"status": "failed" | "superseded", "code", "message"}.
+
+    A version whose row is gone, whose capability was removed, or that a newer deploy
+    came after is not placed (superseded). Never raises: a failure is recorded on the
+    version, audited, and shown by inspect.
+    """
+    full = CapabilityVersion.objects.filter(pk=version_id).values_list("capability__full_name", flat=True).first()
+    if full is None:
+        logger.info("version %s is gone (its capability was redeployed or removed): nothing to place", version_id)
+        return {"status": VersionPlacement.SUPERSEDED, "code": "not_found", "message": "the version no longer exists"}
+    try:
+        with placement_lock_within(full, wait_seconds=None):
+            outcome = _place_version(version_id)
+    except SigilError as exc:  # the lock was not free in time
+        outcome = _record_failed(version_id, exc)
+    except Exception as exc:
+        error = error_for_unexpected(exc, request_id=f"deploy-{version_id}")
+        logger.exception("placing version %s of %s failed (%s)", version_id, full, error.message)
+        outcome = _record_failed(version_id, error)
+    redis = get_redis()
+    redis.rpush(_outcome_key(version_id), json.dumps(outcome))
+    redis.expire(_outcome_key(version_id), OUTCOME_KEEP_SECONDS)
+    return outcome
+
+
+def _place_version(version_id: int) -> dict:
+    version = CapabilityVersion.objects.select_related("capability__agent").filter(pk=version_id).first()
+    if version is None:
+        return {"status": VersionPlacement.SUPERSEDED, "code": "not_found", "message": "the version no longer exists"}
+    capability = version.capability
+    if version.placement != VersionPlacement.PLACING:  # delivered twice: done already
+        return _outcome_of(version)
+    if capability.state == State.REMOVED:
+        return _record_superseded(version, f"{capability.full_name} was removed before v{version.number} was placed")
+    newer = capability.versions.filter(number__gt=version.number).order_by("number").values_list("number", flat=True)
+    if newer:
+        return _record_superseded(version, f"v{newer[0]} was deployed before v{version.number} was placed")
+    runtime = get_runtime()
+    try:
+        resolved = binding_rules.bindings_resolve(
+            version.requested.get("bindings", []), agent_id=capability.agent_id, supported_kinds=runtime.binding_kinds
+        )
+        bundle = CodeBundle.from_code(version.code, bindings=resolved)
+        room_for = {
+            "full": capability.full_name,
+            "capability_type": capability.type,
+            "expires_at": capability.expires_at,
+        }
+        with placement_room(**room_for) as room:
+            placement = room.place(bundle)
+            placed = _record_placed(version, placement=placement, bundle_sha=bundle.sha)
+    except SigilError as exc:
+        if isinstance(exc, (InvalidRequest, TooLarge)):
+            # Refused code: nothing was deployed, so the fixed code need not wait out a cool-down.
+            get_redis().delete(_cooldown_key(capability.agent.name))
+        return _record_failed(version_id, exc)
+    routes.route_publish(placed)
+    contract_copies.contract_publish(placed)
+    return {"status": VersionPlacement.PLACED, "cold_start": placement.cold_start, "evicted": placement.evicted}
+
+
+def _record_placed(version: CapabilityVersion, *, placement: Placement, bundle_sha: str) -> Capability:
+    requested = version.requested
+    now = timezone.now()
+    with transaction.atomic():
+        capability = Capability.objects.select_for_update().select_related("agent").get(pk=version.capability_id)
+        created = capability.current_version_id is None
+        capability.current_version = version
+        capability.is_public = requested.get("public", capability.is_public)
+        capability.bindings = requested.get("bindings", capability.bindings)
+        if requested.get("cache_when_degraded") is not None:
+            capability.cache_when_degraded = requested["cache_when_degraded"]
+        capability.state = State.LIVE
+        capability.slot = placement.slot
+        capability.placed_sha = bundle_sha
+        capability.backend = placement.backend
+        capability.updated_at = now
+        capability.save()
+        CapabilityVersion.objects.filter(pk=version.pk).update(placement=VersionPlacement.PLACED, failure=None)
+        audit_record(
+            actor=requested.get("actor", "system"),
+            action="capability.created" if created else "capability.deployed",
+            agent_name=capability.agent.name,
+            subject=capability.full_name,
+            detail={
+                "version": version.number,
+                "sha": version.sha,
+                "type": capability.type,
+                "public": capability.is_public,
+                "bindings": capability.bindings,
+            },
+        )
+    return capability
+
+
+def _record_failed(version_id: int, error: SigilError) -> dict:
+    failure = {"code": error.code, "message": error.message}
+    with transaction.atomic():
+        version = CapabilityVersion.objects.select_related("capability__agent").filter(pk=version_id).first()
+        if version is None:
+            return {"status": VersionPlacement.FAILED, **failure}
+        CapabilityVersion.objects.filter(pk=version_id).update(placement=VersionPlacement.FAILED, failure=failure)
+        capability = version.capability
+        # A capability that never had a version placed has nothing to serve.
+        Capability.objects.filter(pk=capability.pk, current_version=None).exclude(state=State.REMOVED).update(
+            state=State.FAILED, updated_at=timezone.now()
+        )
+        audit_record(
+            actor=version.requested.get("actor", "system"),
+            action="capability.deploy_failed",
+            agent_name=capability.agent.name,
+            subject=capability.full_name,
+            detail={"version": version.number, **failure},
+        )
+    return {"status": VersionPlacement.FAILED, **failure}
+
+
+def _record_superseded(version: CapabilityVersion, message: str) -> dict:
+    failure = {"code": "conflict", "message": message}
+    CapabilityVersion.objects.filter(pk=version.pk).update(placement=VersionPlacement.SUPERSEDED, failure=failure)
+    return {"status": VersionPlacement.SUPERSEDED, **failure}
+
+
+def _outcome_of(version: CapabilityVersion) -> dict:
+    if version.placement == VersionPlacement.PLACED:
+        return {"status": VersionPlacement.PLACED, "cold_start": False, "evicted": None}
+    return {"status": version.placement, **(version.failure or {"code": "conflict", "message": "not placed"})}
 
 
 def _unused_ephemeral_name(agent_name: str) -> str:
@@ -381,29 +697,23 @@ def _record_deploy(
 ) -> tuple[Capability, CapabilityVersion, bool]:
     with transaction.atomic():
         if existing is None:
-            try:
-                with transaction.atomic():
-                    capability = Capability.objects.create(
-                        agent=owner,
-                        name=full.split(names.SEPARATOR, 1)[1],
-                        full_name=full,
-                        type=type,
-                        is_public=is_public,
-                        bindings=bindings,
-                        state=State.LIVE,
-                        slot=slot,
-                        placed_sha=bundle_sha,
-                        backend=backend,
-                        expires_at=expires_at,
-                        created_at=now,
-                        updated_at=now,
-                    )
-            except IntegrityError as exc:
-                raise Conflict(f"{full} was created by a concurrent request") from exc
+            capability = _create_capability(
+                owner=owner,
+                full=full,
+                type=type,
+                expires_at=expires_at,
+                now=now,
+                is_public=is_public,
+                bindings=bindings,
+                state=State.LIVE,
+                slot=slot,
+                placed_sha=bundle_sha,
+                backend=backend,
+            )
             number = 1
         else:
             capability = Capability.objects.select_for_update().get(pk=existing.pk)
-            number = (capability.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+            number = _next_version_number(capability)
         version = CapabilityVersion.objects.create(
             capability=capability,
             number=number,
@@ -438,6 +748,32 @@ def _record_deploy(
         )
     capability.agent = owner
     return capability, version, existing is None
+
+
+def _create_capability(
+    *, owner: Agent, full: str, type: str, expires_at: datetime | None, now: datetime, **fields
+) -> Capability:
+    """The row of a capability deployed for the first time. Raises Conflict when a concurrent
+    request created it first."""
+    try:
+        with transaction.atomic():
+            return Capability.objects.create(
+                agent=owner,
+                name=full.split(names.SEPARATOR, 1)[1],
+                full_name=full,
+                type=type,
+                expires_at=expires_at,
+                created_at=now,
+                updated_at=now,
+                **fields,
+            )
+    except IntegrityError as exc:
+        raise Conflict(f"{full} was created by a concurrent request") from exc
+
+
+def _next_version_number(capability: Capability) -> int:
+    """Versions are numbered from 1 and never reused while their rows stay."""
+    return (capability.versions.aggregate(n=Max("number"))["n"] or 0) + 1
 
 
 def _redeploy_unchanged(capability: Capability, *, principal: Principal, is_public: bool) -> DeployResult:
@@ -499,7 +835,8 @@ def _remove(*, full: str, actor: str, action: str, only_if_expired_by: datetime 
         routes.route_withdraw(full)
         # A capability deployed later under the same name starts with no failures of this one.
         failures.failures_forget(full=full)
-        if get_runtime().total_slots is not None:
+        # One never placed (its first deploy still queued) holds no slot to give back.
+        if get_runtime().total_slots is not None and capability.slot:
             pager.pager_mark_leaving(full, now=now.timestamp())
     # The placement of a staged version in traffic goes with its capability.
     for variant in Capability.objects.filter(variant_of=capability).exclude(state=State.REMOVED):
@@ -594,7 +931,7 @@ def _record_rollback(
     now = timezone.now()
     with transaction.atomic():
         locked = Capability.objects.select_for_update().get(pk=current.pk)
-        number = (locked.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+        number = _next_version_number(locked)
         version = CapabilityVersion.objects.create(
             capability=locked,
             number=number,

@@ -1,18 +1,32 @@
-"""Switching SIGIL_BACKEND with capabilities live: moving each to the new runtime, then
-releasing what it left on the previous one.
+"""Switching SIGIL_BACKEND: every capability moves to the new runtime while agents keep
+calling it at the same URL with the same tokens (the seed's path from the $5 pool to the
+namespace).
+
+The owner changes SIGIL_BACKEND, restarts Sigil, and runs `manage.py switchbackend`,
+which walks `backend_switch`. Each capability is placed on the new runtime and recorded
+there (`capability_switch_backend`); until then the gateway serves it from its previous
+placement, and a grace period later that placement is deleted
+(`runtime_release_previous`). A last sweep (`runtime_sweep_previous`) deletes whatever
+the previous runtime still holds that no capability does, so a switch that was
+interrupted and run again finishes the job.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from agents.services import audit_record
 from capabilities import pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
+from capabilities.runtimes.errors import RuntimeFailure
 from capabilities.services.placement import (
     bundle_for,
     placement_in_progress,
@@ -20,6 +34,7 @@ from capabilities.services.placement import (
     placement_room,
     slot_for,
 )
+from sigil_site.errors import InvalidRequest, SigilError
 
 
 @dataclass(frozen=True)
@@ -180,3 +195,100 @@ def runtime_sweep_previous(*, backend: str, actor: str) -> list[str]:
         audit_record(actor=actor, action="runtime.slot_released", subject=slot, detail={"backend": backend})
         released.append(slot)
     return released
+
+
+@dataclass(frozen=True)
+class SwitchEvent:
+    """One thing the switch did, for the owner to follow: `kind` is "provisioned",
+    "adopted", "moved" (with `step`), "failed" (with `error`), "released" or "swept"."""
+
+    kind: str
+    full: str = ""
+    index: int = 0
+    total: int = 0
+    step: SwitchStep | None = None
+    error: str = ""
+    backend: str = ""
+    slots: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SwitchPlan:
+    """What a switch would do, read without touching anything: `moving` are (full name, its
+    runtime) in the order they would move; `unrecorded` were placed before Sigil recorded
+    runtimes (they count as `source`'s, and make the switch refuse without one)."""
+
+    target: str
+    source: str | None
+    moving: list[tuple[str, str]]
+    unrecorded: int
+
+
+def switch_plan(*, source: str | None) -> SwitchPlan:
+    """The capabilities a switch to the current runtime would move. Raises InvalidRequest
+    where the switch itself would refuse to start."""
+    target = get_runtime().name
+    if source == target:
+        raise InvalidRequest(f"SIGIL_BACKEND is already {source}: set it to the runtime to switch to")
+    unrecorded = Capability.objects.exclude(state=State.REMOVED).filter(backend="").count()
+    if unrecorded and source is None:
+        raise InvalidRequest(
+            f"{unrecorded} capabilities were placed before Sigil recorded their runtime: name it with --from"
+        )
+    moving = Capability.objects.exclude(state=State.REMOVED).exclude(backend=target)
+    if source is not None:
+        moving = moving.filter(backend__in=[source, ""])
+    # Most recently called first: on a runtime with a slot limit, they are the ones placed.
+    fulls = moving.order_by(F("last_access_at").desc(nulls_last=True), "full_name").values_list("full_name", "backend")
+    moving_now = [(full, backend or source) for full, backend in fulls]
+    return SwitchPlan(target=target, source=source, moving=moving_now, unrecorded=unrecorded)
+
+
+def backend_switch(*, source: str | None, actor: str, grace_seconds: float) -> Iterator[SwitchEvent]:
+    """Move every capability not on the current runtime to it, yielding progress.
+
+    `source` limits the switch to capabilities on that runtime, and names the runtime of
+    those placed before Sigil recorded runtimes; without it, such capabilities make the
+    switch refuse (InvalidRequest) rather than guess. Safe to interrupt and run again: each
+    capability moves at most once, and the sweep deletes what an interrupted run left.
+    A capability that cannot move is reported and keeps being served where it is.
+    """
+    runtime = get_runtime()
+    switch_plan(source=source)  # refuses what the switch cannot start with
+    yield SwitchEvent("provisioned", backend=runtime.name, lines=runtime.provision())
+
+    if Capability.objects.exclude(state=State.REMOVED).filter(backend="").exists():
+        yield SwitchEvent("adopted", backend=source, total=capability_adopt_backend(backend=source))
+
+    fulls = switch_plan(source=source).moving
+    sources = {backend for _, backend in fulls} | ({source} if source else set())
+
+    pending: deque[tuple[float, str, str, str]] = deque()  # (due, backend, slot, full)
+    for index, (full, _) in enumerate(fulls, start=1):
+        try:
+            step = capability_switch_backend(full=full, actor=actor)
+        except (SigilError, RuntimeFailure) as exc:
+            yield SwitchEvent("failed", full=full, index=index, total=len(fulls), error=str(exc))
+            continue
+        yield SwitchEvent("moved", full=full, index=index, total=len(fulls), step=step)
+        if step.outcome in ("moved", "reassigned") and step.old_slot:
+            pending.append((time.monotonic() + grace_seconds, step.source, step.old_slot, full))
+        while pending and pending[0][0] <= time.monotonic():
+            yield _release(pending.popleft(), actor)
+    while pending:
+        time.sleep(max(0.0, pending[0][0] - time.monotonic()))
+        yield _release(pending.popleft(), actor)
+
+    for backend in sorted(sources - {runtime.name}):
+        yield SwitchEvent("swept", backend=backend, slots=runtime_sweep_previous(backend=backend, actor=actor))
+
+
+def _release(item: tuple[float, str, str, str], actor: str) -> SwitchEvent:
+    _, backend, slot, full = item
+    try:
+        released = runtime_release_previous(backend=backend, slot=slot, actor=actor)
+    except RuntimeFailure as exc:
+        # The sweep at the end (or of the next run) deletes it.
+        return SwitchEvent("failed", full=full, backend=backend, slots=[slot], error=str(exc))
+    return SwitchEvent("released", full=full, backend=backend, slots=[slot] if released else [])

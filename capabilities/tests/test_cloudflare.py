@@ -24,7 +24,7 @@ from capabilities.cloudflare import (
     CloudflareUnavailable,
     upload_parts,
 )
-from capabilities.runtimes.base import RuntimeRejected, RuntimeUnavailable, ScriptTooLarge, SlotsExhausted
+from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable, ScriptTooLarge, SlotsExhausted
 from capabilities.workerd import free_port
 
 HELLO = "export default { async fetch(request) { return new Response('hello ' + new URL(request.url).pathname) } }"

@@ -12,7 +12,7 @@ from django.core.management import CommandError, call_command
 from agents.models import AuditEvent
 from capabilities.models import Binding, Capability
 from capabilities.runtimes import get_runtime, runtimes_forget
-from capabilities.switch import backend_switch
+from capabilities.services import backend_switch
 from testsupport.capability_code import answering as code
 from testsupport.cast import grant, wait_for
 

@@ -283,3 +283,65 @@ def test_cloudflare_failing_when_asked_where_scripts_answer_is_a_502_in_the_enve
     assert failed.status_code == 502, failed.text
     assert failed.json()["error"]["code"] == "upstream_error"
     assert alice.call("/alice/a").text == "a"  # asked again on the next call, and answered
+
+
+@pytest.fixture
+def deploys_unconsumed(worker_pool, celery_deploy_worker, settings):
+    """No worker takes deploys: the session's deploy worker stops consuming their queue for
+    this test (and takes it up again after)."""
+    from sigil_site.celery import app
+
+    queue, worker = settings.SIGIL_DEPLOY_QUEUE, [celery_deploy_worker.hostname]
+    assert app.control.cancel_consumer(queue, destination=worker, reply=True, timeout=5)
+    yield
+    assert app.control.add_consumer(queue, destination=worker, reply=True, timeout=5)
+
+
+@pytest.mark.slow
+def test_a_deploy_waits_for_a_celery_worker_and_is_placed_when_one_starts(
+    worker_pool, alice, settings, deploys_unconsumed, scripts_on_cloudflare
+):
+    settings.SIGIL_DEPLOY_WAIT_SECONDS = 1
+    queued = alice.deploy(name="later", code=code("placed later"))
+    assert queued.status_code == 202, queued.text
+    body = queued.json()
+    assert body["status"] == "deploying" and body["version"] == 1
+    assert body["callback"] == "/_status/alice--later"
+    assert alice.call(body["callback"]).json()["status"] == "deploying"
+    assert alice.call("/alice/later").status_code == 404  # recorded, not served yet
+    # Refused code, and a capability removed before its placement runs, wait with it.
+    assert alice.deploy(name="broken", code="export default {").status_code == 202
+    assert alice.deploy(name="gone", code=code("never placed")).status_code == 202
+    assert alice.call("/_api/capabilities/alice--gone", method="DELETE", token="deploy").status_code == 204
+    assert uploads(worker_pool) == []  # nothing reached Cloudflare from the web request
+
+    worker = start_worker_process(settings, queue=settings.SIGIL_DEPLOY_QUEUE)
+    try:
+        wait_for(
+            lambda: alice.call("/_status/alice--later").json()["status"] == "ready",
+            timeout=60,
+            message="the deploy to be placed once a worker started",
+        )
+        wait_for(
+            lambda: alice.call("/_status/alice--broken").json()["status"] == "failed",
+            timeout=30,
+            message="the broken deploy's failure",
+        )
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(timeout=30)
+
+    assert alice.call("/alice/later").text == "placed later"
+    later = alice.call("/_api/capabilities/alice--later").json()
+    assert later["version"] == 1 and later["state"] == "live" and later["deploy"] is None
+    broken = alice.call("/_api/capabilities/alice--broken").json()
+    assert broken["state"] == "failed" and broken["version"] is None
+    assert broken["deploy"]["status"] == "failed" and broken["deploy"]["version"] == 1
+    assert broken["deploy"]["error"]["code"] == "invalid_request"
+    assert "refused the script" in broken["deploy"]["error"]["message"]
+    assert alice.call("/alice/broken").status_code == 404
+    failures = AuditEvent.objects.filter(action="capability.deploy_failed", subject="alice--broken")
+    assert failures.count() == 1
+    assert AuditEvent.objects.filter(action="capability.created", subject="alice--later").count() == 1
+    gone = names.pool_script_name("alice--gone")
+    assert gone not in scripts_on_cloudflare() and uploads(worker_pool, gone) == []

@@ -74,23 +74,10 @@ def test_a_kv_value_written_over_the_api_reaches_bindings_after_the_delay(api, c
     assert cf_emulator_fresh.worker_request(host).text == "new"
 
 
-# Known gaps, each a strict xfail so the test turns red once it is closed: nothing waits for
-# Cloudflare to propagate a Worker Sigil has just uploaded.
-_NOT_WAITED_FOR = {
-    "worker_pool": "the gateway re-places a fresh script whose URL answers 404 and retries once, at once: "
-    "the caller gets Cloudflare's 404",
-    "platform": "the dispatch Worker deployed by the first placement is called before its workers.dev URL "
-    "propagates: the caller gets Cloudflare's 404",
-    "loader": "the loader Worker deployed by the first placement is asked for a start check before its "
-    "workers.dev URL propagates: the deploy is a 502 (start check answered 404, unmarked)",
-}
-
-
-@pytest.mark.parametrize(
-    "runtime",
-    [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=why)) for name, why in _NOT_WAITED_FOR.items()],
-)
+@pytest.mark.parametrize("runtime", ["worker_pool", "platform", "loader"])
 def test_a_capability_answers_its_first_call_while_cloudflare_propagates(runtime, request, alice):
+    """The first placement uploads a new script (and on platform and loader, Sigil's own
+    Worker): the deploy's start check and the first call wait for Cloudflare to serve it."""
     emulator = request.getfixturevalue(runtime)
     emulator.configure(propagation_delay=DELAY)
     deployed = alice.deploy(name="ping", code=PONG)

@@ -261,3 +261,19 @@ def test_the_emulator_runs_when_the_cloudflare_api_base_points_at_it(settings):
     programs, _ = sigil_programs(port=8000)
 
     assert [program.name for program in programs] == ["cfemulator", "celery", "web"]
+
+
+def test_the_celery_worker_consumes_the_deploys_queue_beside_the_default_one(settings):
+    from sigil_site.celery import app
+
+    settings.SIGIL_EMBEDDED_REDIS = False
+    settings.SIGIL_BACKEND = "worker-pool"
+
+    programs, _ = sigil_programs(port=8000)
+
+    celery = next(program for program in programs if program.name == "celery")
+    queues = celery.argv[celery.argv.index("--queues") + 1].split(",")
+    # A deploy on a Cloudflare runtime is routed to its own queue: a worker that skipped it
+    # would leave every such deploy at 202 for good.
+    assert settings.CELERY_TASK_ROUTES["capabilities.capability_place_version"]["queue"] in queues
+    assert app.conf.task_default_queue in queues

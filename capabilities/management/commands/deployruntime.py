@@ -7,7 +7,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from capabilities import services
 from capabilities.runtimes import get_runtime
-from capabilities.runtimes.base import RuntimeFailure
+from capabilities.runtimes.errors import RuntimeFailure
 
 
 class Command(BaseCommand):

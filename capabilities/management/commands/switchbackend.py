@@ -8,8 +8,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from capabilities.runtimes import RUNTIMES
-from capabilities.runtimes.base import RuntimeFailure
-from capabilities.switch import SwitchEvent, SwitchPlan, backend_switch, switch_plan
+from capabilities.runtimes.errors import RuntimeFailure
+from capabilities.services import SwitchEvent, SwitchPlan, backend_switch, switch_plan
 from sigil_site.errors import SigilError
 
 

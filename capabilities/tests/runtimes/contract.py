@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import urllib3
 
-from capabilities.runtimes.base import CodeBundle, Route, RuntimeRejected
+from capabilities.runtimes.base import CodeBundle, Route
+from capabilities.runtimes.errors import RuntimeRejected
 
 HELLO = "export default { async fetch(request) { return new Response('hello ' + new URL(request.url).pathname) } }"
 SECOND = "export default { async fetch() { return new Response('second version') } }"

@@ -6,7 +6,8 @@ import pytest
 import urllib3
 
 from capabilities.cloudflare import CloudflarePlanRequired
-from capabilities.runtimes.base import CodeBundle, ResolvedBinding, RuntimeRejected
+from capabilities.runtimes.base import CodeBundle, ResolvedBinding
+from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader import LoaderRuntime
 from capabilities.tests.runtimes.contract import HELLO, RuntimeContract, call
 

@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-from capabilities.runtimes.base import CodeBundle, ResolvedBinding, RuntimeUnavailable, secret_fingerprint
+from capabilities.runtimes.base import CodeBundle, ResolvedBinding, secret_fingerprint
+from capabilities.runtimes.errors import RuntimeUnavailable
 from capabilities.runtimes.local import LocalProcesses, LocalRuntime, local_limits
 from capabilities.tests.runtimes.contract import call
 from capabilities.workerd import free_port_block

@@ -167,6 +167,9 @@ def sigil_programs(*, port: int, dev: bool = False) -> tuple[list[Program], str]
         # --quiet: no banner; Celery logs through Sigil's configuration (sigil_site/celery.py).
         sys.executable, "-m", "celery", "--quiet", "-A", "sigil_site", "worker", "--beat",
         "--concurrency", "2", "--loglevel", "INFO", "--hostname", node,
+        # Every queue: the default one and the deploys' (on the Cloudflare runtimes a deploy
+        # request waits for its placement there).
+        "--queues", f"celery,{settings.SIGIL_DEPLOY_QUEUE}",
         # One worker alone: asking for neighbours only delays its start by a second.
         "--without-mingle", "--without-gossip",
         "--schedule", str(settings.CELERY_BEAT_SCHEDULE_FILENAME),

@@ -1,15 +1,5 @@
-"""The one Cloudflare REST client: envelopes, error codes, retries, and the shared rate budget.
-
-Every call to the Cloudflare API from any Sigil process goes through `CloudflareClient`. It
-parses Cloudflare's `{"success", "errors", "messages", "result"}` envelope, maps Cloudflare's
-error codes to the runtime error types (so runtimes raise only those), retries what is
-transient with exponential backoff and jitter (honouring `Retry-After`), and draws every
-request from one rate budget kept in Redis, shared by all processes of the deployment.
-
-The API token is held only in the session's `Authorization` header. It is never logged, never
-part of an exception message (messages echoed from the server are redacted too) and never in
-a repr.
-"""
+"""The Cloudflare REST client: requests, Cloudflare's envelope, retries, and each call drawn
+from the shared rate budget (budget.py), its failures raised as errors.py's types."""
 
 from __future__ import annotations
 
@@ -17,7 +7,6 @@ import json
 import logging
 import random
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,48 +16,32 @@ import redis
 import requests
 from requests.adapters import HTTPAdapter
 
-from capabilities.runtimes.base import (
-    RuntimeFailure,
-    RuntimeRejected,
-    RuntimeUnavailable,
-    ScriptTooLarge,
-    SlotsExhausted,
+from capabilities.cloudflare.budget import RateBudget
+from capabilities.cloudflare.errors import (
+    _AUTH_CODES,
+    _NOT_FOUND_CODES,
+    _PLAN_CODES,
+    _RETRY_STATUSES,
+    _ROUTE_CODES,
+    _TRANSIENT_CODES,
+    CODE_KV_BINDING_INVALID,
+    CODE_LOADER_PAID_PLAN,
+    CODE_RATE_LIMITED,
+    CODE_SCRIPT_TOO_LARGE,
+    CODE_TOO_MANY_SCRIPTS,
+    CODE_VALIDATION,
+    CloudflareAuthFailure,
+    CloudflareError,
+    CloudflareNotFound,
+    CloudflarePlanRequired,
+    CloudflareRateLimited,
+    CloudflareRejected,
+    CloudflareScriptTooLarge,
+    CloudflareSlotsExhausted,
+    CloudflareUnavailable,
 )
 
 logger = logging.getLogger(__name__)
-
-# Cloudflare's error codes (reference §7.1) that the client treats specially.
-CODE_RATE_LIMITED = 971
-CODE_NO_ROUTE = 7000
-CODE_BAD_ROUTE = 7003
-CODE_AUTHENTICATION = 10000
-CODE_INTERNAL = 10002
-CODE_NOT_FOUND = 10007
-CODE_KV_KEY_NOT_FOUND = 10009
-CODE_KV_NAMESPACE_NOT_FOUND = 10013
-CODE_UNAUTHORIZED = 10023
-CODE_SCRIPT_TOO_LARGE = 10027
-CODE_CONCURRENT_CHANGE = 10035
-CODE_TOO_MANY_SCRIPTS = 10037
-CODE_NOT_ENTITLED = 10015
-CODE_VALIDATION = 10021
-CODE_KV_BINDING_INVALID = 10042
-CODE_PAID_PLAN_REQUIRED = 10075
-CODE_LOADER_PAID_PLAN = 10195
-
-_NOT_FOUND_CODES = frozenset({CODE_NOT_FOUND, CODE_KV_KEY_NOT_FOUND, CODE_KV_NAMESPACE_NOT_FOUND})
-_AUTH_CODES = frozenset({CODE_AUTHENTICATION, CODE_UNAUTHORIZED})
-# A 404 means "not found" whatever its code (the code of a missing dispatch namespace is in no
-# public source), except these: no route for the URL, i.e. a wrong account id or API base.
-_ROUTE_CODES = frozenset({CODE_NO_ROUTE, CODE_BAD_ROUTE})
-# The account's plan lacks a feature: Workers Paid (10075), Dynamic Workers (10195, observed),
-# or an entitlement such as Workers for Platforms (10015; its real code is in no source).
-_PLAN_CODES = frozenset({CODE_NOT_ENTITLED, CODE_PAID_PLAN_REQUIRED, CODE_LOADER_PAID_PLAN})
-# 10035: "multiple attempts to modify a resource at the same time"; waiting resolves it.
-_TRANSIENT_CODES = frozenset({CODE_INTERNAL, CODE_CONCURRENT_CHANGE})
-# Statuses worth another attempt, as Cloudflare's own SDK decides (reference §0), less 409:
-# Cloudflare also uses 409 for real conflicts, and 10035 covers the transient one by code.
-_RETRY_STATUSES = frozenset({408, 429})
 
 # Content types of module parts, by file extension (Wrangler's mapping, reference §1.1).
 _MODULE_TYPES = {
@@ -96,62 +69,6 @@ def api_calls_hour_key(hour: int) -> str:
     return f"sigil:cf:calls:hour:{hour}"
 
 
-# --- errors -----------------------------------------------------------------------------
-
-
-class CloudflareError(RuntimeFailure):
-    """An answer (or the lack of one) from the Cloudflare API that is not a success.
-
-    `status` is the HTTP status (None when no answer came), `code` the first Cloudflare
-    error code of the envelope (None when there was none).
-    """
-
-    def __init__(
-        self, message: str, *, status: int | None = None, code: int | None = None, retry_after: float | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.retry_after = retry_after
-
-
-class CloudflareUnavailable(CloudflareError, RuntimeUnavailable):
-    """Transient: a connection error, a timeout, a 5xx or a concurrent change. Retry later."""
-
-
-class CloudflareRateLimited(CloudflareUnavailable):
-    """The rate budget (Sigil's shared one, or Cloudflare's, code 971) has no room.
-
-    `retry_after` says in how many seconds to try again.
-    """
-
-
-class CloudflareRejected(CloudflareError, RuntimeRejected):
-    """Cloudflare refused the request for good (validation, bad name, no route, ...)."""
-
-
-class CloudflareNotFound(CloudflareRejected):
-    """The script, subdomain, namespace or KV key does not exist (any 404 but a bad route,
-    and 10007, 10009, 10013 whatever the status)."""
-
-
-class CloudflarePlanRequired(CloudflareRejected):
-    """The account's plan lacks what the call needs: the Workers Paid plan for a Worker
-    Loader binding, or the Workers for Platforms subscription for dispatch namespaces."""
-
-
-class CloudflareAuthFailure(CloudflareRejected):
-    """The API token is invalid, expired or lacks a permission (10000, 10023)."""
-
-
-class CloudflareScriptTooLarge(CloudflareRejected, ScriptTooLarge):
-    """The script is over the account's size limit (10027)."""
-
-
-class CloudflareSlotsExhausted(CloudflareRejected, SlotsExhausted):
-    """The account holds as many Workers as its plan allows (10037)."""
-
-
 # --- results ----------------------------------------------------------------------------
 
 
@@ -176,112 +93,6 @@ class ScriptInfo:
             created_on=str(result.get("created_on") or script.get("created_on") or ""),
             modified_on=str(result.get("modified_on") or script.get("modified_on") or ""),
         )
-
-
-# --- the shared rate budget ---------------------------------------------------------------
-
-# A sliding-window log in one sorted set: members are requests, scores their time (ms, Redis's
-# clock, so hosts with skewed clocks agree). Returns 0 and records the request when there is
-# room, else how many ms until the oldest request leaves the window. A pause key, set after
-# Cloudflare answered 429, makes every process wait out Retry-After. (Reading TIME in a script
-# that writes needs Redis 5 or later, which replicates effects rather than scripts.)
-_BUDGET_SCRIPT = """
-local paused = redis.call('PTTL', KEYS[2])
-if paused > 0 then return paused end
-local limit = tonumber(ARGV[1])
-local window = tonumber(ARGV[2])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
-if redis.call('ZCARD', KEYS[1]) < limit then
-  redis.call('ZADD', KEYS[1], now, ARGV[3])
-  redis.call('PEXPIRE', KEYS[1], window)
-  return 0
-end
-local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-return math.max(1, tonumber(oldest[2]) + window - now)
-"""
-
-# Cloudflare counts a request when it arrives, which is after Sigil admitted it. Stamping it
-# again when it has finished keeps Sigil's window ending after Cloudflare's, so a burst one
-# window after another can never land inside Cloudflare's window (and lock the token out).
-_SETTLE_SCRIPT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], 'XX', now, ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 0
-"""
-
-
-class RateBudget:
-    """`limit` requests per `window_seconds`, shared by every process using the same Redis.
-
-    `acquire` waits for room up to `max_wait_seconds`, then raises CloudflareRateLimited;
-    `settle` is called when the request has been answered (or has failed).
-    """
-
-    def __init__(
-        self, *, redis: redis.Redis, key: str, limit: int, window_seconds: float, max_wait_seconds: float
-    ) -> None:
-        if limit < 1 or window_seconds <= 0:
-            raise ValueError("the rate budget needs a limit of at least 1 and a positive window")
-        # One hash tag for both keys keeps them in one slot on Redis Cluster.
-        self.key = f"{{{key}}}:window"
-        self.pause_key = f"{{{key}}}:pause"
-        self.limit = limit
-        self.window_ms = int(window_seconds * 1000)
-        self.max_wait_seconds = max_wait_seconds
-        self._acquire_script = redis.register_script(_BUDGET_SCRIPT)
-        self._settle_script = redis.register_script(_SETTLE_SCRIPT)
-        self._redis = redis
-
-    def acquire(self) -> str:
-        """Take one request from the budget, waiting for room; returns its ticket for `settle`.
-
-        Raises CloudflareRateLimited when no room comes within the allowed wait.
-        """
-        ticket = uuid.uuid4().hex
-        deadline = time.monotonic() + self.max_wait_seconds
-        while True:
-            try:
-                wait_ms = int(
-                    self._acquire_script(keys=[self.key, self.pause_key], args=[self.limit, self.window_ms, ticket])
-                )
-            except redis.RedisError as exc:
-                # Without the shared budget, calling could lock every process out for 5 minutes.
-                raise CloudflareUnavailable(f"the Cloudflare rate budget in Redis is unreachable: {exc}") from exc
-            if wait_ms <= 0:
-                return ticket
-            wait = wait_ms / 1000
-            remaining = deadline - time.monotonic()
-            if wait > remaining:
-                # Room will not come within the allowed wait: fail now rather than sleep in vain.
-                raise CloudflareRateLimited(
-                    f"the Cloudflare API budget ({self.limit} requests per {self.window_ms / 1000:g} s) "
-                    f"has no room for {wait:.1f} s, more than the {self.max_wait_seconds:g} s a call may wait",
-                    retry_after=wait,
-                )
-            # A little jitter so that waiters woken by the same expiry do not stampede.
-            time.sleep(wait + random.uniform(0, 0.02))
-
-    def settle(self, ticket: str) -> None:
-        """Count the request from now on: it has been answered, or has failed."""
-        try:
-            self._settle_script(keys=[self.key], args=[ticket, self.window_ms])
-        except redis.RedisError as exc:
-            # The call itself is done; failing it now would only make it run again.
-            logger.warning("could not settle a Cloudflare budget ticket in Redis: %s", exc)
-
-    def pause(self, seconds: float) -> None:
-        """Make every process wait `seconds` before its next request (after a 429)."""
-        milliseconds = max(1, int(seconds * 1000))
-        try:
-            current = self._redis.pttl(self.pause_key)
-            if current is None or current < milliseconds:
-                self._redis.set(self.pause_key, b"1", px=milliseconds)
-        except redis.RedisError as exc:
-            raise CloudflareUnavailable(f"the Cloudflare rate budget in Redis is unreachable: {exc}") from exc
 
 
 # --- the client ---------------------------------------------------------------------------

@@ -1,0 +1,57 @@
+"""The one Cloudflare REST client: envelopes, error codes, retries, and the shared rate budget.
+
+Every call to the Cloudflare API from any Sigil process goes through `CloudflareClient`. It
+parses Cloudflare's `{"success", "errors", "messages", "result"}` envelope, maps Cloudflare's
+error codes to the runtime error types (so runtimes raise only those), retries what is
+transient with exponential backoff and jitter (honouring `Retry-After`), and draws every
+request from one rate budget kept in Redis, shared by all processes of the deployment.
+
+The API token is held only in the session's `Authorization` header. It is never logged, never
+part of an exception message (messages echoed from the server are redacted too) and never in
+a repr.
+
+One module per concern: `errors` (Cloudflare's codes and the error types), `budget` (the rate
+budget), `client` (the client and how it builds requests). Callers import from here.
+"""
+
+from capabilities.cloudflare.budget import RateBudget
+from capabilities.cloudflare.client import (
+    API_CALLS_KEY,
+    API_RATE_LIMITED_KEY,
+    CloudflareClient,
+    ScriptInfo,
+    api_calls_hour_key,
+    module_content_type,
+    upload_parts,
+)
+from capabilities.cloudflare.errors import (
+    CloudflareAuthFailure,
+    CloudflareError,
+    CloudflareNotFound,
+    CloudflarePlanRequired,
+    CloudflareRateLimited,
+    CloudflareRejected,
+    CloudflareScriptTooLarge,
+    CloudflareSlotsExhausted,
+    CloudflareUnavailable,
+)
+
+__all__ = [
+    "API_CALLS_KEY",
+    "API_RATE_LIMITED_KEY",
+    "CloudflareAuthFailure",
+    "CloudflareClient",
+    "CloudflareError",
+    "CloudflareNotFound",
+    "CloudflarePlanRequired",
+    "CloudflareRateLimited",
+    "CloudflareRejected",
+    "CloudflareScriptTooLarge",
+    "CloudflareSlotsExhausted",
+    "CloudflareUnavailable",
+    "RateBudget",
+    "ScriptInfo",
+    "api_calls_hour_key",
+    "module_content_type",
+    "upload_parts",
+]
