@@ -72,7 +72,9 @@ def test_invoke_passes_method_path_query_headers_and_body_through(backend, alice
     )
     assert response.status_code == 207
     assert (response.headers["x-echo"], response.headers["set-cookie"]) == ("yes", "a=b")
-    assert not [h for h in response.headers if h.lower().startswith("x-sigil-") and h != "X-Sigil-Capability"]
+    written = ("X-Sigil-Capability", "X-Sigil-Version")
+    assert not [h for h in response.headers if h.lower().startswith("x-sigil-") and h not in written]
+    assert response.headers["X-Sigil-Version"] == "1"
     seen = response.json()
     seen_request = (seen["method"], seen["path"], seen["query"], seen["body"])
     assert seen_request == ("PUT", "/deep/path%20x", "?q=1&r=two", "payload-bytes")
