@@ -12,6 +12,8 @@ key: no query.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from django.db import transaction
@@ -147,6 +149,25 @@ def _place_variant(capability: Capability) -> None:
         raise
 
 
+@contextmanager
+def _ending_split(capability: Capability, *, actor: str, doing: str) -> Iterator[Capability]:
+    """Hold the capability's placement lock and give it, with its staged version, to the
+    block that records the split's end; then publish its route and retire the staged
+    version's placement. Raises Conflict (nothing staged; a placement under way), NotFound."""
+    lock = _locked(capability.full_name)
+    try:
+        current = _current(capability)
+        if current.staged_version is None:
+            raise Conflict(f"{current.full_name} has no staged version to {doing}")
+        yield current
+        current.refresh_from_db()
+        routes.route_publish(current)
+        contract_copies.contract_publish(current)  # a promoted version's contract is the tool's now
+    finally:
+        lock.release()
+    _retire_variants(current, actor=actor)
+
+
 def capability_promote(*, capability: Capability, actor: str) -> Capability:
     """Make the staged version current (placed where the capability is, as a deploy places
     code) and end the split; the staged version's own placement leaves the runtime.
@@ -154,13 +175,8 @@ def capability_promote(*, capability: Capability, actor: str) -> Capability:
     Raises Conflict (nothing staged; a placement under way), NotFound, and what placing code
     raises (InvalidRequest, TooLarge, UpstreamError).
     """
-    lock = _locked(capability.full_name)
-    try:
-        current = _current(capability)
-        staged = current.staged_version
-        if staged is None:
-            raise Conflict(f"{current.full_name} has no staged version to promote")
-        previous = current.current_version
+    with _ending_split(capability, actor=actor, doing="promote") as current:
+        staged, previous = current.staged_version, current.current_version
         bundle = bundle_for(staged.code, current, get_runtime())
         with placement_room(
             full=current.full_name, capability_type=current.type, expires_at=current.expires_at
@@ -181,12 +197,6 @@ def capability_promote(*, capability: Capability, actor: str) -> Capability:
                     subject=current.full_name,
                     detail={"version": staged.number, "previous_version": previous.number if previous else None},
                 )
-        current.refresh_from_db()
-        routes.route_publish(current)
-        contract_copies.contract_publish(current)  # the promoted version's contract is now the tool's
-    finally:
-        lock.release()
-    _retire_variants(current, actor=actor)
     return current
 
 
@@ -197,27 +207,16 @@ def capability_split_abort(*, capability: Capability, actor: str, reason: dict |
 
     Raises Conflict (nothing staged; a placement under way), NotFound.
     """
-    lock = _locked(capability.full_name)
-    try:
-        current = _current(capability)
-        staged = current.staged_version
-        if staged is None:
-            raise Conflict(f"{current.full_name} has no staged version to abort")
-        with transaction.atomic():
-            locked = Capability.objects.select_for_update().get(pk=current.pk)
-            _end_split(locked)
-            audit_record(
-                actor=actor,
-                action="capability.split_aborted",
-                agent_name=current.agent.name,
-                subject=current.full_name,
-                detail={"staged_version": staged.number, **(reason or {})},
-            )
-        current.refresh_from_db()
-        routes.route_publish(current)
-    finally:
-        lock.release()
-    _retire_variants(current, actor=actor)
+    with _ending_split(capability, actor=actor, doing="abort") as current, transaction.atomic():
+        locked = Capability.objects.select_for_update().get(pk=current.pk)
+        _end_split(locked)
+        audit_record(
+            actor=actor,
+            action="capability.split_aborted",
+            agent_name=current.agent.name,
+            subject=current.full_name,
+            detail={"staged_version": current.staged_version.number, **(reason or {})},
+        )
     return current
 
 
