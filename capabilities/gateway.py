@@ -224,38 +224,28 @@ class Gateway:
             keys = (tokens.cache_key(token_hash), routes.key(full), breaker.open_key(full))
             token_raw, route_raw, breaker_raw = self.thread_redis().mget(keys)
             principal = token_authenticate_hash(token_hash, cached=token_raw)
-            return self.serve(
-                environ,
-                start_response,
-                started=started,
-                full=full,
-                rest=rest,
-                caller=principal.agent_name,
-                token_hash=token_hash,
-                route_raw=route_raw,
-                breaker_raw=breaker_raw,
-            )
-        authorization = environ.get("HTTP_AUTHORIZATION")
-        if authorization is not None and SERVER_ENVIRONMENT_HEADERS.get("HTTP_AUTHORIZATION") == authorization:
-            authorization = None  # the server's environment, not the caller's header
-        secret = parse_bearer(authorization)
-        token_hash = tokens.hash_secret(secret)
-        address = self.auth_throttle.address(environ)
-        if PREFETCHED in environ:
-            token_raw, route_raw, breaker_raw, auth_failures = environ[PREFETCHED]
         else:
-            keys = call_keys(token_hash, full, self.auth_throttle.key(address))
-            try:
-                token_raw, route_raw, breaker_raw, auth_failures = self.thread_redis().mget(keys)
-            except redis.ConnectionError:
-                # The held connection was closed (Redis restarted, or dropped an idle client);
-                # redis-py has discarded it, so this reconnects.
-                token_raw, route_raw, breaker_raw, auth_failures = self.thread_redis().mget(keys)
-        if route_raw is not None and route_raw != routes.TOMBSTONE:
-            environ[CAPABILITY] = full  # a refusal from here on is counted on the capability
-        principal = self.authenticate(secret, token_raw, address, auth_failures)
-        if _prefers_async(environ):
-            return self.reply_accepted(environ, start_response, full, principal.agent_name, token_hash, route_raw)
+            authorization = environ.get("HTTP_AUTHORIZATION")
+            if authorization is not None and SERVER_ENVIRONMENT_HEADERS.get("HTTP_AUTHORIZATION") == authorization:
+                authorization = None  # the server's environment, not the caller's header
+            secret = parse_bearer(authorization)
+            token_hash = tokens.hash_secret(secret)
+            address = self.auth_throttle.address(environ)
+            if PREFETCHED in environ:
+                token_raw, route_raw, breaker_raw, auth_failures = environ[PREFETCHED]
+            else:
+                keys = call_keys(token_hash, full, self.auth_throttle.key(address))
+                try:
+                    token_raw, route_raw, breaker_raw, auth_failures = self.thread_redis().mget(keys)
+                except redis.ConnectionError:
+                    # The held connection was closed (Redis restarted, or dropped an idle client);
+                    # redis-py has discarded it, so this reconnects.
+                    token_raw, route_raw, breaker_raw, auth_failures = self.thread_redis().mget(keys)
+            if route_raw is not None and route_raw != routes.TOMBSTONE:
+                environ[CAPABILITY] = full  # a refusal from here on is counted on the capability
+            principal = self.authenticate(secret, token_raw, address, auth_failures)
+            if _prefers_async(environ):
+                return self.reply_accepted(environ, start_response, full, principal.agent_name, token_hash, route_raw)
         return self.serve(
             environ,
             start_response,
