@@ -340,10 +340,28 @@ class TokenAdmin(admin.ModelAdmin):
     def has_delete_permission(self, request, obj=None) -> bool:
         return False  # revoke instead, so the trail keeps the token's prefix
 
-    @admin.action(description="Revoke selected tokens")
-    def revoke_tokens(self, request, queryset) -> None:
+    @admin.action(description="Revoke selected tokens…")
+    def revoke_tokens(self, request, queryset):
+        tokens = list(queryset.select_related("agent"))
+        if request.POST.get("confirmed") != "yes":
+            # Asked first, as for one token: a revoked token cannot be restored.
+            changelist_url = reverse("admin:agents_token_changelist")
+            context = {
+                **self.admin_site.each_context(request),
+                "opts": self.opts,
+                "title": "Revoke the selected tokens: are you sure?",
+                "subject": ", ".join(f"{t.prefix}… of {t.agent.name}" for t in tokens) or "no token",
+                "subject_url": changelist_url,
+                "changelist_url": changelist_url,
+                "action": "Revoke the selected tokens",
+                "what": "Every call and deploy with them is refused from the next request on; their agents' other "
+                "tokens keep working. A revoked token cannot be restored.",
+                "fields": {"action": request.POST.get("action", ""), "confirmed": "yes"},
+                "selected": [t.pk for t in tokens],
+            }
+            return TemplateResponse(request, "admin/sigil/confirm.html", context)
         count = 0
-        for token in queryset.select_related("agent"):
+        for token in tokens:
             try:
                 revoked = services.token_revoke(token=token, actor=owner_actor(request))
             except SigilError as exc:
@@ -353,6 +371,7 @@ class TokenAdmin(admin.ModelAdmin):
                 count += 1
                 self.log_change(request, token, "Revoked")
         self.message_user(request, f"Revoked {count} token(s).")
+        return None
 
 
 class AuditSubjectFilter(admin.SimpleListFilter):

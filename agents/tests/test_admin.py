@@ -1,6 +1,7 @@
 """The agent, token and audit admin through Django's test client."""
 
 import pytest
+from django.contrib.admin.models import LogEntry
 from django.contrib.auth import get_user_model
 
 from agents.models import Agent, AuditEvent, Token
@@ -110,3 +111,17 @@ def test_audit_trail_is_read_only_and_filters_by_agent_capability_action_and_tim
     assert owner_client.post(f"/admin/agents/auditevent/{event.pk}/delete/").status_code == 403
     page = owner_client.get(f"/admin/agents/auditevent/{event.pk}/change/").content.decode()
     assert 'name="_save"' not in page
+
+
+def test_revoking_selected_tokens_asks_first_then_stops_them(owner_client, alice):
+    token = Token.objects.get(agent__name="alice", scope="invoke")
+    chosen = {"action": "revoke_tokens", "_selected_action": [token.pk]}
+
+    asked = owner_client.post("/admin/agents/token/", chosen)
+    assert asked.status_code == 200 and 'id="confirm"' in asked.content.decode()
+    assert alice.call("/_api/capabilities").status_code == 200  # nothing revoked yet
+
+    owner_client.post("/admin/agents/token/", {**chosen, "confirmed": "yes"})
+    assert alice.call("/_api/capabilities").status_code == 401
+    assert AuditEvent.objects.filter(action="token.revoked", subject=token.prefix).exists()
+    assert LogEntry.objects.filter(object_id=str(token.pk), change_message="Revoked").exists()
