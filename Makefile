@@ -66,5 +66,6 @@ bench: install
 	$(PY) bench/pager.py
 	$(PY) bench/runtimes.py
 	$(PY) bench/mcp.py
+	$(PY) bench/cost_replay.py
 	$(PY) bench/emulator_limits.py
 	$(PY) bench/workerd_memory.py
