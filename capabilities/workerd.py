@@ -93,7 +93,10 @@ def _relay_output(process: subprocess.Popen, log_path: Path, port: int) -> None:
         for raw in process.stdout:
             log.write(raw)
             log.flush()
-            output_logger.info("%s", raw.decode(errors="replace").rstrip(), extra={"workerd_port": port})
+            line = raw.decode(errors="replace").rstrip()
+            # workerd marks its own notes that call for no action NOSENTRY (one per new isolate).
+            level = logging.DEBUG if "NOSENTRY" in line else logging.INFO
+            output_logger.log(level, "%s", line, extra={"workerd_port": port})
     process.stdout.close()
 
 
