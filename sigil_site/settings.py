@@ -356,6 +356,8 @@ SIGIL_ASYNC_RESULT_TTL_SECONDS = env_int("SIGIL_ASYNC_RESULT_TTL_SECONDS", 3600)
 SIGIL_ASYNC_RESULT_MAX_BYTES = env_int("SIGIL_ASYNC_RESULT_MAX_BYTES", 1024 * 1024)
 SIGIL_ASYNC_MAX_BODY_BYTES = env_int("SIGIL_ASYNC_MAX_BODY_BYTES", 1024 * 1024)
 SIGIL_ASYNC_QUEUE = env_str("SIGIL_ASYNC_QUEUE", "celery")
+# How many of one agent's asynchronous calls may wait to run at once; more are 429.
+SIGIL_ASYNC_MAX_PENDING_PER_AGENT = env_int("SIGIL_ASYNC_MAX_PENDING_PER_AGENT", 50)
 # The last calls kept (in Redis) as the access pattern the cost estimate replays; 0: none.
 SIGIL_ACCESS_PATTERN_MAX_CALLS = env_int("SIGIL_ACCESS_PATTERN_MAX_CALLS", 100_000)
 # A capability deployed with "cache_when_degraded": the last good answers to GETs kept per

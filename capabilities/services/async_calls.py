@@ -26,7 +26,7 @@ from django.utils import timezone
 from agents.models import Agent
 from agents.tokens import Principal
 from capabilities.upstream import HOP_BY_HOP
-from sigil_site.errors import InvalidRequest, NotFound
+from sigil_site.errors import InvalidRequest, NotFound, RateLimited
 from sigil_site.redis_client import get_redis
 
 ACCEPTED, RUNNING, DONE = "accepted", "running", "done"
@@ -39,6 +39,23 @@ def record_key(call_id: str) -> str:
 
 def status_url(call_id: str) -> str:
     return f"/_api/calls/{call_id}"
+
+
+def pending_key(agent_name: str) -> str:
+    """The agent's calls accepted and not yet run: call id → when it was accepted."""
+    return f"sigil:async:pending:{agent_name}"
+
+
+# KEYS: the agent's pending set. ARGV: call id, now, the oldest acceptance still counted (a
+# call older than the records' life has expired unrun), the limit, the set's life (s).
+# Returns 1 when the call is admitted, 0 when the agent has the limit of calls pending.
+_ADMIT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
 
 
 @dataclass(frozen=True)
@@ -98,7 +115,15 @@ def async_call_accept(
             raise InvalidRequest("X-Callback-Url must be an absolute http or https URL")
     call_id = uuid.uuid4().hex
     key = record_key(call_id)
-    pipe = get_redis().pipeline(transaction=True)
+    redis = get_redis()
+    # One agent's burst of accepted calls must not fill the workers every agent shares.
+    now, life = time.time(), settings.SIGIL_ASYNC_RESULT_TTL_SECONDS
+    limit = settings.SIGIL_ASYNC_MAX_PENDING_PER_AGENT
+    if not redis.eval(_ADMIT, 1, pending_key(caller), call_id, f"{now:.6f}", f"{now - life:.6f}", limit, life):
+        raise RateLimited(
+            f"{caller} has {limit} asynchronous calls not yet run; fetch their results or wait", retry_after=1
+        )
+    pipe = redis.pipeline(transaction=True)
     pipe.hset(
         key,
         mapping={
@@ -165,6 +190,7 @@ def async_call_run(*, call_id: str) -> None:
             f"{time.time():.6f}",
             settings.SIGIL_ASYNC_RESULT_TTL_SECONDS,
         )
+        redis.zrem(pending_key(record["agent"].decode()), call_id)
         if recorded == -1:
             return
     _queue_callback(call_id)

@@ -206,3 +206,20 @@ def test_a_call_survives_its_worker_being_killed_mid_call(alice, settings, webho
     finally:
         worker.terminate()
         worker.wait(timeout=30)
+
+
+def test_an_agent_with_its_limit_of_calls_waiting_is_refused_until_one_has_run(alice, bob, settings):
+    settings.SIGIL_ASYNC_QUEUE = "held"  # no worker takes them: they wait, as behind a busy worker
+    settings.SIGIL_ASYNC_MAX_PENDING_PER_AGENT = 2
+    deploy_answering(alice, "ping", "pong", public=True)
+    waiting = [accepted(alice.call("/alice/ping", headers=ASYNC)) for _ in range(2)]
+
+    refused = alice.call("/alice/ping", headers=ASYNC)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited"
+    assert refused.headers["Retry-After"] == "1"
+    accepted(bob.call("/alice/ping", headers=ASYNC))  # another agent's calls are its own
+
+    async_calls.async_call_run(call_id=waiting[0].rsplit("/", 1)[1])  # one runs: room for one more
+    assert result_of(alice, waiting[0]).text == "pong"
+    accepted(alice.call("/alice/ping", headers=ASYNC))
+    assert alice.call("/alice/ping", headers=ASYNC).status_code == 429
