@@ -446,7 +446,7 @@ def _deploy_in_background(
         )
     finally:
         lock.release()
-    capability_place_version_task.delay(version_id=version.pk)
+    capability_place_version_task.apply_async(kwargs={"version_id": version.pk}, queue=settings.SIGIL_DEPLOY_QUEUE)
     outcome = _await_outcome(version.pk, seconds=settings.SIGIL_DEPLOY_WAIT_SECONDS)
     if outcome is None:
         return DeployResult(

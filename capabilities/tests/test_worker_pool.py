@@ -286,20 +286,16 @@ def test_cloudflare_failing_when_asked_where_scripts_answer_is_a_502_in_the_enve
 
 
 @pytest.fixture
-def deploys_unconsumed(worker_pool, celery_deploy_worker, settings):
-    """No worker takes deploys: the session's deploy worker stops consuming their queue for
-    this test (and takes it up again after)."""
-    from sigil_site.celery import app
-
-    queue, worker = settings.SIGIL_DEPLOY_QUEUE, [celery_deploy_worker.hostname]
-    assert app.control.cancel_consumer(queue, destination=worker, reply=True, timeout=5)
-    yield
-    assert app.control.add_consumer(queue, destination=worker, reply=True, timeout=5)
+def deploys_held(worker_pool, settings):
+    """Deploys go to a queue no worker of the session takes, as when every deploy worker is
+    down; the session's workers are left as they are."""
+    settings.SIGIL_DEPLOY_QUEUE = f"deploys-held-{os.getpid()}"
+    return settings.SIGIL_DEPLOY_QUEUE
 
 
 @pytest.mark.slow
 def test_a_deploy_waits_for_a_celery_worker_and_is_placed_when_one_starts(
-    worker_pool, alice, settings, deploys_unconsumed, scripts_on_cloudflare
+    worker_pool, alice, settings, deploys_held, scripts_on_cloudflare
 ):
     settings.SIGIL_DEPLOY_WAIT_SECONDS = 1
     queued = alice.deploy(name="later", code=code("placed later"))
@@ -315,7 +311,7 @@ def test_a_deploy_waits_for_a_celery_worker_and_is_placed_when_one_starts(
     assert alice.call("/_api/capabilities/alice--gone", method="DELETE", token="deploy").status_code == 204
     assert uploads(worker_pool) == []  # nothing reached Cloudflare from the web request
 
-    worker = start_worker_process(settings, queue=settings.SIGIL_DEPLOY_QUEUE)
+    worker = start_worker_process(settings, queue=deploys_held)
     try:
         wait_for(
             lambda: alice.call("/_status/alice--later").json()["status"] == "ready",

@@ -275,5 +275,5 @@ def test_the_celery_worker_consumes_the_deploys_queue_beside_the_default_one(set
     queues = celery.argv[celery.argv.index("--queues") + 1].split(",")
     # A deploy on a Cloudflare runtime is routed to its own queue: a worker that skipped it
     # would leave every such deploy at 202 for good.
-    assert settings.CELERY_TASK_ROUTES["capabilities.capability_place_version"]["queue"] in queues
+    assert settings.SIGIL_DEPLOY_QUEUE in queues
     assert app.conf.task_default_queue in queues
