@@ -380,3 +380,16 @@ def loader(cf_settings, cf_emulator_fresh, celery_deploy_worker):
     cf_settings.SIGIL_BACKEND = "loader"
     cf_settings.SIGIL_CF_WORKERS_BASE = cf_emulator_fresh.url
     return cf_emulator_fresh
+
+
+@pytest.fixture
+def access_log(caplog):
+    """The gateway's access lines, each parsed from its JSON form."""
+    import json
+    import logging
+
+    from sigil_site.logs import SigilFormatter
+
+    caplog.set_level(logging.INFO, logger="sigil.access")
+    as_json = SigilFormatter(kind="json")
+    return lambda: [json.loads(as_json.format(r)) for r in caplog.records if r.name == "sigil.access"]

@@ -1,8 +1,6 @@
 """Why a capability fails, for its owner: failure records written by the gateway, the
 breaker's reason, `X-Request-Id` on every answer, and every answer counted (refusals too)."""
 
-import json
-import logging
 import time
 
 import pytest
@@ -10,7 +8,6 @@ import pytest
 from capabilities import failures, stats
 from capabilities.models import Capability, CapabilityStatsWindow
 from capabilities.services import capability_force_degraded
-from sigil_site.logs import SigilFormatter
 from testsupport.capability_code import PONG
 from testsupport.cast import flush_stats_when_recorded, wait_for
 
@@ -18,14 +15,6 @@ THROWS = "export default { async fetch() { throw new Error('regressed again\\nse
 FAILS_500 = (
     "export default { async fetch() { return new Response('database is down\\nretry later', { status: 500 }) } }"
 )
-
-
-@pytest.fixture
-def access_log(caplog):
-    """The gateway's access lines, each parsed from its JSON form."""
-    caplog.set_level(logging.INFO, logger="sigil.access")
-    as_json = SigilFormatter(kind="json")
-    return lambda: [json.loads(as_json.format(r)) for r in caplog.records if r.name == "sigil.access"]
 
 
 def inspect(agent, full):

@@ -1,8 +1,6 @@
 """The gateway's edge answers in the contract, whatever fails behind it: an unexpected error,
 Redis gone, a page-in that holds its lock past the invoke timeout."""
 
-import json
-import logging
 import os
 import re
 import signal
@@ -15,7 +13,6 @@ from capabilities import names, routes
 from capabilities.models import Capability, State
 from capabilities.services.placement import placement_lock
 from sigil_site.embedded_redis import EmbeddedRedis
-from sigil_site.logs import SigilFormatter
 from sigil_site.redis_client import SOCKET_TIMEOUT_SECONDS, get_redis
 from testsupport.capability_code import PONG
 from testsupport.cast import wait_for
@@ -26,14 +23,6 @@ def assert_error(response, status, code):
     assert response.headers["Content-Type"] == "application/json"
     assert response.json()["error"]["code"] == code
     return response.json()["error"]["message"]
-
-
-@pytest.fixture
-def access_log(caplog):
-    """The gateway's access lines, each parsed from its JSON form."""
-    caplog.set_level(logging.INFO, logger="sigil.access")
-    as_json = SigilFormatter(kind="json")
-    return lambda: [json.loads(as_json.format(r)) for r in caplog.records if r.name == "sigil.access"]
 
 
 def test_an_unexpected_error_is_a_500_internal_error_logged_with_its_request_id(alice, caplog, access_log):
