@@ -22,11 +22,16 @@ def workers_in_threads(app, *, queues: dict[str, list[str]]):
     from celery.contrib.testing.worker import WORKER_LOGLEVEL, TestWorkController, setup_app_for_worker
     from celery.result import _set_task_join_will_block
     from celery.worker import state
+    from kombu.asynchronous import set_event_loop
 
     setup_app_for_worker(app, WORKER_LOGLEVEL, None)
     started: list[tuple[TestWorkController, threading.Thread]] = []
     try:
         for hostname, consumed in queues.items():
+            # Each worker needs an event loop of its own: Celery takes the process's current
+            # loop when there is one, and two consumer threads running one loop steal each
+            # other's socket events until one of them stops taking tasks.
+            set_event_loop(None)
             worker = TestWorkController(
                 app=app,
                 hostname=hostname,
