@@ -9,9 +9,9 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework.authentication import BaseAuthentication, SessionAuthentication
 
 from agents import tokens
-from agents.selectors import parse_bearer, token_authenticate
+from agents.selectors import parse_bearer
 from agents.throttle import FailedAuthThrottle
-from sigil_site.errors import WWW_AUTHENTICATE, Unauthenticated
+from sigil_site.errors import WWW_AUTHENTICATE
 from sigil_site.redis_client import get_redis
 
 
@@ -31,12 +31,7 @@ class BearerTokenAuthentication(BaseAuthentication):
         address = throttle.address(request.META)
         client = get_redis()
         cached, failures = client.mget(tokens.cache_key(tokens.hash_secret(secret)), throttle.key(address))
-        throttle.check(client, address, failures)
-        try:
-            principal = token_authenticate(secret, cached=cached)
-        except Unauthenticated:
-            throttle.failed(client, address)
-            raise
+        principal = throttle.authenticate(client, address, secret, cached=cached, failures=failures)
         return principal, principal.scope
 
     def authenticate_header(self, request) -> str:

@@ -19,7 +19,9 @@ from collections.abc import Mapping
 import redis
 from django.conf import settings
 
-from sigil_site.errors import RateLimited
+from agents.selectors import token_authenticate
+from agents.tokens import Principal
+from sigil_site.errors import RateLimited, Unauthenticated
 
 
 def client_address(meta: Mapping[str, str], *, proxies: int) -> str:
@@ -81,3 +83,16 @@ class FailedAuthThrottle:
         pipe.set(self.key(address), 0, ex=self.window_seconds, nx=True)
         pipe.incr(self.key(address))
         pipe.execute()
+
+    def authenticate(
+        self, client: redis.Redis, address: str, secret: str, *, cached: bytes | None, failures: bytes | None
+    ) -> Principal:
+        """The principal of `secret`, unless `address` is throttled; a token that fails counts
+        against `address`. `cached` and `failures` are the token's cache entry and key(address),
+        read by the caller in its own round trip. Raises Unauthenticated or RateLimited."""
+        self.check(client, address, failures)
+        try:
+            return token_authenticate(secret, cached=cached)
+        except Unauthenticated:
+            self.failed(client, address)
+            raise

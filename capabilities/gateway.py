@@ -33,7 +33,7 @@ from django.db import close_old_connections, connection
 from urllib3.util import parse_url
 
 from agents import tokens
-from agents.selectors import parse_bearer, token_authenticate, token_authenticate_hash
+from agents.selectors import parse_bearer, token_authenticate_hash
 from agents.throttle import FailedAuthThrottle
 from capabilities import breaker, degraded_cache, failures, names, pager, routes, stats
 from capabilities.runtimes import get_runtime, runtime_for
@@ -56,7 +56,6 @@ from sigil_site.errors import (
     SigilError,
     Timeout,
     TooLarge,
-    Unauthenticated,
     Unavailable,
     UpstreamError,
     error_body,
@@ -243,7 +242,9 @@ class Gateway:
                     token_raw, route_raw, breaker_raw, auth_failures = self.thread_redis().mget(keys)
             if route_raw is not None and route_raw != routes.TOMBSTONE:
                 environ[CAPABILITY] = full  # a refusal from here on is counted on the capability
-            principal = self.authenticate(secret, token_raw, address, auth_failures)
+            principal = self.auth_throttle.authenticate(
+                self.redis, address, secret, cached=token_raw, failures=auth_failures
+            )
             if _prefers_async(environ):
                 return self.reply_accepted(environ, start_response, full, principal.agent_name, token_hash, route_raw)
         return self.serve(
@@ -311,15 +312,6 @@ class Gateway:
             route_raw = routes.route_load(split.variant)
         route = routes.decode(route_raw)
         return None if route is None else (split.variant, route, breaker_raw)  # None: the split just ended
-
-    def authenticate(self, secret: str, token_raw: bytes | None, address: str, auth_failures: bytes | None):
-        """The caller's principal, unless its address is throttled (agents.throttle)."""
-        self.auth_throttle.check(self.redis, address, auth_failures)
-        try:
-            return token_authenticate(secret, cached=token_raw)
-        except Unauthenticated:
-            self.auth_throttle.failed(self.redis, address)
-            raise
 
     def forward(self, environ, start_response, call: Call, route: routes.CachedRoute, rest: str):
         page_in_ms = None

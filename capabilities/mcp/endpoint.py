@@ -35,7 +35,7 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from agents import tokens
-from agents.selectors import parse_bearer, token_authenticate
+from agents.selectors import parse_bearer
 from agents.throttle import FailedAuthThrottle
 from agents.tokens import Principal
 from capabilities.gateway import read_limited
@@ -46,7 +46,6 @@ from sigil_site.errors import (
     InvalidRequest,
     SigilError,
     TooLarge,
-    Unauthenticated,
     error_for_unexpected,
     error_headers,
 )
@@ -189,12 +188,7 @@ class McpEndpoint:
         # The gateway's connection for this thread: a tool call's other round trips use it too.
         redis = self.gateway().thread_redis()
         cached, failures, session, *tool_values = redis.mget(keys + tool_keys)
-        throttle.check(redis, address, failures)
-        try:
-            principal = token_authenticate(secret, cached=cached)
-        except Unauthenticated:
-            throttle.failed(redis, address)
-            raise
+        principal = throttle.authenticate(redis, address, secret, cached=cached, failures=failures)
         prefetched = Prefetched(cached, failures, *tool_values) if tool_keys else None
         return Exchange(environ, principal, session_id, session if session_id else None, prefetched)
 
