@@ -65,6 +65,51 @@ class DeployResult:
     pending: bool = False
 
 
+@dataclass(frozen=True)
+class NewVersion:
+    """What a deploy records, whether it places the version in the request or in a task."""
+
+    owner: Agent
+    existing: Capability | None  # None: the deploy creates the capability
+    full: str
+    type: str
+    expires_at: datetime | None
+    code: str
+    sha: str
+    contract: Contract
+    now: datetime
+
+    def create_capability(self, **fields) -> Capability:
+        """The row of a capability deployed for the first time. Raises Conflict when a
+        concurrent request created it first."""
+        try:
+            with transaction.atomic():
+                return Capability.objects.create(
+                    agent=self.owner,
+                    name=self.full.split(names.SEPARATOR, 1)[1],
+                    full_name=self.full,
+                    type=self.type,
+                    expires_at=self.expires_at,
+                    created_at=self.now,
+                    updated_at=self.now,
+                    **fields,
+                )
+        except IntegrityError as exc:
+            raise Conflict(f"{self.full} was created by a concurrent request") from exc
+
+    def create_version(self, capability: Capability, **fields) -> CapabilityVersion:
+        return CapabilityVersion.objects.create(
+            capability=capability,
+            number=_next_version_number(capability),
+            code=self.code,
+            sha=self.sha,
+            size_bytes=len(self.code.encode()),
+            created_at=self.now,
+            **self.contract.as_fields(),
+            **fields,
+        )
+
+
 def _actor(principal: Principal) -> str:
     return f"agent:{principal.agent_name}"
 
@@ -216,24 +261,15 @@ def capability_deploy(
 
     _claim_cooldown(owner.name)
     expires_at = existing.expires_at if existing else (now + timedelta(seconds=ttl) if ttl is not None else None)
+    new = NewVersion(owner, existing, full, type, expires_at, code, sha, wanted, now)
     if get_runtime().places_in_background:
-        return _deploy_in_background(
-            owner=owner,
-            existing=existing,
-            full=full,
-            type=type,
-            expires_at=expires_at,
-            code=code,
-            sha=sha,
-            contract=wanted,
-            requested={
-                "bindings": bindings,
-                "public": is_public,
-                "cache_when_degraded": cache_when_degraded,
-                "actor": _actor(principal),
-            },
-            now=now,
-        )
+        requested = {
+            "bindings": bindings,
+            "public": is_public,
+            "cache_when_degraded": cache_when_degraded,
+            "actor": _actor(principal),
+        }
+        return _deploy_in_background(new, requested)
     lock = placement_lock(full, blocking=False)
     if not lock.acquire():
         raise Conflict(f"{full} is being deployed by another request; retry when it is done")
@@ -247,22 +283,8 @@ def capability_deploy(
                 # was deployed, so the fixed code need not wait out a cool-down.
                 get_redis().delete(_cooldown_key(owner.name))
                 raise
-            capability, version, created = _record_deploy(
-                owner=owner,
-                existing=existing,
-                full=full,
-                type=type,
-                expires_at=expires_at,
-                code=code,
-                sha=sha,
-                slot=placement.slot,
-                backend=placement.backend,
-                bundle_sha=bundle.sha,
-                bindings=bindings,
-                is_public=is_public,
-                contract=wanted,
-                now=now,
-                principal=principal,
+            capability, version = _record_deploy(
+                new, placement, bundle_sha=bundle.sha, bindings=bindings, is_public=is_public, principal=principal
             )
         routes.route_publish(capability)
         contract_copies.contract_publish(capability)
@@ -271,7 +293,7 @@ def capability_deploy(
     result = DeployResult(
         capability=capability,
         version=version,
-        created=created,
+        created=existing is None,
         cold_start=placement.cold_start,
         evicted=placement.evicted,
     )
@@ -411,39 +433,16 @@ def _outcome_key(version_id: int) -> str:
     return f"sigil:deploy:outcome:{version_id}"
 
 
-def _deploy_in_background(
-    *,
-    owner: Agent,
-    existing: Capability | None,
-    full: str,
-    type: str,
-    expires_at: datetime | None,
-    code: str,
-    sha: str,
-    contract: Contract,
-    requested: dict,
-    now: datetime,
-) -> DeployResult:
+def _deploy_in_background(new: NewVersion, requested: dict) -> DeployResult:
     """Record the new version and hand its placement to a Celery task; wait for the outcome
     up to SIGIL_DEPLOY_WAIT_SECONDS. `requested` holds what applies once it is placed."""
     # The lock only while recording: a placement of `full` under way (an earlier deploy's
     # task, a page-in) makes this a concurrent deploy, as when placing in the request.
-    lock = placement_lock(full, blocking=False)
+    lock = placement_lock(new.full, blocking=False)
     if not lock.acquire():
-        raise Conflict(f"{full} is being deployed by another request; retry when it is done")
+        raise Conflict(f"{new.full} is being deployed by another request; retry when it is done")
     try:
-        capability, version = _record_pending(
-            owner=owner,
-            existing=existing,
-            full=full,
-            type=type,
-            expires_at=expires_at,
-            code=code,
-            sha=sha,
-            contract=contract,
-            requested=requested,
-            now=now,
-        )
+        capability, version = _record_pending(new, requested)
     finally:
         lock.release()
     capability_place_version_task.apply_async(kwargs={"version_id": version.pk}, queue=settings.SIGIL_DEPLOY_QUEUE)
@@ -452,7 +451,7 @@ def _deploy_in_background(
         return DeployResult(
             capability=capability,
             version=version,
-            created=existing is None,
+            created=new.existing is None,
             cold_start=False,
             evicted=None,
             pending=True,
@@ -461,58 +460,28 @@ def _deploy_in_background(
         _forget_refused(version)
         raise error_from_code(outcome["code"], outcome["message"])
     capability.refresh_from_db()
-    capability.agent = owner
+    capability.agent = new.owner
     return DeployResult(
         capability=capability,
         version=version,
-        created=existing is None or existing.current_version_id is None,
+        created=new.existing is None or new.existing.current_version_id is None,
         cold_start=outcome["cold_start"],
         evicted=outcome["evicted"],
     )
 
 
-def _record_pending(
-    *,
-    owner: Agent,
-    existing: Capability | None,
-    full: str,
-    type: str,
-    expires_at: datetime | None,
-    code: str,
-    sha: str,
-    contract: Contract,
-    requested: dict,
-    now: datetime,
-) -> tuple[Capability, CapabilityVersion]:
+def _record_pending(new: NewVersion, requested: dict) -> tuple[Capability, CapabilityVersion]:
     """A new version, not yet placed. A new capability is recorded without a current version
     (not served: its calls are 404 until the version is placed)."""
     with transaction.atomic():
-        if existing is None:
-            capability = _create_capability(
-                owner=owner,
-                full=full,
-                type=type,
-                expires_at=expires_at,
-                now=now,
-                is_public=requested["public"],
-                bindings=requested["bindings"],
-                state=State.PAGED_OUT,
+        if new.existing is None:
+            capability = new.create_capability(
+                is_public=requested["public"], bindings=requested["bindings"], state=State.PAGED_OUT
             )
         else:
-            capability = Capability.objects.select_for_update().get(pk=existing.pk)
-        number = _next_version_number(capability)
-        version = CapabilityVersion.objects.create(
-            capability=capability,
-            number=number,
-            code=code,
-            sha=sha,
-            size_bytes=len(code.encode()),
-            created_at=now,
-            placement=VersionPlacement.PLACING,
-            requested=requested,
-            **contract.as_fields(),
-        )
-    capability.agent = owner
+            capability = Capability.objects.select_for_update().get(pk=new.existing.pk)
+        version = new.create_version(capability, placement=VersionPlacement.PLACING, requested=requested)
+    capability.agent = new.owner
     return capability, version
 
 
@@ -678,97 +647,46 @@ def _unused_ephemeral_name(agent_name: str) -> str:
 
 
 def _record_deploy(
+    new: NewVersion,
+    placement: Placement,
     *,
-    owner: Agent,
-    existing: Capability | None,
-    full: str,
-    type: str,
-    expires_at: datetime | None,
-    code: str,
-    sha: str,
-    slot: str,
-    backend: str,
     bundle_sha: str,
     bindings: list[str],
     is_public: bool,
-    contract: Contract,
-    now: datetime,
     principal: Principal,
-) -> tuple[Capability, CapabilityVersion, bool]:
+) -> tuple[Capability, CapabilityVersion]:
+    """A new version placed in the request, made current."""
     with transaction.atomic():
-        if existing is None:
-            capability = _create_capability(
-                owner=owner,
-                full=full,
-                type=type,
-                expires_at=expires_at,
-                now=now,
-                is_public=is_public,
-                bindings=bindings,
-                state=State.LIVE,
-                slot=slot,
-                placed_sha=bundle_sha,
-                backend=backend,
-            )
-            number = 1
+        if new.existing is None:
+            capability = new.create_capability(is_public=is_public, bindings=bindings, state=State.LIVE)
         else:
-            capability = Capability.objects.select_for_update().get(pk=existing.pk)
-            number = _next_version_number(capability)
-        version = CapabilityVersion.objects.create(
-            capability=capability,
-            number=number,
-            code=code,
-            sha=sha,
-            size_bytes=len(code.encode()),
-            created_at=now,
-            **contract.as_fields(),
-        )
+            capability = Capability.objects.select_for_update().get(pk=new.existing.pk)
+        version = new.create_version(capability)
         capability.current_version = version
         capability.is_public = is_public
         capability.bindings = bindings
         capability.state = State.LIVE
-        capability.slot = slot
+        capability.slot = placement.slot
         capability.placed_sha = bundle_sha
-        capability.backend = backend
-        capability.updated_at = now
+        capability.backend = placement.backend
+        capability.updated_at = new.now
         capability.save()
         audit_record(
             actor=_actor(principal),
-            action="capability.created" if existing is None else "capability.deployed",
-            agent_name=owner.name,
-            subject=full,
+            action="capability.created" if new.existing is None else "capability.deployed",
+            agent_name=new.owner.name,
+            subject=new.full,
             detail={
-                "version": number,
-                "sha": sha,
-                "type": type,
+                "version": version.number,
+                "sha": new.sha,
+                "type": new.type,
                 "public": is_public,
                 "bindings": bindings,
-                "contract": [name for name, value in contract.as_fields().items() if value],
+                "contract": [name for name, value in new.contract.as_fields().items() if value],
             },
         )
-    capability.agent = owner
-    return capability, version, existing is None
-
-
-def _create_capability(
-    *, owner: Agent, full: str, type: str, expires_at: datetime | None, now: datetime, **fields
-) -> Capability:
-    """The row of a capability deployed for the first time. Raises Conflict when a concurrent
-    request created it first."""
-    try:
-        with transaction.atomic():
-            return Capability.objects.create(
-                agent=owner,
-                name=full.split(names.SEPARATOR, 1)[1],
-                full_name=full,
-                type=type,
-                expires_at=expires_at,
-                created_at=now,
-                updated_at=now,
-                **fields,
-            )
-    except IntegrityError as exc:
-        raise Conflict(f"{full} was created by a concurrent request") from exc
+    capability.agent = new.owner
+    return capability, version
 
 
 def _next_version_number(capability: Capability) -> int:
