@@ -194,33 +194,17 @@ class CloudflareClient:
 
     # --- Worker scripts ------------------------------------------------------------------
 
-    def script_upload(
-        self,
-        name: str,
-        *,
-        modules: Mapping[str, str | bytes],
-        main_module: str,
-        compatibility_date: str,
-        compatibility_flags: Sequence[str] = (),
-        bindings: Sequence[Mapping[str, Any]] = (),
-        tags: Sequence[str] = (),
-        limits: Mapping[str, int] | None = None,
-    ) -> ScriptInfo:
-        """Create or replace the Worker script `name`; it is deployed at once.
+    def script_upload(self, name: str, **script: Any) -> ScriptInfo:
+        """Create or replace the Worker script `name`; it is deployed at once. `script` holds
+        upload_parts()'s keywords (modules, main_module, compatibility_date, bindings, ...).
 
         Idempotent. Raises CloudflareScriptTooLarge (10027), CloudflareSlotsExhausted (10037),
         CloudflareRejected (invalid name or code), CloudflareUnavailable.
         """
-        files = upload_parts(
-            modules=modules,
-            main_module=main_module,
-            compatibility_date=compatibility_date,
-            compatibility_flags=compatibility_flags,
-            bindings=bindings,
-            tags=tags,
-            limits=limits,
-        )
-        result = self._request("PUT", f"/workers/scripts/{_segment(name)}", files=files)
+        return self._put_script(f"/workers/scripts/{_segment(name)}", script)
+
+    def _put_script(self, path: str, script: Mapping[str, Any]) -> ScriptInfo:
+        result = self._request("PUT", path, files=upload_parts(**script))
         return ScriptInfo.from_result(result or {})
 
     def script_delete(self, name: str) -> None:
@@ -279,33 +263,9 @@ class CloudflareClient:
         """Delete the namespace and every script in it. Raises CloudflareNotFound if absent."""
         self._request("DELETE", f"/workers/dispatch/namespaces/{_segment(name)}")
 
-    def namespace_script_upload(
-        self,
-        namespace: str,
-        name: str,
-        *,
-        modules: Mapping[str, str | bytes],
-        main_module: str,
-        compatibility_date: str,
-        compatibility_flags: Sequence[str] = (),
-        bindings: Sequence[Mapping[str, Any]] = (),
-        tags: Sequence[str] = (),
-        limits: Mapping[str, int] | None = None,
-    ) -> ScriptInfo:
-        """Create or replace a user Worker in a dispatch namespace (same body as script_upload)."""
-        files = upload_parts(
-            modules=modules,
-            main_module=main_module,
-            compatibility_date=compatibility_date,
-            compatibility_flags=compatibility_flags,
-            bindings=bindings,
-            tags=tags,
-            limits=limits,
-        )
-        result = self._request(
-            "PUT", f"/workers/dispatch/namespaces/{_segment(namespace)}/scripts/{_segment(name)}", files=files
-        )
-        return ScriptInfo.from_result(result or {})
+    def namespace_script_upload(self, namespace: str, name: str, **script: Any) -> ScriptInfo:
+        """Create or replace a user Worker in a dispatch namespace (as script_upload)."""
+        return self._put_script(f"/workers/dispatch/namespaces/{_segment(namespace)}/scripts/{_segment(name)}", script)
 
     def namespace_script_delete(self, namespace: str, name: str) -> None:
         """Delete one user Worker. Raises CloudflareNotFound when it is not there."""
