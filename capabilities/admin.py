@@ -521,7 +521,7 @@ class CapabilityAdmin(admin.ModelAdmin):
             "opts": self.opts,
             "title": f"{action}: are you sure?",
             "subject": capability.full_name,
-            "subject_url": reverse("admin:capabilities_capability_change", args=[capability.pk]),
+            "subject_url": reverse("admin:capabilities_capability_change", args=[capability.page_id]),
             "changelist_url": reverse("admin:capabilities_capability_changelist"),
             "action": action,
             "what": what,
@@ -539,7 +539,7 @@ class CapabilityAdmin(admin.ModelAdmin):
         capability = get_object_or_404(Capability.objects.select_related("agent"), pk=object_id)
         if not self.has_change_permission(request, capability):
             raise PermissionDenied
-        change_url = reverse("admin:capabilities_capability_change", args=[capability.pk])
+        change_url = reverse("admin:capabilities_capability_change", args=[capability.page_id])
         if request.method == "GET":
             what = action.confirm or f"{action.label}: {action.done.format(capability.full_name)}"
             return self.confirmation(request, capability, action=action.label, what=what, fields={})
@@ -741,6 +741,13 @@ def split_panel(capability: Capability) -> str:
             )
         )
     guard = report["guard"]
+    staged = capability.variants.exclude(state=State.REMOVED).filter(breaker_state=BreakerState.OPEN).first()
+    if staged is not None:  # its breaker has no page of its own: reset it from here
+        links = format_html(
+            '{} <a class="button" href="{}" id="split-reset-breaker">Reset the staged version\'s breaker</a>',
+            links,
+            reverse("admin:capabilities_capability_action", args=[staged.pk, "reset-breaker"]),
+        )
     return format_html(
         '<table id="split"><thead><tr><th></th><th>version</th><th>share</th><th>calls</th><th>errors</th>'
         "<th>error rate</th><th>p50</th><th>state</th><th>breaker</th></tr></thead><tbody>{}</tbody></table>"

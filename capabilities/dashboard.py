@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 
 from agents.models import AuditEvent
 from capabilities import selectors, stats
-from capabilities.models import BreakerState, Capability, CapabilityStatsWindow, State
+from capabilities.models import Capability, CapabilityStatsWindow
 
 
 @dataclass
@@ -99,7 +99,7 @@ def dashboard_get(
     paging = AuditEvent.objects.filter(
         action__in=("capability.paged_in", "capability.evicted"), created_at__gte=since, created_at__lt=until
     )
-    degraded = Capability.objects.select_related("agent").exclude(state=State.REMOVED)
+    degraded = selectors.capabilities_degraded()
     if agent is not None:
         windows = windows.filter(agent_name=agent)
         paging = paging.filter(agent_name=agent)
@@ -133,7 +133,7 @@ def dashboard_get(
             bucket.evictions += 1
 
     top = sorted(per_capability.values(), key=lambda c: (-(c.calls + c.refused), c.full_name))[:top_n]
-    degraded = list(degraded.filter(breaker_state=BreakerState.OPEN).order_by("-breaker_opened_at", "full_name"))
+    degraded = list(degraded)
     return Dashboard(
         since=since,
         until=until,

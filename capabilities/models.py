@@ -118,6 +118,12 @@ class Capability(models.Model):
     def has_split(self) -> bool:
         return self.split_weight is not None
 
+    @property
+    def page_id(self) -> int:
+        """The capability whose admin page shows this one: a staged version in traffic has no
+        page of its own, its capability's shows it."""
+        return self.variant_of_id or self.pk
+
 
 class VersionPlacement(models.TextChoices):
     PLACED = "placed", "placed"  # on the runtime (it is, or was, the current version)

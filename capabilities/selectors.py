@@ -12,6 +12,7 @@ from agents.tokens import Principal
 from capabilities import names, stats
 from capabilities.contracts import Contract
 from capabilities.models import (
+    BreakerState,
     Capability,
     CapabilityStatsWindow,
     CapabilityType,
@@ -181,6 +182,17 @@ def capability_stats(*, capability: Capability, since: datetime) -> dict:
         "state": capability.state,
         "breaker": capability.breaker_state,
     }
+
+
+def capabilities_degraded() -> QuerySet[Capability]:
+    """The capabilities whose breaker is open (tripped or forced), most recently opened first,
+    staged versions in traffic included (each has a breaker of its own)."""
+    return (
+        Capability.objects.select_related("agent")
+        .exclude(state=State.REMOVED)
+        .filter(breaker_state=BreakerState.OPEN)
+        .order_by("-breaker_opened_at", "full_name")
+    )
 
 
 def binding_declared_by(kind: str, name: str, *, agent_id: int | None = None) -> list[Capability]:

@@ -23,10 +23,11 @@ VARIANT = "alice--ping--v2"
 
 @pytest.fixture(params=["local", "worker-pool"])
 def runtime(request, alice):
-    """Each test runs on the local runtime, and on the worker pool (3 slots) under the emulator."""
+    """Each test runs on the local runtime, and on the worker pool (3 slots) under the emulator.
+    A Celery worker runs on both: it records breaker changes, the guard's abort, stats."""
+    request.getfixturevalue("celery_worker")
     if request.param == "worker-pool":
         request.getfixturevalue("worker_pool")
-        request.getfixturevalue("celery_worker")
         request.getfixturevalue("cf_client")  # it empties Redis when first made: before any call
     return request.param
 
@@ -350,6 +351,31 @@ def test_the_owner_splits_promotes_and_aborts_from_the_admin_after_confirming(ow
     assert list(trail.order_by("id")) == ["capability.split_started", "capability.split_aborted", "capability.promoted"]
     # The staged version's own placement is shown on its capability's page, not listed apart.
     assert VARIANT not in owner_client.get("/admin/capabilities/capability/").content.decode()
+
+
+def test_the_owner_finds_a_degraded_staged_version_on_its_capabilitys_page_and_resets_it(
+    owner_client, alice, settings, celery_worker
+):
+    settings.SIGIL_BREAKER_THRESHOLD = 1
+    deploy(alice, "ping", "one")
+    alice.deploy(name="ping", code=THROWS, stage=True)
+    assert split(alice, weight=100).status_code == 200
+    assert alice.call("/alice/ping").status_code == 502
+    wait_for(lambda: Capability.objects.get(full_name=VARIANT).breaker_state == "open", message="v2's breaker open")
+    assert alice.call("/alice/ping").status_code == 503
+
+    # The index lists the staged version by its own name, linked to its capability's page.
+    page = f"/admin/capabilities/capability/{Capability.objects.get(full_name='alice--ping').pk}/change/"
+    index = owner_client.get("/admin/").content.decode()
+    assert f'href="{page}">{VARIANT}</a>' in index
+    body = owner_client.get(page).content.decode()
+    reset = body.split('id="split-reset-breaker"')[0].rsplit('href="', 1)[1].split('"')[0]
+    assert "Reset the breaker" in owner_client.get(reset).content.decode()  # asked first
+    assert alice.call("/alice/ping").status_code == 503
+    assert owner_client.post(reset)["Location"] == page
+    assert Capability.objects.get(full_name=VARIANT).breaker_state == "closed"
+    assert 'id="split-reset-breaker"' not in owner_client.get(page).content.decode()
+    assert alice.call("/alice/ping").status_code == 502  # v2 runs again (and fails again)
 
 
 def test_on_the_pool_a_staged_version_in_traffic_pages_out_and_in_like_any_capability(
