@@ -17,7 +17,7 @@ from django.core.validators import URLValidator
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from agents import tokens
+from agents import egress, tokens
 from agents.models import Agent, AuditEvent, Scope, Token
 from capabilities.names import validate_agent_name
 from sigil_site.errors import Conflict, InvalidRequest, QuotaExceeded
@@ -182,11 +182,26 @@ def agent_notify(*, agent_name: str, event: str, payload: dict) -> bool:
 def agent_webhook_deliver(*, agent_id: int, delivery: dict, url: str = "") -> None:
     """POST one delivery to `url` (a call's callback), else to the agent's webhook, signed
     with the agent's webhook secret. Raises WebhookUnavailable when a retry may succeed; a
-    4xx answer is final and audited as refused."""
+    4xx answer, or a callback to an address it may not reach (agents.egress), is final and
+    audited as refused."""
     agent = Agent.objects.filter(pk=agent_id).first()
     target = url or (agent.webhook_url if agent else "")
     if agent is None or not target:
         return
+    if url:  # a callback the agent named, checked again now against what its name resolves to
+        try:
+            refusal = egress.callback_refusal(url, resolve=True)
+        except OSError as exc:
+            raise WebhookUnavailable(f"{url}: cannot resolve its host ({exc})") from exc
+        if refusal:
+            audit_record(
+                actor="system",
+                action="webhook.refused",
+                agent_name=agent.name,
+                subject=delivery.get("capability", ""),
+                detail={"event": delivery["event"], "delivery": delivery["id"], "reason": refusal},
+            )
+            return
     body = json.dumps(delivery, separators=(",", ":"), sort_keys=True).encode()
     headers = {
         "Content-Type": "application/json",

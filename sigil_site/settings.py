@@ -48,6 +48,19 @@ def env_bool(name: str, default: bool) -> bool:
     return raw == "true"
 
 
+def env_networks(name: str, default: str) -> list[str]:
+    """A comma-separated list of networks (`10.0.0.0/8, fd00::/8`), each checked here."""
+    import ipaddress
+
+    networks = [part.strip() for part in os.environ.get(name, default).split(",") if part.strip()]
+    for network in networks:
+        try:
+            ipaddress.ip_network(network, strict=False)
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"{name}: {network!r} is not a network ({exc})") from exc
+    return networks
+
+
 def env_secret(name: str, default: str = "") -> str:
     """Read NAME, or the file named by NAME_FILE (for mounted secrets)."""
     path = os.environ.get(f"{name}_FILE")
@@ -355,6 +368,9 @@ SIGIL_ASYNC_RESULT_TTL_SECONDS = env_int("SIGIL_ASYNC_RESULT_TTL_SECONDS", 3600)
 SIGIL_ASYNC_RESULT_MAX_BYTES = env_int("SIGIL_ASYNC_RESULT_MAX_BYTES", 1024 * 1024)
 SIGIL_ASYNC_MAX_BODY_BYTES = env_int("SIGIL_ASYNC_MAX_BODY_BYTES", 1024 * 1024)
 SIGIL_ASYNC_QUEUE = env_str("SIGIL_ASYNC_QUEUE", "celery")
+# Private, loopback and other non-public networks a call's X-Callback-Url may reach anyway
+# (an agent names that URL: by default Sigil posts only to public addresses).
+SIGIL_CALLBACK_ALLOWED_NETWORKS = env_networks("SIGIL_CALLBACK_ALLOWED_NETWORKS", "")
 # How many of one agent's asynchronous calls may wait to run at once; more are 429.
 SIGIL_ASYNC_MAX_PENDING_PER_AGENT = env_int("SIGIL_ASYNC_MAX_PENDING_PER_AGENT", 50)
 # The last calls kept (in Redis) as the access pattern the cost estimate replays; 0: none.

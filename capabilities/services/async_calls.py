@@ -18,11 +18,11 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.utils import timezone
 
+from agents import egress
 from agents.models import Agent
 from agents.tokens import Principal
 from capabilities.upstream import HOP_BY_HOP
@@ -108,11 +108,9 @@ def async_call_accept(
     callback_url: str | None,
 ) -> AcceptedCall:
     """Keep a call for Celery to run and queue it. Raises InvalidRequest for a callback URL
-    that is not http(s). Not idempotent: each accepted call runs once."""
-    if callback_url is not None:
-        parts = urlsplit(callback_url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise InvalidRequest("X-Callback-Url must be an absolute http or https URL")
+    that is not http(s) or names a private address (agents.egress). Not idempotent: each accepted call runs once."""
+    if callback_url is not None and (refusal := egress.callback_refusal(callback_url, resolve=False)):
+        raise InvalidRequest(refusal)
     call_id = uuid.uuid4().hex
     key = record_key(call_id)
     redis = get_redis()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.models import Agent
+from agents.models import Agent, AuditEvent
 from capabilities.models import Capability
 from capabilities.services import async_calls
 from sigil_site.redis_client import get_redis
@@ -28,6 +28,13 @@ SLOW = """export default { async fetch(request) {
   await new Promise((resolve) => setTimeout(resolve, 2500));
   return new Response('slow ' + new URL(request.url).search);
 } }"""
+
+
+@pytest.fixture(autouse=True)
+def callbacks_to_loopback(settings):
+    """The tests' callback receiver listens on loopback, which callbacks may not reach unless
+    the operator allows it."""
+    settings.SIGIL_CALLBACK_ALLOWED_NETWORKS = ["127.0.0.0/8"]
 
 
 def accepted(response) -> str:
@@ -145,6 +152,44 @@ def test_a_bad_callback_url_is_refused(alice):
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_request"
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:6379/",  # Sigil's own Redis
+        "http://localhost:5432/",
+        "http://169.254.169.254/latest/meta-data/",  # a cloud's metadata service
+        "http://10.1.2.3/hook",
+        "http://[::1]:8000/",
+        "http://[::ffff:192.168.0.1]/",
+    ],
+)
+def test_a_callback_to_a_private_address_is_refused_at_once(alice, settings, url):
+    settings.SIGIL_CALLBACK_ALLOWED_NETWORKS = []
+    deploy_answering(alice, "ping", "pong")
+    response = alice.call("/alice/ping", headers={**ASYNC, "X-Callback-Url": url})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request" and "private or reserved address" in error["message"]
+    assert not get_redis().exists(async_calls.pending_key("alice"))  # nothing was accepted
+
+
+def test_a_callback_is_checked_again_when_it_is_delivered(alice, settings, webhook_receiver, celery_worker):
+    settings.SIGIL_ASYNC_QUEUE = "held"  # run below, once the callback's address is no longer allowed
+    deploy_answering(alice, "ping", "pong")
+    status_url = accepted(alice.call("/alice/ping", headers={**ASYNC, "X-Callback-Url": webhook_receiver.url}))
+    # As if the name had come to resolve to a private address since it was accepted.
+    settings.SIGIL_CALLBACK_ALLOWED_NETWORKS = []
+    settings.SIGIL_ASYNC_QUEUE = "celery"
+    async_calls.async_call_run(call_id=status_url.rsplit("/", 1)[1])  # the callback goes to the worker
+    assert result_of(alice, status_url).text == "pong"  # the result itself is kept
+    refused = wait_for(
+        lambda: AuditEvent.objects.filter(action="webhook.refused", subject="alice--ping").first(),
+        message="the refused delivery audited",
+    )
+    assert "127.0.0.1" in refused.detail["reason"] and "private or reserved" in refused.detail["reason"]
+    assert webhook_receiver.received == [] and webhook_receiver.refused == 0
+
+
 def test_an_async_call_to_an_unknown_capability_is_404_at_once(alice):
     assert alice.call("/alice/nothing", headers=ASYNC).status_code == 404
 
@@ -177,7 +222,12 @@ def test_a_call_survives_its_worker_being_killed_mid_call(alice, settings, webho
     settings.SIGIL_ASYNC_QUEUE = queue = f"async-{os.getpid()}"  # only the worker below takes it
     subscribe("alice")
     alice.deploy(name="slow", code=SLOW)
-    env = {**os.environ, "DATABASE_URL": database_url(connection.settings_dict), "SIGIL_ACCESS_LOG": "false"}
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(connection.settings_dict),
+        "SIGIL_ACCESS_LOG": "false",
+        "SIGIL_CALLBACK_ALLOWED_NETWORKS": "127.0.0.0/8",
+    }
     command = [sys.executable, "-m", "celery", "-A", "sigil_site", "worker", "--pool", "prefork", "--concurrency", "1"]
     command += ["--queues", queue, "--without-mingle", "--without-gossip", "--hostname", f"{queue}@test"]
     with (tmp_path / "celery.log").open("wb") as log:
