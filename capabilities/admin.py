@@ -27,7 +27,16 @@ from capabilities import breaker, failures, selectors, services
 from capabilities.api import capability_url
 from capabilities.contracts import Contract
 from capabilities.dashboard import dashboard_get
-from capabilities.models import Binding, BindingGrant, BindingKind, BreakerState, Capability, CapabilityVersion, State
+from capabilities.models import (
+    Binding,
+    BindingGrant,
+    BindingKind,
+    BreakerState,
+    Capability,
+    CapabilityVersion,
+    State,
+    VersionPlacement,
+)
 from capabilities.runtimes.errors import RuntimeFailure
 from sigil_site import charts
 from sigil_site.errors import SigilError

@@ -293,9 +293,16 @@ def deploys_held(worker_pool, settings):
     return settings.SIGIL_DEPLOY_QUEUE
 
 
+def versions_shown_to_the_owner(admin_client, full: str) -> str:
+    """The versions table of the capability's admin page, as HTML."""
+    page = admin_client.get(f"/admin/capabilities/capability/{Capability.objects.get(full_name=full).pk}/change/")
+    assert page.status_code == 200
+    return page.content.decode().split('<table id="versions">', 1)[1].split("</table>", 1)[0]
+
+
 @pytest.mark.slow
 def test_a_deploy_waits_for_a_celery_worker_and_is_placed_when_one_starts(
-    worker_pool, alice, settings, deploys_held, scripts_on_cloudflare
+    worker_pool, alice, settings, deploys_held, scripts_on_cloudflare, admin_client
 ):
     settings.SIGIL_DEPLOY_WAIT_SECONDS = 1
     queued = alice.deploy(name="later", code=code("placed later"))
@@ -310,6 +317,7 @@ def test_a_deploy_waits_for_a_celery_worker_and_is_placed_when_one_starts(
     assert alice.deploy(name="gone", code=code("never placed")).status_code == 202
     assert alice.call("/_api/capabilities/alice--gone", method="DELETE", token="deploy").status_code == 204
     assert uploads(worker_pool) == []  # nothing reached Cloudflare from the web request
+    assert "being placed…" in versions_shown_to_the_owner(admin_client, "alice--later")
 
     worker = start_worker_process(settings, queue=deploys_held)
     try:
@@ -338,6 +346,10 @@ def test_a_deploy_waits_for_a_celery_worker_and_is_placed_when_one_starts(
     assert alice.call("/alice/broken").status_code == 404
     failures = AuditEvent.objects.filter(action="capability.deploy_failed", subject="alice--broken")
     assert failures.count() == 1
+    assert "not placed: " + broken["deploy"]["error"]["message"] in versions_shown_to_the_owner(
+        admin_client, "alice--broken"
+    )
+    assert "being placed" not in versions_shown_to_the_owner(admin_client, "alice--later")
     assert AuditEvent.objects.filter(action="capability.created", subject="alice--later").count() == 1
     gone = names.pool_script_name("alice--gone")
     assert gone not in scripts_on_cloudflare() and uploads(worker_pool, gone) == []
