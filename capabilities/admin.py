@@ -373,6 +373,14 @@ class CapabilityAdmin(admin.ModelAdmin):
             view = reverse("admin:capabilities_capability_version", args=[capability.pk, version.number])
             if current:
                 action = mark_safe("<strong>current</strong>")
+            elif version.placement == VersionPlacement.PLACING:
+                action = mark_safe('<em class="placing">being placed…</em>')
+            elif version.placement == VersionPlacement.FAILED:
+                failure = version.failure or {}
+                action = format_html(
+                    '<span class="failed" style="color: var(--error-fg)">not placed: {}</span>',
+                    failure.get("message") or failure.get("code") or "refused",
+                )
             elif can_roll_back:
                 action = format_html(
                     '<a class="button" href="{}?version={}" id="rollback-v{}">Roll back to v{}…</a>',
@@ -588,6 +596,7 @@ class CapabilityAdmin(admin.ModelAdmin):
             return self.confirmation(
                 request, capability, action=f"Roll back to v{number}", what=what, fields={"version": number}
             )
+        serving = capability.current_version_id
         try:
             result = services.capability_rollback(
                 capability=capability, version_number=number, actor=owner_actor(request)
@@ -596,13 +605,20 @@ class CapabilityAdmin(admin.ModelAdmin):
             message = getattr(exc, "message", None) or str(exc)
             self.message_user(request, f"{capability.full_name}: {message}", level=messages.ERROR)
             return HttpResponseRedirect(change_url)
-        if result.version.number == number:
-            self.message_user(request, f"{capability.full_name} already serves v{number}.", level=messages.WARNING)
-        else:
-            self.log_change(request, capability, f"Rolled back to v{number} (now v{result.version.number})")
+        now = result.version.number
+        if result.version.pk == serving:
             self.message_user(
-                request, f"Rolled {capability.full_name} back to the code of v{number}, now v{result.version.number}."
+                request, f"{capability.full_name} already serves the code of v{number}.", level=messages.WARNING
             )
+        elif result.pending:
+            self.log_change(request, capability, f"Rolled back to v{number} (v{now}, being placed)")
+            self.message_user(
+                request,
+                f"The code of v{number} is being placed as v{now}; {capability.full_name} serves it once placed.",
+            )
+        else:
+            self.log_change(request, capability, f"Rolled back to v{number} (now v{now})")
+            self.message_user(request, f"Rolled {capability.full_name} back to the code of v{number}, now v{now}.")
         return HttpResponseRedirect(change_url)
 
     def split_view(self, request, object_id, action):

@@ -588,18 +588,24 @@ def _record_placed(version: CapabilityVersion, *, placement: Placement, bundle_s
         capability.updated_at = now
         capability.save()
         CapabilityVersion.objects.filter(pk=version.pk).update(placement=VersionPlacement.PLACED, failure=None)
-        audit_record(
-            actor=requested.get("actor", "system"),
-            action="capability.created" if created else "capability.deployed",
-            agent_name=capability.agent.name,
-            subject=capability.full_name,
-            detail={
+        if requested.get("restores") is not None:  # a rollback, audited as the one in the request is
+            action = "capability.rolled_back"
+            detail = {"version": version.number, "restored_version": requested["restores"], "sha": version.sha}
+        else:
+            action = "capability.created" if created else "capability.deployed"
+            detail = {
                 "version": version.number,
                 "sha": version.sha,
                 "type": capability.type,
                 "public": capability.is_public,
                 "bindings": capability.bindings,
-            },
+            }
+        audit_record(
+            actor=requested.get("actor", "system"),
+            action=action,
+            agent_name=capability.agent.name,
+            subject=capability.full_name,
+            detail=detail,
         )
     return capability
 
@@ -802,6 +808,8 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
     # A removed capability is not found whoever holds its lock (its slot release may).
     if not Capability.objects.exclude(state=State.REMOVED).filter(pk=capability.pk).exists():
         raise NotFound(f"no capability {full}")
+    if get_runtime().places_in_background:
+        return _rollback_in_background(capability, target=target, actor=actor)
     lock = placement_lock(full, blocking=False)
     if not lock.acquire():
         raise Conflict(f"{full} is being deployed; retry when it is done")
@@ -814,13 +822,7 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
         )
         if current is None:
             raise NotFound(f"no capability {full}")
-        if current.current_version is not None and (
-            current.current_version.sha,
-            Contract.of(current.current_version),
-        ) == (
-            target.sha,
-            Contract.of(target),
-        ):
+        if _serves_already(current, target):
             return DeployResult(
                 capability=current, version=current.current_version, created=False, cold_start=False, evicted=None
             )
@@ -840,6 +842,43 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
         cold_start=placement.cold_start,
         evicted=placement.evicted,
     )
+
+
+def _serves_already(current: Capability, target: CapabilityVersion) -> bool:
+    """Whether the current version has the target's code and contract: nothing to roll back."""
+    version = current.current_version
+    return version is not None and (version.sha, Contract.of(version)) == (target.sha, Contract.of(target))
+
+
+def _rollback_in_background(capability: Capability, *, target: CapabilityVersion, actor: str) -> DeployResult:
+    """A rollback on a runtime whose placements run in Celery: the target's code and contract
+    recorded as a new version and placed by the deploy task, as a deploy is (202 when it
+    takes longer than SIGIL_DEPLOY_WAIT_SECONDS)."""
+    current = (
+        Capability.objects.select_related("agent", "current_version")
+        .exclude(state=State.REMOVED)
+        .filter(pk=capability.pk)
+        .first()
+    )
+    if current is None:
+        raise NotFound(f"no capability {capability.full_name}")
+    if _serves_already(current, target):
+        return DeployResult(
+            capability=current, version=current.current_version, created=False, cold_start=False, evicted=None
+        )
+    new = NewVersion(
+        current.agent,
+        current,
+        current.full_name,
+        current.type,
+        current.expires_at,
+        target.code,
+        target.sha,
+        Contract.of(target),
+        timezone.now(),
+    )
+    requested = {"bindings": current.bindings, "public": current.is_public, "actor": actor, "restores": target.number}
+    return _deploy_in_background(new, requested)
 
 
 def _record_rollback(

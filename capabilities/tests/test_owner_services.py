@@ -8,9 +8,19 @@ from capabilities.models import Capability
 from sigil_site.errors import NotFound
 from sigil_site.redis_client import get_redis
 from testsupport.capability_code import answering as code
+from testsupport.cast import wait_for
 
 
-def test_rollback_deploys_the_old_code_as_a_new_version_and_serves_it(alice):
+@pytest.fixture(params=["local", "worker-pool"])
+def runtime(request, alice):
+    """The local runtime places a rollback in the request; the worker pool, under the
+    emulator, in the deploy task, as it places deploys."""
+    if request.param == "worker-pool":
+        request.getfixturevalue("worker_pool")
+    return request.param
+
+
+def test_rollback_deploys_the_old_code_as_a_new_version_and_serves_it(runtime, alice):
     alice.deploy(name="greet", code=code("one"))
     alice.deploy(name="greet", code=code("two"))
     capability = Capability.objects.get(full_name="alice--greet")
@@ -26,6 +36,19 @@ def test_rollback_deploys_the_old_code_as_a_new_version_and_serves_it(alice):
         f"{alice.base_url}/_api/capabilities/alice--greet", headers=alice.headers(alice.invoke_token), timeout=10
     ).json()
     assert inspected["version"] == 3
+
+
+def test_on_the_pool_the_owners_rollback_is_placed_by_the_deploy_worker(worker_pool, alice, admin_client, settings):
+    alice.deploy(name="greet", code=code("one"))
+    alice.deploy(name="greet", code=code("two"))
+    capability = Capability.objects.get(full_name="alice--greet")
+    settings.SIGIL_DEPLOY_WAIT_SECONDS = 0  # the page answers before the placement is done
+    page = admin_client.post(f"/admin/capabilities/capability/{capability.pk}/rollback/", {"version": 1}, follow=True)
+    assert "The code of v1 is being placed as v3" in page.content.decode()
+    wait_for(lambda: alice.call("/alice/greet").text == "one", timeout=30, message="v3 placed and served")
+    event = AuditEvent.objects.get(action="capability.rolled_back", subject="alice--greet")
+    assert event.actor.startswith("owner:") and event.detail["restored_version"] == 1 and event.detail["version"] == 3
+    assert capability.versions.get(number=3).placement == "placed"
 
 
 def test_rollback_to_the_code_being_served_makes_no_new_version(alice):
