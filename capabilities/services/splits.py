@@ -172,11 +172,18 @@ def capability_promote(*, capability: Capability, actor: str) -> Capability:
     """Make the staged version current (placed where the capability is, as a deploy places
     code) and end the split; the staged version's own placement leaves the runtime.
 
-    Raises Conflict (nothing staged; a placement under way), NotFound, and what placing code
-    raises (InvalidRequest, TooLarge, UpstreamError).
+    Raises Conflict (nothing staged; a placement under way; a deploy came after the staged
+    version), NotFound, and what placing code raises (InvalidRequest, TooLarge, UpstreamError).
     """
     with _ending_split(capability, actor=actor, doing="promote") as current:
         staged, previous = current.staged_version, current.current_version
+        if previous is not None and previous.number > staged.number:
+            # The version an agent reads never goes back: the staged code would have to be
+            # staged again, after the deploy that came since.
+            raise Conflict(
+                f"v{previous.number} was deployed after v{staged.number} was staged: abort, and stage "
+                f"v{staged.number}'s code again to try it against v{previous.number}"
+            )
         bundle = bundle_for(staged.code, current, get_runtime())
         with placement_room(
             full=current.full_name, capability_type=current.type, expires_at=current.expires_at

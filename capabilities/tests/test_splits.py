@@ -162,6 +162,23 @@ def test_promote_makes_the_staged_version_current_and_ends_the_split(runtime, al
     assert (event.actor, event.detail) == ("agent:alice", {"version": 2, "previous_version": 1})
 
 
+def test_a_staged_version_older_than_the_current_one_is_not_promoted(alice, celery_worker):
+    deploy(alice, "ping", "one")
+    stage(alice, "two")
+    assert split(alice, weight=50, caller_header="X-User").status_code == 200
+    deploy(alice, "ping", "three")  # v3, deployed while v2 is staged
+
+    refused = end(alice, "promote")
+    assert refused.status_code == 409, refused.text
+    assert "v3 was deployed after v2 was staged" in refused.json()["error"]["message"]
+    assert inspect(alice)["version"] == 3 and inspect(alice)["staged_version"] == 2  # nothing changed
+    assert end(alice, "abort").status_code == 200
+    restaged = stage(alice, "two")
+    assert restaged["version"] == 4 and restaged["staged"] is True
+    assert end(alice, "promote").status_code == 200
+    assert alice.call("/alice/ping").headers["X-Sigil-Version"] == "4"
+
+
 def test_abort_sends_every_caller_back_and_keeps_the_version_in_history(runtime, alice, scripts_on_cloudflare):
     deploy(alice, "ping", "one")
     stage(alice, "two")
