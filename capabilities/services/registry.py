@@ -814,18 +814,9 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
     if not lock.acquire():
         raise Conflict(f"{full} is being deployed; retry when it is done")
     try:
-        current = (
-            Capability.objects.select_related("agent", "current_version")
-            .exclude(state=State.REMOVED)
-            .filter(pk=capability.pk)
-            .first()
-        )
-        if current is None:
-            raise NotFound(f"no capability {full}")
-        if _serves_already(current, target):
-            return DeployResult(
-                capability=current, version=current.current_version, created=False, cold_start=False, evicted=None
-            )
+        current, unchanged = _rollback_start(capability, target)
+        if unchanged is not None:
+            return unchanged
         bundle = bundle_for(target.code, current, get_runtime())
         with placement_room(full=full, capability_type=current.type, expires_at=current.expires_at) as room:
             placement = room.place(bundle)
@@ -844,16 +835,9 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
     )
 
 
-def _serves_already(current: Capability, target: CapabilityVersion) -> bool:
-    """Whether the current version has the target's code and contract: nothing to roll back."""
-    version = current.current_version
-    return version is not None and (version.sha, Contract.of(version)) == (target.sha, Contract.of(target))
-
-
-def _rollback_in_background(capability: Capability, *, target: CapabilityVersion, actor: str) -> DeployResult:
-    """A rollback on a runtime whose placements run in Celery: the target's code and contract
-    recorded as a new version and placed by the deploy task, as a deploy is (202 when it
-    takes longer than SIGIL_DEPLOY_WAIT_SECONDS)."""
+def _rollback_start(capability: Capability, target: CapabilityVersion) -> tuple[Capability, DeployResult | None]:
+    """The capability as it is now, and the rollback's answer already when its current
+    version has the target's code and contract (nothing to do). Raises NotFound."""
     current = (
         Capability.objects.select_related("agent", "current_version")
         .exclude(state=State.REMOVED)
@@ -862,10 +846,19 @@ def _rollback_in_background(capability: Capability, *, target: CapabilityVersion
     )
     if current is None:
         raise NotFound(f"no capability {capability.full_name}")
-    if _serves_already(current, target):
-        return DeployResult(
-            capability=current, version=current.current_version, created=False, cold_start=False, evicted=None
-        )
+    version = current.current_version
+    if version is None or (version.sha, Contract.of(version)) != (target.sha, Contract.of(target)):
+        return current, None
+    return current, DeployResult(capability=current, version=version, created=False, cold_start=False, evicted=None)
+
+
+def _rollback_in_background(capability: Capability, *, target: CapabilityVersion, actor: str) -> DeployResult:
+    """A rollback on a runtime whose placements run in Celery: the target's code and contract
+    recorded as a new version and placed by the deploy task, as a deploy is (202 when it
+    takes longer than SIGIL_DEPLOY_WAIT_SECONDS)."""
+    current, unchanged = _rollback_start(capability, target)
+    if unchanged is not None:
+        return unchanged
     new = NewVersion(
         current.agent,
         current,
