@@ -43,16 +43,33 @@ CALL_OPERATION = {
         "Any method. The path after the capability's name, the query, the headers (but `Authorization`) and "
         "the body reach the capability's `fetch` handler; its status, headers and body come back as they are. "
         "Errors of Sigil's own are in the error envelope. With `Prefer: respond-async`, any call answers `202` at "
-        "once with the status URL (`/_api/calls/{call}`) where its result will be."
+        "once with the status URL (`/_api/calls/{call}`) where its result will be; with `X-Callback-Url` too, "
+        "the result is also POSTed there, signed with the agent's webhook secret."
     ),
     "parameters": [
         {"name": "agent", "in": "path", "required": True, "schema": {"type": "string"}, "example": "xiaoju"},
         {"name": "capability", "in": "path", "required": True, "schema": {"type": "string"}, "example": "ping"},
+        {
+            "name": "Prefer",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string", "enum": ["respond-async"]},
+            "description": "`respond-async`: answer `202` at once and run the call in the background.",
+        },
+        {
+            "name": "X-Callback-Url",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string", "format": "uri"},
+            "description": "With `Prefer: respond-async`: an http(s) URL at a public address (unless the operator "
+            "allows its network) where the result is POSTed once the call has run.",
+        },
     ],
     "security": [{"bearerAuth": []}, {}],
     "responses": {
         "200": {"description": "The capability's own response (any status it answers, any content)."},
         "202": {"description": "`Prefer: respond-async`: the call is accepted; its result will be at the status URL."},
+        "400": _error_response("invalid_request: an X-Callback-Url that is not http(s) or is at a private address"),
         "401": _error_response("unauthenticated: no token for a private capability, or a bad one"),
         "404": _error_response("not_found: no such capability, or one the caller may not know exists"),
         "413": _error_response("too_large: the body is over SIGIL_INVOKE_MAX_BODY_BYTES"),

@@ -149,6 +149,9 @@ def test_the_schema_teaches(sigil):
     assert [tag["name"] for tag in schema["tags"]] == ["Deploy", "Call", "Discover", "Operate"]
     # The routes served outside Django's views are there too.
     assert {"get", "post"} <= set(schema["paths"]["/{agent}/{capability}"])
+    call = schema["paths"]["/{agent}/{capability}"]["post"]
+    assert {"Prefer", "X-Callback-Url"} <= {parameter["name"] for parameter in call["parameters"]}
+    assert "private address" in call["responses"]["400"]["description"]
     assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     # Schemas named for what they hold; the error envelope is one of them, used for every error.
     components = schema["components"]["schemas"]
