@@ -141,9 +141,10 @@ def test_a_script_the_runtime_lost_is_placed_again_on_the_next_call(backend, ali
     get_runtime().remove(slot=slot_of("alice--ping"))
     response = alice.call("/alice/ping")
     assert (response.status_code, response.text) == (200, "pong")
-    if backend in ("local", "loader"):
-        # The loader host still holds the isolate its start check loaded at the deploy, and
-        # serves it without the bundle (a bundle that never loaded is a miss: test_loader).
+    if backend == "loader":
+        # On Cloudflare the loader host still holds the isolate its start check loaded at the
+        # deploy, and serves it without the bundle (a bundle that never loaded is a miss:
+        # test_loader). The local runtime releases the isolate with the slot.
         return
     assert response.headers["X-Sigil-Cold-Start"] == "1"
     assert slot_of("alice--ping") in get_runtime().list_slots()
@@ -171,5 +172,10 @@ def test_sigils_own_worker_lost_on_cloudflare_is_deployed_again_by_the_next_call
     cf_client.script_delete(worker)
     response = alice.call("/alice/ping")
     assert (response.status_code, response.text) == (200, "pong")
+    if backend == "loader":
+        # On Cloudflare the loader host still holds the isolate its start check loaded at the
+        # deploy, and serves it without the bundle (a bundle that never loaded is a miss:
+        # test_loader). The local runtime releases the isolate with the slot.
+        return
     assert response.headers["X-Sigil-Cold-Start"] == "1"
     get_runtime().check()

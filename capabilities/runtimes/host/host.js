@@ -90,10 +90,22 @@ async function unseal(sealed, secret, sha) {
   }
 }
 
-// The loader caches a failed load under its id too. When code was missing (placed later,
-// or restored after a loss), the next load must use a fresh id; the suffix is counted per
-// id so ids only multiply on such failures.
-const retriesAfterMissingCode = new Map();
+// The loader keeps what it loaded under a name: an isolate until the code in it aborts, and a
+// load that failed for good. A retired isolate's name can still reach it as it goes away (the
+// call fails with "script terminated for unknown reasons"). So each time a loader id's isolate
+// went away (its code was missing, or it was retired) its next load takes a fresh name,
+// `{id}#{n}`. The count is never reset, so no name is loaded twice; names only multiply on
+// these events, one small entry per retired version for the life of the process.
+const incarnations = new Map();
+
+function cacheIdOf(loaderId) {
+  const n = incarnations.get(loaderId) || 0;
+  return n ? `${loaderId}#${n}` : loaderId;
+}
+
+function nextIncarnation(loaderId) {
+  incarnations.set(loaderId, (incarnations.get(loaderId) || 0) + 1);
+}
 
 class MissingCode extends Error {
   constructor(sha, why = "") {
@@ -163,13 +175,14 @@ function forget(slot, loaderId) {
   const kept = ids.filter((id) => id !== loaderId && !id.startsWith(`${loaderId}#`));
   if (kept.length) loadedBySlot.set(slot, kept);
   else loadedBySlot.delete(slot);
-  retriesAfterMissingCode.delete(loaderId);
   return ids.filter((id) => !kept.includes(id));
 }
 
-// Calls already running in a retired isolate finish; the next call of its id loads it afresh.
+// Calls already running in a retired isolate finish; the next call of its id loads it afresh,
+// under a new name.
 async function retire(env, cacheIds) {
   for (const id of cacheIds) {
+    nextIncarnation(id.split("#")[0]);
     try {
       await env.LOADER.get(id, () => RETIRE_ONLY).getEntrypoint(RETIRE_ENTRYPOINT).fetch("http://retire/");
     } catch {
@@ -219,8 +232,7 @@ export default {
     const forwarded = new Request(request, { headers });
 
     let missing = false;
-    const retry = retriesAfterMissingCode.get(loaderId) || 0;
-    const cacheId = retry ? `${loaderId}#${retry}` : loaderId;
+    const cacheId = cacheIdOf(loaderId);
     // Awaited, so that once a new version has been started (its start check), the one two
     // versions back is gone; it is one short call, made once per version.
     await retire(env, touch(slot, cacheId));
@@ -254,7 +266,7 @@ export default {
       return marked;
     } catch (error) {
       if (missing) {
-        retriesAfterMissingCode.set(loaderId, retry + 1);
+        nextIncarnation(loaderId);
         return refuse(404, "missing-code", String(error && error.message));
       }
       // Cloudflare stops a Dynamic Worker past its limit with this exception (reference §5.3).

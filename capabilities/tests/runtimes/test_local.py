@@ -98,6 +98,19 @@ def test_removing_a_slot_releases_its_isolate(runtime):
     assert call(route).data == b"released 1"  # a fresh isolate: the old one was let go
 
 
+def test_a_slot_removed_and_placed_again_with_the_same_code_serves_it_every_time(runtime):
+    """A released isolate, or a load that failed while the code was gone, is never what the
+    same code placed again reaches: it loads afresh each time."""
+    slot, bundle = "alice--again", CodeBundle.from_code(COUNTER % "again")
+    route = runtime.route(slot=slot, sha=bundle.sha)
+    for _ in range(3):
+        runtime.place(slot=slot, bundle=bundle)
+        assert call(route).data == b"again 1"
+        runtime.remove(slot=slot)
+        gone = call(route)  # the code is gone with the slot: a miss, for Sigil to place it again
+        assert (gone.status, gone.headers["x-sigil-error"]) == (404, "missing-code")
+
+
 def test_code_keeps_its_own_exports_and_cannot_take_the_hosts_release_entrypoint(runtime):
     slot = "alice--exports"
     code = """import { WorkerEntrypoint } from "cloudflare:workers";
