@@ -624,8 +624,9 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
 
     # --- the code store -----------------------------------------------------------------------
 
-    def _store(self, name: str, upload: ScriptUpload, existing: Script | None) -> Script:
-        """Write the bundle the loader host reads and return the script that serves it.
+    def _store(self, name: str, upload: ScriptUpload, existing: Script | None, *, propagates: bool = True) -> Script:
+        """Write the bundle the loader host reads and return the script that serves it; a
+        new script is served once propagated, unless not `propagates` (served at once).
 
         The bundle's sha covers everything the script runs with (modules, date, text
         bindings), so a change of any of them gives a new loader id and a fresh isolate.
@@ -633,7 +634,7 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
         sha = self._write_bundle(upload)
         stamp = _now()
         if existing is None:
-            live_at = time.time() + self._config.propagation_delay
+            live_at = time.time() + (self._config.propagation_delay if propagates else 0.0)
             return Script(name=name, sha=sha, upload=upload, created_on=stamp, modified_on=stamp, live_at=live_at)
         old_sha = existing.sha
         existing.sha, existing.upload, existing.modified_on = sha, upload, stamp

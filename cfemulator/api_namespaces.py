@@ -78,7 +78,9 @@ class NamespaceEndpoints:
         existing = namespace.scripts.get(name)
         self._check_binding_targets(params["upload"])
         self._check_start(name, params["upload"])
-        script = self._store(name, params["upload"], existing)
+        # A first upload to a namespace is deployed synchronously: its 200 means it can be
+        # dispatched to at once (Cloudflare's changelog, 2025-02-20).
+        script = self._store(name, params["upload"], existing, propagates=False)
         namespace.scripts[name] = script
         namespace.modified_on = script.modified_on
         return _ok(_upload_result(script))

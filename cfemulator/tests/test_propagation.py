@@ -51,6 +51,13 @@ def test_a_new_script_and_its_route_are_served_only_once_propagated(api, cf_emul
     assert cf_emulator_fresh.worker_request(host).status_code == 200
 
 
+def test_a_new_script_in_a_dispatch_namespace_is_served_at_once(api, cf_emulator_fresh):
+    assert api.call("POST", "/workers/dispatch/namespaces", json={"name": "tenants"}).status_code == 200
+    assert api.upload("fresh", namespace="tenants").status_code == 200
+    # Unlike an account's new script (above): Cloudflare deploys a namespace's synchronously.
+    assert cf_emulator_fresh.worker_request("fresh.tenants.dispatch.localhost").status_code == 200
+
+
 def test_a_kv_value_written_over_the_api_reaches_bindings_after_the_delay(api, cf_emulator_fresh):
     reads = """export default { async fetch(request, env) {
       return new Response(String(await env.STORE.get("k")));
