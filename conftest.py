@@ -60,6 +60,23 @@ def _fresh_redis_and_runtime():
     runtimes_forget()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _test_database_released(django_db_setup, django_db_blocker):
+    """At the session's end, close the connections that threads of the session (the server's,
+    the Celery workers') still hold to the test database on PostgreSQL, which would not drop
+    it otherwise and leave it behind."""
+    yield
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return
+    with django_db_blocker.unblock(), connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+
+
 @pytest.fixture(scope="session")
 def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_group):
     """Sigil's WSGI application (gateway in front of Django) on a free loopback port."""
