@@ -41,12 +41,13 @@ def callback_refusal(url: str, *, resolve: bool) -> str | None:
         else:
             return None
     refused = [address for address in addresses if not _may_reach(address)]
-    if refused:
-        return (
-            f"X-Callback-Url {host} is at {refused[0]}, a private or reserved address; callbacks go to public "
-            "addresses only (the operator may allow networks with SIGIL_CALLBACK_ALLOWED_NETWORKS)"
-        )
-    return None
+    if not refused:
+        return None
+    where = f"names {host}" if host == str(refused[0]) else f"names {host}, which is at {refused[0]}"
+    return (
+        f"X-Callback-Url {where}: a private or reserved address. Callbacks go to public addresses only "
+        "(the operator may allow a network with SIGIL_CALLBACK_ALLOWED_NETWORKS)"
+    )
 
 
 def _resolved(host: str, port: int) -> list[Address]:
