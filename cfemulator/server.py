@@ -381,13 +381,13 @@ class _RequestHandler(BaseHTTPRequestHandler):
             # The reference does not say what a workers.dev host without a Worker answers;
             # a plain 404 is what a client can rely on. The header tells the emulator's
             # dispatch namespace binding to throw "Worker not found" instead.
+            self._log_dispatch(host, limits, 404)  # before answering: whoever got the answer may read the log
             self._send(
                 404,
                 f"No Worker is served at {host}\n".encode(),
                 "text/plain; charset=utf-8",
                 [(NOT_FOUND_HEADER, "1")],
             )
-            self._log_dispatch(host, limits, 404)
             return
         try:
             body = _RequestBody(self)
@@ -420,8 +420,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
         except LimitExceeded as exceeded:
             answer = exceeded_answer(host=original_host or host, accept=self.headers.get("Accept"))
             extra = [(EXCEEDED_HEADER, exceeded.reason)] if host.endswith(".dispatch.localhost") else []
-            self._send(answer.status, answer.body, answer.content_type, answer.headers + extra)
             self._log_dispatch(host, limits, answer.status, target)
+            self._send(answer.status, answer.body, answer.content_type, answer.headers + extra)
         except BodyTooLarge:
             self._send(413, b"request body too large", "text/plain")
         except ValueError:
