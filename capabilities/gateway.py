@@ -315,8 +315,11 @@ class Gateway:
 
     def forward(self, environ, start_response, call: Call, route: routes.CachedRoute, rest: str):
         page_in_ms = None
+        # An accepted asynchronous call has no caller waiting: it waits out a placement under
+        # way as long as the placement may take, not as long as a call may.
+        page_in_wait = None if ACCEPTED_CALLER in environ else self.upstream.read_timeout
         if route.state not in routes.SERVED_STATES:
-            route, page_in_ms = self.page_in(call.full)
+            route, page_in_ms = self.page_in(call.full, wait_seconds=page_in_wait)
         call.version = route.version
         target = self.target(route)
         if target.redirect:
@@ -338,7 +341,7 @@ class Gateway:
             from capabilities.services import capability_mark_missing
 
             capability_mark_missing(full=call.full, slot=route.slot, backend=route.backend)
-            route, page_in_ms = self.page_in(call.full)
+            route, page_in_ms = self.page_in(call.full, wait_seconds=page_in_wait)
             call.version = route.version
             upstream_started = time.perf_counter()
             upstream = self.send_once(environ, call, route, rest)
@@ -428,12 +431,13 @@ class Gateway:
             self.local.redis = client
         return client
 
-    def page_in(self, full: str) -> tuple[routes.CachedRoute, float]:
+    def page_in(self, full: str, *, wait_seconds: float | None) -> tuple[routes.CachedRoute, float]:
+        """Place `full` (or wait for the placement under way, at most `wait_seconds`: then
+        Timeout; None: the placement lock's own timeout); the route and the ms it took."""
         from capabilities.services import capability_page_in
 
         started = time.perf_counter()
-        # Waiting on another call's page-in is bounded as the call itself is (then Timeout).
-        route, _ = capability_page_in(full=full, wait_seconds=self.upstream.read_timeout)
+        route, _ = capability_page_in(full=full, wait_seconds=wait_seconds)
         return route, (time.perf_counter() - started) * 1000
 
     def send_once(self, environ, call: Call, route: routes.CachedRoute, rest: str) -> UpstreamResponse:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,27 @@ def test_a_call_to_a_paged_out_capability_is_run_once_it_is_paged_in(worker_pool
     assert result.status_code == 200 and result.text == "a"
     assert result.headers["X-Sigil-Cold-Start"] == "1"
     assert Capability.objects.get(full_name="alice--a").state == "live"
+
+
+def test_an_async_call_waits_out_a_placement_longer_than_a_call_would(worker_pool, alice, celery_worker, settings):
+    from capabilities.services.placement import placement_lock
+
+    settings.SIGIL_INVOKE_TIMEOUT_SECONDS = 2
+    for name in ("a", "b", "c", "d"):  # three slots: `a` is paged out
+        deploy_answering(alice, name, name, type="normal")
+    wait_for(lambda: Capability.objects.get(full_name="alice--a").state == "paged_out", message="a paged out")
+    placing = placement_lock("alice--a", blocking=False)  # a slow placement of `a` under way elsewhere
+    assert placing.acquire()
+    try:
+        status_url = accepted(alice.call("/alice/a", headers=ASYNC))
+        direct = alice.call("/alice/a")  # a caller waits as long as a call may, then gives up
+        assert direct.status_code == 504 and direct.json()["error"]["code"] == "timeout"
+        time.sleep(1)
+        assert alice.call(status_url).status_code == 202  # still waiting, past the call's own limit
+    finally:
+        placing.release()
+    result = result_of(alice, status_url)
+    assert (result.status_code, result.text) == (200, "a")
 
 
 def test_the_result_is_posted_signed_to_the_callback_url(alice, webhook_receiver, celery_worker):
