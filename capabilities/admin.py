@@ -605,20 +605,23 @@ class CapabilityAdmin(admin.ModelAdmin):
             message = getattr(exc, "message", None) or str(exc)
             self.message_user(request, f"{capability.full_name}: {message}", level=messages.ERROR)
             return HttpResponseRedirect(change_url)
-        now = result.version.number
+        restored_as = result.version.number
         if result.version.pk == serving:
             self.message_user(
                 request, f"{capability.full_name} already serves the code of v{number}.", level=messages.WARNING
             )
         elif result.pending:
-            self.log_change(request, capability, f"Rolled back to v{number} (v{now}, being placed)")
+            self.log_change(request, capability, f"Rolled back to v{number} (v{restored_as}, being placed)")
             self.message_user(
                 request,
-                f"The code of v{number} is being placed as v{now}; {capability.full_name} serves it once placed.",
+                f"The code of v{number} is being placed as v{restored_as}; "
+                f"{capability.full_name} serves it once placed.",
             )
         else:
-            self.log_change(request, capability, f"Rolled back to v{number} (now v{now})")
-            self.message_user(request, f"Rolled {capability.full_name} back to the code of v{number}, now v{now}.")
+            self.log_change(request, capability, f"Rolled back to v{number} (now v{restored_as})")
+            self.message_user(
+                request, f"Rolled {capability.full_name} back to the code of v{number}, now v{restored_as}."
+            )
         return HttpResponseRedirect(change_url)
 
     def split_view(self, request, object_id, action):

@@ -261,7 +261,17 @@ def capability_deploy(
 
     _claim_cooldown(owner.name)
     expires_at = existing.expires_at if existing else (now + timedelta(seconds=ttl) if ttl is not None else None)
-    new = NewVersion(owner, existing, full, type, expires_at, code, sha, wanted, now)
+    new = NewVersion(
+        owner=owner,
+        existing=existing,
+        full=full,
+        type=type,
+        expires_at=expires_at,
+        code=code,
+        sha=sha,
+        contract=wanted,
+        now=now,
+    )
     if get_runtime().places_in_background:
         requested = {
             "bindings": bindings,
@@ -860,15 +870,15 @@ def _rollback_in_background(capability: Capability, *, target: CapabilityVersion
     if unchanged is not None:
         return unchanged
     new = NewVersion(
-        current.agent,
-        current,
-        current.full_name,
-        current.type,
-        current.expires_at,
-        target.code,
-        target.sha,
-        Contract.of(target),
-        timezone.now(),
+        owner=current.agent,
+        existing=current,
+        full=current.full_name,
+        type=current.type,
+        expires_at=current.expires_at,
+        code=target.code,
+        sha=target.sha,
+        contract=Contract.of(target),
+        now=timezone.now(),
     )
     requested = {"bindings": current.bindings, "public": current.is_public, "actor": actor, "restores": target.number}
     return _deploy_in_background(new, requested)
