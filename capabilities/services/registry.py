@@ -79,23 +79,31 @@ class NewVersion:
     contract: Contract
     now: datetime
 
-    def create_capability(self, **fields) -> Capability:
-        """The row of a capability deployed for the first time. Raises Conflict when a
-        concurrent request created it first."""
-        try:
-            with transaction.atomic():
-                return Capability.objects.create(
-                    agent=self.owner,
-                    name=self.full.split(names.SEPARATOR, 1)[1],
-                    full_name=self.full,
-                    type=self.type,
-                    expires_at=self.expires_at,
-                    created_at=self.now,
-                    updated_at=self.now,
-                    **fields,
-                )
-        except IntegrityError as exc:
-            raise Conflict(f"{self.full} was created by a concurrent request") from exc
+    def capability_locked(self, **create_fields) -> Capability:
+        """The capability's row, locked for the transaction: created (with `create_fields`)
+        when the deploy creates the capability. Raises Conflict when a concurrent request
+        created it first, or removed the one being redeployed since it was read."""
+        if self.existing is None:
+            try:
+                with transaction.atomic():
+                    return Capability.objects.create(
+                        agent=self.owner,
+                        name=self.full.split(names.SEPARATOR, 1)[1],
+                        full_name=self.full,
+                        type=self.type,
+                        expires_at=self.expires_at,
+                        created_at=self.now,
+                        updated_at=self.now,
+                        **create_fields,
+                    )
+            except IntegrityError as exc:
+                raise Conflict(f"{self.full} was created by a concurrent request") from exc
+        capability = (
+            Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(pk=self.existing.pk).first()
+        )
+        if capability is None:
+            raise Conflict(f"{self.full} was removed by a concurrent request; deploy again")
+        return capability
 
     def create_version(self, capability: Capability, **fields) -> CapabilityVersion:
         return CapabilityVersion.objects.create(
@@ -484,12 +492,9 @@ def _record_pending(new: NewVersion, requested: dict) -> tuple[Capability, Capab
     """A new version, not yet placed. A new capability is recorded without a current version
     (not served: its calls are 404 until the version is placed)."""
     with transaction.atomic():
-        if new.existing is None:
-            capability = new.create_capability(
-                is_public=requested["public"], bindings=requested["bindings"], state=State.PAGED_OUT
-            )
-        else:
-            capability = Capability.objects.select_for_update().get(pk=new.existing.pk)
+        capability = new.capability_locked(
+            is_public=requested["public"], bindings=requested["bindings"], state=State.PAGED_OUT
+        )
         version = new.create_version(capability, placement=VersionPlacement.PLACING, requested=requested)
     capability.agent = new.owner
     return capability, version
@@ -673,10 +678,7 @@ def _record_deploy(
 ) -> tuple[Capability, CapabilityVersion]:
     """A new version placed in the request, made current."""
     with transaction.atomic():
-        if new.existing is None:
-            capability = new.create_capability(is_public=is_public, bindings=bindings, state=State.LIVE)
-        else:
-            capability = Capability.objects.select_for_update().get(pk=new.existing.pk)
+        capability = new.capability_locked(is_public=is_public, bindings=bindings, state=State.LIVE)
         version = new.create_version(capability)
         capability.current_version = version
         capability.is_public = is_public

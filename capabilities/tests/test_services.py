@@ -159,3 +159,34 @@ def test_pruning_drops_minute_windows_past_retention_and_keeps_totals(alice, set
     assert services.capability_prune_stats(now=timezone.now() + timedelta(days=31)) == 1
     assert CapabilityStatsWindow.objects.count() == 0
     assert Capability.objects.get(full_name="alice--ping").calls_total == 1
+
+
+def test_a_redeploy_whose_capability_was_removed_since_it_was_read_is_a_conflict(alice):
+    """The row a deploy read may be removed before the deploy records its version (a DELETE,
+    or a refused first deploy cleared): a 409 to deploy again, neither a 500 nor a version
+    added to a removed capability."""
+    from django.db import transaction
+
+    from capabilities.contracts import Contract
+    from capabilities.services.registry import NewVersion
+    from sigil_site.errors import Conflict
+
+    alice.deploy(name="ping", code=PONG)
+    read = Capability.objects.select_related("agent").get(full_name="alice--ping")
+    services.capability_remove_as_owner(full="alice--ping", actor="owner:test")
+    new = NewVersion(
+        owner=read.agent,
+        existing=read,
+        full=read.full_name,
+        type=read.type,
+        expires_at=None,
+        code=PONG,
+        sha="0" * 64,
+        contract=Contract(),
+        now=timezone.now(),
+    )
+    with pytest.raises(Conflict, match="removed by a concurrent request"), transaction.atomic():
+        new.capability_locked()
+    Capability.objects.filter(pk=read.pk).delete()  # the row is gone altogether: the same
+    with pytest.raises(Conflict, match="removed by a concurrent request"), transaction.atomic():
+        new.capability_locked()
