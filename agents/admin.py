@@ -161,7 +161,7 @@ class AgentAdmin(admin.ModelAdmin):
 
     @admin.display(description="webhook secret")
     def webhook_secret_state(self, agent: Agent) -> str:
-        return "set (not shown)" if agent.webhook_secret else "none: deliveries are not signed"
+        return "set (not shown)" if agent.webhook_secret_encrypted else "none: deliveries are not signed"
 
     def save_model(self, request, obj, form, change) -> None:
         if not change:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from django.db import models
 from django.utils import timezone
 
+from sigil_site.encryption import secret_decrypt, secret_encrypt
+
 
 class Agent(models.Model):
     """An AI agent: owns the capabilities under its name prefix (`{name}--*`)."""
@@ -15,17 +17,25 @@ class Agent(models.Model):
     webhook_url = models.URLField(
         blank=True, help_text="Where Sigil posts this agent's alerts (breaker opened, error rate, inactive)."
     )
-    webhook_secret = models.CharField(
-        max_length=200,
-        blank=True,
-        help_text="Key of the HMAC-SHA256 in each delivery's X-Sigil-Signature header, shared with the agent.",
-    )
+    # The key of the HMAC-SHA256 in each delivery's X-Sigil-Signature header, shared with the
+    # agent: encrypted at rest (sigil_site.encryption); read and set as `webhook_secret`.
+    webhook_secret_encrypted = models.TextField(blank=True, editable=False)
 
     class Meta:
         ordering = ["name"]
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def webhook_secret(self) -> str:
+        """The webhook's signing key in plain text ("": none). Raises InvalidRequest when
+        SIGIL_SECRETS_KEY changed since it was stored."""
+        return secret_decrypt(self.webhook_secret_encrypted) if self.webhook_secret_encrypted else ""
+
+    @webhook_secret.setter
+    def webhook_secret(self, plain: str) -> None:
+        self.webhook_secret_encrypted = secret_encrypt(plain) if plain else ""
 
 
 class Scope(models.TextChoices):

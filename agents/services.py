@@ -125,7 +125,7 @@ def agent_set_webhook(*, agent: Agent, url: str, secret: str | None, actor: str)
         current.webhook_url = url
         if secret is not None:
             current.webhook_secret = secret
-        current.save(update_fields=["webhook_url", "webhook_secret"])
+        current.save(update_fields=["webhook_url", "webhook_secret_encrypted"])
         audit_record(
             actor=actor,
             action="agent.webhook_changed",
@@ -209,8 +209,9 @@ def agent_webhook_deliver(*, agent_id: int, delivery: dict, url: str = "") -> No
         "X-Sigil-Event": delivery["event"],
         "X-Sigil-Delivery": delivery["id"],
     }
-    if agent.webhook_secret:
-        headers["X-Sigil-Signature"] = webhook_signature(agent.webhook_secret, body)
+    secret = agent.webhook_secret
+    if secret:
+        headers["X-Sigil-Signature"] = webhook_signature(secret, body)
     try:
         response = requests.post(target, data=body, headers=headers, timeout=10, allow_redirects=False)
     except requests.RequestException as exc:

@@ -6,16 +6,13 @@ owner must have configured and granted to its agent; nothing else reaches its `e
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 import re
 
-from cryptography.fernet import Fernet, InvalidToken
-from django.conf import settings
-
 from capabilities.models import Binding, BindingKind
 from capabilities.runtimes.base import ResolvedBinding, secret_fingerprint
+from sigil_site.encryption import secret_decrypt, secrets_key
 from sigil_site.errors import Forbidden, InvalidRequest
 
 DECLARATION = re.compile(r"(?P<kind>[A-Z0-9]+):(?P<name>[A-Z][A-Z0-9_]{0,63})")
@@ -83,32 +80,7 @@ def _secret_of(binding: Binding) -> str:
     return secret_decrypt(binding.secret_encrypted)
 
 
-def _fernet_key() -> str:
-    return (
-        settings.SIGIL_SECRETS_KEY
-        or base64.urlsafe_b64encode(hashlib.sha256(f"sigil-bindings:{settings.SECRET_KEY}".encode()).digest()).decode()
-    )
-
-
-def _fernet() -> Fernet:
-    return Fernet(_fernet_key())
-
-
 def _digest_key() -> str:
     # Derived from the database's key, so a bundle's sha (which covers its secrets'
     # fingerprints) cannot be used to test guesses of a secret without that key.
-    return hashlib.sha256(f"sigil-secret-fingerprint:{_fernet_key()}".encode()).hexdigest()
-
-
-def secret_encrypt(plain: str) -> str:
-    return _fernet().encrypt(plain.encode()).decode()
-
-
-def secret_decrypt(token: str) -> str:
-    """Raises InvalidRequest when the secret was encrypted under another key."""
-    try:
-        return _fernet().decrypt(token.encode()).decode()
-    except InvalidToken as exc:
-        raise InvalidRequest(
-            "a secret binding cannot be decrypted: SIGIL_SECRETS_KEY changed since it was stored"
-        ) from exc
+    return hashlib.sha256(f"sigil-secret-fingerprint:{secrets_key()}".encode()).hexdigest()

@@ -435,7 +435,8 @@ AXES_ENABLE_ADMIN = False
 
 # Bearer token that GET /metrics requires; empty turns the endpoint off.
 SIGIL_METRICS_TOKEN = env_secret("SIGIL_METRICS_TOKEN")
-# Fernet key for binding secrets stored in the database; empty derives one from SECRET_KEY.
+# Fernet key for the secrets stored in the database (binding secrets, webhook keys); empty
+# derives one from SECRET_KEY.
 SIGIL_SECRETS_KEY = env_secret("SIGIL_SECRETS_KEY")
 # Password of the `owner` admin account that `make run` creates when no superuser exists;
 # empty means a random one, printed once.

@@ -18,6 +18,9 @@ def test_webhook_is_set_audited_without_its_secret_and_kept_when_not_given():
     )
     agent = Agent.objects.get(name="carol")
     assert agent.webhook_url == "https://hooks.example.invalid/sigil" and agent.webhook_secret == "s3cret"
+    # At rest the key is encrypted: the database never holds it in plain text.
+    stored = Agent.objects.filter(name="carol").values_list("webhook_secret_encrypted", flat=True).get()
+    assert stored and "s3cret" not in stored
     event = AuditEvent.objects.get(action="agent.webhook_changed")
     assert event.detail == {"url": "https://hooks.example.invalid/sigil", "secret_changed": True}
     assert "s3cret" not in str(event.detail)
@@ -32,3 +35,24 @@ def test_webhook_must_be_an_http_url():
     agent = services.agent_create(name="carol", actor="owner:test")
     with pytest.raises(InvalidRequest):
         services.agent_set_webhook(agent=agent, url="file:///etc/passwd", secret=None, actor="owner:test")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_migration_encrypts_webhook_keys_kept_in_plain_text():
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    before = [("agents", "0002_lifecycle")]
+    executor = MigrationExecutor(connection)
+    leaves = executor.loader.graph.leaf_nodes()
+    try:
+        executor.migrate(before)
+        old_agent = executor.loader.project_state(before).apps.get_model("agents", "Agent").objects
+        old_agent.create(name="keyed", webhook_secret="shared-key")
+        old_agent.create(name="unkeyed")
+        MigrationExecutor(connection).migrate(leaves)
+        keyed, unkeyed = Agent.objects.get(name="keyed"), Agent.objects.get(name="unkeyed")
+        assert keyed.webhook_secret == "shared-key" and "shared-key" not in keyed.webhook_secret_encrypted
+        assert (unkeyed.webhook_secret, unkeyed.webhook_secret_encrypted) == ("", "")
+    finally:
+        MigrationExecutor(connection).migrate(leaves)

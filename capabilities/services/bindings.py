@@ -8,10 +8,10 @@ from django.utils import timezone
 
 from agents.models import Agent
 from agents.services import audit_record
-from capabilities import bindings as binding_rules
 from capabilities import selectors
 from capabilities.models import Binding, BindingGrant, State
 from capabilities.tasks import capability_refresh_bindings as capability_refresh_bindings_task
+from sigil_site.encryption import secret_encrypt
 from sigil_site.errors import Conflict
 
 
@@ -33,7 +33,7 @@ def binding_save(*, binding: Binding, secret_value: str = "", actor: str) -> lis
         stored = Binding.objects.get(pk=binding.pk)
         binding_check_rename(stored, kind=binding.kind, name=binding.name)
     if secret_value:
-        binding.secret_encrypted = binding_rules.secret_encrypt(secret_value)
+        binding.secret_encrypted = secret_encrypt(secret_value)
         binding.secret_env = ""
     binding.updated_at = timezone.now()
     declared = [] if created else selectors.binding_declared_by(binding.kind, binding.name)

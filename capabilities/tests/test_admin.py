@@ -5,8 +5,9 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 
 from agents.models import AuditEvent
-from capabilities import bindings, services
+from capabilities import services
 from capabilities.models import Binding, Capability
+from sigil_site.encryption import secret_encrypt
 from testsupport.capability_code import answering as code
 from testsupport.cast import grant, wait_for
 
@@ -148,7 +149,7 @@ def binding_form(binding: Binding, **changes) -> dict:
 
 def test_a_changed_binding_reaches_the_live_capabilities_that_declare_it(owner_client, alice, celery_worker):
     greeting = Binding.objects.create(kind="VAR", name="GREETING", value="hello")
-    token = Binding.objects.create(kind="SECRET", name="TOKEN", secret_encrypted=bindings.secret_encrypt("old"))
+    token = Binding.objects.create(kind="SECRET", name="TOKEN", secret_encrypted=secret_encrypt("old"))
     grant(greeting, "alice")
     grant(token, "alice")
     alice.deploy(name="greets", code=SHOWS_BINDINGS, bindings=["VAR:GREETING", "SECRET:TOKEN"])

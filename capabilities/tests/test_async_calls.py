@@ -16,6 +16,7 @@ import pytest
 from agents.models import Agent, AuditEvent
 from capabilities.models import Capability
 from capabilities.services import async_calls
+from sigil_site.encryption import secret_encrypt
 from sigil_site.redis_client import get_redis
 from testsupport.capability_code import ECHO
 from testsupport.cast import deploy_answering, wait_for
@@ -59,7 +60,7 @@ def result_of(agent, status_url: str, timeout: float = 30.0):
 
 def subscribe(agent_name: str) -> str:
     secret = "callback-secret"
-    Agent.objects.filter(name=agent_name).update(webhook_secret=secret)
+    Agent.objects.filter(name=agent_name).update(webhook_secret_encrypted=secret_encrypt(secret))
     return secret
 
 

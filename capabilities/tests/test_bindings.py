@@ -2,8 +2,8 @@
 
 import pytest
 
-from capabilities import bindings
 from capabilities.models import Binding, Capability
+from sigil_site.encryption import secret_encrypt
 from testsupport.cast import grant
 
 READS_ENV = """export default { async fetch(request, env) {
@@ -18,9 +18,7 @@ def configured(db, monkeypatch, alice):
     for binding in [
         Binding.objects.create(kind="VAR", name="GREETING", value="hello"),
         Binding.objects.create(kind="SECRET", name="API_KEY", secret_env="SIGIL_TEST_API_KEY"),
-        Binding.objects.create(
-            kind="SECRET", name="TOKEN", secret_encrypted=bindings.secret_encrypt("stored-encrypted")
-        ),
+        Binding.objects.create(kind="SECRET", name="TOKEN", secret_encrypted=secret_encrypt("stored-encrypted")),
         Binding.objects.create(kind="KV", name="CACHE", value="0123456789abcdef0123456789abcdef"),
     ]:
         grant(binding, "alice")

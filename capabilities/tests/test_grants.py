@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from agents.models import Agent, AuditEvent
-from capabilities import bindings, services
+from capabilities import services
 from capabilities.models import Binding, Capability
+from sigil_site.encryption import secret_encrypt
 from testsupport.cast import grant, make_agent, wait_for
 
 READS_KEY = """export default { async fetch(request, env) {
@@ -70,7 +71,7 @@ def test_a_binding_granted_to_one_agent_is_out_of_another_agents_reach(
     backend, sigil, alpha_key, celery_worker, request, settings
 ):
     alpha, beta = make_agent("alpha", sigil.url), make_agent("beta", sigil.url)
-    key = Binding.objects.create(kind="SECRET", name="ALPHA_KEY", secret_encrypted=bindings.secret_encrypt(alpha_key))
+    key = Binding.objects.create(kind="SECRET", name="ALPHA_KEY", secret_encrypted=secret_encrypt(alpha_key))
     grant(key, "alpha")
 
     assert alpha.deploy(name="uses", code=READS_KEY, bindings=["SECRET:ALPHA_KEY"]).status_code == 201
@@ -219,7 +220,7 @@ def test_the_migration_grants_each_agent_exactly_what_its_current_capabilities_d
 
     from capabilities.models import BindingGrant
 
-    before = [("capabilities", "0008_binding_grant")]
+    before = [("capabilities", "0008_binding_grant"), ("agents", "0002_lifecycle")]
     executor = MigrationExecutor(connection)
     leaves = executor.loader.graph.leaf_nodes()
     try:

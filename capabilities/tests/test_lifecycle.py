@@ -11,6 +11,7 @@ from django.utils import timezone
 from agents.models import Agent, AuditEvent
 from capabilities import services
 from capabilities.models import Capability
+from sigil_site.encryption import secret_encrypt
 from testsupport.capability_code import answering as code
 from testsupport.cast import flush_stats_when_recorded, wait_for
 
@@ -21,7 +22,7 @@ FLAKY = """export default { async fetch(request) {
 
 
 def subscribe(agent_name: str, url: str, secret: str = "shared-with-the-agent") -> str:
-    Agent.objects.filter(name=agent_name).update(webhook_url=url, webhook_secret=secret)
+    Agent.objects.filter(name=agent_name).update(webhook_url=url, webhook_secret_encrypted=secret_encrypt(secret))
     return secret
 
 
