@@ -209,7 +209,13 @@ def agent_webhook_deliver(*, agent_id: int, delivery: dict, url: str = "") -> No
         "X-Sigil-Event": delivery["event"],
         "X-Sigil-Delivery": delivery["id"],
     }
-    secret = agent.webhook_secret
+    try:
+        secret = agent.webhook_secret
+    except InvalidRequest as exc:
+        # SIGIL_SECRETS_KEY changed: a delivery unsigned, or signed with another key, would mislead.
+        reason = f"{exc.message}; set the webhook secret again"
+        agent_webhook_failed(agent_id=agent.pk, delivery=delivery, reason=reason)
+        return
     if secret:
         headers["X-Sigil-Signature"] = webhook_signature(secret, body)
     try:

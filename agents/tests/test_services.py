@@ -56,3 +56,14 @@ def test_the_migration_encrypts_webhook_keys_kept_in_plain_text():
         assert (unkeyed.webhook_secret, unkeyed.webhook_secret_encrypted) == ("", "")
     finally:
         MigrationExecutor(connection).migrate(leaves)
+
+
+def test_a_webhook_key_stored_under_another_secrets_key_fails_the_delivery_visibly(sigil, settings, webhook_receiver):
+    agent = services.agent_create(name="dora", actor="owner:test")
+    services.agent_set_webhook(agent=agent, url=webhook_receiver.url, secret="old-key", actor="owner:test")
+    settings.SIGIL_SECRETS_KEY = "A" * 43 + "="  # a new key: the stored webhook key no longer opens
+    delivery = {"id": "d-1", "event": "capability.degraded", "capability": "dora--x"}
+    services.agent_webhook_deliver(agent_id=agent.pk, delivery=delivery)
+    assert webhook_receiver.received == []  # neither unsigned nor signed with a wrong key
+    failed = AuditEvent.objects.get(action="webhook.failed", agent_name="dora")
+    assert "SIGIL_SECRETS_KEY changed" in failed.detail["reason"] and failed.detail["delivery"] == "d-1"
