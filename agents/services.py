@@ -119,7 +119,7 @@ def agent_set_webhook(*, agent: Agent, url: str, secret: str | None, actor: str)
             raise InvalidRequest(f"webhook URL {url!r} is not an http(s) URL") from exc
     with transaction.atomic():
         current = Agent.objects.select_for_update().get(pk=agent.pk)
-        secret_changed = secret is not None and secret != current.webhook_secret
+        secret_changed = secret is not None and secret != _stored_webhook_secret(current)
         if current.webhook_url == url and not secret_changed:
             return False
         current.webhook_url = url
@@ -135,6 +135,15 @@ def agent_set_webhook(*, agent: Agent, url: str, secret: str | None, actor: str)
         )
     agent.refresh_from_db()
     return True
+
+
+def _stored_webhook_secret(agent: Agent) -> str | None:
+    """The agent's webhook key, or None when it no longer decrypts (SIGIL_SECRETS_KEY changed):
+    any key the owner sets then is a change."""
+    try:
+        return agent.webhook_secret
+    except InvalidRequest:
+        return None
 
 
 def _write_tombstones(hashes: list[str], *, delete: bool = False) -> None:

@@ -67,3 +67,9 @@ def test_a_webhook_key_stored_under_another_secrets_key_fails_the_delivery_visib
     assert webhook_receiver.received == []  # neither unsigned nor signed with a wrong key
     failed = AuditEvent.objects.get(action="webhook.failed", agent_name="dora")
     assert "SIGIL_SECRETS_KEY changed" in failed.detail["reason"] and failed.detail["delivery"] == "d-1"
+
+    # As the reason says, the owner sets the secret again; deliveries are signed with it.
+    assert services.agent_set_webhook(agent=agent, url=webhook_receiver.url, secret="new-key", actor="owner:test")
+    services.agent_webhook_deliver(agent_id=agent.pk, delivery={**delivery, "id": "d-2"})
+    headers, body = webhook_receiver.received[0]
+    assert headers["x-sigil-signature"] == services.webhook_signature("new-key", body)
