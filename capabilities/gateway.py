@@ -451,7 +451,13 @@ class Gateway:
         except UpstreamUnreachable as exc:
             stopped = runtime_for(route.backend).call_stopped(slot=route.slot, sent_at=sent_at)
             if stopped is None:
-                raise UpstreamError(f"the runtime could not be reached for {call.full}: {exc}") from exc
+                message = f"the runtime could not be reached for {call.full}: {exc}"
+                if route.backend != self.runtime.name:  # placed before SIGIL_BACKEND changed
+                    message += (
+                        f" (it is still placed on the {route.backend} runtime, not {self.runtime.name}: "
+                        "the owner moves it with `python manage.py switchbackend`)"
+                    )
+                raise UpstreamError(message) from exc
             if not stopped.culprit:
                 # It shared a process with a call that ran past a limit, or found it restarting:
                 # not this capability's failure, so its breaker is left alone.

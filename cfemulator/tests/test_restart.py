@@ -50,7 +50,9 @@ class RestartableEmulator:
 
 
 @pytest.fixture
-def emulator(settings, tmp_path):
+def emulator(settings, tmp_path, celery_deploy_worker):
+    """An emulator of this test's own, which Sigil's Cloudflare runtimes use; deploys on them
+    are placed by the session's deploy worker."""
     handle = RestartableEmulator(tmp_path / "cfemulator", settings.SIGIL_WORKERD_BIN)
     settings.CF_API_BASE = handle.control.api_base
     settings.CF_ACCOUNT_ID = handle.control.account_id
