@@ -451,13 +451,7 @@ class Gateway:
         except UpstreamUnreachable as exc:
             stopped = runtime_for(route.backend).call_stopped(slot=route.slot, sent_at=sent_at)
             if stopped is None:
-                message = f"the runtime could not be reached for {call.full}: {exc}"
-                if route.backend != self.runtime.name:  # placed before SIGIL_BACKEND changed
-                    message += (
-                        f" (it is still placed on the {route.backend} runtime, not {self.runtime.name}: "
-                        "the owner moves it with `python manage.py switchbackend`)"
-                    )
-                raise UpstreamError(message) from exc
+                raise self.runtime_failed(route, f"the runtime could not be reached for {call.full}: {exc}") from exc
             if not stopped.culprit:
                 # It shared a process with a call that ran past a limit, or found it restarting:
                 # not this capability's failure, so its breaker is left alone.
@@ -470,6 +464,16 @@ class Gateway:
             self.finish(call, status=error.status, code=error.code, message=error.message)
             raise error from exc
 
+    def runtime_failed(self, route: routes.CachedRoute, message: str) -> UpstreamError:
+        """The 502 for a runtime that failed a call; a capability still placed on the runtime
+        used before SIGIL_BACKEND changed is told how it is moved."""
+        if route.backend != self.runtime.name:
+            message += (
+                f" (it is still placed on the {route.backend} runtime, not {self.runtime.name}: "
+                "the owner moves it with `python manage.py switchbackend`)"
+            )
+        return UpstreamError(message)
+
     def target(self, route: routes.CachedRoute) -> Route:
         # The route's own runtime: while `switchbackend` moves capabilities, some are still
         # placed on the previous one, and are served there until their move is recorded.
@@ -479,7 +483,9 @@ class Gateway:
             try:
                 target = runtime_for(route.backend).route(slot=route.slot, sha=route.sha, cpu_ms=route.cpu_ms)
             except RuntimeUnavailable as exc:  # e.g. Cloudflare failing when asked for the account's subdomain
-                raise UpstreamError(f"the runtime could not say where slot {route.slot} answers: {exc}") from exc
+                raise self.runtime_failed(
+                    route, f"the runtime could not say where slot {route.slot} answers: {exc}"
+                ) from exc
             if len(self.route_memo) > 10_000:
                 self.route_memo.clear()
             self.route_memo[key] = target

@@ -118,3 +118,22 @@ def test_switchbackend_after_a_restart_moves_what_was_deployed_before_it(emulato
     call_command("switchbackend", stdout=io.StringIO())
     response = alice.call("/alice/ping")
     assert (response.status_code, response.text) == (200, "pong")
+
+
+def test_a_capability_left_on_a_runtime_that_is_gone_says_how_to_move_it(emulator, alice, settings, sigil):
+    from capabilities.runtimes import runtimes_forget
+
+    settings.SIGIL_BACKEND = "platform"
+    assert alice.deploy(name="ping", code=PONG).status_code == 201
+    emulator.server.stop()  # the runtime it was placed on is gone
+    try:
+        # The owner changed SIGIL_BACKEND and restarted Sigil, but has not run switchbackend yet.
+        settings.SIGIL_BACKEND = "local"
+        runtimes_forget()
+        sigil.app.gateway = None
+        response = alice.call("/alice/ping")
+        assert response.status_code == 502, response.text
+        message = response.json()["error"]["message"]
+        assert "still placed on the platform runtime, not local" in message and "switchbackend" in message
+    finally:
+        emulator.start()
