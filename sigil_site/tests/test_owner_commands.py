@@ -10,7 +10,7 @@ from django.core.management import CommandError, call_command
 from agents.models import AuditEvent, Token
 from capabilities.models import Capability
 from testsupport.capability_code import PONG, answering
-from testsupport.cast import AgentClient
+from testsupport.cast import AgentClient, wait_for
 
 
 def run(*args) -> dict | list:
@@ -103,6 +103,7 @@ def test_rollback_serves_the_earlier_code_as_a_new_version(alice):
         "restored": 1,
         "version": 3,
         "changed": True,
+        "placing": False,
     }
     assert alice.call("/alice/greet").text == "one"
     inspected = alice.call("/_api/capabilities/alice--greet").json()
@@ -110,6 +111,16 @@ def test_rollback_serves_the_earlier_code_as_a_new_version(alice):
     assert run("rollback", "alice--greet", "1")["changed"] is False
     with pytest.raises(CommandError, match="has no version 9"):
         call_command("rollback", "alice--greet", "9", stdout=io.StringIO())
+
+
+def test_a_rollback_the_deploy_task_still_places_says_so(worker_pool, alice, settings):
+    assert alice.deploy(name="greet", code=answering("one")).status_code == 201
+    assert alice.deploy(name="greet", code=answering("two")).status_code == 200
+    settings.SIGIL_DEPLOY_WAIT_SECONDS = 0  # the command answers before the placement is done
+    out = io.StringIO()
+    call_command("rollback", "alice--greet", "1", stdout=out)
+    assert "version 3, with the code of version 1, is being placed" in out.getvalue()
+    wait_for(lambda: alice.call("/alice/greet").text == "one", timeout=30, message="v3 placed and served")
 
 
 def test_commands_refuse_unknown_agents_with_the_reason(sigil):

@@ -26,9 +26,16 @@ class Command(OwnerCommand):
             "restored": version,
             "version": result.version.number,
             "changed": result.version.number != previous,
+            # On the Cloudflare runtimes the deploy task places it; it may still be under way.
+            "placing": result.pending,
         }
 
     def describe(self, result: dict) -> str:
         if not result["changed"]:
             return f"{result['capability']} already serves the code of version {result['restored']}"
+        if result["placing"]:
+            return (
+                f"{result['capability']}: version {result['version']}, with the code of version {result['restored']}, "
+                f"is being placed (see `/_status/{result['capability']}`)"
+            )
         return f"{result['capability']}: version {result['version']} serves the code of version {result['restored']}"
