@@ -28,7 +28,11 @@ def callback_refusal(url: str, *, resolve: bool) -> str | None:
     resolved and every address it has is checked (OSError when it cannot be resolved: worth
     another try); without, only an address written in the URL (and `localhost`) is."""
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port that is no number, or out of range
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
         return "X-Callback-Url must be an absolute http or https URL"
     host = parts.hostname
     try:
@@ -37,7 +41,7 @@ def callback_refusal(url: str, *, resolve: bool) -> str | None:
         if host == "localhost" or host.endswith(".localhost"):
             addresses = [ipaddress.ip_address("127.0.0.1")]
         elif resolve:
-            addresses = _resolved(host, parts.port or (443 if parts.scheme == "https" else 80))
+            addresses = _resolved(host, port)
         else:
             return None
     refused = [address for address in addresses if not _may_reach(address)]

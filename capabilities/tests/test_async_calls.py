@@ -169,9 +169,10 @@ def test_a_call_whose_token_is_revoked_before_it_runs_is_refused(alice, settings
     assert result.status_code == 401 and result.json()["error"]["code"] == "unauthenticated"
 
 
-def test_a_bad_callback_url_is_refused(alice):
+@pytest.mark.parametrize("url", ["ftp://example.invalid/x", "http://example.invalid:99999/", "/relative"])
+def test_a_bad_callback_url_is_refused(alice, url):
     deploy_answering(alice, "ping", "pong")
-    response = alice.call("/alice/ping", headers={**ASYNC, "X-Callback-Url": "ftp://example.invalid/x"})
+    response = alice.call("/alice/ping", headers={**ASYNC, "X-Callback-Url": url})
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_request"
 
 
