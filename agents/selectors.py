@@ -46,7 +46,14 @@ def _fill_cache(token_hash: str) -> bytes:
             value, ttl = tokens.TOMBSTONE, tokens.NEGATIVE_TTL_SECONDS
         else:
             value, ttl = (
-                tokens.encode(token.agent_id, token.agent.name, token.scope, expires),
+                tokens.encode(
+                    token.agent_id,
+                    token.agent.name,
+                    token.scope,
+                    expires,
+                    calls_in_flight=token.agent.max_calls_in_flight,
+                    placements_in_flight=token.agent.max_placements_in_flight,
+                ),
                 tokens.POSITIVE_TTL_SECONDS,
             )
     key = tokens.cache_key(token_hash)

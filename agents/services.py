@@ -108,6 +108,35 @@ def agent_set_active(*, agent: Agent, is_active: bool, actor: str) -> bool:
     return bool(changed)
 
 
+def agent_set_shares(
+    *, agent: Agent, calls_in_flight: int | None, placements_in_flight: int | None, actor: str
+) -> bool:
+    """Set the agent's own caps on its calls and placements in flight per web process (None:
+    the defaults). Every process applies them from the agent's next call. Returns False when
+    nothing changed. Raises InvalidRequest for a cap below 1. Idempotent."""
+    for value in (calls_in_flight, placements_in_flight):
+        if value is not None and value < 1:
+            raise InvalidRequest("a cap on calls or placements in flight is at least 1 (empty: the default)")
+    with transaction.atomic():
+        changed = (
+            Agent.objects.filter(pk=agent.pk)
+            .exclude(max_calls_in_flight=calls_in_flight, max_placements_in_flight=placements_in_flight)
+            .update(max_calls_in_flight=calls_in_flight, max_placements_in_flight=placements_in_flight)
+        )
+        if changed:
+            audit_record(
+                actor=actor,
+                action="agent.shares_changed",
+                agent_name=agent.name,
+                subject=agent.name,
+                detail={"calls_in_flight": calls_in_flight, "placements_in_flight": placements_in_flight},
+            )
+    agent.refresh_from_db()
+    # The caps ride in the tokens' cached entries: dropped, they are read again with the new ones.
+    _write_tombstones(list(agent.tokens.values_list("secret_hash", flat=True)), delete=True)
+    return bool(changed)
+
+
 def agent_set_webhook(*, agent: Agent, url: str, secret: str | None, actor: str) -> bool:
     """Set where the agent's alerts are posted and, when `secret` is not None, the HMAC key
     that signs them ("" removes it). Returns False when nothing changed. Raises

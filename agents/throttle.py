@@ -2,10 +2,12 @@
 Redis.
 
 An address that sent SIGIL_AUTH_FAILURE_LIMIT tokens that fail (unknown, revoked, expired)
-within SIGIL_AUTH_FAILURE_WINDOW_SECONDS is answered `429 rate_limited`, with Retry-After,
-on the API and the gateway until that window ends, whatever token it sends then: a guess
-that happens to be right is refused too. The window starts at the first failure (a fixed
-window, one Redis key per address).
+within SIGIL_AUTH_FAILURE_WINDOW_SECONDS has its further failing tokens answered `429
+rate_limited`, with Retry-After, on the API and the gateway until that window ends. The brake
+stops guesses only: a token that authenticates is always served, whatever its address sent
+before, since agents share addresses (the owner's machine, one NAT) and one agent's stale
+token must not lock out the others. The window starts at the first failure (a fixed window,
+one Redis key per address).
 
 Written here rather than taken from a library: the gateway is a plain WSGI application, and
 the count must ride in the gateway's one MGET so that a valid warm call pays no extra Redis
@@ -87,12 +89,13 @@ class FailedAuthThrottle:
     def authenticate(
         self, client: redis.Redis, address: str, secret: str, *, cached: bytes | None, failures: bytes | None
     ) -> Principal:
-        """The principal of `secret`, unless `address` is throttled; a token that fails counts
-        against `address`. `cached` and `failures` are the token's cache entry and key(address),
-        read by the caller in its own round trip. Raises Unauthenticated or RateLimited."""
-        self.check(client, address, failures)
+        """The principal of `secret`. A token that fails counts against `address`, and once
+        `address` is over the limit it is answered RateLimited instead of Unauthenticated.
+        `cached` and `failures` are the token's cache entry and key(address), read by the
+        caller in its own round trip. Raises Unauthenticated or RateLimited."""
         try:
             return token_authenticate(secret, cached=cached)
         except Unauthenticated:
+            self.check(client, address, failures)
             self.failed(client, address)
             raise

@@ -1,7 +1,8 @@
 """The Redis copy of every token's authority, read by the gateway and the API on each call.
 
-`sigil:token:{sha256}` holds `agent_id|agent_name|scope|expires_epoch` for a usable token
-and a tombstone `-` for a revoked, expired or unknown one. Writers (issue, revoke, disable)
+`sigil:token:{sha256}` holds `agent_id|agent_name|scope|expires_epoch|calls|placements` for a
+usable token (the last two: the agent's own caps on its calls and placements in flight, empty
+for the defaults) and a tombstone `-` for a revoked, expired or unknown one. Writers (issue, revoke, disable)
 overwrite it after their transaction commits; readers fill a missing entry only with
 SET NX, so a late fill can never resurrect a revoked token.
 """
@@ -27,6 +28,9 @@ class Principal:
     agent_name: str
     scope: str
     token_hash: str
+    # The agent's own shares of a server (capabilities/engine/shares.py); 0: the defaults.
+    calls_in_flight: int = 0
+    placements_in_flight: int = 0
 
     @property
     def can_deploy(self) -> bool:
@@ -42,15 +46,25 @@ def cache_key(token_hash: str) -> str:
     return f"sigil:token:{token_hash}"
 
 
-def encode(agent_id: int, agent_name: str, scope: str, expires_epoch: float | None) -> bytes:
-    return f"{agent_id}|{agent_name}|{scope}|{'' if expires_epoch is None else expires_epoch}".encode()
+def encode(
+    agent_id: int,
+    agent_name: str,
+    scope: str,
+    expires_epoch: float | None,
+    *,
+    calls_in_flight: int | None = None,
+    placements_in_flight: int | None = None,
+) -> bytes:
+    expires = "" if expires_epoch is None else expires_epoch
+    return f"{agent_id}|{agent_name}|{scope}|{expires}|{calls_in_flight or ''}|{placements_in_flight or ''}".encode()
 
 
 def decode(token_hash: str, raw: bytes, now_epoch: float) -> Principal | None:
     """The principal a cached entry grants at `now_epoch`, or None."""
     if raw == TOMBSTONE:
         return None
-    agent_id, agent_name, scope, expires = raw.decode().split("|")
+    agent_id, agent_name, scope, expires, *shares = raw.decode().split("|")
     if expires and float(expires) <= now_epoch:
         return None
-    return Principal(int(agent_id), agent_name, scope, token_hash)
+    calls, placements = (int(share or 0) for share in shares) if len(shares) == 2 else (0, 0)
+    return Principal(int(agent_id), agent_name, scope, token_hash, calls, placements)

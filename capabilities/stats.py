@@ -9,7 +9,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from capabilities import breaker
+from capabilities import breaker, failures, pager
 from sigil_site.redis_client import get_redis
 
 # Upper bounds (ms) of the latency histogram's buckets; one more bucket holds the rest.
@@ -61,6 +61,13 @@ def answer_count(*, full: str | None, status: int, code: str | None) -> None:
     no registered capability.
     One round trip; the flush moves it to the database with the calls."""
     pipe = get_redis().pipeline(transaction=True)
+    answer_count_queue(pipe, full=full, status=status, code=code)
+    pipe.execute()
+
+
+def answer_count_queue(pipe, *, full: str | None, status: int, code: str | None) -> None:
+    """Queue answer_count()'s commands on `pipe`, a transaction of either Redis client (the
+    engine's is asyncio's); the caller executes it."""
     key = stats_key(full or UNROUTED)
     if status >= 400:  # a 202 (paging in behind `respond-async`) is answered, not refused
         pipe.hincrby(key, "refused", 1)
@@ -72,7 +79,6 @@ def answer_count(*, full: str | None, status: int, code: str | None) -> None:
         pipe.hincrby(UNROUTED_TOTALS_KEY, status_field(status), 1)
         if code:
             pipe.hincrby(UNROUTED_TOTALS_KEY, code_field(code), 1)
-    pipe.execute()
 
 
 def unrouted_totals() -> tuple[dict[str, int], dict[str, int]]:
@@ -139,6 +145,62 @@ end
 return breaker_record(open, failures, trial, now, ok, ARGV[6] == '1', tonumber(ARGV[7]), tonumber(ARGV[8]))
 """
 )
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    """What one call that reached the capability's code leaves behind, applied by RECORD_CALL
+    in one round trip: its counters, access stamp, LRU stamp, in-flight release, breaker
+    outcome, failure record (for a failure) and access-pattern entry."""
+
+    full: str  # what was placed and called: a staged version's own name in a split
+    capability_type: str
+    token_hash: str
+    at_epoch: float
+    latency_ms: float
+    status: int
+    ok: bool
+    is_trial: bool
+    held_inflight: bool
+    page_in_ms: float | None
+    code: str | None = None  # Sigil's error code, when Sigil answered for the capability
+    failure: str = ""  # failures.failure_encode() of a failure; "" for a success
+
+    def keys(self) -> list[str]:
+        return [
+            stats_key(self.full),
+            breaker.failures_key(self.full),
+            breaker.open_key(self.full),
+            breaker.trial_key(self.full),
+            DIRTY_KEY,
+            TOKENS_USED_KEY,
+            pager.lru_key(self.capability_type),
+            pager.inflight_key(self.full),
+            failures.failures_key(self.full),
+            ACCESS_LOG_KEY,
+        ]
+
+    def args(self, *, rules: breaker.Breaker, failures_kept: int, access_log_length: int) -> list:
+        return [
+            self.full,
+            self.token_hash,
+            f"{self.at_epoch:.6f}",
+            f"{self.latency_ms:.3f}",
+            int(self.ok),
+            int(self.is_trial),
+            rules.threshold,
+            rules.cooldown_seconds,
+            int(self.held_inflight),
+            bucket_field(self.latency_ms),
+            "" if self.page_in_ms is None else f"{self.page_in_ms:.3f}",
+            status_field(self.status),
+            code_field(self.code),
+            self.failure,
+            failures_kept,
+            self.capability_type,
+            access_log_length,
+        ]
+
 
 # The flush moves counters to the database in three steps, each safe to die after: claim a
 # batch (this script: the counters move, atomically, into a batch hash named by a fresh

@@ -144,12 +144,3 @@ def capability_refresh_bindings(*, full: str) -> None:
     from capabilities import services
 
     services.capability_refresh_bindings(full=full)
-
-
-# Late acks and a requeue on a lost worker: an accepted call outlives the worker running it,
-# and the service's execution record makes running it again safe.
-@shared_task(name="capabilities.capability_async_call", acks_late=True, reject_on_worker_lost=True)
-def capability_async_call(*, call_id: str) -> None:
-    from capabilities.services import async_calls
-
-    async_calls.async_call_run(call_id=call_id)

@@ -44,7 +44,6 @@ from urllib3 import HTTPHeaderDict
 from capabilities.runtimes.base import Route
 from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
 from capabilities.runtimes.loader_host import loader_host_start_check
-from capabilities.upstream import HOP_BY_HOP
 from capabilities.workerd import WorkerdHost
 from cfemulator.api import MAX_BODY_BYTES, ApiRequest, CloudflareApi, EmulatorConfig, WorkerTarget
 from cfemulator.bound import EXCEEDED_HEADER, KV_HEADER, LIMITS_HEADER, NOT_FOUND_HEADER, ORIGINAL_HOST_HEADER
@@ -59,7 +58,20 @@ LISTEN_ADDRESS = "127.0.0.1"
 # Accepted-but-not-yet-served connections; the stdlib default of 5 refuses bursts.
 _BACKLOG = 512
 # The emulator frames every body itself: a known length is passed on, anything else is chunked.
-_HOP_BY_HOP = HOP_BY_HOP | {"content-length"}
+# RFC 9110 §7.6.1 connection-specific fields, and the length the emulator writes itself.
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+    }
+)
 # Bodies are relayed in pieces of at most this many bytes, as they arrive.
 _PIECE = 64 * 1024
 _WORKER_HOST_SUFFIXES = (".workers.dev", ".dispatch.localhost")

@@ -133,7 +133,7 @@ AUTHENTICATION_BACKENDS = [
 ]
 
 ROOT_URLCONF = "sigil_site.urls"
-WSGI_APPLICATION = "sigil_site.wsgi.application"
+ASGI_APPLICATION = "sigil_site.asgi.application"
 
 TEMPLATES = [
     {
@@ -363,7 +363,7 @@ SIGIL_STATS_RETENTION_DAYS = env_int("SIGIL_STATS_RETENTION_DAYS", 30)
 SIGIL_WEBHOOK_MAX_RETRIES = env_int("SIGIL_WEBHOOK_MAX_RETRIES", 8)
 # Asynchronous calls (`Prefer: respond-async`): how long a call and then its result are
 # kept, how much of the result's body, the largest request body held for one, and the Celery
-# queue their runs and callbacks go to.
+# queue their callbacks go to (the calls run on the engine's runners).
 SIGIL_ASYNC_RESULT_TTL_SECONDS = env_int("SIGIL_ASYNC_RESULT_TTL_SECONDS", 3600)
 SIGIL_ASYNC_RESULT_MAX_BYTES = env_int("SIGIL_ASYNC_RESULT_MAX_BYTES", 1024 * 1024)
 SIGIL_ASYNC_MAX_BODY_BYTES = env_int("SIGIL_ASYNC_MAX_BODY_BYTES", 1024 * 1024)
@@ -373,6 +373,23 @@ SIGIL_ASYNC_QUEUE = env_str("SIGIL_ASYNC_QUEUE", "celery")
 SIGIL_CALLBACK_ALLOWED_NETWORKS = env_networks("SIGIL_CALLBACK_ALLOWED_NETWORKS", "")
 # How many of one agent's asynchronous calls may wait to run at once; more are 429.
 SIGIL_ASYNC_MAX_PENDING_PER_AGENT = env_int("SIGIL_ASYNC_MAX_PENDING_PER_AGENT", 50)
+# Accepted asynchronous calls each web process runs at once, at most this many of one
+# agent's, and how long one may run (placement included) before its result is a 504.
+SIGIL_ASYNC_RUNNERS = env_int("SIGIL_ASYNC_RUNNERS", 64)
+SIGIL_ASYNC_RUNNERS_PER_AGENT = env_int("SIGIL_ASYNC_RUNNERS_PER_AGENT", 8)
+SIGIL_ASYNC_CALL_MAX_SECONDS = env_float("SIGIL_ASYNC_CALL_MAX_SECONDS", 240.0)
+# Each agent's share of one web process (capabilities/engine/shares.py): calls in flight,
+# placements under way, request-body bytes in flight to its runtime process (below what that
+# process may hold, so calls within SIGIL_INVOKE_MAX_BODY_BYTES never add up to kill it).
+# The owner sets other caps for one agent in the admin.
+SIGIL_AGENT_CALLS_IN_FLIGHT = env_int("SIGIL_AGENT_CALLS_IN_FLIGHT", 256)
+SIGIL_AGENT_PLACEMENTS_IN_FLIGHT = env_int("SIGIL_AGENT_PLACEMENTS_IN_FLIGHT", 12)
+SIGIL_AGENT_BODY_BYTES_IN_FLIGHT = env_int("SIGIL_AGENT_BODY_BYTES_IN_FLIGHT", 128 * 1024 * 1024)
+# Threads per web process for the work that blocks (the ORM on the cold path, placements and
+# the Cloudflare client): calls waiting on anything else hold none.
+SIGIL_ENGINE_SYNC_THREADS = env_int("SIGIL_ENGINE_SYNC_THREADS", 32)
+# The longest a WebSocket session through Sigil lasts; it is closed then (1001, going away).
+SIGIL_WEBSOCKET_MAX_SECONDS = env_int("SIGIL_WEBSOCKET_MAX_SECONDS", 3600)
 # The last calls kept (in Redis) as the access pattern the cost estimate replays; 0: none.
 SIGIL_ACCESS_PATTERN_MAX_CALLS = env_int("SIGIL_ACCESS_PATTERN_MAX_CALLS", 100_000)
 # A capability deployed with "cache_when_degraded": the last good answers to GETs kept per

@@ -32,6 +32,15 @@ from sigil_site.redis_client import get_redis
 logger = logging.getLogger(__name__)
 
 
+def placement_lock_key(full: str) -> str:
+    return f"sigil:lock:place:{full}"
+
+
+class PlacementUnderWay(Exception):
+    """Another call or process holds the capability's placement lock (a caller that asked not
+    to wait for it watches the route instead: the engine)."""
+
+
 def placement_lock(full: str, *, blocking: bool, wait_seconds: float | None = None):
     """The Redis lock held while `full` is placed, paged, moved or removed: one at a time.
 
@@ -39,7 +48,7 @@ def placement_lock(full: str, *, blocking: bool, wait_seconds: float | None = No
     """
     seconds = settings.SIGIL_PLACEMENT_LOCK_SECONDS
     return get_redis().lock(
-        f"sigil:lock:place:{full}",
+        placement_lock_key(full),
         timeout=seconds,
         blocking=blocking,
         blocking_timeout=seconds if wait_seconds is None else wait_seconds,
@@ -48,16 +57,22 @@ def placement_lock(full: str, *, blocking: bool, wait_seconds: float | None = No
 
 @contextmanager
 def placement_lock_within(full: str, *, wait_seconds: float | None) -> Iterator[None]:
-    """Hold `full`'s placement lock, waiting at most `wait_seconds` (None: the lock's timeout).
+    """Hold `full`'s placement lock, waiting at most `wait_seconds` (None: the lock's timeout;
+    0: not at all).
 
     Raises Timeout when another placement still holds it then: a caller waiting on a page-in
     gives up when its call would have (SIGIL_INVOKE_TIMEOUT_SECONDS), not after the lock's
-    far longer timeout.
+    far longer timeout. With 0, raises PlacementUnderWay at once instead.
     """
-    waited = wait_seconds or settings.SIGIL_PLACEMENT_LOCK_SECONDS
-    lock = placement_lock(full, blocking=True, wait_seconds=waited)
-    if not lock.acquire():
-        raise Timeout(f"{full} is still being placed after {waited:g} s; try again shortly")
+    if wait_seconds == 0:
+        lock = placement_lock(full, blocking=False)
+        if not lock.acquire():
+            raise PlacementUnderWay(full)
+    else:
+        waited = wait_seconds or settings.SIGIL_PLACEMENT_LOCK_SECONDS
+        lock = placement_lock(full, blocking=True, wait_seconds=waited)
+        if not lock.acquire():
+            raise Timeout(f"{full} is still being placed after {waited:g} s; try again shortly")
     try:
         yield
     finally:
@@ -343,8 +358,8 @@ def capability_page_in(
     this call placed it.
 
     Concurrent callers for the same capability wait on one lock, so one placement serves
-    them all; a caller waits at most `wait_seconds` for it. Raises NotFound, UpstreamError,
-    Timeout (the wait ran out).
+    them all; a caller waits at most `wait_seconds` for it (0: not at all). Raises NotFound,
+    UpstreamError, Timeout (the wait ran out), PlacementUnderWay (with 0, the lock is held).
     """
     with placement_lock_within(full, wait_seconds=wait_seconds):
         capability = (

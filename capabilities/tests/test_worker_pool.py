@@ -231,32 +231,19 @@ def test_a_script_cloudflare_lost_is_a_miss_paged_in_on_the_call(worker_pool, al
 def test_a_chunked_call_to_a_lost_script_never_reaches_it_without_its_body(worker_pool, alice, cf_client):
     """Production servers hand the gateway a chunked body with no Content-Length; a lost
     script is paged in again only for bodiless calls, since a body cannot be sent twice."""
-    import io
-
-    from sigil_site.wsgi import SigilApplication, django_application
     from testsupport.capability_code import ECHO
+    from testsupport.engine_calls import answers, call_request
 
     assert alice.deploy(name="echo", code=ECHO).status_code == 201
     cf_client.script_delete(names.pool_script_name("alice--echo"))
-    captured = {}
-    environ = {
-        "REQUEST_METHOD": "POST",
-        "PATH_INFO": "/alice/echo",
-        "QUERY_STRING": "",
-        "SERVER_NAME": "127.0.0.1",
-        "SERVER_PORT": "80",
-        "HTTP_HOST": "127.0.0.1",
-        "HTTP_AUTHORIZATION": f"Bearer {alice.invoke_token}",
-        "HTTP_TRANSFER_ENCODING": "chunked",
-        "wsgi.input": io.BytesIO(b"the body"),
-        "wsgi.url_scheme": "http",
-    }
-    result = SigilApplication(django_application)(
-        environ, lambda status, headers, exc_info=None: captured.update(status=status)
-    )
-    body = b"".join(result)
-    result.close()
-    assert not captured["status"].startswith("207"), body  # the echo never answered an empty body
+
+    async def body():
+        yield b"the body"
+
+    request = call_request(alice, "/alice/echo", method="POST", headers={"transfer-encoding": "chunked"})
+    request.body, request.chunked = body(), True
+    ((status, _, answered),) = answers([request])[0:1][0]
+    assert status != 207, answered  # the echo never answered an empty body
     assert alice.call("/alice/echo").status_code == 207  # a bodiless call pages it in again
     assert alice.call("/alice/echo", method="POST", data=b"the body").json()["body"] == "the body"
 
