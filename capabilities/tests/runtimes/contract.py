@@ -30,6 +30,7 @@ ECHO_HEADERS = """export default { async fetch(request) {
 
 # A WebSocket session: each message comes back as it was sent; "close please" has the code end
 # the session with 4000, and a close from the caller is answered with the caller's own code.
+# It takes the first subprotocol offered, and says what path it was called on.
 WEBSOCKET_ECHO = """export default { async fetch(request) {
   if (request.headers.get("upgrade") !== "websocket") return new Response("expected a WebSocket", { status: 426 });
   const [client, server] = Object.values(new WebSocketPair());
@@ -45,7 +46,10 @@ WEBSOCKET_ECHO = """export default { async fetch(request) {
   });
   server.addEventListener("close", (event) => { if (!closing) server.close(event.code, event.reason); });
   const url = new URL(request.url);
-  return new Response(null, { status: 101, webSocket: client, headers: { "x-seen": url.pathname + url.search } });
+  const headers = { "x-seen": url.pathname + url.search };
+  const offered = request.headers.get("sec-websocket-protocol");
+  if (offered) headers["sec-websocket-protocol"] = offered.split(",")[0].trim();
+  return new Response(null, { status: 101, webSocket: client, headers });
 } }"""
 
 _http = urllib3.PoolManager(retries=False, timeout=10)
@@ -59,7 +63,7 @@ def call(route: Route, path: str = "/", method: str = "GET", headers: dict | Non
     return _http.request(method, route.base_url + path, headers=all_headers)
 
 
-def open_websocket(route: Route, path: str = "/", headers: dict | None = None) -> ClientConnection:
+def open_websocket(route: Route, path: str = "/", headers: dict | None = None, **options) -> ClientConnection:
     """A WebSocket session with the code behind `route`, as the gateway opens one: to the
     route's base URL with its headers, and its Host header when it has one."""
     base = urlsplit(route.base_url)
@@ -71,6 +75,7 @@ def open_websocket(route: Route, path: str = "/", headers: dict | None = None) -
         additional_headers=[*route.headers, *(headers or {}).items()],
         open_timeout=15,
         close_timeout=10,
+        **options,
     )
 
 
@@ -129,9 +134,11 @@ class RuntimeContract:
         slot = runtime.slot_for("alice--echo")
         bundle = CodeBundle.from_code(WEBSOCKET_ECHO)
         runtime.place(slot=slot, bundle=bundle)
-        with open_websocket(runtime.route(slot=slot, sha=bundle.sha), "/room/1?who=alice") as ws:
+        route = runtime.route(slot=slot, sha=bundle.sha)
+        with open_websocket(route, "/room/1?who=alice", subprotocols=["sigil.echo", "other"]) as ws:
             assert ws.response.status_code == 101
             assert ws.response.headers["x-seen"] == "/room/1?who=alice"
+            assert ws.subprotocol == "sigil.echo"  # the code's choice reached the caller
             ws.send("hello")
             assert ws.recv(timeout=10) == "hello"
             ws.send(b"\x00\x01\xff")
