@@ -53,7 +53,14 @@ from cfemulator.cpumeter import CpuMeter
 from cfemulator.envelope import ApiError
 from cfemulator.limits import call_cpu_ms, exceeded_answer
 from cfemulator.scripts import ScriptProcesses
-from cfemulator.tunnel import UPGRADE_HEADERS, HandshakeFailed, is_websocket_upgrade, open_upgrade, relay
+from cfemulator.tunnel import (
+    UPGRADE_HEADERS,
+    Handshake,
+    HandshakeFailed,
+    is_websocket_upgrade,
+    open_upgrade,
+    relay,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +276,7 @@ class EmulatorServer:
             assert_same_host=False,
         )
 
-    def upgrade(self, method: str, target: str, headers: HTTPHeaderDict, *, port: int):
+    def upgrade(self, method: str, target: str, headers: HTTPHeaderDict, *, port: int) -> Handshake:
         """Send one WebSocket upgrade to the workerd listening on `port`, on a connection of its
         own, and read its answer's head (`cfemulator.tunnel`). Raises HandshakeFailed."""
         return open_upgrade(
@@ -410,9 +417,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
         original_host = self.headers.get(ORIGINAL_HOST_HEADER)
         for name, value in self.headers.items():
             lower = name.lower()
-            if upgrade and lower in UPGRADE_HEADERS:
-                pass
-            elif lower in _HOP_BY_HOP or lower in (LIMITS_HEADER, ORIGINAL_HOST_HEADER):
+            hop_by_hop = lower in _HOP_BY_HOP and not (upgrade and lower in UPGRADE_HEADERS)
+            if hop_by_hop or lower in (LIMITS_HEADER, ORIGINAL_HOST_HEADER):
                 continue
             if lower == "host" and original_host:
                 value = original_host
@@ -536,7 +542,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 upstream.close()
 
-    def _pass_upgrade(self, handshake: Any) -> None:
+    def _pass_upgrade(self, handshake: Handshake) -> None:
         """Answer a WebSocket upgrade as workerd did: a 101 is passed on with its own head, and
         the connection becomes a byte relay until both sides hang up (`cfemulator.tunnel`);
         any other answer is relayed as an ordinary one."""
