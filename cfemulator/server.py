@@ -18,8 +18,9 @@ concurrent clients are served at once; the account state is guarded by `Cloudfla
                                  script_max_bytes, subdomain, default_cpu_ms,
                                  cpu_grace_ms, propagation_delay
 
-Bodies stream both ways through the proxy to a script's workerd; the account's state is kept
-in `account.pickle` under the state directory (`cfemulator.state`), so it survives a restart.
+Bodies stream both ways through the proxy to a script's workerd, and WebSocket upgrades pass
+through as on Cloudflare (`cfemulator.tunnel`); the account's state is kept in
+`account.pickle` under the state directory (`cfemulator.state`), so it survives a restart.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,14 @@ from cfemulator.cpumeter import CpuMeter
 from cfemulator.envelope import ApiError
 from cfemulator.limits import call_cpu_ms, exceeded_answer
 from cfemulator.scripts import ScriptProcesses
+from cfemulator.tunnel import (
+    UPGRADE_HEADERS,
+    Handshake,
+    HandshakeFailed,
+    is_websocket_upgrade,
+    open_upgrade,
+    relay,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +88,7 @@ _HOST_HEADERS = frozenset({"x-sigil-secret", "x-sigil-loader-id", "x-sigil-valid
 # Sent by the emulator itself on every answer; a Worker's own (or a nested emulator
 # answer's, through a dispatch namespace) would repeat them.
 _OWN_HEADERS = frozenset({"content-type", "server", "date"})
+_NOT_PASSED = _HOP_BY_HOP | _OWN_HEADERS
 
 
 class BodyTooLarge(Exception):
@@ -278,6 +288,13 @@ class EmulatorServer:
             assert_same_host=False,
         )
 
+    def upgrade(self, method: str, target: str, headers: HTTPHeaderDict, *, port: int) -> Handshake:
+        """Send one WebSocket upgrade to the workerd listening on `port`, on a connection of its
+        own, and read its answer's head (`cfemulator.tunnel`). Raises HandshakeFailed."""
+        return open_upgrade(
+            (LISTEN_ADDRESS, port), method, target, headers.items(), connect_timeout=5.0, read_timeout=60.0
+        )
+
 
 class _HttpServer(ThreadingHTTPServer):
     daemon_threads = True
@@ -406,11 +423,14 @@ class _RequestHandler(BaseHTTPRequestHandler):
         except (BodyTooLarge, ValueError) as exc:
             self._refuse_body(exc)
             return
+        # Cloudflare hands a WebSocket request to the Worker with its upgrade; it has no body.
+        upgrade = body.finished and is_websocket_upgrade(self.command, self.headers.get("Upgrade"))
         headers = HTTPHeaderDict()
         original_host = self.headers.get(ORIGINAL_HOST_HEADER)
         for name, value in self.headers.items():
             lower = name.lower()
-            if lower in _HOP_BY_HOP or lower in (LIMITS_HEADER, ORIGINAL_HOST_HEADER):
+            hop_by_hop = lower in _HOP_BY_HOP and not (upgrade and lower in UPGRADE_HEADERS)
+            if hop_by_hop or lower in (LIMITS_HEADER, ORIGINAL_HOST_HEADER):
                 continue
             if lower == "host" and original_host:
                 value = original_host
@@ -423,12 +443,20 @@ class _RequestHandler(BaseHTTPRequestHandler):
             headers["Content-Length"] = str(body.length)
         path = split.path + (f"?{split.query}" if split.query else "")
 
-        def answered(upstream: urllib3.BaseHTTPResponse) -> None:
+        def send(port: int) -> Any:
+            if upgrade:
+                return emulator.upgrade(self.command, path, headers, port=port)
+            return emulator.proxy(self.command, path, headers, body.pieces(), port=port)
+
+        def answered(upstream: Any) -> None:
             self._log_dispatch(host, limits, upstream.status, target)
-            self._relay(upstream)
+            if upgrade:
+                self._pass_upgrade(upstream)
+            else:
+                self._relay(upstream)
 
         try:
-            self._run(target, path, headers, body, limits, answered)
+            self._run(target, headers, body, limits, send, answered)
         except LimitExceeded as exceeded:
             answer = exceeded_answer(host=original_host or host, accept=self.headers.get("Accept"))
             extra = [(EXCEEDED_HEADER, exceeded.reason)] if host.endswith(".dispatch.localhost") else []
@@ -438,7 +466,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self._send(413, b"request body too large", "text/plain")
         except ValueError:
             self._send(400, b"malformed request body framing", "text/plain")
-        except urllib3.exceptions.HTTPError as exc:
+        except (urllib3.exceptions.HTTPError, HandshakeFailed) as exc:
             logger.warning("workerd did not answer for %s: %s", target.name, exc)
             self._send(502, b"the emulator's workerd did not answer\n", "text/plain")
         except (RuntimeError, TimeoutError) as exc:
@@ -453,17 +481,18 @@ class _RequestHandler(BaseHTTPRequestHandler):
     def _run(
         self,
         target: WorkerTarget,
-        path: str,
         headers: HTTPHeaderDict,
         body: _RequestBody,
         limits: str | None,
-        answered: Callable[[urllib3.BaseHTTPResponse], None],
+        send: Callable[[int], Any],
+        answered: Callable[[Any], None],
     ) -> None:
-        """Run one call in the script's own workerd, metered against its CPU limit until its
-        answer has been relayed by `answered` (a streamed answer keeps the script running).
+        """Run one call in the script's own workerd: `send(port)` sends it there and returns
+        the answer, which is metered against the call's CPU limit until `answered` has relayed
+        it (a streamed answer, or a WebSocket session, keeps the script running).
 
         Raises LimitExceeded when it ran past it before answering, RuntimeError when workerd
-        cannot start, urllib3's errors when workerd does not answer.
+        cannot start, urllib3's errors or HandshakeFailed when workerd does not answer.
         """
         emulator = self.server.emulator
         limit_ms = call_cpu_ms(target.upload.limits, _parse_limits(limits), default=emulator.api.config.default_cpu_ms)
@@ -482,8 +511,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
                 pid=pid, stop=running.stop_for_cpu, limit_ms=limit_ms, silent=running.silent
             ) as ticket:
                 try:
-                    upstream = emulator.proxy(self.command, path, headers, body.pieces(), port=running.port)
-                except urllib3.exceptions.HTTPError as exc:
+                    upstream = send(running.port)
+                except (urllib3.exceptions.HTTPError, HandshakeFailed) as exc:
                     if ticket.exceeded:
                         raise LimitExceeded("cpu") from None
                     reason = running.stopped_for(sent_at)
@@ -492,7 +521,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
                     # Refused: the process was stopped (another call ran past a limit) before
                     # this one reached it. Nothing ran (no body was read), so it goes to the
                     # fresh one.
-                    if attempt == 1 and isinstance(exc, urllib3.exceptions.NewConnectionError) and not body.started:
+                    refused = isinstance(exc, urllib3.exceptions.NewConnectionError) or getattr(exc, "refused", False)
+                    if attempt == 1 and refused and not body.started:
                         continue
                     raise
                 answered(upstream)
@@ -506,47 +536,14 @@ class _RequestHandler(BaseHTTPRequestHandler):
         closed before the body's end, which the client sees as a truncated answer (as a
         Worker that fails mid-stream is seen on Cloudflare).
         """
-        passed = [
-            (name, value)
-            for name, value in upstream.headers.items()
-            if name.lower() not in _HOP_BY_HOP and name.lower() not in _OWN_HEADERS
-        ]
-        length = upstream.headers.get("content-length")
-        bodiless = self.command == "HEAD" or upstream.status in (204, 304)
-        chunked = length is None and not bodiless
         complete = False
         try:
-            self.send_response(upstream.status)
-            content_type = upstream.headers.get("content-type")
-            if content_type:
-                self.send_header("Content-Type", content_type)
-            for name, value in passed:
-                self.send_header(name, value)
-            if chunked:
-                self.send_header("Transfer-Encoding", "chunked")
-            elif length is not None:
-                self.send_header("Content-Length", length)
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            if bodiless:
-                complete = True
-                return
             pieces = (
                 upstream.read_chunked(decode_content=False)
                 if upstream.chunked
                 else upstream.stream(_PIECE, decode_content=False)
             )
-            for piece in pieces:
-                if not piece:
-                    continue
-                if chunked:
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                else:
-                    self.wfile.write(piece)
-                self.wfile.flush()
-            if chunked:
-                self.wfile.write(b"0\r\n\r\n")
+            self._send_streamed(upstream.status, list(upstream.headers.items()), pieces)
             complete = True
         except urllib3.exceptions.HTTPError as exc:
             logger.warning("workerd's answer broke off: %s", exc)
@@ -556,6 +553,61 @@ class _RequestHandler(BaseHTTPRequestHandler):
             else:
                 self.close_connection = True
                 upstream.close()
+
+    def _pass_upgrade(self, handshake: Handshake) -> None:
+        """Answer a WebSocket upgrade as workerd did: a 101 is passed on with its own head, and
+        the connection becomes a byte relay until both sides hang up (`cfemulator.tunnel`);
+        any other answer is relayed as an ordinary one."""
+        try:
+            if not handshake.upgraded:
+                try:
+                    self._send_streamed(handshake.status, handshake.headers(), handshake.pieces())
+                except HandshakeFailed as exc:
+                    logger.warning("workerd's answer broke off: %s", exc)
+                    self.close_connection = True
+                return
+            self.close_connection = True  # the connection is the session's now
+            self.send_response(handshake.status)
+            for name, value in handshake.headers():
+                if name.lower() not in _OWN_HEADERS:
+                    self.send_header(name, value)
+            self.end_headers()
+            relay(self.connection, self.rfile, handshake)
+        finally:
+            handshake.close()
+
+    def _send_streamed(self, status: int, headers: list[tuple[str, str]], pieces: Iterable[bytes]) -> None:
+        """Send an answer whose body is `pieces`, each written as it comes: with the
+        Content-Length given in `headers`, else chunked. Raises what `pieces` raises."""
+        passed = [(name, value) for name, value in headers if name.lower() not in _NOT_PASSED]
+        length = next((value for name, value in headers if name.lower() == "content-length"), None)
+        content_type = next((value for name, value in headers if name.lower() == "content-type"), None)
+        bodiless = self.command == "HEAD" or status in (204, 304)
+        chunked = length is None and not bodiless
+        self.send_response(status)
+        if content_type:
+            self.send_header("Content-Type", content_type)
+        for name, value in passed:
+            self.send_header(name, value)
+        if chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        elif length is not None:
+            self.send_header("Content-Length", length)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if bodiless:
+            return
+        for piece in pieces:
+            if not piece:
+                continue
+            if chunked:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            else:
+                self.wfile.write(piece)
+            self.wfile.flush()
+        if chunked:
+            self.wfile.write(b"0\r\n\r\n")
 
     def _log_dispatch(self, host: str, limits: str | None, status: int, target: WorkerTarget | None = None) -> None:
         """Calls through a dispatch namespace binding are logged with the limits they asked for."""

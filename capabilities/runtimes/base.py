@@ -205,6 +205,12 @@ class Runtime(ABC):
 
         `cpu_ms` is the capability's own CPU limit per call (None: the runtime's default);
         runtimes that cannot enforce one ignore it.
+
+        WebSockets pass as on Cloudflare: a GET with `Upgrade: websocket` (and `Connection:
+        Upgrade`, the `Sec-WebSocket-*` fields) sent there with the route's headers and Host
+        reaches the code with its upgrade; the code's `101` comes back with its own headers
+        (the chosen subprotocol, the runtime's marker), then frames both ways on that
+        connection. An answer that is no 101 reads as any other (`is_missing` included).
         """
 
     def is_missing(self, response) -> bool:
