@@ -240,3 +240,25 @@ def test_a_deploy_that_fails_transiently_is_retried_before_its_outcome_is_kept(w
     assert CapabilityVersion.objects.get(capability__full_name="alice--flaky", number=1).placement == "placed"
     assert not AuditEvent.objects.filter(subject="alice--flaky", action="capability.deploy_failed").exists()
     assert alice.call("/alice/flaky").text == "there"
+
+
+def test_the_stats_script_gives_back_a_count_kept_per_process():
+    """The gateway's one script call after a call takes back its in-flight count, whether it
+    held the single count or one kept per process."""
+    from capabilities import stats
+
+    redis = get_redis()
+    record_call = redis.register_script(stats.RECORD_CALL)
+
+    def record(inflight_key: str, held: str) -> None:
+        keys = ["stats", "failures", "open", "trial", "dirty", "used", pager.lru_key("normal"), inflight_key]
+        args = ["alice--a", "token", f"{time.time():.6f}", "1.0", 1, 0, 5, 30, held, "b:1", "", "s:2xx", "", ""]
+        record_call(keys=[*keys, "failure-records", "access-log"], args=[*args, 10, "normal", 0])
+
+    process = pager.pager_inflight_enter("alice--a")
+    get_redis().incr(pager.inflight_key("alice--a"))
+    assert pager.pager_inflight("alice--a") == 2
+    record(pager.inflight_by_process_key("alice--a"), process)
+    assert pager.pager_inflight("alice--a") == 1
+    record(pager.inflight_key("alice--a"), "1")
+    assert pager.pager_inflight("alice--a") == 0
