@@ -158,6 +158,14 @@ def this_process() -> str:
     return _RENEWER.process()
 
 
+def mark_live(pipe) -> str:
+    """Queue on `pipe` the renewal of this process's liveness key (so a count taken with it
+    counts at once, even just after Redis lost the key); return the process's id."""
+    process = this_process()
+    pipe.set(process_key(process), 1, px=int(lease_seconds() * 1000))
+    return process
+
+
 def processes_live(processes: list[str]) -> dict[str, bool]:
     """Which of `processes` are live: one Redis round trip."""
     if not processes:

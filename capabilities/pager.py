@@ -346,11 +346,14 @@ def pager_usage() -> Usage:
 
 
 def pager_inflight_enter(full: str, *, client=None) -> str:
-    """A call to `full` is in flight in this process (one HINCRBY). Returns the process's id:
+    """A call to `full` is in flight in this process (one round trip: the count, and the
+    process's liveness renewed with it). Returns the process's id:
     what `pager_inflight_leave`, or the stats' RECORD_CALL as its in-flight argument, takes
     back. A count stops counting once its process is no longer live (leases.this_process)."""
-    process = leases.this_process()
-    (client or get_redis()).hincrby(inflight_by_process_key(full), process, 1)
+    pipe = (client or get_redis()).pipeline(transaction=False)
+    process = leases.mark_live(pipe)
+    pipe.hincrby(inflight_by_process_key(full), process, 1)
+    pipe.execute()
     return process
 
 
