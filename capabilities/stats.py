@@ -102,10 +102,12 @@ def add_counts(a: dict[str, int] | None, b: dict[str, int] | None) -> dict[str, 
 
 
 # KEYS: stats, the breaker's failures, open and trial keys, dirty set, tokens-used hash, the
-#       pager's LRU set for the capability's type, its in-flight counter, its failure records,
+#       pager's LRU set for the capability's type, its in-flight count (pager.inflight_key, or
+#       pager.inflight_by_process_key when the count is per process), its failure records,
 #       the access log
 # ARGV: full name, token hash, now (epoch s), latency ms, ok (1/0), is trial (1/0),
-#       threshold, cool-down seconds, held an in-flight count (1/0), histogram bucket field,
+#       threshold, cool-down seconds, the in-flight count held (0: none, 1: the single count,
+#       else the process id pager.pager_inflight_enter returned), histogram bucket field,
 #       page-in ms ('' for a warm call), status class field, error code field (''),
 #       failure record ('' for a success), failure records kept, the capability's type,
 #       the access log's length (0: off)
@@ -119,7 +121,11 @@ local full, token, now, latency = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local ok = ARGV[5] == '1'
 -- XX: stamp only capabilities the pager holds as live; an unbounded runtime has no set.
 redis.call('ZADD', lru, 'XX', now, full)
-if ARGV[9] == '1' then redis.call('DECR', inflight) end
+if ARGV[9] == '1' then
+  redis.call('DECR', inflight)
+elseif ARGV[9] ~= '0' and ARGV[9] ~= '' then
+  redis.call('HINCRBY', inflight, ARGV[9], -1)
+end
 redis.call('HINCRBY', stats, 'calls', 1)
 redis.call('HINCRBYFLOAT', stats, 'latency_ms', latency)
 redis.call('HINCRBY', stats, ARGV[10], 1)
@@ -161,7 +167,7 @@ class CallRecord:
     status: int
     ok: bool
     is_trial: bool
-    held_inflight: bool
+    inflight_process: str | None  # the process whose in-flight count the call holds (pager_inflight_enter)
     page_in_ms: float | None
     code: str | None = None  # Sigil's error code, when Sigil answered for the capability
     failure: str = ""  # failures.failure_encode() of a failure; "" for a success
@@ -175,7 +181,7 @@ class CallRecord:
             DIRTY_KEY,
             TOKENS_USED_KEY,
             pager.lru_key(self.capability_type),
-            pager.inflight_key(self.full),
+            pager.inflight_by_process_key(self.full),
             failures.failures_key(self.full),
             ACCESS_LOG_KEY,
         ]
@@ -190,7 +196,7 @@ class CallRecord:
             int(self.is_trial),
             rules.threshold,
             rules.cooldown_seconds,
-            int(self.held_inflight),
+            self.inflight_process or 0,
             bucket_field(self.latency_ms),
             "" if self.page_in_ms is None else f"{self.page_in_ms:.3f}",
             status_field(self.status),

@@ -221,7 +221,12 @@ CACHES = {
 
 # Kombu names a unix-socket Redis `redis+socket://`; redis-py names it `unix://`.
 CELERY_BROKER_URL = "redis+socket://" + REDIS_URL[len("unix://") :] if REDIS_URL.startswith("unix://") else REDIS_URL
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+# A task a worker took is given to another worker if not acknowledged this long after it was
+# taken (a main process killed with -9 acknowledges nothing). It fits the longest task: a
+# retry's countdown, spent held by the worker (at most 60 s, capabilities/tasks.py), then the
+# hard time limit (CELERY_TASK_TIME_LIMIT, 180 s), plus a minute; shorter would run a task
+# still under way twice.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 300}
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
@@ -241,6 +246,8 @@ CELERY_TASK_QUEUES = (Queue("celery", routing_key="celery"), Queue(SIGIL_DEPLOY_
 SIGIL_TTL_EXPIRY_INTERVAL_SECONDS = env_float("SIGIL_TTL_EXPIRY_INTERVAL_SECONDS", 60.0)
 SIGIL_STATS_FLUSH_INTERVAL_SECONDS = env_float("SIGIL_STATS_FLUSH_INTERVAL_SECONDS", 10.0)
 SIGIL_RECONCILE_INTERVAL_SECONDS = env_float("SIGIL_RECONCILE_INTERVAL_SECONDS", 300.0)
+# How often beat looks for work whose owner died (capabilities/services/reaper.py).
+SIGIL_REAP_INTERVAL_SECONDS = env_float("SIGIL_REAP_INTERVAL_SECONDS", 15.0)
 SIGIL_INACTIVE_CHECK_INTERVAL_SECONDS = env_float("SIGIL_INACTIVE_CHECK_INTERVAL_SECONDS", 86400.0)
 SIGIL_PREWARM_INTERVAL_SECONDS = env_float("SIGIL_PREWARM_INTERVAL_SECONDS", 3600.0)
 SIGIL_STATS_PRUNE_INTERVAL_SECONDS = env_float("SIGIL_STATS_PRUNE_INTERVAL_SECONDS", 3600.0)
@@ -257,6 +264,10 @@ CELERY_BEAT_SCHEDULE = {
     "capability-reconcile": {
         "task": "capabilities.capability_reconcile",
         "schedule": SIGIL_RECONCILE_INTERVAL_SECONDS,
+    },
+    "capability-reap": {
+        "task": "capabilities.capability_reap",
+        "schedule": SIGIL_REAP_INTERVAL_SECONDS,
     },
     "capability-mark-inactive": {
         "task": "capabilities.capability_mark_inactive",
@@ -324,6 +335,8 @@ SIGIL_DEPLOY_COOLDOWN_SECONDS = env_float("SIGIL_DEPLOY_COOLDOWN_SECONDS", 5.0)
 # On the Cloudflare runtimes a Celery task places a deploy; the request waits this long for
 # it, then answers 202 with the status URL.
 SIGIL_DEPLOY_WAIT_SECONDS = env_float("SIGIL_DEPLOY_WAIT_SECONDS", 5.0)
+# How often the task placing a deploy tries again after a transient failure before it keeps it.
+SIGIL_DEPLOY_RETRIES = env_int("SIGIL_DEPLOY_RETRIES", 4)
 SIGIL_EPHEMERAL_MAX_PER_AGENT = env_int("SIGIL_EPHEMERAL_MAX_PER_AGENT", 20)
 SIGIL_EPHEMERAL_DEFAULT_TTL_SECONDS = env_int("SIGIL_EPHEMERAL_DEFAULT_TTL_SECONDS", 3600)
 SIGIL_EPHEMERAL_MAX_TTL_SECONDS = env_int("SIGIL_EPHEMERAL_MAX_TTL_SECONDS", 86400)
@@ -484,8 +497,11 @@ SIGIL_POOL_USER_RESERVED = env_int("SIGIL_POOL_USER_RESERVED", 50)
 # scripts are then uploaded without Sigil's guard, so anyone with the URL can call them.
 SIGIL_POOL_REDIRECT = env_bool("SIGIL_POOL_REDIRECT", False)
 # Longer than the slowest placement (a Cloudflare upload with its retries): a page-in holds
-# this lock, and a lock left by a killed worker frees itself after this long.
+# its lock at most this long while its process lives.
 SIGIL_PLACEMENT_LOCK_SECONDS = env_int("SIGIL_PLACEMENT_LOCK_SECONDS", 180)
+# How long a mark a process renews while it works (a placement lock, a deploy's owner, the
+# process's own liveness) outlives the process's death (capabilities/leases.py).
+SIGIL_LEASE_SECONDS = env_float("SIGIL_LEASE_SECONDS", 15.0)
 
 # --- Cloudflare -------------------------------------------------------------------------
 

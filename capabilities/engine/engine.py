@@ -39,7 +39,7 @@ from agents import tokens
 from agents.selectors import parse_bearer, token_authenticate_hash
 from agents.throttle import FailedAuthThrottle
 from agents.tokens import Principal
-from capabilities import breaker, degraded_cache, failures, names, pager, routes, stats
+from capabilities import breaker, degraded_cache, failures, leases, names, pager, routes, stats
 from capabilities.engine.shares import FairShares
 from capabilities.engine.upstream import (
     HOP_BY_HOP,
@@ -131,7 +131,7 @@ class Call:
         "finished",
         "full",
         "holds_call_share",
-        "holds_inflight",
+        "inflight_process",
         "is_trial",
         "owner",
         "page_in_ms",
@@ -152,7 +152,7 @@ class Call:
         self.started = started
         self.request_id = request_id
         self.is_trial = False
-        self.holds_inflight = False
+        self.inflight_process: str | None = None  # whose in-flight count it holds, if any
         self.holds_call_share = False
         self.finished = False
         self.recorded = False  # counted as a call (finish), not as a refusal
@@ -376,8 +376,13 @@ class Engine:
             self.shares.take_body(call.owner, request.length)
             call.body_size = request.length
         if self.tracks_inflight:
-            await self.redis.incr(pager.inflight_key(call.full))
-            call.holds_inflight = True
+            # Counted per process (pager.pager_inflight_enter): a count of a process that died
+            # stops holding up the page-out.
+            pipe = self.redis.pipeline(transaction=False)
+            process = leases.mark_live(pipe)
+            pipe.hincrby(pager.inflight_by_process_key(call.full), process, 1)
+            await pipe.execute()
+            call.inflight_process = process
         if request.websocket:
             return await self.open_websocket(request, call, route, target, page_in_ms)
 
@@ -629,7 +634,7 @@ class Engine:
             status=status,
             ok=ok,
             is_trial=call.is_trial,
-            held_inflight=call.holds_inflight,
+            inflight_process=call.inflight_process,
             page_in_ms=call.page_in_ms,
             code=code,
             failure=""
@@ -675,13 +680,13 @@ class Engine:
         """A call that ended before the capability answered: give back what it holds."""
         call.finished = True
         self.give_shares(call)
-        if not (call.is_trial or call.holds_inflight):
+        if not (call.is_trial or call.inflight_process):
             return
         pipe = self.redis.pipeline(transaction=False)
         if call.is_trial:
             pipe.delete(breaker.trial_key(call.full))
-        if call.holds_inflight:
-            pipe.decr(pager.inflight_key(call.full))
+        if call.inflight_process:
+            pager.pager_inflight_leave(call.full, process=call.inflight_process, pipe=pipe)
         try:
             await pipe.execute()
         except REDIS_UNREACHABLE as exc:

@@ -36,6 +36,7 @@ from capabilities.services.placement import (
     runtime_provision,
     runtime_ready,
 )
+from capabilities.services.reaper import capability_reap
 from capabilities.services.registry import (
     DeployResult,
     capability_deploy,
@@ -93,6 +94,7 @@ __all__ = [
     "capability_prewarm",
     "capability_promote",
     "capability_prune_stats",
+    "capability_reap",
     "capability_reconcile",
     "capability_record_breaker",
     "capability_refresh_bindings",

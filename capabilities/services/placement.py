@@ -19,11 +19,12 @@ from django.utils import timezone
 
 from agents.services import audit_record
 from capabilities import bindings as binding_rules
-from capabilities import pager, routes
+from capabilities import leases, pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import CodeBundle, Runtime
 from capabilities.runtimes.errors import RuntimeFailure, RuntimeRejected, RuntimeUnavailable, ScriptTooLarge
+from capabilities.tasks import MAX_COUNTDOWN_SECONDS, PAGE_OUT_RECHECK_SECONDS
 from capabilities.tasks import capability_clear_slot as capability_clear_slot_task
 from capabilities.tasks import capability_page_out as capability_page_out_task
 from sigil_site.errors import Conflict, InvalidRequest, NotFound, Timeout, TooLarge, UpstreamError
@@ -32,27 +33,29 @@ from sigil_site.redis_client import get_redis
 logger = logging.getLogger(__name__)
 
 
-def placement_lock_key(full: str) -> str:
-    return f"sigil:lock:place:{full}"
-
-
 class PlacementUnderWay(Exception):
     """Another call or process holds the capability's placement lock (a caller that asked not
     to wait for it watches the route instead: the engine)."""
 
 
-def placement_lock(full: str, *, blocking: bool, wait_seconds: float | None = None):
-    """The Redis lock held while `full` is placed, paged, moved or removed: one at a time.
+def placement_lock(full: str, *, blocking: bool, wait_seconds: float | None = None) -> leases.Lease:
+    """The lock held while `full` is placed, paged, moved or removed: one at a time.
 
-    A blocking caller waits up to the lock's own timeout, or `wait_seconds` when given.
+    A lease (capabilities/leases.py): held up to SIGIL_PLACEMENT_LOCK_SECONDS while its
+    process lives, free within SIGIL_LEASE_SECONDS of its death. A blocking caller waits up
+    to SIGIL_PLACEMENT_LOCK_SECONDS, or `wait_seconds` when given.
     """
     seconds = settings.SIGIL_PLACEMENT_LOCK_SECONDS
-    return get_redis().lock(
+    return leases.Lease(
         placement_lock_key(full),
-        timeout=seconds,
+        hold_seconds=seconds,
         blocking=blocking,
         blocking_timeout=seconds if wait_seconds is None else wait_seconds,
     )
+
+
+def placement_lock_key(full: str) -> str:
+    return f"sigil:lock:place:{full}"
 
 
 @contextmanager
@@ -121,6 +124,7 @@ class Room:
         if self.runtime.total_slots is not None:
             self.claim = self._claim()
             self.marked = [v for v in self.claim.victims if _mark_evicting(v.full)]
+            pager.pager_note_chosen(self.full, (v.full for v in self.marked))
         self.slot = slot_for(self.full, self.runtime)
         _place(self.full, self.slot, bundle, self.runtime)
         victims = self.claim.victims if self.claim else ()
@@ -160,7 +164,8 @@ class Room:
             full=self.full, capability_type=self.capability_type, now=time.time(), expires_epoch=self.expires_epoch
         )
         for victim in self.marked:
-            capability_page_out_task.delay_on_commit(full=victim.full)
+            page_out_later(victim.full)
+        pager.pager_take_chosen(self.full)
 
     def release(self) -> None:
         """The placement failed or was not recorded: the newcomer goes back where it was,
@@ -176,6 +181,7 @@ class Room:
             )
         for victim in self.marked:
             _restore_victim(victim)
+        pager.pager_take_chosen(self.full)
 
     def _slot_cleared(self) -> bool:
         """A failed new placement may have left its script behind (uploaded, its URL not yet
@@ -240,7 +246,7 @@ def _restore_victim(victim: pager.Candidate) -> None:
     (it is being removed or evicted by the owner), it is paged out after all."""
     lock = placement_lock(victim.full, blocking=True, wait_seconds=RESTORE_LOCK_WAIT_SECONDS)
     if not lock.acquire():
-        capability_page_out_task.delay_on_commit(full=victim.full)
+        page_out_later(victim.full)
         return
     try:
         with transaction.atomic():
@@ -271,7 +277,7 @@ def capability_shed_excess(*, now: float | None = None) -> list[str]:
     shed = []
     for victim in victims:
         if _mark_evicting(victim.full):
-            capability_page_out_task.delay_on_commit(full=victim.full)
+            page_out_later(victim.full)
             shed.append(victim.full)
     return shed
 
@@ -405,6 +411,21 @@ def capability_page_in(
 PAGE_OUT_GRACE_SECONDS = 2.0
 
 
+# Page-outs sent or waiting on calls in flight, by when their task should next run (epoch s):
+# one past that by a lease was lost with its worker, and is sent again (services/reaper.py).
+PAGE_OUTS_DUE_KEY = "sigil:pageout:due"
+
+
+def page_out_later(full: str) -> None:
+    """Page `full` out in the background (once the transaction commits), its due time noted."""
+    _page_out_due(full, within=0)
+    capability_page_out_task.delay_on_commit(full=full)
+
+
+def _page_out_due(full: str, *, within: float) -> None:
+    get_redis().zadd(PAGE_OUTS_DUE_KEY, {full: time.time() + within})
+
+
 class StillInFlight(Exception):
     """The victim is still serving calls; check again, waiting at most until `wait_until`."""
 
@@ -426,6 +447,7 @@ def capability_page_out(*, full: str, wait_until: float | None = None) -> bool:
     with placement_lock(full, blocking=True):
         capability = Capability.objects.select_related("agent").filter(full_name=full, state=State.EVICTING).first()
         if capability is None:
+            get_redis().zrem(PAGE_OUTS_DUE_KEY, full)
             return False
         # The route first: a call that still found it served holds an in-flight count by the
         # time this checks; one that did not goes to page it in, and waits for this lock.
@@ -435,8 +457,13 @@ def capability_page_out(*, full: str, wait_until: float | None = None) -> bool:
         if wait_until is None:
             wait_until = time.time() + settings.SIGIL_INVOKE_TIMEOUT_SECONDS + PAGE_OUT_GRACE_SECONDS
         if pager.pager_inflight(full) > 0 and time.time() < wait_until:
+            _page_out_due(full, within=PAGE_OUT_RECHECK_SECONDS)
             raise StillInFlight(full, wait_until=wait_until)
-        runtime_for(capability.backend).remove(slot=capability.slot)
+        try:
+            runtime_for(capability.backend).remove(slot=capability.slot)
+        except RuntimeUnavailable:
+            _page_out_due(full, within=MAX_COUNTDOWN_SECONDS)  # the task's retry
+            raise
         with transaction.atomic():
             changed = Capability.objects.filter(pk=capability.pk, state=State.EVICTING).update(
                 state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now()
@@ -446,6 +473,7 @@ def capability_page_out(*, full: str, wait_until: float | None = None) -> bool:
                     actor="system", action="capability.evicted", agent_name=capability.agent.name, subject=full
                 )
         pager.pager_forget(full)
+        get_redis().zrem(PAGE_OUTS_DUE_KEY, full)
         capability.refresh_from_db()
         routes.route_publish(capability)
     return bool(changed)
@@ -485,7 +513,49 @@ def _same_runtime(runtime: Runtime) -> tuple[str, ...]:
 
 
 def placement_in_progress(full: str) -> bool:
-    return bool(get_redis().exists(f"sigil:lock:place:{full}"))
+    return bool(get_redis().exists(placement_lock_key(full)))
+
+
+def capability_reap_placements(*, now: float | None = None) -> dict[str, int]:
+    """End what a dead process left of its placements and page-outs, once its lease is over:
+    a `placing` entry whose placer's lock is gone gives its slot back (and the victims that
+    placement chose are paged out); a page-out due more than a lease ago whose capability is
+    still evicting, its lock free, is sent again. Each is audited. Idempotent; returns counts.
+    """
+    now = time.time() if now is None else now
+    freed = 0
+    for full in pager.pager_placing():
+        if not pager.pager_drop_unheld_placing(full, lock_key=placement_lock_key(full)):
+            continue
+        victims = pager.pager_take_chosen(full)
+        audit_record(
+            actor="system",
+            action="pager.placing_freed",
+            subject=full,
+            detail={"reason": "its placer died", "victims": victims},
+        )
+        for victim in victims:
+            page_out_later(victim)
+        freed += 1
+    resent = 0
+    redis = get_redis()
+    overdue = [m.decode() for m in redis.zrangebyscore(PAGE_OUTS_DUE_KEY, "-inf", now - leases.lease_seconds())]
+    evicting = set(
+        Capability.objects.filter(full_name__in=overdue, state=State.EVICTING).values_list("full_name", flat=True)
+    )
+    for full in overdue:
+        if full not in evicting:
+            redis.zrem(PAGE_OUTS_DUE_KEY, full)
+        elif not placement_in_progress(full):
+            audit_record(
+                actor="system",
+                action="capability.page_out_resent",
+                subject=full,
+                detail={"reason": "its worker was lost"},
+            )
+            page_out_later(full)
+            resent += 1
+    return {"placing_freed": freed, "page_outs_resent": resent}
 
 
 def capability_reconcile() -> dict[str, int]:
@@ -546,7 +616,7 @@ def capability_reconcile() -> dict[str, int]:
         repaired += 1
 
     if runtime.total_slots is None:
-        return {"orphans_removed": orphans, "repaired": repaired, "pager_corrected": 0, "shed": 0}
+        return {"orphans_removed": orphans, "repaired": repaired, "pager_corrected": 0, "shed": 0, **_reap()}
     corrected = pager.pager_sync(is_placing=placement_in_progress)
     for full in corrected:
         audit_record(actor="system", action="pager.corrected", subject=full)
@@ -555,9 +625,22 @@ def capability_reconcile() -> dict[str, int]:
     # placement's lock has expired (a page-out still queued makes this one a no-op).
     stale = timezone.now() - timedelta(seconds=settings.SIGIL_PLACEMENT_LOCK_SECONDS)
     for full in on_this_runtime.filter(state=State.EVICTING, updated_at__lt=stale).values_list("full_name", flat=True):
-        capability_page_out_task.delay_on_commit(full=full)
+        page_out_later(full)
     shed = capability_shed_excess()
-    return {"orphans_removed": orphans, "repaired": repaired, "pager_corrected": len(corrected), "shed": len(shed)}
+    return {
+        "orphans_removed": orphans,
+        "repaired": repaired,
+        "pager_corrected": len(corrected),
+        "shed": len(shed),
+        **_reap(),
+    }
+
+
+def _reap() -> dict[str, int]:
+    """Reconcile ends what dead processes left too (services/reaper.py, which imports this module)."""
+    from capabilities.services.reaper import capability_reap
+
+    return capability_reap()
 
 
 def capability_mark_missing(*, full: str, slot: str | None = None, backend: str | None = None) -> None:

@@ -21,15 +21,17 @@ from agents.models import Agent
 from agents.services import audit_record
 from agents.tokens import Principal
 from capabilities import bindings as binding_rules
-from capabilities import contract_copies, failures, names, pager, routes
+from capabilities import contract_copies, failures, leases, names, pager, routes, tasks
 from capabilities.contracts import Contract, contract_merge
 from capabilities.models import Capability, CapabilityType, CapabilityVersion, State, VersionPlacement
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import CodeBundle, code_sha
+from capabilities.runtimes.errors import RuntimeUnavailable
 from capabilities.services.placement import (
     Placement,
     bundle_for,
     placement_lock,
+    placement_lock_key,
     placement_lock_within,
     placement_room,
 )
@@ -44,7 +46,9 @@ from sigil_site.errors import (
     NotFound,
     RateLimited,
     SigilError,
+    Timeout,
     TooLarge,
+    UpstreamError,
     error_for_unexpected,
     error_from_code,
 )
@@ -521,35 +525,125 @@ def _forget_refused(version: CapabilityVersion) -> None:
         Capability.objects.filter(pk=version.capability_id, current_version=None, versions__isnull=True).delete()
 
 
-def capability_place_version(*, version_id: int) -> dict:
+def deploy_owner_key(version_id: int) -> str:
+    """The lease of the task placing a version, held while it works on it: a version nobody
+    owns (nor `deploy_retry_key`) was stranded by a dead worker (services/reaper.py)."""
+    return f"sigil:deploy:owner:{version_id}"
+
+
+def deploy_retry_key(version_id: int) -> str:
+    """Set, for its countdown and a lease, while a retry of the version's task is due."""
+    return f"sigil:deploy:retry:{version_id}"
+
+
+# Failures that may pass: the runtime unreachable, no room yet, the lock held too long.
+TRANSIENT_DEPLOY_FAILURES = (UpstreamError, Timeout)
+
+
+def capability_place_version(*, version_id: int, retries: int = 0, max_retries: int = 0) -> dict:
     """Place a version recorded by a deploy (the Celery task's work) and make it current;
     record and announce the outcome: {"status": "placed", "cold_start", "evicted"} or
     {"status": "failed" | "superseded", "code", "message"}.
 
     A version whose row is gone, whose capability was removed, or that a newer deploy
-    came after is not placed (superseded). Never raises: a failure is recorded on the
-    version, audited, and shown by inspect.
+    came after is not placed (superseded). A transient failure (the runtime unreachable, no
+    room, the lock held too long) raises RuntimeUnavailable, with the countdown to try again
+    as its retry_after, while `retries` (the tries that failed so far) is under `max_retries`;
+    the last try's failure, and any other, is recorded on the
+    version, audited, and shown by inspect. Idempotent: a version placed or failed already
+    gets its recorded outcome.
     """
     full = CapabilityVersion.objects.filter(pk=version_id).values_list("capability__full_name", flat=True).first()
     if full is None:
         logger.info("version %s is gone (its capability was redeployed or removed): nothing to place", version_id)
         return {"status": VersionPlacement.SUPERSEDED, "code": "not_found", "message": "the version no longer exists"}
+    owner = leases.Lease(
+        deploy_owner_key(version_id), hold_seconds=2 * settings.SIGIL_PLACEMENT_LOCK_SECONDS, blocking=False
+    )
+    owner.acquire()  # not acquired: a duplicate delivery is at work, the placement lock orders them
+    redis = get_redis()
+    redis.delete(deploy_retry_key(version_id))
+    last_try = retries >= max_retries
     try:
         with placement_lock_within(full, wait_seconds=None):
-            outcome = _place_version(version_id)
-    except SigilError as exc:  # the lock was not free in time
+            outcome = _place_version(version_id, last_try=last_try)
+    except TRANSIENT_DEPLOY_FAILURES as exc:
+        if not last_try:
+            countdown = tasks.retry_countdown(retries=retries, retry_after=None)
+            # The worker holds the retry, unacknowledged, for its countdown.
+            redis.set(deploy_retry_key(version_id), 1, px=int((countdown + leases.lease_seconds()) * 1000))
+            logger.warning(
+                "placing version %s of %s failed, trying again in %.0f s: %s", version_id, full, countdown, exc
+            )
+            raise RuntimeUnavailable(str(exc), retry_after=countdown) from exc
+        outcome = _record_failed(version_id, exc)
+    except SigilError as exc:
         outcome = _record_failed(version_id, exc)
     except Exception as exc:
         error = error_for_unexpected(exc, request_id=f"deploy-{version_id}")
         logger.exception("placing version %s of %s failed (%s)", version_id, full, error.message)
         outcome = _record_failed(version_id, error)
-    redis = get_redis()
-    redis.rpush(_outcome_key(version_id), json.dumps(outcome))
-    redis.expire(_outcome_key(version_id), OUTCOME_KEEP_SECONDS)
+    finally:
+        if owner.owned():
+            owner.release()
+    _announce(version_id, outcome)
     return outcome
 
 
-def _place_version(version_id: int) -> dict:
+# How often a stranded deploy is sent again before it is ended as failed.
+DEPLOY_RESENDS = 3
+
+
+def capability_reap_deploys() -> dict[str, int]:
+    """Deploys and rollbacks placed by a task that nobody owns any more (the worker placing
+    them died, its message not yet given back by the broker): a version still `placing` a
+    lease after it was recorded, with no task's lease on it (`deploy_owner_key`), no retry
+    due and its capability's placement lock free, is sent to the deploy queue again, up to
+    DEPLOY_RESENDS times; then it is recorded as failed (502 upstream_error). Each step is
+    audited. Idempotent (a resent task finds the version placed, and does nothing); returns
+    counts.
+    """
+    redis = get_redis()
+    recorded_before = timezone.now() - timedelta(seconds=leases.lease_seconds())
+    stranded = CapabilityVersion.objects.select_related("capability__agent").filter(
+        placement=VersionPlacement.PLACING, created_at__lt=recorded_before
+    )
+    resent = failed = 0
+    for version in stranded:
+        full = version.capability.full_name
+        if redis.exists(deploy_owner_key(version.pk), deploy_retry_key(version.pk), placement_lock_key(full)):
+            continue
+        sends_key = f"sigil:deploy:resent:{version.pk}"
+        sends = redis.incr(sends_key)
+        redis.expire(sends_key, 86400)
+        if sends > DEPLOY_RESENDS:
+            error = UpstreamError(
+                f"v{version.number} of {full} was not placed: the worker placing it was lost, "
+                f"and no worker placed it after {DEPLOY_RESENDS} resends"
+            )
+            _announce(version.pk, _record_failed(version.pk, error))
+            failed += 1
+            continue
+        audit_record(
+            actor="system",
+            action="capability.deploy_resent",
+            agent_name=version.capability.agent.name,
+            subject=full,
+            detail={"version": version.number, "resend": sends, "reason": "no worker owns its placement"},
+        )
+        capability_place_version_task.apply_async(kwargs={"version_id": version.pk}, queue=settings.SIGIL_DEPLOY_QUEUE)
+        resent += 1
+    return {"deploys_resent": resent, "deploys_failed": failed}
+
+
+def _announce(version_id: int, outcome: dict) -> None:
+    """Hand the outcome to the request waiting on it, if it still is."""
+    redis = get_redis()
+    redis.rpush(_outcome_key(version_id), json.dumps(outcome))
+    redis.expire(_outcome_key(version_id), OUTCOME_KEEP_SECONDS)
+
+
+def _place_version(version_id: int, *, last_try: bool) -> dict:
     version = CapabilityVersion.objects.select_related("capability__agent").filter(pk=version_id).first()
     if version is None:
         return {"status": VersionPlacement.SUPERSEDED, "code": "not_found", "message": "the version no longer exists"}
@@ -576,6 +670,8 @@ def _place_version(version_id: int) -> dict:
             placement = room.place(bundle)
             placed = _record_placed(version, placement=placement, bundle_sha=bundle.sha)
     except SigilError as exc:
+        if isinstance(exc, TRANSIENT_DEPLOY_FAILURES) and not last_try:
+            raise
         if isinstance(exc, (InvalidRequest, TooLarge)):
             # Refused code: nothing was deployed, so the fixed code need not wait out a cool-down.
             get_redis().delete(_cooldown_key(capability.agent.name))

@@ -3,13 +3,10 @@ emulator over HTTP (its scripts running on workerd), and a real Celery worker.""
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from django.db import connection
 
 from agents.models import AuditEvent
 from capabilities import names, services
@@ -18,6 +15,7 @@ from capabilities.runtimes import runtimes_forget
 from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
 from testsupport.cast import wait_for
+from testsupport.celery_workers import start_worker_process
 
 
 @pytest.fixture
@@ -174,49 +172,6 @@ def test_a_worker_killed_during_a_page_in_converges_after_reconcile(
     live = {c.slot for c in Capability.objects.filter(state__in=("live", "evicting"))}
     assert {s for s in scripts_on_cloudflare() if s.startswith("s-")} == live  # no orphan, nothing lost
     assert alice.call("/alice/a").text == "a"
-
-
-def start_worker_process(settings, *, queue):
-    db = connection.settings_dict
-    if db["ENGINE"].endswith("sqlite3"):
-        database_url = f"sqlite:///{db['NAME']}"
-    else:
-        database_url = f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
-    env = {
-        **os.environ,
-        "DATABASE_URL": database_url,
-        "SIGIL_BACKEND": "worker-pool",
-        "CF_API_BASE": settings.CF_API_BASE,
-        "CF_API_TOKEN": settings.CF_API_TOKEN,
-        "CF_ACCOUNT_ID": settings.CF_ACCOUNT_ID,
-        "SIGIL_CF_WORKERS_BASE": settings.SIGIL_CF_WORKERS_BASE,
-        "SIGIL_POOL_TOTAL_QUOTA": str(settings.SIGIL_POOL_TOTAL_QUOTA),
-        "SIGIL_POOL_SYSTEM_RESERVED": str(settings.SIGIL_POOL_SYSTEM_RESERVED),
-        "SIGIL_POOL_USER_RESERVED": str(settings.SIGIL_POOL_USER_RESERVED),
-        "SIGIL_POOL_SAFETY_MARGIN": str(settings.SIGIL_POOL_SAFETY_MARGIN),
-        "SIGIL_PLACEMENT_LOCK_SECONDS": str(settings.SIGIL_PLACEMENT_LOCK_SECONDS),
-        "SIGIL_INTERNAL_SECRET": settings.SIGIL_INTERNAL_SECRET,
-    }
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "sigil_site",
-            "worker",
-            "-Q",
-            queue,
-            "--pool",
-            "solo",
-            "--loglevel",
-            "WARNING",
-        ],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
 
 
 def test_a_script_cloudflare_lost_is_a_miss_paged_in_on_the_call(worker_pool, alice, cf_client):
