@@ -1,7 +1,8 @@
 """The Redis copy of every token's authority, read by the gateway and the API on each call.
 
-`sigil:token:{sha256}` holds `agent_id|agent_name|scope|expires_epoch` for a usable token
-and a tombstone `-` for a revoked, expired or unknown one. Writers (issue, revoke, disable)
+`sigil:token:{sha256}` holds `agent_id|agent_name|scope|expires_epoch` for a usable token,
+a tombstone `-` for a revoked, expired or unknown one, and `-disabled` for a live token of an
+agent the owner disabled (so that its refusal can say so). Writers (issue, revoke, disable)
 overwrite it after their transaction commits; readers fill a missing entry only with
 SET NX, so a late fill can never resurrect a revoked token.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 TOKEN_PREFIX = "sgl_"
 TOMBSTONE = b"-"
+DISABLED = b"-disabled"
 # A positive entry is re-read from the database at least this often; revocations do not
 # wait for it (they overwrite the entry), it only bounds drift after manual SQL edits.
 POSITIVE_TTL_SECONDS = 300
@@ -48,7 +50,7 @@ def encode(agent_id: int, agent_name: str, scope: str, expires_epoch: float | No
 
 def decode(token_hash: str, raw: bytes, now_epoch: float) -> Principal | None:
     """The principal a cached entry grants at `now_epoch`, or None."""
-    if raw == TOMBSTONE:
+    if raw.startswith(TOMBSTONE):
         return None
     agent_id, agent_name, scope, expires = raw.decode().split("|")
     if expires and float(expires) <= now_epoch:
