@@ -1,5 +1,6 @@
-"""What an agent author meets on the way: errors that say what to do next and CORS on the
-control API; over HTTP against Sigil served on loopback (and a real browser for CORS)."""
+"""What an agent author meets on the way: errors that say what to do next, the one 202 shape,
+CORS on the control API, /llms.txt, and a capability's `inactive_at`; over HTTP against Sigil
+served on loopback (and a real browser for CORS)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
+from django.utils import timezone
 
 from agents import services as agent_services
 from agents import tokens
 from agents.models import Agent, Token
 from capabilities.models import Capability
+from capabilities.services import capability_mark_inactive
 from sigil_site.redis_client import get_redis
 from testsupport.capability_code import PONG
 
@@ -83,6 +86,28 @@ def test_a_disabled_agents_tokens_are_told_the_owner_disabled_the_agent(alice):
 
     agent_services.agent_set_active(agent=agent, is_active=True, actor="owner:test")
     assert alice.call("/alice/ping").text == "pong"
+
+
+def test_an_async_call_not_yet_run_answers_the_one_202_shape_at_its_status_url(alice):
+    # No Celery worker runs in this test: the call stays accepted, and its status URL says so.
+    assert alice.deploy(name="ping", code=PONG).status_code == 201
+    accepted = alice.call("/alice/ping", headers={"Prefer": "respond-async"})
+    assert accepted.status_code == 202, accepted.text
+    status_url = accepted.json()["status_url"]
+
+    pending = alice.call(status_url)
+
+    assert pending.status_code == 202, pending.text
+    call = status_url.rsplit("/", 1)[1]
+    assert pending.json() == {
+        "status": "accepted",
+        "callback": status_url,
+        "eta_seconds": 1,
+        "call": call,
+        "capability": "alice--ping",
+        "status_url": status_url,
+    }
+    assert pending.headers["Retry-After"] == "1"
 
 
 def test_a_cors_preflight_to_the_api_is_answered_without_a_token_and_the_answer_is_readable(alice):
@@ -161,3 +186,40 @@ def test_a_page_of_another_origin_deploys_and_lists_with_a_token_in_a_real_brows
 
     assert (status, count) == (201, 1)
     assert request_id and len(request_id) == 16
+
+
+def test_llms_txt_covers_what_an_agent_author_does(alice, settings):
+    settings.SIGIL_DEPLOY_COOLDOWN_SECONDS = 5
+    text = requests.get(f"{alice.base_url}/llms.txt", timeout=30).text
+    for needed in (
+        "DELETE ",  # removing a capability
+        "Prefer: respond-async",
+        '"callback": "/_api/calls/{call}", "eta_seconds": 1',
+        "every 5 s",  # the deploy cool-down, as configured
+        '"name": null',  # ephemerals
+        "/versions",
+        "/rollback",
+        "sigil.versions",
+        "sigil.rollback",
+        '"input_schema": {"type": "object"',  # the deploy example carries a contract
+    ):
+        assert needed in text, needed
+
+
+def test_the_agents_api_says_when_a_capability_is_inactive(alice, settings):
+    assert alice.deploy(name="old", code=PONG, type="normal").status_code == 201
+    assert alice.deploy(name="kept", code=PONG).status_code == 201
+    Capability.objects.filter(full_name="alice--old").update(created_at=timezone.now() - timezone.timedelta(days=60))
+    settings.SIGIL_INACTIVE_AFTER_DAYS = 30
+    assert capability_mark_inactive() == 1
+
+    listed = alice.session.get(
+        f"{alice.base_url}/_api/capabilities", headers=alice.headers(alice.invoke_token), timeout=30
+    ).json()["results"]
+    shown = alice.session.get(
+        f"{alice.base_url}/_api/capabilities/alice--old", headers=alice.headers(alice.invoke_token), timeout=30
+    ).json()
+
+    inactive = {row["capability"]: row["inactive_at"] for row in listed}
+    assert inactive["alice--kept"] is None and inactive["alice--old"] is not None
+    assert shown["inactive_at"] == inactive["alice--old"]
