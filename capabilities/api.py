@@ -856,7 +856,8 @@ class CapabilityRollbackApi(APIView):
         "(`restores` in the version list names the old one). Needs a deploy token; counts as a deploy for the "
         "agent's cool-down (429 cooldown); audited as `capability.rolled_back`. Rolling back to what is served "
         "changes nothing (200, same version). A version that was refused, superseded or is still placing is a "
-        "400. Answers as a deploy does, `202` while it is still being placed.",
+        "400; the staged version a 409 (promote it instead). Answers as a deploy does, `202` while it is still "
+        "being placed.",
         request=InputSerializer,
         responses={
             200: CapabilityDeployApi.OutputSerializer,

@@ -873,7 +873,8 @@ def capability_rollback_by_agent(*, principal: Principal, full: str, version_num
     its code. Only a version whose code the runtime accepted may be restored.
 
     Raises Forbidden (no deploy scope, another agent's capability), NotFound, InvalidRequest
-    (a version refused, superseded or still placing), Conflict, Cooldown, and what placing
+    (a version refused, superseded or still placing), Conflict (the staged version, which a
+    split or a promote puts in service; a deploy in progress), Cooldown, and what placing
     code raises. Idempotent: rolling back to the code and contract served changes nothing.
     """
     if not principal.can_deploy:
@@ -884,6 +885,11 @@ def capability_rollback_by_agent(*, principal: Principal, full: str, version_num
         raise NotFound(f"{full} has no version {version_number}: GET /_api/capabilities/{full}/versions lists them")
     if target.placement in NOT_RESTORABLE:
         raise InvalidRequest(f"v{version_number} of {full} {NOT_RESTORABLE[target.placement]}; roll back to another")
+    if target.pk == capability.staged_version_id:
+        raise Conflict(
+            f"v{version_number} of {full} is staged, never served: start a split with it, or promote it "
+            f"(POST /_api/capabilities/{full}/split/promote)"
+        )
     return capability_rollback(
         capability=capability, version_number=version_number, actor=_actor(principal), cooldown=True
     )

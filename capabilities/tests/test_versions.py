@@ -116,6 +116,11 @@ def test_only_the_capabilitys_own_agent_lists_its_versions_and_rolls_it_back(ali
     for body, field in (({}, "version"), ({"version": "1"}, "version"), ({"version": 1, "code": "x"}, "code")):
         bad = rollback(alice, "alice--open", body)
         assert bad.status_code == 400 and field in bad.json()["error"]["message"], (body, bad.text)
+    staged = alice.deploy(name="open", code=answering("three"), stage=True)
+    assert staged.status_code == 200 and staged.json()["version"] == 3
+    assert [v["status"] for v in versions(alice, "alice--open").json()["results"]] == ["staged", "served", "retired"]
+    to_staged = rollback(alice, "alice--open", {"version": 3})
+    assert to_staged.status_code == 409 and "split/promote" in to_staged.json()["error"]["message"]
     assert alice.call("/alice/open").text == "two"  # none of these changed anything
 
 
