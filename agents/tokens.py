@@ -15,6 +15,7 @@ from dataclasses import dataclass
 TOKEN_PREFIX = "sgl_"
 TOMBSTONE = b"-"
 DISABLED = b"-disabled"
+REFUSALS = (TOMBSTONE, DISABLED)
 # A positive entry is re-read from the database at least this often; revocations do not
 # wait for it (they overwrite the entry), it only bounds drift after manual SQL edits.
 POSITIVE_TTL_SECONDS = 300
@@ -50,7 +51,7 @@ def encode(agent_id: int, agent_name: str, scope: str, expires_epoch: float | No
 
 def decode(token_hash: str, raw: bytes, now_epoch: float) -> Principal | None:
     """The principal a cached entry grants at `now_epoch`, or None."""
-    if raw.startswith(TOMBSTONE):
+    if raw in REFUSALS:
         return None
     agent_id, agent_name, scope, expires = raw.decode().split("|")
     if expires and float(expires) <= now_epoch:
