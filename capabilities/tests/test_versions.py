@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from agents.models import AuditEvent
+from capabilities.models import Capability
 from capabilities.tests.test_contracts import ADD_CONTRACT, ADD_INPUT
 from capabilities.tests.test_mcp import ADD, run
 from testsupport.capability_code import answering
@@ -200,3 +201,14 @@ def test_an_invoke_token_gets_no_rollback_tool(sigil, alice):
         return {tool.name for tool in (await client.list_tools()).tools}
 
     assert "sigil.rollback" not in run(sigil, alice.invoke_token, "2026-07-28", steps)
+
+
+def test_a_rollback_records_the_runtime_that_placed_it(alice):
+    alice.deploy(name="greet", code=answering("one"))
+    alice.deploy(name="greet", code=answering("two"))
+    # As if the capability had last been placed by the runtime used before SIGIL_BACKEND changed.
+    Capability.objects.filter(full_name="alice--greet").update(backend="worker-pool")
+
+    assert rollback(alice, "alice--greet", {"version": 1}).status_code == 200
+
+    assert Capability.objects.get(full_name="alice--greet").backend == "local"
