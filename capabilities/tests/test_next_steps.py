@@ -17,6 +17,7 @@ from agents import tokens
 from agents.models import Agent, Token
 from capabilities.models import Capability
 from capabilities.services import capability_mark_inactive
+from capabilities.tests.test_async_calls import SLOW, result_of
 from sigil_site.redis_client import get_redis
 from testsupport.capability_code import PONG
 
@@ -88,26 +89,28 @@ def test_a_disabled_agents_tokens_are_told_the_owner_disabled_the_agent(alice):
     assert alice.call("/alice/ping").text == "pong"
 
 
-def test_an_async_call_not_yet_run_answers_the_one_202_shape_at_its_status_url(alice):
-    # No Celery worker runs in this test: the call stays accepted, and its status URL says so.
-    assert alice.deploy(name="ping", code=PONG).status_code == 201
-    accepted = alice.call("/alice/ping", headers={"Prefer": "respond-async"})
+def test_an_async_call_not_yet_run_answers_the_one_202_shape_at_its_status_url(alice, celery_worker):
+    # The capability takes 2.5 s to answer: its status URL is read well before it has.
+    assert alice.deploy(name="slow", code=SLOW).status_code == 201
+    accepted = alice.call("/alice/slow", headers={"Prefer": "respond-async"})
     assert accepted.status_code == 202, accepted.text
     status_url = accepted.json()["status_url"]
 
     pending = alice.call(status_url)
 
     assert pending.status_code == 202, pending.text
-    call = status_url.rsplit("/", 1)[1]
-    assert pending.json() == {
-        "status": "accepted",
+    body = pending.json()
+    assert body["status"] in ("accepted", "running")
+    assert body == {
+        "status": body["status"],
         "callback": status_url,
         "eta_seconds": 1,
-        "call": call,
-        "capability": "alice--ping",
+        "call": status_url.rsplit("/", 1)[1],
+        "capability": "alice--slow",
         "status_url": status_url,
     }
     assert pending.headers["Retry-After"] == "1"
+    assert result_of(alice, status_url).text.startswith("slow")
 
 
 def test_a_cors_preflight_to_the_api_is_answered_without_a_token_and_the_answer_is_readable(alice):
