@@ -1080,7 +1080,8 @@ def llms_txt_view(request):
     cooldown = settings.SIGIL_DEPLOY_COOLDOWN_SECONDS
     context = {
         "base": base,
-        "add_deploy": json.dumps(ADD_DEPLOY),
+        # One field a line, indented as the guide's code block.
+        "add_deploy": "{" + ",\n     ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in ADD_DEPLOY.items()) + "}",
         "cooldown": f"{cooldown:g}" if cooldown > 0 else None,
         "inactive_days": settings.SIGIL_INACTIVE_AFTER_DAYS,
     }

@@ -197,7 +197,7 @@ def test_llms_txt_covers_what_an_agent_author_does(alice, settings):
     for needed in (
         "DELETE ",  # removing a capability
         "Prefer: respond-async",
-        '"callback": "/_api/calls/{call}", "eta_seconds": 1',
+        '"callback": "/_api/calls/{call}", "eta_seconds": N',
         "every 5 s",  # the deploy cool-down, as configured
         '"name": null',  # ephemerals
         "/versions",
