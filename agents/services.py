@@ -103,8 +103,14 @@ def agent_set_active(*, agent: Agent, is_active: bool, actor: str) -> bool:
                 subject=agent.name,
             )
     agent.refresh_from_db()
-    # Both directions invalidate: disabling must refuse, enabling must stop refusing.
-    _write_tombstones(list(agent.tokens.values_list("secret_hash", flat=True)), delete=is_active)
+    # Both directions invalidate: disabling must refuse, enabling must stop refusing. A live
+    # token of a disabled agent is refused saying so; a revoked one stays plainly revoked.
+    if is_active:
+        _write_tombstones(list(agent.tokens.values_list("secret_hash", flat=True)), delete=True)
+    else:
+        live = agent.tokens.filter(revoked_at__isnull=True).values_list("secret_hash", flat=True)
+        _write_tombstones(list(live), value=tokens.DISABLED)
+        _write_tombstones(list(agent.tokens.filter(revoked_at__isnull=False).values_list("secret_hash", flat=True)))
     return bool(changed)
 
 
@@ -175,7 +181,7 @@ def _stored_webhook_secret(agent: Agent) -> str | None:
         return None
 
 
-def _write_tombstones(hashes: list[str], *, delete: bool = False) -> None:
+def _write_tombstones(hashes: list[str], *, delete: bool = False, value: bytes = tokens.TOMBSTONE) -> None:
     if not hashes:
         return
     pipe = get_redis().pipeline(transaction=False)
@@ -183,7 +189,7 @@ def _write_tombstones(hashes: list[str], *, delete: bool = False) -> None:
         if delete:
             pipe.delete(tokens.cache_key(token_hash))
         else:
-            pipe.set(tokens.cache_key(token_hash), tokens.TOMBSTONE, ex=tokens.POSITIVE_TTL_SECONDS)
+            pipe.set(tokens.cache_key(token_hash), value, ex=tokens.POSITIVE_TTL_SECONDS)
     pipe.execute()
 
 

@@ -2,7 +2,9 @@
 
 `sigil:token:{sha256}` holds `agent_id|agent_name|scope|expires_epoch|calls|placements` for a
 usable token (the last two: the agent's own caps on its calls and placements in flight, empty
-for the defaults) and a tombstone `-` for a revoked, expired or unknown one. Writers (issue, revoke, disable)
+for the defaults), a tombstone `-` for a revoked, expired or unknown one, and `-disabled` for a
+live token of an agent the owner disabled (so that its refusal can say so). Writers (issue,
+revoke, disable)
 overwrite it after their transaction commits; readers fill a missing entry only with
 SET NX, so a late fill can never resurrect a revoked token.
 """
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 
 TOKEN_PREFIX = "sgl_"
 TOMBSTONE = b"-"
+DISABLED = b"-disabled"
+REFUSALS = (TOMBSTONE, DISABLED)
 # A positive entry is re-read from the database at least this often; revocations do not
 # wait for it (they overwrite the entry), it only bounds drift after manual SQL edits.
 POSITIVE_TTL_SECONDS = 300
@@ -61,7 +65,7 @@ def encode(
 
 def decode(token_hash: str, raw: bytes, now_epoch: float) -> Principal | None:
     """The principal a cached entry grants at `now_epoch`, or None."""
-    if raw == TOMBSTONE:
+    if raw in REFUSALS:
         return None
     agent_id, agent_name, scope, expires, *shares = raw.decode().split("|")
     if expires and float(expires) <= now_epoch:

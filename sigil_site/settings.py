@@ -115,6 +115,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "sigil_site.middleware.RequestId",
     "django.middleware.security.SecurityMiddleware",
+    "sigil_site.middleware.CrossOrigin",
     "sigil_site.middleware.AdminContentSecurityPolicy",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",

@@ -131,6 +131,33 @@ OWN_TOOLS = {
             "additionalProperties": False,
         },
     ),
+    "sigil.versions": (
+        "The versions of one of your capabilities, newest first: number, sha256, contract summary, when and "
+        "by whom each was made, and its status (served, staged, placing, refused, superseded or retired).",
+        {
+            "type": "object",
+            "properties": {
+                "capability": {"type": "string", "description": "Full name, e.g. alice--add."},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 200},
+                "offset": {"type": "integer", "minimum": 0},
+            },
+            "required": ["capability"],
+            "additionalProperties": False,
+        },
+    ),
+    "sigil.rollback": (
+        "Roll one of your capabilities back to an earlier version: its code and contract are served again, "
+        "as a new version. Counts as a deploy for the cool-down.",
+        {
+            "type": "object",
+            "properties": {
+                "capability": {"type": "string", "description": "Full name, e.g. alice--add."},
+                "version": {"type": "integer", "minimum": 1, "description": "The version to restore."},
+            },
+            "required": ["capability", "version"],
+            "additionalProperties": False,
+        },
+    ),
 }
 
 
@@ -347,6 +374,18 @@ class Toolbox:
             elif name == "sigil.inspect":
                 capability = selectors.capability_get_visible(principal=principal, full=arguments["capability"])
                 answer = api.CapabilityDetailSerializer(capability, context={"request": caller}).data
+            elif name == "sigil.versions":
+                capability = selectors.capability_get_owned(principal=principal, full=arguments["capability"])
+                query = selectors.capability_versions(capability=capability)
+                offset = arguments.get("offset", 0)
+                page = list(query[offset : offset + arguments.get("limit", 50)])
+                records = selectors.versions_describe(capability=capability, versions=page)
+                answer = {"count": query.count(), "versions": api.VersionSerializer(records, many=True).data}
+            elif name == "sigil.rollback":
+                result = services.capability_rollback_by_agent(
+                    principal=principal, full=arguments["capability"], version_number=arguments["version"]
+                )
+                answer = {**api.deploy_answer(caller, result), "tool": result.capability.full_name}
             else:
                 services.capability_remove(principal=principal, full=arguments["capability"])
                 answer = {"removed": arguments["capability"]}

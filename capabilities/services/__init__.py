@@ -45,6 +45,7 @@ from capabilities.services.registry import (
     capability_remove,
     capability_remove_as_owner,
     capability_rollback,
+    capability_rollback_by_agent,
 )
 from capabilities.services.splits import (
     SplitGuard,
@@ -103,6 +104,7 @@ __all__ = [
     "capability_remove_as_owner",
     "capability_reset_breaker",
     "capability_rollback",
+    "capability_rollback_by_agent",
     "capability_set_cpu_limit",
     "capability_set_public",
     "capability_shed_excess",

@@ -21,7 +21,7 @@ from agents.models import Agent
 from agents.services import audit_record
 from agents.tokens import Principal
 from capabilities import bindings as binding_rules
-from capabilities import contract_copies, failures, leases, names, pager, routes, tasks
+from capabilities import contract_copies, failures, leases, names, pager, routes, selectors, tasks
 from capabilities.contracts import Contract, contract_merge
 from capabilities.models import Capability, CapabilityType, CapabilityVersion, State, VersionPlacement
 from capabilities.runtimes import get_runtime
@@ -897,16 +897,20 @@ def capability_expire_ephemerals(*, now: datetime | None = None, batch_size: int
     return count
 
 
-def capability_rollback(*, capability: Capability, version_number: int, actor: str) -> DeployResult:
+def capability_rollback(
+    *, capability: Capability, version_number: int, actor: str, cooldown: bool = False
+) -> DeployResult:
     """Serve the code of an earlier version again, placed exactly as a deploy places code.
 
     The rollback is a new version, numbered after the latest, with the old version's code
     and contract: history only grows, the version an agent reads never goes back, and the audit trail
     says which version was restored. The capability keeps its current bindings and public
-    flag (they are not versioned), and the agent's deploy cool-down does not apply.
+    flag (they are not versioned). The agent's deploy cool-down applies only with `cooldown`
+    (an agent's own rollback, capability_rollback_by_agent), as to a deploy: claimed once
+    the rollback changes something, given back when the runtime refuses the code.
     Rolling back to the code and contract that are already current changes nothing (as a
     deploy of the same code does). Raises NotFound (no such version, or the capability was removed),
-    Conflict (a deploy of it is in progress), and what placing code raises (TooLarge,
+    Conflict (a deploy of it is in progress), Cooldown, and what placing code raises (TooLarge,
     InvalidRequest, UpstreamError).
     """
     full = capability.full_name
@@ -917,7 +921,7 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
     if not Capability.objects.exclude(state=State.REMOVED).filter(pk=capability.pk).exists():
         raise NotFound(f"no capability {full}")
     if get_runtime().places_in_background:
-        return _rollback_in_background(capability, target=target, actor=actor)
+        return _rollback_in_background(capability, target=target, actor=actor, cooldown=cooldown)
     lock = placement_lock(full, blocking=False)
     if not lock.acquire():
         raise Conflict(f"{full} is being deployed; retry when it is done")
@@ -925,9 +929,16 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
         current, unchanged = _rollback_start(capability, target)
         if unchanged is not None:
             return unchanged
+        if cooldown:
+            _claim_cooldown(current.agent.name)
         bundle = bundle_for(target.code, current, get_runtime())
         with placement_room(full=full, capability_type=current.type, expires_at=current.expires_at) as room:
-            placement = room.place(bundle)
+            try:
+                placement = room.place(bundle)
+            except (InvalidRequest, TooLarge):
+                if cooldown:  # nothing was placed: as for a refused deploy
+                    get_redis().delete(_cooldown_key(current.agent.name))
+                raise
             locked = _record_rollback(current, target=target, placement=placement, bundle_sha=bundle.sha, actor=actor)
         routes.route_publish(locked)
         contract_copies.contract_publish(locked)
@@ -940,6 +951,43 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
         created=False,
         cold_start=placement.cold_start,
         evicted=placement.evicted,
+    )
+
+
+# Why a version's code may not be restored by its agent, by its placement: it never ran.
+NOT_RESTORABLE = {
+    VersionPlacement.FAILED: "was refused when it was deployed",
+    VersionPlacement.SUPERSEDED: "was never placed (a newer deploy came first)",
+    VersionPlacement.PLACING: "is still being placed",
+}
+
+
+def capability_rollback_by_agent(*, principal: Principal, full: str, version_number: int) -> DeployResult:
+    """An agent rolls one of its capabilities back to an earlier version (REST and MCP): the
+    owner's rollback (capability_rollback), audited with the agent as actor and under the
+    agent's deploy cool-down. The restored version carries the old version's contract with
+    its code. Only a version whose code the runtime accepted may be restored.
+
+    Raises Forbidden (no deploy scope, another agent's capability), NotFound, InvalidRequest
+    (a version refused, superseded or still placing), Conflict (the staged version, which a
+    split or a promote puts in service; a deploy in progress), Cooldown, and what placing
+    code raises. Idempotent: rolling back to the code and contract served changes nothing.
+    """
+    if not principal.can_deploy:
+        raise Forbidden("rolling back needs a token with the deploy scope")
+    capability = selectors.capability_get_owned(principal=principal, full=full)
+    target = CapabilityVersion.objects.filter(capability_id=capability.pk, number=version_number).first()
+    if target is None:
+        raise NotFound(f"{full} has no version {version_number}: GET /_api/capabilities/{full}/versions lists them")
+    if target.placement in NOT_RESTORABLE:
+        raise InvalidRequest(f"v{version_number} of {full} {NOT_RESTORABLE[target.placement]}; roll back to another")
+    if target.pk == capability.staged_version_id:
+        raise Conflict(
+            f"v{version_number} of {full} is staged, never served: start a split with it, or promote it "
+            f"(POST /_api/capabilities/{full}/split/promote)"
+        )
+    return capability_rollback(
+        capability=capability, version_number=version_number, actor=_actor(principal), cooldown=True
     )
 
 
@@ -960,13 +1008,17 @@ def _rollback_start(capability: Capability, target: CapabilityVersion) -> tuple[
     return current, DeployResult(capability=current, version=version, created=False, cold_start=False, evicted=None)
 
 
-def _rollback_in_background(capability: Capability, *, target: CapabilityVersion, actor: str) -> DeployResult:
+def _rollback_in_background(
+    capability: Capability, *, target: CapabilityVersion, actor: str, cooldown: bool
+) -> DeployResult:
     """A rollback on a runtime whose placements run in Celery: the target's code and contract
     recorded as a new version and placed by the deploy task, as a deploy is (202 when it
     takes longer than SIGIL_DEPLOY_WAIT_SECONDS)."""
     current, unchanged = _rollback_start(capability, target)
     if unchanged is not None:
         return unchanged
+    if cooldown:
+        _claim_cooldown(current.agent.name)  # the task gives it back if the code is refused
     new = NewVersion(
         owner=current.agent,
         existing=current,
@@ -1003,8 +1055,9 @@ def _record_rollback(
         locked.state = State.LIVE
         locked.slot = placement.slot
         locked.placed_sha = bundle_sha
+        locked.backend = placement.backend
         locked.updated_at = now
-        locked.save(update_fields=["current_version", "state", "slot", "placed_sha", "updated_at"])
+        locked.save(update_fields=["current_version", "state", "slot", "placed_sha", "backend", "updated_at"])
         audit_record(
             actor=actor,
             action="capability.rolled_back",
