@@ -16,7 +16,8 @@ concurrent clients are served at once; the account state is guarded by `Cloudfla
 - `GET|POST /__emulator/config`  read or change script_limit, latency, fault_rate,
                                  fault_seed, fail_next, rate_limit ("N/S"),
                                  script_max_bytes, subdomain, default_cpu_ms,
-                                 cpu_grace_ms, propagation_delay
+                                 cpu_grace_ms, propagation_delay,
+                                 kv_miss_cache_seconds, empty_delete_answers
 
 Bodies stream both ways through the proxy to a script's workerd; the account's state is kept
 in `account.pickle` under the state directory (`cfemulator.state`), so it survives a restart.
@@ -67,6 +68,10 @@ _HOST_HEADERS = frozenset({"x-sigil-secret", "x-sigil-loader-id", "x-sigil-valid
 # Sent by the emulator itself on every answer; a Worker's own (or a nested emulator
 # answer's, through a dispatch namespace) would repeat them.
 _OWN_HEADERS = frozenset({"content-type", "server", "date"})
+# What the emulator's loader host adds to the answer of a plain script it runs (its mark
+# for Sigil's gateway, capabilities/runtimes/host/host.js): on Cloudflare the script's
+# answer reaches the caller as the script made it, so the mark is taken off again.
+_LOADER_HOST_MARKS = frozenset({"x-sigil-host"})
 
 
 class BodyTooLarge(Exception):
@@ -413,7 +418,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
 
         def answered(upstream: urllib3.BaseHTTPResponse) -> None:
             self._log_dispatch(host, limits, upstream.status, target)
-            self._relay(upstream)
+            self._relay(upstream, unmark=not target.runs_bound)
 
         try:
             self._run(target, path, headers, body, limits, answered)
@@ -487,18 +492,16 @@ class _RequestHandler(BaseHTTPRequestHandler):
                 return
         raise AssertionError("unreachable")
 
-    def _relay(self, upstream: urllib3.BaseHTTPResponse) -> None:
-        """Send workerd's answer on as it arrives: each chunk as workerd writes it.
+    def _relay(self, upstream: urllib3.BaseHTTPResponse, *, unmark: bool = False) -> None:
+        """Send workerd's answer on as it arrives: each chunk as workerd writes it; `unmark`
+        takes off the headers the emulator's loader host added (a plain script's answer).
 
         Once the status line is out, a failure can no longer be answered: the connection is
         closed before the body's end, which the client sees as a truncated answer (as a
         Worker that fails mid-stream is seen on Cloudflare).
         """
-        passed = [
-            (name, value)
-            for name, value in upstream.headers.items()
-            if name.lower() not in _HOP_BY_HOP and name.lower() not in _OWN_HEADERS
-        ]
+        dropped = _HOP_BY_HOP | _OWN_HEADERS | (_LOADER_HOST_MARKS if unmark else frozenset())
+        passed = [(name, value) for name, value in upstream.headers.items() if name.lower() not in dropped]
         length = upstream.headers.get("content-length")
         bodiless = self.command == "HEAD" or upstream.status in (204, 304)
         chunked = length is None and not bodiless

@@ -69,6 +69,21 @@ def test_code_missing_from_kv_is_a_miss(runtime, cf_client):
     assert response.status == 404 and runtime.is_missing(response)
 
 
+def test_a_placement_survives_the_miss_workers_kv_cached_where_the_host_runs(runtime, cf_emulator_fresh):
+    # A call that reached the host before the bundle was written (a page-in racing a call, a
+    # location the write had not reached): Cloudflare keeps that "not found" up to 60 s,
+    # even for the API's write that follows. The placement stores it through the host.
+    assert cf_emulator_fresh.config()["kv_miss_cache_seconds"] == 60
+    runtime.provision()
+    bundle = CodeBundle.from_code(HELLO)
+    route = runtime.route(slot="alice--raced", sha=bundle.sha)
+    assert runtime.is_missing(call(route))  # the miss is cached now
+    runtime.place(slot="alice--raced", bundle=bundle)
+    assert call(route).data == b"hello /"
+    stores = [c for c in cf_emulator_fresh.api_calls(method="PUT") if "/values/code" in c["path"]]
+    assert len(stores) == 1  # the API's write: the host's own went through its binding
+
+
 def test_code_that_does_not_start_leaves_no_bundle_in_kv(runtime, cf_client):
     with pytest.raises(RuntimeRejected):
         runtime.place(slot="alice--broken", bundle=CodeBundle.from_code("export default {"))
