@@ -51,7 +51,11 @@ def test_every_upload_answers_a_fresh_deployment_id(api):
 def test_the_account_script_list_filters_by_tags(api):
     api.upload("pooled", metadata={"tags": ["sigil", "sha-1"]})
     api.upload("owners")
-    listed = lambda tags: sorted(s["id"] for s in api.call("GET", "/workers/scripts", params={"tags": tags}).json()["result"])  # noqa: E731
+
+    def listed(tags: str) -> list[str]:
+        scripts = api.call("GET", "/workers/scripts", params={"tags": tags}).json()["result"]
+        return sorted(script["id"] for script in scripts)
+
     assert listed("sigil:yes") == ["pooled"]
     assert listed("sigil:no") == ["owners"]
     assert listed("") == ["owners", "pooled"]
