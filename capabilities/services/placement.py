@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,10 +24,16 @@ from capabilities import pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import CodeBundle, Runtime
-from capabilities.runtimes.errors import RuntimeFailure, RuntimeRejected, RuntimeUnavailable, ScriptTooLarge
+from capabilities.runtimes.errors import (
+    RuntimeFailure,
+    RuntimeRejected,
+    RuntimeThrottled,
+    RuntimeUnavailable,
+    ScriptTooLarge,
+)
 from capabilities.tasks import capability_clear_slot as capability_clear_slot_task
 from capabilities.tasks import capability_page_out as capability_page_out_task
-from sigil_site.errors import Conflict, InvalidRequest, NotFound, Timeout, TooLarge, UpstreamError
+from sigil_site.errors import Conflict, InvalidRequest, NotFound, Timeout, TooLarge, Unavailable, UpstreamError
 from sigil_site.redis_client import get_redis
 
 logger = logging.getLogger(__name__)
@@ -71,7 +78,7 @@ def bundle_for(code: str, capability: Capability, runtime: Runtime) -> CodeBundl
     resolved = binding_rules.bindings_resolve(
         capability.bindings, agent_id=capability.agent_id, supported_kinds=runtime.binding_kinds, strict=False
     )
-    return CodeBundle.from_code(code, bindings=resolved)
+    return CodeBundle.from_code(code, bindings=resolved, cpu_ms=capability.cpu_ms)
 
 
 @dataclass(frozen=True)
@@ -292,8 +299,22 @@ def _place(full: str, slot: str, bundle: CodeBundle, runtime: Runtime) -> None:
         raise TooLarge(f"the runtime refused the script as too large: {exc}") from exc
     except RuntimeRejected as exc:
         raise InvalidRequest(f"the runtime refused the script: {exc}") from exc
+    except RuntimeThrottled as exc:
+        raise runtime_throttled(exc, doing=f"place {full}") from exc
     except RuntimeUnavailable as exc:
         raise UpstreamError(f"the runtime could not place {full}: {exc}") from exc
+
+
+def runtime_throttled(exc: RuntimeThrottled, *, doing: str) -> Unavailable:
+    """`503 unavailable` for a runtime whose provider refuses calls for a while (Cloudflare's
+    rate-limit lockout), with Retry-After as the provider answered it. The message is Sigil's:
+    the provider's own words (its error codes, its limits) stay in the log."""
+    logger.warning("the runtime is throttled and could not %s: %s", doing, exc)
+    seconds = max(1, math.ceil(exc.retry_after)) if exc.retry_after is not None else None
+    wait = f"try again in {seconds} s" if seconds is not None else "try again later"
+    return Unavailable(
+        f"the runtime's API is rate-limited for now, so Sigil could not {doing}; {wait}", retry_after=seconds
+    )
 
 
 def capability_release_slot(*, capability_id: int) -> bool:
@@ -635,6 +656,8 @@ def capability_refresh_bindings(*, full: str) -> bool:
                         subject=full,
                         detail={"bindings": capability.bindings},
                     )
+        except Unavailable as exc:
+            raise RuntimeThrottled(exc.message, retry_after=exc.retry_after) from exc  # the task waits it out
         except UpstreamError as exc:
             raise RuntimeUnavailable(str(exc)) from exc  # transient: the task tries again
         capability.placed_sha = bundle.sha

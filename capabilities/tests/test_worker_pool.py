@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 from django.db import connection
 
 from agents.models import AuditEvent
@@ -107,6 +108,38 @@ def test_ten_cold_capabilities_at_once_under_a_tight_rate_limit_all_succeed(work
     # Two calls a page-in (the upload and the workers.dev toggle), none retried.
     assert len([c for c in burst if c["method"] == "PUT"]) == 10
     assert len([c for c in burst if c["method"] == "POST" and c["path"].endswith("/subdomain")]) == 10
+
+
+def spend_elsewhere(emulator, calls: int) -> None:
+    """API calls on Sigil's token from outside Sigil (the owner's dashboard or scripts)."""
+    url = f"{emulator.api_base}/accounts/{emulator.account_id}/workers/scripts"
+    for _ in range(calls):
+        requests.get(url, headers={"Authorization": f"Bearer {emulator.token}"}, timeout=10)
+
+
+def test_cloudflares_lockout_is_503_unavailable_with_its_retry_after_in_sigils_words(worker_pool, alice):
+    deploy(alice, "cold", "c", type="normal")
+    services.capability_evict(full="alice--cold", actor="owner:test")
+    worker_pool.configure(rate_limit="3/60")
+    spend_elsewhere(worker_pool, 3)  # the window is spent: Sigil's next call locks the token out
+    started = time.monotonic()
+    response = alice.deploy(name="locked", code=code("x"))
+    assert time.monotonic() - started < 10  # refused at once, not after the budget's waits
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unavailable"
+    assert 55 <= int(response.headers["Retry-After"]) <= 60
+    assert "alice--locked" in error["message"] and "try again in" in error["message"]
+    # Cloudflare's internals (its code, its limit, its wording) stay in Sigil's log.
+    assert not any(word in error["message"] for word in ("971", "requests per", "Cloudflare answered"))
+    assert {c["code"] for c in worker_pool.api_calls() if c["status"] == 429} == {971}
+
+    # A call that must page a capability in meets the same lockout the same way.
+    called = alice.call("/alice/cold")
+    assert called.status_code == 503, called.text
+    assert called.json()["error"]["code"] == "unavailable"
+    assert 50 <= int(called.headers["Retry-After"]) <= 60
+    assert "971" not in called.json()["error"]["message"]
 
 
 def test_cloudflare_5xx_is_retried_and_the_deploy_served(worker_pool, alice):
