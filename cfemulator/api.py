@@ -79,6 +79,9 @@ _LOG_SIZE = 10_000
 # Bodies above this are refused before they are read (Cloudflare's request limit).
 MAX_BODY_BYTES = 100 * 1024 * 1024
 PLANS = frozenset({"free", "paid"})
+# Worker scripts an account may hold on each plan (reference §7.3): changing the plan sets
+# `script_limit` to its plan's unless the same change sets it.
+PLAN_SCRIPT_LIMITS = {"free": 100, "paid": 500}
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,8 @@ class EmulatorConfig:
                 if value not in PLANS:
                     raise ValueError(f"plan is one of {sorted(PLANS)}")
                 values[key] = value
+                if "script_limit" not in changes:
+                    values["script_limit"] = PLAN_SCRIPT_LIMITS[value]
             elif key in ("workers_for_platforms", "empty_delete_answers"):
                 if not isinstance(value, bool):
                     raise ValueError(f"{key} is true or false")

@@ -30,6 +30,7 @@ from capabilities.runtimes.errors import (
     RuntimeThrottled,
     RuntimeUnavailable,
     ScriptTooLarge,
+    SlotsExhausted,
 )
 from capabilities.tasks import capability_clear_slot as capability_clear_slot_task
 from capabilities.tasks import capability_page_out as capability_page_out_task
@@ -114,14 +115,43 @@ class Room:
             self.claim = self._claim()
             self.marked = [v for v in self.claim.victims if _mark_evicting(v.full)]
         self.slot = slot_for(self.full, self.runtime)
-        _place(self.full, self.slot, bundle, self.runtime)
-        victims = self.claim.victims if self.claim else ()
+        paged_out = self._place_within_account(bundle)
+        victims = [v.full for v in self.claim.victims] if self.claim else []
+        victims += paged_out
         return Placement(
             slot=self.slot,
             backend=self.runtime.name,
             cold_start=bool(self.claim and self.claim.outcome == "claimed"),
-            evicted=victims[0].full if victims else None,
+            evicted=victims[0] if victims else None,
         )
+
+    def _place_within_account(self, bundle: CodeBundle) -> list[str]:
+        """Put `bundle` on the runtime; return what was paged out to make room on the account.
+
+        The runtime may refuse a new script though the pager had a slot: the account holds as
+        many as its plan allows (Cloudflare's 10037), the owner's own Workers sharing that
+        quota. That is a full pool: the least valuable capability is paged out at once and
+        the upload tried again, until ROOM_WAIT_SECONDS have passed. When nothing can be paged
+        out, or no room came in time, the newcomer is shed (`503 unavailable`). Each refusal
+        is told to the owner (`runtime_account_full`).
+        """
+        deadline = time.monotonic() + ROOM_WAIT_SECONDS
+        paged_out: list[str] = []
+        while True:
+            try:
+                _place(self.full, self.slot, bundle, self.runtime)
+                return paged_out
+            except SlotsExhausted as exc:
+                victim = _page_out_for_account(newcomer=self.full, deadline=deadline) if self.claim else None
+                runtime_account_full(runtime=self.runtime, full=self.full, paged_out=victim, refusal=str(exc))
+                if victim is None or time.monotonic() > deadline:
+                    raise Unavailable(
+                        f"the runtime's account has no room for {self.full}: it holds as many scripts as its plan "
+                        "allows, with scripts Sigil does not manage among them, and no capability of Sigil's could "
+                        "be paged out in time; the owner has been told",
+                        retry_after=ACCOUNT_FULL_RETRY_SECONDS,
+                    ) from exc
+                paged_out.append(victim)
 
     def _claim(self) -> pager.Claim:
         deadline = time.monotonic() + ROOM_WAIT_SECONDS
@@ -199,6 +229,57 @@ def placement_room(*, full: str, capability_type: str, expires_at: datetime | No
         room.release()
         raise
     room.settle()
+
+
+def _page_out_for_account(*, newcomer: str, deadline: float) -> str | None:
+    """Page out the least valuable live capability now (never `newcomer`, which is being
+    placed): mark it evicting, then delete its script once its calls in flight end, waiting
+    until `deadline` (monotonic) at most. Returns its name, or None when none could go."""
+    usage = pager.pager_usage()
+    for victim in pager.pager_shed_excess(now=time.time(), slots=max(0, usage.used - 1)):
+        if victim.full == newcomer or not _mark_evicting(victim.full):
+            continue
+        # Its calls in flight may finish first; after the deadline a count still held is
+        # taken for a call that will never end, as any page-out does at its own deadline.
+        wait_until = time.time() + max(0.0, deadline - time.monotonic())
+        while True:
+            try:
+                capability_page_out(full=victim.full, wait_until=wait_until)
+                return victim.full
+            except StillInFlight:
+                time.sleep(0.05)
+            except RuntimeUnavailable:
+                # Its delete failed: the page-out task finishes it; this placement is shed.
+                capability_page_out_task.delay_on_commit(full=victim.full)
+                return None
+    return None
+
+
+# What a shed newcomer asks its caller to wait: a page-out or the owner freeing a script.
+ACCOUNT_FULL_RETRY_SECONDS = 30
+# How long /_health reports the account full after the last refusal.
+ACCOUNT_FULL_REPORTED_SECONDS = 3600
+ACCOUNT_FULL_KEY = "sigil:runtime:account_full"
+
+
+def runtime_account_full(*, runtime: Runtime, full: str, paged_out: str | None, refusal: str) -> None:
+    """Tell the owner the runtime's account refused a script for want of room: an audit
+    event, and /_health's warning for the next hour (`runtime_account_warning`)."""
+    detail = {"capability": full, "paged_out": paged_out, "refusal": refusal}
+    audit_record(actor="system", action="runtime.account_full", subject=runtime.name, detail=detail)
+    message = (
+        f"the {runtime.name} runtime's account refused a script for want of room at "
+        f"{timezone.now().isoformat(timespec='seconds')}: it holds as many scripts as its plan allows, the "
+        "owner's own Workers included; free some, or lower SIGIL_POOL_TOTAL_QUOTA (python manage.py cfcheck "
+        "tells how many slots Sigil can use)"
+    )
+    get_redis().set(ACCOUNT_FULL_KEY, message, ex=ACCOUNT_FULL_REPORTED_SECONDS)
+
+
+def runtime_account_warning() -> str | None:
+    """What /_health warns of when the runtime's account refused a script lately, else None."""
+    value = get_redis().get(ACCOUNT_FULL_KEY)
+    return value.decode() if value is not None else None
 
 
 def _mark_evicting(victim: str) -> bool:
@@ -297,6 +378,8 @@ def _place(full: str, slot: str, bundle: CodeBundle, runtime: Runtime) -> None:
         runtime.place(slot=slot, bundle=bundle)
     except ScriptTooLarge as exc:
         raise TooLarge(f"the runtime refused the script as too large: {exc}") from exc
+    except SlotsExhausted:
+        raise  # a full account: the caller (Room) pages out or sheds
     except RuntimeRejected as exc:
         raise InvalidRequest(f"the runtime refused the script: {exc}") from exc
     except RuntimeThrottled as exc:

@@ -142,6 +142,53 @@ def test_cloudflares_lockout_is_503_unavailable_with_its_retry_after_in_sigils_w
     assert "971" not in called.json()["error"]["message"]
 
 
+def owners_own_scripts(cf_client, count: int) -> None:
+    """Workers of the owner's own on the account, which share its script quota with Sigil's."""
+    for i in range(count):
+        cf_client.script_upload(
+            f"owners-site-{i}", modules={"main.js": code("site")}, main_module="main.js", compatibility_date="2025-01-01"
+        )
+
+
+def test_an_account_full_of_the_owners_workers_pages_out_and_retries_and_tells_the_owner(
+    worker_pool, alice, cf_client, scripts_on_cloudflare
+):
+    # 3 slots and 2 scripts reserved for the owner; the owner runs 5: the account (7 scripts)
+    # refuses Sigil's third with 10037 though the pager has room for it.
+    owners_own_scripts(cf_client, 5)
+    deploy(alice, "a", "a", type="normal")
+    deploy(alice, "b", "b", type="normal")
+    assert alice.call("/alice/b").text == "b"  # a is the least recently used
+    third = deploy(alice, "c", "c", type="normal")
+    assert third["evicted"] == "alice--a"
+    assert alice.call("/alice/c").text == "c"
+    assert len(scripts_on_cloudflare()) == 7
+    assert [c["code"] for c in worker_pool.api_calls(method="PUT") if c["status"] == 400] == [10037]
+    assert Capability.objects.get(full_name="alice--a").state == "paged_out"
+    told = AuditEvent.objects.get(action="runtime.account_full")
+    assert told.detail["capability"] == "alice--c" and told.detail["paged_out"] == "alice--a"
+    health = requests.get(f"{alice.base_url}/_health", timeout=10)
+    assert health.status_code == 200  # Sigil still serves
+    assert "refused a script for want of room" in health.json()["warnings"][0]
+    # a comes back the same way when called, paging out the least recently used again.
+    assert alice.call("/alice/a").text == "a"
+    assert Capability.objects.get(full_name="alice--b").state == "paged_out"
+
+
+def test_a_capability_is_shed_when_the_account_is_full_and_nothing_can_be_paged_out(
+    worker_pool, alice, cf_client, scripts_on_cloudflare
+):
+    owners_own_scripts(cf_client, 7)
+    started = time.monotonic()
+    response = alice.deploy(name="shed", code=code("x"))
+    assert time.monotonic() - started < 10
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "unavailable" and "Retry-After" in response.headers
+    assert "no room" in response.json()["error"]["message"]
+    assert AuditEvent.objects.filter(action="runtime.account_full", detail__paged_out=None).exists()
+    assert len(scripts_on_cloudflare()) == 7
+
+
 def test_cloudflare_5xx_is_retried_and_the_deploy_served(worker_pool, alice):
     worker_pool.configure(fail_next=2)
     response = alice.deploy(name="resilient", code=code("still here"))
