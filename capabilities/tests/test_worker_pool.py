@@ -145,9 +145,8 @@ def test_cloudflares_lockout_is_503_unavailable_with_its_retry_after_in_sigils_w
 def owners_own_scripts(cf_client, count: int) -> None:
     """Workers of the owner's own on the account, which share its script quota with Sigil's."""
     for i in range(count):
-        cf_client.script_upload(
-            f"owners-site-{i}", modules={"main.js": code("site")}, main_module="main.js", compatibility_date="2025-01-01"
-        )
+        site = {"main.js": code("site")}
+        cf_client.script_upload(f"owners-{i}", modules=site, main_module="main.js", compatibility_date="2025-01-01")
 
 
 def test_an_account_full_of_the_owners_workers_pages_out_and_retries_and_tells_the_owner(

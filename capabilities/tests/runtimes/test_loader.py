@@ -127,3 +127,21 @@ def test_new_code_frees_the_bundle_it_replaces_unless_another_slot_uses_it(runti
     runtime.place(slot="bob--two", bundle=second)
     assert stored() == {f"code:{second.sha}"}
     assert call(runtime.route(slot="bob--two", sha=second.sha)).data == b"hello /"
+
+
+def test_a_runaway_dynamic_worker_is_stopped_at_its_cpu_limit_not_its_loader_workers(runtime):
+    # The runtime gives each call 50 ms; the loader Worker's own limit is the plan's 30 s.
+    import time
+
+    runtime.provision()
+    spin = CodeBundle.from_code("export default { async fetch() { while (true) {} } }")
+    hello = CodeBundle.from_code(HELLO)
+    runtime.place(slot="alice--spin", bundle=spin)
+    runtime.place(slot="bob--hello", bundle=hello)
+    started = time.monotonic()
+    stopped = call(runtime.route(slot="alice--spin", sha=spin.sha))
+    assert time.monotonic() - started < 3
+    # As on Cloudflare, the Dynamic Worker's limit throws into the loader Worker, which says so.
+    assert (stopped.status, stopped.headers.get("x-sigil-error")) == (500, "exceeded-cpu"), stopped.data
+    assert b"ran past its CPU limit of 50 ms" in stopped.data
+    assert call(runtime.route(slot="bob--hello", sha=hello.sha)).data == b"hello /"
