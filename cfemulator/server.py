@@ -75,7 +75,9 @@ _HOP_BY_HOP = HOP_BY_HOP | {"content-length"}
 # Bodies are relayed in pieces of at most this many bytes, as they arrive.
 _PIECE = 64 * 1024
 _WORKER_HOST_SUFFIXES = (".workers.dev", ".dispatch.localhost")
-_HOST_HEADERS = frozenset({"x-sigil-secret", "x-sigil-loader-id", "x-sigil-validate", "x-sigil-retire"})
+_HOST_HEADERS = frozenset(
+    {"x-sigil-secret", "x-sigil-loader-id", "x-sigil-validate", "x-sigil-retire", "x-sigil-store", "x-sigil-cpu-ms"}
+)
 # Sent by the emulator itself on every answer; a Worker's own (or a nested emulator
 # answer's, through a dispatch namespace) would repeat them.
 _OWN_HEADERS = frozenset({"content-type", "server", "date"})
