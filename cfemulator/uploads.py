@@ -282,11 +282,10 @@ def _check_bindings(raw: Any) -> tuple[list[dict[str, Any]], tuple[ResolvedBindi
 
 
 def _keep_bindings(metadata: dict[str, Any]) -> tuple[str, ...]:
-    kinds = _string_list(metadata, "keep_bindings")
-    unknown = sorted(set(kinds) - BINDING_TYPES)
-    if unknown:
-        raise ApiError(400, 10021, f"metadata.keep_bindings names unknown binding types {unknown}")
-    return tuple(kinds)
+    # Binding types, as the SDKs type it ("list of binding types to keep from the previous
+    # upload"); whether Cloudflare refuses a type it does not know is in no source, so one
+    # simply keeps nothing.
+    return tuple(_string_list(metadata, "keep_bindings"))
 
 
 def _check_limits(raw: Any) -> dict[str, int]:

@@ -35,9 +35,10 @@ def test_keep_bindings_carries_the_previous_uploads_secrets_over(api, cf_emulato
     assert seen["env"] == ["GREETING"]
 
 
-def test_keep_bindings_names_binding_types(api):
-    refused = api.upload("echo", ECHO, metadata={"keep_bindings": ["no_such_type"]})
+def test_keep_bindings_is_a_list_of_binding_types(api):
+    refused = api.upload("echo", ECHO, metadata={"keep_bindings": "secret_text"})
     assert (refused.status_code, first_error(refused)) == (400, 10021)
+    assert api.upload("echo", ECHO, metadata={"keep_bindings": ["no_such_type"]}).status_code == 200
 
 
 def test_every_upload_answers_a_fresh_deployment_id(api):
