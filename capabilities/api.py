@@ -21,6 +21,7 @@ from drf_spectacular.utils import (
     extend_schema_view,
     inline_serializer,
 )
+from redis import RedisError
 from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.permissions import AllowAny
@@ -1032,6 +1033,7 @@ HEALTH = inline_serializer(
         "capabilities": serializers.IntegerField(allow_null=True),
         "agents": serializers.IntegerField(allow_null=True),
         "checks": serializers.DictField(child=serializers.CharField()),
+        "warnings": serializers.ListField(child=serializers.CharField(), required=False),
     },
 )
 
@@ -1069,6 +1071,13 @@ class HealthApi(APIView):
             checks["runtime"] = f"failing: {exc}"
         healthy = all(value == "ok" for value in checks.values())
         body = {"status": "ok" if healthy else "failing", "backend": settings.SIGIL_BACKEND, **counts, "checks": checks}
+        try:
+            # Worth the owner's attention, but Sigil still serves: not a failing check.
+            warning = services.runtime_account_warning()
+        except RedisError:  # reported above, as the redis check
+            warning = None
+        if warning:
+            body["warnings"] = [warning]
         return Response(body, status=200 if healthy else 503)
 
 

@@ -98,15 +98,15 @@ class Unavailable(SigilError):
     status, code = 503, "unavailable"
 
 
-def error_from_code(code: str, message: str) -> SigilError:
-    """The error a recorded `{"code", "message"}` stands for (one kept across processes, such
-    as a deploy's failure in a Celery task); an unknown code is an upstream error."""
+def error_from_code(code: str, message: str, *, retry_after: float | None = None) -> SigilError:
+    """The error a recorded `{"code", "message", "retry_after"?}` stands for (one kept across
+    processes, such as a deploy's failure in a Celery task); an unknown code is an upstream error."""
     for kind in _error_kinds(SigilError):
         if kind.code == code:
-            error = SigilError(message)  # InternalError's own constructor writes its message
+            error = SigilError(message, retry_after=retry_after)  # InternalError's own constructor writes its message
             error.status, error.code = kind.status, kind.code
             return error
-    return UpstreamError(message)
+    return UpstreamError(message, retry_after=retry_after)
 
 
 def _error_kinds(base: type[SigilError]) -> list[type[SigilError]]:

@@ -51,7 +51,7 @@ from capabilities.engine.upstream import (
 from capabilities.engine.values import CallAnswer, CallRequest, Prefetched
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import Route
-from capabilities.runtimes.errors import RuntimeUnavailable
+from capabilities.runtimes.errors import RuntimeThrottled, RuntimeUnavailable
 from sigil_site.errors import (
     REDIS_UNREACHABLE,
     CapabilityError,
@@ -577,6 +577,10 @@ class Engine:
             try:
                 # No I/O but on a runtime's first call (Cloudflare's account subdomain).
                 target = await self.offload(runtime.route, slot=route.slot, sha=route.sha, cpu_ms=route.cpu_ms)
+            except RuntimeThrottled as exc:  # Cloudflare's lockout, while asked for the account's subdomain
+                from capabilities.services.placement import runtime_throttled
+
+                raise runtime_throttled(exc, doing=f"reach {route.slot}") from exc
             except RuntimeUnavailable as exc:
                 raise self.runtime_failed(
                     route, f"the runtime could not say where slot {route.slot} answers: {exc}"

@@ -72,6 +72,10 @@ class CodeBundle:
     modules: dict[str, str]
     compatibility_date: str = "2025-01-01"
     bindings: tuple[ResolvedBinding, ...] = ()
+    # The capability's own CPU limit per call in ms (None: the runtime's default). Not part
+    # of `sha`: the same code with another limit is the same code. A runtime that fixes the
+    # limit at upload (worker-pool's `limits.cpu_ms`) reads it here; the others per call.
+    cpu_ms: int | None = field(default=None, compare=False)
     sha: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -83,8 +87,14 @@ class CodeBundle:
         object.__setattr__(self, "sha", hashlib.sha256(_canonical(identity)).hexdigest())
 
     @classmethod
-    def from_code(cls, code: str, *, bindings: tuple[ResolvedBinding, ...] | list[ResolvedBinding] = ()) -> CodeBundle:
-        return cls(main_module="main.js", modules={"main.js": code}, bindings=tuple(bindings))
+    def from_code(
+        cls,
+        code: str,
+        *,
+        bindings: tuple[ResolvedBinding, ...] | list[ResolvedBinding] = (),
+        cpu_ms: int | None = None,
+    ) -> CodeBundle:
+        return cls(main_module="main.js", modules={"main.js": code}, bindings=tuple(bindings), cpu_ms=cpu_ms)
 
     @property
     def secrets(self) -> dict[str, str]:

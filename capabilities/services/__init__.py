@@ -33,6 +33,7 @@ from capabilities.services.placement import (
     capability_refresh_bindings,
     capability_release_slot,
     capability_shed_excess,
+    runtime_account_warning,
     runtime_provision,
     runtime_ready,
 )
@@ -112,6 +113,7 @@ __all__ = [
     "capability_split_guard",
     "capability_split_set",
     "capability_switch_backend",
+    "runtime_account_warning",
     "runtime_provision",
     "runtime_ready",
     "runtime_release_previous",

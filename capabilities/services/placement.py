@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,11 +24,18 @@ from capabilities import leases, pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import CodeBundle, Runtime
-from capabilities.runtimes.errors import RuntimeFailure, RuntimeRejected, RuntimeUnavailable, ScriptTooLarge
+from capabilities.runtimes.errors import (
+    RuntimeFailure,
+    RuntimeRejected,
+    RuntimeThrottled,
+    RuntimeUnavailable,
+    ScriptTooLarge,
+    SlotsExhausted,
+)
 from capabilities.tasks import MAX_COUNTDOWN_SECONDS, PAGE_OUT_RECHECK_SECONDS
 from capabilities.tasks import capability_clear_slot as capability_clear_slot_task
 from capabilities.tasks import capability_page_out as capability_page_out_task
-from sigil_site.errors import Conflict, InvalidRequest, NotFound, Timeout, TooLarge, UpstreamError
+from sigil_site.errors import Conflict, InvalidRequest, NotFound, Timeout, TooLarge, Unavailable, UpstreamError
 from sigil_site.redis_client import get_redis
 
 logger = logging.getLogger(__name__)
@@ -89,7 +97,7 @@ def bundle_for(code: str, capability: Capability, runtime: Runtime) -> CodeBundl
     resolved = binding_rules.bindings_resolve(
         capability.bindings, agent_id=capability.agent_id, supported_kinds=runtime.binding_kinds, strict=False
     )
-    return CodeBundle.from_code(code, bindings=resolved)
+    return CodeBundle.from_code(code, bindings=resolved, cpu_ms=capability.cpu_ms)
 
 
 @dataclass(frozen=True)
@@ -126,14 +134,43 @@ class Room:
             self.marked = [v for v in self.claim.victims if _mark_evicting(v.full)]
             pager.pager_note_chosen(self.full, (v.full for v in self.marked))
         self.slot = slot_for(self.full, self.runtime)
-        _place(self.full, self.slot, bundle, self.runtime)
-        victims = self.claim.victims if self.claim else ()
+        paged_out = self._place_within_account(bundle)
+        victims = [v.full for v in self.claim.victims] if self.claim else []
+        victims += paged_out
         return Placement(
             slot=self.slot,
             backend=self.runtime.name,
             cold_start=bool(self.claim and self.claim.outcome == "claimed"),
-            evicted=victims[0].full if victims else None,
+            evicted=victims[0] if victims else None,
         )
+
+    def _place_within_account(self, bundle: CodeBundle) -> list[str]:
+        """Put `bundle` on the runtime; return what was paged out to make room on the account.
+
+        The runtime may refuse a new script though the pager had a slot: the account holds as
+        many as its plan allows (Cloudflare's 10037), the owner's own Workers sharing that
+        quota. That is a full pool: the least valuable capability is paged out at once and
+        the upload tried again, until ROOM_WAIT_SECONDS have passed. When nothing can be paged
+        out, or no room came in time, the newcomer is shed (`503 unavailable`). Each refusal
+        is told to the owner (`runtime_account_full`).
+        """
+        deadline = time.monotonic() + ROOM_WAIT_SECONDS
+        paged_out: list[str] = []
+        while True:
+            try:
+                _place(self.full, self.slot, bundle, self.runtime)
+                return paged_out
+            except SlotsExhausted as exc:
+                victim = _page_out_for_account(newcomer=self.full, deadline=deadline) if self.claim else None
+                runtime_account_full(runtime=self.runtime, full=self.full, paged_out=victim, refusal=str(exc))
+                if victim is None or time.monotonic() > deadline:
+                    raise Unavailable(
+                        f"the runtime's account has no room for {self.full}: it holds as many scripts as its plan "
+                        "allows, with scripts Sigil does not manage among them, and no capability of Sigil's could "
+                        "be paged out in time; the owner has been told",
+                        retry_after=ACCOUNT_FULL_RETRY_SECONDS,
+                    ) from exc
+                paged_out.append(victim)
 
     def _claim(self) -> pager.Claim:
         deadline = time.monotonic() + ROOM_WAIT_SECONDS
@@ -213,6 +250,57 @@ def placement_room(*, full: str, capability_type: str, expires_at: datetime | No
         room.release()
         raise
     room.settle()
+
+
+def _page_out_for_account(*, newcomer: str, deadline: float) -> str | None:
+    """Page out the least valuable live capability now (never `newcomer`, which is being
+    placed): mark it evicting, then delete its script once its calls in flight end, waiting
+    until `deadline` (monotonic) at most. Returns its name, or None when none could go."""
+    usage = pager.pager_usage()
+    for victim in pager.pager_shed_excess(now=time.time(), slots=max(0, usage.used - 1)):
+        if victim.full == newcomer or not _mark_evicting(victim.full):
+            continue
+        # Its calls in flight may finish first; after the deadline a count still held is
+        # taken for a call that will never end, as any page-out does at its own deadline.
+        wait_until = time.time() + max(0.0, deadline - time.monotonic())
+        while True:
+            try:
+                capability_page_out(full=victim.full, wait_until=wait_until)
+                return victim.full
+            except StillInFlight:
+                time.sleep(0.05)
+            except RuntimeUnavailable:
+                # Its delete failed: the page-out task finishes it; this placement is shed.
+                capability_page_out_task.delay_on_commit(full=victim.full)
+                return None
+    return None
+
+
+# What a shed newcomer asks its caller to wait: a page-out or the owner freeing a script.
+ACCOUNT_FULL_RETRY_SECONDS = 30
+# How long /_health reports the account full after the last refusal.
+ACCOUNT_FULL_REPORTED_SECONDS = 3600
+ACCOUNT_FULL_KEY = "sigil:runtime:account_full"
+
+
+def runtime_account_full(*, runtime: Runtime, full: str, paged_out: str | None, refusal: str) -> None:
+    """Tell the owner the runtime's account refused a script for want of room: an audit
+    event, and /_health's warning for the next hour (`runtime_account_warning`)."""
+    detail = {"capability": full, "paged_out": paged_out, "refusal": refusal}
+    audit_record(actor="system", action="runtime.account_full", subject=runtime.name, detail=detail)
+    message = (
+        f"the {runtime.name} runtime's account refused a script for want of room at "
+        f"{timezone.now().isoformat(timespec='seconds')}: it holds as many scripts as its plan allows, the "
+        "owner's own Workers included; free some, or lower SIGIL_POOL_TOTAL_QUOTA (python manage.py cfcheck "
+        "tells how many slots Sigil can use)"
+    )
+    get_redis().set(ACCOUNT_FULL_KEY, message, ex=ACCOUNT_FULL_REPORTED_SECONDS)
+
+
+def runtime_account_warning() -> str | None:
+    """What /_health warns of when the runtime's account refused a script lately, else None."""
+    value = get_redis().get(ACCOUNT_FULL_KEY)
+    return value.decode() if value is not None else None
 
 
 def _mark_evicting(victim: str) -> bool:
@@ -311,10 +399,26 @@ def _place(full: str, slot: str, bundle: CodeBundle, runtime: Runtime) -> None:
         runtime.place(slot=slot, bundle=bundle)
     except ScriptTooLarge as exc:
         raise TooLarge(f"the runtime refused the script as too large: {exc}") from exc
+    except SlotsExhausted:
+        raise  # a full account: the caller (Room) pages out or sheds
     except RuntimeRejected as exc:
         raise InvalidRequest(f"the runtime refused the script: {exc}") from exc
+    except RuntimeThrottled as exc:
+        raise runtime_throttled(exc, doing=f"place {full}") from exc
     except RuntimeUnavailable as exc:
         raise UpstreamError(f"the runtime could not place {full}: {exc}") from exc
+
+
+def runtime_throttled(exc: RuntimeThrottled, *, doing: str) -> Unavailable:
+    """`503 unavailable` for a runtime whose provider refuses calls for a while (Cloudflare's
+    rate-limit lockout), with Retry-After as the provider answered it. The message is Sigil's:
+    the provider's own words (its error codes, its limits) stay in the log."""
+    logger.warning("the runtime is throttled and could not %s: %s", doing, exc)
+    seconds = max(1, math.ceil(exc.retry_after)) if exc.retry_after is not None else None
+    wait = f"try again in {seconds} s" if seconds is not None else "try again later"
+    return Unavailable(
+        f"the runtime's API is rate-limited for now, so Sigil could not {doing}; {wait}", retry_after=seconds
+    )
 
 
 def capability_release_slot(*, capability_id: int) -> bool:
@@ -733,6 +837,8 @@ def capability_refresh_bindings(*, full: str) -> bool:
                         subject=full,
                         detail={"bindings": capability.bindings},
                     )
+        except Unavailable as exc:
+            raise RuntimeThrottled(exc.message, retry_after=exc.retry_after) from exc  # the task waits it out
         except UpstreamError as exc:
             raise RuntimeUnavailable(str(exc)) from exc  # transient: the task tries again
         capability.placed_sha = bundle.sha

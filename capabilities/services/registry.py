@@ -480,7 +480,7 @@ def _deploy_in_background(new: NewVersion, requested: dict) -> DeployResult:
         )
     if outcome["status"] != VersionPlacement.PLACED:
         _forget_refused(version)
-        raise error_from_code(outcome["code"], outcome["message"])
+        raise error_from_code(outcome["code"], outcome["message"], retry_after=outcome.get("retry_after"))
     capability.refresh_from_db()
     capability.agent = new.owner
     return DeployResult(
@@ -660,7 +660,7 @@ def _place_version(version_id: int, *, last_try: bool) -> dict:
         resolved = binding_rules.bindings_resolve(
             version.requested.get("bindings", []), agent_id=capability.agent_id, supported_kinds=runtime.binding_kinds
         )
-        bundle = CodeBundle.from_code(version.code, bindings=resolved)
+        bundle = CodeBundle.from_code(version.code, bindings=resolved, cpu_ms=capability.cpu_ms)
         room_for = {
             "full": capability.full_name,
             "capability_type": capability.type,
@@ -722,7 +722,9 @@ def _record_placed(version: CapabilityVersion, *, placement: Placement, bundle_s
 
 
 def _record_failed(version_id: int, error: SigilError) -> dict:
-    failure = {"code": error.code, "message": error.message}
+    failure: dict = {"code": error.code, "message": error.message}
+    if error.retry_after is not None:
+        failure["retry_after"] = error.retry_after
     with transaction.atomic():
         version = CapabilityVersion.objects.select_related("capability__agent").filter(pk=version_id).first()
         if version is None:

@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 
 from agents.models import AuditEvent
 from capabilities import names, services
@@ -105,6 +106,84 @@ def test_ten_cold_capabilities_at_once_under_a_tight_rate_limit_all_succeed(work
     # Two calls a page-in (the upload and the workers.dev toggle), none retried.
     assert len([c for c in burst if c["method"] == "PUT"]) == 10
     assert len([c for c in burst if c["method"] == "POST" and c["path"].endswith("/subdomain")]) == 10
+
+
+def spend_elsewhere(emulator, calls: int) -> None:
+    """API calls on Sigil's token from outside Sigil (the owner's dashboard or scripts)."""
+    url = f"{emulator.api_base}/accounts/{emulator.account_id}/workers/scripts"
+    for _ in range(calls):
+        requests.get(url, headers={"Authorization": f"Bearer {emulator.token}"}, timeout=10)
+
+
+def test_cloudflares_lockout_is_503_unavailable_with_its_retry_after_in_sigils_words(worker_pool, alice):
+    deploy(alice, "cold", "c", type="normal")
+    services.capability_evict(full="alice--cold", actor="owner:test")
+    worker_pool.configure(rate_limit="3/60")
+    spend_elsewhere(worker_pool, 3)  # the window is spent: Sigil's next call locks the token out
+    started = time.monotonic()
+    response = alice.deploy(name="locked", code=code("x"))
+    assert time.monotonic() - started < 10  # refused at once, not after the budget's waits
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unavailable"
+    assert 55 <= int(response.headers["Retry-After"]) <= 60
+    assert "alice--locked" in error["message"] and "try again in" in error["message"]
+    # Cloudflare's internals (its code, its limit, its wording) stay in Sigil's log.
+    assert not any(word in error["message"] for word in ("971", "requests per", "Cloudflare answered"))
+    assert {c["code"] for c in worker_pool.api_calls() if c["status"] == 429} == {971}
+
+    # A call that must page a capability in meets the same lockout the same way.
+    called = alice.call("/alice/cold")
+    assert called.status_code == 503, called.text
+    assert called.json()["error"]["code"] == "unavailable"
+    assert 50 <= int(called.headers["Retry-After"]) <= 60
+    assert "971" not in called.json()["error"]["message"]
+
+
+def owners_own_scripts(cf_client, count: int) -> None:
+    """Workers of the owner's own on the account, which share its script quota with Sigil's."""
+    for i in range(count):
+        site = {"main.js": code("site")}
+        cf_client.script_upload(f"owners-{i}", modules=site, main_module="main.js", compatibility_date="2025-01-01")
+
+
+def test_an_account_full_of_the_owners_workers_pages_out_and_retries_and_tells_the_owner(
+    worker_pool, alice, cf_client, scripts_on_cloudflare
+):
+    # 3 slots and 2 scripts reserved for the owner; the owner runs 5: the account (7 scripts)
+    # refuses Sigil's third with 10037 though the pager has room for it.
+    owners_own_scripts(cf_client, 5)
+    deploy(alice, "a", "a", type="normal")
+    deploy(alice, "b", "b", type="normal")
+    assert alice.call("/alice/b").text == "b"  # a is the least recently used
+    third = deploy(alice, "c", "c", type="normal")
+    assert third["evicted"] == "alice--a"
+    assert alice.call("/alice/c").text == "c"
+    assert len(scripts_on_cloudflare()) == 7
+    assert [c["code"] for c in worker_pool.api_calls(method="PUT") if c["status"] == 400] == [10037]
+    assert Capability.objects.get(full_name="alice--a").state == "paged_out"
+    told = AuditEvent.objects.get(action="runtime.account_full")
+    assert told.detail["capability"] == "alice--c" and told.detail["paged_out"] == "alice--a"
+    health = requests.get(f"{alice.base_url}/_health", timeout=10)
+    assert health.status_code == 200  # Sigil still serves
+    assert "refused a script for want of room" in health.json()["warnings"][0]
+    # a comes back the same way when called, paging out the least recently used again.
+    assert alice.call("/alice/a").text == "a"
+    assert Capability.objects.get(full_name="alice--b").state == "paged_out"
+
+
+def test_a_capability_is_shed_when_the_account_is_full_and_nothing_can_be_paged_out(
+    worker_pool, alice, cf_client, scripts_on_cloudflare
+):
+    owners_own_scripts(cf_client, 7)
+    started = time.monotonic()
+    response = alice.deploy(name="shed", code=code("x"))
+    assert time.monotonic() - started < 10
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "unavailable" and "Retry-After" in response.headers
+    assert "no room" in response.json()["error"]["message"]
+    assert AuditEvent.objects.filter(action="runtime.account_full", detail__paged_out=None).exists()
+    assert len(scripts_on_cloudflare()) == 7
 
 
 def test_cloudflare_5xx_is_retried_and_the_deploy_served(worker_pool, alice):
