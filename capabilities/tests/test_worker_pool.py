@@ -353,3 +353,38 @@ def test_a_deploy_waits_for_a_celery_worker_and_is_placed_when_one_starts(
     assert AuditEvent.objects.filter(action="capability.created", subject="alice--later").count() == 1
     gone = names.pool_script_name("alice--gone")
     assert gone not in scripts_on_cloudflare() and uploads(worker_pool, gone) == []
+
+
+def test_status_never_reports_more_used_slots_than_there_are_and_shows_what_is_paged_out_apart(
+    worker_pool, alice, celery_worker
+):
+    import dataclasses
+    import threading
+
+    import requests
+
+    for name in ("a", "b", "c", "d", "e", "f"):
+        deploy(alice, name, name, type="normal")
+    wait_for(lambda: not Capability.objects.filter(state="evicting").exists(), timeout=30, message="page-outs")
+    worker_pool.configure(latency=0.3)  # the victims' deletes take a while: they are seen leaving
+    poller = dataclasses.replace(alice, session=requests.Session())
+    seen, stop = [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            seen.append(poller.call("/_api/status").json())
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    try:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            assert list(pool.map(lambda n: alice.call(f"/alice/{n}").text, "abc")) == ["a", "b", "c"]
+        wait_for(lambda: not Capability.objects.filter(state="evicting").exists(), timeout=60, message="page-outs")
+    finally:
+        stop.set()
+        thread.join()
+    worker_pool.configure(latency=0)
+    assert seen and all(s["used_slots"] <= s["total_slots"] == 3 for s in seen), seen
+    assert any(s["paging_out"] > 0 for s in seen)
+    final = alice.call("/_api/status").json()
+    assert (final["used_slots"], final["paging_out"]) == (3, 0)
