@@ -29,9 +29,7 @@ def deploy_answers(agent, texts: list[str]) -> list[tuple[str, int, int | None]]
         return list(pool.map(one, texts))
 
 
-def test_on_worker_pool_a_deploy_of_the_serving_code_while_another_is_placed_is_no_no_op(
-    worker_pool, alice, settings
-):
+def test_on_worker_pool_a_deploy_of_the_serving_code_while_another_is_placed_is_no_no_op(worker_pool, alice, settings):
     settings.SIGIL_DEPLOY_WAIT_SECONDS = 0
     assert alice.deploy(name="flip", code=code("x"), type="persistent").status_code == 202
     wait_for(nothing_placing, timeout=30, message="x placed")
