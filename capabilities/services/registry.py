@@ -489,6 +489,9 @@ def _stage(
     stage_allowed(type)
     if existing is None:
         raise NotFound(f"no capability {full}: deploy its first version without stage")
+    if existing.current_version is None:
+        # Its first deploy was refused or is still being placed: nothing to try a version against.
+        raise Conflict(f"{full} has no version placed yet: deploy its first version without stage")
     if existing.bindings != bindings:
         raise InvalidRequest("a staged version runs with the capability's bindings: deploy new bindings without stage")
     staged = existing.staged_version

@@ -91,6 +91,8 @@ def capability_split_set(
         current = _current(capability)
         if current.staged_version is None:
             raise Conflict(f'{current.full_name} has no staged version: deploy one with "stage": true first')
+        if current.current_version is None:
+            raise Conflict(f"{current.full_name} has no version placed yet to split its callers with")
         starting = not current.has_split
         if starting:
             _place_variant(current)
