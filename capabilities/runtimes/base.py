@@ -233,6 +233,13 @@ class Runtime(ABC):
     def list_slots(self) -> list[str]:
         """The slots this runtime holds that Sigil manages. Raises RuntimeUnavailable."""
 
+    def created_here(self, *, slot: str) -> bool:
+        """Whether this Sigil installation created `slot`, asked before reconcile or a switch
+        deletes a slot no capability holds. Runtimes that share a place with the owner's own
+        scripts (a Cloudflare account) look for the installation's tag; the others hold only
+        Sigil's. Raises RuntimeUnavailable."""
+        return True
+
     @abstractmethod
     def check(self) -> None:
         """Raise RuntimeUnavailable when the runtime cannot serve; for health checks."""

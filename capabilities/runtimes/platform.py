@@ -16,7 +16,8 @@ from capabilities.runtimes.worker_pool import metadata_binding
 
 DISPATCHER_MODULE = "dispatcher.js"
 DISPATCHER_SOURCE = (Path(__file__).resolve().parent / "platform" / DISPATCHER_MODULE).read_text()
-# Tag of every capability script Sigil puts in the namespace: `list_slots` lists only these.
+# Tag of every capability script Sigil puts in the namespace, for people reading it; what
+# `list_slots` lists is the scripts with this installation's tag (names.installation_tag).
 CAPABILITY_TAG = "sigil"
 # A script name is one DNS label (reference §1.5); full names may be longer (74 characters).
 MAX_SCRIPT_NAME = 63
@@ -63,6 +64,7 @@ class PlatformRuntime(FrontedRuntime):
         self.client = client
         self.namespace = namespace
         self._secret = secret
+        self.installation_tag = names.installation_tag(secret)
         self.dispatcher = SigilWorker(
             client=client,
             name=dispatcher,
@@ -114,7 +116,7 @@ class PlatformRuntime(FrontedRuntime):
             main_module=bundle.main_module,
             compatibility_date=bundle.compatibility_date,
             bindings=[metadata_binding(b) for b in bundle.bindings],
-            tags=[CAPABILITY_TAG, f"agent-{agent}", f"sha-{bundle.sha[:16]}"],
+            tags=[CAPABILITY_TAG, self.installation_tag, f"agent-{agent}", f"sha-{bundle.sha[:16]}"],
         )
 
     def remove(self, *, slot: str) -> None:
@@ -125,4 +127,5 @@ class PlatformRuntime(FrontedRuntime):
         return self._front_route([("X-Sigil-Dispatch-Secret", self._secret), ("X-Sigil-Script", slot)], cpu_ms)
 
     def list_slots(self) -> list[str]:
-        return sorted(s.id for s in self.client.namespace_script_list(self.namespace, tags=[f"{CAPABILITY_TAG}:yes"]))
+        tagged = self.client.namespace_script_list(self.namespace, tags=[f"{self.installation_tag}:yes"])
+        return sorted(s.id for s in tagged)

@@ -15,7 +15,7 @@ GUARD_MODULE = "sigil-guard.js"
 GUARD_SOURCE = (Path(__file__).resolve().parent / "pool" / "guard.js").read_text()
 GUARD_SECRET_BINDING = "SIGIL_GUARD_SECRET"
 POOL_PREFIX = "s-"
-POOL_TAG = "sigil"
+POOL_TAG = "sigil"  # for people reading the account; what marks Sigil's own is installation_tag
 
 
 def metadata_binding(binding: ResolvedBinding) -> dict:
@@ -42,7 +42,8 @@ class WorkerPoolRuntime(Runtime):
     """Slots = total quota − system reserved − user reserved − safety margin.
 
     Only `s-` scripts are Sigil's: `list_slots` ignores the owner's own Workers, and Sigil
-    never deletes or counts them.
+    never deletes or counts them; an `s-` script without this installation's tag
+    (`created_here`) is the owner's too, and never deleted.
     """
 
     name = "worker-pool"
@@ -78,6 +79,7 @@ class WorkerPoolRuntime(Runtime):
         self.client = client
         self.redirects = redirect
         self._secret = secret
+        self.installation_tag = names.installation_tag(secret)
         self.slots = pool_slots(
             total_quota=total_quota,
             system_reserved=system_reserved,
@@ -122,7 +124,7 @@ class WorkerPoolRuntime(Runtime):
             main_module=main_module,
             compatibility_date=bundle.compatibility_date,
             bindings=bindings,
-            tags=[POOL_TAG, f"sha-{bundle.sha[:16]}"],
+            tags=[POOL_TAG, self.installation_tag, f"sha-{bundle.sha[:16]}"],
         )
         self.client.script_subdomain_set(slot, enabled=True)
 
@@ -158,6 +160,14 @@ class WorkerPoolRuntime(Runtime):
 
     def list_slots(self) -> list[str]:
         return sorted(s.id for s in self.client.script_list() if s.id.startswith(POOL_PREFIX))
+
+    def created_here(self, *, slot: str) -> bool:
+        """One API call (the script's settings): asked only of slots no capability holds."""
+        try:
+            tags = self.client.script_settings_get(slot).get("tags") or []
+        except CloudflareNotFound:
+            return False  # gone already: nothing to delete
+        return self.installation_tag in tags
 
     def check(self) -> None:
         self._subdomain = self.client.subdomain_get()

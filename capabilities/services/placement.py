@@ -498,6 +498,8 @@ def capability_reconcile() -> dict[str, int]:
     for slot in sorted(placed - set(served)):
         if any(placement_in_progress(full) for full in owners.get(slot, [])):
             continue
+        if not runtime.created_here(slot=slot):
+            continue  # the owner's own, though it looks like Sigil's
         runtime.remove(slot=slot)
         audit_record(
             actor="system", action="runtime.orphan_removed", subject=slot, detail={"owners": owners.get(slot, [])}

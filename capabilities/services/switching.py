@@ -194,6 +194,8 @@ def runtime_sweep_previous(*, backend: str, actor: str) -> list[str]:
     for slot in sorted(set(runtime.list_slots()) - held):
         if slot in owners and placement_in_progress(owners[slot]):
             continue
+        if not runtime.created_here(slot=slot):
+            continue  # the owner's own, though it looks like Sigil's
         runtime.remove(slot=slot)
         audit_record(actor=actor, action="runtime.slot_released", subject=slot, detail={"backend": backend})
         released.append(slot)

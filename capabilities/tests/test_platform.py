@@ -57,3 +57,20 @@ def test_status_has_no_slot_limit_and_no_pager(platform, alice):
     alice.deploy(name="ping", code=PONG)
     status = alice.call("/_api/status").json()
     assert status == {**status, "backend": "platform", "total_slots": None, "lru_enabled": False}
+
+
+def test_reconcile_leaves_the_owners_scripts_in_the_namespace_alone_even_tagged_sigil(platform, alice, cf_client):
+    alice.deploy(name="ping", code=PONG)
+    namespace = get_runtime().namespace
+    cf_client.namespace_script_upload(
+        namespace,
+        "owners-own",
+        modules={"w.js": PONG},
+        main_module="w.js",
+        compatibility_date="2025-01-01",
+        tags=["sigil", "agent-owner"],
+    )
+    assert get_runtime().list_slots() == ["alice--ping"]
+    assert services.capability_reconcile()["orphans_removed"] == 0
+    assert sorted(s.id for s in cf_client.namespace_script_list(namespace)) == ["alice--ping", "owners-own"]
+    assert alice.call("/alice/ping").text == "pong"

@@ -128,6 +128,26 @@ def test_the_owners_own_scripts_are_never_touched(worker_pool, alice, cf_client,
     assert alice.call("/_api/status").json()["used_slots"] == 1
 
 
+def test_reconcile_deletes_only_the_orphans_this_installation_created(
+    worker_pool, alice, cf_client, scripts_on_cloudflare, settings
+):
+    upload = {"main_module": "main.js", "compatibility_date": "2025-01-01"}
+    # The owner's own Worker, named and tagged as Sigil's are: never Sigil's to delete.
+    cf_client.script_upload("s-0ca5e1", modules={"main.js": code("mine")}, tags=["sigil"], **upload)
+    # One this installation left behind (a placement whose worker died before recording it).
+    mine = names.installation_tag(settings.SIGIL_INTERNAL_SECRET)
+    cf_client.script_upload("s-1eft0f", modules={"main.js": code("left")}, tags=["sigil", mine], **upload)
+    deploy(alice, "a", "a")
+
+    assert services.capability_reconcile()["orphans_removed"] == 1
+    assert "s-0ca5e1" in scripts_on_cloudflare() and "s-1eft0f" not in scripts_on_cloudflare()
+    assert AuditEvent.objects.filter(action="runtime.orphan_removed").values_list("subject", flat=True).get() == (
+        "s-1eft0f"
+    )
+    assert services.capability_reconcile()["orphans_removed"] == 0
+    assert alice.call("/alice/a").text == "a"
+
+
 def test_redirect_mode_answers_302_to_the_workers_dev_url(worker_pool, alice, settings):
     settings.SIGIL_POOL_REDIRECT = True
     deploy(alice, "a", "a")
