@@ -72,6 +72,11 @@ class CodeBundle:
     modules: dict[str, str]
     compatibility_date: str = "2025-01-01"
     bindings: tuple[ResolvedBinding, ...] = ()
+    # The capability version this code is, for runtimes whose placed code names it in every
+    # answer (SERVED_VERSION_HEADER): one slot's code is replaced in place there, so the
+    # route's version alone may be the previous one's for a moment. Not part of `sha`, nor
+    # of the stored form: the code is the same whichever version carries it.
+    version: int | None = field(default=None, compare=False)
     sha: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -83,8 +88,14 @@ class CodeBundle:
         object.__setattr__(self, "sha", hashlib.sha256(_canonical(identity)).hexdigest())
 
     @classmethod
-    def from_code(cls, code: str, *, bindings: tuple[ResolvedBinding, ...] | list[ResolvedBinding] = ()) -> CodeBundle:
-        return cls(main_module="main.js", modules={"main.js": code}, bindings=tuple(bindings))
+    def from_code(
+        cls,
+        code: str,
+        *,
+        bindings: tuple[ResolvedBinding, ...] | list[ResolvedBinding] = (),
+        version: int | None = None,
+    ) -> CodeBundle:
+        return cls(main_module="main.js", modules={"main.js": code}, bindings=tuple(bindings), version=version)
 
     @property
     def secrets(self) -> dict[str, str]:
@@ -111,6 +122,12 @@ class CodeBundle:
             sealed = AESGCM(bundle_seal_key(seal_key)).encrypt(nonce, _canonical(self.secrets), self.sha.encode())
             stored["sealed"] = base64.b64encode(nonce + sealed).decode()
         return _canonical(stored)
+
+
+# The response header with which placed code names the capability version it is, on
+# runtimes whose slot is overwritten in place by a redeploy (worker-pool's guard). Where a
+# route names the code's sha (local, loader), the route's version is the answering code's.
+SERVED_VERSION_HEADER = "x-sigil-served-version"
 
 
 def bundle_seal_key(host_secret: str) -> bytes:

@@ -14,6 +14,8 @@ from capabilities.runtimes.base import CodeBundle, ResolvedBinding, Route, Runti
 GUARD_MODULE = "sigil-guard.js"
 GUARD_SOURCE = (Path(__file__).resolve().parent / "pool" / "guard.js").read_text()
 GUARD_SECRET_BINDING = "SIGIL_GUARD_SECRET"
+# A plain_text binding read by the guard, which names the version in SERVED_VERSION_HEADER.
+GUARD_VERSION_BINDING = "SIGIL_SERVED_VERSION"
 POOL_PREFIX = "s-"
 POOL_TAG = "sigil"  # for people reading the account; what marks Sigil's own is installation_tag
 
@@ -105,7 +107,8 @@ class WorkerPoolRuntime(Runtime):
         return names.pool_script_name(full_name, length=6 + 2 * attempt)
 
     def place(self, *, slot: str, bundle: CodeBundle) -> None:
-        """Upload the script behind Sigil's guard and turn its workers.dev URL on.
+        """Upload the script behind Sigil's guard and turn its workers.dev URL on. The guard
+        names `bundle.version` (when given) in every answer's SERVED_VERSION_HEADER.
 
         Two API calls, the fewest Cloudflare allows: the upload, and the per-script
         workers.dev toggle (reference §3.2: an API upload is not known to be reachable
@@ -118,6 +121,9 @@ class WorkerPoolRuntime(Runtime):
         else:
             modules, main_module = {GUARD_MODULE: GUARD_SOURCE, **bundle.modules}, GUARD_MODULE
             bindings.append({"type": "secret_text", "name": GUARD_SECRET_BINDING, "text": self._secret})
+            if bundle.version is not None:
+                # The upload replaces the script in place: its every answer says which version it is.
+                bindings.append({"type": "plain_text", "name": GUARD_VERSION_BINDING, "text": str(bundle.version)})
         self.client.script_upload(
             slot,
             modules=modules,

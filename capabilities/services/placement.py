@@ -64,14 +64,16 @@ def placement_lock_within(full: str, *, wait_seconds: float | None) -> Iterator[
         lock.release()
 
 
-def bundle_for(code: str, capability: Capability, runtime: Runtime) -> CodeBundle:
+def bundle_for(code: str, capability: Capability, runtime: Runtime, *, version: int | None = None) -> CodeBundle:
     """`code` with the current values of the bindings `capability` declares and its agent
-    is still granted, as `runtime` gives them (a binding no longer granted is left out).
-    Raises InvalidRequest (a binding of a kind the runtime lacks, a secret's variable unset)."""
+    is still granted, as `runtime` gives them (a binding no longer granted is left out), as
+    the capability's version number `version` (which the placed code names in its answers
+    where the runtime replaces code in place). Raises InvalidRequest (a binding of a kind
+    the runtime lacks, a secret's variable unset)."""
     resolved = binding_rules.bindings_resolve(
         capability.bindings, agent_id=capability.agent_id, supported_kinds=runtime.binding_kinds, strict=False
     )
-    return CodeBundle.from_code(code, bindings=resolved)
+    return CodeBundle.from_code(code, bindings=resolved, version=version)
 
 
 @dataclass(frozen=True)
@@ -358,7 +360,8 @@ def capability_page_in(
         placed = capability.state not in routes.SERVED_STATES
         if placed:
             started = time.perf_counter()
-            bundle = bundle_for(capability.current_version.code, capability, get_runtime())
+            current = capability.current_version
+            bundle = bundle_for(current.code, capability, get_runtime(), version=current.number)
             with placement_room(full=full, capability_type=capability.type, expires_at=capability.expires_at) as room:
                 placement = room.place(bundle)
                 with transaction.atomic():
@@ -621,7 +624,8 @@ def capability_refresh_bindings(*, full: str) -> bool:
         )
         if capability is None or capability.current_version is None:
             return False
-        bundle = bundle_for(capability.current_version.code, capability, runtime)
+        current = capability.current_version
+        bundle = bundle_for(current.code, capability, runtime, version=current.number)
         if bundle.sha == capability.placed_sha:
             return False
         try:

@@ -694,7 +694,7 @@ def _place_version(version_id: int) -> dict:
         resolved = binding_rules.bindings_resolve(
             version.requested.get("bindings", []), agent_id=capability.agent_id, supported_kinds=runtime.binding_kinds
         )
-        bundle = CodeBundle.from_code(version.code, bindings=resolved)
+        bundle = CodeBundle.from_code(version.code, bindings=resolved, version=version.number)
         room_for = {
             "full": capability.full_name,
             "capability_type": capability.type,

@@ -186,7 +186,7 @@ def capability_promote(*, capability: Capability, actor: str) -> Capability:
                 f"v{previous.number} was deployed after v{staged.number} was staged: abort, and stage "
                 f"v{staged.number}'s code again to try it against v{previous.number}"
             )
-        bundle = bundle_for(staged.code, current, get_runtime())
+        bundle = bundle_for(staged.code, current, get_runtime(), version=staged.number)
         with placement_room(
             full=current.full_name, capability_type=current.type, expires_at=current.expires_at
         ) as room:

@@ -85,7 +85,8 @@ def capability_switch_backend(*, full: str, actor: str) -> SwitchStep:
         source, old_slot = capability.backend, capability.slot
         bundle = None
         if capability.state in routes.SERVED_STATES and capability.current_version is not None:
-            bundle = bundle_for(capability.current_version.code, capability, runtime)
+            current = capability.current_version
+            bundle = bundle_for(current.code, capability, runtime, version=current.number)
         # The pager's sets speak for the new runtime: this capability is not placed there yet.
         pager.pager_forget(full)
         if bundle is not None and runtime.total_slots is not None and pager.pager_usage().used >= runtime.total_slots:

@@ -44,3 +44,40 @@ def test_only_sigils_scripts_are_listed(runtime, cf_client):
 
 def test_slots_are_the_quota_less_reserved_and_margin(runtime):
     assert runtime.total_slots == 440 and runtime.safety_margin == 5
+
+
+def test_every_answer_names_the_version_whose_code_answered_through_a_redeploy(runtime, cf_emulator_fresh):
+    import threading
+
+    from capabilities.runtimes.base import SERVED_VERSION_HEADER, CodeBundle
+    from capabilities.tests.runtimes.contract import call
+    from testsupport.capability_code import answering
+
+    slot = runtime.slot_for("alice--versioned")
+    first = CodeBundle.from_code(answering("one"), version=1)
+    runtime.place(slot=slot, bundle=first)
+    route = runtime.route(slot=slot, sha=first.sha)  # the route a gateway still holds
+    answers, stop = [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            response = call(route)
+            answers.append((response.data.decode(), response.headers.get(SERVED_VERSION_HEADER)))
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    try:
+        cf_emulator_fresh.configure(latency=0.2)  # the redeploy takes a while: answers come meanwhile
+        runtime.place(slot=slot, bundle=CodeBundle.from_code(answering("two"), version=2))
+        cf_emulator_fresh.configure(latency=0)
+        seen_two = len(answers)
+        while len(answers) < seen_two + 5:
+            threading.Event().wait(0.01)
+    finally:
+        stop.set()
+        thread.join()
+    assert set(answers) <= {("one", "1"), ("two", "2")}, set(answers)
+    assert answers[0] == ("one", "1") and answers[-1] == ("two", "2")
+    # Thrown errors are answered by the guard: they name the version too.
+    runtime.place(slot=slot, bundle=CodeBundle.from_code("export default { fetch() { throw 1 } }", version=3))
+    assert call(route).headers.get(SERVED_VERSION_HEADER) == "3"
