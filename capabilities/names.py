@@ -73,3 +73,13 @@ def installation_tag(secret: str) -> str:
     tagged `sigil` or named like Sigil's."""
     digest = hmac.new(secret.encode(), b"sigil installation tag", hashlib.sha256).hexdigest()
     return f"sigil-{digest[:16]}"
+
+
+_VARIANT_SUFFIX = re.compile(r"v[0-9]+")
+
+
+def is_variant(full: str) -> bool:
+    """Whether `full` names the placement of a staged version in traffic (`{full}--v{n}`,
+    routes.variant_name), which no capability's full name can be (names hold no `--`)."""
+    parts = full.split(SEPARATOR)
+    return len(parts) == 3 and bool(_VARIANT_SUFFIX.fullmatch(parts[2]))
