@@ -16,8 +16,8 @@ from capabilities.runtimes.worker_pool import metadata_binding
 
 DISPATCHER_MODULE = "dispatcher.js"
 DISPATCHER_SOURCE = (Path(__file__).resolve().parent / "platform" / DISPATCHER_MODULE).read_text()
-# Tag of every capability script Sigil puts in the namespace, for people reading it; what
-# `list_slots` lists is the scripts with this installation's tag (names.installation_tag).
+# Tag of every capability script Sigil puts in the namespace: `list_slots` lists these. Only
+# those with this installation's tag as well (names.installation_tag) are `created_here`.
 CAPABILITY_TAG = "sigil"
 # The entry module in front of a capability's own when its version is known (see the module).
 VERSION_MODULE = "sigil-served-version.js"
@@ -138,5 +138,11 @@ class PlatformRuntime(FrontedRuntime):
         return self._front_route([("X-Sigil-Dispatch-Secret", self._secret), ("X-Sigil-Script", slot)], cpu_ms)
 
     def list_slots(self) -> list[str]:
-        tagged = self.client.namespace_script_list(self.namespace, tags=[f"{self.installation_tag}:yes"])
-        return sorted(s.id for s in tagged)
+        return sorted(s.id for s in self.client.namespace_script_list(self.namespace, tags=[f"{CAPABILITY_TAG}:yes"]))
+
+    def created_here(self, *, slot: str) -> bool:
+        """One API call (the namespace's scripts with this installation's tag): asked only of
+        slots no capability holds. A script tagged `sigil` alone is the owner's, or was
+        uploaded before the installation's tag existed: never deleted."""
+        mine = self.client.namespace_script_list(self.namespace, tags=[f"{self.installation_tag}:yes"])
+        return slot in {s.id for s in mine}
