@@ -292,8 +292,10 @@ class DeployAsked:
 
 
 # How long a deploy waits for a concurrent deploy of the same capability to be recorded
-# (a few database writes: never a placement, which runs in the deploy task).
+# (a few database writes and a task sent: never a placement, which runs in the deploy task),
+# and how long the lock outlives a process that died holding it.
 DEPLOY_RECORD_WAIT_SECONDS = 10
+DEPLOY_RECORD_LOCK_SECONDS = 30
 
 
 @contextmanager
@@ -302,7 +304,7 @@ def _deploy_lock(full: str) -> Iterator[None]:
     concurrent deploy holds it for longer than DEPLOY_RECORD_WAIT_SECONDS."""
     lock = get_redis().lock(
         f"sigil:lock:deploy:{full}",
-        timeout=settings.SIGIL_PLACEMENT_LOCK_SECONDS,
+        timeout=DEPLOY_RECORD_LOCK_SECONDS,
         blocking_timeout=DEPLOY_RECORD_WAIT_SECONDS,
     )
     if not lock.acquire():
