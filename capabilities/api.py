@@ -28,7 +28,7 @@ from rest_framework.views import APIView
 from agents.authentication import BearerTokenAuthentication, OwnerTokenAuthentication, StaffSessionAuthentication
 from agents.models import Agent
 from agents.permissions import HasDeployScope, IsOwner
-from capabilities import breaker, contracts, cost, failures, selectors, services
+from capabilities import breaker, call_logs, contracts, cost, failures, selectors, services
 from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
 from capabilities.parsers import LimitedJSONParser
@@ -561,6 +561,86 @@ class CapabilityDetailApi(APIView):
     def delete(self, request, full: str):
         services.capability_remove(principal=request.user, full=full)
         return Response(status=204)
+
+
+class CallLogLineSerializer(serializers.Serializer):
+    level = serializers.ChoiceField(list(call_logs.LEVELS))
+    at = serializers.FloatField(allow_null=True, help_text="When it was written (epoch seconds).")
+    text = serializers.CharField(allow_blank=True)
+    cut = serializers.BooleanField(help_text="The line was cut at SIGIL_LOGS_LINE_BYTES.")
+
+
+class CallExceptionSerializer(serializers.Serializer):
+    name = serializers.CharField(allow_blank=True)
+    message = serializers.CharField(allow_blank=True)
+    stack = serializers.CharField(allow_blank=True)
+
+
+class CallRecordSerializer(serializers.Serializer):
+    seq = serializers.IntegerField(help_text="The record's place in Sigil's sequence (the paging cursor).")
+    at = serializers.FloatField(help_text="When the call started (epoch seconds).")
+    request_id = serializers.CharField(help_text="The X-Request-Id the caller saw.")
+    outcome = serializers.CharField(help_text="How the call ended, in the runtime's words: ok, exception, …")
+    status = serializers.IntegerField(allow_null=True, help_text="The status the capability answered, if it did.")
+    wall_ms = serializers.FloatField(allow_null=True)
+    cpu_ms = serializers.FloatField(allow_null=True, help_text="Where the runtime reports it (0 on workerd).")
+    cold = serializers.BooleanField(help_text="The first call its isolate served.")
+    version = serializers.IntegerField(allow_null=True)
+    logs = CallLogLineSerializer(many=True)
+    lines_cut = serializers.IntegerField(help_text="Lines past SIGIL_LOGS_LINES_PER_CALL, not kept.")
+    lines_shortened = serializers.IntegerField(help_text="Lines cut at SIGIL_LOGS_LINE_BYTES.")
+    exception = CallExceptionSerializer(allow_null=True, help_text="The uncaught exception, with its stack.")
+    runtime_truncated = serializers.BooleanField(help_text="The runtime itself dropped some of the call's events.")
+
+
+class CapabilityLogsApi(APIView):
+    """GET /_api/capabilities/{full}/logs: the owner's records of its capability's calls."""
+
+    class FilterSerializer(serializers.Serializer):
+        request_id = serializers.CharField(required=False, max_length=64)
+        level = serializers.ChoiceField(list(call_logs.LEVELS), required=False)
+        since = serializers.FloatField(required=False, min_value=0)
+        before = serializers.IntegerField(required=False, min_value=1)
+        limit = serializers.IntegerField(required=False, min_value=1, max_value=100, default=20)
+
+    class OutputSerializer(serializers.Serializer):
+        capability = serializers.CharField()
+        records = CallRecordSerializer(many=True)
+        next = serializers.CharField(allow_null=True, help_text="The next (older) page, or null.")
+        lost = serializers.IntegerField(help_text="Records of this capability that could not be kept.")
+
+    @extend_schema(
+        operation_id="capabilityLogs",
+        tags=["Discover"],
+        summary="What a capability's calls said and how they ended",
+        description="Its own agent's only (another agent gets 404): each call's console lines, uncaught "
+        "exception and outcome, newest first, by the call's `X-Request-Id`.",
+        parameters=[
+            OpenApiParameter("request_id", str, description="The call's X-Request-Id."),
+            OpenApiParameter(
+                "level",
+                str,
+                enum=list(call_logs.LEVELS),
+                description="Calls with a line at this level or above (error: also an uncaught exception).",
+            ),
+            OpenApiParameter("since", float, description="Calls made at or after this time (epoch seconds)."),
+            OpenApiParameter("before", int, description="The cursor of the page (`next` gives it)."),
+            OpenApiParameter("limit", int, description="At most this many records (1 to 100, 20 by default)."),
+        ],
+        responses={200: OutputSerializer, **error_responses(*AUTHENTICATED, 404)},
+    )
+    def get(self, request, full: str):
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        page = selectors.capability_call_records(principal=request.user, full=full, **filters.validated_data)
+        next_url = None
+        if page.next_before is not None:
+            query = request.query_params.copy()
+            query["before"] = str(page.next_before)
+            next_url = request.build_absolute_uri(f"{request.path}?{query.urlencode()}")
+        lost = call_logs.call_records_lost(full=full)
+        body = {"capability": full, "records": page.records, "next": next_url, "lost": lost}
+        return Response(self.OutputSerializer(body).data)
 
 
 def split_body(capability: Capability) -> dict | None:

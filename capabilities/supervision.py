@@ -48,7 +48,7 @@ import select
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -440,6 +440,14 @@ class SupervisedWorkerd:
         self.host.stop(timeout=timeout)
 
 
+class Companion(Protocol):
+    """What serves beside the group's processes for as long as it runs (the log sink)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 class WorkerdGroup:
     """One supervised workerd per name, each in a thread of its own, started on demand."""
 
@@ -453,8 +461,10 @@ class WorkerdGroup:
         status_path: Path | None = None,
         on_kill: Callable[[Kill], None] | None = None,
         stop_seconds: float = 2.0,
+        companions: Sequence[Companion] = (),
     ) -> None:
         self.make_host = make_host
+        self.companions = tuple(companions)
         self.limits = limits
         self.registry = registry
         self.kill_log = kill_log
@@ -511,6 +521,8 @@ class WorkerdGroup:
         """Serve every name the registry holds (and any `ensure`d) until `stop` is set, then
         stop them all. Raises the first error a process's supervision could not handle."""
         last_status = 0.0
+        for companion in self.companions:
+            companion.start()
         try:
             while not stop.is_set() and not self._failures:
                 for name in self.registry.names():
@@ -529,6 +541,8 @@ class WorkerdGroup:
         self._stop.set()
         for thread in list(self._threads.values()):
             thread.join(self.stop_seconds + 5)
+        for companion in self.companions:
+            companion.stop()
         if self.status_path is not None:
             self.status_path.unlink(missing_ok=True)
 

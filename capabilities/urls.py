@@ -6,6 +6,7 @@ urlpatterns = [
     path("_api/deploy", api.CapabilityDeployApi.as_view(), name="capability-deploy"),
     path("_api/capabilities", api.CapabilityListApi.as_view(), name="capability-list"),
     path("_api/capabilities/<str:full>", api.CapabilityDetailApi.as_view(), name="capability-detail"),
+    path("_api/capabilities/<str:full>/logs", api.CapabilityLogsApi.as_view(), name="capability-logs"),
     path("_api/capabilities/<str:full>/split", api.CapabilitySplitApi.as_view(), name="capability-split"),
     path(
         "_api/capabilities/<str:full>/split/promote",

@@ -339,6 +339,12 @@ SIGIL_BREAKER_THRESHOLD = env_int("SIGIL_BREAKER_THRESHOLD", 5)
 SIGIL_BREAKER_COOLDOWN_SECONDS = env_float("SIGIL_BREAKER_COOLDOWN_SECONDS", 30.0)
 # Recent failures kept per capability in Redis, for its owner (capabilities/failures.py).
 SIGIL_FAILURES_KEPT = env_int("SIGIL_FAILURES_KEPT", 50)
+# Each call's record (console lines, exception, outcome) kept for its owner (capabilities/call_logs.py).
+SIGIL_LOGS_LINES_PER_CALL = env_int("SIGIL_LOGS_LINES_PER_CALL", 200)
+SIGIL_LOGS_LINE_BYTES = env_int("SIGIL_LOGS_LINE_BYTES", 2048)
+SIGIL_LOGS_RECORDS_PER_CAPABILITY = env_int("SIGIL_LOGS_RECORDS_PER_CAPABILITY", 200)
+SIGIL_LOGS_RETENTION_SECONDS = env_int("SIGIL_LOGS_RETENTION_SECONDS", 86400)
+SIGIL_LOGS_AGENT_BYTES = env_int("SIGIL_LOGS_AGENT_BYTES", 8 * 1024 * 1024)
 # Secret that the gateway sends to workerd hosts; requests without it are refused there.
 SIGIL_INTERNAL_SECRET = env_secret("SIGIL_INTERNAL_SECRET")
 if not SIGIL_INTERNAL_SECRET:

@@ -1,0 +1,186 @@
+"""A call's record for its capability's owner: console lines, uncaught exception and outcome,
+from the runtime's own tail events, by the call's X-Request-Id; bounded, secrets masked."""
+
+import json
+
+import pytest
+
+from capabilities import call_logs
+from capabilities.models import Binding
+from sigil_site.encryption import secret_encrypt
+from testsupport.cast import grant, wait_for
+
+CHATTY = """export default { async fetch(request, env) {
+  console.debug('debugging', 1);
+  console.info('starting', { path: new URL(request.url).pathname });
+  console.log('plain');
+  console.warn('careful');
+  console.error('it went wrong');
+  if (new URL(request.url).pathname.endsWith('/boom')) throw new TypeError('exploded here');
+  return new Response('fine');
+} }"""
+
+LEAKS = """export default { async fetch(request, env) {
+  console.log('the token is', env.TOKEN, 'and again:' + env.TOKEN);
+  throw new Error('failed with ' + env.TOKEN);
+} }"""
+
+FLOODS = """export default { async fetch() {
+  for (let i = 0; i < 250; i++) console.log('line ' + i);
+  console.error('x'.repeat(5000));
+  return new Response('flooded');
+} }"""
+
+
+def logs(agent, full, **query):
+    return agent.session.get(
+        f"{agent.base_url}/_api/capabilities/{full}/logs", params=query, headers=agent.headers(agent.invoke_token)
+    )
+
+
+def record_of(agent, full, request_id):
+    """The call's record, once its tail has handed it over."""
+
+    def found():
+        answer = logs(agent, full, request_id=request_id)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["records"]
+
+    [record] = wait_for(found, message=f"the record of {request_id}")
+    return record
+
+
+def test_a_capability_that_logs_and_throws_has_both_calls_recorded_by_request_id(alice, bob):
+    alice.deploy(name="chatty", code=CHATTY, public=True)
+    fine = alice.call("/alice/chatty/ok")
+    boom = alice.call("/alice/chatty/boom")
+    assert fine.status_code == 200 and boom.status_code == 502
+
+    ok = record_of(alice, "alice--chatty", fine.headers["X-Request-Id"])
+    assert [(line["level"], line["text"]) for line in ok["logs"]] == [
+        ("debug", "debugging 1"),
+        ("info", 'starting {"path":"/ok"}'),
+        ("log", "plain"),
+        ("warn", "careful"),
+        ("error", "it went wrong"),
+    ]
+    assert (ok["outcome"], ok["status"], ok["exception"], ok["version"]) == ("ok", 200, None, 1)
+    assert ok["cold"] is True and ok["wall_ms"] is not None
+
+    failed = record_of(alice, "alice--chatty", boom.headers["X-Request-Id"])
+    assert failed["outcome"] == "exception" and failed["status"] is None
+    assert (failed["exception"]["name"], failed["exception"]["message"]) == ("TypeError", "exploded here")
+    assert "main.js" in failed["exception"]["stack"]
+    assert failed["cold"] is False and len(failed["logs"]) == 5
+
+    # Newest first; the error filter finds the failed call and the one that logged an error.
+    every = logs(alice, "alice--chatty").json()
+    assert [r["request_id"] for r in every["records"]] == [boom.headers["X-Request-Id"], fine.headers["X-Request-Id"]]
+    assert every["lost"] == 0 and every["next"] is None
+    paged = logs(alice, "alice--chatty", limit=1).json()
+    assert len(paged["records"]) == 1 and paged["next"]
+    older = alice.session.get(paged["next"], headers=alice.headers(alice.invoke_token)).json()
+    assert [r["request_id"] for r in older["records"]] == [fine.headers["X-Request-Id"]]
+
+    # bob may call the public capability, not read what it said.
+    assert bob.call("/alice/chatty/ok").status_code == 200
+    refused = logs(bob, "alice--chatty")
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "not_found"
+    assert logs(alice, "bob--nothing").status_code == 404
+
+
+def test_a_bound_secret_logged_or_thrown_by_the_code_is_kept_as_its_name(alice, redis_client):
+    grant(Binding.objects.create(kind="SECRET", name="TOKEN", secret_encrypted=secret_encrypt("hunter2-xyz")), "alice")
+    alice.deploy(name="leaky", code=LEAKS, bindings=["SECRET:TOKEN"])
+    answer = alice.call("/alice/leaky")
+    record = record_of(alice, "alice--leaky", answer.headers["X-Request-Id"])
+
+    assert record["logs"][0]["text"] == "the token is [secret TOKEN] and again:[secret TOKEN]"
+    assert record["exception"]["message"] == "failed with [secret TOKEN]"
+    stored = b"".join(redis_client.lrange(call_logs.records_key("alice--leaky"), 0, -1))
+    assert b"[secret TOKEN]" in stored and b"hunter2-xyz" not in stored
+
+
+def test_lines_past_the_bounds_are_cut_and_the_record_says_so(alice):
+    alice.deploy(name="floods", code=FLOODS)
+    answer = alice.call("/alice/floods")
+    record = record_of(alice, "alice--floods", answer.headers["X-Request-Id"])
+
+    assert len(record["logs"]) == 200 and record["lines_cut"] == 51  # SIGIL_LOGS_LINES_PER_CALL
+    assert record["logs"][-1]["text"] == "line 199"
+    assert record["lines_shortened"] == 0  # the long line was past the count
+
+
+@pytest.fixture
+def small():
+    return call_logs.LogLimits(
+        lines_per_call=3, line_bytes=10, records_per_capability=3, retention_seconds=3600, agent_bytes=2000
+    )
+
+
+def raw_record(full, request_id, *, lines=1, text="hello"):
+    return {
+        "capability": full,
+        "request_id": request_id,
+        "at": 1e10,  # far ahead: never past the retention in these tests
+        "outcome": "ok",
+        "logs": [{"level": "log", "at": 1e10, "text": text} for _ in range(lines)],
+    }
+
+
+def test_the_store_keeps_the_newest_records_of_each_capability_within_its_bounds(small, redis_client):
+    kept = call_logs.call_records_keep(
+        records=[raw_record("alice--a", f"r{i}", lines=5, text="x" * 30) for i in range(5)], limits=small
+    )
+    assert kept == 5
+    page = call_logs.call_records_list(full="alice--a", retention_seconds=10**11)
+    assert [r["request_id"] for r in page.records] == ["r4", "r3", "r2"]  # records per capability
+    record = page.records[0]
+    assert (len(record["logs"]), record["lines_cut"], record["lines_shortened"]) == (3, 2, 3)
+    assert record["logs"][0] == {"level": "log", "at": 1e10, "text": "x" * 10, "cut": True}
+
+
+def test_one_capability_filling_its_agents_bytes_drops_its_own_records_never_a_siblings(small, redis_client):
+    call_logs.call_records_keep(records=[raw_record("alice--quiet", "q1")], limits=small)
+    for i in range(40):
+        call_logs.call_records_keep(records=[raw_record("alice--loud", f"l{i}", lines=3, text="y" * 10)], limits=small)
+    quiet = call_logs.call_records_list(full="alice--quiet", retention_seconds=10**11)
+    assert [r["request_id"] for r in quiet.records] == ["q1"]
+    held = sum(int(v) for v in redis_client.hvals(call_logs.agent_bytes_key("alice")))
+    assert held <= small.agent_bytes
+
+    # A record that cannot fit at all is lost, and counted.
+    tiny = call_logs.LogLimits(**{**small.__dict__, "agent_bytes": 50})
+    assert call_logs.call_records_keep(records=[raw_record("bob--big", "b1")], limits=tiny) == 0
+    assert call_logs.call_records_lost(full="bob--big") == 1
+    assert call_logs.call_records_keep(records=[{"capability": "no name"}, "junk"], limits=small) == 0
+    assert (call_logs.call_records_lost_kept(), call_logs.call_records_undelivered_count()) == (2, 1)
+
+
+def test_records_not_kept_are_counted_in_metrics(sigil, settings, small, redis_client):
+    import requests
+
+    settings.SIGIL_METRICS_TOKEN = "scrape"
+    tiny = call_logs.LogLimits(**{**small.__dict__, "agent_bytes": 50})
+    call_logs.call_records_keep(records=[raw_record("bob--big", "b1"), "junk"], limits=tiny)
+    text = requests.get(f"{sigil.url}/metrics", headers={"Authorization": "Bearer scrape"}).text
+    assert 'sigil_call_records_lost_total{why="not_kept"} 1' in text
+    assert 'sigil_call_records_lost_total{why="undelivered"} 1' in text
+
+
+def test_a_forged_batch_without_the_internal_secret_is_refused(workerd_group, redis_client):
+    import requests
+
+    [sink] = workerd_group.companions
+    body = json.dumps({"records": [raw_record("alice--a", "forged")]})
+    answer = requests.post(f"http://127.0.0.1:{sink.port}/records", data=body, headers={"X-Sigil-Secret": "guess"})
+    assert answer.status_code == 403
+    assert redis_client.exists(call_logs.records_key("alice--a")) == 0
+
+
+def test_a_removed_capability_takes_its_records_with_it(alice):
+    alice.deploy(name="chatty", code=CHATTY)
+    record_of(alice, "alice--chatty", alice.call("/alice/chatty").headers["X-Request-Id"])
+    assert alice.call("/_api/capabilities/alice--chatty", method="DELETE", token="deploy").status_code == 204
+    alice.deploy(name="chatty", code=CHATTY)
+    assert logs(alice, "alice--chatty").json()["records"] == []
