@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hmac
+import json
+from collections.abc import Iterator
 from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection
-from django.http import HttpResponse
+from django.http import HttpResponse, StreamingHttpResponse
 from django.template.loader import render_to_string
 from django.utils import timezone
 from drf_spectacular.utils import (
@@ -22,6 +24,7 @@ from drf_spectacular.utils import (
 from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.permissions import AllowAny
+from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -641,6 +644,69 @@ class CapabilityLogsApi(APIView):
         lost = call_logs.call_records_lost(full=full)
         body = {"capability": full, "records": page.records, "next": next_url, "lost": lost}
         return Response(self.OutputSerializer(body).data)
+
+
+class EventStreamRenderer(JSONRenderer):
+    """Lets a caller that accepts only `text/event-stream` in; what DRF renders for it (an
+    error) is the contract's JSON all the same."""
+
+    media_type = "text/event-stream"
+    format = "event-stream"
+
+
+class CapabilityLogsTailApi(APIView):
+    """GET /_api/capabilities/{full}/logs/tail: the owner's new call records as they arrive."""
+
+    renderer_classes = [JSONRenderer, EventStreamRenderer]
+
+    class FilterSerializer(serializers.Serializer):
+        seconds = serializers.FloatField(required=False, min_value=0.1)
+        after = serializers.IntegerField(required=False, min_value=0)
+
+    @extend_schema(
+        operation_id="capabilityLogsTail",
+        tags=["Discover"],
+        summary="Follow a capability's call records as they arrive",
+        description="Server-Sent Events: one `record` event per new call record (its `id` is the record's "
+        "`seq`; send it back as `Last-Event-ID` or `after` to resume), a comment line every few seconds "
+        "while there is none. It ends when the caller closes it, after `seconds`, or after "
+        "SIGIL_LOGS_TAIL_SECONDS. Its own agent's only (another agent gets 404).",
+        parameters=[
+            OpenApiParameter("seconds", float, description="How long to stream (at most SIGIL_LOGS_TAIL_SECONDS)."),
+            OpenApiParameter("after", int, description="Start after this record's `seq` (default: from now)."),
+        ],
+        responses={
+            (200, "text/event-stream"): OpenApiResponse(str, description="The records, as Server-Sent Events."),
+            **error_responses(*AUTHENTICATED, 404),
+        },
+    )
+    def get(self, request, full: str):
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        after = filters.validated_data.get("after")
+        resume = request.headers.get("Last-Event-ID", "")
+        if after is None and resume.isdigit():
+            after = int(resume)
+        records = selectors.capability_call_records_follow(
+            principal=request.user,
+            full=full,
+            after=after,
+            seconds=filters.validated_data.get("seconds", settings.SIGIL_LOGS_TAIL_SECONDS),
+        )
+        response = StreamingHttpResponse(_server_sent(records), content_type="text/event-stream")
+        response["Cache-Control"] = "no-cache"
+        response["X-Accel-Buffering"] = "no"  # a proxy in front passes each event on at once
+        return response
+
+
+def _server_sent(records) -> Iterator[bytes]:
+    yield b": following\n\n"  # the headers and a first line at once: the caller knows it is on
+    for record in records:
+        if record is None:
+            yield b": still here\n\n"
+            continue
+        data = json.dumps(CallRecordSerializer(record).data, separators=(",", ":"))
+        yield f"id: {record['seq']}\nevent: record\ndata: {data}\n\n".encode()
 
 
 def split_body(capability: Capability) -> dict | None:

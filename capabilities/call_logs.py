@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -257,6 +258,41 @@ def call_records_list(
     return RecordPage(records=matched, next_before=matched[-1]["seq"] if more else None)
 
 
+def call_records_newest_seq(*, full: str) -> int:
+    """The sequence number of the newest record of `full`; 0 when it has none."""
+    newest = get_redis().lindex(records_key(full), 0)
+    return json.loads(newest)["seq"] if newest else 0
+
+
+def call_records_follow(
+    *,
+    full: str,
+    after: int | None = None,
+    seconds: float,
+    poll_seconds: float = 0.2,
+    heartbeat_seconds: float = 5.0,
+) -> Iterator[dict | None]:
+    """The records of `full` newer than the sequence number `after` (when None: than its
+    newest now), oldest first, as they are kept, for `seconds`; None every `heartbeat_seconds`
+    without one, so that a caller that went away is noticed. One LRANGE per poll."""
+    if after is None:
+        after = call_records_newest_seq(full=full)
+    deadline = time.monotonic() + seconds
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline:
+        # The list holds at most SIGIL_LOGS_RECORDS_PER_CAPABILITY: all of it newer than
+        # `after` fits in one page.
+        page = call_records_list(full=full, after=after, limit=settings.SIGIL_LOGS_RECORDS_PER_CAPABILITY)
+        for record in reversed(page.records):
+            after = record["seq"]
+            quiet_since = time.monotonic()
+            yield record
+        if time.monotonic() - quiet_since >= heartbeat_seconds:
+            quiet_since = time.monotonic()
+            yield None
+        time.sleep(min(poll_seconds, max(0.0, deadline - time.monotonic())))
+
+
 def call_records_lost(*, full: str) -> int:
     """Records of `full` that reached Sigil and could not be kept."""
     return int(get_redis().hget(LOST_KEY, full) or 0)
@@ -281,6 +317,12 @@ def call_records_forget(*, full: str) -> None:
     pipe.hdel(agent_bytes_key(agent), full)
     pipe.hdel(LOST_KEY, full)
     pipe.execute()
+
+
+def record_reaches(record: dict, level: str) -> bool:
+    """Whether `record` has a line at `level` or above (for `error`: or an exception, or a
+    failed outcome)."""
+    return _reaches(record, LEVELS.index(level))
 
 
 def _reaches(record: dict, floor: int) -> bool:

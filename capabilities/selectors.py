@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import datetime
 
+from django.conf import settings
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
@@ -91,6 +93,17 @@ def capability_call_records(
     return call_logs.call_records_list(
         full=capability.full_name, request_id=request_id, level=level, since=since, before=before, limit=limit
     )
+
+
+def capability_call_records_follow(
+    *, principal: Principal, full: str, after: int | None, seconds: float
+) -> Iterator[dict | None]:
+    """The caller's own capability's new call records as they are kept (call_logs.call_records_follow),
+    for at most `seconds` (SIGIL_LOGS_TAIL_SECONDS at most). Raises NotFound at once for any
+    capability that is not the caller's."""
+    capability = capability_get_own(principal=principal, full=full)
+    seconds = min(seconds, settings.SIGIL_LOGS_TAIL_SECONDS)
+    return call_logs.call_records_follow(full=capability.full_name, after=after, seconds=seconds)
 
 
 def capability_list_visible(

@@ -7,6 +7,7 @@ urlpatterns = [
     path("_api/capabilities", api.CapabilityListApi.as_view(), name="capability-list"),
     path("_api/capabilities/<str:full>", api.CapabilityDetailApi.as_view(), name="capability-detail"),
     path("_api/capabilities/<str:full>/logs", api.CapabilityLogsApi.as_view(), name="capability-logs"),
+    path("_api/capabilities/<str:full>/logs/tail", api.CapabilityLogsTailApi.as_view(), name="capability-logs-tail"),
     path("_api/capabilities/<str:full>/split", api.CapabilitySplitApi.as_view(), name="capability-split"),
     path(
         "_api/capabilities/<str:full>/split/promote",

@@ -345,6 +345,8 @@ SIGIL_LOGS_LINE_BYTES = env_int("SIGIL_LOGS_LINE_BYTES", 2048)
 SIGIL_LOGS_RECORDS_PER_CAPABILITY = env_int("SIGIL_LOGS_RECORDS_PER_CAPABILITY", 200)
 SIGIL_LOGS_RETENTION_SECONDS = env_int("SIGIL_LOGS_RETENTION_SECONDS", 86400)
 SIGIL_LOGS_AGENT_BYTES = env_int("SIGIL_LOGS_AGENT_BYTES", 8 * 1024 * 1024)
+# The longest a live tail of a capability's call records streams before it ends.
+SIGIL_LOGS_TAIL_SECONDS = env_int("SIGIL_LOGS_TAIL_SECONDS", 300)
 # Secret that the gateway sends to workerd hosts; requests without it are refused there.
 SIGIL_INTERNAL_SECRET = env_secret("SIGIL_INTERNAL_SECRET")
 if not SIGIL_INTERNAL_SECRET:

@@ -51,12 +51,12 @@ def record_of(agent, full, request_id):
 
 
 def test_a_capability_that_logs_and_throws_has_both_calls_recorded_by_request_id(alice, bob):
-    alice.deploy(name="chatty", code=CHATTY, public=True)
-    fine = alice.call("/alice/chatty/ok")
-    boom = alice.call("/alice/chatty/boom")
+    alice.deploy(name="chatty-once", code=CHATTY, public=True)
+    fine = alice.call("/alice/chatty-once/ok")
+    boom = alice.call("/alice/chatty-once/boom")
     assert fine.status_code == 200 and boom.status_code == 502
 
-    ok = record_of(alice, "alice--chatty", fine.headers["X-Request-Id"])
+    ok = record_of(alice, "alice--chatty-once", fine.headers["X-Request-Id"])
     assert [(line["level"], line["text"]) for line in ok["logs"]] == [
         ("debug", "debugging 1"),
         ("info", 'starting {"path":"/ok"}'),
@@ -65,26 +65,27 @@ def test_a_capability_that_logs_and_throws_has_both_calls_recorded_by_request_id
         ("error", "it went wrong"),
     ]
     assert (ok["outcome"], ok["status"], ok["exception"], ok["version"]) == ("ok", 200, None, 1)
+    # A name no other test deploys: its isolate is new in the agent's workerd.
     assert ok["cold"] is True and ok["wall_ms"] is not None
 
-    failed = record_of(alice, "alice--chatty", boom.headers["X-Request-Id"])
+    failed = record_of(alice, "alice--chatty-once", boom.headers["X-Request-Id"])
     assert failed["outcome"] == "exception" and failed["status"] is None
     assert (failed["exception"]["name"], failed["exception"]["message"]) == ("TypeError", "exploded here")
     assert "main.js" in failed["exception"]["stack"]
     assert failed["cold"] is False and len(failed["logs"]) == 5
 
     # Newest first; the error filter finds the failed call and the one that logged an error.
-    every = logs(alice, "alice--chatty").json()
+    every = logs(alice, "alice--chatty-once").json()
     assert [r["request_id"] for r in every["records"]] == [boom.headers["X-Request-Id"], fine.headers["X-Request-Id"]]
     assert every["lost"] == 0 and every["next"] is None
-    paged = logs(alice, "alice--chatty", limit=1).json()
+    paged = logs(alice, "alice--chatty-once", limit=1).json()
     assert len(paged["records"]) == 1 and paged["next"]
     older = alice.session.get(paged["next"], headers=alice.headers(alice.invoke_token)).json()
     assert [r["request_id"] for r in older["records"]] == [fine.headers["X-Request-Id"]]
 
     # bob may call the public capability, not read what it said.
-    assert bob.call("/alice/chatty/ok").status_code == 200
-    refused = logs(bob, "alice--chatty")
+    assert bob.call("/alice/chatty-once/ok").status_code == 200
+    refused = logs(bob, "alice--chatty-once")
     assert refused.status_code == 404 and refused.json()["error"]["code"] == "not_found"
     assert logs(alice, "bob--nothing").status_code == 404
 
@@ -184,3 +185,107 @@ def test_a_removed_capability_takes_its_records_with_it(alice):
     assert alice.call("/_api/capabilities/alice--chatty", method="DELETE", token="deploy").status_code == 204
     alice.deploy(name="chatty", code=CHATTY)
     assert logs(alice, "alice--chatty").json()["records"] == []
+
+
+def test_the_live_tail_streams_a_new_calls_record_and_ends_when_its_time_is_up(alice, bob):
+    import threading
+
+    alice.deploy(name="chatty", code=CHATTY, public=True)
+    url = f"{alice.base_url}/_api/capabilities/alice--chatty/logs/tail"
+    headers = {**alice.headers(alice.invoke_token), "Accept": "text/event-stream"}
+    bobs = {**bob.headers(bob.invoke_token), "Accept": "text/event-stream"}
+    assert bob.session.get(url, headers=bobs).status_code == 404
+
+    events = []
+    with alice.session.get(url, params={"seconds": 3}, headers=headers, stream=True, timeout=20) as stream:
+        assert stream.status_code == 200 and stream.headers["Content-Type"].startswith("text/event-stream")
+        # One byte at a time: a larger read waits for that many bytes (or the end).
+        lines = stream.iter_lines(chunk_size=1, decode_unicode=True)
+        assert next(lines) == ": following"  # on before the call is made
+        called = threading.Thread(target=lambda: events.append(alice.call("/alice/chatty/boom")))
+        called.start()
+        for line in lines:
+            if line.startswith("data: "):
+                record = json.loads(line[len("data: ") :])
+                break
+        called.join()
+        assert record["request_id"] == events[0].headers["X-Request-Id"]
+        assert record["exception"]["message"] == "exploded here"
+        rest = list(lines)  # it ends by itself, `seconds` after it began
+    assert not any(line.startswith("data: ") for line in rest)
+
+
+@pytest.mark.parametrize("mode", ["2026-07-28"])
+def test_an_agent_reads_its_calls_records_over_mcp_and_another_agent_cannot(sigil, alice, bob, mode):
+    from capabilities.tests.test_mcp import run
+
+    alice.deploy(name="chatty", code=CHATTY, public=True)
+    request_id = alice.call("/alice/chatty/boom").headers["X-Request-Id"]
+    record_of(alice, "alice--chatty", request_id)
+
+    async def steps(client):
+        return await client.call_tool("sigil.logs", {"capability": "alice--chatty", "level": "error"})
+
+    read = run(sigil, alice.deploy_token, mode, steps)
+    assert not read.is_error, read.content[0].text
+    [record] = read.structured_content["records"]
+    assert record["request_id"] == request_id and record["exception"]["name"] == "TypeError"
+    refused = run(sigil, bob.deploy_token, mode, steps)
+    assert refused.is_error and refused.content[0].text.startswith("not_found")
+
+
+def test_the_owner_reads_and_follows_a_capabilitys_records_with_manage_py_logs(alice):
+    import io
+    import threading
+
+    from django.core.management import call_command
+
+    alice.deploy(name="chatty", code=CHATTY)
+    first = alice.call("/alice/chatty/boom").headers["X-Request-Id"]
+    record_of(alice, "alice--chatty", first)
+    out = io.StringIO()
+    call_command("logs", "alice--chatty", stdout=out)
+    text = out.getvalue()
+    assert f"{first} exception - v1 " in text
+    assert "  [warn] careful" in text and "  ! TypeError: exploded here" in text
+
+    followed = io.StringIO()
+    follow = threading.Thread(
+        target=call_command, args=("logs", "alice--chatty", "--follow", "--for", "8"), kwargs={"stdout": followed}
+    )
+    follow.start()
+    wait_for(lambda: first in followed.getvalue(), message="the latest record printed first")
+    second = alice.call("/alice/chatty/ok").headers["X-Request-Id"]
+    wait_for(lambda: second in followed.getvalue(), message="the new call's record followed")
+    follow.join(20)
+    assert not follow.is_alive()
+    assert f"{second} ok 200 v1 warm" in followed.getvalue()
+
+
+def test_the_owner_sees_the_records_on_the_capabilitys_page_and_a_failure_links_to_its_own(sigil, owner, alice):
+    from capabilities.models import Capability
+    from testsupport.browser import screenshot
+
+    page = owner
+    alice.deploy(name="chatty", code=CHATTY)
+    fine = alice.call("/alice/chatty/ok").headers["X-Request-Id"]
+    boom = alice.call("/alice/chatty/boom").headers["X-Request-Id"]
+    record_of(alice, "alice--chatty", boom)
+    record_of(alice, "alice--chatty", fine)
+    capability = Capability.objects.get(full_name="alice--chatty")
+
+    page.goto(f"{sigil.url}/admin/capabilities/capability/{capability.pk}/change/")
+    page.locator(f"#record-{fine} .call-record-lines", has_text="[warn] careful").wait_for()
+    page.locator(f"#record-{boom} .call-record-exception", has_text="TypeError: exploded here").wait_for()
+    page.locator("#call-records-lost", has_text="None was lost").wait_for()
+    screenshot(page, "capability-call-records")
+
+    page.click(f"#recent-failures a:has-text('{boom}')")
+    page.locator(f"#record-{boom}").wait_for()
+    assert page.locator("#call-records .call-record").count() == 1
+
+    page.select_option("select[name=logs_level]", "warn")
+    page.fill("input[name=logs_request]", "")
+    page.click("#call-records input[type=submit]")
+    page.locator(f"#record-{fine}").wait_for()
+    assert page.locator("#call-records .call-record").count() == 2
