@@ -208,6 +208,21 @@ def call_records_keep(*, records: list, limits: LogLimits | None = None) -> int:
     return kept
 
 
+def call_records_collect(*, runtime, limit: int = 100) -> int:
+    """Keep the batches of call records `runtime` left to be collected (the Cloudflare
+    runtimes' tails leave them in Workers KV); returns how many records were kept. A batch
+    that cannot be read is counted as undelivered. Each batch is taken once: running this
+    twice keeps nothing twice. Raises RuntimeUnavailable."""
+    kept = 0
+    for batch in runtime.call_records_take(limit=limit):
+        records = batch.get("records")
+        if not isinstance(records, list):
+            call_records_undelivered()
+            continue
+        kept += call_records_keep(records=records)
+    return kept
+
+
 def call_records_undelivered(*, count: int = 1) -> None:
     """Count `count` batches that reached the sink but could not be read."""
     get_redis().incr(UNDELIVERED_KEY, count)

@@ -244,6 +244,8 @@ SIGIL_RECONCILE_INTERVAL_SECONDS = env_float("SIGIL_RECONCILE_INTERVAL_SECONDS",
 SIGIL_INACTIVE_CHECK_INTERVAL_SECONDS = env_float("SIGIL_INACTIVE_CHECK_INTERVAL_SECONDS", 86400.0)
 SIGIL_PREWARM_INTERVAL_SECONDS = env_float("SIGIL_PREWARM_INTERVAL_SECONDS", 3600.0)
 SIGIL_STATS_PRUNE_INTERVAL_SECONDS = env_float("SIGIL_STATS_PRUNE_INTERVAL_SECONDS", 3600.0)
+# How often the call records the Cloudflare runtimes' tails leave in Workers KV are collected.
+SIGIL_LOGS_COLLECT_INTERVAL_SECONDS = env_float("SIGIL_LOGS_COLLECT_INTERVAL_SECONDS", 2.0)
 
 CELERY_BEAT_SCHEDULE = {
     "capability-expire-ephemerals": {
@@ -269,6 +271,12 @@ CELERY_BEAT_SCHEDULE = {
     "capability-prune-stats": {
         "task": "capabilities.capability_prune_stats",
         "schedule": SIGIL_STATS_PRUNE_INTERVAL_SECONDS,
+    },
+    "call-records-collect": {
+        "task": "capabilities.call_records_collect",
+        "schedule": SIGIL_LOGS_COLLECT_INTERVAL_SECONDS,
+        # A collection not started by the next one is not needed: the next takes its batches.
+        "options": {"expires": SIGIL_LOGS_COLLECT_INTERVAL_SECONDS},
     },
 }
 

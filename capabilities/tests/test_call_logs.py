@@ -289,3 +289,42 @@ def test_the_owner_sees_the_records_on_the_capabilitys_page_and_a_failure_links_
     page.click("#call-records input[type=submit]")
     page.locator(f"#record-{fine}").wait_for()
     assert page.locator("#call-records .call-record").count() == 2
+
+
+def collected(agent, full, request_id):
+    """The call's record once Sigil collected it from where the Cloudflare tail left it (the
+    beat's task, run here in the test's own time)."""
+    from capabilities.runtimes import get_runtime
+
+    def found():
+        call_logs.call_records_collect(runtime=get_runtime())
+        return logs(agent, full, request_id=request_id).json()["records"]
+
+    [record] = wait_for(found, timeout=20, interval=0.2, message=f"the collected record of {request_id}")
+    return record
+
+
+def test_on_the_loader_runtime_the_dynamic_workers_tail_leaves_records_for_sigil_to_collect(
+    loader, alice, bob, cf_client
+):
+    grant(Binding.objects.create(kind="SECRET", name="TOKEN", secret_encrypted=secret_encrypt("hunter2-xyz")), "alice")
+    alice.deploy(name="chatty", code=CHATTY, public=True)
+    alice.deploy(name="leaky", code=LEAKS, bindings=["SECRET:TOKEN"])
+    fine = alice.call("/alice/chatty/ok").headers["X-Request-Id"]
+    boom = alice.call("/alice/chatty/boom").headers["X-Request-Id"]
+    leaked = alice.call("/alice/leaky").headers["X-Request-Id"]
+
+    ok = collected(alice, "alice--chatty", fine)
+    assert [line["level"] for line in ok["logs"]] == ["debug", "info", "log", "warn", "error"]
+    assert (ok["outcome"], ok["status"], ok["version"]) == ("ok", 200, 1)
+    failed = collected(alice, "alice--chatty", boom)
+    assert failed["exception"]["message"] == "exploded here"
+    masked = collected(alice, "alice--leaky", leaked)
+    assert masked["logs"][0]["text"] == "the token is [secret TOKEN] and again:[secret TOKEN]"
+    assert logs(bob, "alice--chatty").status_code == 404
+
+    # Each batch is taken once: nothing is left behind, and collecting again keeps nothing twice.
+    from capabilities.runtimes import get_runtime
+
+    assert not cf_client.kv_keys(get_runtime().kv_id, prefix="logs:")
+    assert call_logs.call_records_collect(runtime=get_runtime()) == 0

@@ -30,8 +30,10 @@
 // SigilTail entrypoint, which workerd hands the call's tail events once the call is over
 // (its console lines, uncaught exception and outcome), off the call's path. It shapes them
 // into a call's record, bounded and with the capability's secret values replaced by their
-// binding names, and posts the records to LOG_SINK (where the host is given one) with the
-// shared secret. A capability's code never sees the sink's secret, so it cannot forge records.
+// binding names, and posts the records to LOG_SINK (the local runtime's log sink) with the
+// shared secret, which capability code never sees, so it cannot forge records; or, on
+// Cloudflare (the loader runtime), leaves them in Workers KV (LOG_KV, `logs:{ms}:{uuid}`) for
+// Sigil to collect, since Sigil's own server may not be reachable from Cloudflare.
 
 import { WorkerEntrypoint } from "cloudflare:workers";
 
@@ -305,7 +307,13 @@ export class SigilTail extends WorkerEntrypoint {
     limits.lines = limits.lines ?? 200;
     limits.lineBytes = limits.lineBytes ?? 2048;
     const records = events.map((event) => callRecord(event, props, limits)).filter(Boolean);
-    if (!records.length || !this.env.LOG_SINK) return;
+    if (!records.length) return;
+    if (!this.env.LOG_SINK) {
+      // Kept for a day at most if Sigil collects nothing meanwhile (KV's own expiry).
+      const key = `logs:${String(Date.now()).padStart(15, "0")}:${crypto.randomUUID()}`;
+      await this.env.LOG_KV.put(key, JSON.stringify({ records }), { expirationTtl: 86400 });
+      return;
+    }
     const response = await this.env.LOG_SINK.fetch("http://sink/records", {
       method: "POST",
       headers: { "content-type": "application/json", [SECRET_HEADER]: this.env.SIGIL_SECRET },
@@ -343,7 +351,7 @@ export default {
     // Awaited, so that once a new version has been started (its start check), the one two
     // versions back is gone; it is one short call, made once per version.
     await retire(env, touch(slot, cacheId));
-    const logged = Boolean(env.LOG_SINK && ctx && ctx.exports && ctx.exports.SigilTail);
+    const logged = Boolean((env.LOG_SINK || env.LOG_KV) && ctx && ctx.exports && ctx.exports.SigilTail);
     const worker = env.LOADER.get(cacheId, async () => {
       let bundle, secrets;
       try {
