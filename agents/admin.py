@@ -15,7 +15,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
-from agents import services
+from agents import egress, services
 from agents.models import Agent, AuditEvent, Token
 from sigil_site.errors import SigilError
 
@@ -55,9 +55,23 @@ class AgentForm(forms.ModelForm):
     )
     clear_webhook_secret = forms.BooleanField(required=False, label="Remove the webhook secret")
 
+    a2a_card_url = forms.URLField(
+        required=False,
+        assume_scheme="https",
+        label="A2A Agent Card URL",
+        help_text=Agent._meta.get_field("a2a_card_url").help_text,
+    )
+
     class Meta:
         model = Agent
-        fields = ["name", "webhook_url"]
+        fields = ["name", "webhook_url", "a2a_card_url"]
+
+    def clean_a2a_card_url(self) -> str:
+        url = self.cleaned_data.get("a2a_card_url") or ""
+        refusal = egress.callback_refusal(url, resolve=False) if url else None
+        if refusal:
+            raise forms.ValidationError(refusal.replace("X-Callback-Url", "The A2A Agent Card URL"))
+        return url
 
 
 @admin.register(Agent)
@@ -111,6 +125,7 @@ class AgentAdmin(admin.ModelAdmin):
             "webhook_secret_state",
             "new_webhook_secret",
             "clear_webhook_secret",
+            "a2a_card_url",
         ]
 
     def get_readonly_fields(self, request, obj=None):
@@ -175,6 +190,7 @@ class AgentAdmin(admin.ModelAdmin):
             secret = form.cleaned_data.get("new_webhook_secret") or None
         agent = Agent.objects.get(pk=obj.pk)
         services.agent_set_webhook(agent=agent, url=obj.webhook_url, secret=secret, actor=owner_actor(request))
+        services.agent_set_a2a(agent=agent, url=obj.a2a_card_url, actor=owner_actor(request))
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False  # capabilities and the audit trail refer to agents; disable instead

@@ -20,6 +20,12 @@ class Agent(models.Model):
     # The key of the HMAC-SHA256 in each delivery's X-Sigil-Signature header, shared with the
     # agent: encrypted at rest (sigil_site.encryption); read and set as `webhook_secret`.
     webhook_secret_encrypted = models.TextField(blank=True, editable=False)
+    a2a_card_url = models.URLField(
+        "A2A Agent Card URL",
+        blank=True,
+        max_length=500,
+        help_text="The agent's A2A Agent Card: its alerts are also sent there as A2A messages.",
+    )
 
     class Meta:
         ordering = ["name"]

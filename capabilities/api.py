@@ -28,6 +28,7 @@ from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from agents import services as agent_services
 from agents.authentication import BearerTokenAuthentication, OwnerTokenAuthentication, StaffSessionAuthentication
 from agents.models import Agent
 from agents.permissions import HasDeployScope, IsOwner
@@ -832,6 +833,51 @@ class CapabilitySplitEndApi(APIView):
         capability = end(capability=capability, actor=f"agent:{request.user.agent_name}")
         capability = selectors.capability_get_owned(principal=request.user, full=full)
         return Response(CapabilityDetailSerializer(capability, context={"request": request}).data)
+
+
+class AgentA2aApi(APIView):
+    """GET/PUT /_api/agent/a2a: where the calling agent receives its alerts as A2A messages."""
+
+    class InputSerializer(serializers.Serializer):
+        agent_card_url = serializers.CharField(
+            allow_blank=True, max_length=500, help_text="The agent's A2A Agent Card URL; empty stops the messages."
+        )
+
+    class OutputSerializer(serializers.Serializer):
+        agent = serializers.CharField()
+        agent_card_url = serializers.CharField(allow_blank=True)
+
+    def get_permissions(self):
+        return [HasDeployScope()] if self.request.method == "PUT" else super().get_permissions()
+
+    @extend_schema(
+        operation_id="agentA2a",
+        tags=["Deploy"],
+        summary="Where this agent's alerts go as A2A messages",
+        responses={200: OutputSerializer, **error_responses(*AUTHENTICATED)},
+    )
+    def get(self, request):
+        agent = Agent.objects.get(pk=request.user.agent_id)
+        return Response(self.OutputSerializer({"agent": agent.name, "agent_card_url": agent.a2a_card_url}).data)
+
+    @extend_schema(
+        operation_id="setAgentA2a",
+        tags=["Deploy"],
+        summary="Receive this agent's alerts as A2A messages",
+        description="Its alerts (error spike, degraded, split aborted, inactive) are then also sent to the "
+        "agent behind this Agent Card, as A2A messages. A public http(s) URL only, as for callbacks. "
+        "Needs a deploy token.",
+        request=InputSerializer,
+        responses={200: OutputSerializer, **error_responses(*AUTHENTICATED)},
+    )
+    def put(self, request):
+        serializer = self.InputSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        agent = Agent.objects.get(pk=request.user.agent_id)
+        agent_services.agent_set_a2a(
+            agent=agent, url=serializer.validated_data["agent_card_url"], actor=f"agent:{agent.name}"
+        )
+        return Response(self.OutputSerializer({"agent": agent.name, "agent_card_url": agent.a2a_card_url}).data)
 
 
 class StatusApi(APIView):

@@ -26,6 +26,7 @@ Keys:
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,8 +42,7 @@ LOST_KEY = "sigil:logs:lost"
 UNDELIVERED_KEY = "sigil:logs:lost:undelivered"
 LEVELS = ("debug", "info", "log", "warn", "error")
 OUTCOMES_FAILED = frozenset({"exception", "exceededCpu", "exceededMemory", "canceled", "scriptNotFound", "unknown"})
-# What one record may hold beyond its lines: ids, outcome, exception (its stack up to four lines' worth).
-RECORD_OVERHEAD_BYTES = 4096
+VARIANT = re.compile(r"--v[0-9]+$")
 
 
 def records_key(full: str) -> str:
@@ -129,9 +129,12 @@ def call_record_clean(raw: dict, *, limits: LogLimits) -> tuple[str, dict]:
     """
     if not isinstance(raw, dict):
         raise RecordRefused("a record is a JSON object")
-    full = raw.get("capability")
-    if not isinstance(full, str):
+    slot = raw.get("capability")
+    if not isinstance(slot, str):
         raise RecordRefused("a record names its capability")
+    # A staged version in traffic runs under `{full}--v{n}` (routes.variant_name): its calls
+    # are its capability's, and its route says which version it is.
+    full = slot.rpartition(names.SEPARATOR)[0] if VARIANT.search(slot) else slot
     try:
         names.split_full_name(full)
     except InvalidRequest as exc:
@@ -169,7 +172,7 @@ def call_record_clean(raw: dict, *, limits: LogLimits) -> tuple[str, dict]:
         "cpu_ms": _float(raw.get("cpu_ms")),
         "cold": bool(raw.get("cold")),
         "sha": sha[:64],
-        "version": _version_of(full, sha),
+        "version": _version_of(slot, sha),
         "logs": logs,
         "lines_cut": lines_cut,
         "lines_shortened": max(shortened, _int(raw.get("lines_shortened"))),
@@ -198,7 +201,7 @@ def call_records_keep(*, records: list, limits: LogLimits | None = None) -> int:
             else:
                 client.incr(UNDELIVERED_KEY)
             continue
-        agent, _ = names.split_full_name(full)
+        agent = full.partition(names.SEPARATOR)[0]
         encoded = json.dumps(record, separators=(",", ":"))
         seq = keep(
             keys=[records_key(full), agent_bytes_key(agent), LOST_KEY, SEQ_KEY],
@@ -308,6 +311,18 @@ def call_records_follow(
         time.sleep(min(poll_seconds, max(0.0, deadline - time.monotonic())))
 
 
+def call_records_alert_fields(*, full: str, failures: int = 5) -> dict:
+    """What an alert about `full` carries to point at its calls: the request ids of its latest
+    failures (newest first), and where the owning agent reads their records."""
+    from capabilities.failures import failures_list
+
+    base = settings.SIGIL_PUBLIC_URL.rstrip("/")
+    return {
+        "request_ids": [f.request_id for f in failures_list(full=full, limit=failures)],
+        "logs": f"{base}/_api/capabilities/{full}/logs?level=error",
+    }
+
+
 def call_records_lost(*, full: str) -> int:
     """Records of `full` that reached Sigil and could not be kept."""
     return int(get_redis().hget(LOST_KEY, full) or 0)
@@ -325,7 +340,7 @@ def call_records_undelivered_count() -> int:
 
 def call_records_forget(*, full: str) -> None:
     """Drop every record of `full` and its loss count (it was removed). Idempotent."""
-    agent, _ = names.split_full_name(full)
+    agent = full.partition(names.SEPARATOR)[0]
     client = get_redis()
     pipe = client.pipeline(transaction=True)
     pipe.delete(records_key(full))

@@ -19,6 +19,7 @@ urlpatterns = [
         api.CapabilitySplitEndApi.as_view(action="abort"),
         name="capability-split-abort",
     ),
+    path("_api/agent/a2a", api.AgentA2aApi.as_view(), name="agent-a2a"),
     path("_api/calls/<str:call_id>", api.CallStatusApi.as_view(), name="call-status"),
     path("_api/cost", api.CostApi.as_view(), name="cost"),
     path("_api/status", api.StatusApi.as_view(), name="status"),

@@ -141,6 +141,12 @@ def test_the_store_keeps_the_newest_records_of_each_capability_within_its_bounds
     assert record["logs"][0] == {"level": "log", "at": 1e10, "text": "x" * 10, "cut": True}
 
 
+def test_a_staged_version_in_traffic_keeps_its_records_under_its_capability(small, redis_client):
+    assert call_logs.call_records_keep(records=[raw_record("alice--a--v2", "staged")], limits=small) == 1
+    page = call_logs.call_records_list(full="alice--a", retention_seconds=10**11)
+    assert [r["request_id"] for r in page.records] == ["staged"]
+
+
 def test_one_capability_filling_its_agents_bytes_drops_its_own_records_never_a_siblings(small, redis_client):
     call_logs.call_records_keep(records=[raw_record("alice--quiet", "q1")], limits=small)
     for i in range(40):
