@@ -223,6 +223,9 @@ def call_records_collect(*, runtime, limit: int = 100) -> int:
             call_records_undelivered()
             continue
         kept += call_records_keep(records=records)
+        dropped = batch.get("dropped")
+        if isinstance(dropped, int) and not isinstance(dropped, bool) and dropped > 0:
+            call_records_undelivered(count=dropped)  # the tail's queue was full
     return kept
 
 

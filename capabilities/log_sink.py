@@ -56,6 +56,10 @@ class LogSink:
         self.server.server_close()
 
 
+def json_int(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
 def _handler_for(sink: LogSink) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -75,7 +79,8 @@ def _handler_for(sink: LogSink) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
                 return
             try:
-                records = json.loads(self.rfile.read(length))["records"]
+                body = json.loads(self.rfile.read(length))
+                records = body["records"]
                 if not isinstance(records, list):
                     raise ValueError("records is not a list")
             except (ValueError, KeyError, TypeError) as exc:
@@ -85,6 +90,9 @@ def _handler_for(sink: LogSink) -> type[BaseHTTPRequestHandler]:
                 return
             try:
                 call_records_keep(records=records, limits=sink.limits)
+                lost = json_int(body.get("dropped"))
+                if lost:
+                    call_records_undelivered(count=lost)
             except redis.RedisError as exc:
                 logger.warning("the log sink could not keep a batch: %s", exc)
                 self._answer(503)

@@ -348,6 +348,8 @@ SIGIL_BREAKER_COOLDOWN_SECONDS = env_float("SIGIL_BREAKER_COOLDOWN_SECONDS", 30.
 # Recent failures kept per capability in Redis, for its owner (capabilities/failures.py).
 SIGIL_FAILURES_KEPT = env_int("SIGIL_FAILURES_KEPT", 50)
 # Each call's record (console lines, exception, outcome) kept for its owner (capabilities/call_logs.py).
+# Off: no capability is given a tail, and nothing is collected (for measuring what it costs).
+SIGIL_LOGS_ENABLED = env_bool("SIGIL_LOGS_ENABLED", True)
 SIGIL_LOGS_LINES_PER_CALL = env_int("SIGIL_LOGS_LINES_PER_CALL", 200)
 SIGIL_LOGS_LINE_BYTES = env_int("SIGIL_LOGS_LINE_BYTES", 2048)
 SIGIL_LOGS_RECORDS_PER_CAPABILITY = env_int("SIGIL_LOGS_RECORDS_PER_CAPABILITY", 200)

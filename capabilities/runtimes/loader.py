@@ -54,7 +54,7 @@ class LoaderRuntime(FrontedRuntime):
             cpu_ms=settings.SIGIL_CPU_MS,
             invoke_base=settings.SIGIL_CF_WORKERS_BASE,
             propagation_wait_seconds=settings.SIGIL_INVOKE_TIMEOUT_SECONDS,
-            log_limits=LogLimits.from_settings().for_host(),
+            log_limits=LogLimits.from_settings().for_host() if settings.SIGIL_LOGS_ENABLED else None,
         )
 
     marker_header = "x-sigil-host"
@@ -74,7 +74,8 @@ class LoaderRuntime(FrontedRuntime):
         log_limits: dict | None = None,
     ) -> None:
         super().__init__(cpu_ms=cpu_ms)
-        self.log_limits = log_limits or {}
+        #: the per-call bounds of the host's tail; None: the host gives capabilities no tail
+        self.log_limits = log_limits
         self.propagation_wait_seconds = propagation_wait_seconds
         self.client = client
         self.kv_title = kv_title
@@ -132,9 +133,7 @@ class LoaderRuntime(FrontedRuntime):
                 bindings=[
                     {"type": "worker_loader", "name": "LOADER"},
                     {"type": "kv_namespace", "name": "CODE_KV", "namespace_id": self.kv_id},
-                    # Where each capability's tail leaves its call records for Sigil to collect.
-                    {"type": "kv_namespace", "name": "LOG_KV", "namespace_id": self.kv_id},
-                    {"type": "plain_text", "name": "LOG_LIMITS", "text": json.dumps(self.log_limits)},
+                    *self._log_bindings(),
                 ],
                 secret_bindings=[{"type": "secret_text", "name": "SIGIL_SECRET", "text": self._secret}],
                 version_binding="SIGIL_HOST_VERSION",
@@ -143,6 +142,16 @@ class LoaderRuntime(FrontedRuntime):
                 invoke_base=self.invoke_base,
             )
         return self._worker
+
+    def _log_bindings(self) -> list[dict]:
+        """Where each capability's tail leaves its call records for Sigil to collect (none
+        when they are off: the host then gives capabilities no tail)."""
+        if self.log_limits is None:
+            return []
+        return [
+            {"type": "kv_namespace", "name": "LOG_KV", "namespace_id": self.kv_id},
+            {"type": "plain_text", "name": "LOG_LIMITS", "text": json.dumps(self.log_limits)},
+        ]
 
     def provision(self) -> list[str]:
         """Create the KV namespace if it is missing, and deploy the loader Worker if it is

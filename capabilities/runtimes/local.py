@@ -128,7 +128,9 @@ def local_workerd_group(*, own_session: bool = True) -> WorkerdGroup:
         secret=settings.SIGIL_INTERNAL_SECRET,
         limits=local_limits(cpu_ms=settings.SIGIL_CPU_MS, memory_mb=settings.SIGIL_WORKERD_MEMORY_MB),
         own_session=own_session,
-        log_sink=LogSink(secret=settings.SIGIL_INTERNAL_SECRET, limits=LogLimits.from_settings()),
+        log_sink=LogSink(secret=settings.SIGIL_INTERNAL_SECRET, limits=LogLimits.from_settings())
+        if settings.SIGIL_LOGS_ENABLED
+        else None,
     )
 
 

@@ -300,26 +300,84 @@ function callRecord(event, props, limits) {
   };
 }
 
+// The records of calls that ended close together travel in one batch: each tail only queues
+// its records, and the tail that finds no batch on its way waits FLUSH_MS, then sends what
+// has gathered (again, until nothing is left). One subrequest per batch rather than per call
+// is what keeps the tails' share of workerd's event loop small. The queue is bounded: what
+// is dropped past it is counted in the next batch, so Sigil counts it as lost.
+const FLUSH_MS = 50;
+// At most this many records in one batch (the sink refuses larger bodies: capabilities/log_sink.py).
+const BATCH_RECORDS = 64;
+// What the queue may hold, roughly in bytes of text: past it, records are dropped (and counted).
+const MAX_PENDING_BYTES = 8 * 1024 * 1024;
+const pending = [];
+let pendingBytes = 0;
+let dropped = 0;
+
+function sizeOf(record) {
+  let size = 512;
+  for (const line of record.logs) size += line.text.length + 48;
+  if (record.exception) size += record.exception.stack.length + record.exception.message.length;
+  return size;
+}
+let flushing = false;
+
+async function flush(env) {
+  flushing = true;
+  try {
+    await new Promise((resolve) => setTimeout(resolve, FLUSH_MS));
+    while (pending.length || dropped) {
+      const records = pending.splice(0, BATCH_RECORDS);
+      for (const record of records) pendingBytes -= sizeOf(record);
+      const batch = { records, dropped };
+      dropped = 0;
+      try {
+        await send(env, batch);
+      } catch (error) {
+        // Sigil is not taking them now: the next batch that gets through says how many were lost.
+        dropped += batch.dropped + records.length;
+        console.error(`call records not delivered: ${error}`);
+        break;
+      }
+    }
+  } finally {
+    flushing = false;
+  }
+}
+
+async function send(env, batch) {
+  if (!env.LOG_SINK) {
+    // Kept for a day at most if Sigil collects nothing meanwhile (KV's own expiry).
+    const key = `logs:${String(Date.now()).padStart(15, "0")}:${crypto.randomUUID()}`;
+    await env.LOG_KV.put(key, JSON.stringify(batch), { expirationTtl: 86400 });
+    return;
+  }
+  const response = await env.LOG_SINK.fetch("http://sink/records", {
+    method: "POST",
+    headers: { "content-type": "application/json", [SECRET_HEADER]: env.SIGIL_SECRET },
+    body: JSON.stringify(batch),
+  });
+  if (!response.ok) throw new Error(`the log sink answered ${response.status}`);
+}
+
 export class SigilTail extends WorkerEntrypoint {
   async tail(events) {
     const props = this.ctx.props || {};
     const limits = JSON.parse(this.env.LOG_LIMITS || "{}");
     limits.lines = limits.lines ?? 200;
     limits.lineBytes = limits.lineBytes ?? 2048;
-    const records = events.map((event) => callRecord(event, props, limits)).filter(Boolean);
-    if (!records.length) return;
-    if (!this.env.LOG_SINK) {
-      // Kept for a day at most if Sigil collects nothing meanwhile (KV's own expiry).
-      const key = `logs:${String(Date.now()).padStart(15, "0")}:${crypto.randomUUID()}`;
-      await this.env.LOG_KV.put(key, JSON.stringify({ records }), { expirationTtl: 86400 });
-      return;
+    for (const event of events) {
+      const record = callRecord(event, props, limits);
+      if (!record) continue;
+      const size = sizeOf(record);
+      if (pendingBytes + size > MAX_PENDING_BYTES) {
+        dropped += 1;
+        continue;
+      }
+      pending.push(record);
+      pendingBytes += size;
     }
-    const response = await this.env.LOG_SINK.fetch("http://sink/records", {
-      method: "POST",
-      headers: { "content-type": "application/json", [SECRET_HEADER]: this.env.SIGIL_SECRET },
-      body: JSON.stringify({ records }),
-    });
-    if (!response.ok) throw new Error(`the log sink answered ${response.status}`);
+    if (pending.length && !flushing) await flush(this.env);
   }
 }
 
