@@ -15,7 +15,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
-from agents import services
+from agents import egress, services
 from agents.models import Agent, AuditEvent, Token
 from sigil_site.errors import SigilError
 
@@ -55,9 +55,23 @@ class AgentForm(forms.ModelForm):
     )
     clear_webhook_secret = forms.BooleanField(required=False, label="Remove the webhook secret")
 
+    a2a_card_url = forms.URLField(
+        required=False,
+        assume_scheme="https",
+        label="A2A Agent Card URL",
+        help_text=Agent._meta.get_field("a2a_card_url").help_text,
+    )
+
     class Meta:
         model = Agent
-        fields = ["name", "webhook_url"]
+        fields = ["name", "webhook_url", "a2a_card_url"]
+
+    def clean_a2a_card_url(self) -> str:
+        url = self.cleaned_data.get("a2a_card_url") or ""
+        refusal = egress.callback_refusal(url, resolve=False) if url else None
+        if refusal:
+            raise forms.ValidationError(refusal.replace("X-Callback-Url", "The A2A Agent Card URL"))
+        return url
 
 
 @admin.register(Agent)
@@ -113,6 +127,7 @@ class AgentAdmin(admin.ModelAdmin):
             "clear_webhook_secret",
             "max_calls_in_flight",
             "max_placements_in_flight",
+            "a2a_card_url",
         ]
 
     def get_readonly_fields(self, request, obj=None):
@@ -183,6 +198,7 @@ class AgentAdmin(admin.ModelAdmin):
             placements_in_flight=obj.max_placements_in_flight,
             actor=owner_actor(request),
         )
+        services.agent_set_a2a(agent=agent, url=obj.a2a_card_url, actor=owner_actor(request))
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False  # capabilities and the audit trail refer to agents; disable instead

@@ -35,6 +35,12 @@ class Agent(models.Model):
         validators=[MinValueValidator(1)],
         help_text="Most placements under way per web process; empty: SIGIL_AGENT_PLACEMENTS_IN_FLIGHT.",
     )
+    a2a_card_url = models.URLField(
+        "A2A Agent Card URL",
+        blank=True,
+        max_length=500,
+        help_text="The agent's A2A Agent Card: its alerts are also sent there as A2A messages.",
+    )
 
     class Meta:
         ordering = ["name"]

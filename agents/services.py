@@ -17,7 +17,7 @@ from django.core.validators import URLValidator
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from agents import egress, tokens
+from agents import a2a, egress, tokens
 from agents.models import Agent, AuditEvent, Scope, Token
 from capabilities.names import validate_agent_name
 from sigil_site.errors import Conflict, InvalidRequest, QuotaExceeded
@@ -172,6 +172,32 @@ def agent_set_webhook(*, agent: Agent, url: str, secret: str | None, actor: str)
     return True
 
 
+def agent_set_a2a(*, agent: Agent, url: str, actor: str) -> bool:
+    """Set the URL of the agent's A2A Agent Card ("" removes it): its alerts are then also sent
+    there as A2A messages. Returns False when nothing changed. Raises InvalidRequest for a URL
+    that is not http(s), or that names a private or reserved address: the agent itself may set
+    it, so it follows the rules of its callbacks (agents.egress, SIGIL_CALLBACK_ALLOWED_NETWORKS)."""
+    if url:
+        try:
+            URLValidator(schemes=["http", "https"])(url)
+        except ValidationError as exc:
+            raise InvalidRequest(f"A2A Agent Card URL {url!r} is not an http(s) URL") from exc
+        refusal = egress.callback_refusal(url, resolve=False)
+        if refusal:
+            raise InvalidRequest(refusal.replace("X-Callback-Url", "the A2A Agent Card URL"))
+    with transaction.atomic():
+        current = Agent.objects.select_for_update().get(pk=agent.pk)
+        if current.a2a_card_url == url:
+            return False
+        current.a2a_card_url = url
+        current.save(update_fields=["a2a_card_url"])
+        audit_record(
+            actor=actor, action="agent.a2a_changed", agent_name=agent.name, subject=agent.name, detail={"url": url}
+        )
+    agent.refresh_from_db()
+    return True
+
+
 def _stored_webhook_secret(agent: Agent) -> str | None:
     """The agent's webhook key, or None when it no longer decrypts (SIGIL_SECRETS_KEY changed):
     any key the owner sets then is a change."""
@@ -203,13 +229,15 @@ def webhook_signature(secret: str, body: bytes) -> str:
 
 
 def agent_notify(*, agent_name: str, event: str, payload: dict) -> bool:
-    """Queue a signed webhook delivery to the agent, after the current transaction commits.
+    """Queue the alert's deliveries to the agent, after the current transaction commits: a
+    signed webhook to its webhook URL, and an A2A message to its Agent Card's agent.
 
-    Returns False (and sends nothing) when the agent has no webhook URL.
+    Returns False (and sends nothing) when the agent has neither.
     """
     agent = Agent.objects.filter(name=agent_name).first()
-    if agent is None or not agent.webhook_url:
+    if agent is None or not (agent.webhook_url or agent.a2a_card_url):
         return False
+    from agents.tasks import agent_a2a_deliver as agent_a2a_deliver_task
     from agents.tasks import agent_webhook_deliver as agent_webhook_deliver_task
 
     delivery = {
@@ -219,8 +247,76 @@ def agent_notify(*, agent_name: str, event: str, payload: dict) -> bool:
         "sent_at": timezone.now().isoformat(),
         **payload,
     }
-    agent_webhook_deliver_task.delay_on_commit(agent_id=agent.pk, delivery=delivery)
+    if agent.webhook_url:
+        agent_webhook_deliver_task.delay_on_commit(agent_id=agent.pk, delivery=delivery)
+    if agent.a2a_card_url:
+        agent_a2a_deliver_task.delay_on_commit(agent_id=agent.pk, delivery=delivery)
     return True
+
+
+def alert_text(delivery: dict) -> str:
+    """One line saying what an alert is about, for a reader (an A2A message's text part)."""
+    capability = delivery.get("capability", "")
+    said = {
+        "capability.error_rate_alert": "errors spiked",
+        "capability.degraded": "is degraded: its breaker opened after repeated failures",
+        "capability.split_aborted": "had its traffic split aborted",
+        "capability.inactive": "was marked inactive",
+    }.get(delivery["event"], delivery["event"])
+    text = f"Sigil: {capability} {said}." if capability else f"Sigil: {said}."
+    if delivery.get("request_ids"):
+        text += f" Request ids: {', '.join(delivery['request_ids'])}."
+    if delivery.get("logs"):
+        text += f" Call records: {delivery['logs']}"
+    return text
+
+
+def agent_a2a_deliver(*, agent_id: int, delivery: dict) -> None:
+    """Send one alert to the agent's A2A Agent Card's agent as an A2A message. Raises
+    A2aUnavailable when a retry may succeed; a refusal is final and audited as refused. The
+    card URL, and the endpoint the card names, are checked against the egress rules when it is
+    sent (a host may resolve elsewhere now)."""
+    agent = Agent.objects.filter(pk=agent_id).first()
+    if agent is None or not agent.a2a_card_url:
+        return
+    url = agent.a2a_card_url
+    subject = delivery.get("capability", "")
+    try:
+        refusal = egress.callback_refusal(url, resolve=True)
+    except OSError as exc:
+        raise a2a.A2aUnavailable(f"{url}: cannot resolve its host ({exc})") from exc
+    try:
+        if refusal:
+            raise a2a.A2aRefused(refusal.replace("X-Callback-Url", "the A2A Agent Card URL"))
+        answered = a2a.a2a_send(card_url=url, text=alert_text(delivery), data=delivery, message_id=delivery["id"])
+    except a2a.A2aRefused as exc:
+        audit_record(
+            actor="system",
+            action="a2a.refused",
+            agent_name=agent.name,
+            subject=subject,
+            detail={"event": delivery["event"], "delivery": delivery["id"], "reason": str(exc)},
+        )
+        return
+    audit_record(
+        actor="system",
+        action="a2a.delivered",
+        agent_name=agent.name,
+        subject=subject,
+        detail={"event": delivery["event"], "delivery": delivery["id"], "answered": answered},
+    )
+
+
+def agent_a2a_failed(*, agent_id: int, delivery: dict, reason: str) -> None:
+    """Record an A2A delivery given up after its last retry, so the owner sees it in the trail."""
+    agent = Agent.objects.filter(pk=agent_id).first()
+    audit_record(
+        actor="system",
+        action="a2a.failed",
+        agent_name=agent.name if agent else "",
+        subject=delivery.get("capability", ""),
+        detail={"event": delivery.get("event"), "delivery": delivery.get("id"), "reason": reason},
+    )
 
 
 def agent_webhook_deliver(*, agent_id: int, delivery: dict, url: str = "") -> None:

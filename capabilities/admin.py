@@ -23,7 +23,7 @@ from django.utils.safestring import mark_safe
 from agents.admin import AgentAdmin as BaseAgentAdmin
 from agents.models import Agent
 from capabilities import bindings as binding_rules
-from capabilities import breaker, failures, selectors, services
+from capabilities import breaker, call_logs, failures, selectors, services
 from capabilities.api import capability_url
 from capabilities.contracts import Contract
 from capabilities.dashboard import dashboard_get
@@ -467,6 +467,7 @@ class CapabilityAdmin(admin.ModelAdmin):
             "tripped_ids": {f.request_id for f in report.tripped_by},
             "failures": [(f, epoch_time(f.at_epoch)) for f in failures.failures_list(full=capability.full_name)],
             "failures_kept": settings.SIGIL_FAILURES_KEPT,
+            **self.call_records_context(request, capability),
             "day": day,
             "day_chart": chart,
             "statuses": sorted(day.total.statuses.items()),
@@ -474,6 +475,21 @@ class CapabilityAdmin(admin.ModelAdmin):
             "page_actions": []
             if removed or not can_change
             else [a for a in PAGE_ACTIONS if a.applies(capability, report)],
+        }
+
+    def call_records_context(self, request, capability: Capability) -> dict:
+        """The page's call records panel: the latest, filtered by `logs_level` and `logs_request`."""
+        level = request.GET.get("logs_level") or None
+        level = level if level in call_logs.LEVELS else None
+        request_id = (request.GET.get("logs_request") or "").strip()[:64] or None
+        page = call_logs.call_records_list(full=capability.full_name, level=level, request_id=request_id, limit=20)
+        return {
+            "call_records": [(r, epoch_time(r["at"])) for r in page.records],
+            "call_records_level": level or "",
+            "call_records_request": request_id or "",
+            "call_records_levels": call_logs.LEVELS,
+            "call_records_lost": call_logs.call_records_lost(full=capability.full_name),
+            "call_records_kept": settings.SIGIL_LOGS_RECORDS_PER_CAPABILITY,
         }
 
     def get_urls(self):

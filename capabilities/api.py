@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Iterator
 from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection
-from django.http import HttpResponse
+from django.http import HttpResponse, StreamingHttpResponse
 from django.template.loader import render_to_string
 from django.utils import timezone
 from drf_spectacular.utils import (
@@ -25,13 +26,15 @@ from redis import RedisError
 from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.permissions import AllowAny
+from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from agents import services as agent_services
 from agents.authentication import BearerTokenAuthentication, OwnerTokenAuthentication, StaffSessionAuthentication
 from agents.models import Agent
 from agents.permissions import HasDeployScope, IsOwner
-from capabilities import breaker, contracts, cost, failures, selectors, services
+from capabilities import breaker, call_logs, contracts, cost, failures, selectors, services
 from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
 from capabilities.parsers import LimitedJSONParser
@@ -641,6 +644,149 @@ class CapabilityDetailApi(APIView):
         return Response(status=204)
 
 
+class CallLogLineSerializer(serializers.Serializer):
+    level = serializers.ChoiceField(list(call_logs.LEVELS))
+    at = serializers.FloatField(allow_null=True, help_text="When it was written (epoch seconds).")
+    text = serializers.CharField(allow_blank=True)
+    cut = serializers.BooleanField(help_text="The line was cut at SIGIL_LOGS_LINE_BYTES.")
+
+
+class CallExceptionSerializer(serializers.Serializer):
+    name = serializers.CharField(allow_blank=True)
+    message = serializers.CharField(allow_blank=True)
+    stack = serializers.CharField(allow_blank=True)
+
+
+class CallRecordSerializer(serializers.Serializer):
+    seq = serializers.IntegerField(help_text="The record's place in Sigil's sequence (the paging cursor).")
+    at = serializers.FloatField(help_text="When the call started (epoch seconds).")
+    request_id = serializers.CharField(help_text="The X-Request-Id the caller saw.")
+    outcome = serializers.CharField(help_text="How the call ended, in the runtime's words: ok, exception, …")
+    status = serializers.IntegerField(allow_null=True, help_text="The status the capability answered, if it did.")
+    wall_ms = serializers.FloatField(allow_null=True)
+    cpu_ms = serializers.FloatField(allow_null=True, help_text="Where the runtime reports it (0 on workerd).")
+    cold = serializers.BooleanField(help_text="The first call its isolate served.")
+    version = serializers.IntegerField(allow_null=True)
+    logs = CallLogLineSerializer(many=True)
+    lines_cut = serializers.IntegerField(help_text="Lines past SIGIL_LOGS_LINES_PER_CALL, not kept.")
+    lines_shortened = serializers.IntegerField(help_text="Lines cut at SIGIL_LOGS_LINE_BYTES.")
+    exception = CallExceptionSerializer(allow_null=True, help_text="The uncaught exception, with its stack.")
+    runtime_truncated = serializers.BooleanField(help_text="The runtime itself dropped some of the call's events.")
+
+
+class CapabilityLogsApi(APIView):
+    """GET /_api/capabilities/{full}/logs: the owner's records of its capability's calls."""
+
+    class FilterSerializer(serializers.Serializer):
+        request_id = serializers.CharField(required=False, max_length=64)
+        level = serializers.ChoiceField(list(call_logs.LEVELS), required=False)
+        since = serializers.FloatField(required=False, min_value=0)
+        before = serializers.IntegerField(required=False, min_value=1)
+        limit = serializers.IntegerField(required=False, min_value=1, max_value=100, default=20)
+
+    class OutputSerializer(serializers.Serializer):
+        capability = serializers.CharField()
+        records = CallRecordSerializer(many=True)
+        next = serializers.CharField(allow_null=True, help_text="The next (older) page, or null.")
+        lost = serializers.IntegerField(help_text="Records of this capability that could not be kept.")
+
+    @extend_schema(
+        operation_id="capabilityLogs",
+        tags=["Discover"],
+        summary="What a capability's calls said and how they ended",
+        description="Its own agent's only (another agent gets 404): each call's console lines, uncaught "
+        "exception and outcome, newest first, by the call's `X-Request-Id`.",
+        parameters=[
+            OpenApiParameter("request_id", str, description="The call's X-Request-Id."),
+            OpenApiParameter(
+                "level",
+                str,
+                enum=list(call_logs.LEVELS),
+                description="Calls with a line at this level or above (error: also an uncaught exception).",
+            ),
+            OpenApiParameter("since", float, description="Calls made at or after this time (epoch seconds)."),
+            OpenApiParameter("before", int, description="The cursor of the page (`next` gives it)."),
+            OpenApiParameter("limit", int, description="At most this many records (1 to 100, 20 by default)."),
+        ],
+        responses={200: OutputSerializer, **error_responses(*AUTHENTICATED, 404)},
+    )
+    def get(self, request, full: str):
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        page = selectors.capability_call_records(principal=request.user, full=full, **filters.validated_data)
+        next_url = None
+        if page.next_before is not None:
+            query = request.query_params.copy()
+            query["before"] = str(page.next_before)
+            next_url = request.build_absolute_uri(f"{request.path}?{query.urlencode()}")
+        lost = call_logs.call_records_lost(full=full)
+        body = {"capability": full, "records": page.records, "next": next_url, "lost": lost}
+        return Response(self.OutputSerializer(body).data)
+
+
+class EventStreamRenderer(JSONRenderer):
+    """Lets a caller that accepts only `text/event-stream` in; what DRF renders for it (an
+    error) is the contract's JSON all the same."""
+
+    media_type = "text/event-stream"
+    format = "event-stream"
+
+
+class CapabilityLogsTailApi(APIView):
+    """GET /_api/capabilities/{full}/logs/tail: the owner's new call records as they arrive."""
+
+    renderer_classes = [JSONRenderer, EventStreamRenderer]
+
+    class FilterSerializer(serializers.Serializer):
+        seconds = serializers.FloatField(required=False, min_value=0.1)
+        after = serializers.IntegerField(required=False, min_value=0)
+
+    @extend_schema(
+        operation_id="capabilityLogsTail",
+        tags=["Discover"],
+        summary="Follow a capability's call records as they arrive",
+        description="Server-Sent Events: one `record` event per new call record (its `id` is the record's "
+        "`seq`; send it back as `Last-Event-ID` or `after` to resume), a comment line every few seconds "
+        "while there is none. It ends when the caller closes it, after `seconds`, or after "
+        "SIGIL_LOGS_TAIL_SECONDS. Its own agent's only (another agent gets 404).",
+        parameters=[
+            OpenApiParameter("seconds", float, description="How long to stream (at most SIGIL_LOGS_TAIL_SECONDS)."),
+            OpenApiParameter("after", int, description="Start after this record's `seq` (default: from now)."),
+        ],
+        responses={
+            (200, "text/event-stream"): OpenApiResponse(str, description="The records, as Server-Sent Events."),
+            **error_responses(*AUTHENTICATED, 404),
+        },
+    )
+    def get(self, request, full: str):
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        after = filters.validated_data.get("after")
+        resume = request.headers.get("Last-Event-ID", "")
+        if after is None and resume.isdigit():
+            after = int(resume)
+        records = selectors.capability_call_records_follow(
+            principal=request.user,
+            full=full,
+            after=after,
+            seconds=filters.validated_data.get("seconds", settings.SIGIL_LOGS_TAIL_SECONDS),
+        )
+        response = StreamingHttpResponse(_server_sent(records), content_type="text/event-stream")
+        response["Cache-Control"] = "no-cache"
+        response["X-Accel-Buffering"] = "no"  # a proxy in front passes each event on at once
+        return response
+
+
+def _server_sent(records) -> Iterator[bytes]:
+    yield b": following\n\n"  # the headers and a first line at once: the caller knows it is on
+    for record in records:
+        if record is None:
+            yield b": still here\n\n"
+            continue
+        data = json.dumps(CallRecordSerializer(record).data, separators=(",", ":"))
+        yield f"id: {record['seq']}\nevent: record\ndata: {data}\n\n".encode()
+
+
 def split_body(capability: Capability) -> dict | None:
     report = selectors.capability_split_report(capability=capability)
     return None if report is None else SplitSerializer(report).data
@@ -877,6 +1023,51 @@ class CapabilityRollbackApi(APIView):
         if result.pending:
             return Response(CapabilityDeployApi.PendingSerializer(deploy_answer(request, result)).data, status=202)
         return Response(deploy_answer(request, result))
+
+
+class AgentA2aApi(APIView):
+    """GET/PUT /_api/agent/a2a: where the calling agent receives its alerts as A2A messages."""
+
+    class InputSerializer(serializers.Serializer):
+        agent_card_url = serializers.CharField(
+            allow_blank=True, max_length=500, help_text="The agent's A2A Agent Card URL; empty stops the messages."
+        )
+
+    class OutputSerializer(serializers.Serializer):
+        agent = serializers.CharField()
+        agent_card_url = serializers.CharField(allow_blank=True)
+
+    def get_permissions(self):
+        return [HasDeployScope()] if self.request.method == "PUT" else super().get_permissions()
+
+    @extend_schema(
+        operation_id="agentA2a",
+        tags=["Deploy"],
+        summary="Where this agent's alerts go as A2A messages",
+        responses={200: OutputSerializer, **error_responses(*AUTHENTICATED)},
+    )
+    def get(self, request):
+        agent = Agent.objects.get(pk=request.user.agent_id)
+        return Response(self.OutputSerializer({"agent": agent.name, "agent_card_url": agent.a2a_card_url}).data)
+
+    @extend_schema(
+        operation_id="setAgentA2a",
+        tags=["Deploy"],
+        summary="Receive this agent's alerts as A2A messages",
+        description="Its alerts (error spike, degraded, split aborted, inactive) are then also sent to the "
+        "agent behind this Agent Card, as A2A messages. A public http(s) URL only, as for callbacks. "
+        "Needs a deploy token.",
+        request=InputSerializer,
+        responses={200: OutputSerializer, **error_responses(*AUTHENTICATED)},
+    )
+    def put(self, request):
+        serializer = self.InputSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        agent = Agent.objects.get(pk=request.user.agent_id)
+        agent_services.agent_set_a2a(
+            agent=agent, url=serializer.validated_data["agent_card_url"], actor=f"agent:{agent.name}"
+        )
+        return Response(self.OutputSerializer({"agent": agent.name, "agent_card_url": agent.a2a_card_url}).data)
 
 
 class StatusApi(APIView):

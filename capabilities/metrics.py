@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from django.db.models import Count
 
 from agents.models import Agent, AuditEvent
-from capabilities import stats
+from capabilities import call_logs, stats
 from capabilities.cloudflare import API_CALLS_KEY, API_RATE_LIMITED_KEY
 from capabilities.models import BreakerState, Capability, State
 from capabilities.runtimes import get_runtime
@@ -125,4 +125,7 @@ def metrics_render() -> str:
     lines.append(f"sigil_cloudflare_api_calls_total {int(api_calls or 0)}")
     lines.extend(_family("sigil_cloudflare_rate_limited_total", "counter", "Cloudflare API calls answered 429."))
     lines.append(f"sigil_cloudflare_rate_limited_total {int(rate_limited or 0)}")
+    lines.extend(_family("sigil_call_records_lost_total", "counter", "Call records (console lines, outcome) not kept."))
+    lines.append(f'sigil_call_records_lost_total{{why="not_kept"}} {call_logs.call_records_lost_kept()}')
+    lines.append(f'sigil_call_records_lost_total{{why="undelivered"}} {call_logs.call_records_undelivered_count()}')
     return "\n".join(lines) + "\n"

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 
+from django.conf import settings
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from agents.models import Agent, AuditEvent
 from agents.tokens import Principal
-from capabilities import names, stats
+from capabilities import call_logs, names, stats
 from capabilities.contracts import Contract
 from capabilities.models import (
     BreakerState,
@@ -65,6 +67,44 @@ def capability_get_owned(*, principal: Principal, full: str) -> Capability:
     if capability.agent_id != principal.agent_id:
         raise Forbidden(f"{full} is not under {principal.agent_name}'s prefix")
     return capability
+
+
+def capability_get_own(*, principal: Principal, full: str) -> Capability:
+    """The capability `full` if it is the caller's own. Another agent's is NotFound, public or
+    not: what its code said and how its calls ended are its owner's alone."""
+    capability = capability_get_visible(principal=principal, full=full)
+    if capability.agent_id != principal.agent_id:
+        raise NotFound(f"no capability {full} of {principal.agent_name}'s")
+    return capability
+
+
+def capability_call_records(
+    *,
+    principal: Principal,
+    full: str,
+    request_id: str | None = None,
+    level: str | None = None,
+    since: float | None = None,
+    before: int | None = None,
+    limit: int = 20,
+) -> call_logs.RecordPage:
+    """The caller's own capability's call records, newest first, filtered (call_logs.call_records_list).
+    Raises NotFound for any capability that is not the caller's."""
+    capability = capability_get_own(principal=principal, full=full)
+    return call_logs.call_records_list(
+        full=capability.full_name, request_id=request_id, level=level, since=since, before=before, limit=limit
+    )
+
+
+def capability_call_records_follow(
+    *, principal: Principal, full: str, after: int | None, seconds: float
+) -> Iterator[dict | None]:
+    """The caller's own capability's new call records as they are kept (call_logs.call_records_follow),
+    for at most `seconds` (SIGIL_LOGS_TAIL_SECONDS at most). Raises NotFound at once for any
+    capability that is not the caller's."""
+    capability = capability_get_own(principal=principal, full=full)
+    seconds = min(seconds, settings.SIGIL_LOGS_TAIL_SECONDS)
+    return call_logs.call_records_follow(full=capability.full_name, after=after, seconds=seconds)
 
 
 def capability_list_visible(

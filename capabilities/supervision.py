@@ -50,7 +50,7 @@ import select
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -445,6 +445,14 @@ class SupervisedWorkerd:
         self.host.stop(timeout=timeout)
 
 
+class Companion(Protocol):
+    """What serves beside the group's processes for as long as it runs (the log sink)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 class WorkerdGroup:
     """One supervised workerd per name, each in a thread of its own, started on demand."""
 
@@ -459,9 +467,11 @@ class WorkerdGroup:
         on_kill: Callable[[Kill], None] | None = None,
         stop_seconds: float = 2.0,
         idle: Callable[[list[str]], set[str]] | None = None,
+        companions: Sequence[Companion] = (),
     ) -> None:
         self.make_host = make_host
         self.idle = idle
+        self.companions = tuple(companions)
         self.limits = limits
         self.registry = registry
         self.kill_log = kill_log
@@ -539,6 +549,8 @@ class WorkerdGroup:
         stop them all. Raises the first error a process's supervision could not handle."""
         last_status = last_idle_check = 0.0
         idle: set[str] = set()
+        for companion in self.companions:
+            companion.start()
         try:
             while not stop.is_set() and not self._failures:
                 names = self.registry.names()
@@ -567,6 +579,8 @@ class WorkerdGroup:
             event.set()
         for thread in list(self._threads.values()):
             thread.join(self.stop_seconds + 5)
+        for companion in self.companions:
+            companion.stop()
         if self.status_path is not None:
             self.status_path.unlink(missing_ok=True)
 

@@ -173,3 +173,13 @@ def capability_refresh_bindings(*, full: str) -> None:
     from capabilities import services
 
     services.capability_refresh_bindings(full=full)
+
+
+@shared_task(name="capabilities.call_records_collect", acks_late=True, reject_on_worker_lost=True)
+def call_records_collect() -> None:
+    # No retry: the next beat comes within SIGIL_LOGS_COLLECT_INTERVAL_SECONDS, and a batch
+    # not yet taken waits for it where the tail left it.
+    from capabilities import call_logs
+    from capabilities.runtimes import get_runtime
+
+    call_logs.call_records_collect(runtime=get_runtime())

@@ -6,6 +6,8 @@ urlpatterns = [
     path("_api/deploy", api.CapabilityDeployApi.as_view(), name="capability-deploy"),
     path("_api/capabilities", api.CapabilityListApi.as_view(), name="capability-list"),
     path("_api/capabilities/<str:full>", api.CapabilityDetailApi.as_view(), name="capability-detail"),
+    path("_api/capabilities/<str:full>/logs", api.CapabilityLogsApi.as_view(), name="capability-logs"),
+    path("_api/capabilities/<str:full>/logs/tail", api.CapabilityLogsTailApi.as_view(), name="capability-logs-tail"),
     path("_api/capabilities/<str:full>/split", api.CapabilitySplitApi.as_view(), name="capability-split"),
     path(
         "_api/capabilities/<str:full>/split/promote",
@@ -19,6 +21,7 @@ urlpatterns = [
     ),
     path("_api/capabilities/<str:full>/versions", api.CapabilityVersionsApi.as_view(), name="capability-versions"),
     path("_api/capabilities/<str:full>/rollback", api.CapabilityRollbackApi.as_view(), name="capability-rollback"),
+    path("_api/agent/a2a", api.AgentA2aApi.as_view(), name="agent-a2a"),
     path("_api/calls/<str:call_id>", api.CallStatusApi.as_view(), name="call-status"),
     path("_api/cost", api.CostApi.as_view(), name="cost"),
     path("_api/status", api.StatusApi.as_view(), name="status"),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -116,6 +117,10 @@ class WorkerdHost:
     #: False keeps workerd in the caller's process group, so that whatever stops the caller's
     #: group (runsigil, a service manager) stops workerd too even if the caller was killed.
     own_session: bool = True
+    #: where the host posts the calls' records (capabilities.call_logs.LogSink); None: none kept
+    log_sink_port: int | None = None
+    #: the per-call bounds the host applies to a record: {"lines": …, "lineBytes": …}
+    log_limits: dict | None = None
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
 
     @classmethod
@@ -151,13 +156,21 @@ class WorkerdHost:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.code_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(HOST_DIR / "host.js", self.state_dir / "host.js")
+        sink_service, sink_bindings = "", ""
+        if self.log_sink_port is not None:
+            sink_service = f"""
+    (name = "logs", external = (address = "127.0.0.1:{self.log_sink_port}", http = ())),"""
+            limits = json.dumps(self.log_limits or {})
+            sink_bindings = f"""
+    (name = "LOG_SINK", service = "logs"),
+    (name = "LOG_LIMITS", text = {_capnp_string(limits)}),"""
         config = f"""using Workerd = import "/workerd/workerd.capnp";
 
 const config :Workerd.Config = (
   v8Flags = [{", ".join(_capnp_string(flag) for flag in V8_FLAGS)}],
   services = [
     (name = "host", worker = .host),
-    (name = "code", disk = (path = {_capnp_string(str(self.code_dir.resolve()))}, writable = false)),
+    (name = "code", disk = (path = {_capnp_string(str(self.code_dir.resolve()))}, writable = false)),{sink_service}
   ],
   sockets = [
     (name = "http", address = "127.0.0.1:{self.port}", http = (), service = "host"),
@@ -167,11 +180,12 @@ const config :Workerd.Config = (
 const host :Workerd.Worker = (
   modules = [(name = "host.js", esModule = embed "host.js")],
   compatibilityDate = "{COMPATIBILITY_DATE}",
-  compatibilityFlags = ["experimental", "nodejs_compat"],
+  # enable_ctx_exports: the host hands each capability its own SigilTail entrypoint as its tail.
+  compatibilityFlags = ["experimental", "nodejs_compat", "enable_ctx_exports"],
   bindings = [
     (name = "LOADER", workerLoader = (id = "capabilities")),
     (name = "CODE", service = "code"),
-    (name = "SIGIL_SECRET", fromEnvironment = "SIGIL_INTERNAL_SECRET"),
+    (name = "SIGIL_SECRET", fromEnvironment = "SIGIL_INTERNAL_SECRET"),{sink_bindings}
   ],
 );
 """

@@ -125,3 +125,23 @@ def test_revoking_selected_tokens_asks_first_then_stops_them(owner_client, alice
     assert alice.call("/_api/capabilities").status_code == 401
     assert AuditEvent.objects.filter(action="token.revoked", subject=token.prefix).exists()
     assert LogEntry.objects.filter(object_id=str(token.pk), change_message="Revoked").exists()
+
+
+def test_the_a2a_form_sets_the_agent_card_url_public_addresses_only(owner_client, alice, settings):
+    agent = Agent.objects.get(name="alice")
+    url = f"/admin/agents/agent/{agent.pk}/change/"
+    inlines = inline_data(owner_client.get(url))
+
+    card = "https://agent.example/.well-known/agent-card.json"
+    assert owner_client.post(url, {**inlines, "a2a_card_url": card}).status_code == 302
+    agent.refresh_from_db()
+    assert agent.a2a_card_url == card
+    assert AuditEvent.objects.filter(action="agent.a2a_changed", actor__startswith="owner").count() == 1
+
+    loopback = "http://127.0.0.1:9/.well-known/agent-card.json"
+    refused = owner_client.post(url, {**inlines, "a2a_card_url": loopback})
+    assert refused.status_code == 200 and "private or reserved address" in refused.content.decode()
+    settings.SIGIL_CALLBACK_ALLOWED_NETWORKS = ["127.0.0.0/8"]
+    assert owner_client.post(url, {**inlines, "a2a_card_url": loopback}).status_code == 302
+    agent.refresh_from_db()
+    assert agent.a2a_card_url == loopback

@@ -89,8 +89,8 @@ INSTRUCTIONS = (
     "is a capability you may call, yours or a public one; its arguments reach it as a JSON body. "
     "With a deploy token, sigil.deploy writes a new capability (an ES module Worker script), which "
     "is a tool at once; sigil.list searches the catalogue, sigil.inspect shows one capability, "
-    "sigil.remove removes one of yours, sigil.versions lists a capability's versions and sigil.rollback "
-    "restores one."
+    "sigil.remove removes one of yours, sigil.versions lists a capability's versions, sigil.rollback "
+    "restores one, and sigil.logs reads what your capability wrote to its console in each call."
 )
 # A session nobody uses for a day is forgotten; each request keeps it a day longer.
 SESSION_IDLE_SECONDS = 24 * 3600

@@ -22,7 +22,7 @@ from typing import Any
 from django.core.serializers.json import DjangoJSONEncoder
 
 from agents.tokens import Principal
-from capabilities import breaker, contract_copies, contracts, names, routes, selectors, services
+from capabilities import breaker, call_logs, contract_copies, contracts, names, routes, selectors, services
 from capabilities.contracts import Contract
 from capabilities.engine.values import CallRequest
 from capabilities.engine.values import Prefetched as CallPrefetched
@@ -118,6 +118,25 @@ OWN_TOOLS = {
         {
             "type": "object",
             "properties": {"capability": {"type": "string", "description": "Full name, e.g. alice--add."}},
+            "required": ["capability"],
+            "additionalProperties": False,
+        },
+    ),
+    "sigil.logs": (
+        "What one of your capabilities' calls said and how they ended: each call's console lines, "
+        "uncaught exception (with its stack) and outcome, newest first. Filter by the call's "
+        "request_id (the X-Request-Id it answered with), a level (calls with a line at it or above) "
+        "or since (epoch seconds); page with before (the next_before of the previous page).",
+        {
+            "type": "object",
+            "properties": {
+                "capability": {"type": "string", "description": "Full name, e.g. alice--add."},
+                "request_id": {"type": "string", "maxLength": 64},
+                "level": {"enum": ["debug", "info", "log", "warn", "error"]},
+                "since": {"type": "number", "minimum": 0},
+                "before": {"type": "integer", "minimum": 1},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 100},
+            },
             "required": ["capability"],
             "additionalProperties": False,
         },
@@ -386,6 +405,22 @@ class Toolbox:
                     principal=principal, full=arguments["capability"], version_number=arguments["version"]
                 )
                 answer = {**api.deploy_answer(caller, result), "tool": result.capability.full_name}
+            elif name == "sigil.logs":
+                page = selectors.capability_call_records(
+                    principal=principal,
+                    full=arguments["capability"],
+                    request_id=arguments.get("request_id"),
+                    level=arguments.get("level"),
+                    since=arguments.get("since"),
+                    before=arguments.get("before"),
+                    limit=arguments.get("limit", 20),
+                )
+                answer = {
+                    "capability": arguments["capability"],
+                    "records": api.CallRecordSerializer(page.records, many=True).data,
+                    "next_before": page.next_before,
+                    "lost": call_logs.call_records_lost(full=arguments["capability"]),
+                }
             else:
                 services.capability_remove(principal=principal, full=arguments["capability"])
                 answer = {"removed": arguments["capability"]}

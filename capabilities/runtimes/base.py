@@ -274,6 +274,13 @@ class Runtime(ABC):
     def check(self) -> None:
         """Raise RuntimeUnavailable when the runtime cannot serve; for health checks."""
 
+    def call_records_take(self, *, limit: int) -> list[dict]:
+        """Up to `limit` batches of call records the runtime's tail left for Sigil to collect,
+        each `{"records": [...]}`, removed from where they were left. Runtimes whose tail
+        hands them over itself (the local runtime's log sink) keep this default: none.
+        Raises RuntimeUnavailable."""
+        return []
+
     def provision(self) -> list[str]:
         """Create what the runtime needs besides capabilities (a namespace, Sigil's own Worker).
 

@@ -4,11 +4,13 @@ reading bundles from Workers KV (reference §5, §6)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import urllib3
 
+from capabilities.call_logs import LogLimits
 from capabilities.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
 from capabilities.runtimes.errors import RuntimeRejected
@@ -20,6 +22,8 @@ HOST_MODULE = "host.js"
 HOST_SOURCE = (HOST_DIR / HOST_MODULE).read_text()
 CODE_PREFIX = "code:"
 SLOT_PREFIX = "slot:"
+# Batches of call records the host's tail leaves in the same namespace (host.js SigilTail).
+LOGS_PREFIX = "logs:"
 
 
 class LoaderRuntime(FrontedRuntime):
@@ -52,6 +56,7 @@ class LoaderRuntime(FrontedRuntime):
             cpu_ms=settings.SIGIL_CPU_MS,
             invoke_base=settings.SIGIL_CF_WORKERS_BASE,
             propagation_wait_seconds=settings.SIGIL_INVOKE_TIMEOUT_SECONDS,
+            log_limits=LogLimits.from_settings().for_host() if settings.SIGIL_LOGS_ENABLED else None,
         )
 
     marker_header = "x-sigil-host"
@@ -68,8 +73,11 @@ class LoaderRuntime(FrontedRuntime):
         cpu_ms: int,
         invoke_base: str = "",
         propagation_wait_seconds: float = 30.0,
+        log_limits: dict | None = None,
     ) -> None:
         super().__init__(cpu_ms=cpu_ms)
+        #: the per-call bounds of the host's tail; None: the host gives capabilities no tail
+        self.log_limits = log_limits
         self.propagation_wait_seconds = propagation_wait_seconds
         self.client = client
         self.kv_title = kv_title
@@ -127,12 +135,25 @@ class LoaderRuntime(FrontedRuntime):
                 bindings=[
                     {"type": "worker_loader", "name": "LOADER"},
                     {"type": "kv_namespace", "name": "CODE_KV", "namespace_id": self.kv_id},
+                    *self._log_bindings(),
                 ],
                 secret_bindings=[{"type": "secret_text", "name": "SIGIL_SECRET", "text": self._secret}],
                 version_binding="SIGIL_HOST_VERSION",
+                # The host hands each capability its own SigilTail entrypoint (ctx.exports) as its tail.
+                compatibility_flags=["enable_ctx_exports"],
                 invoke_base=self.invoke_base,
             )
         return self._worker
+
+    def _log_bindings(self) -> list[dict]:
+        """Where each capability's tail leaves its call records for Sigil to collect (none
+        when they are off: the host then gives capabilities no tail)."""
+        if self.log_limits is None:
+            return []
+        return [
+            {"type": "kv_namespace", "name": "LOG_KV", "namespace_id": self.kv_id},
+            {"type": "plain_text", "name": "LOG_LIMITS", "text": json.dumps(self.log_limits)},
+        ]
 
     def provision(self) -> list[str]:
         """Create the KV namespace if it is missing, and deploy the loader Worker if it is
@@ -228,3 +249,22 @@ class LoaderRuntime(FrontedRuntime):
 
     def list_slots(self) -> list[str]:
         return sorted(self._pointers())
+
+    def call_records_take(self, *, limit: int) -> list[dict]:
+        """The oldest `limit` batches the host's tail left under `logs:` (one listing, then a
+        read and a delete per batch). A batch that is not JSON is dropped and returned as
+        `{"records": None}`, so that it is counted as undelivered."""
+        keys = sorted(k["name"] for k in self.client.kv_keys(self.kv_id, prefix=LOGS_PREFIX))[:limit]
+        batches = []
+        for key in keys:
+            try:
+                raw = self.client.kv_get(self.kv_id, key)
+            except CloudflareNotFound:
+                continue  # another collector took it, or it expired meanwhile
+            self.client.kv_delete(self.kv_id, key)
+            try:
+                batch = json.loads(raw)
+            except ValueError:
+                batch = {"records": None}
+            batches.append(batch if isinstance(batch, dict) else {"records": None})
+        return batches

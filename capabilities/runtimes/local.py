@@ -10,6 +10,8 @@ from pathlib import Path
 
 import urllib3
 
+from capabilities.call_logs import LogLimits
+from capabilities.log_sink import LogSink
 from capabilities.names import SEPARATOR
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CallStopped, CodeBundle, Route, Runtime
 from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
@@ -90,10 +92,20 @@ class LocalProcesses:
                 idle.add(name)
         return idle
 
-    def group(self, *, code_dir: Path, binary: str, secret: str, limits: Limits, own_session: bool) -> WorkerdGroup:
+    def group(
+        self,
+        *,
+        code_dir: Path,
+        binary: str,
+        secret: str,
+        limits: Limits,
+        own_session: bool,
+        log_sink: LogSink | None = None,
+    ) -> WorkerdGroup:
         """The supervisor's side: one supervised workerd per agent in the registry, which
         first takes in every agent with a placement (made before the registry existed, or
-        while it was lost), so their calls find a process at once."""
+        while it was lost), so their calls find a process at once. With `log_sink`, every
+        process's host posts the calls' records there, and the sink serves while the group runs."""
         slots = Path(code_dir) / "slots"
         if slots.is_dir():
             for pointer in slots.iterdir():
@@ -109,6 +121,8 @@ class LocalProcesses:
                 state_dir=self.state_dir / "processes" / name,
                 secret=secret,
                 own_session=own_session,
+                log_sink_port=log_sink.port if log_sink else None,
+                log_limits=log_sink.limits.for_host() if log_sink else None,
             )
 
         return WorkerdGroup(
@@ -118,6 +132,7 @@ class LocalProcesses:
             kill_log=self.kill_log,
             status_path=self.status_path,
             idle=lambda names: self.idle(names, code_dir=code_dir),
+            companions=[log_sink] if log_sink else [],
         )
 
 
@@ -144,6 +159,9 @@ def local_workerd_group(*, own_session: bool = True) -> WorkerdGroup:
         secret=settings.SIGIL_INTERNAL_SECRET,
         limits=local_limits(cpu_ms=settings.SIGIL_CPU_MS, memory_mb=settings.SIGIL_WORKERD_MEMORY_MB),
         own_session=own_session,
+        log_sink=LogSink(secret=settings.SIGIL_INTERNAL_SECRET, limits=LogLimits.from_settings())
+        if settings.SIGIL_LOGS_ENABLED
+        else None,
     )
 
 

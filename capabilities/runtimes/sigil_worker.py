@@ -45,6 +45,7 @@ class SigilWorker:
         secret_bindings: Sequence[Mapping[str, Any]],
         version_binding: str,
         compatibility_date: str = "2025-01-01",
+        compatibility_flags: Sequence[str] = (),
         invoke_base: str = "",
     ) -> None:
         self.client = client
@@ -55,9 +56,13 @@ class SigilWorker:
         self.secret_bindings = [dict(b) for b in secret_bindings]
         self.version_binding = version_binding
         self.compatibility_date = compatibility_date
+        self.compatibility_flags = list(compatibility_flags)
         self.invoke_base = invoke_base.rstrip("/")
         secrets = hashlib.sha256(json.dumps(self.secret_bindings, sort_keys=True).encode()).hexdigest()
-        stamp = json.dumps([self.modules, self.main_module, self.bindings, compatibility_date, secrets], sort_keys=True)
+        stamp = [self.modules, self.main_module, self.bindings, compatibility_date, secrets]
+        if self.compatibility_flags:  # so that a Worker without flags keeps the version it had
+            stamp.append(self.compatibility_flags)
+        stamp = json.dumps(stamp, sort_keys=True)
         self.version = hashlib.sha256(stamp.encode()).hexdigest()[:16]
         self._subdomain: str | None = None
         self._probe = urllib3.PoolManager(timeout=urllib3.Timeout(connect=3.0, read=10.0), retries=False)
@@ -96,6 +101,7 @@ class SigilWorker:
                 modules=self.modules,
                 main_module=self.main_module,
                 compatibility_date=self.compatibility_date,
+                compatibility_flags=self.compatibility_flags,
                 bindings=[*self.bindings, *self.secret_bindings, version],
                 tags=[SYSTEM_TAG],
             )

@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from agents.models import Token
 from agents.services import agent_notify, audit_record
-from capabilities import names, stats
+from capabilities import call_logs, names, stats
 from capabilities.models import BreakerState, Capability, CapabilityStatsWindow, State, StatsFlush
 from sigil_site.redis_client import get_redis
 
@@ -141,7 +141,11 @@ def _alert_on_error_rate(window: CapabilityStatsWindow) -> None:
     agent_notify(
         agent_name=window.agent_name,
         event="capability.error_rate_alert",
-        payload={"capability": window.full_name, **detail},
+        payload={
+            "capability": window.full_name,
+            **detail,
+            **call_logs.call_records_alert_fields(full=window.full_name),
+        },
     )
 
 
@@ -170,7 +174,11 @@ def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None
             agent_notify(
                 agent_name=capability.agent.name,
                 event=action,
-                payload={"capability": full, "reason": "circuit breaker opened after repeated failures"},
+                payload={
+                    "capability": full,
+                    "reason": "circuit breaker opened after repeated failures",
+                    **call_logs.call_records_alert_fields(full=full),
+                },
             )
 
 

@@ -22,7 +22,7 @@ from agents.models import Agent
 from agents.services import audit_record
 from agents.tokens import Principal
 from capabilities import bindings as binding_rules
-from capabilities import contract_copies, failures, leases, names, pager, routes, selectors, tasks
+from capabilities import call_logs, contract_copies, failures, leases, names, pager, routes, selectors, tasks
 from capabilities.contracts import Contract, contract_merge
 from capabilities.models import Capability, CapabilityType, CapabilityVersion, State, VersionPlacement
 from capabilities.runtimes import get_runtime
@@ -997,8 +997,10 @@ def _remove(*, full: str, actor: str, action: str, only_if_expired_by: datetime 
             audit_record(actor=actor, action=action, agent_name=capability.agent.name, subject=full)
             capability_release_slot_task.delay_on_commit(capability_id=capability.pk)
         routes.route_withdraw(full)
-        # A capability deployed later under the same name starts with no failures of this one.
+        # A capability deployed later under the same name starts with no failures (nor call
+        # records) of this one.
         failures.failures_forget(full=full)
+        call_logs.call_records_forget(full=full)
         # One never placed (its first deploy still queued) holds no slot to give back.
         if get_runtime().total_slots is not None and capability.slot:
             pager.pager_mark_leaving(full, now=now.timestamp())

@@ -31,8 +31,14 @@ def api_schema(alice, settings):
 
 # The control API only: the call route answers whatever a capability answers, and /metrics
 # is Prometheus text behind its own token; both are documented for readers, and tested
-# where they are served (test_invoke.py, test_metrics.py).
-schema = schemathesis.pytest.from_fixture("api_schema").exclude(tag=["Call"]).exclude(path="/metrics")
+# where they are served (test_invoke.py, test_metrics.py). The live tail of call records
+# streams for as long as it is asked to (test_call_logs.py).
+schema = (
+    schemathesis.pytest.from_fixture("api_schema")
+    .exclude(tag=["Call"])
+    .exclude(path="/metrics")
+    .exclude(path="/_api/capabilities/{full}/logs/tail")
+)
 
 
 @pytest.mark.slow

@@ -28,6 +28,16 @@
 //
 // With `x-sigil-store: 1` (the loader runtime only) the host writes the request's body, a
 // stored bundle, to `code:{sha}` through its own KV binding: 204.
+// Each capability carries a tail (the Worker Loader's `tails` option): the host's own
+// SigilTail entrypoint, which workerd hands the call's tail events once the call is over
+// (its console lines, uncaught exception and outcome), off the call's path. It shapes them
+// into a call's record, bounded and with the capability's secret values replaced by their
+// binding names, and posts the records to LOG_SINK (the local runtime's log sink) with the
+// shared secret, which capability code never sees, so it cannot forge records; or, on
+// Cloudflare (the loader runtime), leaves them in Workers KV (LOG_KV, `logs:{ms}:{uuid}`) for
+// Sigil to collect, since Sigil's own server may not be reachable from Cloudflare.
+
+import { WorkerEntrypoint } from "cloudflare:workers";
 
 const SECRET_HEADER = "x-sigil-secret";
 const LOADER_ID_HEADER = "x-sigil-loader-id";
@@ -212,8 +222,170 @@ async function started(worker, codeWasMissing, env) {
   return refuse(500, "exception", `the code answered as ${PROBE_ENTRYPOINT}`, env);
 }
 
+// Loader cache ids whose isolate has sent a tail event: the first call of each is the cold one.
+const tailed = new Set();
+const LEVELS = new Set(["debug", "info", "log", "warn", "error"]);
+
+function logText(parts) {
+  return (Array.isArray(parts) ? parts : [parts])
+    .map((part) => {
+      if (typeof part === "string") return part;
+      try {
+        return JSON.stringify(part) ?? String(part);
+      } catch {
+        return String(part);
+      }
+    })
+    .join(" ");
+}
+
+// Secrets first, cuts after, so that a cut never leaves part of a value behind.
+function masked(text, secrets) {
+  let out = String(text ?? "");
+  for (const [name, value] of secrets) if (value) out = out.split(value).join(`[secret ${name}]`);
+  return out;
+}
+
+function cut(text, maxBytes) {
+  const bytes = new TextEncoder().encode(text);
+  if (bytes.byteLength <= maxBytes) return [text, false];
+  // Decoding a prefix may end in half a character: the replacement character marks it.
+  return [new TextDecoder().decode(bytes.subarray(0, maxBytes)), true];
+}
+
+// One tail event as a call's record, or null for the host's own calls into the isolate (the
+// start check, a retire), which carry no request id.
+function callRecord(event, props, limits) {
+  const request = event.event && event.event.request;
+  const requestId = request && request.headers && request.headers["x-request-id"];
+  if (!requestId) return null;
+  const secrets = Object.entries(props.secrets || {}).sort((a, b) => b[1].length - a[1].length);
+  const logs = [];
+  let linesCut = 0;
+  let bytesCut = 0;
+  for (const entry of event.logs || []) {
+    if (logs.length >= limits.lines) {
+      linesCut += 1;
+      continue;
+    }
+    const [text, wasCut] = cut(masked(logText(entry.message), secrets), limits.lineBytes);
+    if (wasCut) bytesCut += 1;
+    logs.push({ level: LEVELS.has(entry.level) ? entry.level : "log", at: entry.timestamp / 1000, text, cut: wasCut });
+  }
+  const thrown = (event.exceptions || [])[0];
+  let exception = null;
+  if (thrown) {
+    exception = {
+      name: cut(masked(thrown.name, secrets), limits.lineBytes)[0],
+      message: cut(masked(thrown.message, secrets), limits.lineBytes)[0],
+      stack: cut(masked(thrown.stack, secrets), limits.lineBytes * 4)[0],
+    };
+  }
+  const cold = !tailed.has(props.cacheId);
+  tailed.add(props.cacheId);
+  const response = event.event.response;
+  return {
+    capability: props.slot,
+    sha: props.sha,
+    request_id: requestId,
+    at: event.eventTimestamp / 1000,
+    outcome: event.outcome,
+    status: response && typeof response.status === "number" ? response.status : null,
+    wall_ms: event.wallTime ?? null,
+    cpu_ms: event.cpuTime ?? null,
+    cold,
+    logs,
+    lines_cut: linesCut,
+    lines_shortened: bytesCut,
+    exception,
+    // workerd itself dropped some of the call's events (its own bound).
+    runtime_truncated: Boolean(event.truncated),
+  };
+}
+
+// The records of calls that ended close together travel in one batch: each tail only queues
+// its records, and the tail that finds no batch on its way waits FLUSH_MS, then sends what
+// has gathered (again, until nothing is left). One subrequest per batch rather than per call
+// is what keeps the tails' share of workerd's event loop small. The queue is bounded: what
+// is dropped past it is counted in the next batch, so Sigil counts it as lost.
+const FLUSH_MS = 50;
+// At most this many records in one batch (the sink refuses larger bodies: capabilities/log_sink.py).
+const BATCH_RECORDS = 64;
+// What the queue may hold, roughly in bytes of text: past it, records are dropped (and counted).
+const MAX_PENDING_BYTES = 8 * 1024 * 1024;
+const pending = [];
+let pendingBytes = 0;
+let dropped = 0;
+
+function sizeOf(record) {
+  let size = 512;
+  for (const line of record.logs) size += line.text.length + 48;
+  if (record.exception) size += record.exception.stack.length + record.exception.message.length;
+  return size;
+}
+let flushing = false;
+
+async function flush(env) {
+  flushing = true;
+  try {
+    await new Promise((resolve) => setTimeout(resolve, FLUSH_MS));
+    while (pending.length || dropped) {
+      const records = pending.splice(0, BATCH_RECORDS);
+      for (const record of records) pendingBytes -= sizeOf(record);
+      const batch = { records, dropped };
+      dropped = 0;
+      try {
+        await send(env, batch);
+      } catch (error) {
+        // Sigil is not taking them now: the next batch that gets through says how many were lost.
+        dropped += batch.dropped + records.length;
+        console.error(`call records not delivered: ${error}`);
+        break;
+      }
+    }
+  } finally {
+    flushing = false;
+  }
+}
+
+async function send(env, batch) {
+  if (!env.LOG_SINK) {
+    // Kept for a day at most if Sigil collects nothing meanwhile (KV's own expiry).
+    const key = `logs:${String(Date.now()).padStart(15, "0")}:${crypto.randomUUID()}`;
+    await env.LOG_KV.put(key, JSON.stringify(batch), { expirationTtl: 86400 });
+    return;
+  }
+  const response = await env.LOG_SINK.fetch("http://sink/records", {
+    method: "POST",
+    headers: { "content-type": "application/json", [SECRET_HEADER]: env.SIGIL_SECRET },
+    body: JSON.stringify(batch),
+  });
+  if (!response.ok) throw new Error(`the log sink answered ${response.status}`);
+}
+
+export class SigilTail extends WorkerEntrypoint {
+  async tail(events) {
+    const props = this.ctx.props || {};
+    const limits = JSON.parse(this.env.LOG_LIMITS || "{}");
+    limits.lines = limits.lines ?? 200;
+    limits.lineBytes = limits.lineBytes ?? 2048;
+    for (const event of events) {
+      const record = callRecord(event, props, limits);
+      if (!record) continue;
+      const size = sizeOf(record);
+      if (pendingBytes + size > MAX_PENDING_BYTES) {
+        dropped += 1;
+        continue;
+      }
+      pending.push(record);
+      pendingBytes += size;
+    }
+    if (pending.length && !flushing) await flush(this.env);
+  }
+}
+
 export default {
-  async fetch(request, env) {
+  async fetch(request, env, ctx) {
     if (!sameSecret(request.headers.get(SECRET_HEADER), env.SIGIL_SECRET)) {
       return refuse(403, "forbidden", "this host answers only to Sigil", env);
     }
@@ -249,6 +421,7 @@ export default {
     // Awaited, so that once a new version has been started (its start check), the one two
     // versions back is gone; it is one short call, made once per version.
     await retire(env, touch(slot, cacheId));
+    const logged = Boolean((env.LOG_SINK || env.LOG_KV) && ctx && ctx.exports && ctx.exports.SigilTail);
     const worker = env.LOADER.get(cacheId, async () => {
       let bundle, secrets;
       try {
@@ -265,6 +438,7 @@ export default {
         modules: { ...bundle.modules, [HOST_MAIN_MODULE]: hostMainModule(bundle.mainModule) },
         env: { ...bundle.env, ...secrets },
         // Capabilities may call out to the network as Workers do on Cloudflare.
+        tails: logged ? [ctx.exports.SigilTail({ props: { slot, sha, cacheId, secrets } })] : [],
       };
     });
     try {

@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('agents', '0003_webhook_secret_encrypted'),
+        ('agents', '0004_a2a_card_url'),
     ]
 
     operations = [

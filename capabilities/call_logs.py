@@ -1,0 +1,392 @@
+"""Each call's record (its console lines, uncaught exception and outcome), kept in Redis for
+the capability's owner, and the bounds and loss counts around it.
+
+The records come from the runtime's own tail events, after the call is over: the loader
+host's SigilTail entrypoint (capabilities/runtimes/host/host.js) is each capability's tail,
+shapes the events into records (lines per call and bytes per line cut there, secret values
+replaced by their binding's name there, so they never leave workerd), and posts them to the
+log sink (capabilities/log_sink.py), which calls call_records_keep(). Nothing on the call's
+path waits for them or touches these keys.
+
+Keys:
+
+- `sigil:logs:{full}`: the capability's records, a list of JSON documents, newest first, at
+  most SIGIL_LOGS_RECORDS_PER_CAPABILITY, none older than SIGIL_LOGS_RETENTION_SECONDS (pruned
+  when a record is kept and when they are read).
+- `sigil:logs:bytes:{agent}`: a hash, full name → bytes its records hold; their sum is held
+  under SIGIL_LOGS_AGENT_BYTES. A capability makes room by dropping its own oldest records,
+  never another's, so one capability's burst cannot crowd out its siblings' records.
+- `sigil:logs:lost`: a hash, full name → records that could not be kept (over the agent's
+  bytes, or refused by the sink); `sigil:logs:lost:undelivered` counts batches the sink could
+  not read at all. Both are shown on /metrics and the capability's page.
+- `sigil:logs:seq`: the sequence number every kept record takes (the tail's and the pages'
+  cursor).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from django.conf import settings
+
+from capabilities import names, routes
+from sigil_site.errors import InvalidRequest
+from sigil_site.redis_client import get_redis
+
+SEQ_KEY = "sigil:logs:seq"
+LOST_KEY = "sigil:logs:lost"
+UNDELIVERED_KEY = "sigil:logs:lost:undelivered"
+LEVELS = ("debug", "info", "log", "warn", "error")
+OUTCOMES_FAILED = frozenset({"exception", "exceededCpu", "exceededMemory", "canceled", "scriptNotFound", "unknown"})
+VARIANT = re.compile(r"--v[0-9]+$")
+
+
+def records_key(full: str) -> str:
+    return f"sigil:logs:{full}"
+
+
+def agent_bytes_key(agent: str) -> str:
+    return f"sigil:logs:bytes:{agent}"
+
+
+# Keeps one record (ARGV[2], a JSON object without its sequence number) of ARGV[1], within the
+# bounds; returns its sequence number, or 0 when it could not be kept (counted as lost).
+KEEP_RECORD = """
+local list, bytes, lost, seqkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local full, rec = ARGV[1], ARGV[2]
+local max_records, max_bytes = tonumber(ARGV[3]), tonumber(ARGV[4])
+local oldest_kept, now = tonumber(ARGV[5]) - tonumber(ARGV[6]), tonumber(ARGV[5])
+if redis.call('EXISTS', list) == 0 then redis.call('HDEL', bytes, full) end
+local function drop_oldest()
+  local old = redis.call('RPOP', list)
+  if old then redis.call('HINCRBY', bytes, full, -#old) end
+  return old
+end
+while true do
+  local old = redis.call('LINDEX', list, -1)
+  if not old or (tonumber(cjson.decode(old)['at']) or 0) >= oldest_kept then break end
+  drop_oldest()
+end
+local seq = redis.call('INCR', seqkey)
+local item = '{"seq":' .. seq .. ',' .. string.sub(rec, 2)
+local size = #item
+local total = 0
+for _, v in ipairs(redis.call('HVALS', bytes)) do total = total + tonumber(v) end
+while total + size > max_bytes do
+  local old = drop_oldest()
+  if not old then break end
+  total = total - #old
+end
+if total + size > max_bytes then
+  redis.call('HINCRBY', lost, full, 1)
+  return 0
+end
+redis.call('LPUSH', list, item)
+redis.call('HINCRBY', bytes, full, size)
+while redis.call('LLEN', list) > max_records do drop_oldest() end
+return seq
+"""
+
+
+@dataclass(frozen=True)
+class LogLimits:
+    """The bounds on what is kept, from settings."""
+
+    lines_per_call: int
+    line_bytes: int
+    records_per_capability: int
+    retention_seconds: int
+    agent_bytes: int
+
+    @classmethod
+    def from_settings(cls) -> LogLimits:
+        return cls(
+            lines_per_call=settings.SIGIL_LOGS_LINES_PER_CALL,
+            line_bytes=settings.SIGIL_LOGS_LINE_BYTES,
+            records_per_capability=settings.SIGIL_LOGS_RECORDS_PER_CAPABILITY,
+            retention_seconds=settings.SIGIL_LOGS_RETENTION_SECONDS,
+            agent_bytes=settings.SIGIL_LOGS_AGENT_BYTES,
+        )
+
+    def for_host(self) -> dict:
+        """The per-call bounds as the loader host's tail reads them (LOG_LIMITS)."""
+        return {"lines": self.lines_per_call, "lineBytes": self.line_bytes}
+
+
+class RecordRefused(ValueError):
+    """A record that is not one the host writes (malformed, or of no capability name)."""
+
+
+def call_record_clean(raw: dict, *, limits: LogLimits) -> tuple[str, dict]:
+    """The capability's full name and the record as kept, from one record the tail posted.
+
+    The host already applied the per-call bounds; they are applied again here so that the
+    store's bound holds whatever posts. Raises RecordRefused for a malformed record.
+    """
+    if not isinstance(raw, dict):
+        raise RecordRefused("a record is a JSON object")
+    slot = raw.get("capability")
+    if not isinstance(slot, str):
+        raise RecordRefused("a record names its capability")
+    # A staged version in traffic runs under `{full}--v{n}` (routes.variant_name): its calls
+    # are its capability's, and its route says which version it is.
+    full = slot.rpartition(names.SEPARATOR)[0] if VARIANT.search(slot) else slot
+    try:
+        names.split_full_name(full)
+    except InvalidRequest as exc:
+        raise RecordRefused(str(exc)) from exc
+    request_id = raw.get("request_id")
+    if not isinstance(request_id, str) or not request_id or len(request_id) > 64:
+        raise RecordRefused("a record carries the call's request id")
+    lines = raw.get("logs") if isinstance(raw.get("logs"), list) else []
+    lines_cut = _int(raw.get("lines_cut")) + max(0, len(lines) - limits.lines_per_call)
+    logs = []
+    shortened = 0
+    for line in lines[: limits.lines_per_call]:
+        if not isinstance(line, dict):
+            continue
+        text, was_cut = _cut(str(line.get("text", "")), limits.line_bytes)
+        was_cut = was_cut or bool(line.get("cut"))
+        shortened += was_cut
+        level = line.get("level") if line.get("level") in LEVELS else "log"
+        logs.append({"level": level, "at": _float(line.get("at")), "text": text, "cut": was_cut})
+    exception = None
+    if isinstance(raw.get("exception"), dict):
+        thrown = raw["exception"]
+        exception = {
+            "name": _cut(str(thrown.get("name") or ""), limits.line_bytes)[0],
+            "message": _cut(str(thrown.get("message") or ""), limits.line_bytes)[0],
+            "stack": _cut(str(thrown.get("stack") or ""), limits.line_bytes * 4)[0],
+        }
+    sha = raw.get("sha") if isinstance(raw.get("sha"), str) else ""
+    record = {
+        "at": _float(raw.get("at")) or time.time(),
+        "request_id": request_id,
+        "outcome": str(raw.get("outcome") or "unknown")[:32],
+        "status": raw.get("status") if isinstance(raw.get("status"), int) else None,
+        "wall_ms": _float(raw.get("wall_ms")),
+        "cpu_ms": _float(raw.get("cpu_ms")),
+        "cold": bool(raw.get("cold")),
+        "sha": sha[:64],
+        "version": _version_of(slot, sha),
+        "logs": logs,
+        "lines_cut": lines_cut,
+        "lines_shortened": max(shortened, _int(raw.get("lines_shortened"))),
+        "exception": exception,
+        "runtime_truncated": bool(raw.get("runtime_truncated")),
+    }
+    return full, record
+
+
+def call_records_keep(*, records: list, limits: LogLimits | None = None) -> int:
+    """Keep the records one tail batch posted, each within the bounds; returns how many were
+    kept. A record that is malformed or does not fit is counted as lost for its capability
+    (or as undelivered, when it names none). Not idempotent: a batch posted twice is kept twice."""
+    limits = limits or LogLimits.from_settings()
+    client = get_redis()
+    keep = client.register_script(KEEP_RECORD)
+    kept = 0
+    now = time.time()
+    for raw in records:
+        try:
+            full, record = call_record_clean(raw, limits=limits)
+        except RecordRefused:
+            full = raw.get("capability") if isinstance(raw, dict) else None
+            if isinstance(full, str) and len(full) <= 200:
+                client.hincrby(LOST_KEY, full, 1)
+            else:
+                client.incr(UNDELIVERED_KEY)
+            continue
+        agent = full.partition(names.SEPARATOR)[0]
+        encoded = json.dumps(record, separators=(",", ":"))
+        seq = keep(
+            keys=[records_key(full), agent_bytes_key(agent), LOST_KEY, SEQ_KEY],
+            args=[full, encoded, limits.records_per_capability, limits.agent_bytes, now, limits.retention_seconds],
+        )
+        kept += bool(seq)
+    return kept
+
+
+def call_records_collect(*, runtime, limit: int = 100) -> int:
+    """Keep the batches of call records `runtime` left to be collected (the Cloudflare
+    runtimes' tails leave them in Workers KV); returns how many records were kept. A batch
+    that cannot be read is counted as undelivered. Each batch is taken once: running this
+    twice keeps nothing twice. Raises RuntimeUnavailable."""
+    kept = 0
+    for batch in runtime.call_records_take(limit=limit):
+        records = batch.get("records")
+        if not isinstance(records, list):
+            call_records_undelivered()
+            continue
+        kept += call_records_keep(records=records)
+        dropped = batch.get("dropped")
+        if isinstance(dropped, int) and not isinstance(dropped, bool) and dropped > 0:
+            call_records_undelivered(count=dropped)  # the tail's queue was full
+    return kept
+
+
+def call_records_undelivered(*, count: int = 1) -> None:
+    """Count `count` batches that reached the sink but could not be read."""
+    get_redis().incr(UNDELIVERED_KEY, count)
+
+
+@dataclass(frozen=True)
+class RecordPage:
+    records: list[dict]
+    next_before: int | None  # the cursor of the next (older) page; None on the last
+
+
+def call_records_list(
+    *,
+    full: str,
+    request_id: str | None = None,
+    level: str | None = None,
+    since: float | None = None,
+    before: int | None = None,
+    after: int | None = None,
+    limit: int = 20,
+    retention_seconds: int | None = None,
+) -> RecordPage:
+    """The records of `full`, newest first, that match every filter given: the call's request
+    id, a line at `level` or above (`error` also matches an uncaught exception or a failed
+    outcome), made at or after `since` (epoch), older than the cursor `before` or newer than
+    `after` (sequence numbers). Records past the retention are never returned."""
+    retention = settings.SIGIL_LOGS_RETENTION_SECONDS if retention_seconds is None else retention_seconds
+    oldest = max(since or 0.0, time.time() - retention)
+    floor = LEVELS.index(level) if level in LEVELS else None
+    matched = []
+    more = False
+    for raw in get_redis().lrange(records_key(full), 0, -1):
+        record = json.loads(raw)
+        if record["at"] < oldest:
+            break  # newest first: every later one is older still
+        if before is not None and record["seq"] >= before:
+            continue
+        if after is not None and record["seq"] <= after:
+            break
+        if request_id is not None and record["request_id"] != request_id:
+            continue
+        if floor is not None and not _reaches(record, floor):
+            continue
+        if len(matched) == limit:
+            more = True
+            break
+        matched.append(record)
+    return RecordPage(records=matched, next_before=matched[-1]["seq"] if more else None)
+
+
+def call_records_newest_seq(*, full: str) -> int:
+    """The sequence number of the newest record of `full`; 0 when it has none."""
+    newest = get_redis().lindex(records_key(full), 0)
+    return json.loads(newest)["seq"] if newest else 0
+
+
+def call_records_follow(
+    *,
+    full: str,
+    after: int | None = None,
+    seconds: float,
+    poll_seconds: float = 0.2,
+    heartbeat_seconds: float = 5.0,
+) -> Iterator[dict | None]:
+    """The records of `full` newer than the sequence number `after` (when None: than its
+    newest now), oldest first, as they are kept, for `seconds`; None every `heartbeat_seconds`
+    without one, so that a caller that went away is noticed. One LRANGE per poll."""
+    if after is None:
+        after = call_records_newest_seq(full=full)
+    deadline = time.monotonic() + seconds
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline:
+        # The list holds at most SIGIL_LOGS_RECORDS_PER_CAPABILITY: all of it newer than
+        # `after` fits in one page.
+        page = call_records_list(full=full, after=after, limit=settings.SIGIL_LOGS_RECORDS_PER_CAPABILITY)
+        for record in reversed(page.records):
+            after = record["seq"]
+            quiet_since = time.monotonic()
+            yield record
+        if time.monotonic() - quiet_since >= heartbeat_seconds:
+            quiet_since = time.monotonic()
+            yield None
+        time.sleep(min(poll_seconds, max(0.0, deadline - time.monotonic())))
+
+
+def call_records_alert_fields(*, full: str, failures: int = 5) -> dict:
+    """What an alert about `full` carries to point at its calls: the request ids of its latest
+    failures (newest first), and where the owning agent reads their records."""
+    from capabilities.failures import failures_list
+
+    base = settings.SIGIL_PUBLIC_URL.rstrip("/")
+    return {
+        "request_ids": [f.request_id for f in failures_list(full=full, limit=failures)],
+        "logs": f"{base}/_api/capabilities/{full}/logs?level=error",
+    }
+
+
+def call_records_lost(*, full: str) -> int:
+    """Records of `full` that reached Sigil and could not be kept."""
+    return int(get_redis().hget(LOST_KEY, full) or 0)
+
+
+def call_records_lost_kept() -> int:
+    """Records of every capability that reached Sigil and could not be kept."""
+    return sum(int(v) for v in get_redis().hvals(LOST_KEY))
+
+
+def call_records_undelivered_count() -> int:
+    """Batches (or records naming no capability) that reached the sink and could not be read."""
+    return int(get_redis().get(UNDELIVERED_KEY) or 0)
+
+
+def call_records_forget(*, full: str) -> None:
+    """Drop every record of `full` and its loss count (it was removed). Idempotent."""
+    agent = full.partition(names.SEPARATOR)[0]
+    client = get_redis()
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(records_key(full))
+    pipe.hdel(agent_bytes_key(agent), full)
+    pipe.hdel(LOST_KEY, full)
+    pipe.execute()
+
+
+def record_reaches(record: dict, level: str) -> bool:
+    """Whether `record` has a line at `level` or above (for `error`: or an exception, or a
+    failed outcome)."""
+    return _reaches(record, LEVELS.index(level))
+
+
+def _reaches(record: dict, floor: int) -> bool:
+    if floor == LEVELS.index("error") and (record["exception"] or record["outcome"] in OUTCOMES_FAILED):
+        return True
+    return any(LEVELS.index(line["level"]) >= floor for line in record["logs"])
+
+
+def _version_of(full: str, sha: str) -> int | None:
+    """The version number whose code is `sha`, as the capability's route says now (a record
+    that arrives after a later deploy has none)."""
+    raw = get_redis().get(routes.key(full))
+    if not raw or raw == routes.TOMBSTONE:
+        return None
+    try:
+        route = json.loads(raw)
+    except ValueError:
+        return None
+    return route.get("ver") if route.get("sha") == sha else None
+
+
+def _cut(text: str, max_bytes: int) -> tuple[str, bool]:
+    data = text.encode()
+    if len(data) <= max_bytes:
+        return text, False
+    return data[:max_bytes].decode(errors="ignore"), True
+
+
+def _int(value) -> int:
+    return value if isinstance(value, int) and value >= 0 else 0
+
+
+def _float(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -1,0 +1,110 @@
+"""Where the local runtime's workerd processes hand over the calls' records: a small HTTP
+server on 127.0.0.1, run beside them by the supervisor (runworkerd), never by the web
+process, so a burst of logging costs the web server nothing.
+
+The loader host's tail posts `{"records": [...]}` with the shared internal secret (which
+capability code never sees); each record is kept by capabilities.call_logs. Batches are
+small (one call's events, or the few workerd groups together), and bounded here.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import redis
+
+from capabilities.call_logs import LogLimits, call_records_keep, call_records_undelivered
+
+logger = logging.getLogger(__name__)
+
+SECRET_HEADER = "X-Sigil-Secret"
+
+
+class LogSink:
+    """An HTTP server taking the tail's batches on 127.0.0.1:`port` (0: any free port, bound
+    at once so that the workerd configs can name it before it serves)."""
+
+    def __init__(self, *, secret: str, limits: LogLimits, port: int = 0) -> None:
+        self.secret = secret
+        self.limits = limits
+        # A batch holds at most a few calls' records, each within the per-call bounds.
+        self.max_body = 64 * (limits.lines_per_call * (limits.line_bytes + 64) + 8192)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), _handler_for(self))
+        self.server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self.server.server_address[1]
+
+    def start(self) -> None:
+        """Serve in a daemon thread. Idempotent."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.server.serve_forever, name="log-sink", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving and release the port. Idempotent."""
+        if self._thread is not None:
+            self.server.shutdown()
+            self._thread.join(5)
+            self._thread = None
+        self.server.server_close()
+
+
+def json_int(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _handler_for(sink: LogSink) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            given = self.headers.get(SECRET_HEADER, "")
+            if not hmac.compare_digest(given.encode(), sink.secret.encode()):
+                self._answer(403)
+                return
+            try:
+                length = int(self.headers.get("Content-Length", "0"))
+            except ValueError:
+                length = -1
+            if length < 0 or length > sink.max_body:
+                call_records_undelivered()
+                self._answer(413)
+                self.close_connection = True
+                return
+            try:
+                body = json.loads(self.rfile.read(length))
+                records = body["records"]
+                if not isinstance(records, list):
+                    raise ValueError("records is not a list")
+            except (ValueError, KeyError, TypeError) as exc:
+                call_records_undelivered()
+                logger.warning("the log sink could not read a batch: %s", exc)
+                self._answer(400)
+                return
+            try:
+                call_records_keep(records=records, limits=sink.limits)
+                lost = json_int(body.get("dropped"))
+                if lost:
+                    call_records_undelivered(count=lost)
+            except redis.RedisError as exc:
+                logger.warning("the log sink could not keep a batch: %s", exc)
+                self._answer(503)
+                return
+            self._answer(204)
+
+        def _answer(self, status: int) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args) -> None:
+            pass  # one line per batch would drown the supervisor's log
+
+    return Handler
