@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from datetime import timedelta
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connection
 from django.http import HttpResponse, StreamingHttpResponse
@@ -777,14 +778,21 @@ class CapabilityLogsTailApi(APIView):
         return response
 
 
-def _server_sent(records) -> Iterator[bytes]:
+async def _server_sent(records) -> AsyncIterator[bytes]:
+    """The records as events. Asynchronous, so that Django's ASGI handler sends each event as
+    it comes (it would read a plain iterator to its end first); each wait for the next record
+    runs in a thread."""
     yield b": following\n\n"  # the headers and a first line at once: the caller knows it is on
-    for record in records:
+    following = sync_to_async(next, thread_sensitive=False)
+    while (record := await following(records, _ENDED)) is not _ENDED:
         if record is None:
             yield b": still here\n\n"
             continue
         data = json.dumps(CallRecordSerializer(record).data, separators=(",", ":"))
         yield f"id: {record['seq']}\nevent: record\ndata: {data}\n\n".encode()
+
+
+_ENDED = object()
 
 
 def split_body(capability: Capability) -> dict | None:

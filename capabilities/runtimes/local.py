@@ -74,9 +74,10 @@ class LocalProcesses:
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.touch()
 
-    def idle(self, names: list[str], *, code_dir: Path) -> set[str]:
-        """Which of `names` have no placement under `code_dir` and were not wanted lately.
-        One directory listing, and one stat per name without a placement."""
+    def idle(self, names: list[str], *, code_dir: Path, since: float = 0.0) -> set[str]:
+        """Which of `names` have no placement under `code_dir` and were not wanted lately,
+        counting from `since` (epoch; the supervisor's start: a process it just started is
+        not idle yet). One directory listing, and one stat per name without a placement."""
         slots = Path(code_dir) / "slots"
         placed = (
             {self.name_for(p.name) for p in slots.iterdir() if not p.name.startswith(".")} if slots.is_dir() else set()
@@ -87,7 +88,7 @@ class LocalProcesses:
             try:
                 wanted_at = (self.state_dir / "wanted" / name).stat().st_mtime
             except FileNotFoundError:
-                wanted_at = 0.0
+                wanted_at = since
             if wanted_at < cutoff:
                 idle.add(name)
         return idle
@@ -131,7 +132,7 @@ class LocalProcesses:
             self.registry,
             kill_log=self.kill_log,
             status_path=self.status_path,
-            idle=lambda names: self.idle(names, code_dir=code_dir),
+            idle=lambda names, started=time.time(): self.idle(names, code_dir=code_dir, since=started),
             companions=[log_sink] if log_sink else [],
         )
 
