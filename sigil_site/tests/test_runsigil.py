@@ -94,13 +94,14 @@ def oversized_headers_answer(port: int) -> bytes:
     return answer
 
 
-def start_runsigil(env: dict[str, str], web_port: int) -> tuple[subprocess.Popen, Output]:
+def start_runsigil(env: dict[str, str], web_port: int, *, migrate: bool = True) -> tuple[subprocess.Popen, Output]:
     """`make run` on a fresh var directory, where an earlier run placed an agent (so its
-    workerd, on the first port, is started at once)."""
+    workerd, on the first port, is started at once); `migrate=False` starts it again."""
     var_dir = Path(env["SIGIL_VAR_DIR"])
-    subprocess.run([sys.executable, MANAGE, "migrate", "--verbosity", "0"], env=env, check=True)
-    (var_dir / "workerd").mkdir()
-    (var_dir / "workerd" / "ports.json").write_text(json.dumps({"alice": 0}))
+    if migrate:
+        subprocess.run([sys.executable, MANAGE, "migrate", "--verbosity", "0"], env=env, check=True)
+        (var_dir / "workerd").mkdir()
+        (var_dir / "workerd" / "ports.json").write_text(json.dumps({"alice": 0}))
     process = subprocess.Popen(
         [sys.executable, MANAGE, "runsigil", "--port", str(web_port)],
         env=env,

@@ -1,0 +1,162 @@
+"""No orphans: whatever kills runsigil or the emulator, what they started ends too, and a
+start ends what a hard-killed run left under its var directory before it binds its ports."""
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from capabilities.workerd import free_port, port_is_open
+from sigil_site.embedded_redis import EmbeddedRedis
+from sigil_site.lifetime import PidFiles, group_members
+from sigil_site.tests import test_runsigil
+from sigil_site.tests.test_runsigil import MANAGE, http_status, start_runsigil
+from testsupport.processes import command_line, descendants, is_alive, wait_until
+
+embedded_env = test_runsigil.embedded_env
+
+
+def leftover_redis(var_dir: Path) -> subprocess.Popen:
+    """A redis-server on the var directory's socket that no parent-death signal reaches, as
+    a run of an older Sigil left it; recorded in the pid file that run would have written."""
+    server = EmbeddedRedis(var_dir / "redis", socket_path=var_dir / "redis.sock")
+    server.prepare()
+    process = subprocess.Popen(server.command(), start_new_session=True)
+    wait_until(server.ping, timeout=10, what="the leftover redis-server")
+    PidFiles(var_dir / "run").record("redis", process.pid)
+    return process
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.mark.slow
+def test_a_kill_9_of_runsigils_process_group_leaves_nothing_and_it_starts_again(embedded_env):
+    var_dir = Path(embedded_env["SIGIL_VAR_DIR"])
+    web_port, workerd_port = free_port(), int(embedded_env["SIGIL_WORKERD_PORT"])
+    left = leftover_redis(var_dir)
+    first, output = start_runsigil(embedded_env, web_port)
+    second = None
+    old: set[int] = set()
+    try:
+        wait_until(lambda: output.has("Press Ctrl-C to stop.") or first.poll() is not None, timeout=90)
+        assert output.has("ended what a previous run left running: redis"), str(output)
+        assert left.wait(5) == -signal.SIGKILL
+        old = descendants(first.pid) | {first.pid}
+        assert any("workerd serve" in command_line(pid) for pid in old)
+        assert any("celery" in command_line(pid) for pid in old)
+
+        os.killpg(first.pid, signal.SIGKILL)  # what `kill -9 -PGID` of `make run` does
+        first.wait()
+        # Each program got SIGTERM from the kernel and stops as on Ctrl-C.
+        wait_until(lambda: not any(is_alive(pid) for pid in old), timeout=60, what="the old run's processes to end")
+        assert not port_is_open(web_port) and not port_is_open(workerd_port)
+
+        second, output = start_runsigil(embedded_env, web_port, migrate=False)
+        wait_until(lambda: output.has("Press Ctrl-C to stop.") or second.poll() is not None, timeout=90)
+        assert second.poll() is None, str(output)
+        assert http_status(web_port, "/admin/login/") == 200
+        assert [pid for pid in old if is_alive(pid)] == []
+        assert redis.Redis(unix_socket_path=str(var_dir / "redis.sock")).ping()
+
+        # What it wrote is its owner's only.
+        for path in (var_dir, var_dir / "redis", var_dir / "workerd", var_dir / "run"):
+            assert mode(path) == 0o700, path
+        assert all(mode(path) == 0o600 for path in var_dir.glob("sigil.sqlite3*"))
+        assert all(mode(path) == 0o600 for path in (var_dir / "redis").glob("*.aof"))
+        second.send_signal(signal.SIGINT)
+        assert second.wait(60) == 0, str(output)
+    finally:
+        for process in (left, first, second):
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        for pid in old:
+            if is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_second_runsigil_on_the_same_var_directory_is_refused_not_let_kill_the_first(embedded_env, tmp_path):
+    var_dir = Path(embedded_env["SIGIL_VAR_DIR"])
+    # A live process recorded as the running supervisor.
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        PidFiles(var_dir / "run").record("runsigil", holder.pid)
+        result = subprocess.run(
+            [sys.executable, MANAGE, "runsigil", "--port", str(free_port())],
+            env=embedded_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 1
+        assert f"Sigil already runs on {var_dir} (pid {holder.pid})" in result.stderr
+        assert holder.poll() is None
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_leftovers_are_ended_with_their_whole_process_group(tmp_path):
+    # A program that ignores SIGTERM and started a child of its own, then lost its parent.
+    script = "import os, signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    script += (
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print(flush=True); time.sleep(60)"
+    )
+    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE)
+    leader.stdout.readline()
+    pid_files = PidFiles(tmp_path)
+    pid_files.record("stubborn", leader.pid)
+    members = wait_until(lambda: len(group_members(leader.pid)) == 2 and group_members(leader.pid), timeout=10)
+    assert pid_files.end_leftovers() == ["stubborn"]
+    assert leader.wait(5) == -signal.SIGKILL
+    wait_until(lambda: not any(is_alive(pid) for pid in members), timeout=5, what="the group to end")
+    assert not (tmp_path / "stubborn.pid").exists()
+
+
+def test_a_pid_file_whose_pid_was_given_to_another_process_ends_nothing(tmp_path):
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        (tmp_path / "old.pid").write_text(f"{other.pid} 1\n")  # recorded with another start time
+        assert PidFiles(tmp_path).end_leftovers() == []
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_kill_9_of_the_emulator_leaves_no_workerd(tmp_path):
+    port, workerd_port = free_port(), free_port()
+    emulator = subprocess.Popen(
+        [
+            sys.executable,
+            MANAGE,
+            "cfemulator",
+            "--port",
+            str(port),
+            "--workerd-port",
+            str(workerd_port),
+            "--state-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: port_is_open(port) or emulator.poll() is not None, timeout=30, what="the emulator")
+        workerd = [pid for pid in descendants(emulator.pid) if "workerd" in command_line(pid)]
+        assert workerd
+        emulator.kill()
+        emulator.wait()
+        wait_until(lambda: not any(is_alive(pid) for pid in workerd), timeout=5, what="its workerd to end")
+        assert not port_is_open(workerd_port)
+    finally:
+        if emulator.poll() is None:
+            emulator.kill()
+            emulator.wait()
