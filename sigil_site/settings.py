@@ -241,6 +241,8 @@ CELERY_TASK_TIME_LIMIT = 180
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+# Any number of beats may run (one per host); the one holding a lease in Redis sends.
+CELERY_BEAT_SCHEDULER = "sigil_site.beat_leader:LeasedScheduler"
 # Deploys have a queue of their own, so that a request waiting on its deploy's placement is
 # never held behind a backlog of page-outs and other background work (capability_deploy sends them there).
 SIGIL_DEPLOY_QUEUE = "deploys"
