@@ -466,6 +466,8 @@ AXES_RESET_ON_SUCCESS = True
 # Failures are counted in Redis (the cache above), not in database rows per attempt.
 AXES_HANDLER = "axes.handlers.cache.AxesCacheHandler"
 AXES_CLIENT_IP_CALLABLE = "agents.throttle.request_client_address"
+# Its 429, with Retry-After.
+AXES_LOCKOUT_CALLABLE = "agents.throttle.admin_lockout_response"
 AXES_VERBOSE = False
 # Its admin pages list database records, which the cache handler never writes.
 AXES_ENABLE_ADMIN = False
