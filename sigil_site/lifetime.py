@@ -9,8 +9,9 @@ Two means, because one alone leaves a gap:
   reach directly, behind the supervisor's back. The signal follows the *thread* that
   started the child: start children from a thread that lives as long as they should.
 - Pid files (`PidFiles`) for what a parent-death signal cannot end: a program that takes
-  its time over SIGTERM, or whatever its own children left. A start ends, by SIGKILL to
-  its process group, what a previous run recorded and left behind, before it binds ports.
+  its time over SIGTERM, or whatever its own children left, or the instant between fork
+  and prctl. A start ends, by SIGKILL (to its process group, when it leads one), what a
+  previous run recorded and left behind when it died, before it binds ports.
 
 Imports nothing of Sigil's.
 """
@@ -56,26 +57,29 @@ def start_time(pid: int) -> str | None:
 
 
 class PidFiles:
-    """`directory/NAME.pid` for each running program: its pid (the leader of its process
-    group) and start time."""
+    """`directory/NAME.pid` for each running program: its pid and start time, and those of
+    the process that started it (its parent), so that a later start can tell what a dead
+    run left (a leftover) from what a live one runs."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
 
-    def record(self, name: str, pid: int) -> None:
+    def record(self, name: str, pid: int, *, parent: int | None = None) -> None:
+        """Record `pid` as `name`, started by `parent` (this process unless given)."""
+        parent = os.getpid() if parent is None else parent
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"{name}.pid"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(f"{pid} {start_time(pid) or ''}\n")
+        tmp.write_text(f"{pid} {start_time(pid) or '-'} {parent} {start_time(parent) or '-'}\n")
         os.replace(tmp, path)
 
     def forget(self, name: str) -> None:
         (self.directory / f"{name}.pid").unlink(missing_ok=True)
 
-    def _read(self, name: str) -> tuple[int, str] | None:
+    def _read(self, name: str) -> tuple[int, str, int, str] | None:
         try:
-            pid_text, _, started = (self.directory / f"{name}.pid").read_text().strip().partition(" ")
-            return int(pid_text), started
+            pid, started, parent, parent_started = (self.directory / f"{name}.pid").read_text().split()
+            return int(pid), started, int(parent), parent_started
         except (FileNotFoundError, ValueError):
             return None
 
@@ -84,29 +88,49 @@ class PidFiles:
         recorded = self._read(name)
         if recorded is None:
             return None
-        pid, started = recorded
-        return pid if started and start_time(pid) == started else None
+        pid, started, _, _ = recorded
+        return pid if start_time(pid) == started else None
+
+    def end_leftover(self, name: str, *, wait_seconds: float = 10.0) -> bool:
+        """When the process that started `name` is gone, SIGKILL what is left of `name`: the
+        program and, when it leads a process group, that group (what it started, when it is
+        gone itself); wait until all of it is gone, and forget it. True when something was
+        left. A program whose parent still runs is left alone, and so is its file."""
+        recorded = self._read(name)
+        if recorded is None:
+            self.forget(name)
+            return False
+        pid, started, parent, parent_started = recorded
+        if start_time(parent) == parent_started:
+            return False
+        now = start_time(pid)
+        if now is not None and now != started:  # the pid was given to another process since
+            self.forget(name)
+            return False
+
+        def left() -> list[int]:
+            alive = [pid] if start_time(pid) == started else []
+            return alive + [member for member in group_members(pid) if member != pid]
+
+        found = bool(left())
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)  # a process group's id is that of its leader
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if start_time(pid) == started:
+                os.kill(pid, signal.SIGKILL)  # one that leads no group of its own
+        deadline = time.monotonic() + wait_seconds
+        while left() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.forget(name)
+        return found
 
     def end_leftovers(self, *, wait_seconds: float = 10.0) -> list[str]:
-        """SIGKILL what is left of the process group of every program recorded here (the
-        program, or what it started when it is gone itself), wait until all of it is gone,
-        and remove the files. Returns the names of the programs something was left of."""
-        ended = []
-        for path in sorted(self.directory.glob("*.pid")):
-            recorded = self._read(path.stem)
-            if recorded is not None:
-                pid, started = recorded
-                now = start_time(pid)
-                # A pid taken by another process since: its group is not the one recorded.
-                if (now is None or now == started) and group_members(pid):
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(pid, signal.SIGKILL)
-                    ended.append(path.stem)
-                    deadline = time.monotonic() + wait_seconds
-                    while group_members(pid) and time.monotonic() < deadline:
-                        time.sleep(0.05)
-            path.unlink(missing_ok=True)
-        return ended
+        """end_leftover() for every program recorded here; the names something was left of."""
+        return [
+            path.stem
+            for path in sorted(self.directory.glob("*.pid"))
+            if self.end_leftover(path.stem, wait_seconds=wait_seconds)
+        ]
 
 
 def group_members(pgid: int) -> list[int]:

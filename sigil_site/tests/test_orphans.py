@@ -1,6 +1,7 @@
 """No orphans: whatever kills runsigil or the emulator, what they started ends too, and a
 start ends what a hard-killed run left under its var directory before it binds its ports."""
 
+import contextlib
 import os
 import signal
 import stat
@@ -21,14 +22,33 @@ from testsupport.processes import command_line, descendants, is_alive, wait_unti
 embedded_env = test_runsigil.embedded_env
 
 
+@contextlib.contextmanager
+def dead_parent():
+    """The pid of a process that has exited, as a killed run's supervisor is, for records made
+    as if it had started what they name (its start time is read while it runs)."""
+    process = subprocess.Popen(["sleep", "60"])
+    try:
+        yield process.pid, lambda: (process.kill(), process.wait())
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def record_orphan(pid_files: PidFiles, name: str, pid: int) -> None:
+    with dead_parent() as (parent, end_parent):
+        pid_files.record(name, pid, parent=parent)
+        end_parent()
+
+
 def leftover_redis(var_dir: Path) -> subprocess.Popen:
     """A redis-server on the var directory's socket that no parent-death signal reaches, as
-    a run of an older Sigil left it; recorded in the pid file that run would have written."""
+    a killed run of an older Sigil left it, recorded in the pid file that run would have written."""
     server = EmbeddedRedis(var_dir / "redis", socket_path=var_dir / "redis.sock")
     server.prepare()
     process = subprocess.Popen(server.command(), start_new_session=True)
     wait_until(server.ping, timeout=10, what="the leftover redis-server")
-    PidFiles(var_dir / "run").record("redis", process.pid)
+    record_orphan(PidFiles(var_dir / "run"), "redis", process.pid)
     return process
 
 
@@ -52,18 +72,24 @@ def test_a_kill_9_of_runsigils_process_group_leaves_nothing_and_it_starts_again(
         assert any("workerd serve" in command_line(pid) for pid in old)
         assert any("celery" in command_line(pid) for pid in old)
 
+        accepted = redis.Redis(unix_socket_path=str(var_dir / "redis.sock"))
+        accepted.set("sigil:test:accepted", "before the kill")
+        accepted.close()
+
         os.killpg(first.pid, signal.SIGKILL)  # what `kill -9 -PGID` of `make run` does
         first.wait()
-        # Each program got SIGTERM from the kernel and stops as on Ctrl-C.
-        wait_until(lambda: not any(is_alive(pid) for pid in old), timeout=60, what="the old run's processes to end")
-        assert not port_is_open(web_port) and not port_is_open(workerd_port)
-
+        # Started again at once: what has not yet stopped on the SIGTERM each program got
+        # from the kernel is ended by the new start before it binds its ports.
         second, output = start_runsigil(embedded_env, web_port, migrate=False)
         wait_until(lambda: output.has("Press Ctrl-C to stop.") or second.poll() is not None, timeout=90)
         assert second.poll() is None, str(output)
-        assert http_status(web_port, "/admin/login/") == 200
-        assert [pid for pid in old if is_alive(pid)] == []
-        assert redis.Redis(unix_socket_path=str(var_dir / "redis.sock")).ping()
+        assert http_status(web_port, "/admin/login/") == 200 and port_is_open(workerd_port)
+        assert [command_line(pid) for pid in old if is_alive(pid)] == []
+        assert not set(descendants(second.pid)) & old
+        # The bundled Redis kept what it acknowledged.
+        assert (
+            redis.Redis(unix_socket_path=str(var_dir / "redis.sock")).get("sigil:test:accepted") == b"before the kill"
+        )
 
         # What it wrote is its owner's only.
         for path in (var_dir, var_dir / "redis", var_dir / "workerd", var_dir / "run"):
@@ -112,7 +138,9 @@ def test_leftovers_are_ended_with_their_whole_process_group(tmp_path):
     leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE)
     leader.stdout.readline()
     pid_files = PidFiles(tmp_path)
-    pid_files.record("stubborn", leader.pid)
+    pid_files.record("alive", leader.pid)  # by this process, which runs: no leftover
+    assert pid_files.end_leftovers() == [] and leader.poll() is None
+    record_orphan(pid_files, "stubborn", leader.pid)
     members = wait_until(lambda: len(group_members(leader.pid)) == 2 and group_members(leader.pid), timeout=10)
     assert pid_files.end_leftovers() == ["stubborn"]
     assert leader.wait(5) == -signal.SIGKILL
@@ -123,7 +151,7 @@ def test_leftovers_are_ended_with_their_whole_process_group(tmp_path):
 def test_a_pid_file_whose_pid_was_given_to_another_process_ends_nothing(tmp_path):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:
-        (tmp_path / "old.pid").write_text(f"{other.pid} 1\n")  # recorded with another start time
+        (tmp_path / "old.pid").write_text(f"{other.pid} 1 1 1\n")  # with other start times
         assert PidFiles(tmp_path).end_leftovers() == []
         assert other.poll() is None
     finally:
@@ -160,3 +188,27 @@ def test_a_kill_9_of_the_emulator_leaves_no_workerd(tmp_path):
         if emulator.poll() is None:
             emulator.kill()
             emulator.wait()
+
+
+def test_a_workerd_a_killed_run_left_on_its_port_is_ended_before_a_new_one_starts(tmp_path, settings):
+    from capabilities.workerd import WorkerdHost
+
+    host = WorkerdHost.from_settings(port=free_port(), state_dir=tmp_path / "workerd", code_dir=tmp_path / "code")
+    host.start()
+    # What a run killed before its parent-death signal took effect leaves: a workerd serving,
+    # recorded by a parent that is gone.
+    left = host.process
+    record_orphan(PidFiles(host.state_dir), host.pid_name, left.pid)
+    host.process = None
+    again = WorkerdHost.from_settings(port=host.port, state_dir=tmp_path / "workerd", code_dir=tmp_path / "code")
+    try:
+        again.start(port_wait_seconds=1)
+        assert left.wait(5) == -signal.SIGKILL
+        assert again.process.pid != left.pid and port_is_open(again.port)
+        assert PidFiles(again.state_dir).running(again.pid_name) == again.process.pid
+    finally:
+        again.stop()
+        if left.poll() is None:
+            left.kill()
+            left.wait()
+    assert PidFiles(again.state_dir).running(again.pid_name) is None
