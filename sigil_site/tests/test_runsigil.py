@@ -94,12 +94,19 @@ def oversized_headers_answer(port: int) -> bytes:
     return answer
 
 
+def shell_umask() -> None:
+    """As a shell with the usual umask starts it (this process runs with Sigil's own)."""
+    os.umask(0o022)
+
+
 def start_runsigil(env: dict[str, str], web_port: int, *, migrate: bool = True) -> tuple[subprocess.Popen, Output]:
     """`make run` on a fresh var directory, where an earlier run placed an agent (so its
     workerd, on the first port, is started at once); `migrate=False` starts it again."""
     var_dir = Path(env["SIGIL_VAR_DIR"])
     if migrate:
-        subprocess.run([sys.executable, MANAGE, "migrate", "--verbosity", "0"], env=env, check=True)
+        subprocess.run(
+            [sys.executable, MANAGE, "migrate", "--verbosity", "0"], env=env, check=True, preexec_fn=shell_umask
+        )
         (var_dir / "workerd").mkdir()
         (var_dir / "workerd" / "ports.json").write_text(json.dumps({"alice": 0}))
     process = subprocess.Popen(
@@ -108,6 +115,7 @@ def start_runsigil(env: dict[str, str], web_port: int, *, migrate: bool = True) 
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=shell_umask,
     )
     return process, Output(process)
 
