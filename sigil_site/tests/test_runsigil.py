@@ -161,7 +161,8 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
         web = next(pid for pid in children if "granian" in command_line(pid) and "--interface" in command_line(pid))
         runworkerd = next(pid for pid in children if "runworkerd" in command_line(pid))
         workerd = next(pid for pid in descendants(runworkerd) if "workerd serve" in command_line(pid))
-        # workerd outlives a runworkerd killed outright unless the supervisor stops its group.
+        # A runworkerd killed outright takes its workerd with it (the kernel's parent-death
+        # signal, and the supervisor's stop of its process group).
         os.kill(web, signal.SIGKILL)
         os.kill(runworkerd, signal.SIGKILL)
         wait_until(lambda: not is_alive(workerd), timeout=5, what="the orphaned workerd to be stopped")
