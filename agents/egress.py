@@ -182,7 +182,6 @@ class _CheckedAdapter(HTTPAdapter):
             "http": _CheckedHTTPConnectionPool,
             "https": _CheckedHTTPSConnectionPool,
         }
-        self.poolmanager.key_fn_by_scheme = dict(self.poolmanager.key_fn_by_scheme)
 
 
 def checked_session() -> requests.Session:

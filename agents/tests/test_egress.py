@@ -66,10 +66,11 @@ def listener():
         yield sock
 
 
-def test_a_delivery_connects_only_to_an_address_that_passes_at_connection_time(settings, listener):
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_delivery_connects_only_to_an_address_that_passes_at_connection_time(settings, listener, scheme):
     # `localhost` is resolved by the connection itself here: the check sees what it connects to.
     settings.SIGIL_CALLBACK_ALLOWED_NETWORKS = []
-    url = f"http://localhost:{listener.getsockname()[1]}/hook"
+    url = f"{scheme}://localhost:{listener.getsockname()[1]}/hook"
     with pytest.raises(egress.CallbackRefused, match="private or reserved"):
         egress.checked_session().post(url, data=b"{}", timeout=2)
     with pytest.raises(TimeoutError):
