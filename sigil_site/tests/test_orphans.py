@@ -60,8 +60,8 @@ def mode(path: Path) -> int:
 
 @pytest.mark.slow
 def test_a_kill_9_of_runsigils_process_group_leaves_nothing_and_it_starts_again(embedded_env):
-    # Asynchronous calls wait on a queue no worker of this run consumes: accepted, not yet run.
-    embedded_env = {**embedded_env, "SIGIL_ASYNC_QUEUE": "held"}
+    # No runner of this run takes asynchronous calls: accepted, not yet run.
+    embedded_env = {**embedded_env, "SIGIL_ASYNC_RUNNERS": "0"}
     var_dir = Path(embedded_env["SIGIL_VAR_DIR"])
     web_port, workerd_port = free_port(), int(embedded_env["SIGIL_WORKERD_PORT"])
     left = leftover_redis(var_dir)
