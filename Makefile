@@ -40,11 +40,13 @@ $(CHROMIUM):
 
 run: install
 	$(PY) manage.py migrate --noinput
+	$(PY) manage.py ensureowner
 	exec $(PY) manage.py runsigil --port $(PORT)
 
 # The same, with Django's development server restarting the web process when the code changes.
 dev: install
 	$(PY) manage.py migrate --noinput
+	$(PY) manage.py ensureowner
 	exec $(PY) manage.py runsigil --dev --port $(PORT)
 
 test: install $(CHROMIUM)

@@ -7,9 +7,16 @@ SIGIL_CALLBACK_ALLOWED_NETWORKS. The owner's webhook URLs (set in the admin) are
 the owner chose them.
 
 The check runs when the call is accepted (an address written in the URL: a clear 400 at
-once) and again before each delivery, on every address the name resolves to then. Between
-that resolution and the connection a name could still be made to resolve elsewhere (DNS
-rebinding); an operator who must rule that out too restricts the workers' egress.
+once), again before each delivery on every address the name resolves to then, and last on
+the address the delivery connects to (`checked_session`): the name is resolved once more
+there, and only an address that passes is connected to, so a name made to resolve elsewhere
+after the first check (DNS rebinding) gains nothing.
+
+An IPv6 address can carry an IPv4 one that a translator or tunnel on the way turns into a
+connection to that IPv4 address (NAT64, 6to4, IPv4-mapped and -compatible forms), and
+Python's `ipaddress` calls most of those forms global: the decision is made on the IPv4
+addresses an address carries, every one of them, and on the address itself only when it
+carries none.
 """
 
 from __future__ import annotations
@@ -18,7 +25,11 @@ import ipaddress
 import socket
 from urllib.parse import urlsplit
 
+import requests
 from django.conf import settings
+from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -59,10 +70,127 @@ def _resolved(host: str, port: int) -> list[Address]:
     return [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
 
 
+NAT64_WELL_KNOWN = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052
+NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215
+SIX_TO_FOUR = ipaddress.ip_network("2002::/16")  # RFC 3056
+IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # RFC 4291, deprecated but still routed by some stacks
+# Where RFC 6052 puts the IPv4 address for each prefix length a local-use NAT64 network
+# (a /48 or longer inside 64:ff9b:1::/48) may have: the byte offsets of its four octets
+# (byte 8 is always zero, so the address skips it).
+_RFC6052_OFFSETS = {48: (6, 7, 9, 10), 56: (7, 9, 10, 11), 64: (9, 10, 11, 12), 96: (12, 13, 14, 15)}
+
+
+def embedded_ipv4(address: Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses `address` may lead to through a translator or tunnel: none for an
+    IPv4 address or a plain IPv6 one; for a local-use NAT64 address, every position its
+    network's prefix length may put one at (that length is the translator's operator's,
+    unknown here), so such an address passes only where the operator allows the range."""
+    if isinstance(address, ipaddress.IPv4Address):
+        return []
+    if address.ipv4_mapped is not None:
+        return [address.ipv4_mapped]
+    if address.sixtofour is not None:
+        return [address.sixtofour]
+    packed = address.packed
+    if address in NAT64_WELL_KNOWN:
+        return [ipaddress.IPv4Address(packed[12:])]
+    if address in NAT64_LOCAL:
+        return [ipaddress.IPv4Address(bytes(packed[i] for i in offsets)) for offsets in _RFC6052_OFFSETS.values()]
+    if address in IPV4_COMPATIBLE and int(address) > 1:  # :: and ::1 are not IPv4 addresses
+        return [ipaddress.IPv4Address(packed[12:])]
+    return []
+
+
 def _may_reach(address: Address) -> bool:
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    if address.is_global and not address.is_multicast:
+    """Whether a callback may connect to `address`: it is allowed by the operator, or every
+    IPv4 address it carries (else the address itself) is public or allowed."""
+    allowed = [ipaddress.ip_network(network, strict=False) for network in settings.SIGIL_CALLBACK_ALLOWED_NETWORKS]
+    if _in(address, allowed):
         return True
-    allowed = settings.SIGIL_CALLBACK_ALLOWED_NETWORKS
-    return any(address in ipaddress.ip_network(network, strict=False) for network in allowed)
+    return all(
+        (form.is_global and not form.is_multicast) or _in(form, allowed) for form in embedded_ipv4(address) or [address]
+    )
+
+
+def _in(address: Address, networks: list) -> bool:
+    return any(address.version == network.version and address in network for network in networks)
+
+
+class CallbackRefused(Exception):
+    """Every address a callback's host resolves to at connection time is one it may not reach.
+    Not an OSError, so neither urllib3 nor requests retries it or takes it for a network fault."""
+
+
+def _connect_checked(host: str, port: int, timeout, source_address, socket_options) -> socket.socket:
+    """Connect to the first address of `host` that a callback may reach, as urllib3's
+    create_connection does with every address; raises CallbackRefused when none may be."""
+    try:
+        literal = ipaddress.ip_address(host.strip("[]"))
+        infos = [(socket.AF_INET if literal.version == 4 else socket.AF_INET6, str(literal))]
+    except ValueError:
+        infos = [
+            (family, sockaddr[0])
+            for family, _, _, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        ]
+    error: OSError | None = None
+    refused = []
+    for family, text in infos:
+        address = ipaddress.ip_address(text.split("%", 1)[0])
+        if not _may_reach(address):
+            refused.append(text)
+            continue
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            for option in socket_options or ():
+                sock.setsockopt(*option)
+            if isinstance(timeout, int | float):
+                sock.settimeout(timeout)
+            if source_address:
+                sock.bind(source_address)
+            sock.connect((text, port))
+            return sock
+        except OSError as exc:
+            error = exc
+            sock.close()
+    if error is not None:
+        raise error
+    raise CallbackRefused(f"{host} is at {', '.join(refused)}: a private or reserved address")
+
+
+class _CheckedHTTPConnection(HTTPConnection):
+    def _new_conn(self) -> socket.socket:
+        return _connect_checked(self._dns_host, self.port, self.timeout, self.source_address, self.socket_options)
+
+
+class _CheckedHTTPSConnection(HTTPSConnection):
+    def _new_conn(self) -> socket.socket:
+        return _connect_checked(self._dns_host, self.port, self.timeout, self.source_address, self.socket_options)
+
+
+class _CheckedHTTPConnectionPool(HTTPConnectionPool):
+    ConnectionCls = _CheckedHTTPConnection
+
+
+class _CheckedHTTPSConnectionPool(HTTPSConnectionPool):
+    ConnectionCls = _CheckedHTTPSConnection
+
+
+class _CheckedAdapter(HTTPAdapter):
+    def init_poolmanager(self, *args, **kwargs) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {
+            "http": _CheckedHTTPConnectionPool,
+            "https": _CheckedHTTPSConnectionPool,
+        }
+
+
+def checked_session() -> requests.Session:
+    """A requests session that connects only to addresses a callback may reach (raising
+    CallbackRefused otherwise). It takes no proxy from the environment: the address it checks
+    must be the one it connects to."""
+    session = requests.Session()
+    session.trust_env = False
+    adapter = _CheckedAdapter()
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session

@@ -334,13 +334,7 @@ def agent_webhook_deliver(*, agent_id: int, delivery: dict, url: str = "") -> No
         except OSError as exc:
             raise WebhookUnavailable(f"{url}: cannot resolve its host ({exc})") from exc
         if refusal:
-            audit_record(
-                actor="system",
-                action="webhook.refused",
-                agent_name=agent.name,
-                subject=delivery.get("capability", ""),
-                detail={"event": delivery["event"], "delivery": delivery["id"], "reason": refusal},
-            )
+            _callback_refused(agent, delivery, refusal)
             return
     body = json.dumps(delivery, separators=(",", ":"), sort_keys=True).encode()
     headers = {
@@ -358,8 +352,13 @@ def agent_webhook_deliver(*, agent_id: int, delivery: dict, url: str = "") -> No
         return
     if secret:
         headers["X-Sigil-Signature"] = webhook_signature(secret, body)
+    # A callback connects only to an address that passes the same check (agents.egress).
+    session = egress.checked_session() if url else requests
     try:
-        response = requests.post(target, data=body, headers=headers, timeout=10, allow_redirects=False)
+        response = session.post(target, data=body, headers=headers, timeout=10, allow_redirects=False)
+    except egress.CallbackRefused as exc:
+        _callback_refused(agent, delivery, f"X-Callback-Url names {exc}")
+        return
     except requests.RequestException as exc:
         raise WebhookUnavailable(f"{target}: {exc.__class__.__name__}") from exc
     if response.status_code >= 500:
@@ -371,6 +370,16 @@ def agent_webhook_deliver(*, agent_id: int, delivery: dict, url: str = "") -> No
         agent_name=agent.name,
         subject=delivery.get("capability", ""),
         detail={"event": delivery["event"], "delivery": delivery["id"], "status": response.status_code},
+    )
+
+
+def _callback_refused(agent: Agent, delivery: dict, reason: str) -> None:
+    audit_record(
+        actor="system",
+        action="webhook.refused",
+        agent_name=agent.name,
+        subject=delivery.get("capability", ""),
+        detail={"event": delivery["event"], "delivery": delivery["id"], "reason": reason},
     )
 
 

@@ -1,13 +1,13 @@
 """Throttling of failed authentication per client address, shared by every process through
 Redis.
 
-An address that sent SIGIL_AUTH_FAILURE_LIMIT tokens that fail (unknown, revoked, expired)
-within SIGIL_AUTH_FAILURE_WINDOW_SECONDS has its further failing tokens answered `429
-rate_limited`, with Retry-After, on the API and the gateway until that window ends. The brake
-stops guesses only: a token that authenticates is always served, whatever its address sent
-before, since agents share addresses (the owner's machine, one NAT) and one agent's stale
-token must not lock out the others. The window starts at the first failure (a fixed window,
-one Redis key per address).
+An address that sent SIGIL_AUTH_FAILURE_LIMIT tokens that fail (unknown, revoked, expired,
+or a wrong /metrics token) within SIGIL_AUTH_FAILURE_WINDOW_SECONDS has its further failing
+tokens answered `429 rate_limited`, with Retry-After, on the API, the gateway and /metrics
+until that window ends. The brake stops guesses only: a token that authenticates is always
+served, whatever its address sent before, since agents share addresses (the owner's machine,
+one NAT) and one agent's stale token must not lock out the others. The window starts at the
+first failure (a fixed window, one Redis key per address).
 
 Written here rather than taken from a library: the gateway is a plain WSGI application, and
 the count must ride in the gateway's one MGET so that a valid warm call pays no extra Redis
@@ -16,14 +16,16 @@ round trip. The owner's admin login has its own lockout (django-axes, see settin
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Mapping
 
 import redis
 from django.conf import settings
+from django.http import HttpResponse
 
 from agents.selectors import token_authenticate
 from agents.tokens import Principal
-from sigil_site.errors import RateLimited, Unauthenticated
+from sigil_site.errors import RateLimited, Unauthenticated, retry_after_header
 
 
 def client_address(meta: Mapping[str, str], *, proxies: int) -> str:
@@ -86,6 +88,19 @@ class FailedAuthThrottle:
         pipe.incr(self.key(address))
         pipe.execute()
 
+    def verify_shared_secret(
+        self, client: redis.Redis, address: str, given: str, expected: str, *, refusal: str
+    ) -> None:
+        """Check `given` against a shared secret (the metrics token) under the same brake as
+        agents' tokens, in the same count: a wrong one counts against `address` and is
+        Unauthenticated (saying `refusal`), or RateLimited once `address` is over the limit.
+        The right one always passes. One Redis round trip for a wrong one, none for the right one."""
+        if hmac.compare_digest(given.encode(), expected.encode()):
+            return
+        self.check(client, address, client.get(self.key(address)))
+        self.failed(client, address)
+        raise Unauthenticated(refusal)
+
     def authenticate(
         self, client: redis.Redis, address: str, secret: str, *, cached: bytes | None, failures: bytes | None
     ) -> Principal:
@@ -99,3 +114,13 @@ class FailedAuthThrottle:
             self.check(client, address, failures)
             self.failed(client, address)
             raise
+
+
+def admin_lockout_response(request, original_response=None, credentials=None) -> HttpResponse:
+    """django-axes' lock-out answer (AXES_LOCKOUT_CALLABLE), as its own but saying when to try
+    again: `429` with Retry-After, the lock-out time (each attempt meanwhile starts it again)."""
+    from axes.helpers import get_lockout_message
+
+    response = HttpResponse(get_lockout_message(), status=429, content_type="text/plain; charset=utf-8")
+    response["Retry-After"] = retry_after_header(settings.SIGIL_ADMIN_LOCKOUT_SECONDS)
+    return response

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -13,6 +12,7 @@ from django.db import connection
 from django.http import HttpResponse, StreamingHttpResponse
 from django.template.loader import render_to_string
 from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import (
     OpenApiExample,
     OpenApiParameter,
@@ -35,6 +35,7 @@ from agents import services as agent_services
 from agents.authentication import BearerTokenAuthentication, OwnerTokenAuthentication, StaffSessionAuthentication
 from agents.models import Agent
 from agents.permissions import HasDeployScope, IsOwner
+from agents.throttle import FailedAuthThrottle
 from capabilities import breaker, call_logs, contracts, cost, failures, selectors, services
 from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
@@ -42,7 +43,14 @@ from capabilities.parsers import LimitedJSONParser
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.errors import RuntimeUnavailable
 from capabilities.services import async_calls
-from sigil_site.errors import InvalidRequest, NotFound, Unauthenticated, error_response
+from sigil_site.errors import (
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    RateLimited,
+    Unauthenticated,
+    error_response,
+)
 from sigil_site.redis_client import get_redis
 
 
@@ -1281,10 +1289,13 @@ class HealthApi(APIView):
         return Response(body, status=200 if healthy else 503)
 
 
+# Exempt from Django's CSRF check, whose refusal is an HTML page outside the envelope: neither
+# reads a cookie, so a forged request gains nothing, and any other method is refused below.
+@csrf_exempt
 def llms_txt_view(request):
     """GET /llms.txt: a short guide for agents (the llms.txt convention), in plain text."""
     if request.method not in ("GET", "HEAD"):
-        return error_response(InvalidRequest("llms.txt answers GET"))
+        return method_not_allowed("/llms.txt")
     base = settings.SIGIL_PUBLIC_URL.rstrip("/") or request.build_absolute_uri("/").rstrip("/")
     cooldown = settings.SIGIL_DEPLOY_COOLDOWN_SECONDS
     context = {
@@ -1298,12 +1309,32 @@ def llms_txt_view(request):
     return HttpResponse(text, content_type="text/plain; charset=utf-8")
 
 
+@csrf_exempt
 def metrics_view(request):
-    """Prometheus scrape endpoint, behind SIGIL_METRICS_TOKEN (off while it is empty)."""
+    """Prometheus scrape endpoint, behind SIGIL_METRICS_TOKEN (off while it is empty); wrong
+    tokens count against the caller's address as agents' tokens do (agents.throttle)."""
+    if request.method not in ("GET", "HEAD"):
+        return method_not_allowed("/metrics")
     expected = settings.SIGIL_METRICS_TOKEN
     if not expected:
         return error_response(NotFound("metrics are off: set SIGIL_METRICS_TOKEN to turn them on"))
+    throttle = FailedAuthThrottle.from_settings()
     given = request.META.get("HTTP_AUTHORIZATION", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {expected}".encode()):
-        return error_response(Unauthenticated("send Authorization: Bearer <SIGIL_METRICS_TOKEN>"))
+    address = throttle.address(request.META)
+    try:
+        throttle.verify_shared_secret(
+            get_redis(),
+            address,
+            given,
+            f"Bearer {expected}",
+            refusal="send Authorization: Bearer <SIGIL_METRICS_TOKEN>",
+        )
+    except (RateLimited, Unauthenticated) as exc:
+        return error_response(exc)
     return HttpResponse(metrics_render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def method_not_allowed(path: str) -> HttpResponse:
+    response = error_response(MethodNotAllowed(f"{path} answers GET"))
+    response["Allow"] = "GET, HEAD"
+    return response

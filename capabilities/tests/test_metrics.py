@@ -90,3 +90,26 @@ def test_metrics_count_refusals_by_class_and_code_and_gauge_degraded_capabilitie
     assert found[("sigil_answer_errors_total", (("code", "degraded"),))] == 2
     assert found[("sigil_answer_errors_total", (("code", "not_found"),))] == 1
     assert found[("sigil_capabilities_degraded", ())] == 1
+
+
+def test_wrong_metrics_tokens_are_braked_like_agents_tokens(sigil, alice, settings):
+    settings.SIGIL_METRICS_TOKEN = "scrape-me"
+    settings.SIGIL_AUTH_FAILURE_LIMIT = 3
+    # One count per address, whichever door the guesses knock on.
+    assert alice.call("/alice/anything", token=None, headers={"Authorization": "Bearer sgl_guess"}).status_code == 401
+    for _ in range(2):
+        assert scrape(sigil, token="guess").status_code == 401
+    refused = scrape(sigil, token="guess")  # over the limit: braked until the window ends
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited"
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert scrape(sigil).status_code == 200  # the right token is still served
+
+
+def test_metrics_and_llms_txt_answer_other_methods_in_the_envelope(sigil, settings):
+    settings.SIGIL_METRICS_TOKEN = "scrape-me"
+    for method, path in [("POST", "/metrics"), ("DELETE", "/metrics"), ("PUT", "/llms.txt"), ("POST", "/llms.txt")]:
+        # No CSRF cookie or token: Django's CSRF refusal used to answer with its HTML page.
+        response = requests.request(method, f"{sigil.url}{path}", data=b"x", timeout=10)
+        assert response.status_code == 405, (method, path, response.text[:200])
+        assert response.json()["error"]["code"] == "invalid_request"
+        assert response.headers["Allow"] == "GET, HEAD"

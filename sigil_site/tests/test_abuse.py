@@ -157,3 +157,15 @@ def test_lockout_and_throttling_hold_across_two_processes(alice, ping, owner_acc
             refused = admin_login(session, second, "the-right-password")
             assert refused.status_code == 429
             assert "sessionid" not in session.cookies
+
+
+def test_the_admins_lock_out_says_when_to_try_again(sigil, owner_account, settings):
+    settings.AXES_FAILURE_LIMIT = 2
+    settings.SIGIL_ADMIN_LOCKOUT_SECONDS = 120
+    with requests.Session() as session:
+        assert admin_login(session, sigil.url, "wrong").status_code == 200  # the form again
+        locked = admin_login(session, sigil.url, "wrong")
+        assert locked.status_code == 429
+        assert locked.headers["Retry-After"] == "120"
+        refused = admin_login(session, sigil.url, "the-right-password")
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "120"

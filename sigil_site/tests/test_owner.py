@@ -1,5 +1,8 @@
+from io import StringIO
+
 import pytest
 from django.contrib.auth import get_user_model
+from django.core.management import call_command
 
 from sigil_site.owner import owner_ensure
 
@@ -33,3 +36,16 @@ def test_nothing_changes_when_a_superuser_exists():
     assert not account.created
     assert not get_user_model().objects.filter(username="owner").exists()
     assert owner_ensure().generated_password is None
+
+
+def test_ensureowner_creates_the_owner_once_and_says_so(settings):
+    settings.SIGIL_OWNER_PASSWORD = ""
+    out = StringIO()
+    call_command("ensureowner", stdout=out)
+    password = out.getvalue().split("password ", 1)[1].split(",", 1)[0]
+    owner = get_user_model().objects.get(username="owner")
+    assert owner.is_superuser and owner.check_password(password)
+    again = StringIO()
+    call_command("ensureowner", stdout=again)
+    assert "exists; unchanged" in again.getvalue() and "password" not in again.getvalue()
+    assert get_user_model().objects.get(username="owner").check_password(password)

@@ -94,19 +94,28 @@ def oversized_headers_answer(port: int) -> bytes:
     return answer
 
 
-def start_runsigil(env: dict[str, str], web_port: int) -> tuple[subprocess.Popen, Output]:
+def shell_umask() -> None:
+    """As a shell with the usual umask starts it (this process runs with Sigil's own)."""
+    os.umask(0o022)
+
+
+def start_runsigil(env: dict[str, str], web_port: int, *, migrate: bool = True) -> tuple[subprocess.Popen, Output]:
     """`make run` on a fresh var directory, where an earlier run placed an agent (so its
-    workerd, on the first port, is started at once)."""
+    workerd, on the first port, is started at once); `migrate=False` starts it again."""
     var_dir = Path(env["SIGIL_VAR_DIR"])
-    subprocess.run([sys.executable, MANAGE, "migrate", "--verbosity", "0"], env=env, check=True)
-    (var_dir / "workerd").mkdir()
-    (var_dir / "workerd" / "ports.json").write_text(json.dumps({"alice": 0}))
+    if migrate:
+        subprocess.run(
+            [sys.executable, MANAGE, "migrate", "--verbosity", "0"], env=env, check=True, preexec_fn=shell_umask
+        )
+        (var_dir / "workerd").mkdir()
+        (var_dir / "workerd" / "ports.json").write_text(json.dumps({"alice": 0}))
     process = subprocess.Popen(
         [sys.executable, MANAGE, "runsigil", "--port", str(web_port)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=shell_umask,
     )
     return process, Output(process)
 
@@ -152,7 +161,8 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
         web = next(pid for pid in children if "granian" in command_line(pid) and "--interface" in command_line(pid))
         runworkerd = next(pid for pid in children if "runworkerd" in command_line(pid))
         workerd = next(pid for pid in descendants(runworkerd) if "workerd serve" in command_line(pid))
-        # workerd outlives a runworkerd killed outright unless the supervisor stops its group.
+        # A runworkerd killed outright takes its workerd with it (the kernel's parent-death
+        # signal, and the supervisor's stop of its process group).
         os.kill(web, signal.SIGKILL)
         os.kill(runworkerd, signal.SIGKILL)
         wait_until(lambda: not is_alive(workerd), timeout=5, what="the orphaned workerd to be stopped")

@@ -23,6 +23,7 @@ from capabilities.runtimes.local import local_processes
 from capabilities.supervision import read_status
 from capabilities.workerd import port_is_open, supervise_until_signalled
 from sigil_site.embedded_redis import EmbeddedRedis
+from sigil_site.lifetime import PidFiles
 from sigil_site.logs import SigilFormatter
 from sigil_site.owner import OwnerAccount, owner_ensure
 from sigil_site.supervisor import Program, StartupFailed, Supervisor
@@ -50,6 +51,8 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, port: int, ready_timeout: float, dev: bool = False, **options) -> None:
+        pid_files = PidFiles(settings.VAR_DIR / "run")
+        self._end_leftovers(pid_files)
         self._check_can_start(port)
         base_url = f"http://127.0.0.1:{port}"
         if not dev:
@@ -62,7 +65,7 @@ class Command(BaseCommand):
             f"       database {describe_database()}\n"
             f"       redis    {describe_redis(redis_url)}"
         )
-        supervisor = Supervisor(programs, emit=self._write, log_format=settings.SIGIL_LOG_FORMAT)
+        supervisor = Supervisor(programs, emit=self._write, log_format=settings.SIGIL_LOG_FORMAT, pid_files=pid_files)
 
         def on_ready() -> None:
             # Only now, so that a password generated for the owner is not lost in a failed start.
@@ -73,11 +76,25 @@ class Command(BaseCommand):
         def supervise(stop: threading.Event) -> None:
             supervisor.run(stop, on_ready=on_ready, ready_timeout=ready_timeout)
 
+        pid_files.record("runsigil", os.getpid())
         try:
             supervise_until_signalled(supervise, name="supervisor")
         except StartupFailed as exc:
             raise CommandError(f"{exc}: Sigil did not start (its last output is above)") from exc
+        finally:
+            pid_files.forget("runsigil")
         self._say("Sigil stopped.")
+
+    def _end_leftovers(self, pid_files: PidFiles) -> None:
+        """End what a run on this var directory that was killed left behind (its programs
+        got SIGTERM when it died; one that did not stop holds its ports), before binding them."""
+        running = pid_files.running("runsigil")
+        if running is not None and running != os.getpid():
+            raise CommandError(f"Sigil already runs on {settings.VAR_DIR} (pid {running}): stop it first")
+        pid_files.forget("runsigil")
+        ended = pid_files.end_leftovers()
+        if ended:
+            self._say(f"Sigil: ended what a previous run left running: {', '.join(ended)}")
 
     def _say(self, text: str) -> None:
         self._write(self._as_log(text))
