@@ -126,13 +126,14 @@ class LocalProcesses:
                 log_limits=log_sink.limits.for_host() if log_sink else None,
             )
 
+        started = time.time()  # a process the group starts is not idle before its time
         return WorkerdGroup(
             make_host,
             limits,
             self.registry,
             kill_log=self.kill_log,
             status_path=self.status_path,
-            idle=lambda names, started=time.time(): self.idle(names, code_dir=code_dir, since=started),
+            idle=lambda names: self.idle(names, code_dir=code_dir, since=started),
             companions=[log_sink] if log_sink else [],
         )
 
