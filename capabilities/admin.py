@@ -21,6 +21,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
 from agents.admin import AgentAdmin as BaseAgentAdmin
+from agents.admin import RefusalsAsMessages
 from agents.models import Agent
 from capabilities import bindings as binding_rules
 from capabilities import breaker, failures, selectors, services
@@ -918,11 +919,14 @@ class AgentAdmin(GrantsSavedByServices, BaseAgentAdmin):
     """The agents' admin, with the bindings granted to each (kept here: agents never imports
     capabilities)."""
 
+    refusals = ACTION_ERRORS
+
     inlines = [*BaseAgentAdmin.inlines, AgentGrantInline]
 
 
 @admin.register(Binding)
-class BindingAdmin(GrantsSavedByServices, admin.ModelAdmin):
+class BindingAdmin(GrantsSavedByServices, RefusalsAsMessages, admin.ModelAdmin):
+    refusals = ACTION_ERRORS
     form = BindingForm
     list_display = ["__str__", "kind", "granted_to", "description", "updated_at"]
     list_filter = ["kind"]
