@@ -200,6 +200,8 @@ PAGE_ACTIONS = [
         lambda c, actor: services.capability_set_public(capability=c, is_public=True, actor=actor),
         "Made {} public.",
         lambda c, b: not c.is_public,
+        confirm="Every agent may find and call it from the next request on, with its own invoke token; "
+        "calls by other agents count in its traffic.",
     ),
     PageAction(
         "make-private",
@@ -207,6 +209,7 @@ PAGE_ACTIONS = [
         lambda c, actor: services.capability_set_public(capability=c, is_public=False, actor=actor),
         "Made {} private.",
         lambda c, b: c.is_public,
+        confirm="Other agents' calls to it are answered 404 from the next request on; only its own agent may call it.",
     ),
     PageAction(
         "remove",
@@ -699,11 +702,11 @@ class CapabilityAdmin(admin.ModelAdmin):
         self.message_user(request, done.format(plural(changed)))
         return None
 
-    @admin.action(description="Make selected capabilities public")
+    @admin.action(description="Make selected capabilities public…")
     def make_public(self, request, queryset):
         return self._each(request, queryset, "make-public", "Made {} public.")
 
-    @admin.action(description="Make selected capabilities private")
+    @admin.action(description="Make selected capabilities private…")
     def make_private(self, request, queryset):
         return self._each(request, queryset, "make-private", "Made {} private.")
 
