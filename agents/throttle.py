@@ -20,7 +20,7 @@ import redis
 from django.conf import settings
 
 from agents.selectors import token_authenticate
-from agents.tokens import Principal
+from agents.tokens import Principal, stamp_used
 from sigil_site.errors import RateLimited, Unauthenticated
 
 
@@ -85,14 +85,26 @@ class FailedAuthThrottle:
         pipe.execute()
 
     def authenticate(
-        self, client: redis.Redis, address: str, secret: str, *, cached: bytes | None, failures: bytes | None
+        self,
+        client: redis.Redis,
+        address: str,
+        secret: str,
+        *,
+        cached: bytes | None,
+        failures: bytes | None,
+        stamp: bool = True,
     ) -> Principal:
         """The principal of `secret`, unless `address` is throttled; a token that fails counts
         against `address`. `cached` and `failures` are the token's cache entry and key(address),
-        read by the caller in its own round trip. Raises Unauthenticated or RateLimited."""
+        read by the caller in its own round trip. A token that stands is stamped as used
+        (agents.tokens.stamp_used: at most once a minute per process) unless `stamp` is False,
+        for a caller that stamps on its own. Raises Unauthenticated or RateLimited."""
         self.check(client, address, failures)
         try:
-            return token_authenticate(secret, cached=cached)
+            principal = token_authenticate(secret, cached=cached)
         except Unauthenticated:
             self.failed(client, address)
             raise
+        if stamp:
+            stamp_used(client, principal.token_hash)
+        return principal
