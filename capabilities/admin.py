@@ -266,7 +266,7 @@ class CapabilityAdmin(admin.ModelAdmin):
     change_form_template = "admin/capabilities/capability/change_form.html"
     fieldsets = [
         (None, {"fields": ["agent", "full_name", "type", "visibility", "declared_bindings", "current_version"]}),
-        ("Runtime", {"fields": ["state", "slot", "placed_sha", "health", "breaker_opened_at"]}),
+        ("Runtime", {"fields": ["runtime", "state", "slot", "placed_bundle", "health", "breaker_opened_at"]}),
         (
             "Since it was created",
             {"fields": ["calls_total", "errors_total", "cold_calls_total", "last_access_at", "inactive_at"]},
@@ -282,9 +282,10 @@ class CapabilityAdmin(admin.ModelAdmin):
         "visibility",
         "declared_bindings",
         "current_version",
+        "runtime",
         "state",
         "slot",
-        "placed_sha",
+        "placed_bundle",
         "health",
         "breaker_opened_at",
         "calls_total",
@@ -305,6 +306,41 @@ class CapabilityAdmin(admin.ModelAdmin):
         if capability.breaker_state == BreakerState.OPEN:
             return mark_safe('<strong class="degraded-state" style="color: var(--error-fg)">degraded</strong>')
         return "ok"
+
+    @admin.display(description="runtime")
+    def runtime(self, capability: Capability) -> str:
+        """Which runtime holds it, and a warning when that is not SIGIL_BACKEND's: the
+        gateway serves it there until a switch moves it, if that runtime still answers."""
+        configured = settings.SIGIL_BACKEND
+        if capability.state not in (State.LIVE, State.EVICTING):
+            return format_html('<span id="runtime">none</span> (not placed; its next placement is on {})', configured)
+        backend = capability.backend or configured
+        if backend == configured:
+            return format_html('<span id="runtime">{}</span>', backend)
+        failure = services.runtime_failure(backend)
+        served = (
+            format_html("{} does not answer ({}): its calls fail", backend, failure)
+            if failure
+            else format_html("it is served from {}", backend)
+        )
+        return format_html(
+            '<span id="runtime">{}</span> <strong id="runtime-warning" style="color: var(--error-fg)">not '
+            "SIGIL_BACKEND ({}): {} until <code>python manage.py switchbackend</code> moves it</strong>",
+            backend,
+            configured,
+            served,
+        )
+
+    @admin.display(description="placed bundle sha256")
+    def placed_bundle(self, capability: Capability) -> str:
+        # Not the version's code sha: the bundle also covers the bindings' values.
+        if not capability.placed_sha:
+            return "– (nothing placed)"
+        return format_html(
+            '<code>{}</code><div class="help">The sha256 of what the runtime holds: the code with the values of its '
+            "bindings, so it differs from the version's code sha, and changes when a binding's value does.</div>",
+            capability.placed_sha,
+        )
 
     @admin.display(description="visibility", ordering="is_public")
     def visibility(self, capability: Capability) -> str:

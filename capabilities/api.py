@@ -829,6 +829,7 @@ HEALTH = inline_serializer(
         "capabilities": serializers.IntegerField(allow_null=True),
         "agents": serializers.IntegerField(allow_null=True),
         "checks": serializers.DictField(child=serializers.CharField()),
+        "left_on_previous_runtimes": serializers.DictField(child=serializers.IntegerField(), required=False),
     },
 )
 
@@ -841,7 +842,9 @@ class HealthApi(APIView):
         operation_id="health",
         tags=["Operate"],
         summary="Health check",
-        description="No token. 200 when the database, Redis and the runtime answer; 503 naming what fails.",
+        description="No token. 200 when the database, Redis and the runtime answer; 503 naming what fails, "
+        "also when capabilities are still placed on a runtime used before SIGIL_BACKEND changed that no longer "
+        "answers (`left_on_previous_runtimes` counts them per runtime while any are left).",
         responses={200: HEALTH, 503: HEALTH, **error_responses(405, 406)},
     )
     def get(self, request):
@@ -864,8 +867,15 @@ class HealthApi(APIView):
             get_runtime().check()
         except RuntimeUnavailable as exc:
             checks["runtime"] = f"failing: {exc}"
+        left_behind = []
+        if checks["database"] == "ok":
+            left_behind = services.runtimes_left_behind()
+            gone = [left.describe() for left in left_behind if left.failure]
+            checks["previous_runtimes"] = "failing: " + "; ".join(gone) if gone else "ok"
         healthy = all(value == "ok" for value in checks.values())
         body = {"status": "ok" if healthy else "failing", "backend": settings.SIGIL_BACKEND, **counts, "checks": checks}
+        if left_behind:
+            body["left_on_previous_runtimes"] = {left.backend: left.capabilities for left in left_behind}
         return Response(body, status=200 if healthy else 503)
 
 
