@@ -7,7 +7,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection
-from django.http import HttpResponse
+from django.http import HttpResponse, HttpResponseRedirect, JsonResponse
 from django.template.loader import render_to_string
 from django.utils import timezone
 from drf_spectacular.utils import (
@@ -877,6 +877,27 @@ class HealthApi(APIView):
         if left_behind:
             body["left_on_previous_runtimes"] = {left.backend: left.capabilities for left in left_behind}
         return Response(body, status=200 if healthy else 503)
+
+
+def index_view(request):
+    """GET /: a browser goes to the owner's console; any other client gets a small JSON index
+    of where things are (the banner's first URL, so it must answer something useful)."""
+    if request.method not in ("GET", "HEAD"):
+        return error_response(InvalidRequest("/ answers GET"))
+    if "text/html" in request.headers.get("Accept", ""):
+        return HttpResponseRedirect("/admin/")
+    base = settings.SIGIL_PUBLIC_URL.rstrip("/") or request.build_absolute_uri("/").rstrip("/")
+    index = {
+        "service": "sigil",
+        "calls": f"{base}/{{agent}}/{{capability}}",
+        "schema": f"{base}/_api/schema",
+        "docs": f"{base}/_api/schema/docs",
+        "mcp": f"{base}/_mcp",
+        "llms_txt": f"{base}/llms.txt",
+        "health": f"{base}/_health",
+        "admin": f"{base}/admin/",
+    }
+    return JsonResponse(index, json_dumps_params={"indent": 2})
 
 
 def llms_txt_view(request):
