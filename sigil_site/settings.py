@@ -428,7 +428,10 @@ AXES_COOLOFF_TIME = timedelta(seconds=SIGIL_ADMIN_LOCKOUT_SECONDS)
 AXES_LOCKOUT_PARAMETERS = ["ip_address"]
 AXES_RESET_ON_SUCCESS = True
 # Failures are counted in Redis (the cache above), not in database rows per attempt.
-AXES_HANDLER = "axes.handlers.cache.AxesCacheHandler"
+# axes' cache handler, which `manage.py axes_reset` can also clear whole (sigil_site/lockout.py).
+AXES_HANDLER = "sigil_site.lockout.LockoutCacheHandler"
+# The lock-out answer: the admin's page, with how long it lasts.
+AXES_LOCKOUT_CALLABLE = "sigil_site.lockout.lockout_response"
 AXES_CLIENT_IP_CALLABLE = "agents.throttle.request_client_address"
 AXES_VERBOSE = False
 # Its admin pages list database records, which the cache handler never writes.
