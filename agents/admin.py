@@ -107,7 +107,8 @@ class AgentAdmin(RefusalsAsMessages, admin.ModelAdmin):
     actions = ["disable_agents", "enable_agents"]
 
     def get_queryset(self, request):
-        current = ~Q(capabilities__state=REMOVED)
+        # Not removed, and no split's staged version (a row of its own, shown on its capability's page).
+        current = ~Q(capabilities__state=REMOVED) & Q(capabilities__variant_of__isnull=True)
         return (
             super()
             .get_queryset(request)
@@ -167,7 +168,7 @@ class AgentAdmin(RefusalsAsMessages, admin.ModelAdmin):
 
     @admin.display(description="capabilities")
     def capabilities_panel(self, agent: Agent) -> str:
-        rows = agent.capabilities.exclude(state=REMOVED).order_by("full_name")
+        rows = agent.capabilities.exclude(state=REMOVED).filter(variant_of__isnull=True).order_by("full_name")
         if not rows:
             return "none"
         body = format_html_join(

@@ -408,11 +408,17 @@ class CapabilityAdmin(admin.ModelAdmin):
     def versions_panel(self, capability: Capability) -> str:
         rows = []
         can_roll_back = capability.state != State.REMOVED
+        never_served = selectors.capability_versions_never_served(capability=capability)
         for version in capability.versions.order_by("-number"):
             current = version.pk == capability.current_version_id
             view = reverse("admin:capabilities_capability_version", args=[capability.pk, version.number])
             if current:
                 action = mark_safe("<strong>current</strong>")
+            elif version.pk == capability.staged_version_id:
+                action = mark_safe('<em class="staged">staged: promote or abort it below</em>')
+            elif version.number in never_served:
+                # Rolling back to it would serve code that never passed a split's guard.
+                action = mark_safe('<em class="never-served">staged once, never served</em>')
             elif version.placement == VersionPlacement.PLACING:
                 action = mark_safe('<em class="placing">being placed…</em>')
             elif version.placement == VersionPlacement.FAILED:
@@ -565,7 +571,10 @@ class CapabilityAdmin(admin.ModelAdmin):
             "contract": contract_text(version),
             "contract_diff": version_diff(against, version, contract_text) if against else [],
             "is_current": version.pk == capability.current_version_id,
-            "can_roll_back": capability.state != State.REMOVED and self.has_change_permission(request, capability),
+            "can_roll_back": capability.state != State.REMOVED
+            and self.has_change_permission(request, capability)
+            and version.pk != capability.staged_version_id
+            and number not in selectors.capability_versions_never_served(capability=capability),
         }
         return TemplateResponse(request, "admin/capabilities/capability/version.html", context)
 
