@@ -191,9 +191,10 @@ class AgentAdmin(RefusalsAsMessages, admin.ModelAdmin):
             ),
         )
         return format_html(
-            '<table id="agent-capabilities"><thead><tr><th>capability</th><th>type</th><th>state</th>'
+            '<div class="sigil-wide"><table id="agent-capabilities"><thead><tr><th>capability</th><th>type</th>'
+            "<th>state</th>"
             "<th>visibility</th><th>breaker</th><th>calls</th><th>errors</th><th>last access</th></tr></thead>"
-            "<tbody>{}</tbody></table>",
+            "<tbody>{}</tbody></table></div>",
             body,
         )
 

@@ -450,8 +450,9 @@ class CapabilityAdmin(admin.ModelAdmin):
                 )
             )
         return format_html(
-            '<table id="versions"><thead><tr><th>version</th><th>sha256</th><th>bytes</th><th>deployed</th>'
-            "<th></th><th></th></tr></thead><tbody>{}</tbody></table>",
+            '<div class="sigil-wide"><table id="versions"><thead><tr><th>version</th><th>sha256</th><th>bytes</th>'
+            "<th>deployed</th>"
+            "<th></th><th></th></tr></thead><tbody>{}</tbody></table></div>",
             format_html_join("", "{}", ((row,) for row in rows)),
         )
 
