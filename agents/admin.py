@@ -7,6 +7,8 @@ from datetime import timedelta
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.core.exceptions import ValidationError
 from django.db.models import Count, Q, Sum
 from django.http import HttpResponseNotAllowed, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
@@ -55,6 +57,24 @@ class RefusalsAsMessages:
         return HttpResponseRedirect(request.get_full_path())
 
 
+class SelectionChecked:
+    """A list action posted with a selection that names no row (an id that is no number, or
+    past a 64-bit integer) is said as a message instead of a 500: Django filters the list by
+    the posted ids as they come, and the database refuses such values."""
+
+    def response_action(self, request, queryset):
+        pk = self.model._meta.pk
+        for value in request.POST.getlist(helpers.ACTION_CHECKBOX_NAME):
+            try:
+                number = pk.to_python(value)
+            except ValidationError:
+                number = None
+            if number is None or (isinstance(number, int) and not -(2**63) <= number < 2**63):
+                self.message_user(request, f"The selection names no {self.opts.verbose_name}.", level=messages.ERROR)
+                return HttpResponseRedirect(request.get_full_path())
+        return super().response_action(request, queryset)
+
+
 class TokenInline(admin.TabularInline):
     model = Token
     extra = 0
@@ -98,7 +118,7 @@ class AgentForm(forms.ModelForm):
 
 
 @admin.register(Agent)
-class AgentAdmin(RefusalsAsMessages, admin.ModelAdmin):
+class AgentAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
     form = AgentForm
     list_display = ["name", "is_active", "capability_count", "calls", "errors", "has_webhook", "created_at"]
     list_filter = ["is_active"]
@@ -324,7 +344,7 @@ class TokenStateFilter(admin.SimpleListFilter):
 
 
 @admin.register(Token)
-class TokenAdmin(RefusalsAsMessages, admin.ModelAdmin):
+class TokenAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
     list_display = ["prefix", "agent", "scope", "label", "state", "created_at", "expires_at", "last_used_at"]
     list_filter = [TokenStateFilter, "scope", "agent"]
     list_select_related = ["agent"]
@@ -505,7 +525,7 @@ class AuditTimeFilter(admin.SimpleListFilter):
 
 
 @admin.register(AuditEvent)
-class AuditEventAdmin(admin.ModelAdmin):
+class AuditEventAdmin(SelectionChecked, admin.ModelAdmin):
     list_display = ["created_at", "actor", "action", "agent_name", "subject_link", "detail_summary"]
     list_filter = [AuditTimeFilter, "action", "agent_name", AuditSubjectFilter]
     search_fields = ["subject", "actor", "agent_name", "action"]

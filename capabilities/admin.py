@@ -21,7 +21,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
 from agents.admin import AgentAdmin as BaseAgentAdmin
-from agents.admin import RefusalsAsMessages
+from agents.admin import RefusalsAsMessages, SelectionChecked
 from agents.models import Agent
 from capabilities import bindings as binding_rules
 from capabilities import breaker, failures, selectors, services
@@ -228,7 +228,7 @@ def epoch_time(epoch: float | None) -> datetime | None:
 
 
 @admin.register(Capability)
-class CapabilityAdmin(admin.ModelAdmin):
+class CapabilityAdmin(SelectionChecked, admin.ModelAdmin):
     list_display = [
         "full_name",
         "agent",
@@ -974,7 +974,7 @@ class AgentAdmin(GrantsSavedByServices, BaseAgentAdmin):
 
 
 @admin.register(Binding)
-class BindingAdmin(GrantsSavedByServices, RefusalsAsMessages, admin.ModelAdmin):
+class BindingAdmin(GrantsSavedByServices, SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
     refusals = ACTION_ERRORS
     form = BindingForm
     list_display = ["__str__", "kind", "granted_to", "description", "updated_at"]

@@ -15,6 +15,7 @@ from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.http import urlencode
 
+from agents.admin import SelectionChecked
 from agents.models import Agent
 from capabilities.dashboard import dashboard_get
 from sigil_site import charts
@@ -169,11 +170,11 @@ class BoundedChoices:
         return super().formfield_for_manytomany(db_field, request, **kwargs)
 
 
-class OwnerGroupAdmin(BoundedChoices, GroupAdmin):
+class OwnerGroupAdmin(SelectionChecked, BoundedChoices, GroupAdmin):
     pass
 
 
-class OwnerUserAdmin(BoundedChoices, UserAdmin):
+class OwnerUserAdmin(SelectionChecked, BoundedChoices, UserAdmin):
     pass
 
 

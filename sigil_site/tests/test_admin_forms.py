@@ -105,3 +105,22 @@ def test_the_capability_pages_own_forms_answer_bad_input_without_a_5xx(owner_cli
         assert owner_client.post(f"/admin/agents/token/{token.pk}/revoke/", follow=True).status_code < 500
     for query in ("span=10y&agent=nobody&refresh=maybe", "span=&agent="):
         assert owner_client.get(f"/admin/dashboard/?{query}").status_code == 200
+
+
+def test_every_list_action_answers_a_bad_selection_without_a_5xx(owner_client, everything):
+    failed = []
+    for model, model_admin in admin.site._registry.items():
+        opts = model._meta
+        url = reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist")
+        request = owner_client.get(url).wsgi_request
+        actions = [*model_admin.get_actions(request), "no_such_action"]
+        first = model.objects.order_by("pk").first()
+        selections = [["abc"], ["99999999999999999999"], [str(first.pk)] if first else []]
+        for action in actions:
+            for selected in selections:
+                for confirmed in ("", "yes"):
+                    data = {"action": action, "_selected_action": selected, "index": "0", "confirmed": confirmed}
+                    answer = owner_client.post(url, data, follow=True)
+                    if answer.status_code >= 500:
+                        failed.append((url, action, selected, confirmed))
+    assert failed == []
