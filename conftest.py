@@ -79,35 +79,37 @@ def _test_database_released(django_db_setup, django_db_blocker):
 
 @pytest.fixture(scope="session")
 def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_group):
-    """Sigil's WSGI application (gateway in front of Django) on a free loopback port."""
-    from django.contrib.staticfiles.handlers import StaticFilesHandler
-    from django.test.testcases import LiveServerThread
+    """Sigil's ASGI application (the engine in front of Django) on a free loopback port,
+    served by uvicorn in a thread of this process, lifespan and all (the async call runners)."""
+    import socket
+    import threading
 
-    from sigil_site.devserver import ChunkedThreadedWSGIServer
-    from sigil_site.wsgi import SigilApplication
+    import uvicorn
+    from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+
+    from sigil_site.asgi import SigilApplication, django_application
     from testsupport.inflight import SERVER_REQUESTS, RequestsInFlight
+    from testsupport.processes import wait_until
 
-    holder = {}
-
-    def wrap(django_handler):
-        # Static files served as `runsigil` serves them (runserver --insecure), so that
-        # the admin has its style sheets in browser tests.
-        holder["app"] = SigilApplication(StaticFilesHandler(django_handler))
-        holder["requests"] = RequestsInFlight(holder["app"])
-        SERVER_REQUESTS.append(holder["requests"])
-        return holder["requests"]
-
+    # Static files served as `runsigil` serves them, so that the admin has its style sheets
+    # in browser tests.
+    app = SigilApplication(ASGIStaticFilesHandler(django_application))
+    requests = RequestsInFlight(app)
+    SERVER_REQUESTS.append(requests)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(requests, lifespan="on", log_level="warning", access_log=False, timeout_keep_alive=75)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="sigil-server", daemon=True)
     with django_db_blocker.unblock():
-        thread = LiveServerThread("127.0.0.1", static_handler=wrap, port=0)
-        thread.server_class = ChunkedThreadedWSGIServer  # the server `make run` uses
-        thread.daemon = True
         thread.start()
-        thread.is_ready.wait()
-        if thread.error:
-            raise thread.error
-    yield thread, holder["app"]
-    SERVER_REQUESTS.remove(holder["requests"])
-    thread.terminate()
+        wait_until(lambda: server.started, timeout=30, what="the test server to start")
+    yield port, app
+    SERVER_REQUESTS.remove(requests)
+    server.should_exit = True
+    thread.join(30)
 
 
 class SigilServer:
@@ -118,11 +120,11 @@ class SigilServer:
 
 @pytest.fixture
 def sigil(_sigil_server_thread, transactional_db):
-    """The running server for this test; its gateway is rebuilt from this test's settings."""
-    thread, app = _sigil_server_thread
-    app.gateway = None
-    yield SigilServer(f"http://127.0.0.1:{thread.port}", app)
-    app.gateway = None
+    """The running server for this test; its engine is rebuilt from this test's settings."""
+    port, app = _sigil_server_thread
+    app.reset_engine()
+    yield SigilServer(f"http://127.0.0.1:{port}", app)
+    app.reset_engine()
 
 
 @pytest.fixture(scope="session")

@@ -169,6 +169,8 @@ class AgentAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
             "webhook_secret_state",
             "new_webhook_secret",
             "clear_webhook_secret",
+            "max_calls_in_flight",
+            "max_placements_in_flight",
         ]
 
     def get_readonly_fields(self, request, obj=None):
@@ -234,6 +236,12 @@ class AgentAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
             secret = form.cleaned_data.get("new_webhook_secret") or None
         agent = Agent.objects.get(pk=obj.pk)
         services.agent_set_webhook(agent=agent, url=obj.webhook_url, secret=secret, actor=owner_actor(request))
+        services.agent_set_shares(
+            agent=agent,
+            calls_in_flight=obj.max_calls_in_flight,
+            placements_in_flight=obj.max_placements_in_flight,
+            actor=owner_actor(request),
+        )
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False  # capabilities and the audit trail refer to agents; disable instead

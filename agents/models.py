@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
@@ -20,6 +21,20 @@ class Agent(models.Model):
     # The key of the HMAC-SHA256 in each delivery's X-Sigil-Signature header, shared with the
     # agent: encrypted at rest (sigil_site.encryption); read and set as `webhook_secret`.
     webhook_secret_encrypted = models.TextField(blank=True, editable=False)
+    # This agent's own shares of each web process (capabilities/engine/shares.py); empty: the
+    # SIGIL_AGENT_* defaults.
+    max_calls_in_flight = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Most calls in flight per web process; empty: SIGIL_AGENT_CALLS_IN_FLIGHT.",
+    )
+    max_placements_in_flight = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Most placements under way per web process; empty: SIGIL_AGENT_PLACEMENTS_IN_FLIGHT.",
+    )
 
     class Meta:
         ordering = ["name"]

@@ -30,23 +30,34 @@ def token_authenticate_hash(token_hash: str, *, cached: bytes | None = None) -> 
     if cached is None:
         cached = _fill_cache(token_hash)
     principal = tokens.decode(token_hash, cached, now)
+    if principal is None and cached == tokens.DISABLED:
+        raise Unauthenticated("the owner disabled this token's agent: its tokens work again once the owner enables it")
     if principal is None:
-        raise Unauthenticated("the token is unknown, revoked or expired")
+        raise Unauthenticated("the token is unknown, revoked or expired: ask the owner for a new one")
     return principal
 
 
 def _fill_cache(token_hash: str) -> bytes:
     token = Token.objects.select_related("agent").filter(secret_hash=token_hash).first()
     now = time.time()
-    if token is None or token.revoked_at is not None or not token.agent.is_active:
+    if token is None or token.revoked_at is not None:
         value, ttl = tokens.TOMBSTONE, tokens.NEGATIVE_TTL_SECONDS
+    elif not token.agent.is_active:
+        value, ttl = tokens.DISABLED, tokens.NEGATIVE_TTL_SECONDS
     else:
         expires = token.expires_at.timestamp() if token.expires_at else None
         if expires is not None and expires <= now:
             value, ttl = tokens.TOMBSTONE, tokens.NEGATIVE_TTL_SECONDS
         else:
             value, ttl = (
-                tokens.encode(token.agent_id, token.agent.name, token.scope, expires),
+                tokens.encode(
+                    token.agent_id,
+                    token.agent.name,
+                    token.scope,
+                    expires,
+                    calls_in_flight=token.agent.max_calls_in_flight,
+                    placements_in_flight=token.agent.max_placements_in_flight,
+                ),
                 tokens.POSITIVE_TTL_SECONDS,
             )
     key = tokens.cache_key(token_hash)

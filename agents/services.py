@@ -103,8 +103,43 @@ def agent_set_active(*, agent: Agent, is_active: bool, actor: str) -> bool:
                 subject=agent.name,
             )
     agent.refresh_from_db()
-    # Both directions invalidate: disabling must refuse, enabling must stop refusing.
-    _write_tombstones(list(agent.tokens.values_list("secret_hash", flat=True)), delete=is_active)
+    # Both directions invalidate: disabling must refuse, enabling must stop refusing. A live
+    # token of a disabled agent is refused saying so; a revoked one stays plainly revoked.
+    if is_active:
+        _write_tombstones(list(agent.tokens.values_list("secret_hash", flat=True)), delete=True)
+    else:
+        live = agent.tokens.filter(revoked_at__isnull=True).values_list("secret_hash", flat=True)
+        _write_tombstones(list(live), value=tokens.DISABLED)
+        _write_tombstones(list(agent.tokens.filter(revoked_at__isnull=False).values_list("secret_hash", flat=True)))
+    return bool(changed)
+
+
+def agent_set_shares(
+    *, agent: Agent, calls_in_flight: int | None, placements_in_flight: int | None, actor: str
+) -> bool:
+    """Set the agent's own caps on its calls and placements in flight per web process (None:
+    the defaults). Every process applies them from the agent's next call. Returns False when
+    nothing changed. Raises InvalidRequest for a cap below 1. Idempotent."""
+    for value in (calls_in_flight, placements_in_flight):
+        if value is not None and value < 1:
+            raise InvalidRequest("a cap on calls or placements in flight is at least 1 (empty: the default)")
+    with transaction.atomic():
+        changed = (
+            Agent.objects.filter(pk=agent.pk)
+            .exclude(max_calls_in_flight=calls_in_flight, max_placements_in_flight=placements_in_flight)
+            .update(max_calls_in_flight=calls_in_flight, max_placements_in_flight=placements_in_flight)
+        )
+        if changed:
+            audit_record(
+                actor=actor,
+                action="agent.shares_changed",
+                agent_name=agent.name,
+                subject=agent.name,
+                detail={"calls_in_flight": calls_in_flight, "placements_in_flight": placements_in_flight},
+            )
+    agent.refresh_from_db()
+    # The caps ride in the tokens' cached entries: dropped, they are read again with the new ones.
+    _write_tombstones(list(agent.tokens.values_list("secret_hash", flat=True)), delete=True)
     return bool(changed)
 
 
@@ -146,7 +181,7 @@ def _stored_webhook_secret(agent: Agent) -> str | None:
         return None
 
 
-def _write_tombstones(hashes: list[str], *, delete: bool = False) -> None:
+def _write_tombstones(hashes: list[str], *, delete: bool = False, value: bytes = tokens.TOMBSTONE) -> None:
     if not hashes:
         return
     pipe = get_redis().pipeline(transaction=False)
@@ -154,7 +189,7 @@ def _write_tombstones(hashes: list[str], *, delete: bool = False) -> None:
         if delete:
             pipe.delete(tokens.cache_key(token_hash))
         else:
-            pipe.set(tokens.cache_key(token_hash), tokens.TOMBSTONE, ex=tokens.POSITIVE_TTL_SECONDS)
+            pipe.set(tokens.cache_key(token_hash), value, ex=tokens.POSITIVE_TTL_SECONDS)
     pipe.execute()
 
 

@@ -2,10 +2,12 @@
 Redis.
 
 An address that sent SIGIL_AUTH_FAILURE_LIMIT tokens that fail (unknown, revoked, expired)
-within SIGIL_AUTH_FAILURE_WINDOW_SECONDS is answered `429 rate_limited`, with Retry-After,
-on the API and the gateway until that window ends, whatever token it sends then: a guess
-that happens to be right is refused too. The window starts at the first failure (a fixed
-window, one Redis key per address).
+within SIGIL_AUTH_FAILURE_WINDOW_SECONDS has its further failing tokens answered `429
+rate_limited`, with Retry-After, on the API and the gateway until that window ends. The brake
+stops guesses only: a token that authenticates is always served, whatever its address sent
+before, since agents share addresses (the owner's machine, one NAT) and one agent's stale
+token must not lock out the others. The window starts at the first failure (a fixed window,
+one Redis key per address).
 
 Written here rather than taken from a library: the gateway is a plain WSGI application, and
 the count must ride in the gateway's one MGET so that a valid warm call pays no extra Redis
@@ -94,15 +96,16 @@ class FailedAuthThrottle:
         failures: bytes | None,
         stamp: bool = True,
     ) -> Principal:
-        """The principal of `secret`, unless `address` is throttled; a token that fails counts
-        against `address`. `cached` and `failures` are the token's cache entry and key(address),
-        read by the caller in its own round trip. A token that stands is stamped as used
+        """The principal of `secret`. A token that fails counts against `address`, and once
+        `address` is over the limit it is answered RateLimited instead of Unauthenticated.
+        `cached` and `failures` are the token's cache entry and key(address), read by the
+        caller in its own round trip. A token that stands is stamped as used
         (agents.tokens.stamp_used: at most once a minute per process) unless `stamp` is False,
         for a caller that stamps on its own. Raises Unauthenticated or RateLimited."""
-        self.check(client, address, failures)
         try:
             principal = token_authenticate(secret, cached=cached)
         except Unauthenticated:
+            self.check(client, address, failures)
             self.failed(client, address)
             raise
         if stamp:

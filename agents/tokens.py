@@ -1,7 +1,10 @@
 """The Redis copy of every token's authority, read by the gateway and the API on each call.
 
-`sigil:token:{sha256}` holds `agent_id|agent_name|scope|expires_epoch` for a usable token
-and a tombstone `-` for a revoked, expired or unknown one. Writers (issue, revoke, disable)
+`sigil:token:{sha256}` holds `agent_id|agent_name|scope|expires_epoch|calls|placements` for a
+usable token (the last two: the agent's own caps on its calls and placements in flight, empty
+for the defaults), a tombstone `-` for a revoked, expired or unknown one, and `-disabled` for a
+live token of an agent the owner disabled (so that its refusal can say so). Writers (issue,
+revoke, disable)
 overwrite it after their transaction commits; readers fill a missing entry only with
 SET NX, so a late fill can never resurrect a revoked token.
 """
@@ -16,6 +19,8 @@ import redis
 
 TOKEN_PREFIX = "sgl_"
 TOMBSTONE = b"-"
+DISABLED = b"-disabled"
+REFUSALS = (TOMBSTONE, DISABLED)
 # A positive entry is re-read from the database at least this often; revocations do not
 # wait for it (they overwrite the entry), it only bounds drift after manual SQL edits.
 POSITIVE_TTL_SECONDS = 300
@@ -38,6 +43,9 @@ class Principal:
     agent_name: str
     scope: str
     token_hash: str
+    # The agent's own shares of a server (capabilities/engine/shares.py); 0: the defaults.
+    calls_in_flight: int = 0
+    placements_in_flight: int = 0
 
     @property
     def can_deploy(self) -> bool:
@@ -53,18 +61,28 @@ def cache_key(token_hash: str) -> str:
     return f"sigil:token:{token_hash}"
 
 
-def encode(agent_id: int, agent_name: str, scope: str, expires_epoch: float | None) -> bytes:
-    return f"{agent_id}|{agent_name}|{scope}|{'' if expires_epoch is None else expires_epoch}".encode()
+def encode(
+    agent_id: int,
+    agent_name: str,
+    scope: str,
+    expires_epoch: float | None,
+    *,
+    calls_in_flight: int | None = None,
+    placements_in_flight: int | None = None,
+) -> bytes:
+    expires = "" if expires_epoch is None else expires_epoch
+    return f"{agent_id}|{agent_name}|{scope}|{expires}|{calls_in_flight or ''}|{placements_in_flight or ''}".encode()
 
 
 def decode(token_hash: str, raw: bytes, now_epoch: float) -> Principal | None:
     """The principal a cached entry grants at `now_epoch`, or None."""
-    if raw == TOMBSTONE:
+    if raw in REFUSALS:
         return None
-    agent_id, agent_name, scope, expires = raw.decode().split("|")
+    agent_id, agent_name, scope, expires, *shares = raw.decode().split("|")
     if expires and float(expires) <= now_epoch:
         return None
-    return Principal(int(agent_id), agent_name, scope, token_hash)
+    calls, placements = (int(share or 0) for share in shares) if len(shares) == 2 else (0, 0)
+    return Principal(int(agent_id), agent_name, scope, token_hash, calls, placements)
 
 
 # token hash → when this process last stamped it (time.monotonic()). Bounded by the number
@@ -72,13 +90,27 @@ def decode(token_hash: str, raw: bytes, now_epoch: float) -> Principal | None:
 _stamped_at: dict[str, float] = {}
 
 
-def stamp_used(client: redis.Redis, token_hash: str) -> bool:
-    """Record that the token was used now, unless this process did within
-    STAMP_INTERVAL_SECONDS (then no Redis round trip at all). Returns whether it wrote."""
+def stamp_due(token_hash: str) -> bool:
+    """Whether this process should stamp the token now (and, if so, counts it as stamped):
+    false within STAMP_INTERVAL_SECONDS of its last stamp here. No I/O, so an async caller
+    can decide before it writes `USED_KEY` with its own client."""
     now = time.monotonic()
     last = _stamped_at.get(token_hash)
     if last is not None and now - last < STAMP_INTERVAL_SECONDS:
         return False
     _stamped_at[token_hash] = now
-    client.hset(USED_KEY, token_hash, f"{time.time():.6f}")
+    return True
+
+
+def stamp_now() -> str:
+    """The value of a stamp in USED_KEY: epoch seconds, as the gateway's record script writes."""
+    return f"{time.time():.6f}"
+
+
+def stamp_used(client: redis.Redis, token_hash: str) -> bool:
+    """Record that the token was used now, unless this process did within
+    STAMP_INTERVAL_SECONDS (then no Redis round trip at all). Returns whether it wrote."""
+    if not stamp_due(token_hash):
+        return False
+    client.hset(USED_KEY, token_hash, stamp_now())
     return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import json
 from datetime import timedelta
 
 from django.conf import settings
@@ -17,8 +18,10 @@ from drf_spectacular.utils import (
     extend_schema,
     extend_schema_field,
     extend_schema_serializer,
+    extend_schema_view,
     inline_serializer,
 )
+from redis import RedisError
 from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.permissions import AllowAny
@@ -102,7 +105,8 @@ class ErrorSerializer(serializers.Serializer):
 # can answer, so that a client (and the schema fuzz test) knows every status to expect.
 ERROR_STATUSES = {
     400: "invalid_request: malformed JSON, a field of the wrong type, a name that breaks a rule",
-    401: "unauthenticated: no token, or an unknown, revoked or expired one (with WWW-Authenticate)",
+    401: "unauthenticated: no token (send Authorization: Bearer <token>), an unknown, revoked or expired one, "
+    "or one of an agent the owner disabled (with WWW-Authenticate)",
     403: "forbidden: wrong scope, or another agent's prefix",
     404: "not_found: no such capability, or one the caller may not know exists",
     405: "invalid_request: the method is not one this path answers",
@@ -122,14 +126,20 @@ AUTHENTICATED = (400, 401, 403, 405, 406, 429)
 # One example answer per status, as the API really words it.
 ERROR_EXAMPLES = {
     400: ("invalid_request", "capability name 'Bad_Name' must match ^[a-z0-9][a-z0-9-]{0,40}$ with no '--'"),
-    401: ("unauthenticated", "the token is unknown, revoked or expired"),
+    401: (
+        "unauthenticated",
+        "send Authorization: Bearer <token>, an agent's deploy or invoke token (the owner issues them)",
+    ),
     403: ("forbidden", "deploying needs a token with the deploy scope"),
     404: ("not_found", "no capability xiaoju--nothing"),
     405: ("invalid_request", 'Method "PUT" not allowed.'),
     406: ("invalid_request", "Could not satisfy the request Accept header."),
     409: ("conflict", "xiaoju--ping is a normal capability; it cannot be redeployed as persistent"),
     413: ("too_large", "code is 10485761 bytes; the limit is 10485760 bytes"),
-    415: ("invalid_request", 'Unsupported media type "text/plain" in request.'),
+    415: (
+        "invalid_request",
+        'send the body as JSON with Content-Type: application/json (this request has Content-Type "text/plain")',
+    ),
     429: ("cooldown", "xiaoju deployed less than 5 s ago; retry later"),
     502: ("upstream_error", "the runtime could not place xiaoju--ping: Cloudflare answered 500"),
     503: ("unavailable", "Sigil's Redis is unreachable; try again shortly"),
@@ -211,6 +221,11 @@ class CapabilitySerializer(serializers.ModelSerializer):
     output_schema = serializers.JSONField(source="current_version.output_schema", default=None)
     examples = ContractExampleSerializer(source="current_version.examples", many=True, default=list)
     staged_version = serializers.IntegerField(source="staged_version.number", allow_null=True, default=None)
+    inactive_at = serializers.DateTimeField(
+        allow_null=True,
+        help_text="When a normal capability was marked inactive for going SIGIL_INACTIVE_AFTER_DAYS without a "
+        "call (its agent was told); null while it is in use. The next call clears it.",
+    )
 
     class Meta:
         model = Capability
@@ -231,6 +246,7 @@ class CapabilitySerializer(serializers.ModelSerializer):
             "updated_at",
             "expires_at",
             "last_access_at",
+            "inactive_at",
             "breaker",
             "stats",
             "input_schema",
@@ -325,6 +341,43 @@ class CapabilityDetailSerializer(CapabilitySerializer):
         return obj.current_version.code if owner and obj.current_version else None
 
 
+# A deploy with its contract: the example of the schema, /llms.txt and the README.
+ADD_DEPLOY = {
+    "name": "add",
+    "code": "export default { async fetch(request) { const {a, b} = await request.json(); "
+    "return Response.json({sum: a + b}) } }",
+    "description": "Adds two numbers.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+        "required": ["a", "b"],
+    },
+    "output_schema": {"type": "object", "properties": {"sum": {"type": "number"}}},
+    "examples": [{"input": {"a": 1, "b": 2}, "output": {"sum": 3}}],
+}
+
+
+class AcceptedSerializer(serializers.Serializer):
+    """Every 202 Sigil answers, a deploy still being placed or a call not yet run: the seeds'
+    `status`, `callback` (the URL to poll) and `eta_seconds` (how long to wait before polling),
+    plus what each kind adds."""
+
+    status = serializers.CharField(help_text="What is under way: deploying, accepted or running")
+    callback = serializers.CharField(help_text="Where to GET the outcome, relative to this server")
+    eta_seconds = serializers.IntegerField(help_text="Seconds to wait before polling callback")
+
+
+@extend_schema_serializer(component_name="CallAccepted")
+class CallAcceptedSerializer(AcceptedSerializer):
+    """202 for an asynchronous call not yet run: as the gateway answers `Prefer: respond-async`,
+    and as its status URL answers until the call has run."""
+
+    status = serializers.ChoiceField(["accepted", "running"])
+    call = serializers.CharField(help_text="The call's id")
+    capability = serializers.CharField(help_text="The capability called, agent--name")
+    status_url = serializers.CharField(help_text="The same as callback")
+
+
 class CapabilityDeployApi(APIView):
     permission_classes = [HasDeployScope]
     parser_classes = [LimitedJSONParser]
@@ -378,16 +431,15 @@ class CapabilityDeployApi(APIView):
         cold_start = serializers.BooleanField(help_text="Whether placing it started code anew")
         evicted = serializers.CharField(allow_null=True, help_text="The capability paged out to make room, if any")
 
-    class PendingSerializer(serializers.Serializer):
+    @extend_schema_serializer(component_name="DeployAccepted")
+    class PendingSerializer(AcceptedSerializer):
         """202: the version is recorded and still being placed; poll `callback`."""
 
+        status = serializers.ChoiceField(["deploying"])
         capability = serializers.CharField()
         url = serializers.CharField()
         version = serializers.IntegerField()
         expires_at = serializers.DateTimeField(allow_null=True)
-        status = serializers.ChoiceField(["deploying"])
-        callback = serializers.CharField()
-        eta_seconds = serializers.IntegerField()
 
     @extend_schema(
         operation_id="deployCapability",
@@ -409,11 +461,17 @@ class CapabilityDeployApi(APIView):
         },
         examples=[
             OpenApiExample(
+                "A capability with its contract",
+                request_only=True,
+                value=ADD_DEPLOY,
+            ),
+            OpenApiExample(
                 "A named capability",
                 request_only=True,
                 value={
                     "name": "ping",
                     "code": 'export default { async fetch(request) { return new Response("pong") } }',
+                    "description": "Answers pong.",
                 },
             ),
             OpenApiExample(
@@ -431,19 +489,39 @@ class CapabilityDeployApi(APIView):
             OpenApiExample(
                 "An ephemeral capability for an hour",
                 request_only=True,
-                value={"name": None, "ttl": 3600, "code": "export default { fetch: () => new Response('hi') }"},
+                value={
+                    "name": None,
+                    "ttl": 3600,
+                    "code": "export default { fetch: () => new Response('hi') }",
+                    "description": "Says hi, for an hour.",
+                },
             ),
             OpenApiExample(
                 "Deployed",
                 response_only=True,
                 status_codes=["201"],
                 value={
-                    "capability": "xiaoju--ping",
-                    "url": "https://sigil.example.com/xiaoju/ping",
+                    "capability": "xiaoju--add",
+                    "url": "https://sigil.example.com/xiaoju/add",
                     "version": 1,
+                    "staged": False,
                     "expires_at": None,
                     "cold_start": True,
                     "evicted": None,
+                },
+            ),
+            OpenApiExample(
+                "Still being placed",
+                response_only=True,
+                status_codes=["202"],
+                value={
+                    "status": "deploying",
+                    "callback": "/_status/xiaoju--add",
+                    "eta_seconds": 5,
+                    "capability": "xiaoju--add",
+                    "url": "https://sigil.example.com/xiaoju/add",
+                    "version": 2,
+                    "expires_at": None,
                 },
             ),
         ],
@@ -672,20 +750,133 @@ class CapabilitySplitEndApi(APIView):
     """POST …/split/promote or …/split/abort: end the split one way or the other."""
 
     permission_classes = [HasDeployScope]
-    action: str = ""
+    end = staticmethod(services.capability_promote)
 
-    @extend_schema(
-        tags=["Deploy"],
-        summary="End the traffic split: promote the staged version, or abort",
-        request=None,
-        responses={200: CapabilityDetailSerializer, **error_responses(*AUTHENTICATED, 404, 409, 413, 502, 504)},
-    )
     def post(self, request, full: str):
         capability = selectors.capability_get_owned(principal=request.user, full=full)
-        end = services.capability_promote if self.action == "promote" else services.capability_split_abort
-        capability = end(capability=capability, actor=f"agent:{request.user.agent_name}")
+        self.end(capability=capability, actor=f"agent:{request.user.agent_name}")
         capability = selectors.capability_get_owned(principal=request.user, full=full)
         return Response(CapabilityDetailSerializer(capability, context={"request": request}).data)
+
+
+SPLIT_END_RESPONSES = {200: CapabilityDetailSerializer, **error_responses(*AUTHENTICATED, 404, 409, 413, 502, 504)}
+
+
+@extend_schema_view(
+    post=extend_schema(
+        operation_id="promoteSplit",
+        tags=["Deploy"],
+        summary="End the traffic split by making the staged version current",
+        request=None,
+        responses=SPLIT_END_RESPONSES,
+    )
+)
+class CapabilityPromoteApi(CapabilitySplitEndApi):
+    end = staticmethod(services.capability_promote)
+
+
+@extend_schema_view(
+    post=extend_schema(
+        operation_id="abortSplit",
+        tags=["Deploy"],
+        summary="End the traffic split by sending every call to the current version again",
+        request=None,
+        responses=SPLIT_END_RESPONSES,
+    )
+)
+class CapabilitySplitAbortApi(CapabilitySplitEndApi):
+    end = staticmethod(services.capability_split_abort)
+
+
+@extend_schema_serializer(component_name="Version")
+class VersionSerializer(serializers.Serializer):
+    """One version of a capability, as its agent lists them (selectors.VersionRecord)."""
+
+    version = serializers.IntegerField()
+    sha256 = serializers.CharField()
+    size_bytes = serializers.IntegerField()
+    created_at = serializers.DateTimeField()
+    status = serializers.ChoiceField(
+        ["served", "staged", "placing", "refused", "superseded", "retired"],
+        help_text="served: the current version; staged: kept aside for a traffic split; placing: being placed; "
+        "refused: the runtime or a rule refused it (failure says why); superseded: a newer deploy came before it "
+        "was placed; retired: served or staged before, no longer",
+    )
+    deployed_by = serializers.CharField(
+        allow_null=True,
+        help_text="Who made it: agent:NAME, owner:USERNAME (the admin), owner:cli (manage.py) or system",
+    )
+    restores = serializers.IntegerField(allow_null=True, help_text="The version a rollback restored, if it is one")
+    description = serializers.CharField(help_text="The contract's description")
+    declares = serializers.ListField(
+        child=serializers.ChoiceField(list(contracts.FIELDS)), help_text="The contract fields it sets"
+    )
+    failure = inline_serializer(
+        "VersionFailure", {"code": serializers.CharField(), "message": serializers.CharField()}, allow_null=True
+    )
+
+
+class CapabilityVersionsApi(APIView):
+    """GET /_api/capabilities/{full}/versions: the owner's history of a capability."""
+
+    pagination_class = CapabilityPagination  # so that the schema shows the page's shape
+
+    @extend_schema(
+        operation_id="listVersions",
+        tags=["Deploy"],
+        summary="The versions of one of your capabilities, newest first",
+        description="Each version's number, sha256, contract summary, when and by whom it was made, and whether it "
+        "is served, staged or was refused. Only the capability's own agent may list them (any of its tokens); "
+        "`POST …/rollback` restores one.",
+        parameters=[OpenApiParameter("limit", int), OpenApiParameter("offset", int)],
+        responses={200: VersionSerializer(many=True), **error_responses(*AUTHENTICATED, 404)},
+    )
+    def get(self, request, full: str):
+        capability = selectors.capability_get_owned(principal=request.user, full=full)
+        paginator = CapabilityPagination()
+        page = paginator.paginate_queryset(selectors.capability_versions(capability=capability), request, view=self)
+        records = selectors.versions_describe(capability=capability, versions=list(page))
+        return paginator.get_paginated_response(VersionSerializer(records, many=True).data)
+
+
+class CapabilityRollbackApi(APIView):
+    """POST /_api/capabilities/{full}/rollback: serve an earlier version's code and contract again."""
+
+    permission_classes = [HasDeployScope]
+    parser_classes = [LimitedJSONParser]
+
+    @extend_schema_serializer(component_name="Rollback")
+    class InputSerializer(serializers.Serializer):
+        version = StrictIntegerField(min_value=1, help_text="The version to restore, as GET …/versions lists it")
+
+    @extend_schema(
+        operation_id="rollbackCapability",
+        tags=["Deploy"],
+        summary="Roll one of your capabilities back to an earlier version",
+        description="Its code and its contract are restored together, as a new version numbered after the latest "
+        "(`restores` in the version list names the old one). Needs a deploy token; counts as a deploy for the "
+        "agent's cool-down (429 cooldown); audited as `capability.rolled_back`. Rolling back to what is served "
+        "changes nothing (200, same version). A version that was refused, superseded or is still placing is a "
+        "400; the staged version a 409 (promote it instead). Answers as a deploy does, `202` while it is still "
+        "being placed.",
+        request=InputSerializer,
+        responses={
+            200: CapabilityDeployApi.OutputSerializer,
+            202: CapabilityDeployApi.PendingSerializer,
+            **error_responses(*AUTHENTICATED, 404, 409, 413, 415, 502, 503, 504),
+        },
+        examples=[OpenApiExample("Back to version 1", request_only=True, value={"version": 1})],
+    )
+    def post(self, request, full: str):
+        reject_unknown_fields(request.data, self.InputSerializer())
+        serializer = self.InputSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        result = services.capability_rollback_by_agent(
+            principal=request.user, full=full, version_number=serializer.validated_data["version"]
+        )
+        if result.pending:
+            return Response(CapabilityDeployApi.PendingSerializer(deploy_answer(request, result)).data, status=202)
+        return Response(deploy_answer(request, result))
 
 
 class StatusApi(APIView):
@@ -752,6 +943,25 @@ class CapabilityWarmingStatusApi(APIView):
         return Response({"status": status, "capability": capability.full_name, "deploy": deploy if own else None})
 
 
+# What a pending call's 202 suggests waiting before polling again (its Retry-After too).
+CALL_POLL_SECONDS = 1
+
+
+def call_accepted_body(call_id: str, *, capability: str, status: str) -> dict:
+    """The 202 of a call not yet run, in the one 202 shape (AcceptedSerializer)."""
+    url = f"/_api/calls/{call_id}"
+    return CallAcceptedSerializer(
+        {
+            "status": status,
+            "callback": url,
+            "eta_seconds": CALL_POLL_SECONDS,
+            "call": call_id,
+            "capability": capability,
+            "status_url": url,
+        }
+    ).data
+
+
 class CallStatusApi(APIView):
     """GET /_api/calls/{id}: an asynchronous call, pending (202) or, once it has run, its own
     answer: the status, headers and body the capability (or the gateway) gave it."""
@@ -762,22 +972,16 @@ class CallStatusApi(APIView):
         summary="The result of an asynchronous call",
         responses={
             (200, "*/*"): OpenApiResponse(description="The call has run: its own status, headers and body"),
-            202: inline_serializer(
-                "CallPending",
-                {
-                    "call": serializers.CharField(),
-                    "capability": serializers.CharField(),
-                    "status": serializers.ChoiceField(["accepted", "running"]),
-                },
-            ),
+            202: CallAcceptedSerializer,
             **error_responses(*AUTHENTICATED, 404),
         },
     )
     def get(self, request, call_id: str):
         call = async_calls.async_call_get(principal=request.user, call_id=call_id)
         if call.result is None:
-            pending = Response({"call": call.call_id, "capability": call.capability, "status": call.state}, status=202)
-            pending["Retry-After"] = "1"
+            body = call_accepted_body(call.call_id, capability=call.capability, status=call.state)
+            pending = Response(body, status=202)
+            pending["Retry-After"] = str(CALL_POLL_SECONDS)
             return pending
         answer = HttpResponse(call.result.body, status=call.result.status)
         for name, value in call.result.headers:
@@ -830,6 +1034,7 @@ HEALTH = inline_serializer(
         "agents": serializers.IntegerField(allow_null=True),
         "checks": serializers.DictField(child=serializers.CharField()),
         "left_on_previous_runtimes": serializers.DictField(child=serializers.IntegerField(), required=False),
+        "warnings": serializers.ListField(child=serializers.CharField(), required=False),
     },
 )
 
@@ -874,6 +1079,16 @@ class HealthApi(APIView):
             checks["previous_runtimes"] = "failing: " + "; ".join(gone) if gone else "ok"
         healthy = all(value == "ok" for value in checks.values())
         body = {"status": "ok" if healthy else "failing", "backend": settings.SIGIL_BACKEND, **counts, "checks": checks}
+        try:
+            # Worth the owner's attention, but Sigil still serves: not a failing check.
+            warning = services.runtime_account_warning()
+        except RedisError:  # reported above, as the redis check
+            warning = None
+        warnings = [warning] if warning else []
+        # Still served where they are: the owner has a switch to finish, not an outage.
+        warnings += [left.describe() for left in left_behind if not left.failure]
+        if warnings:
+            body["warnings"] = warnings
         if left_behind:
             body["left_on_previous_runtimes"] = {left.backend: left.capabilities for left in left_behind}
         return Response(body, status=200 if healthy else 503)
@@ -905,7 +1120,15 @@ def llms_txt_view(request):
     if request.method not in ("GET", "HEAD"):
         return error_response(InvalidRequest("llms.txt answers GET"))
     base = settings.SIGIL_PUBLIC_URL.rstrip("/") or request.build_absolute_uri("/").rstrip("/")
-    text = render_to_string("llms.txt", {"base": base})
+    cooldown = settings.SIGIL_DEPLOY_COOLDOWN_SECONDS
+    context = {
+        "base": base,
+        # One field a line, indented as the guide's code block.
+        "add_deploy": "{" + ",\n     ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in ADD_DEPLOY.items()) + "}",
+        "cooldown": f"{cooldown:g}" if cooldown > 0 else None,
+        "inactive_days": settings.SIGIL_INACTIVE_AFTER_DAYS,
+    }
+    text = render_to_string("llms.txt", context)
     return HttpResponse(text, content_type="text/plain; charset=utf-8")
 
 

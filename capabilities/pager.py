@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from capabilities import leases
 from capabilities.models import Capability, CapabilityType, State
 from sigil_site.redis_client import get_redis
 
@@ -41,7 +42,14 @@ def lru_key(capability_type: str) -> str:
 
 
 def inflight_key(full: str) -> str:
+    """The calls in flight to `full` as one count (the gateway's until it counts per process:
+    a count its dead process held never comes back to 0)."""
     return f"sigil:inflight:{full}"
+
+
+def inflight_by_process_key(full: str) -> str:
+    """The calls in flight to `full`, per process (a hash: process id -> count)."""
+    return f"sigil:inflight-by-process:{full}"
 
 
 LRU_KEYS = [lru_key(t) for t in CLASS_ORDER]
@@ -337,9 +345,78 @@ def pager_usage() -> Usage:
     return Usage(sum(live), placing, evicting)
 
 
+def pager_inflight_enter(full: str, *, client=None) -> str:
+    """A call to `full` is in flight in this process (one round trip: the count, and the
+    process's liveness renewed with it). Returns the process's id:
+    what `pager_inflight_leave`, or the stats' RECORD_CALL as its in-flight argument, takes
+    back. A count stops counting once its process is no longer live (leases.this_process)."""
+    pipe = (client or get_redis()).pipeline(transaction=False)
+    process = leases.mark_live(pipe)
+    pipe.hincrby(inflight_by_process_key(full), process, 1)
+    pipe.execute()
+    return process
+
+
+def pager_inflight_leave(full: str, *, process: str, pipe=None) -> None:
+    """The call counted by `pager_inflight_enter` (which returned `process`) has ended;
+    queued on `pipe` when given."""
+    (pipe or get_redis()).hincrby(inflight_by_process_key(full), process, -1)
+
+
 def pager_inflight(full: str) -> int:
-    value = get_redis().get(inflight_key(full))
-    return int(value) if value else 0
+    """The calls in flight to `full` in live processes (plus the single count's). The counts
+    of processes no longer live are dropped: their calls died with them."""
+    redis = get_redis()
+    pipe = redis.pipeline(transaction=False)
+    pipe.get(inflight_key(full))
+    pipe.hgetall(inflight_by_process_key(full))
+    single, by_process = pipe.execute()
+    counts = {process.decode(): int(count) for process, count in by_process.items()}
+    live = leases.processes_live(sorted(counts))
+    dead = [process for process, is_live in live.items() if not is_live]
+    if dead:
+        redis.hdel(inflight_by_process_key(full), *dead)
+    return int(single or 0) + sum(max(0, counts[process]) for process, is_live in live.items() if is_live)
+
+
+# KEYS: the placing set, the placement lock's key. ARGV: full.
+# A placing entry whose placer's lock is gone (the placer died) gives its slot back.
+DROP_UNHELD_PLACING = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+return redis.call('ZREM', KEYS[1], ARGV[1])
+"""
+
+
+def pager_placing() -> list[str]:
+    return [member.decode() for member in get_redis().zrange(PLACING_KEY, 0, -1)]
+
+
+def pager_drop_unheld_placing(full: str, *, lock_key: str) -> bool:
+    """Drop `full` from `placing` unless `lock_key` (its placement lock) is held: its placer
+    died mid-placement. Atomic. Returns whether it was dropped."""
+    return bool(get_redis().eval(DROP_UNHELD_PLACING, 2, PLACING_KEY, lock_key, full))
+
+
+def chosen_key(full: str) -> str:
+    return f"sigil:lru:chosen:{full}"
+
+
+def pager_note_chosen(full: str, victims: Iterable[str]) -> None:
+    """A placement of `full` chose `victims`: if it dies before it ends, they are paged out."""
+    victims = list(victims)
+    if victims:
+        pipe = get_redis().pipeline(transaction=True)
+        pipe.sadd(chosen_key(full), *victims)
+        pipe.expire(chosen_key(full), 86400)
+        pipe.execute()
+
+
+def pager_take_chosen(full: str) -> list[str]:
+    """The victims a placement of `full` chose, forgotten: it has ended (or died)."""
+    pipe = get_redis().pipeline(transaction=True)
+    pipe.smembers(chosen_key(full))
+    pipe.delete(chosen_key(full))
+    return sorted(member.decode() for member in pipe.execute()[0])
 
 
 def pager_ensure_built() -> None:

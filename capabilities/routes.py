@@ -46,13 +46,13 @@ def route_visible(route: CachedRoute | None, agent_name: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Split:
-    """A traffic split as the gateway applies it: callers whose key hashes below `weight`
+    """A traffic split as the engine applies it: callers whose key hashes below `weight`
     (of 100) go to `variant`, the staged version's own route; the key is the request header
-    `caller_environ` (a WSGI environ key) when the caller sends it, else its token."""
+    `caller_header` (lower case; "" for none) when the caller sends it, else its token."""
 
     variant: str
     weight: int
-    caller_environ: str
+    caller_header: str
 
 
 def key(full: str) -> str:
@@ -62,7 +62,7 @@ def key(full: str) -> str:
 def encode(capability: Capability) -> bytes:
     split = None
     if capability.has_split:
-        split = [variant_name(capability), capability.split_weight, caller_environ(capability.split_caller_header)]
+        split = [variant_name(capability), capability.split_weight, capability.split_caller_header.lower()]
     return json.dumps(
         {
             "id": capability.pk,
@@ -99,7 +99,7 @@ def decode(raw: bytes) -> CachedRoute | None:
         data.get("backend", ""),
         data.get("cpu"),
         data.get("ver"),
-        Split(*data["split"]) if data.get("split") else None,
+        _split(data["split"]) if data.get("split") else None,
         data.get("cache", False),
     )
 
@@ -116,9 +116,11 @@ def variant_name(capability: Capability) -> str:
     return f"{capability.full_name}--v{capability.staged_version.number}"
 
 
-def caller_environ(header: str) -> str:
-    """The WSGI environ key of a request header (`X-User` → `HTTP_X_USER`); "" for none."""
-    return "HTTP_" + header.upper().replace("-", "_") if header else ""
+def _split(value: list) -> Split:
+    variant, weight, header = value
+    if header.startswith("HTTP_"):  # written before the engine keyed it by header name
+        header = header[5:].replace("_", "-").lower()
+    return Split(variant, weight, header)
 
 
 def route_publish(capability: Capability) -> None:

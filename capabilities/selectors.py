@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 
 from django.db.models import Q, QuerySet
@@ -141,6 +142,89 @@ def capability_deploy_state(capability: Capability) -> dict | None:
     if latest is None or latest["placement"] == VersionPlacement.PLACED:
         return None
     return {"version": latest["number"], "status": latest["placement"], "error": latest["failure"]}
+
+
+# The audit events that record a version, and so who made it.
+VERSION_EVENTS = (
+    "capability.created",
+    "capability.deployed",
+    "capability.rolled_back",
+    "capability.staged",
+    "capability.deploy_failed",
+)
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    """One version as its agent lists it (GET /_api/capabilities/{full}/versions)."""
+
+    version: int
+    sha256: str
+    size_bytes: int
+    created_at: datetime
+    # served: the current version; staged: kept aside for a split; placing, refused or
+    # superseded: a deploy that is not (yet) placed; retired: served or staged once, no longer.
+    status: str
+    deployed_by: str | None  # the audit trail's actor: agent:NAME, owner:USERNAME, system
+    restores: int | None  # the version a rollback restored
+    description: str
+    declares: list[str]  # the contract fields the version sets
+    failure: dict | None  # why a refused or superseded version was not placed
+
+
+def capability_versions(*, capability: Capability) -> QuerySet[CapabilityVersion]:
+    """The versions of `capability`, newest first, without their code."""
+    return CapabilityVersion.objects.filter(capability_id=capability.pk).defer("code").order_by("-number")
+
+
+def versions_describe(*, capability: Capability, versions: list[CapabilityVersion]) -> list[VersionRecord]:
+    """What each of `versions` is to its capability, and who made it (from the audit trail:
+    the capability's own events, since a full name may be reused after a removal)."""
+    numbers = [version.number for version in versions]
+    events = (
+        AuditEvent.objects.filter(
+            subject=capability.full_name,
+            action__in=VERSION_EVENTS,
+            created_at__gte=capability.created_at,
+            detail__version__in=numbers,
+        )
+        .order_by("created_at", "id")
+        .values_list("actor", "detail")
+    )
+    made_by: dict[int, tuple[str, int | None]] = {}
+    for actor, detail in events:
+        made_by.setdefault(detail["version"], (actor, detail.get("restored_version")))
+    records = []
+    for version in versions:
+        requested = version.requested
+        actor, restores = made_by.get(version.number, (requested.get("actor"), requested.get("restores")))
+        records.append(
+            VersionRecord(
+                version=version.number,
+                sha256=version.sha,
+                size_bytes=version.size_bytes,
+                created_at=version.created_at,
+                status=_version_status(capability, version),
+                deployed_by=actor,
+                restores=restores,
+                description=version.description,
+                declares=[name for name, value in Contract.of(version).as_fields().items() if value],
+                failure=version.failure,
+            )
+        )
+    return records
+
+
+def _version_status(capability: Capability, version: CapabilityVersion) -> str:
+    if version.pk == capability.current_version_id:
+        return "served"
+    if version.pk == capability.staged_version_id:
+        return "staged"
+    return {
+        VersionPlacement.PLACING: "placing",
+        VersionPlacement.FAILED: "refused",
+        VersionPlacement.SUPERSEDED: "superseded",
+    }.get(version.placement, "retired")
 
 
 def backend_status() -> dict:

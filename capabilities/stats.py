@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from agents import tokens
-from capabilities import breaker
+from capabilities import breaker, failures, pager
 from sigil_site.redis_client import get_redis
 
 # Upper bounds (ms) of the latency histogram's buckets; one more bucket holds the rest.
@@ -62,6 +62,13 @@ def answer_count(*, full: str | None, status: int, code: str | None) -> None:
     no registered capability.
     One round trip; the flush moves it to the database with the calls."""
     pipe = get_redis().pipeline(transaction=True)
+    answer_count_queue(pipe, full=full, status=status, code=code)
+    pipe.execute()
+
+
+def answer_count_queue(pipe, *, full: str | None, status: int, code: str | None) -> None:
+    """Queue answer_count()'s commands on `pipe`, a transaction of either Redis client (the
+    engine's is asyncio's); the caller executes it."""
     key = stats_key(full or UNROUTED)
     if status >= 400:  # a 202 (paging in behind `respond-async`) is answered, not refused
         pipe.hincrby(key, "refused", 1)
@@ -73,7 +80,6 @@ def answer_count(*, full: str | None, status: int, code: str | None) -> None:
         pipe.hincrby(UNROUTED_TOTALS_KEY, status_field(status), 1)
         if code:
             pipe.hincrby(UNROUTED_TOTALS_KEY, code_field(code), 1)
-    pipe.execute()
 
 
 def unrouted_totals() -> tuple[dict[str, int], dict[str, int]]:
@@ -97,10 +103,12 @@ def add_counts(a: dict[str, int] | None, b: dict[str, int] | None) -> dict[str, 
 
 
 # KEYS: stats, the breaker's failures, open and trial keys, dirty set, tokens-used hash, the
-#       pager's LRU set for the capability's type, its in-flight counter, its failure records,
+#       pager's LRU set for the capability's type, its in-flight count (pager.inflight_key, or
+#       pager.inflight_by_process_key when the count is per process), its failure records,
 #       the access log
 # ARGV: full name, token hash, now (epoch s), latency ms, ok (1/0), is trial (1/0),
-#       threshold, cool-down seconds, held an in-flight count (1/0), histogram bucket field,
+#       threshold, cool-down seconds, the in-flight count held (0: none, 1: the single count,
+#       else the process id pager.pager_inflight_enter returned), histogram bucket field,
 #       page-in ms ('' for a warm call), status class field, error code field (''),
 #       failure record ('' for a success), failure records kept, the capability's type,
 #       the access log's length (0: off)
@@ -114,7 +122,11 @@ local full, token, now, latency = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local ok = ARGV[5] == '1'
 -- XX: stamp only capabilities the pager holds as live; an unbounded runtime has no set.
 redis.call('ZADD', lru, 'XX', now, full)
-if ARGV[9] == '1' then redis.call('DECR', inflight) end
+if ARGV[9] == '1' then
+  redis.call('DECR', inflight)
+elseif ARGV[9] ~= '0' and ARGV[9] ~= '' then
+  redis.call('HINCRBY', inflight, ARGV[9], -1)
+end
 redis.call('HINCRBY', stats, 'calls', 1)
 redis.call('HINCRBYFLOAT', stats, 'latency_ms', latency)
 redis.call('HINCRBY', stats, ARGV[10], 1)
@@ -140,6 +152,62 @@ end
 return breaker_record(open, failures, trial, now, ok, ARGV[6] == '1', tonumber(ARGV[7]), tonumber(ARGV[8]))
 """
 )
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    """What one call that reached the capability's code leaves behind, applied by RECORD_CALL
+    in one round trip: its counters, access stamp, LRU stamp, in-flight release, breaker
+    outcome, failure record (for a failure) and access-pattern entry."""
+
+    full: str  # what was placed and called: a staged version's own name in a split
+    capability_type: str
+    token_hash: str
+    at_epoch: float
+    latency_ms: float
+    status: int
+    ok: bool
+    is_trial: bool
+    inflight_process: str | None  # the process whose in-flight count the call holds (pager_inflight_enter)
+    page_in_ms: float | None
+    code: str | None = None  # Sigil's error code, when Sigil answered for the capability
+    failure: str = ""  # failures.failure_encode() of a failure; "" for a success
+
+    def keys(self) -> list[str]:
+        return [
+            stats_key(self.full),
+            breaker.failures_key(self.full),
+            breaker.open_key(self.full),
+            breaker.trial_key(self.full),
+            DIRTY_KEY,
+            TOKENS_USED_KEY,
+            pager.lru_key(self.capability_type),
+            pager.inflight_by_process_key(self.full),
+            failures.failures_key(self.full),
+            ACCESS_LOG_KEY,
+        ]
+
+    def args(self, *, rules: breaker.Breaker, failures_kept: int, access_log_length: int) -> list:
+        return [
+            self.full,
+            self.token_hash,
+            f"{self.at_epoch:.6f}",
+            f"{self.latency_ms:.3f}",
+            int(self.ok),
+            int(self.is_trial),
+            rules.threshold,
+            rules.cooldown_seconds,
+            self.inflight_process or 0,
+            bucket_field(self.latency_ms),
+            "" if self.page_in_ms is None else f"{self.page_in_ms:.3f}",
+            status_field(self.status),
+            code_field(self.code),
+            self.failure,
+            failures_kept,
+            self.capability_type,
+            access_log_length,
+        ]
+
 
 # The flush moves counters to the database in three steps, each safe to die after: claim a
 # batch (this script: the counters move, atomically, into a batch hash named by a fresh

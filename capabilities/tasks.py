@@ -10,10 +10,21 @@ from celery.exceptions import Retry
 
 from capabilities.runtimes.errors import RuntimeUnavailable
 
+# A retry waits at most this long: the worker holds the retried task, unacknowledged, while
+# it waits, and the broker's visibility timeout (settings) must cover the wait and the run.
+MAX_COUNTDOWN_SECONDS = 60
+
+
+def retry_countdown(*, retries: int, retry_after: float | None) -> float:
+    """How long before retry number `retries` + 1: the runtime's Retry-After when it gave one
+    (Cloudflare's 429), else jittered exponential backoff; at most MAX_COUNTDOWN_SECONDS."""
+    if retry_after is not None:
+        return min(MAX_COUNTDOWN_SECONDS, retry_after)
+    return min(MAX_COUNTDOWN_SECONDS, 2 * 2**retries) * random.uniform(0.5, 1.0)
+
 
 class RuntimeTask(DjangoTask):
-    """A task that talks to the runtime: a transient failure is retried after the runtime's
-    Retry-After when it gave one (Cloudflare's 429), else with jittered exponential backoff."""
+    """A task that talks to the runtime: a transient failure is retried (`retry_countdown`)."""
 
     max_retries = 8
 
@@ -21,23 +32,27 @@ class RuntimeTask(DjangoTask):
         try:
             return super().__call__(*args, **kwargs)
         except RuntimeUnavailable as exc:
-            if exc.retry_after is not None:
-                countdown = exc.retry_after
-            else:
-                countdown = min(300, 2 * 2**self.request.retries) * random.uniform(0.5, 1.0)
+            countdown = retry_countdown(retries=self.request.retries, retry_after=exc.retry_after)
             raise self.retry(exc=exc, countdown=countdown) from exc
 
 
 RETRY_TRANSIENT = {"base": RuntimeTask}
 
 
-# Routed to the deploy queue (CELERY_TASK_ROUTES). Its outcome is recorded on the version and
-# handed to the waiting request by the service, so no result backend is needed.
-@shared_task(name="capabilities.capability_place_version", acks_late=True, reject_on_worker_lost=True)
-def capability_place_version(*, version_id: int) -> None:
+# Sent to the deploy queue. Its outcome is recorded on the version and handed to the waiting
+# request by the service, so no result backend is needed. A transient failure is retried
+# (the service says when, and keeps the version owned meanwhile); the last try records it.
+@shared_task(name="capabilities.capability_place_version", bind=True, acks_late=True, reject_on_worker_lost=True)
+def capability_place_version(self, *, version_id: int) -> None:
+    from django.conf import settings
+
     from capabilities import services
 
-    services.capability_place_version(version_id=version_id)
+    retries = settings.SIGIL_DEPLOY_RETRIES
+    try:
+        services.capability_place_version(version_id=version_id, retries=self.request.retries, max_retries=retries)
+    except RuntimeUnavailable as exc:
+        raise self.retry(exc=exc, countdown=exc.retry_after, max_retries=retries) from exc
 
 
 @shared_task(name="capabilities.capability_release_slot", acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT)
@@ -116,6 +131,13 @@ def capability_reconcile() -> None:
     services.capability_reconcile()
 
 
+@shared_task(name="capabilities.capability_reap", acks_late=True, reject_on_worker_lost=True)
+def capability_reap() -> None:
+    from capabilities import services
+
+    services.capability_reap()
+
+
 @shared_task(name="capabilities.capability_mark_inactive", acks_late=True, reject_on_worker_lost=True)
 def capability_mark_inactive() -> None:
     from capabilities import services
@@ -144,12 +166,3 @@ def capability_refresh_bindings(*, full: str) -> None:
     from capabilities import services
 
     services.capability_refresh_bindings(full=full)
-
-
-# Late acks and a requeue on a lost worker: an accepted call outlives the worker running it,
-# and the service's execution record makes running it again safe.
-@shared_task(name="capabilities.capability_async_call", acks_late=True, reject_on_worker_lost=True)
-def capability_async_call(*, call_id: str) -> None:
-    from capabilities.services import async_calls
-
-    async_calls.async_call_run(call_id=call_id)

@@ -10,14 +10,16 @@ urlpatterns = [
     path("_api/capabilities/<str:full>/split", api.CapabilitySplitApi.as_view(), name="capability-split"),
     path(
         "_api/capabilities/<str:full>/split/promote",
-        api.CapabilitySplitEndApi.as_view(action="promote"),
+        api.CapabilityPromoteApi.as_view(),
         name="capability-split-promote",
     ),
     path(
         "_api/capabilities/<str:full>/split/abort",
-        api.CapabilitySplitEndApi.as_view(action="abort"),
+        api.CapabilitySplitAbortApi.as_view(),
         name="capability-split-abort",
     ),
+    path("_api/capabilities/<str:full>/versions", api.CapabilityVersionsApi.as_view(), name="capability-versions"),
+    path("_api/capabilities/<str:full>/rollback", api.CapabilityRollbackApi.as_view(), name="capability-rollback"),
     path("_api/calls/<str:call_id>", api.CallStatusApi.as_view(), name="call-status"),
     path("_api/cost", api.CostApi.as_view(), name="cost"),
     path("_api/status", api.StatusApi.as_view(), name="status"),

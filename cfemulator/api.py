@@ -28,6 +28,7 @@ import random
 import re
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
@@ -78,6 +79,9 @@ _LOG_SIZE = 10_000
 # Bodies above this are refused before they are read (Cloudflare's request limit).
 MAX_BODY_BYTES = 100 * 1024 * 1024
 PLANS = frozenset({"free", "paid"})
+# Worker scripts an account may hold on each plan (reference §7.3): changing the plan sets
+# `script_limit` to its plan's unless the same change sets it.
+PLAN_SCRIPT_LIMITS = {"free": 100, "paid": 500}
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,15 @@ class EmulatorConfig:
     # script (its API calls answer 10007 and its URL 404 until then), a workers.dev toggle,
     # a KV value written over the API (bindings read the one before). 0: at once.
     propagation_delay: float = 0.0
+    # Seconds a Worker's KV read that found nothing keeps answering "not found" at its
+    # location, even once the key is written over the API: Cloudflare caches a miss for the
+    # read's cacheTtl, 60 s by default (KV docs, "How KV works"). A write through the binding
+    # itself is seen at once where it was made. 0: misses are not cached.
+    kv_miss_cache_seconds: float = 60.0
+    # Answer a successful DELETE with 200 and no body at all, as some of Cloudflare's
+    # endpoints are documented to ("This call has no response body on a successful delete"),
+    # instead of the envelope with a null result.
+    empty_delete_answers: bool = False
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -135,7 +148,7 @@ class EmulatorConfig:
                 if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_CPU_MS:
                     raise ValueError(f"default_cpu_ms is a whole number of ms, 1 to {MAX_CPU_MS}")
                 values[key] = value
-            elif key in ("latency", "fault_rate", "propagation_delay"):
+            elif key in ("latency", "fault_rate", "propagation_delay", "kv_miss_cache_seconds"):
                 if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
                     raise ValueError(f"{key} must be a number, at least 0")
                 if key == "fault_rate" and value > 1:
@@ -149,9 +162,11 @@ class EmulatorConfig:
                 if value not in PLANS:
                     raise ValueError(f"plan is one of {sorted(PLANS)}")
                 values[key] = value
-            elif key == "workers_for_platforms":
+                if "script_limit" not in changes:
+                    values["script_limit"] = PLAN_SCRIPT_LIMITS[value]
+            elif key in ("workers_for_platforms", "empty_delete_answers"):
                 if not isinstance(value, bool):
-                    raise ValueError("workers_for_platforms is true or false")
+                    raise ValueError(f"{key} is true or false")
                 values[key] = value
             elif key == "subdomain":
                 if not isinstance(value, str) or (value and not re.fullmatch(_LABEL, value)):
@@ -281,6 +296,9 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
         self._limiter = LockoutWindow(self._config.rate_limit, self._config.rate_window)
         self._faults = random.Random(self._config.fault_seed)
         self._fault_count = 0
+        # (namespace id, key) -> until when a binding's read of it answers "not found" (see
+        # EmulatorConfig.kv_miss_cache_seconds). A cache, not state: a restart forgets it.
+        self._kv_misses: dict[tuple[str, str], float] = {}
         for path in self.code_dir.glob("*.json"):
             path.unlink(missing_ok=True)
         self._save_locked()
@@ -430,15 +448,22 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
                 cursor = str(offset + limit) if offset + limit < len(names) else ""
                 return ApiResponse(200, kv_list_body(items, cursor=cursor))
             if method == "GET":
+                now = time.time()
+                if self._kv_misses.get((namespace_id, key), 0.0) > now:
+                    return ApiResponse(404, b"", content_type="text/plain")
                 try:
-                    seen = self._kv_value(namespace, key).as_seen(time.time())
+                    seen = self._kv_value(namespace, key).as_seen(now)
                 except ApiError:
                     seen = None
                 if seen is None:
+                    if self._config.kv_miss_cache_seconds:
+                        self._kv_misses[(namespace_id, key)] = now + self._config.kv_miss_cache_seconds
                     return ApiResponse(404, b"", content_type="text/plain")
                 value = seen
                 extra = [("CF-KV-Metadata", json.dumps(value.metadata))] if value.metadata is not None else []
                 return ApiResponse(200, value.value, extra, content_type="application/octet-stream")
+            if method in ("PUT", "DELETE"):
+                self._kv_misses.pop((namespace_id, key), None)
             if method == "PUT":
                 metadata_header = headers.get("cf-kv-metadata")
                 expiration = None
@@ -487,6 +512,9 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
                 response = self._dispatch(request)
             except ApiError as error:
                 response = _error_response(error)
+            else:
+                if request.method == "DELETE" and response.status == 200 and config.empty_delete_answers:
+                    response = replace(response, body=b"", content_type="")
         response.headers.extend(rate_headers)
         self._record(request, response)
         return response
@@ -633,14 +661,43 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
         """
         sha = self._write_bundle(upload)
         stamp = _now()
+        deployment = str(uuid.uuid4())
         if existing is None:
             live_at = time.time() + (self._config.propagation_delay if propagates else 0.0)
-            return Script(name=name, sha=sha, upload=upload, created_on=stamp, modified_on=stamp, live_at=live_at)
+            return Script(
+                name=name,
+                sha=sha,
+                upload=upload,
+                created_on=stamp,
+                modified_on=stamp,
+                live_at=live_at,
+                deployment_id=deployment,
+            )
         old_sha = existing.sha
         existing.sha, existing.upload, existing.modified_on = sha, upload, stamp
+        existing.deployment_id = deployment
         if old_sha != sha:
             self._release(old_sha)
         return existing
+
+    @staticmethod
+    def _kept_bindings(upload: ScriptUpload, existing: Script | None) -> ScriptUpload:
+        """`upload` with the previous upload's bindings of the types its `keep_bindings` names
+        carried over, unless it binds that name itself (reference §1.2: Wrangler keeps
+        `secret_text` and `secret_key` this way, so secrets set apart survive a deploy)."""
+        if existing is None or not upload.keep_bindings:
+            return upload
+        named = {binding["name"] for binding in upload.bindings}
+        kept = [
+            binding
+            for binding in existing.upload.bindings
+            if binding["type"] in upload.keep_bindings and binding["name"] not in named
+        ]
+        if not kept:
+            return upload
+        kept_names = {binding["name"] for binding in kept}
+        texts = tuple(b for b in existing.upload.text_bindings if b.name in kept_names)
+        return replace(upload, bindings=[*upload.bindings, *kept], text_bindings=(*upload.text_bindings, *texts))
 
     def _write_bundle(self, upload: ScriptUpload) -> str:
         """Write the loader host's bundle for `upload`, once per sha; return the sha."""

@@ -74,6 +74,8 @@ def _fault_response(status: int) -> ApiResponse:
 def _upload_result(script: Script) -> dict[str, Any]:
     return {
         **script.to_json(),
+        # Each upload deploys a new version at once; Wrangler reads its deployment's id here.
+        "deployment_id": script.deployment_id,
         "handlers": ["fetch"],
         "startup_time_ms": 0,
         "compatibility_date": script.upload.compatibility_date,

@@ -76,11 +76,12 @@ class NamespaceEndpoints:
         name = _check_name(params["script"])
         # Namespaces are not capped by the account's Worker quota (reference §7.3).
         existing = namespace.scripts.get(name)
-        self._check_binding_targets(params["upload"])
-        self._check_start(name, params["upload"])
+        upload = self._kept_bindings(params["upload"], existing)
+        self._check_binding_targets(upload)
+        self._check_start(name, upload)
         # A first upload to a namespace is deployed synchronously: its 200 means it can be
         # dispatched to at once (Cloudflare's changelog, 2025-02-20).
-        script = self._store(name, params["upload"], existing, propagates=False)
+        script = self._store(name, upload, existing, propagates=False)
         namespace.scripts[name] = script
         namespace.modified_on = script.modified_on
         return _ok(_upload_result(script))

@@ -7,7 +7,16 @@ import re
 import time
 from typing import Any
 
-from cfemulator.api_common import _LABEL, ApiRequest, ApiResponse, _check_name, _ok, _settings, _upload_result
+from cfemulator.api_common import (
+    _LABEL,
+    ApiRequest,
+    ApiResponse,
+    _check_name,
+    _ok,
+    _settings,
+    _tags_match,
+    _upload_result,
+)
 from cfemulator.envelope import ApiError
 from cfemulator.state import Script
 
@@ -19,7 +28,10 @@ class ScriptEndpoints:
     # --- Worker scripts -----------------------------------------------------------------------
 
     def _script_list(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        return _ok([script.to_json() for script in self.scripts.values()])
+        # `tags=a:yes,b:no` filters as on a namespace's list (`ScriptListParams.tags` in
+        # cloudflare-python; the account's list takes it too).
+        selector = request.arg("tags", "") or ""
+        return _ok([script.to_json() for script in self.scripts.values() if _tags_match(script, selector)])
 
     def _script_upload(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
         name = _check_name(params["script"])
@@ -29,9 +41,10 @@ class ScriptEndpoints:
             raise ApiError(
                 400, 10037, f"You have exceeded the limit of {self._config.script_limit} Workers on your account."
             )
-        self._check_binding_targets(params["upload"])
-        self._check_start(name, params["upload"])
-        script = self._store(name, params["upload"], existing)
+        upload = self._kept_bindings(params["upload"], existing)
+        self._check_binding_targets(upload)
+        self._check_start(name, upload)
+        script = self._store(name, upload, existing)
         if existing is None:
             self.scripts[name] = script
         return _ok(_upload_result(script))
@@ -47,13 +60,11 @@ class ScriptEndpoints:
         return _ok(_settings(self._script(params["script"])))
 
     def _script_subdomain_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        script = self._script(params["script"])
+        script = self._propagated_script(params["script"])
         return _ok({"enabled": script.subdomain_enabled, "previews_enabled": script.previews_enabled})
 
     def _script_subdomain_set(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        script = self._script(params["script"])
-        if not script.serves(time.time()):
-            raise ApiError(404, 10007)  # a first upload still propagating (reference §3.2)
+        script = self._propagated_script(params["script"])
         body = request.json()
         if not isinstance(body, dict) or not isinstance(body.get("enabled"), bool):
             raise ApiError(400, 10021, "enabled (true or false) is required")
@@ -64,7 +75,7 @@ class ScriptEndpoints:
         return _ok({"enabled": script.subdomain_enabled, "previews_enabled": script.previews_enabled})
 
     def _script_subdomain_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        script = self._script(params["script"])
+        script = self._propagated_script(params["script"])
         script.subdomain_enabled = script.previews_enabled = False
         return _ok({"enabled": False, "previews_enabled": False})
 
@@ -80,6 +91,15 @@ class ScriptEndpoints:
             raise ApiError(400, 10021, "subdomain must be one lowercase DNS label")
         self.subdomain = name
         return _ok({"subdomain": name})
+
+    def _propagated_script(self, name: str) -> Script:
+        """The script, as the workers.dev subdomain endpoints see it: a first upload still
+        propagating is 10007 to all three of them alike (reference §3.2), never found by one
+        and missing to another."""
+        script = self._script(name)
+        if not script.serves(time.time()):
+            raise ApiError(404, 10007)
+        return script
 
     def _script(self, name: str) -> Script:
         script = self.scripts.get(name)

@@ -6,7 +6,9 @@ a KV namespace, a Worker Loader or a dispatch namespace (Sigil's loader and disp
 Workers, or a capability declaring KV) instead gets a config generated from its upload,
 with real bindings:
 
-- `worker_loader`: workerd's own `workerLoader` binding;
+- `worker_loader`: workerd's own `workerLoader` binding, wrapped so that the emulator meters
+  each Dynamic Worker's CPU against the `limits` its entrypoint was given (the CPU meter:
+  `cfemulator.cpumeter`, METER_HEADER);
 - `kv_namespace`: workerd's own `kvNamespace` binding, whose requests come back to the
   emulator (`x-cfemulator-kv: {namespace id}`) and are served from its KV store;
 - `dispatch_namespace`: open-source workerd has none (reference §4.3), so the emulator wraps
@@ -42,15 +44,28 @@ ORIGINAL_HOST_HEADER = "x-cfemulator-original-host"
 NOT_FOUND_HEADER = "x-cfemulator-worker-not-found"
 # On the emulator's 1102 for a namespace script: the binding's Fetcher throws instead (§4.3).
 EXCEEDED_HEADER = "x-cfemulator-exceeded-limits"
+# The CPU meter around a Worker Loader's entrypoints. Open-source workerd does not enforce a
+# Dynamic Worker's `limits` (reference §5.3), and it runs in its loader Worker's process; so the
+# emulator gives each call to a script with a Worker Loader an id (CALL_HEADER, taken off
+# before the script sees the request), and the binding's entrypoints tell the emulator when the
+# call runs a Dynamic Worker and with what limit (METER_HEADER "begin" / "end", with
+# METER_CPU_HEADER): the meter then stops the process once the call spent that limit.
+CALL_HEADER = "x-cfemulator-call"
+METER_HEADER = "x-cfemulator-meter"
+METER_CPU_HEADER = "x-cfemulator-cpu-ms"
+LOADER_BINDING_PREFIX = "__CFEMULATOR_LOADER_"
 SHIM_MODULE = "__cfemulator_entry.js"
 EMULATOR_BINDING = "__CFEMULATOR"
 DISPATCH_HOST_SUFFIX = "dispatch.localhost"
 
-# The dispatch namespace binding, as Cloudflare's runtime shapes it (reference §4.3).
+# The dispatch namespace binding, as Cloudflare's runtime shapes it (reference §4.3), and the
+# Worker Loader binding with the CPU meter around its entrypoints (see METER_HEADER).
 _SHIM = """\
 import * as uploaded from {main};
+{calls}
 
 const NAMESPACES = {namespaces};
+const LOADERS = {loaders};
 
 function dispatchNamespace(emulator, namespace) {{
   return {{
@@ -78,23 +93,117 @@ function dispatchNamespace(emulator, namespace) {{
   }};
 }}
 
-function withNamespaces(env) {{
+// Tell the emulator that the call `call` now runs a Dynamic Worker limited to `cpuMs` ("begin"),
+// or no longer does ("end"): it stops the call's process once that limit is spent.
+// Returns true for the replay of a call whose Dynamic Worker the emulator stopped (a 429):
+// that Worker is to throw Cloudflare's error at once.
+async function meter(emulator, call, phase, cpuMs) {{
+  const answer = await emulator.fetch("http://cfemulator/", {{
+    method: "POST",
+    headers: {{ {meter_header}: phase, {call_header}: call, {meter_cpu_header}: String(cpuMs || 0) }},
+  }});
+  return answer.status === 429;
+}}
+
+function bound(target, prop) {{
+  const value = target[prop];
+  return typeof value === "function" ? value.bind(target) : value;
+}}
+
+function meteredEntrypoint(entrypoint, emulator, cpuMs, loaded) {{
+  return new Proxy(entrypoint, {{
+    get(target, prop) {{
+      if (prop !== "fetch") return bound(target, prop);
+      return async (input, init) => {{
+        const call = calls.getStore();
+        const limit = cpuMs();
+        if (!call || !limit) return target.fetch(input, init);
+        if (await meter(emulator, call, "begin", limit)) {{
+          // Its code is loaded first: a load this call left unfinished would fail the next.
+          await loaded();
+          throw new Error({cpu_message});
+        }}
+        try {{
+          return await target.fetch(input, init);
+        }} finally {{
+          await meter(emulator, call, "end", 0);
+        }}
+      }};
+    }},
+  }});
+}}
+
+function workerLoader(loader, emulator) {{
+  const codeLimits = new Map();  // id -> WorkerCode.limits.cpuMs, once its code was loaded
+  const stub = (worker, id) => new Proxy(worker, {{
+    get(target, prop) {{
+      if (prop !== "getEntrypoint") return bound(target, prop);
+      return (name, options) => {{
+        const asked = options && options.limits && options.limits.cpuMs;
+        // The lower of the two limits wins (reference §5.3); 0: none set.
+        const cpuMs = () => {{
+          const given = [asked, codeLimits.get(id)].filter((ms) => ms > 0);
+          return given.length ? Math.min(...given) : 0;
+        }};
+        // Asking for an entrypoint no Worker has loads the code without calling its handlers.
+        const loaded = () => target.getEntrypoint("CfemulatorLoaded").fetch("http://loaded/").catch(() => null);
+        return meteredEntrypoint(target.getEntrypoint(name, options), emulator, cpuMs, loaded);
+      }};
+    }},
+  }});
+  const noting = (id, getCode) => async () => {{
+    const code = await getCode();
+    codeLimits.set(id, code && code.limits && code.limits.cpuMs);
+    return code;
+  }};
+  return {{
+    get: (id, getCode) => stub(loader.get(id, noting(id, getCode)), id),
+    load: (code) => {{
+      const id = Symbol("load");
+      codeLimits.set(id, code && code.limits && code.limits.cpuMs);
+      return stub(loader.load(code), id);
+    }},
+  }};
+}}
+
+function withBindings(env) {{
   const {{ {emulator}: emulator, ...rest }} = env;
   for (const [binding, namespace] of Object.entries(NAMESPACES)) rest[binding] = dispatchNamespace(emulator, namespace);
+  for (const [binding, real] of Object.entries(LOADERS)) {{
+    rest[binding] = workerLoader(env[real], emulator);
+    delete rest[real];
+  }}
   return rest;
 }}
 
 const worker = uploaded.default;
 export default {{
   fetch(request, env, ctx) {{
-    return worker.fetch(request, withNamespaces(env), ctx);
+    const call = request.headers.get({call_header});
+    if (call !== null) {{
+      const headers = new Headers(request.headers);
+      headers.delete({call_header});
+      request = new Request(request, {{ headers }});
+    }}
+    return calls.run(call, () => worker.fetch(request, withBindings(env), ctx));
   }},
 }};
 """
 
 
+# The emulator's id of the call a Worker with a Worker Loader serves, for the CPU meter (an
+# AsyncLocalStorage needs the nodejs_als flag, so a script without a loader does without).
+_CALLS = """import { AsyncLocalStorage } from "node:async_hooks";
+const calls = new AsyncLocalStorage();"""
+_NO_CALLS = "const calls = { run: (_, run) => run(), getStore: () => null };"
+
 # Answers the supervisor's liveness probe: any answer shows the process's event loop turns.
 _PROBE = "export default { fetch() { return new Response(null, { status: 204 }) } }"
+
+
+def has_worker_loader(upload: ScriptUpload) -> bool:
+    """Whether the script binds a Worker Loader, whose Dynamic Workers the emulator meters."""
+    return any(binding.get("type") == "worker_loader" for binding in upload.bindings)
 
 
 def needs_own_workerd(upload: ScriptUpload) -> bool:
@@ -160,6 +269,7 @@ def bound_config(
     bindings: list[str] = []
     environment: dict[str, str] = {}
     namespaces: dict[str, str] = {}
+    loaders: dict[str, str] = {}  # binding name -> the real binding's name, behind the meter
     for index, binding in enumerate(upload.bindings):
         name, kind = binding["name"], binding["type"]
         if kind in ("plain_text", "secret_text"):
@@ -177,22 +287,31 @@ def bound_config(
             )
             bindings.append(f"(name = {_capnp(name)}, kvNamespace = {_capnp(service)})")
         elif kind == "worker_loader":
-            bindings.append(f"(name = {_capnp(name)}, workerLoader = ())")
+            loaders[name] = LOADER_BINDING_PREFIX + name
+            bindings.append(f"(name = {_capnp(loaders[name])}, workerLoader = ())")
         elif kind == "dispatch_namespace":
             namespaces[name] = binding["namespace"]
         # Other kinds (D1, R2, queues, services, ...) are not emulated: the script runs without them.
 
     main_module = upload.main_module
     flags = list(upload.compatibility_flags)
-    if any(b["type"] == "worker_loader" for b in upload.bindings) and "experimental" not in flags:
+    if loaders and "experimental" not in flags:
         # workerd runs a Worker Loader only under the experimental flag (reference §5.2).
         flags.append("experimental")
-    if namespaces:
+    if namespaces or loaders:
+        # The shim keeps the call's id in an AsyncLocalStorage.
+        if loaders and not {"nodejs_als", "nodejs_compat"} & set(flags):
+            flags.append("nodejs_als")
         services.append(f'(name = "cfemulator", external = (address = {_capnp(emulator_address)}, http = ()))')
         bindings.append(f'(name = {_capnp(EMULATOR_BINDING)}, service = "cfemulator")')
         shim = _SHIM.format(
             main=json.dumps("./" + main_module),
             namespaces=json.dumps(namespaces),
+            loaders=json.dumps(loaders),
+            calls=_CALLS if loaders else _NO_CALLS,
+            meter_header=json.dumps(METER_HEADER),
+            call_header=json.dumps(CALL_HEADER),
+            meter_cpu_header=json.dumps(METER_CPU_HEADER),
             limits_header=json.dumps(LIMITS_HEADER),
             original_host_header=json.dumps(ORIGINAL_HOST_HEADER),
             not_found_header=json.dumps(NOT_FOUND_HEADER),

@@ -16,10 +16,12 @@ concurrent clients are served at once; the account state is guarded by `Cloudfla
 - `GET|POST /__emulator/config`  read or change script_limit, latency, fault_rate,
                                  fault_seed, fail_next, rate_limit ("N/S"),
                                  script_max_bytes, subdomain, default_cpu_ms,
-                                 cpu_grace_ms, propagation_delay
+                                 cpu_grace_ms, propagation_delay,
+                                 kv_miss_cache_seconds, empty_delete_answers
 
-Bodies stream both ways through the proxy to a script's workerd; the account's state is kept
-in `account.pickle` under the state directory (`cfemulator.state`), so it survives a restart.
+Bodies stream both ways through the proxy to a script's workerd, and WebSocket upgrades pass
+through as on Cloudflare (`cfemulator.tunnel`); the account's state is kept in
+`account.pickle` under the state directory (`cfemulator.state`), so it survives a restart.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -44,14 +47,31 @@ from urllib3 import HTTPHeaderDict
 from capabilities.runtimes.base import Route
 from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
 from capabilities.runtimes.loader_host import loader_host_start_check
-from capabilities.upstream import HOP_BY_HOP
 from capabilities.workerd import WorkerdHost
 from cfemulator.api import MAX_BODY_BYTES, ApiRequest, CloudflareApi, EmulatorConfig, WorkerTarget
-from cfemulator.bound import EXCEEDED_HEADER, KV_HEADER, LIMITS_HEADER, NOT_FOUND_HEADER, ORIGINAL_HOST_HEADER
-from cfemulator.cpumeter import CpuMeter
+from cfemulator.bound import (
+    CALL_HEADER,
+    EXCEEDED_HEADER,
+    KV_HEADER,
+    LIMITS_HEADER,
+    METER_CPU_HEADER,
+    METER_HEADER,
+    NOT_FOUND_HEADER,
+    ORIGINAL_HOST_HEADER,
+    has_worker_loader,
+)
+from cfemulator.cpumeter import CpuMeter, Ticket
 from cfemulator.envelope import ApiError
 from cfemulator.limits import call_cpu_ms, exceeded_answer
 from cfemulator.scripts import ScriptProcesses
+from cfemulator.tunnel import (
+    UPGRADE_HEADERS,
+    Handshake,
+    HandshakeFailed,
+    is_websocket_upgrade,
+    open_upgrade,
+    relay,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +79,45 @@ LISTEN_ADDRESS = "127.0.0.1"
 # Accepted-but-not-yet-served connections; the stdlib default of 5 refuses bursts.
 _BACKLOG = 512
 # The emulator frames every body itself: a known length is passed on, anything else is chunked.
-_HOP_BY_HOP = HOP_BY_HOP | {"content-length"}
+# RFC 9110 §7.6.1 connection-specific fields, and the length the emulator writes itself.
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+    }
+)
 # Bodies are relayed in pieces of at most this many bytes, as they arrive.
 _PIECE = 64 * 1024
 _WORKER_HOST_SUFFIXES = (".workers.dev", ".dispatch.localhost")
-_HOST_HEADERS = frozenset({"x-sigil-secret", "x-sigil-loader-id", "x-sigil-validate", "x-sigil-retire"})
+_HOST_HEADERS = frozenset(
+    {"x-sigil-secret", "x-sigil-loader-id", "x-sigil-validate", "x-sigil-retire", "x-sigil-store", "x-sigil-cpu-ms"}
+)
 # Sent by the emulator itself on every answer; a Worker's own (or a nested emulator
 # answer's, through a dispatch namespace) would repeat them.
 _OWN_HEADERS = frozenset({"content-type", "server", "date"})
+_NOT_PASSED = _HOP_BY_HOP | _OWN_HEADERS
+# What the emulator's loader host adds to the answer of a plain script it runs (its mark
+# for Sigil's gateway, capabilities/runtimes/host/host.js): on Cloudflare the script's
+# answer reaches the caller as the script made it, so the mark is taken off again.
+_LOADER_HOST_MARKS = frozenset({"x-sigil-host"})
+
+
+@dataclass(eq=False)
+class _MeteredCall:
+    ticket: Ticket
+    replaying_stop: bool = False
+
+
+def _unmarked(headers: Iterable[tuple[str, str]], *, unmark: bool) -> list[tuple[str, str]]:
+    """`headers`, less the loader host's marks when `unmark` (a plain script's answer)."""
+    return [(name, value) for name, value in headers if not (unmark and name.lower() in _LOADER_HOST_MARKS)]
 
 
 class BodyTooLarge(Exception):
@@ -102,6 +153,10 @@ class EmulatorServer:
             secret=workerd.secret,
         )
         self.meter = CpuMeter(grace_ms=lambda: self.api.config.cpu_grace_ms)
+        # The calls in flight to scripts with a Worker Loader, by the id they were sent with
+        # (CALL_HEADER): their Dynamic Workers' limits are metered on them (`meter_mark`).
+        self._calls: dict[str, _MeteredCall] = {}
+        self._calls_lock = threading.Lock()
         self._requested_port = port
         self._http: _HttpServer | None = None
         self._thread: threading.Thread | None = None
@@ -234,6 +289,35 @@ class EmulatorServer:
 
     # --- called by the request handler --------------------------------------------------------
 
+    @contextlib.contextmanager
+    def metered_call(self, ticket: Ticket, *, replaying_stop: bool = False) -> Iterator[str]:
+        """An id for the call metered by `ticket`, known to `meter_mark` while the block runs.
+        `replaying_stop`: the call is sent again after its Dynamic Worker was stopped, and that
+        Worker's entrypoint is to throw at once instead of running again (see `_run`)."""
+        call = secrets.token_hex(8)
+        with self._calls_lock:
+            self._calls[call] = _MeteredCall(ticket, replaying_stop)
+        try:
+            yield call
+        finally:
+            with self._calls_lock:
+                self._calls.pop(call, None)
+
+    def meter_mark(self, call: str, phase: str, cpu_ms: int) -> int:
+        """A Worker Loader's entrypoint, in the call `call`, starts ("begin") or ends ("end") a
+        Dynamic Worker limited to `cpu_ms`. Returns the status the entrypoint is answered: 204,
+        404 for an unknown call, 429 when the Worker is to throw Cloudflare's "exceeded CPU"
+        at once (the replay of a call whose Dynamic Worker was stopped)."""
+        with self._calls_lock:
+            metered = self._calls.get(call)
+            if metered is None:
+                return 404
+            if phase == "begin" and metered.replaying_stop:
+                metered.replaying_stop = False
+                return 429
+        metered.ticket.run_dynamic(cpu_ms if phase == "begin" and cpu_ms > 0 else None)
+        return 204
+
     def proxy(
         self, method: str, target: str, headers: HTTPHeaderDict, body: Iterator[bytes] | None, *, port: int
     ) -> urllib3.BaseHTTPResponse:
@@ -264,6 +348,13 @@ class EmulatorServer:
             preload_content=False,
             decode_content=False,
             assert_same_host=False,
+        )
+
+    def upgrade(self, method: str, target: str, headers: HTTPHeaderDict, *, port: int) -> Handshake:
+        """Send one WebSocket upgrade to the workerd listening on `port`, on a connection of its
+        own, and read its answer's head (`cfemulator.tunnel`). Raises HandshakeFailed."""
+        return open_upgrade(
+            (LISTEN_ADDRESS, port), method, target, headers.items(), connect_timeout=5.0, read_timeout=60.0
         )
 
 
@@ -329,7 +420,14 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self._refuse_body(exc)
             return
         kv_namespace = self.headers.get(KV_HEADER)
-        if kv_namespace is not None:
+        meter = self.headers.get(METER_HEADER)
+        if meter is not None:
+            try:
+                cpu_ms = int(self.headers.get(METER_CPU_HEADER) or 0)
+            except ValueError:
+                cpu_ms = 0
+            self._send(emulator.meter_mark(self.headers.get(CALL_HEADER) or "", meter, cpu_ms), b"", None)
+        elif kv_namespace is not None:
             response = emulator.api.kv_binding(
                 self.command,
                 kv_namespace,
@@ -394,11 +492,14 @@ class _RequestHandler(BaseHTTPRequestHandler):
         except (BodyTooLarge, ValueError) as exc:
             self._refuse_body(exc)
             return
+        # Cloudflare hands a WebSocket request to the Worker with its upgrade; it has no body.
+        upgrade = body.finished and is_websocket_upgrade(self.command, self.headers.get("Upgrade"))
         headers = HTTPHeaderDict()
         original_host = self.headers.get(ORIGINAL_HOST_HEADER)
         for name, value in self.headers.items():
             lower = name.lower()
-            if lower in _HOP_BY_HOP or lower in (LIMITS_HEADER, ORIGINAL_HOST_HEADER):
+            hop_by_hop = lower in _HOP_BY_HOP and not (upgrade and lower in UPGRADE_HEADERS)
+            if hop_by_hop or lower in (LIMITS_HEADER, ORIGINAL_HOST_HEADER, CALL_HEADER):
                 continue
             if lower == "host" and original_host:
                 value = original_host
@@ -411,12 +512,20 @@ class _RequestHandler(BaseHTTPRequestHandler):
             headers["Content-Length"] = str(body.length)
         path = split.path + (f"?{split.query}" if split.query else "")
 
-        def answered(upstream: urllib3.BaseHTTPResponse) -> None:
+        def send(port: int) -> Any:
+            if upgrade:
+                return emulator.upgrade(self.command, path, headers, port=port)
+            return emulator.proxy(self.command, path, headers, body.pieces(), port=port)
+
+        def answered(upstream: Any) -> None:
             self._log_dispatch(host, limits, upstream.status, target)
-            self._relay(upstream)
+            if upgrade:
+                self._pass_upgrade(upstream, unmark=not target.runs_bound)
+            else:
+                self._relay(upstream, unmark=not target.runs_bound)
 
         try:
-            self._run(target, path, headers, body, limits, answered)
+            self._run(target, headers, body, limits, send, answered)
         except LimitExceeded as exceeded:
             answer = exceeded_answer(host=original_host or host, accept=self.headers.get("Accept"))
             extra = [(EXCEEDED_HEADER, exceeded.reason)] if host.endswith(".dispatch.localhost") else []
@@ -426,7 +535,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self._send(413, b"request body too large", "text/plain")
         except ValueError:
             self._send(400, b"malformed request body framing", "text/plain")
-        except urllib3.exceptions.HTTPError as exc:
+        except (urllib3.exceptions.HTTPError, HandshakeFailed) as exc:
             logger.warning("workerd did not answer for %s: %s", target.name, exc)
             self._send(502, b"the emulator's workerd did not answer\n", "text/plain")
         except (RuntimeError, TimeoutError) as exc:
@@ -441,38 +550,66 @@ class _RequestHandler(BaseHTTPRequestHandler):
     def _run(
         self,
         target: WorkerTarget,
-        path: str,
         headers: HTTPHeaderDict,
         body: _RequestBody,
         limits: str | None,
-        answered: Callable[[urllib3.BaseHTTPResponse], None],
+        send: Callable[[int], Any],
+        answered: Callable[[Any], None],
     ) -> None:
-        """Run one call in the script's own workerd, metered against its CPU limit until its
-        answer has been relayed by `answered` (a streamed answer keeps the script running).
+        """Run one call in the script's own workerd: `send(port)` sends it there and returns
+        the answer, which is metered against the call's CPU limit until `answered` has relayed
+        it (a streamed answer, or a WebSocket session, keeps the script running).
 
         Raises LimitExceeded when it ran past it before answering, RuntimeError when workerd
-        cannot start, urllib3's errors when workerd does not answer.
+        cannot start, urllib3's errors or HandshakeFailed when workerd does not answer.
         """
         emulator = self.server.emulator
         limit_ms = call_cpu_ms(target.upload.limits, _parse_limits(limits), default=emulator.api.config.default_cpu_ms)
         if not target.runs_bound:
             headers["X-Sigil-Secret"] = emulator.scripts.secret
             headers["X-Sigil-Loader-Id"] = f"{target.name}@{target.sha}"
-        for attempt in (1, 2):
+        # Its Dynamic Workers' limits are metered on the call (cfemulator.bound, METER_HEADER).
+        metered = target.runs_bound and has_worker_loader(target.upload)
+        # On Cloudflare a Dynamic Worker past its limit throws into its loader Worker, which
+        # answers the call itself, and the other Dynamic Workers never notice; here the whole
+        # process had to be stopped. So a call without a body is sent once more, to the fresh
+        # process: the stopped Worker's entrypoint then throws Cloudflare's error at once (the
+        # loader Worker's own code answers), and a call that only shared the process runs again.
+        replaying_stop = False
+        replayed = False
+        restarted = False
+        stopped_pid: int | None = None
+        deadline = 0.0
+        while True:
             running = emulator.scripts.acquire(target.key, sha=target.sha, upload=target.upload)
             pid = running.pid
+            if stopped_pid is not None and pid in (stopped_pid, None) and time.monotonic() < deadline:
+                time.sleep(0.02)  # the supervisor is replacing the stopped process
+                continue
             if pid is None:  # stopped between its start and now: it is being started again
-                if attempt == 1:
+                if not restarted:
+                    restarted = True
                     continue
                 raise RuntimeError(f"workerd for {target.name} keeps stopping")
             sent_at = time.time()
-            with emulator.meter.call(
-                pid=pid, stop=running.stop_for_cpu, limit_ms=limit_ms, silent=running.silent
-            ) as ticket:
+            with (
+                emulator.meter.call(
+                    pid=pid, stop=running.stop_for_cpu, limit_ms=limit_ms, silent=running.silent
+                ) as ticket,
+                emulator.metered_call(ticket, replaying_stop=replaying_stop) as call,
+            ):
+                if metered:
+                    headers[CALL_HEADER] = call
                 try:
-                    upstream = emulator.proxy(self.command, path, headers, body.pieces(), port=running.port)
-                except urllib3.exceptions.HTTPError as exc:
+                    upstream = send(running.port)
+                except (urllib3.exceptions.HTTPError, HandshakeFailed) as exc:
                     if ticket.exceeded:
+                        replayable = ticket.stopped_by_dynamic and not body.chunked and not body.length
+                        if replayable and not replayed:
+                            replayed, stopped_pid = True, pid
+                            replaying_stop = ticket.dynamic_exceeded
+                            deadline = time.monotonic() + REPLACED_WITHIN_SECONDS
+                            continue
                         raise LimitExceeded("cpu") from None
                     reason = running.stopped_for(sent_at)
                     if reason is not None:
@@ -480,61 +617,31 @@ class _RequestHandler(BaseHTTPRequestHandler):
                     # Refused: the process was stopped (another call ran past a limit) before
                     # this one reached it. Nothing ran (no body was read), so it goes to the
                     # fresh one.
-                    if attempt == 1 and isinstance(exc, urllib3.exceptions.NewConnectionError) and not body.started:
+                    refused = isinstance(exc, urllib3.exceptions.NewConnectionError) or getattr(exc, "refused", False)
+                    if not restarted and refused and not body.started:
+                        restarted = True
                         continue
                     raise
                 answered(upstream)
                 return
-        raise AssertionError("unreachable")
 
-    def _relay(self, upstream: urllib3.BaseHTTPResponse) -> None:
-        """Send workerd's answer on as it arrives: each chunk as workerd writes it.
+    def _relay(self, upstream: urllib3.BaseHTTPResponse, *, unmark: bool = False) -> None:
+        """Send workerd's answer on as it arrives: each chunk as workerd writes it; `unmark`
+        takes off the headers the emulator's loader host added (a plain script's answer).
 
         Once the status line is out, a failure can no longer be answered: the connection is
         closed before the body's end, which the client sees as a truncated answer (as a
         Worker that fails mid-stream is seen on Cloudflare).
         """
-        passed = [
-            (name, value)
-            for name, value in upstream.headers.items()
-            if name.lower() not in _HOP_BY_HOP and name.lower() not in _OWN_HEADERS
-        ]
-        length = upstream.headers.get("content-length")
-        bodiless = self.command == "HEAD" or upstream.status in (204, 304)
-        chunked = length is None and not bodiless
+        headers = _unmarked(upstream.headers.items(), unmark=unmark)
         complete = False
         try:
-            self.send_response(upstream.status)
-            content_type = upstream.headers.get("content-type")
-            if content_type:
-                self.send_header("Content-Type", content_type)
-            for name, value in passed:
-                self.send_header(name, value)
-            if chunked:
-                self.send_header("Transfer-Encoding", "chunked")
-            elif length is not None:
-                self.send_header("Content-Length", length)
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            if bodiless:
-                complete = True
-                return
             pieces = (
                 upstream.read_chunked(decode_content=False)
                 if upstream.chunked
                 else upstream.stream(_PIECE, decode_content=False)
             )
-            for piece in pieces:
-                if not piece:
-                    continue
-                if chunked:
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                else:
-                    self.wfile.write(piece)
-                self.wfile.flush()
-            if chunked:
-                self.wfile.write(b"0\r\n\r\n")
+            self._send_streamed(upstream.status, headers, pieces)
             complete = True
         except urllib3.exceptions.HTTPError as exc:
             logger.warning("workerd's answer broke off: %s", exc)
@@ -544,6 +651,63 @@ class _RequestHandler(BaseHTTPRequestHandler):
             else:
                 self.close_connection = True
                 upstream.close()
+
+    def _pass_upgrade(self, handshake: Handshake, *, unmark: bool = False) -> None:
+        """Answer a WebSocket upgrade as workerd did: a 101 is passed on with its own head, and
+        the connection becomes a byte relay until both sides hang up (`cfemulator.tunnel`);
+        any other answer is relayed as an ordinary one. `unmark` as for `_relay`."""
+        try:
+            if not handshake.upgraded:
+                try:
+                    self._send_streamed(
+                        handshake.status, _unmarked(handshake.headers(), unmark=unmark), handshake.pieces()
+                    )
+                except HandshakeFailed as exc:
+                    logger.warning("workerd's answer broke off: %s", exc)
+                    self.close_connection = True
+                return
+            self.close_connection = True  # the connection is the session's now
+            self.send_response(handshake.status)
+            for name, value in _unmarked(handshake.headers(), unmark=unmark):
+                if name.lower() not in _OWN_HEADERS:
+                    self.send_header(name, value)
+            self.end_headers()
+            relay(self.connection, self.rfile, handshake)
+        finally:
+            handshake.close()
+
+    def _send_streamed(self, status: int, headers: list[tuple[str, str]], pieces: Iterable[bytes]) -> None:
+        """Send an answer whose body is `pieces`, each written as it comes: with the
+        Content-Length given in `headers`, else chunked. Raises what `pieces` raises."""
+        passed = [(name, value) for name, value in headers if name.lower() not in _NOT_PASSED]
+        length = next((value for name, value in headers if name.lower() == "content-length"), None)
+        content_type = next((value for name, value in headers if name.lower() == "content-type"), None)
+        bodiless = self.command == "HEAD" or status in (204, 304)
+        chunked = length is None and not bodiless
+        self.send_response(status)
+        if content_type:
+            self.send_header("Content-Type", content_type)
+        for name, value in passed:
+            self.send_header(name, value)
+        if chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        elif length is not None:
+            self.send_header("Content-Length", length)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if bodiless:
+            return
+        for piece in pieces:
+            if not piece:
+                continue
+            if chunked:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            else:
+                self.wfile.write(piece)
+            self.wfile.flush()
+        if chunked:
+            self.wfile.write(b"0\r\n\r\n")
 
     def _log_dispatch(self, host: str, limits: str | None, status: int, target: WorkerTarget | None = None) -> None:
         """Calls through a dispatch namespace binding are logged with the limits they asked for."""
@@ -674,6 +838,8 @@ def _parse_limits(header: str | None) -> Any:
         return header
 
 
+# How long a call whose Dynamic Worker was stopped waits for its process to be replaced.
+REPLACED_WITHIN_SECONDS = 10.0
 # The process that runs uploads' start checks, beside the scripts' own (their keys hold a colon).
 START_CHECK_NAME = "start-check"
 # Cloudflare's limit on a script's top-level code at upload (reference §7.3).

@@ -37,6 +37,8 @@ class Script:
     # toggle) are known to the Workers runtime (EmulatorConfig.propagation_delay).
     live_at: float = 0.0
     route_live_at: float = 0.0
+    # The deployment the last upload made (a fresh id per upload, as Cloudflare's).
+    deployment_id: str = ""
 
     def serves(self, now: float) -> bool:
         """Whether the Workers runtime runs it at `now` (its workers.dev URL aside)."""

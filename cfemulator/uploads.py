@@ -80,6 +80,8 @@ class ScriptUpload:
     # plain_text and secret_text bindings, as the loader host puts them in `env`
     text_bindings: tuple[ResolvedBinding, ...] = ()
     size_compressed: int = 0
+    # Binding types the previous upload's bindings are kept of (metadata.keep_bindings).
+    keep_bindings: tuple[str, ...] = ()
 
 
 def parse_form(content_type: str, body: bytes) -> list[FormPart]:
@@ -217,6 +219,7 @@ def parse_upload(content_type: str, body: bytes, *, max_compressed_bytes: int) -
         loader_modules=loader_modules,
         text_bindings=text_bindings,
         size_compressed=size,
+        keep_bindings=_keep_bindings(metadata),
     )
 
 
@@ -276,6 +279,13 @@ def _check_bindings(raw: Any) -> tuple[list[dict[str, Any]], tuple[ResolvedBindi
     if len(texts) > MAX_TEXT_BINDINGS:
         raise ApiError(400, 10055, f"at most {MAX_TEXT_BINDINGS} environment variables and secrets, not {len(texts)}")
     return [dict(binding) for binding in raw], tuple(texts)
+
+
+def _keep_bindings(metadata: dict[str, Any]) -> tuple[str, ...]:
+    # Binding types, as the SDKs type it ("list of binding types to keep from the previous
+    # upload"); whether Cloudflare refuses a type it does not know is in no source, so one
+    # simply keeps nothing.
+    return tuple(_string_list(metadata, "keep_bindings"))
 
 
 def _check_limits(raw: Any) -> dict[str, int]:

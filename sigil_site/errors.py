@@ -98,15 +98,15 @@ class Unavailable(SigilError):
     status, code = 503, "unavailable"
 
 
-def error_from_code(code: str, message: str) -> SigilError:
-    """The error a recorded `{"code", "message"}` stands for (one kept across processes, such
-    as a deploy's failure in a Celery task); an unknown code is an upstream error."""
+def error_from_code(code: str, message: str, *, retry_after: float | None = None) -> SigilError:
+    """The error a recorded `{"code", "message", "retry_after"?}` stands for (one kept across
+    processes, such as a deploy's failure in a Celery task); an unknown code is an upstream error."""
     for kind in _error_kinds(SigilError):
         if kind.code == code:
-            error = SigilError(message)  # InternalError's own constructor writes its message
+            error = SigilError(message, retry_after=retry_after)  # InternalError's own constructor writes its message
             error.status, error.code = kind.status, kind.code
             return error
-    return UpstreamError(message)
+    return UpstreamError(message, retry_after=retry_after)
 
 
 def _error_kinds(base: type[SigilError]) -> list[type[SigilError]]:
@@ -182,6 +182,24 @@ _DRF_CODES = [
 ]
 
 
+# What DRF's own wording leaves out: what to send instead.
+NOT_AUTHENTICATED = "send Authorization: Bearer <token>, an agent's deploy or invoke token (the owner issues them)"
+
+
+def _unsupported_media_type(request) -> str:
+    sent = (getattr(request, "content_type", "") or "").split(";")[0].strip()
+    got = f'Content-Type "{sent}"' if sent else "no Content-Type"
+    return f"send the body as JSON with Content-Type: application/json (this request has {got})"
+
+
+def _drf_message(exc: drf.APIException, context) -> str:
+    if isinstance(exc, drf.NotAuthenticated):
+        return NOT_AUTHENTICATED
+    if isinstance(exc, drf.UnsupportedMediaType) and context.get("request") is not None:
+        return _unsupported_media_type(context["request"])
+    return _first_message(exc.detail)
+
+
 def exception_handler(exc, context) -> Response | None:
     """DRF's EXCEPTION_HANDLER: every expected failure in the contract's envelope, and Redis
     unreachable as `503 unavailable`.
@@ -197,7 +215,7 @@ def exception_handler(exc, context) -> Response | None:
             if isinstance(exc, drf_type):
                 retry = getattr(exc, "wait", None)
                 status = exc.status_code if drf_type in (drf.MethodNotAllowed, drf.UnsupportedMediaType) else None
-                converted = sigil_type(_first_message(exc.detail), retry_after=retry)
+                converted = sigil_type(_drf_message(exc, context), retry_after=retry)
                 response = Response(envelope(converted.code, converted.message), status=status or converted.status)
                 for name, value in error_headers(converted).items():
                     response[name] = value

@@ -1,6 +1,6 @@
 """What the OpenAPI schema (/_api/schema, /_api/schema/docs) says beyond the views: its
-operation groups, and the two routes served outside Django's views, the capability call
-(sigil_site/wsgi.py's gateway) and /metrics, which drf-spectacular cannot see."""
+operation groups, and the routes served outside DRF's views, which drf-spectacular cannot
+see: the capability call (sigil_site/wsgi.py's gateway), /_mcp, /llms.txt and /metrics."""
 
 from __future__ import annotations
 
@@ -68,7 +68,11 @@ CALL_OPERATION = {
     "security": [{"bearerAuth": []}, {}],
     "responses": {
         "200": {"description": "The capability's own response (any status it answers, any content)."},
-        "202": {"description": "`Prefer: respond-async`: the call is accepted; its result will be at the status URL."},
+        "202": {
+            "description": "`Prefer: respond-async`: the call is accepted (`status` `accepted`); poll `callback` "
+            "(the same as `status_url`) after `eta_seconds` for its result.",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CallAccepted"}}},
+        },
         "400": _error_response("invalid_request: an X-Callback-Url that is not http(s) or is at a private address"),
         "401": _error_response("unauthenticated: no token for a private capability, or a bad one"),
         "404": _error_response("not_found: no such capability, or one the caller may not know exists"),
@@ -97,14 +101,94 @@ METRICS_OPERATION = {
 }
 
 CALL_METHODS = ("get", "post", "put", "patch", "delete")
+# The methods whose body generated clients should send: the call takes any body and passes it
+# on as sent. Documented as a JSON object (what a capability's input_schema describes; a
+# generated client then sends its argument as JSON), and as bytes of any other type.
+CALL_BODY_METHODS = ("post", "put", "patch")
+CALL_REQUEST_BODY = {
+    "required": False,
+    "description": "Reaches the capability as sent. A capability with a contract takes the JSON object its "
+    "`input_schema` describes (GET /_api/capabilities/{agent}--{name} shows it); any other content type is "
+    "passed on too.",
+    "content": {
+        "application/json": {
+            "schema": {"type": "object", "additionalProperties": True},
+            "example": {"a": 1, "b": 2},
+        },
+        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+    },
+}
+
+MCP_OPERATION = {
+    "tags": ["Call"],
+    "operationId": "mcp",
+    "summary": "MCP: the capabilities you may call as tools",
+    "description": (
+        "An MCP server on the Streamable HTTP transport: one JSON-RPC 2.0 request per POST (protocol 2026-07-28, "
+        "stateless; or 2025-11-25 and 2025-06-18 after `initialize`, with `Mcp-Session-Id`). `tools/list` lists "
+        "the capabilities the token's agent may call, named `{agent}--{name}`; `tools/call` POSTs the arguments "
+        "to one as JSON. With a deploy token, Sigil's own tools come first: `sigil.deploy`, `sigil.list`, "
+        "`sigil.inspect`, `sigil.remove`, `sigil.versions`, `sigil.rollback`. See /llms.txt and the README."
+    ),
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "jsonrpc": {"type": "string", "enum": ["2.0"]},
+                        "id": {"oneOf": [{"type": "string"}, {"type": "integer"}]},
+                        "method": {"type": "string", "example": "tools/list"},
+                        "params": {"type": "object"},
+                    },
+                    "required": ["jsonrpc", "method"],
+                },
+                "example": {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}},
+            }
+        },
+    },
+    "security": [{"bearerAuth": []}],
+    "responses": {
+        "200": {
+            "description": "The JSON-RPC response (a result, or an error object)",
+            "content": {"application/json": {"schema": {"type": "object"}}},
+        },
+        "202": {"description": "A notification or a response: nothing to answer"},
+        "400": {"description": "A JSON-RPC error the transport answers with 400 (a missing envelope, a wrong version)"},
+        "401": _error_response("unauthenticated: no token or a bad one; the JSON-RPC error's data names the code"),
+        "404": {"description": "An unknown session, or an unknown method (stateless revision)"},
+        "413": _error_response("too_large: the body is over SIGIL_DEPLOY_MAX_BODY_BYTES"),
+        "415": _error_response("invalid_request: send Content-Type: application/json"),
+    },
+}
+
+LLMS_TXT_OPERATION = {
+    "tags": ["Discover"],
+    "operationId": "llmsTxt",
+    "summary": "A plain-text guide for agents (the llms.txt convention)",
+    "description": "How to authenticate, deploy with a contract, call (also asynchronously), search, manage "
+    "versions and roll back, over REST and MCP, with this server's URLs. No token.",
+    "security": [{}],
+    "responses": {
+        "200": {"description": "The guide", "content": {"text/plain": {"schema": {"type": "string"}}}},
+    },
+}
 
 
 def document_outside_routes(result: dict, generator, request, public) -> dict:
     """drf-spectacular's postprocessing hook: add the call route and /metrics."""
     paths = result.setdefault("paths", {})
     paths["/{agent}/{capability}"] = {
-        method: {**CALL_OPERATION, "operationId": f"callCapability{method.capitalize()}"} for method in CALL_METHODS
+        method: {
+            **CALL_OPERATION,
+            "operationId": f"callCapability{method.capitalize()}",
+            **({"requestBody": CALL_REQUEST_BODY} if method in CALL_BODY_METHODS else {}),
+        }
+        for method in CALL_METHODS
     }
+    paths["/_mcp"] = {"post": MCP_OPERATION}
+    paths["/llms.txt"] = {"get": LLMS_TXT_OPERATION}
     paths["/metrics"] = {"get": METRICS_OPERATION}
     schemes = result.setdefault("components", {}).setdefault("securitySchemes", {})
     schemes["metricsToken"] = {"type": "http", "scheme": "bearer", "description": "SIGIL_METRICS_TOKEN"}

@@ -116,6 +116,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "sigil_site.middleware.RequestId",
     "django.middleware.security.SecurityMiddleware",
+    "sigil_site.middleware.CrossOrigin",
     "sigil_site.middleware.AdminContentSecurityPolicy",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -134,7 +135,7 @@ AUTHENTICATION_BACKENDS = [
 ]
 
 ROOT_URLCONF = "sigil_site.urls"
-WSGI_APPLICATION = "sigil_site.wsgi.application"
+ASGI_APPLICATION = "sigil_site.asgi.application"
 
 TEMPLATES = [
     {
@@ -222,7 +223,12 @@ CACHES = {
 
 # Kombu names a unix-socket Redis `redis+socket://`; redis-py names it `unix://`.
 CELERY_BROKER_URL = "redis+socket://" + REDIS_URL[len("unix://") :] if REDIS_URL.startswith("unix://") else REDIS_URL
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+# A task a worker took is given to another worker if not acknowledged this long after it was
+# taken (a main process killed with -9 acknowledges nothing). It fits the longest task: a
+# retry's countdown, spent held by the worker (at most 60 s, capabilities/tasks.py), then the
+# hard time limit (CELERY_TASK_TIME_LIMIT, 180 s), plus a minute; shorter would run a task
+# still under way twice.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 300}
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
@@ -242,6 +248,8 @@ CELERY_TASK_QUEUES = (Queue("celery", routing_key="celery"), Queue(SIGIL_DEPLOY_
 SIGIL_TTL_EXPIRY_INTERVAL_SECONDS = env_float("SIGIL_TTL_EXPIRY_INTERVAL_SECONDS", 60.0)
 SIGIL_STATS_FLUSH_INTERVAL_SECONDS = env_float("SIGIL_STATS_FLUSH_INTERVAL_SECONDS", 10.0)
 SIGIL_RECONCILE_INTERVAL_SECONDS = env_float("SIGIL_RECONCILE_INTERVAL_SECONDS", 300.0)
+# How often beat looks for work whose owner died (capabilities/services/reaper.py).
+SIGIL_REAP_INTERVAL_SECONDS = env_float("SIGIL_REAP_INTERVAL_SECONDS", 15.0)
 SIGIL_INACTIVE_CHECK_INTERVAL_SECONDS = env_float("SIGIL_INACTIVE_CHECK_INTERVAL_SECONDS", 86400.0)
 SIGIL_PREWARM_INTERVAL_SECONDS = env_float("SIGIL_PREWARM_INTERVAL_SECONDS", 3600.0)
 SIGIL_STATS_PRUNE_INTERVAL_SECONDS = env_float("SIGIL_STATS_PRUNE_INTERVAL_SECONDS", 3600.0)
@@ -258,6 +266,10 @@ CELERY_BEAT_SCHEDULE = {
     "capability-reconcile": {
         "task": "capabilities.capability_reconcile",
         "schedule": SIGIL_RECONCILE_INTERVAL_SECONDS,
+    },
+    "capability-reap": {
+        "task": "capabilities.capability_reap",
+        "schedule": SIGIL_REAP_INTERVAL_SECONDS,
     },
     "capability-mark-inactive": {
         "task": "capabilities.capability_mark_inactive",
@@ -325,6 +337,8 @@ SIGIL_DEPLOY_COOLDOWN_SECONDS = env_float("SIGIL_DEPLOY_COOLDOWN_SECONDS", 5.0)
 # On the Cloudflare runtimes a Celery task places a deploy; the request waits this long for
 # it, then answers 202 with the status URL.
 SIGIL_DEPLOY_WAIT_SECONDS = env_float("SIGIL_DEPLOY_WAIT_SECONDS", 5.0)
+# How often the task placing a deploy tries again after a transient failure before it keeps it.
+SIGIL_DEPLOY_RETRIES = env_int("SIGIL_DEPLOY_RETRIES", 4)
 SIGIL_EPHEMERAL_MAX_PER_AGENT = env_int("SIGIL_EPHEMERAL_MAX_PER_AGENT", 20)
 SIGIL_EPHEMERAL_DEFAULT_TTL_SECONDS = env_int("SIGIL_EPHEMERAL_DEFAULT_TTL_SECONDS", 3600)
 SIGIL_EPHEMERAL_MAX_TTL_SECONDS = env_int("SIGIL_EPHEMERAL_MAX_TTL_SECONDS", 86400)
@@ -364,7 +378,7 @@ SIGIL_STATS_RETENTION_DAYS = env_int("SIGIL_STATS_RETENTION_DAYS", 30)
 SIGIL_WEBHOOK_MAX_RETRIES = env_int("SIGIL_WEBHOOK_MAX_RETRIES", 8)
 # Asynchronous calls (`Prefer: respond-async`): how long a call and then its result are
 # kept, how much of the result's body, the largest request body held for one, and the Celery
-# queue their runs and callbacks go to.
+# queue their callbacks go to (the calls run on the engine's runners).
 SIGIL_ASYNC_RESULT_TTL_SECONDS = env_int("SIGIL_ASYNC_RESULT_TTL_SECONDS", 3600)
 SIGIL_ASYNC_RESULT_MAX_BYTES = env_int("SIGIL_ASYNC_RESULT_MAX_BYTES", 1024 * 1024)
 SIGIL_ASYNC_MAX_BODY_BYTES = env_int("SIGIL_ASYNC_MAX_BODY_BYTES", 1024 * 1024)
@@ -374,6 +388,23 @@ SIGIL_ASYNC_QUEUE = env_str("SIGIL_ASYNC_QUEUE", "celery")
 SIGIL_CALLBACK_ALLOWED_NETWORKS = env_networks("SIGIL_CALLBACK_ALLOWED_NETWORKS", "")
 # How many of one agent's asynchronous calls may wait to run at once; more are 429.
 SIGIL_ASYNC_MAX_PENDING_PER_AGENT = env_int("SIGIL_ASYNC_MAX_PENDING_PER_AGENT", 50)
+# Accepted asynchronous calls each web process runs at once, at most this many of one
+# agent's, and how long one may run (placement included) before its result is a 504.
+SIGIL_ASYNC_RUNNERS = env_int("SIGIL_ASYNC_RUNNERS", 64)
+SIGIL_ASYNC_RUNNERS_PER_AGENT = env_int("SIGIL_ASYNC_RUNNERS_PER_AGENT", 8)
+SIGIL_ASYNC_CALL_MAX_SECONDS = env_float("SIGIL_ASYNC_CALL_MAX_SECONDS", 240.0)
+# Each agent's share of one web process (capabilities/engine/shares.py): calls in flight,
+# placements under way, request-body bytes in flight to its runtime process (below what that
+# process may hold, so calls within SIGIL_INVOKE_MAX_BODY_BYTES never add up to kill it).
+# The owner sets other caps for one agent in the admin.
+SIGIL_AGENT_CALLS_IN_FLIGHT = env_int("SIGIL_AGENT_CALLS_IN_FLIGHT", 256)
+SIGIL_AGENT_PLACEMENTS_IN_FLIGHT = env_int("SIGIL_AGENT_PLACEMENTS_IN_FLIGHT", 12)
+SIGIL_AGENT_BODY_BYTES_IN_FLIGHT = env_int("SIGIL_AGENT_BODY_BYTES_IN_FLIGHT", 128 * 1024 * 1024)
+# Threads per web process for the work that blocks (the ORM on the cold path, placements and
+# the Cloudflare client): calls waiting on anything else hold none.
+SIGIL_ENGINE_SYNC_THREADS = env_int("SIGIL_ENGINE_SYNC_THREADS", 32)
+# The longest a WebSocket session through Sigil lasts; it is closed then (1001, going away).
+SIGIL_WEBSOCKET_MAX_SECONDS = env_int("SIGIL_WEBSOCKET_MAX_SECONDS", 3600)
 # The last calls kept (in Redis) as the access pattern the cost estimate replays; 0: none.
 SIGIL_ACCESS_PATTERN_MAX_CALLS = env_int("SIGIL_ACCESS_PATTERN_MAX_CALLS", 100_000)
 # A capability deployed with "cache_when_degraded": the last good answers to GETs kept per
@@ -472,8 +503,11 @@ SIGIL_POOL_USER_RESERVED = env_int("SIGIL_POOL_USER_RESERVED", 50)
 # scripts are then uploaded without Sigil's guard, so anyone with the URL can call them.
 SIGIL_POOL_REDIRECT = env_bool("SIGIL_POOL_REDIRECT", False)
 # Longer than the slowest placement (a Cloudflare upload with its retries): a page-in holds
-# this lock, and a lock left by a killed worker frees itself after this long.
+# its lock at most this long while its process lives.
 SIGIL_PLACEMENT_LOCK_SECONDS = env_int("SIGIL_PLACEMENT_LOCK_SECONDS", 180)
+# How long a mark a process renews while it works (a placement lock, a deploy's owner, the
+# process's own liveness) outlives the process's death (capabilities/leases.py).
+SIGIL_LEASE_SECONDS = env_float("SIGIL_LEASE_SECONDS", 15.0)
 
 # --- Cloudflare -------------------------------------------------------------------------
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -68,3 +70,39 @@ def workers_in_threads(app, *, queues: dict[str, list[str]]):
             frames = sys._current_frames()
             where = "\n".join(f"{name}:\n{''.join(traceback.format_stack(frames[t.ident]))}" for name, t in stuck)
             warnings.warn(f"Celery workers still running {STOP_SECONDS} s after the session:\n{where}", stacklevel=1)
+
+
+def start_worker_process(settings, *, queue: str):
+    """A Celery worker in a process of its own (solo pool: its main process runs the tasks),
+    consuming `queue`, on the test's database, Redis and Cloudflare settings, in a session
+    of its own so a test can kill it with os.killpg."""
+    from django.db import connection
+
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        database_url = f"sqlite:///{db['NAME']}"
+    else:
+        database_url = f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "SIGIL_BACKEND": "worker-pool",
+        "CF_API_BASE": settings.CF_API_BASE,
+        "CF_API_TOKEN": settings.CF_API_TOKEN,
+        "CF_ACCOUNT_ID": settings.CF_ACCOUNT_ID,
+        "SIGIL_CF_WORKERS_BASE": settings.SIGIL_CF_WORKERS_BASE,
+        "SIGIL_POOL_TOTAL_QUOTA": str(settings.SIGIL_POOL_TOTAL_QUOTA),
+        "SIGIL_POOL_SYSTEM_RESERVED": str(settings.SIGIL_POOL_SYSTEM_RESERVED),
+        "SIGIL_POOL_USER_RESERVED": str(settings.SIGIL_POOL_USER_RESERVED),
+        "SIGIL_POOL_SAFETY_MARGIN": str(settings.SIGIL_POOL_SAFETY_MARGIN),
+        "SIGIL_PLACEMENT_LOCK_SECONDS": str(settings.SIGIL_PLACEMENT_LOCK_SECONDS),
+        "SIGIL_LEASE_SECONDS": str(settings.SIGIL_LEASE_SECONDS),
+        "SIGIL_INTERNAL_SECRET": settings.SIGIL_INTERNAL_SECRET,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "sigil_site", "worker", "-Q", queue, "--pool", "solo", "-l", "WARNING"],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )

@@ -17,48 +17,48 @@ from testsupport.capability_code import ECHO
 from testsupport.processes import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVERS = ("granian", "gunicorn")
+SERVERS = ("granian", "uvicorn")
 
 
-def server_command(server: str, *, port: int, workers: int, threads: int) -> list[str]:
-    """How each production server runs Sigil's WSGI application (gateway in front of Django)."""
+def server_command(server: str, *, port: int, workers: int) -> list[str]:
+    """How each ASGI server the README names runs Sigil's application (the engine in front of Django)."""
     bin_dir = Path(sys.executable).parent
-    if server == "gunicorn":
+    if server == "uvicorn":
         return [
-            str(bin_dir / "gunicorn"),
-            "sigil_site.wsgi:application",
-            "--worker-class",
-            "gthread",
+            str(bin_dir / "uvicorn"),
+            "sigil_site.asgi:application",
             "--workers",
             str(workers),
-            "--threads",
-            str(threads),
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--keep-alive",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--timeout-keep-alive",
             "75",
             "--log-level",
             "warning",
+            "--no-access-log",
         ]
     if server == "granian":
         return [
             str(bin_dir / "granian"),
             "--interface",
-            "wsgi",
+            "asgi",
+            "--loop",
+            "uvloop",
             "--workers",
             str(workers),
-            "--blocking-threads",
-            str(threads),
             "--host",
             "127.0.0.1",
             "--port",
             str(port),
             "--http",
             "1",
-            "--no-ws",
+            "--backpressure",
+            "8192",
             "--log-level",
             "warning",
-            "sigil_site.wsgi:application",
+            "sigil_site.asgi:application",
         ]
     raise ValueError(f"unknown server {server!r}")
 
@@ -87,7 +87,7 @@ def served(server: str, *, port: int, environment: dict[str, str], log: Path):
     }
     with log.open("wb") as output:
         process = subprocess.Popen(
-            server_command(server, port=port, workers=1, threads=4),
+            server_command(server, port=port, workers=1),
             cwd=ROOT,
             env=env,
             stdout=output,

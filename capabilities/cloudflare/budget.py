@@ -109,6 +109,25 @@ class RateBudget:
             # The call itself is done; failing it now would only make it run again.
             logger.warning("could not settle a Cloudflare budget ticket in Redis: %s", exc)
 
+    def adopt_policy(self, *, limit: int, window_seconds: float) -> None:
+        """Use Cloudflare's stated quota (`Ratelimit-Policy`) when it is tighter than the
+        configured one: `limit` requests per `window_seconds`. In this process; every process
+        reads the same header on its own calls. A looser policy changes nothing."""
+        if limit < 1 or window_seconds <= 0:
+            return
+        configured = self.limit / self.window_ms
+        stated = limit / (window_seconds * 1000)
+        if stated < configured:
+            logger.warning(
+                "Cloudflare states a rate limit of %d requests per %g s, tighter than the %d per %g s "
+                "configured (SIGIL_CF_RATE_LIMIT, SIGIL_CF_RATE_WINDOW_SECONDS): using Cloudflare's",
+                limit,
+                window_seconds,
+                self.limit,
+                self.window_ms / 1000,
+            )
+            self.limit, self.window_ms = limit, int(window_seconds * 1000)
+
     def pause(self, seconds: float) -> None:
         """Make every process wait `seconds` before its next request (after a 429)."""
         milliseconds = max(1, int(seconds * 1000))

@@ -404,8 +404,9 @@ class CloudflareClient:
             else:
                 self.budget.settle(ticket)
                 self._count(response.status_code)
+                self._observe_rate_limit(response)
                 if response.ok:
-                    return self._success(response, raw=raw, whole_envelope=whole_envelope)
+                    return self._success(response, method=method, raw=raw, whole_envelope=whole_envelope)
                 error = self._error(method, path, response)
                 retry = self._should_retry(response, error)
                 if isinstance(error, CloudflareNotFound) and attempt < not_found_retries:
@@ -445,9 +446,25 @@ class CloudflareClient:
             pipe.incr(API_RATE_LIMITED_KEY)
         pipe.execute()
 
-    def _success(self, response: requests.Response, *, raw: bool, whole_envelope: bool) -> Any:
+    def _observe_rate_limit(self, response: requests.Response) -> None:
+        """Take Cloudflare's own count into the shared budget (reference §7.2): `Ratelimit`'s
+        `r` is what the token has left of the window, whoever spent it (the owner's dashboard
+        and scripts draw on it too), `t` the seconds until it resets; `Ratelimit-Policy` is the
+        quota `q` per `w` seconds. Nothing left pauses every process until the reset, so the
+        next call is not the one that locks the token out for the whole window."""
+        remaining, reset = _rate_fields(response.headers.get("Ratelimit"), "r", "t")
+        quota, window = _rate_fields(response.headers.get("Ratelimit-Policy"), "q", "w")
+        if quota is not None and window is not None:
+            self.budget.adopt_policy(limit=int(quota), window_seconds=window)
+        if remaining is not None and remaining <= 0 and reset:
+            self.budget.pause(reset)
+
+    def _success(self, response: requests.Response, *, method: str, raw: bool, whole_envelope: bool) -> Any:
         if raw:
             return response.content
+        if method == "DELETE" and not response.content.strip():
+            # A delete may be answered with no body at all (2xx, or 204): it is done.
+            return None
         try:
             envelope = response.json()
         except ValueError as exc:
@@ -582,6 +599,20 @@ def _segment(value: str) -> str:
     if not value:
         raise CloudflareRejected("an empty name in a Cloudflare API path; nothing was sent")
     return quote(value, safe="")
+
+
+def _rate_fields(header: str | None, *names: str) -> tuple[float | None, ...]:
+    """The named parameters of an RFC 9651-style rate limit header, `"default";r=50;t=30`
+    (the first item of a list); None for each that is missing or not a number."""
+    values: dict[str, float] = {}
+    if header:
+        for part in header.split(",", 1)[0].split(";")[1:]:
+            key, _, raw = part.strip().partition("=")
+            try:
+                values[key.strip()] = float(raw)
+            except ValueError:
+                continue
+    return tuple(values.get(name) for name in names)
 
 
 def _retry_after(response: requests.Response) -> float | None:

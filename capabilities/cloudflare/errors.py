@@ -7,6 +7,7 @@ from __future__ import annotations
 from capabilities.runtimes.errors import (
     RuntimeFailure,
     RuntimeRejected,
+    RuntimeThrottled,
     RuntimeUnavailable,
     ScriptTooLarge,
     SlotsExhausted,
@@ -69,7 +70,7 @@ class CloudflareUnavailable(CloudflareError, RuntimeUnavailable):
     """Transient: a connection error, a timeout, a 5xx or a concurrent change. Retry later."""
 
 
-class CloudflareRateLimited(CloudflareUnavailable):
+class CloudflareRateLimited(CloudflareUnavailable, RuntimeThrottled):
     """The rate budget (Sigil's shared one, or Cloudflare's, code 971) has no room.
 
     `retry_after` says in how many seconds to try again.

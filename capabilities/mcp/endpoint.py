@@ -1,6 +1,8 @@
 """`/_mcp`: MCP's Streamable HTTP transport, JSON-RPC 2.0, authenticated with an agent's
-bearer token. A plain WSGI application mounted in front of Django (sigil_site/wsgi.py), as the
-gateway is, so a tool call pays for no middleware on its way to the gateway.
+bearer token. An ASGI application mounted in front of Django (sigil_site/asgi.py), beside the
+engine: a tool call of a capability is a CallRequest to the engine, on the event loop, and
+holds no thread while the capability runs; what reads the database (tools/list, Sigil's own
+tools) runs in the engine's pool.
 
 Two eras of the protocol are spoken, as the official SDK speaks them:
 
@@ -28,17 +30,15 @@ import binascii
 import json
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-from django.db import close_old_connections
 
 from agents import tokens
 from agents.selectors import parse_bearer
-from agents.throttle import FailedAuthThrottle
 from agents.tokens import Principal
-from capabilities.gateway import read_limited
 from capabilities.mcp.tools import InvalidParams, Prefetched, Toolbox, tools_list
 from capabilities.parsers import json_depth_over
 from sigil_site.errors import (
@@ -89,7 +89,8 @@ INSTRUCTIONS = (
     "is a capability you may call, yours or a public one; its arguments reach it as a JSON body. "
     "With a deploy token, sigil.deploy writes a new capability (an ES module Worker script), which "
     "is a tool at once; sigil.list searches the catalogue, sigil.inspect shows one capability, "
-    "sigil.remove removes one of yours."
+    "sigil.remove removes one of yours, sigil.versions lists a capability's versions and sigil.rollback "
+    "restores one."
 )
 # A session nobody uses for a day is forgotten; each request keeps it a day longer.
 SESSION_IDLE_SECONDS = 24 * 3600
@@ -110,9 +111,10 @@ def session_key(session_id: str) -> str:
 
 @dataclass(frozen=True)
 class Exchange:
-    """One HTTP request to /_mcp, authenticated."""
+    """One HTTP request to /_mcp, authenticated. `meta` holds its headers as a WSGI environ
+    does (HTTP_*, CONTENT_TYPE, REMOTE_ADDR), the form the throttle and URLs read."""
 
-    environ: dict
+    meta: dict
     principal: Principal
     session_id: str | None
     session: bytes | None  # the record of the session it names, if that session exists
@@ -120,87 +122,95 @@ class Exchange:
 
 
 class McpEndpoint:
-    """The WSGI application at `/_mcp`. `gateway` returns the process's gateway application."""
+    """The ASGI application at `/_mcp`. `engine` returns the process's engine."""
 
-    def __init__(self, gateway) -> None:
-        self.gateway = gateway
-        self.toolbox = Toolbox(gateway)
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.toolbox = Toolbox(engine)
 
-    def __call__(self, environ, start_response):
-        # Outside Django's handler: open and close database connections as it would.
-        close_old_connections()
+    async def __call__(self, scope, receive, send) -> None:
+        meta = request_meta(scope)
         try:
-            status, headers, body = self.handle(environ)
+            body = await read_body(receive, meta) if meta["REQUEST_METHOD"] == "POST" else b""
+            status, headers, body = await self.handle(meta, body)
         except SigilError as error:
             status, headers, body = refusal(error)
         except Exception as exc:
             error = error_for_unexpected(exc)
             if isinstance(error, InternalError):
-                logger.exception("request %s failed: %s /_mcp", error.request_id, environ.get("REQUEST_METHOD"))
+                logger.exception("request %s failed: %s /_mcp", error.request_id, meta["REQUEST_METHOD"])
             status, headers, body = refusal(error)
-        finally:
-            close_old_connections()
         headers = [*headers, ("Content-Length", str(len(body))), ("X-Content-Type-Options", "nosniff")]
         if body:
             headers.append(("Content-Type", "application/json"))
-        start_response(f"{status} {REASONS.get(status, '')}".rstrip(), headers)
-        return [body]
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
 
-    def handle(self, environ) -> tuple[int, list[tuple[str, str]], bytes]:
-        secret = parse_bearer(environ.get("HTTP_AUTHORIZATION"))
-        method = environ.get("REQUEST_METHOD")
+    async def handle(self, meta: dict, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+        secret = parse_bearer(meta.get("HTTP_AUTHORIZATION"))
+        method = meta["REQUEST_METHOD"]
         message = malformed = None
         if method == "POST":
             try:
-                message = read_message(environ)
+                message = read_message(meta, body)
             except RpcError as error:
                 malformed = error
-        exchange = self.authenticate(environ, secret, message)
+        exchange = await self.authenticate(meta, secret, message)
         if malformed is not None:
             status = malformed.status or STATELESS_ERROR_STATUS.get(malformed.code, 400)
             return status, [], rpc_error_body(malformed.request_id, **error_fields(malformed))
         if method == "DELETE" and exchange.session_id is not None:
             if exchange.session is None:
                 return session_not_found()
-            get_redis().delete(session_key(exchange.session_id))
+            await self.engine().redis.delete(session_key(exchange.session_id))
             return 204, [], b""
         if method != "POST":
             # No stream of server-sent messages (GET): this server sends none.
             return 405, [("Allow", "POST, DELETE")], rpc_error_body(None, INVALID_REQUEST, "use POST")
         try:
-            version_header = environ.get("HTTP_MCP_PROTOCOL_VERSION")
+            version_header = meta.get("HTTP_MCP_PROTOCOL_VERSION")
             if version_header is None or version_header in HANDSHAKE_ERA:
-                return self.session_era(exchange, message)
-            return self.stateless(exchange, message)
+                return await self.session_era(exchange, message)
+            return await self.stateless(exchange, message)
         except RpcError as error:  # the message is no JSON-RPC request
             status = error.status or STATELESS_ERROR_STATUS.get(error.code, 400)
             return status, [], rpc_error_body(error.request_id, **error_fields(error))
 
-    def authenticate(self, environ, secret: str, message: Any) -> Exchange:
+    async def authenticate(self, meta: dict, secret: str, message: Any) -> Exchange:
         """Who calls, and what the request needs from Redis, in one round trip: the token, the
         failed-token count, the session it names, and for a tool call the tool's route and
         contract. Raises Unauthenticated or RateLimited."""
-        throttle = FailedAuthThrottle.from_settings()
-        address = throttle.address(environ)
-        session_id = environ.get("HTTP_MCP_SESSION_ID")
-        keys = [tokens.cache_key(tokens.hash_secret(secret)), throttle.key(address), session_key(session_id or "")]
+        engine = self.engine()
+        throttle = engine.auth_throttle
+        address = throttle.address(meta)
+        session_id = meta.get("HTTP_MCP_SESSION_ID")
+        token_hash = tokens.hash_secret(secret)
+        keys = [tokens.cache_key(token_hash), throttle.key(address), session_key(session_id or "")]
         tool_keys = Toolbox.prefetch_keys(message)
-        # The gateway's connection for this thread: a tool call's other round trips use it too.
-        redis = self.gateway().thread_redis()
-        cached, failures, session, *tool_values = redis.mget(keys + tool_keys)
-        principal = throttle.authenticate(redis, address, secret, cached=cached, failures=failures)
+        cached, failures, session, *tool_values = await engine.redis.mget(keys + tool_keys)
+        principal = tokens.decode(token_hash, cached, time.time()) if cached is not None else None
+        if principal is None:
+            principal = await engine.offload(
+                throttle.authenticate, get_redis(), address, secret, cached=cached, failures=failures
+            )
         prefetched = Prefetched(cached, failures, *tool_values) if tool_keys else None
-        return Exchange(environ, principal, session_id, session if session_id else None, prefetched)
+        return Exchange(meta, principal, session_id, session if session_id else None, prefetched)
 
     # The stateless revision (2026-07-28).
 
-    def stateless(self, exchange: Exchange, message: dict):
+    async def stateless(self, exchange: Exchange, message: dict):
         kind, request_id, method, params = message_parts(message)
         if kind != "request":
             return 202, [], b""  # the revision defines no client notifications: nothing to act on
         try:
-            check_envelope(exchange.environ, method, params)
-            result = self.answer(exchange, method, params, legacy=False)
+            check_envelope(exchange.meta, method, params)
+            result = await self.answer(exchange, method, params, legacy=False)
         except RpcError as error:
             return STATELESS_ERROR_STATUS.get(error.code, 200), [], rpc_error_body(request_id, **error_fields(error))
         result["resultType"] = "complete"
@@ -209,13 +219,13 @@ class McpEndpoint:
 
     # The session revisions (2025-06-18, 2025-11-25).
 
-    def session_era(self, exchange: Exchange, message: dict):
+    async def session_era(self, exchange: Exchange, message: dict):
         kind, request_id, method, params = message_parts(message)
         principal, session_id, session = exchange.principal, exchange.session_id, exchange.session
         headers: list[tuple[str, str]] = []
         try:
             if kind == "request" and method == "initialize":
-                version, session_id = open_session(principal, params)
+                version, session_id = await open_session(self.engine().redis, principal, params)
                 headers.append((SESSION_HEADER, session_id))
                 result = {
                     "protocolVersion": version,
@@ -230,24 +240,24 @@ class McpEndpoint:
                 # Unknown, expired, or opened with another token: all the same to the caller.
                 return session_not_found()
             version = session.decode().split("|")[1]
-            header = exchange.environ.get("HTTP_MCP_PROTOCOL_VERSION")
+            header = exchange.meta.get("HTTP_MCP_PROTOCOL_VERSION")
             if header is not None and header != version:
                 raise RpcError(INVALID_REQUEST, f"this session speaks MCP {version}, not {header}", status=400)
-            get_redis().expire(session_key(session_id), SESSION_IDLE_SECONDS)
+            await self.engine().redis.expire(session_key(session_id), SESSION_IDLE_SECONDS)
             if kind != "request":
                 return 202, [], b""
-            result = {} if method == "ping" else self.answer(exchange, method, params, legacy=True)
+            result = {} if method == "ping" else await self.answer(exchange, method, params, legacy=True)
         except RpcError as error:
             return error.status or 200, headers, rpc_error_body(request_id, **error_fields(error))
         return 200, headers, rpc_result_body(request_id, result)
 
     # What both eras answer.
 
-    def answer(self, exchange: Exchange, method: str, params: dict, *, legacy: bool) -> dict:
+    async def answer(self, exchange: Exchange, method: str, params: dict, *, legacy: bool) -> dict:
         try:
             if method == "tools/list":
-                tools, next_cursor = tools_list(
-                    principal=exchange.principal, cursor=params.get("cursor"), legacy=legacy
+                tools, next_cursor = await self.engine().offload(
+                    tools_list, principal=exchange.principal, cursor=params.get("cursor"), legacy=legacy
                 )
                 result: dict[str, Any] = {"tools": tools}
                 if next_cursor is not None:
@@ -256,11 +266,11 @@ class McpEndpoint:
                     result.update(ttlMs=0, cacheScope="private")  # each agent sees its own list
                 return result
             if method == "tools/call":
-                outcome = self.toolbox.call(
+                outcome = await self.toolbox.call(
                     principal=exchange.principal,
                     name=params.get("name"),
                     arguments=params.get("arguments"),
-                    environ=exchange.environ,
+                    meta=exchange.meta,
                     prefetched=exchange.prefetched,
                 )
                 return outcome.wire(legacy=legacy)
@@ -277,13 +287,26 @@ class McpEndpoint:
         raise RpcError(METHOD_NOT_FOUND, f"method not found: {method}")
 
 
-def read_message(environ) -> Any:
-    """The request's JSON body. Raises TooLarge, InvalidRequest (not JSON) or RpcError."""
-    content_type = environ.get("CONTENT_TYPE", "").split(";")[0].strip().lower()
-    if content_type != "application/json":
-        raise UnsupportedMediaType("send the JSON-RPC message as application/json")
-    limit = settings.SIGIL_DEPLOY_MAX_BODY_BYTES  # the largest request: a deploy through sigil.deploy
-    length = environ.get("CONTENT_LENGTH")
+def request_meta(scope) -> dict:
+    """The request's method, headers and address in a WSGI environ's names."""
+    meta = {"REQUEST_METHOD": scope["method"], "PATH_INFO": scope["path"]}
+    for raw_name, raw_value in scope["headers"]:
+        name, value = raw_name.decode("latin-1").lower(), raw_value.decode("latin-1")
+        key = name.upper().replace("-", "_")
+        key = key if key in ("CONTENT_TYPE", "CONTENT_LENGTH") else "HTTP_" + key
+        meta[key] = f"{meta[key]}, {value}" if key in meta else value
+    client, server = scope.get("client"), scope.get("server")
+    meta["REMOTE_ADDR"] = client[0] if client else ""
+    meta["SERVER_NAME"], meta["SERVER_PORT"] = (server[0], str(server[1])) if server else ("", "")
+    meta["wsgi.url_scheme"] = scope.get("scheme", "http")
+    return meta
+
+
+async def read_body(receive, meta: dict) -> bytes:
+    """The request's body, at most the largest request (a deploy through sigil.deploy). Raises
+    TooLarge, InvalidRequest."""
+    limit = settings.SIGIL_DEPLOY_MAX_BODY_BYTES
+    length = meta.get("CONTENT_LENGTH")
     if length:
         try:
             size = int(length)
@@ -291,9 +314,25 @@ def read_message(environ) -> Any:
             raise InvalidRequest("Content-Length is not a number") from None
         if size > limit:
             raise TooLarge(f"the request body is over {limit} bytes")
-        raw = environ["wsgi.input"].read(size)
-    else:
-        raw = read_limited(environ["wsgi.input"], limit)
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise InvalidRequest("the caller closed the connection before its request body was sent")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"the request body is over {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def read_message(meta: dict, raw: bytes) -> Any:
+    """The request's JSON-RPC message. Raises UnsupportedMediaType or RpcError."""
+    content_type = meta.get("CONTENT_TYPE", "").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        raise UnsupportedMediaType("send the JSON-RPC message as application/json")
     try:
         message = json.loads(raw)
     except (ValueError, RecursionError):
@@ -326,7 +365,7 @@ def message_parts(message: Any) -> tuple[str, Any, str | None, dict]:
     return "request", request_id, method, params
 
 
-def check_envelope(environ, method: str, params: dict) -> None:
+def check_envelope(request: dict, method: str, params: dict) -> None:
     """The stateless revision's checks, in the SDK's order: the `_meta` envelope, the headers
     that mirror it, then the version. Raises RpcError."""
     meta = params.get("_meta")
@@ -336,11 +375,11 @@ def check_envelope(environ, method: str, params: dict) -> None:
             f"params._meta must carry {META_PROTOCOL_VERSION!r} and {META_CLIENT_CAPABILITIES!r}",
         )
     version = meta[META_PROTOCOL_VERSION]
-    if environ.get("HTTP_MCP_PROTOCOL_VERSION") != version:
+    if request.get("HTTP_MCP_PROTOCOL_VERSION") != version:
         raise RpcError(HEADER_MISMATCH, "the MCP-Protocol-Version header does not match params._meta")
-    if environ.get("HTTP_MCP_METHOD") != method:
+    if request.get("HTTP_MCP_METHOD") != method:
         raise RpcError(HEADER_MISMATCH, "the Mcp-Method header does not match the method")
-    if method == "tools/call" and decode_header_value(environ.get("HTTP_MCP_NAME")) != params.get("name"):
+    if method == "tools/call" and decode_header_value(request.get("HTTP_MCP_NAME")) != params.get("name"):
         raise RpcError(HEADER_MISMATCH, "the Mcp-Name header does not match params.name")
     if not isinstance(version, str):
         raise RpcError(INVALID_PARAMS, "the protocol version must be a string")
@@ -363,7 +402,7 @@ def decode_header_value(value: str | None) -> str | None:
         return None
 
 
-def open_session(principal: Principal, params: dict) -> tuple[str, str]:
+async def open_session(redis, principal: Principal, params: dict) -> tuple[str, str]:
     """Negotiate the version an `initialize` asks for and open a session; (version, id)."""
     requested = params.get("protocolVersion")
     if not isinstance(requested, str):
@@ -371,7 +410,7 @@ def open_session(principal: Principal, params: dict) -> tuple[str, str]:
     # The spec's negotiation: the version asked for when spoken here, else the latest one.
     version = requested if requested in SESSION_VERSIONS else SESSION_VERSIONS[-1]
     session_id = secrets.token_hex(16)
-    get_redis().set(session_key(session_id), f"{principal.token_hash}|{version}", ex=SESSION_IDLE_SECONDS)
+    await redis.set(session_key(session_id), f"{principal.token_hash}|{version}", ex=SESSION_IDLE_SECONDS)
     return version, session_id
 
 

@@ -2,9 +2,9 @@
 
 A capability's tool is named by its full name (`alice--add`: letters, digits and hyphens,
 within MCP's tool-name rules), described by its contract's description, and takes the
-arguments its `input_schema` declares (any object when it declares none). A call goes through
-the gateway itself, in-process: the same token rules, breaker, timeout, stats and paging as a
-direct `POST /{agent}/{capability}` with the arguments as its JSON body.
+arguments its `input_schema` declares (any object when it declares none). A call is a
+CallRequest to the engine itself, in-process: the same token rules, shares, breaker, timeout,
+stats and paging as a direct `POST /{agent}/{capability}` with the arguments as its JSON body.
 
 Sigil's own tools are named `sigil.*` (a dot never appears in a full name) and call the same
 services as the control API, so they meet the same rules, cool-down and audit events.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,36 +24,19 @@ from django.core.serializers.json import DjangoJSONEncoder
 from agents.tokens import Principal
 from capabilities import breaker, contract_copies, contracts, names, routes, selectors, services
 from capabilities.contracts import Contract
-from capabilities.gateway import PREFETCHED
+from capabilities.engine.values import CallRequest
+from capabilities.engine.values import Prefetched as CallPrefetched
 from sigil_site.errors import InvalidRequest, SigilError
-from sigil_site.redis_client import get_redis
 
 PAGE_SIZE = 100
 OWN_PREFIX = "sigil."
-# What a tool call passes on from the MCP request to the gateway's: the credentials, and what
-# the failed-token throttle and URLs read. The MCP client's other headers are not the tool's.
-PASSED_ENVIRON = (
-    "HTTP_AUTHORIZATION",
-    "HTTP_HOST",
-    "HTTP_X_FORWARDED_FOR",
-    "REMOTE_ADDR",
-    "SERVER_NAME",
-    "SERVER_PORT",
-    "SERVER_PROTOCOL",
-    "wsgi.url_scheme",
-    "wsgi.errors",
-    "wsgi.version",
-    "wsgi.multithread",
-    "wsgi.multiprocess",
-    "wsgi.run_once",
-)
 JSON_TYPES = ("application/json", "+json")
 
 
 @dataclass(frozen=True)
 class Prefetched:
     """What the endpoint read from Redis for a tool call of a capability, with the token: the
-    values of the gateway's call_keys() and of the tool's contract copy."""
+    values of the engine's call_keys() and of the tool's contract copy."""
 
     token: bytes | None
     failures: bytes | None
@@ -149,6 +131,33 @@ OWN_TOOLS = {
             "additionalProperties": False,
         },
     ),
+    "sigil.versions": (
+        "The versions of one of your capabilities, newest first: number, sha256, contract summary, when and "
+        "by whom each was made, and its status (served, staged, placing, refused, superseded or retired).",
+        {
+            "type": "object",
+            "properties": {
+                "capability": {"type": "string", "description": "Full name, e.g. alice--add."},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 200},
+                "offset": {"type": "integer", "minimum": 0},
+            },
+            "required": ["capability"],
+            "additionalProperties": False,
+        },
+    ),
+    "sigil.rollback": (
+        "Roll one of your capabilities back to an earlier version: its code and contract are served again, "
+        "as a new version. Counts as a deploy for the cool-down.",
+        {
+            "type": "object",
+            "properties": {
+                "capability": {"type": "string", "description": "Full name, e.g. alice--add."},
+                "version": {"type": "integer", "minimum": 1, "description": "The version to restore."},
+            },
+            "required": ["capability", "version"],
+            "additionalProperties": False,
+        },
+    ),
 }
 
 
@@ -209,16 +218,16 @@ class Caller:
 
 
 class Toolbox:
-    """Answers tools/call. `gateway` returns the process's gateway (a WSGI application)."""
+    """Answers tools/call. `engine` returns the process's engine."""
 
-    def __init__(self, gateway: Callable[[], Any]) -> None:
-        self.gateway = gateway
+    def __init__(self, engine: Callable[[], Any]) -> None:
+        self.engine = engine
 
     @staticmethod
     def prefetch_keys(message: Any) -> list[str]:
         """The Redis keys a tool call of a capability reads besides the token and the failed-token
         count (its route, contract and breaker), so that the endpoint reads them all in one round
-        trip and the gateway needs none of its own; none for any other message."""
+        trip and the engine needs none of its own; none for any other message."""
         if not isinstance(message, dict) or message.get("method") != "tools/call":
             return []
         params = message.get("params")
@@ -227,8 +236,8 @@ class Toolbox:
             return []
         return [routes.key(name), contract_copies.key(name), breaker.open_key(name)]
 
-    def call(
-        self, *, principal: Principal, name: Any, arguments: Any, environ: dict, prefetched: Prefetched | None = None
+    async def call(
+        self, *, principal: Principal, name: Any, arguments: Any, meta: dict, prefetched: Prefetched | None = None
     ) -> ToolResult:
         """Run one tool call; `prefetched` holds what the endpoint read for it (prefetch_keys()).
         Raises InvalidParams for a tool the caller cannot call."""
@@ -238,38 +247,41 @@ class Toolbox:
             arguments = {}
         if not isinstance(arguments, dict):
             raise InvalidParams("params.arguments must be an object")
+        engine = self.engine()
         if name in OWN_TOOLS:
             if not principal.can_deploy:
                 raise InvalidParams(f"{name} needs a deploy token")
-            return self.call_own(principal=principal, name=name, arguments=arguments, environ=environ)
+            return await engine.offload(self.call_own, principal=principal, name=name, arguments=arguments, meta=meta)
         try:
             names.split_full_name(name)
         except InvalidRequest:
             raise InvalidParams(f"no tool {name}") from None
         if prefetched is None:
-            route_raw, contract_raw = get_redis().mget(routes.key(name), contract_copies.key(name))
+            route_raw, contract_raw, breaker_raw = await engine.redis.mget(
+                routes.key(name), contract_copies.key(name), breaker.open_key(name)
+            )
         else:
-            route_raw, contract_raw = prefetched.route, prefetched.contract
+            route_raw, contract_raw, breaker_raw = prefetched.route, prefetched.contract, prefetched.breaker
         if route_raw is None:
-            route_raw = routes.route_load(name)
+            route_raw = await engine.offload(routes.route_load, name)
         if not routes.route_visible(routes.decode(route_raw), principal.agent_name):
             raise InvalidParams(f"no tool {name}")
-        contract = contract_copies.decode(contract_raw or contract_copies.contract_load(name))
+        contract = contract_copies.decode(contract_raw or await engine.offload(contract_copies.contract_load, name))
         if contract is None:
             raise InvalidParams(f"no tool {name}")
         if contract.input_schema is not None:
             problem = contracts.schema_problem(contract.input_schema, arguments)
             if problem is not None:
                 return failure(f"the arguments do not match {name}'s input schema: {problem}")
-        gateway_values = None
-        if prefetched is not None:  # what the gateway reads, so that it reads nothing again
-            gateway_values = (prefetched.token, route_raw, prefetched.breaker, prefetched.failures)
-        return self.call_capability(name, arguments, contract, environ, gateway_values)
+        token = prefetched.token if prefetched is not None else None
+        failures = prefetched.failures if prefetched is not None else None
+        # What the engine reads before a call, so that it reads nothing again.
+        values = CallPrefetched(token=token, route=route_raw, breaker=breaker_raw, auth_failures=failures)
+        status, headers, body = await self.through_engine(name, arguments, meta, values)
+        return self.result(name, contract, status, headers, body)
 
-    def call_capability(
-        self, full: str, arguments: dict, contract: Contract, environ: dict, gateway_values: tuple | None
-    ) -> ToolResult:
-        status, headers, body = self.through_gateway(full, arguments, environ, gateway_values)
+    @staticmethod
+    def result(full: str, contract: Contract, status: int, headers: dict[str, str], body: bytes) -> ToolResult:
         text = body.decode(errors="replace")
         if status >= 400:
             if "x-sigil-capability" not in headers:  # Sigil's own refusal, in the error envelope
@@ -290,50 +302,54 @@ class Toolbox:
             return failure(f"{full} answered JSON that does not match its output schema: {problem}")
         return ToolResult(text, structured=answer)
 
-    def through_gateway(
-        self, full: str, arguments: dict, environ: dict, gateway_values: tuple | None
+    async def through_engine(
+        self, full: str, arguments: dict, meta: dict, prefetched: CallPrefetched
     ) -> tuple[int, dict[str, str], bytes]:
-        """POST the arguments to the capability through the gateway application, in-process."""
+        """POST the arguments to the capability through the engine, in-process, as the caller:
+        its credentials and address go with it; the MCP client's other headers are not the
+        tool's."""
+        from sigil_site.request_id import current_request_id
+
         agent, name = names.split_full_name(full)
         body = json.dumps(arguments).encode()
-        call = {key: environ[key] for key in PASSED_ENVIRON if key in environ}
-        call.update(
-            {
-                "REQUEST_METHOD": "POST",
-                "PATH_INFO": f"/{agent}/{name}",
-                "QUERY_STRING": "",
-                "CONTENT_TYPE": "application/json",
-                "CONTENT_LENGTH": str(len(body)),
-                "HTTP_ACCEPT": "application/json, text/plain;q=0.9, */*;q=0.5",
-                "wsgi.input": io.BytesIO(body),
-            }
+        headers = {
+            "authorization": meta.get("HTTP_AUTHORIZATION", ""),
+            "content-type": "application/json",
+            "accept": "application/json, text/plain;q=0.9, */*;q=0.5",
+        }
+        if "HTTP_HOST" in meta:
+            headers["host"] = meta["HTTP_HOST"]
+        engine = self.engine()
+        request = CallRequest(
+            agent=agent,
+            name=name,
+            rest="/",
+            method="POST",
+            query="",
+            headers=headers,
+            body=body,
+            length=len(body),
+            address=engine.auth_throttle.address(meta),
+            request_id=current_request_id() or "",
+            prefetched=prefetched,
         )
-        if gateway_values is not None:
-            call[PREFETCHED] = gateway_values
-        answer: dict[str, Any] = {}
-        chunks: list[bytes] = []
-
-        def start_response(status, headers, exc_info=None):
-            answer["status"], answer["headers"] = status, headers
-            return chunks.append
-
-        response = self.gateway()(call, start_response)
+        answer = await engine.call(request)
+        complete = False
         try:
-            chunks.extend(response)
+            data = b"".join([chunk async for chunk in answer.chunks()])
+            complete = True
         finally:
-            if hasattr(response, "close"):
-                response.close()  # records the call (stats, breaker), as a WSGI server does
-        headers = {key.lower(): value for key, value in answer["headers"]}
-        return int(answer["status"][:3]), headers, b"".join(chunks)
+            await answer.close(complete=complete)  # records the call (stats, breaker)
+        return answer.status, {key.lower(): value for key, value in answer.headers}, data
 
-    def call_own(self, *, principal: Principal, name: str, arguments: dict, environ: dict) -> ToolResult:
+    def call_own(self, *, principal: Principal, name: str, arguments: dict, meta: dict) -> ToolResult:
         from capabilities import api  # the control API's serializers: one shape for REST and MCP
 
         _, schema = OWN_TOOLS[name]
         problem = contracts.schema_problem(schema, arguments)
         if problem is not None:
             return failure(f"the arguments do not match {name}'s input schema: {problem}")
-        caller = Caller(principal, _base_url(environ))
+        caller = Caller(principal, _base_url(meta))
         try:
             if name == "sigil.deploy":
                 result = services.capability_deploy(
@@ -358,6 +374,18 @@ class Toolbox:
             elif name == "sigil.inspect":
                 capability = selectors.capability_get_visible(principal=principal, full=arguments["capability"])
                 answer = api.CapabilityDetailSerializer(capability, context={"request": caller}).data
+            elif name == "sigil.versions":
+                capability = selectors.capability_get_owned(principal=principal, full=arguments["capability"])
+                query = selectors.capability_versions(capability=capability)
+                offset = arguments.get("offset", 0)
+                page = list(query[offset : offset + arguments.get("limit", 50)])
+                records = selectors.versions_describe(capability=capability, versions=page)
+                answer = {"count": query.count(), "versions": api.VersionSerializer(records, many=True).data}
+            elif name == "sigil.rollback":
+                result = services.capability_rollback_by_agent(
+                    principal=principal, full=arguments["capability"], version_number=arguments["version"]
+                )
+                answer = {**api.deploy_answer(caller, result), "tool": result.capability.full_name}
             else:
                 services.capability_remove(principal=principal, full=arguments["capability"])
                 answer = {"removed": arguments["capability"]}
@@ -367,6 +395,6 @@ class Toolbox:
         return ToolResult(json.dumps(structured), structured=structured)
 
 
-def _base_url(environ: dict) -> str:
-    host = environ.get("HTTP_HOST") or f"{environ.get('SERVER_NAME', '')}:{environ.get('SERVER_PORT', '')}"
-    return f"{environ.get('wsgi.url_scheme', 'http')}://{host}"
+def _base_url(meta: dict) -> str:
+    host = meta.get("HTTP_HOST") or f"{meta.get('SERVER_NAME', '')}:{meta.get('SERVER_PORT', '')}"
+    return f"{meta.get('wsgi.url_scheme', 'http')}://{host}"

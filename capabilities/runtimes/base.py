@@ -72,6 +72,10 @@ class CodeBundle:
     modules: dict[str, str]
     compatibility_date: str = "2025-01-01"
     bindings: tuple[ResolvedBinding, ...] = ()
+    # The capability's own CPU limit per call in ms (None: the runtime's default). Not part
+    # of `sha`: the same code with another limit is the same code. A runtime that fixes the
+    # limit at upload (worker-pool's `limits.cpu_ms`) reads it here; the others per call.
+    cpu_ms: int | None = field(default=None, compare=False)
     sha: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -83,8 +87,14 @@ class CodeBundle:
         object.__setattr__(self, "sha", hashlib.sha256(_canonical(identity)).hexdigest())
 
     @classmethod
-    def from_code(cls, code: str, *, bindings: tuple[ResolvedBinding, ...] | list[ResolvedBinding] = ()) -> CodeBundle:
-        return cls(main_module="main.js", modules={"main.js": code}, bindings=tuple(bindings))
+    def from_code(
+        cls,
+        code: str,
+        *,
+        bindings: tuple[ResolvedBinding, ...] | list[ResolvedBinding] = (),
+        cpu_ms: int | None = None,
+    ) -> CodeBundle:
+        return cls(main_module="main.js", modules={"main.js": code}, bindings=tuple(bindings), cpu_ms=cpu_ms)
 
     @property
     def secrets(self) -> dict[str, str]:
@@ -205,6 +215,12 @@ class Runtime(ABC):
 
         `cpu_ms` is the capability's own CPU limit per call (None: the runtime's default);
         runtimes that cannot enforce one ignore it.
+
+        WebSockets pass as on Cloudflare: a GET with `Upgrade: websocket` (and `Connection:
+        Upgrade`, the `Sec-WebSocket-*` fields) sent there with the route's headers and Host
+        reaches the code with its upgrade; the code's `101` comes back with its own headers
+        (the chosen subprotocol, the runtime's marker), then frames both ways on that
+        connection. An answer that is no 101 reads as any other (`is_missing` included).
         """
 
     def is_missing(self, response) -> bool:

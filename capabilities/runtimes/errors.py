@@ -18,6 +18,12 @@ class RuntimeUnavailable(RuntimeFailure):
         self.retry_after = retry_after
 
 
+class RuntimeThrottled(RuntimeUnavailable):
+    """The runtime's provider refuses every call for a while (Cloudflare's rate-limit lockout,
+    or Sigil's shared budget for it having no room); `retry_after` says for how long, in
+    seconds, as the provider answered."""
+
+
 class RuntimeRejected(RuntimeFailure):
     """The runtime refused the code or the request for good; retrying will not help."""
 

@@ -12,7 +12,7 @@ import urllib3
 from capabilities.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
 from capabilities.runtimes.errors import RuntimeRejected
-from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check
+from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check, loader_host_store
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
 from capabilities.workerd import HOST_DIR
 
@@ -33,7 +33,9 @@ class LoaderRuntime(FrontedRuntime):
 
     Workers KV is eventually consistent: right after a placement another location may not
     see the bundle yet; the host then answers "missing-code", the gateway places the
-    capability again and retries once.
+    capability again and retries once. A read that found nothing is cached where it was made
+    (up to 60 s), so a placement whose start check finds no code has the host write the
+    bundle through its own binding, which its own reads see at once, and checks again.
     """
 
     name = "loader"
@@ -156,16 +158,21 @@ class LoaderRuntime(FrontedRuntime):
     def place(self, *, slot: str, bundle: CodeBundle) -> None:
         """Write the bundle under its sha, have the loader Worker start it, then point the
         slot at it: two KV writes, a KV read and one request to the loader Worker (after the
-        first placement of the process), and when other code is replaced, a listing and the
-        delete that free its bundle. Idempotent. Raises RuntimeRejected when the code does
-        not start."""
+        first placement of the process; two more when the Worker did not see the bundle),
+        and when other code is replaced, a listing and the delete that free its bundle.
+        Idempotent. Raises RuntimeRejected when the code does not start."""
         self._ensure_provisioned()
         # Its secrets are sealed for the loader Worker, whose SIGIL_SECRET opens them.
-        self.client.kv_put(self.kv_id, CODE_PREFIX + bundle.sha, bundle.to_json(seal_key=self._secret))
+        stored = bundle.to_json(seal_key=self._secret)
+        self.client.kv_put(self.kv_id, CODE_PREFIX + bundle.sha, stored)
+        route = self.route(slot=slot, sha=bundle.sha)
         try:
-            # A location that does not see the bundle yet cannot check it: then it is placed
-            # unchecked, and a call finds out as on the first call of any placement.
-            self._start_check(self.route(slot=slot, sha=bundle.sha))
+            if not self._start_check(route):
+                # The host's location does not see the API's write yet, and will not while
+                # its miss is cached: written through the host, it is seen there at once.
+                # Other locations see the API's write once it propagates (KV's own delay).
+                loader_host_store(self._start_checks, route, stored)
+                self._start_check(route)
         except RuntimeRejected:
             # Code that does not start is placed nowhere, so no slot points at its sha.
             self.client.kv_delete(self.kv_id, CODE_PREFIX + bundle.sha)

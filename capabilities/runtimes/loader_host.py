@@ -21,16 +21,19 @@ from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable, ne
 
 START_CHECK_HEADER = "X-Sigil-Validate"
 RETIRE_HEADER = "X-Sigil-Retire"
+STORE_HEADER = "X-Sigil-Store"
 
 
-def _ask_host(pool: urllib3.PoolManager, route: Route, header: str, what: str) -> urllib3.BaseHTTPResponse:
+def _ask_host(
+    pool: urllib3.PoolManager, route: Route, header: str, what: str, body: bytes | None = None
+) -> urllib3.BaseHTTPResponse:
     """POST to the loader host behind `route` with the control `header` set. Raises
     RuntimeUnavailable when the host cannot be reached."""
     headers = {**dict(route.headers), header: "1"}
     if route.host_header:
         headers["Host"] = route.host_header
     try:
-        return pool.request("POST", route.base_url + "/", headers=headers)
+        return pool.request("POST", route.base_url + "/", headers=headers, body=body)
     except urllib3.exceptions.HTTPError as exc:
         raise RuntimeUnavailable(f"the loader host could not be asked to {what}: {network_failure(exc)}") from exc
 
@@ -72,6 +75,18 @@ def loader_host_retire(pool: urllib3.PoolManager, route: Route) -> None:
     if response.status != 204:
         kind = response.headers.get("x-sigil-error")
         raise RuntimeUnavailable(f"the loader host answered the release with {response.status} ({kind or 'unmarked'})")
+
+
+def loader_host_store(pool: urllib3.PoolManager, route: Route, stored: bytes) -> None:
+    """Have the host write the stored bundle `stored` (`CodeBundle.to_json`) for `route`'s
+    sha through its own Workers KV binding, where its own reads see it at once. Idempotent.
+
+    Raises RuntimeUnavailable when the host cannot be asked or does not store it.
+    """
+    response = _ask_host(pool, route, STORE_HEADER, "store the code", body=stored)
+    if response.status != 204:
+        kind = response.headers.get("x-sigil-error")
+        raise RuntimeUnavailable(f"the loader host answered the store with {response.status} ({kind or 'unmarked'})")
 
 
 def _message(body: bytes) -> str:

@@ -61,6 +61,7 @@ class WorkerPoolRuntime(Runtime):
             safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
             invoke_base=settings.SIGIL_CF_WORKERS_BASE,
             redirect=settings.SIGIL_POOL_REDIRECT,
+            cpu_ms=settings.SIGIL_CPU_MS,
         )
 
     def __init__(
@@ -74,8 +75,10 @@ class WorkerPoolRuntime(Runtime):
         safety_margin: int,
         invoke_base: str = "",
         redirect: bool = False,
+        cpu_ms: int = 0,
     ) -> None:
         self.client = client
+        self.default_cpu_ms = cpu_ms
         self.redirects = redirect
         self._secret = secret
         self.slots = pool_slots(
@@ -107,7 +110,10 @@ class WorkerPoolRuntime(Runtime):
 
         Two API calls, the fewest Cloudflare allows: the upload, and the per-script
         workers.dev toggle (reference §3.2: an API upload is not known to be reachable
-        without it). Idempotent.
+        without it). The capability's CPU limit (its own, else the runtime's default; none
+        when both are 0) goes with the upload as `limits.cpu_ms` (reference §1.2), which
+        Cloudflare enforces on every call: a script's limit changes when it is next placed.
+        Idempotent.
         """
         bindings = [metadata_binding(b) for b in bundle.bindings]
         if self.redirects:
@@ -123,6 +129,7 @@ class WorkerPoolRuntime(Runtime):
             compatibility_date=bundle.compatibility_date,
             bindings=bindings,
             tags=[POOL_TAG, f"sha-{bundle.sha[:16]}"],
+            limits={"cpu_ms": cpu_ms} if (cpu_ms := bundle.cpu_ms or self.default_cpu_ms) else None,
         )
         self.client.script_subdomain_set(slot, enabled=True)
 

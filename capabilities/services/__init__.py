@@ -33,9 +33,11 @@ from capabilities.services.placement import (
     capability_refresh_bindings,
     capability_release_slot,
     capability_shed_excess,
+    runtime_account_warning,
     runtime_provision,
     runtime_ready,
 )
+from capabilities.services.reaper import capability_reap
 from capabilities.services.registry import (
     DeployResult,
     capability_deploy,
@@ -44,6 +46,7 @@ from capabilities.services.registry import (
     capability_remove,
     capability_remove_as_owner,
     capability_rollback,
+    capability_rollback_by_agent,
 )
 from capabilities.services.splits import (
     SplitGuard,
@@ -97,6 +100,7 @@ __all__ = [
     "capability_prewarm",
     "capability_promote",
     "capability_prune_stats",
+    "capability_reap",
     "capability_reconcile",
     "capability_record_breaker",
     "capability_refresh_bindings",
@@ -105,6 +109,7 @@ __all__ = [
     "capability_remove_as_owner",
     "capability_reset_breaker",
     "capability_rollback",
+    "capability_rollback_by_agent",
     "capability_set_cpu_limit",
     "capability_set_public",
     "capability_shed_excess",
@@ -112,6 +117,7 @@ __all__ = [
     "capability_split_guard",
     "capability_split_set",
     "capability_switch_backend",
+    "runtime_account_warning",
     "runtime_failure",
     "runtime_provision",
     "runtime_ready",

@@ -1,19 +1,18 @@
-"""Asynchronous calls (`Prefer: respond-async`): accepted at once, run in Celery through the
-gateway's own path, their result kept for the caller and sent to its callback URL.
+"""Asynchronous calls (`Prefer: respond-async`): accepted at once, run by the engine's
+runners (capabilities/engine/runner.py) in the web processes, their result kept for the caller
+and sent to its callback URL.
 
-One Redis hash per call, `sigil:async:{id}`, is its execution record: the request as the
-gateway received it (less the caller's credentials), then `running` with a count of
-attempts, then `done` with the result. The record makes the task safe to run again: a
-worker lost mid-call leaves it `running`, the redelivered task runs the call again (a call
-cut by a lost worker may reach the capability twice), and the first result recorded is the
-one kept and delivered; a task that finds its call `done` only makes sure its callback is
-queued.
+One Redis hash per call, `sigil:async:{id}`, is its execution record: the request as the engine
+received it (less the caller's credentials), then `running` with a count of attempts, then
+`done` with the result. An accepted call waits in QUEUE_KEY until a runner takes it into its
+own list (runner_key); a runner that dies leaves its calls there, and another runner puts them
+back once the dead one's lease has run out: a call cut that way may reach the capability
+twice, and the first result recorded is the one kept and delivered.
 """
 
 from __future__ import annotations
 
 import base64
-import io
 import json
 import time
 import uuid
@@ -25,12 +24,25 @@ from django.utils import timezone
 from agents import egress
 from agents.models import Agent
 from agents.tokens import Principal
-from capabilities.upstream import HOP_BY_HOP
 from sigil_site.errors import InvalidRequest, NotFound, RateLimited
 from sigil_site.redis_client import get_redis
 
 ACCEPTED, RUNNING, DONE = "accepted", "running", "done"
 CALLBACK_EVENT = "call.completed"
+# Calls accepted and not yet taken by a runner, oldest at the right.
+QUEUE_KEY = "sigil:async:queue"
+# What the 202 tells the caller to expect: a runner takes a call within about this long.
+ETA_SECONDS = 1
+
+
+def runner_key(runner_id: str) -> str:
+    """The calls one runner has taken and not yet finished."""
+    return f"sigil:async:taken:{runner_id}"
+
+
+def runner_lease_key(runner_id: str) -> str:
+    """Present while the runner lives: it renews it; once it lapses, its calls are put back."""
+    return f"sigil:async:runner:{runner_id}"
 
 
 def record_key(call_id: str) -> str:
@@ -62,6 +74,7 @@ return 1
 class AcceptedCall:
     call_id: str
     status_url: str
+    eta_seconds: int = ETA_SECONDS
 
 
 @dataclass(frozen=True)
@@ -101,20 +114,22 @@ def async_call_accept(
     full: str,
     token_hash: str,
     method: str,
-    path: str,
+    rest: str,
     query: str,
     headers: dict[str, str],
     body: bytes,
     callback_url: str | None,
+    request_id: str,
 ) -> AcceptedCall:
-    """Keep a call for Celery to run and queue it. Raises InvalidRequest for a callback URL
-    that is not http(s) or names a private address (agents.egress). Not idempotent: each accepted call runs once."""
+    """Keep a call for the runners and queue it. Raises InvalidRequest for a callback URL that
+    is not http(s) or names a private address (agents.egress), RateLimited when the agent has
+    its limit of calls waiting. Not idempotent: each accepted call runs once."""
     if callback_url is not None and (refusal := egress.callback_refusal(callback_url, resolve=False)):
         raise InvalidRequest(refusal)
     call_id = uuid.uuid4().hex
     key = record_key(call_id)
     redis = get_redis()
-    # One agent's burst of accepted calls must not fill the workers every agent shares.
+    # One agent's burst of accepted calls must not fill the runners every agent shares.
     now, life = time.time(), settings.SIGIL_ASYNC_RESULT_TTL_SECONDS
     limit = settings.SIGIL_ASYNC_MAX_PENDING_PER_AGENT
     if not redis.eval(_ADMIT, 1, pending_key(caller), call_id, f"{now:.6f}", f"{now - life:.6f}", limit, life):
@@ -130,28 +145,28 @@ def async_call_accept(
             "full": full,
             "token_hash": token_hash,
             "method": method,
-            "path": path,
+            "rest": rest,
             "query": query,
             "headers": json.dumps(headers),
             "body": body,
             "callback": callback_url or "",
-            "accepted_at": f"{time.time():.6f}",
+            "accepted_at": f"{now:.6f}",
             "attempts": 0,
+            # The capability gets the id the 202 carried, so both name the same call.
+            "request_id": request_id,
         },
     )
     # A call still queued when this runs out is dropped: nobody could fetch its result anyway.
-    pipe.expire(key, settings.SIGIL_ASYNC_RESULT_TTL_SECONDS)
+    pipe.expire(key, life)
+    pipe.lpush(QUEUE_KEY, call_id)
     pipe.execute()
-    from capabilities.tasks import capability_async_call as capability_async_call_task
-
-    capability_async_call_task.apply_async(kwargs={"call_id": call_id}, queue=settings.SIGIL_ASYNC_QUEUE)
     return AcceptedCall(call_id=call_id, status_url=status_url(call_id))
 
 
 # KEYS: the record. ARGV: status, headers (JSON), body, truncated (0/1), finished at, TTL s.
 # Records the first result only; returns 1 when this one was recorded, 0 when one was
 # already, -1 when the record has expired.
-_RECORD_RESULT = """
+RECORD_RESULT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HGET', KEYS[1], 'state') == 'done' then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'done', 'result_status', ARGV[1], 'result_headers', ARGV[2],
@@ -163,35 +178,15 @@ return 1
 
 
 def async_call_run(*, call_id: str) -> None:
-    """Run an accepted call through the gateway as its caller, record its result, queue its
-    callback. Idempotent: a call already done is not run again, and its callback is queued
+    """Run one accepted call now, outside the runners (an owner's command, a test), on an engine
+    of its own. Idempotent: a call already done is not run again, and its callback is queued
     once. A record that has expired is dropped."""
-    redis = get_redis()
-    key = record_key(call_id)
-    record = {k.decode(): v for k, v in redis.hgetall(key).items()}
-    if not record:
-        return
-    if record["state"].decode() != DONE:
-        pipe = redis.pipeline(transaction=True)
-        pipe.hset(key, "state", RUNNING)
-        pipe.hincrby(key, "attempts", 1)
-        pipe.execute()
-        result = _run_through_gateway(record)
-        recorded = redis.eval(
-            _RECORD_RESULT,
-            1,
-            key,
-            result.status,
-            json.dumps(result.headers),
-            result.body,
-            int(result.truncated),
-            f"{time.time():.6f}",
-            settings.SIGIL_ASYNC_RESULT_TTL_SECONDS,
-        )
-        redis.zrem(pending_key(record["agent"].decode()), call_id)
-        if recorded == -1:
-            return
-    _queue_callback(call_id)
+    import asyncio
+
+    from capabilities.engine.runner import run_once
+
+    asyncio.run(run_once(call_id))
+    get_redis().lrem(QUEUE_KEY, 0, call_id)
 
 
 def async_call_get(*, principal: Principal, call_id: str) -> AsyncCall:
@@ -220,6 +215,13 @@ def _call_from_record(call_id: str, record: dict[str, bytes]) -> AsyncCall:
         attempts=int(record.get("attempts", 0)),
         result=result,
     )
+
+
+def async_call_done(*, call_id: str, agent: str) -> None:
+    """What follows a call's recorded result: it no longer counts as waiting, and its callback
+    is queued. Idempotent."""
+    get_redis().zrem(pending_key(agent), call_id)
+    _queue_callback(call_id)
 
 
 def _queue_callback(call_id: str) -> None:
@@ -251,61 +253,3 @@ def _queue_callback(call_id: str) -> None:
         kwargs={"agent_id": agent.pk, "delivery": delivery, "url": callback}, queue=settings.SIGIL_ASYNC_QUEUE
     )
     redis.hset(key, "callback_queued", 1)
-
-
-def _run_through_gateway(record: dict[str, bytes]) -> CallResult:
-    """The gateway's own answer to the call, as its caller would have had it, the body kept
-    up to SIGIL_ASYNC_RESULT_MAX_BYTES (the rest is read and dropped, so the call ends and
-    is recorded as any other)."""
-    from capabilities.gateway import ACCEPTED_CALLER
-
-    body = record.get("body", b"")
-    environ = {
-        "REQUEST_METHOD": record["method"].decode(),
-        "PATH_INFO": record["path"].decode(),
-        "QUERY_STRING": record["query"].decode(),
-        "SERVER_NAME": "sigil-async",
-        "SERVER_PORT": "0",
-        "REMOTE_ADDR": "127.0.0.1",
-        "wsgi.input": io.BytesIO(body),
-        ACCEPTED_CALLER: record["token_hash"].decode(),
-    }
-    if body:
-        environ["CONTENT_LENGTH"] = str(len(body))
-    for name, value in json.loads(record["headers"]).items():
-        if name == "content-type":
-            environ["CONTENT_TYPE"] = value
-        else:
-            environ["HTTP_" + name.upper().replace("-", "_")] = value
-    answered: dict = {}
-
-    def start_response(status, headers, exc_info=None):
-        answered["status"], answered["headers"] = status, headers
-
-    limit = settings.SIGIL_ASYNC_RESULT_MAX_BYTES
-    kept, truncated = bytearray(), False
-    response = _gateway()(environ, start_response)
-    try:
-        for chunk in response:
-            room = limit - len(kept)
-            if len(chunk) > room:
-                truncated = True
-            kept += chunk[: max(0, room)]
-    finally:
-        if hasattr(response, "close"):
-            response.close()
-    headers = [(k, v) for k, v in answered["headers"] if k.lower() not in HOP_BY_HOP and k.lower() != "content-length"]
-    return CallResult(status=int(answered["status"][:3]), headers=headers, body=bytes(kept), truncated=truncated)
-
-
-_held_gateway: list = []
-
-
-def _gateway():
-    """The gateway of this worker process, built again when its runtime is (a test's settings)."""
-    from capabilities.gateway import Gateway
-    from capabilities.runtimes import get_runtime
-
-    if not _held_gateway or _held_gateway[0].runtime is not get_runtime():
-        _held_gateway[:] = [Gateway()]
-    return _held_gateway[0]

@@ -5,6 +5,7 @@ needs and the script quota, each reported in plain words (`manage.py cfcheck`)."
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -19,6 +20,7 @@ from capabilities.cloudflare import (
     CloudflareUnavailable,
 )
 from capabilities.runtimes import RUNTIMES
+from capabilities.runtimes.worker_pool import POOL_PREFIX, pool_slots
 
 # The runtimes that run on a Cloudflare account.
 CLOUDFLARE_BACKENDS = tuple(name for name in RUNTIMES if name != "local")
@@ -30,6 +32,11 @@ LOADER_PROBE_MODULE = "probe.js"
 LOADER_PROBE_SOURCE = 'export default { fetch() { return new Response("") } }\n'
 # Cloudflare's codes for a binding or feature the plan does not include (reference §7.1).
 PLAN_REFUSAL_CODES = frozenset({10021, 10075, 10195})
+# Worker scripts an account may hold, by plan (reference §7.3); over it, uploads are 10037.
+FREE_PLAN, PAID_PLAN = "Workers Free", "Workers Paid"
+PLAN_SCRIPT_LIMITS = {FREE_PLAN: 100, PAID_PLAN: 500}
+# Cloudflare's 10037 names the limit: "You have exceeded the limit of 500 Workers on your account."
+_LIMIT_IN_REFUSAL = re.compile(r"limit of (\d+) Workers")
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,21 @@ class Finding:
     ok: bool
     detail: str
     blocking: bool = True
+
+
+@dataclass(frozen=True)
+class PlanProbe:
+    """What the probe Worker learnt of the account: its plan (Workers Paid allows a Worker
+    Loader binding, Workers Free refuses it; None when it could not tell), the script limit a
+    10037 named, and the plan finding for the loader runtime."""
+
+    plan: str | None
+    finding: Finding
+    limit: int | None = None
+
+    @property
+    def script_limit(self) -> int | None:
+        return self.limit or PLAN_SCRIPT_LIMITS.get(self.plan or "")
 
 
 @dataclass(frozen=True)
@@ -81,8 +103,9 @@ def cloudflare_check(*, backend: str, client: CloudflareClient | None = None) ->
         if not account.ok:
             return done()
         findings.append(_subdomain(client))
-        findings.append(_plan(client, backend))
-        findings.append(_quota(backend, scripts))
+        probe = _plan_probe(client)
+        findings.append(_plan(client, backend, probe))
+        findings.append(_quota(backend, scripts, probe))
     except CloudflareUnavailable as exc:
         findings.append(Finding("Cloudflare", False, f"the API did not answer, so nothing more is known: {exc}"))
     return done()
@@ -127,7 +150,7 @@ def _subdomain(client: CloudflareClient) -> Finding:
     return Finding("workers.dev subdomain", True, f"{subdomain}.workers.dev")
 
 
-def _plan(client: CloudflareClient, backend: str) -> Finding:
+def _plan(client: CloudflareClient, backend: str, probe: PlanProbe) -> Finding:
     if backend == "platform":
         try:
             namespaces = client.namespace_list()
@@ -143,16 +166,18 @@ def _plan(client: CloudflareClient, backend: str) -> Finding:
         where = "exists" if mine in names else "is created when Sigil starts"
         return Finding("plan", True, f"Workers for Platforms is enabled; the dispatch namespace {mine} {where}")
     if backend == "loader":
-        return _loader_plan(client)
+        return probe.finding
     return Finding("plan", True, "the worker-pool runtime needs nothing beyond Workers")
 
 
-def _loader_plan(client: CloudflareClient) -> Finding:
+def _plan_probe(client: CloudflareClient) -> PlanProbe:
+    """Which plan the account is on, which no read-only endpoint says: Sigil's loader Worker
+    already runs with a Worker Loader binding, or the probe Worker is uploaded with one."""
     allowed = "the plan allows Worker Loader bindings (Workers Paid)"
     with contextlib.suppress(CloudflareNotFound):
         deployed = client.script_settings_get(settings.SIGIL_LOADER_WORKER)
         if any(binding.get("type") == "worker_loader" for binding in deployed.get("bindings") or []):
-            return Finding("plan", True, f"{allowed}: the loader Worker runs with one")
+            return PlanProbe(PAID_PLAN, Finding("plan", True, f"{allowed}: the loader Worker runs with one"))
     try:
         client.script_upload(
             LOADER_PROBE_SCRIPT,
@@ -162,23 +187,59 @@ def _loader_plan(client: CloudflareClient) -> Finding:
             bindings=[{"type": "worker_loader", "name": "LOADER"}],
         )
     except CloudflareSlotsExhausted as exc:
-        return Finding("plan", False, f"no room for a Worker to check the plan with: the script quota is full ({exc})")
+        found = _LIMIT_IN_REFUSAL.search(str(exc))
+        detail = f"no room for a Worker to check the plan with: the script quota is full ({exc})"
+        return PlanProbe(None, Finding("plan", False, detail), limit=int(found.group(1)) if found else None)
     except CloudflareRejected as exc:
         if exc.code in PLAN_REFUSAL_CODES:
-            return Finding(
-                "plan", False, f"the loader runtime's Worker Loader needs the Workers Paid plan: upgrade ({exc})"
-            )
-        return Finding("plan", False, f"Cloudflare refused a Worker with a Worker Loader binding ({exc})")
+            detail = f"the loader runtime's Worker Loader needs the Workers Paid plan: upgrade ({exc})"
+            return PlanProbe(FREE_PLAN, Finding("plan", False, detail))
+        detail = f"Cloudflare refused a Worker with a Worker Loader binding ({exc})"
+        return PlanProbe(None, Finding("plan", False, detail))
     with contextlib.suppress(CloudflareError):
         client.script_delete(LOADER_PROBE_SCRIPT)
-    return Finding("plan", True, allowed)
+    return PlanProbe(PAID_PLAN, Finding("plan", True, allowed))
 
 
-def _quota(backend: str, scripts: list[str]) -> Finding:
-    quota = settings.SIGIL_POOL_TOTAL_QUOTA  # the account's script quota, as the owner states it
+def _quota(backend: str, scripts: list[str], probe: PlanProbe) -> Finding:
+    """The scripts in use against the account's real limit (its plan's, or the one a 10037
+    named), and on the worker pool how many slots Sigil can really use: the account's limit,
+    less the scripts that are not Sigil's (or the owner's reserve, if more), Sigil's own and
+    the margin."""
+    limit = probe.script_limit
+    if limit is None:  # the plan could not be told: take the owner's word
+        limit, source = settings.SIGIL_POOL_TOTAL_QUOTA, "as SIGIL_POOL_TOTAL_QUOTA states it"
+    else:
+        source = f"the {probe.plan} plan's" if probe.plan and not probe.limit else "as Cloudflare's refusal named it"
     front = {"platform": settings.SIGIL_PLATFORM_DISPATCHER, "loader": settings.SIGIL_LOADER_WORKER}.get(backend)
-    used = f"{len(scripts)} of the account's {quota} Worker scripts (SIGIL_POOL_TOTAL_QUOTA) are in use"
-    if len(scripts) >= quota and front not in scripts:
-        needed = f"Sigil's Worker {front}" if front else "capabilities"
-        return Finding("scripts", False, f"{used}: no room left for {needed}")
-    return Finding("scripts", True, used)
+    sigils = {name for name in scripts if name.startswith(POOL_PREFIX) or name == front}
+    others = len(scripts) - len(sigils)
+    used = f"{len(scripts)} of the account's {limit} Worker scripts ({source}) are in use, {others} of them not Sigil's"
+    if backend != "worker-pool":
+        if len(scripts) >= limit and front not in scripts:
+            return Finding("scripts", False, f"{used}: no room left for Sigil's Worker {front}")
+        return Finding("scripts", True, used)
+    configured = pool_slots(
+        total_quota=settings.SIGIL_POOL_TOTAL_QUOTA,
+        system_reserved=settings.SIGIL_POOL_SYSTEM_RESERVED,
+        user_reserved=settings.SIGIL_POOL_USER_RESERVED,
+        safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
+    )
+    usable = pool_slots(
+        total_quota=limit,
+        system_reserved=settings.SIGIL_POOL_SYSTEM_RESERVED,
+        user_reserved=max(others, settings.SIGIL_POOL_USER_RESERVED),
+        safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
+    )
+    really = max(0, min(configured, usable))
+    if really >= configured:
+        return Finding("scripts", True, f"{used}; Sigil can use its {configured} slots")
+    detail = (
+        f"{used}; Sigil can really use {really} slots, not the {configured} its settings give "
+        f"(SIGIL_POOL_TOTAL_QUOTA {settings.SIGIL_POOL_TOTAL_QUOTA}, less SIGIL_POOL_SYSTEM_RESERVED, "
+        "SIGIL_POOL_USER_RESERVED and SIGIL_POOL_SAFETY_MARGIN): lower SIGIL_POOL_TOTAL_QUOTA"
+        f" to {limit}, or SIGIL_POOL_USER_RESERVED to at least {others}, or the pool pages out on Cloudflare's "
+        "refusals (10037)"
+    )
+    # A pool with no slot at all cannot work; one with fewer works, paging out more.
+    return Finding("scripts", False, detail, blocking=really < 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,45 +20,70 @@ from django.utils import timezone
 
 from agents.services import audit_record
 from capabilities import bindings as binding_rules
-from capabilities import pager, routes
+from capabilities import leases, pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import CodeBundle, Runtime
-from capabilities.runtimes.errors import RuntimeFailure, RuntimeRejected, RuntimeUnavailable, ScriptTooLarge
+from capabilities.runtimes.errors import (
+    RuntimeFailure,
+    RuntimeRejected,
+    RuntimeThrottled,
+    RuntimeUnavailable,
+    ScriptTooLarge,
+    SlotsExhausted,
+)
+from capabilities.tasks import MAX_COUNTDOWN_SECONDS, PAGE_OUT_RECHECK_SECONDS
 from capabilities.tasks import capability_clear_slot as capability_clear_slot_task
 from capabilities.tasks import capability_page_out as capability_page_out_task
-from sigil_site.errors import Conflict, InvalidRequest, NotFound, Timeout, TooLarge, UpstreamError
+from sigil_site.errors import Conflict, InvalidRequest, NotFound, Timeout, TooLarge, Unavailable, UpstreamError
 from sigil_site.redis_client import get_redis
 
 logger = logging.getLogger(__name__)
 
 
-def placement_lock(full: str, *, blocking: bool, wait_seconds: float | None = None):
-    """The Redis lock held while `full` is placed, paged, moved or removed: one at a time.
+class PlacementUnderWay(Exception):
+    """Another call or process holds the capability's placement lock (a caller that asked not
+    to wait for it watches the route instead: the engine)."""
 
-    A blocking caller waits up to the lock's own timeout, or `wait_seconds` when given.
+
+def placement_lock(full: str, *, blocking: bool, wait_seconds: float | None = None) -> leases.Lease:
+    """The lock held while `full` is placed, paged, moved or removed: one at a time.
+
+    A lease (capabilities/leases.py): held up to SIGIL_PLACEMENT_LOCK_SECONDS while its
+    process lives, free within SIGIL_LEASE_SECONDS of its death. A blocking caller waits up
+    to SIGIL_PLACEMENT_LOCK_SECONDS, or `wait_seconds` when given.
     """
     seconds = settings.SIGIL_PLACEMENT_LOCK_SECONDS
-    return get_redis().lock(
-        f"sigil:lock:place:{full}",
-        timeout=seconds,
+    return leases.Lease(
+        placement_lock_key(full),
+        hold_seconds=seconds,
         blocking=blocking,
         blocking_timeout=seconds if wait_seconds is None else wait_seconds,
     )
 
 
+def placement_lock_key(full: str) -> str:
+    return f"sigil:lock:place:{full}"
+
+
 @contextmanager
 def placement_lock_within(full: str, *, wait_seconds: float | None) -> Iterator[None]:
-    """Hold `full`'s placement lock, waiting at most `wait_seconds` (None: the lock's timeout).
+    """Hold `full`'s placement lock, waiting at most `wait_seconds` (None: the lock's timeout;
+    0: not at all).
 
     Raises Timeout when another placement still holds it then: a caller waiting on a page-in
     gives up when its call would have (SIGIL_INVOKE_TIMEOUT_SECONDS), not after the lock's
-    far longer timeout.
+    far longer timeout. With 0, raises PlacementUnderWay at once instead.
     """
-    waited = wait_seconds or settings.SIGIL_PLACEMENT_LOCK_SECONDS
-    lock = placement_lock(full, blocking=True, wait_seconds=waited)
-    if not lock.acquire():
-        raise Timeout(f"{full} is still being placed after {waited:g} s; try again shortly")
+    if wait_seconds == 0:
+        lock = placement_lock(full, blocking=False)
+        if not lock.acquire():
+            raise PlacementUnderWay(full)
+    else:
+        waited = wait_seconds or settings.SIGIL_PLACEMENT_LOCK_SECONDS
+        lock = placement_lock(full, blocking=True, wait_seconds=waited)
+        if not lock.acquire():
+            raise Timeout(f"{full} is still being placed after {waited:g} s; try again shortly")
     try:
         yield
     finally:
@@ -71,7 +97,7 @@ def bundle_for(code: str, capability: Capability, runtime: Runtime) -> CodeBundl
     resolved = binding_rules.bindings_resolve(
         capability.bindings, agent_id=capability.agent_id, supported_kinds=runtime.binding_kinds, strict=False
     )
-    return CodeBundle.from_code(code, bindings=resolved)
+    return CodeBundle.from_code(code, bindings=resolved, cpu_ms=capability.cpu_ms)
 
 
 @dataclass(frozen=True)
@@ -106,15 +132,45 @@ class Room:
         if self.runtime.total_slots is not None:
             self.claim = self._claim()
             self.marked = [v for v in self.claim.victims if _mark_evicting(v.full)]
+            pager.pager_note_chosen(self.full, (v.full for v in self.marked))
         self.slot = slot_for(self.full, self.runtime)
-        _place(self.full, self.slot, bundle, self.runtime)
-        victims = self.claim.victims if self.claim else ()
+        paged_out = self._place_within_account(bundle)
+        victims = [v.full for v in self.claim.victims] if self.claim else []
+        victims += paged_out
         return Placement(
             slot=self.slot,
             backend=self.runtime.name,
             cold_start=bool(self.claim and self.claim.outcome == "claimed"),
-            evicted=victims[0].full if victims else None,
+            evicted=victims[0] if victims else None,
         )
+
+    def _place_within_account(self, bundle: CodeBundle) -> list[str]:
+        """Put `bundle` on the runtime; return what was paged out to make room on the account.
+
+        The runtime may refuse a new script though the pager had a slot: the account holds as
+        many as its plan allows (Cloudflare's 10037), the owner's own Workers sharing that
+        quota. That is a full pool: the least valuable capability is paged out at once and
+        the upload tried again, until ROOM_WAIT_SECONDS have passed. When nothing can be paged
+        out, or no room came in time, the newcomer is shed (`503 unavailable`). Each refusal
+        is told to the owner (`runtime_account_full`).
+        """
+        deadline = time.monotonic() + ROOM_WAIT_SECONDS
+        paged_out: list[str] = []
+        while True:
+            try:
+                _place(self.full, self.slot, bundle, self.runtime)
+                return paged_out
+            except SlotsExhausted as exc:
+                victim = _page_out_for_account(newcomer=self.full, deadline=deadline) if self.claim else None
+                runtime_account_full(runtime=self.runtime, full=self.full, paged_out=victim, refusal=str(exc))
+                if victim is None or time.monotonic() > deadline:
+                    raise Unavailable(
+                        f"the runtime's account has no room for {self.full}: it holds as many scripts as its plan "
+                        "allows, with scripts Sigil does not manage among them, and no capability of Sigil's could "
+                        "be paged out in time; the owner has been told",
+                        retry_after=ACCOUNT_FULL_RETRY_SECONDS,
+                    ) from exc
+                paged_out.append(victim)
 
     def _claim(self) -> pager.Claim:
         deadline = time.monotonic() + ROOM_WAIT_SECONDS
@@ -145,7 +201,8 @@ class Room:
             full=self.full, capability_type=self.capability_type, now=time.time(), expires_epoch=self.expires_epoch
         )
         for victim in self.marked:
-            capability_page_out_task.delay_on_commit(full=victim.full)
+            page_out_later(victim.full)
+        pager.pager_take_chosen(self.full)
 
     def release(self) -> None:
         """The placement failed or was not recorded: the newcomer goes back where it was,
@@ -161,6 +218,7 @@ class Room:
             )
         for victim in self.marked:
             _restore_victim(victim)
+        pager.pager_take_chosen(self.full)
 
     def _slot_cleared(self) -> bool:
         """A failed new placement may have left its script behind (uploaded, its URL not yet
@@ -194,6 +252,57 @@ def placement_room(*, full: str, capability_type: str, expires_at: datetime | No
     room.settle()
 
 
+def _page_out_for_account(*, newcomer: str, deadline: float) -> str | None:
+    """Page out the least valuable live capability now (never `newcomer`, which is being
+    placed): mark it evicting, then delete its script once its calls in flight end, waiting
+    until `deadline` (monotonic) at most. Returns its name, or None when none could go."""
+    usage = pager.pager_usage()
+    for victim in pager.pager_shed_excess(now=time.time(), slots=max(0, usage.used - 1)):
+        if victim.full == newcomer or not _mark_evicting(victim.full):
+            continue
+        # Its calls in flight may finish first; after the deadline a count still held is
+        # taken for a call that will never end, as any page-out does at its own deadline.
+        wait_until = time.time() + max(0.0, deadline - time.monotonic())
+        while True:
+            try:
+                capability_page_out(full=victim.full, wait_until=wait_until)
+                return victim.full
+            except StillInFlight:
+                time.sleep(0.05)
+            except RuntimeUnavailable:
+                # Its delete failed: the page-out task finishes it; this placement is shed.
+                capability_page_out_task.delay_on_commit(full=victim.full)
+                return None
+    return None
+
+
+# What a shed newcomer asks its caller to wait: a page-out or the owner freeing a script.
+ACCOUNT_FULL_RETRY_SECONDS = 30
+# How long /_health reports the account full after the last refusal.
+ACCOUNT_FULL_REPORTED_SECONDS = 3600
+ACCOUNT_FULL_KEY = "sigil:runtime:account_full"
+
+
+def runtime_account_full(*, runtime: Runtime, full: str, paged_out: str | None, refusal: str) -> None:
+    """Tell the owner the runtime's account refused a script for want of room: an audit
+    event, and /_health's warning for the next hour (`runtime_account_warning`)."""
+    detail = {"capability": full, "paged_out": paged_out, "refusal": refusal}
+    audit_record(actor="system", action="runtime.account_full", subject=runtime.name, detail=detail)
+    message = (
+        f"the {runtime.name} runtime's account refused a script for want of room at "
+        f"{timezone.now().isoformat(timespec='seconds')}: it holds as many scripts as its plan allows, the "
+        "owner's own Workers included; free some, or lower SIGIL_POOL_TOTAL_QUOTA (python manage.py cfcheck "
+        "tells how many slots Sigil can use)"
+    )
+    get_redis().set(ACCOUNT_FULL_KEY, message, ex=ACCOUNT_FULL_REPORTED_SECONDS)
+
+
+def runtime_account_warning() -> str | None:
+    """What /_health warns of when the runtime's account refused a script lately, else None."""
+    value = get_redis().get(ACCOUNT_FULL_KEY)
+    return value.decode() if value is not None else None
+
+
 def _mark_evicting(victim: str) -> bool:
     """A victim keeps serving while the newcomer is placed; returns whether it was live.
 
@@ -225,7 +334,7 @@ def _restore_victim(victim: pager.Candidate) -> None:
     (it is being removed or evicted by the owner), it is paged out after all."""
     lock = placement_lock(victim.full, blocking=True, wait_seconds=RESTORE_LOCK_WAIT_SECONDS)
     if not lock.acquire():
-        capability_page_out_task.delay_on_commit(full=victim.full)
+        page_out_later(victim.full)
         return
     try:
         with transaction.atomic():
@@ -256,7 +365,7 @@ def capability_shed_excess(*, now: float | None = None) -> list[str]:
     shed = []
     for victim in victims:
         if _mark_evicting(victim.full):
-            capability_page_out_task.delay_on_commit(full=victim.full)
+            page_out_later(victim.full)
             shed.append(victim.full)
     return shed
 
@@ -290,10 +399,26 @@ def _place(full: str, slot: str, bundle: CodeBundle, runtime: Runtime) -> None:
         runtime.place(slot=slot, bundle=bundle)
     except ScriptTooLarge as exc:
         raise TooLarge(f"the runtime refused the script as too large: {exc}") from exc
+    except SlotsExhausted:
+        raise  # a full account: the caller (Room) pages out or sheds
     except RuntimeRejected as exc:
         raise InvalidRequest(f"the runtime refused the script: {exc}") from exc
+    except RuntimeThrottled as exc:
+        raise runtime_throttled(exc, doing=f"place {full}") from exc
     except RuntimeUnavailable as exc:
         raise UpstreamError(f"the runtime could not place {full}: {exc}") from exc
+
+
+def runtime_throttled(exc: RuntimeThrottled, *, doing: str) -> Unavailable:
+    """`503 unavailable` for a runtime whose provider refuses calls for a while (Cloudflare's
+    rate-limit lockout), with Retry-After as the provider answered it. The message is Sigil's:
+    the provider's own words (its error codes, its limits) stay in the log."""
+    logger.warning("the runtime is throttled and could not %s: %s", doing, exc)
+    seconds = max(1, math.ceil(exc.retry_after)) if exc.retry_after is not None else None
+    wait = f"try again in {seconds} s" if seconds is not None else "try again later"
+    return Unavailable(
+        f"the runtime's API is rate-limited for now, so Sigil could not {doing}; {wait}", retry_after=seconds
+    )
 
 
 def capability_release_slot(*, capability_id: int) -> bool:
@@ -343,8 +468,8 @@ def capability_page_in(
     this call placed it.
 
     Concurrent callers for the same capability wait on one lock, so one placement serves
-    them all; a caller waits at most `wait_seconds` for it. Raises NotFound, UpstreamError,
-    Timeout (the wait ran out).
+    them all; a caller waits at most `wait_seconds` for it (0: not at all). Raises NotFound,
+    UpstreamError, Timeout (the wait ran out), PlacementUnderWay (with 0, the lock is held).
     """
     with placement_lock_within(full, wait_seconds=wait_seconds):
         capability = (
@@ -390,6 +515,21 @@ def capability_page_in(
 PAGE_OUT_GRACE_SECONDS = 2.0
 
 
+# Page-outs sent or waiting on calls in flight, by when their task should next run (epoch s):
+# one past that by a lease was lost with its worker, and is sent again (services/reaper.py).
+PAGE_OUTS_DUE_KEY = "sigil:pageout:due"
+
+
+def page_out_later(full: str) -> None:
+    """Page `full` out in the background (once the transaction commits), its due time noted."""
+    _page_out_due(full, within=0)
+    capability_page_out_task.delay_on_commit(full=full)
+
+
+def _page_out_due(full: str, *, within: float) -> None:
+    get_redis().zadd(PAGE_OUTS_DUE_KEY, {full: time.time() + within})
+
+
 class StillInFlight(Exception):
     """The victim is still serving calls; check again, waiting at most until `wait_until`."""
 
@@ -411,6 +551,7 @@ def capability_page_out(*, full: str, wait_until: float | None = None) -> bool:
     with placement_lock(full, blocking=True):
         capability = Capability.objects.select_related("agent").filter(full_name=full, state=State.EVICTING).first()
         if capability is None:
+            get_redis().zrem(PAGE_OUTS_DUE_KEY, full)
             return False
         # The route first: a call that still found it served holds an in-flight count by the
         # time this checks; one that did not goes to page it in, and waits for this lock.
@@ -420,8 +561,13 @@ def capability_page_out(*, full: str, wait_until: float | None = None) -> bool:
         if wait_until is None:
             wait_until = time.time() + settings.SIGIL_INVOKE_TIMEOUT_SECONDS + PAGE_OUT_GRACE_SECONDS
         if pager.pager_inflight(full) > 0 and time.time() < wait_until:
+            _page_out_due(full, within=PAGE_OUT_RECHECK_SECONDS)
             raise StillInFlight(full, wait_until=wait_until)
-        runtime_for(capability.backend).remove(slot=capability.slot)
+        try:
+            runtime_for(capability.backend).remove(slot=capability.slot)
+        except RuntimeUnavailable:
+            _page_out_due(full, within=MAX_COUNTDOWN_SECONDS)  # the task's retry
+            raise
         with transaction.atomic():
             changed = Capability.objects.filter(pk=capability.pk, state=State.EVICTING).update(
                 state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now()
@@ -431,6 +577,7 @@ def capability_page_out(*, full: str, wait_until: float | None = None) -> bool:
                     actor="system", action="capability.evicted", agent_name=capability.agent.name, subject=full
                 )
         pager.pager_forget(full)
+        get_redis().zrem(PAGE_OUTS_DUE_KEY, full)
         capability.refresh_from_db()
         routes.route_publish(capability)
     return bool(changed)
@@ -470,7 +617,49 @@ def _same_runtime(runtime: Runtime) -> tuple[str, ...]:
 
 
 def placement_in_progress(full: str) -> bool:
-    return bool(get_redis().exists(f"sigil:lock:place:{full}"))
+    return bool(get_redis().exists(placement_lock_key(full)))
+
+
+def capability_reap_placements(*, now: float | None = None) -> dict[str, int]:
+    """End what a dead process left of its placements and page-outs, once its lease is over:
+    a `placing` entry whose placer's lock is gone gives its slot back (and the victims that
+    placement chose are paged out); a page-out due more than a lease ago whose capability is
+    still evicting, its lock free, is sent again. Each is audited. Idempotent; returns counts.
+    """
+    now = time.time() if now is None else now
+    freed = 0
+    for full in pager.pager_placing():
+        if not pager.pager_drop_unheld_placing(full, lock_key=placement_lock_key(full)):
+            continue
+        victims = pager.pager_take_chosen(full)
+        audit_record(
+            actor="system",
+            action="pager.placing_freed",
+            subject=full,
+            detail={"reason": "its placer died", "victims": victims},
+        )
+        for victim in victims:
+            page_out_later(victim)
+        freed += 1
+    resent = 0
+    redis = get_redis()
+    overdue = [m.decode() for m in redis.zrangebyscore(PAGE_OUTS_DUE_KEY, "-inf", now - leases.lease_seconds())]
+    evicting = set(
+        Capability.objects.filter(full_name__in=overdue, state=State.EVICTING).values_list("full_name", flat=True)
+    )
+    for full in overdue:
+        if full not in evicting:
+            redis.zrem(PAGE_OUTS_DUE_KEY, full)
+        elif not placement_in_progress(full):
+            audit_record(
+                actor="system",
+                action="capability.page_out_resent",
+                subject=full,
+                detail={"reason": "its worker was lost"},
+            )
+            page_out_later(full)
+            resent += 1
+    return {"placing_freed": freed, "page_outs_resent": resent}
 
 
 def capability_reconcile() -> dict[str, int]:
@@ -531,7 +720,7 @@ def capability_reconcile() -> dict[str, int]:
         repaired += 1
 
     if runtime.total_slots is None:
-        return {"orphans_removed": orphans, "repaired": repaired, "pager_corrected": 0, "shed": 0}
+        return {"orphans_removed": orphans, "repaired": repaired, "pager_corrected": 0, "shed": 0, **_reap()}
     corrected = pager.pager_sync(is_placing=placement_in_progress)
     for full in corrected:
         audit_record(actor="system", action="pager.corrected", subject=full)
@@ -540,9 +729,22 @@ def capability_reconcile() -> dict[str, int]:
     # placement's lock has expired (a page-out still queued makes this one a no-op).
     stale = timezone.now() - timedelta(seconds=settings.SIGIL_PLACEMENT_LOCK_SECONDS)
     for full in on_this_runtime.filter(state=State.EVICTING, updated_at__lt=stale).values_list("full_name", flat=True):
-        capability_page_out_task.delay_on_commit(full=full)
+        page_out_later(full)
     shed = capability_shed_excess()
-    return {"orphans_removed": orphans, "repaired": repaired, "pager_corrected": len(corrected), "shed": len(shed)}
+    return {
+        "orphans_removed": orphans,
+        "repaired": repaired,
+        "pager_corrected": len(corrected),
+        "shed": len(shed),
+        **_reap(),
+    }
+
+
+def _reap() -> dict[str, int]:
+    """Reconcile ends what dead processes left too (services/reaper.py, which imports this module)."""
+    from capabilities.services.reaper import capability_reap
+
+    return capability_reap()
 
 
 def capability_mark_missing(*, full: str, slot: str | None = None, backend: str | None = None) -> None:
@@ -635,6 +837,8 @@ def capability_refresh_bindings(*, full: str) -> bool:
                         subject=full,
                         detail={"bindings": capability.bindings},
                     )
+        except Unavailable as exc:
+            raise RuntimeThrottled(exc.message, retry_after=exc.retry_after) from exc  # the task waits it out
         except UpstreamError as exc:
             raise RuntimeUnavailable(str(exc)) from exc  # transient: the task tries again
         capability.placed_sha = bundle.sha

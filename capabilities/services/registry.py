@@ -21,15 +21,17 @@ from agents.models import Agent
 from agents.services import audit_record
 from agents.tokens import Principal
 from capabilities import bindings as binding_rules
-from capabilities import contract_copies, failures, names, pager, routes
+from capabilities import contract_copies, failures, leases, names, pager, routes, selectors, tasks
 from capabilities.contracts import Contract, contract_merge
 from capabilities.models import Capability, CapabilityType, CapabilityVersion, State, VersionPlacement
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import CodeBundle, code_sha
+from capabilities.runtimes.errors import RuntimeUnavailable
 from capabilities.services.placement import (
     Placement,
     bundle_for,
     placement_lock,
+    placement_lock_key,
     placement_lock_within,
     placement_room,
 )
@@ -44,7 +46,9 @@ from sigil_site.errors import (
     NotFound,
     RateLimited,
     SigilError,
+    Timeout,
     TooLarge,
+    UpstreamError,
     error_for_unexpected,
     error_from_code,
 )
@@ -476,7 +480,7 @@ def _deploy_in_background(new: NewVersion, requested: dict) -> DeployResult:
         )
     if outcome["status"] != VersionPlacement.PLACED:
         _forget_refused(version)
-        raise error_from_code(outcome["code"], outcome["message"])
+        raise error_from_code(outcome["code"], outcome["message"], retry_after=outcome.get("retry_after"))
     capability.refresh_from_db()
     capability.agent = new.owner
     return DeployResult(
@@ -521,35 +525,125 @@ def _forget_refused(version: CapabilityVersion) -> None:
         Capability.objects.filter(pk=version.capability_id, current_version=None, versions__isnull=True).delete()
 
 
-def capability_place_version(*, version_id: int) -> dict:
+def deploy_owner_key(version_id: int) -> str:
+    """The lease of the task placing a version, held while it works on it: a version nobody
+    owns (nor `deploy_retry_key`) was stranded by a dead worker (services/reaper.py)."""
+    return f"sigil:deploy:owner:{version_id}"
+
+
+def deploy_retry_key(version_id: int) -> str:
+    """Set, for its countdown and a lease, while a retry of the version's task is due."""
+    return f"sigil:deploy:retry:{version_id}"
+
+
+# Failures that may pass: the runtime unreachable, no room yet, the lock held too long.
+TRANSIENT_DEPLOY_FAILURES = (UpstreamError, Timeout)
+
+
+def capability_place_version(*, version_id: int, retries: int = 0, max_retries: int = 0) -> dict:
     """Place a version recorded by a deploy (the Celery task's work) and make it current;
     record and announce the outcome: {"status": "placed", "cold_start", "evicted"} or
     {"status": "failed" | "superseded", "code", "message"}.
 
     A version whose row is gone, whose capability was removed, or that a newer deploy
-    came after is not placed (superseded). Never raises: a failure is recorded on the
-    version, audited, and shown by inspect.
+    came after is not placed (superseded). A transient failure (the runtime unreachable, no
+    room, the lock held too long) raises RuntimeUnavailable, with the countdown to try again
+    as its retry_after, while `retries` (the tries that failed so far) is under `max_retries`;
+    the last try's failure, and any other, is recorded on the
+    version, audited, and shown by inspect. Idempotent: a version placed or failed already
+    gets its recorded outcome.
     """
     full = CapabilityVersion.objects.filter(pk=version_id).values_list("capability__full_name", flat=True).first()
     if full is None:
         logger.info("version %s is gone (its capability was redeployed or removed): nothing to place", version_id)
         return {"status": VersionPlacement.SUPERSEDED, "code": "not_found", "message": "the version no longer exists"}
+    owner = leases.Lease(
+        deploy_owner_key(version_id), hold_seconds=2 * settings.SIGIL_PLACEMENT_LOCK_SECONDS, blocking=False
+    )
+    owner.acquire()  # not acquired: a duplicate delivery is at work, the placement lock orders them
+    redis = get_redis()
+    redis.delete(deploy_retry_key(version_id))
+    last_try = retries >= max_retries
     try:
         with placement_lock_within(full, wait_seconds=None):
-            outcome = _place_version(version_id)
-    except SigilError as exc:  # the lock was not free in time
+            outcome = _place_version(version_id, last_try=last_try)
+    except TRANSIENT_DEPLOY_FAILURES as exc:
+        if not last_try:
+            countdown = tasks.retry_countdown(retries=retries, retry_after=None)
+            # The worker holds the retry, unacknowledged, for its countdown.
+            redis.set(deploy_retry_key(version_id), 1, px=int((countdown + leases.lease_seconds()) * 1000))
+            logger.warning(
+                "placing version %s of %s failed, trying again in %.0f s: %s", version_id, full, countdown, exc
+            )
+            raise RuntimeUnavailable(str(exc), retry_after=countdown) from exc
+        outcome = _record_failed(version_id, exc)
+    except SigilError as exc:
         outcome = _record_failed(version_id, exc)
     except Exception as exc:
         error = error_for_unexpected(exc, request_id=f"deploy-{version_id}")
         logger.exception("placing version %s of %s failed (%s)", version_id, full, error.message)
         outcome = _record_failed(version_id, error)
-    redis = get_redis()
-    redis.rpush(_outcome_key(version_id), json.dumps(outcome))
-    redis.expire(_outcome_key(version_id), OUTCOME_KEEP_SECONDS)
+    finally:
+        if owner.owned():
+            owner.release()
+    _announce(version_id, outcome)
     return outcome
 
 
-def _place_version(version_id: int) -> dict:
+# How often a stranded deploy is sent again before it is ended as failed.
+DEPLOY_RESENDS = 3
+
+
+def capability_reap_deploys() -> dict[str, int]:
+    """Deploys and rollbacks placed by a task that nobody owns any more (the worker placing
+    them died, its message not yet given back by the broker): a version still `placing` a
+    lease after it was recorded, with no task's lease on it (`deploy_owner_key`), no retry
+    due and its capability's placement lock free, is sent to the deploy queue again, up to
+    DEPLOY_RESENDS times; then it is recorded as failed (502 upstream_error). Each step is
+    audited. Idempotent (a resent task finds the version placed, and does nothing); returns
+    counts.
+    """
+    redis = get_redis()
+    recorded_before = timezone.now() - timedelta(seconds=leases.lease_seconds())
+    stranded = CapabilityVersion.objects.select_related("capability__agent").filter(
+        placement=VersionPlacement.PLACING, created_at__lt=recorded_before
+    )
+    resent = failed = 0
+    for version in stranded:
+        full = version.capability.full_name
+        if redis.exists(deploy_owner_key(version.pk), deploy_retry_key(version.pk), placement_lock_key(full)):
+            continue
+        sends_key = f"sigil:deploy:resent:{version.pk}"
+        sends = redis.incr(sends_key)
+        redis.expire(sends_key, 86400)
+        if sends > DEPLOY_RESENDS:
+            error = UpstreamError(
+                f"v{version.number} of {full} was not placed: the worker placing it was lost, "
+                f"and no worker placed it after {DEPLOY_RESENDS} resends"
+            )
+            _announce(version.pk, _record_failed(version.pk, error))
+            failed += 1
+            continue
+        audit_record(
+            actor="system",
+            action="capability.deploy_resent",
+            agent_name=version.capability.agent.name,
+            subject=full,
+            detail={"version": version.number, "resend": sends, "reason": "no worker owns its placement"},
+        )
+        capability_place_version_task.apply_async(kwargs={"version_id": version.pk}, queue=settings.SIGIL_DEPLOY_QUEUE)
+        resent += 1
+    return {"deploys_resent": resent, "deploys_failed": failed}
+
+
+def _announce(version_id: int, outcome: dict) -> None:
+    """Hand the outcome to the request waiting on it, if it still is."""
+    redis = get_redis()
+    redis.rpush(_outcome_key(version_id), json.dumps(outcome))
+    redis.expire(_outcome_key(version_id), OUTCOME_KEEP_SECONDS)
+
+
+def _place_version(version_id: int, *, last_try: bool) -> dict:
     version = CapabilityVersion.objects.select_related("capability__agent").filter(pk=version_id).first()
     if version is None:
         return {"status": VersionPlacement.SUPERSEDED, "code": "not_found", "message": "the version no longer exists"}
@@ -566,7 +660,7 @@ def _place_version(version_id: int) -> dict:
         resolved = binding_rules.bindings_resolve(
             version.requested.get("bindings", []), agent_id=capability.agent_id, supported_kinds=runtime.binding_kinds
         )
-        bundle = CodeBundle.from_code(version.code, bindings=resolved)
+        bundle = CodeBundle.from_code(version.code, bindings=resolved, cpu_ms=capability.cpu_ms)
         room_for = {
             "full": capability.full_name,
             "capability_type": capability.type,
@@ -576,6 +670,8 @@ def _place_version(version_id: int) -> dict:
             placement = room.place(bundle)
             placed = _record_placed(version, placement=placement, bundle_sha=bundle.sha)
     except SigilError as exc:
+        if isinstance(exc, TRANSIENT_DEPLOY_FAILURES) and not last_try:
+            raise
         if isinstance(exc, (InvalidRequest, TooLarge)):
             # Refused code: nothing was deployed, so the fixed code need not wait out a cool-down.
             get_redis().delete(_cooldown_key(capability.agent.name))
@@ -626,7 +722,9 @@ def _record_placed(version: CapabilityVersion, *, placement: Placement, bundle_s
 
 
 def _record_failed(version_id: int, error: SigilError) -> dict:
-    failure = {"code": error.code, "message": error.message}
+    failure: dict = {"code": error.code, "message": error.message}
+    if error.retry_after is not None:
+        failure["retry_after"] = error.retry_after
     with transaction.atomic():
         version = CapabilityVersion.objects.select_related("capability__agent").filter(pk=version_id).first()
         if version is None:
@@ -801,16 +899,20 @@ def capability_expire_ephemerals(*, now: datetime | None = None, batch_size: int
     return count
 
 
-def capability_rollback(*, capability: Capability, version_number: int, actor: str) -> DeployResult:
+def capability_rollback(
+    *, capability: Capability, version_number: int, actor: str, cooldown: bool = False
+) -> DeployResult:
     """Serve the code of an earlier version again, placed exactly as a deploy places code.
 
     The rollback is a new version, numbered after the latest, with the old version's code
     and contract: history only grows, the version an agent reads never goes back, and the audit trail
     says which version was restored. The capability keeps its current bindings and public
-    flag (they are not versioned), and the agent's deploy cool-down does not apply.
+    flag (they are not versioned). The agent's deploy cool-down applies only with `cooldown`
+    (an agent's own rollback, capability_rollback_by_agent), as to a deploy: claimed once
+    the rollback changes something, given back when the runtime refuses the code.
     Rolling back to the code and contract that are already current changes nothing (as a
     deploy of the same code does). Raises NotFound (no such version, or the capability was removed),
-    Conflict (a deploy of it is in progress), and what placing code raises (TooLarge,
+    Conflict (a deploy of it is in progress), Cooldown, and what placing code raises (TooLarge,
     InvalidRequest, UpstreamError).
     """
     full = capability.full_name
@@ -821,7 +923,7 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
     if not Capability.objects.exclude(state=State.REMOVED).filter(pk=capability.pk).exists():
         raise NotFound(f"no capability {full}")
     if get_runtime().places_in_background:
-        return _rollback_in_background(capability, target=target, actor=actor)
+        return _rollback_in_background(capability, target=target, actor=actor, cooldown=cooldown)
     lock = placement_lock(full, blocking=False)
     if not lock.acquire():
         raise Conflict(f"{full} is being deployed; retry when it is done")
@@ -829,9 +931,16 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
         current, unchanged = _rollback_start(capability, target)
         if unchanged is not None:
             return unchanged
+        if cooldown:
+            _claim_cooldown(current.agent.name)
         bundle = bundle_for(target.code, current, get_runtime())
         with placement_room(full=full, capability_type=current.type, expires_at=current.expires_at) as room:
-            placement = room.place(bundle)
+            try:
+                placement = room.place(bundle)
+            except (InvalidRequest, TooLarge):
+                if cooldown:  # nothing was placed: as for a refused deploy
+                    get_redis().delete(_cooldown_key(current.agent.name))
+                raise
             locked = _record_rollback(current, target=target, placement=placement, bundle_sha=bundle.sha, actor=actor)
         routes.route_publish(locked)
         contract_copies.contract_publish(locked)
@@ -844,6 +953,43 @@ def capability_rollback(*, capability: Capability, version_number: int, actor: s
         created=False,
         cold_start=placement.cold_start,
         evicted=placement.evicted,
+    )
+
+
+# Why a version's code may not be restored by its agent, by its placement: it never ran.
+NOT_RESTORABLE = {
+    VersionPlacement.FAILED: "was refused when it was deployed",
+    VersionPlacement.SUPERSEDED: "was never placed (a newer deploy came first)",
+    VersionPlacement.PLACING: "is still being placed",
+}
+
+
+def capability_rollback_by_agent(*, principal: Principal, full: str, version_number: int) -> DeployResult:
+    """An agent rolls one of its capabilities back to an earlier version (REST and MCP): the
+    owner's rollback (capability_rollback), audited with the agent as actor and under the
+    agent's deploy cool-down. The restored version carries the old version's contract with
+    its code. Only a version whose code the runtime accepted may be restored.
+
+    Raises Forbidden (no deploy scope, another agent's capability), NotFound, InvalidRequest
+    (a version refused, superseded or still placing), Conflict (the staged version, which a
+    split or a promote puts in service; a deploy in progress), Cooldown, and what placing
+    code raises. Idempotent: rolling back to the code and contract served changes nothing.
+    """
+    if not principal.can_deploy:
+        raise Forbidden("rolling back needs a token with the deploy scope")
+    capability = selectors.capability_get_owned(principal=principal, full=full)
+    target = CapabilityVersion.objects.filter(capability_id=capability.pk, number=version_number).first()
+    if target is None:
+        raise NotFound(f"{full} has no version {version_number}: GET /_api/capabilities/{full}/versions lists them")
+    if target.placement in NOT_RESTORABLE:
+        raise InvalidRequest(f"v{version_number} of {full} {NOT_RESTORABLE[target.placement]}; roll back to another")
+    if target.pk == capability.staged_version_id:
+        raise Conflict(
+            f"v{version_number} of {full} is staged, never served: start a split with it, or promote it "
+            f"(POST /_api/capabilities/{full}/split/promote)"
+        )
+    return capability_rollback(
+        capability=capability, version_number=version_number, actor=_actor(principal), cooldown=True
     )
 
 
@@ -864,13 +1010,17 @@ def _rollback_start(capability: Capability, target: CapabilityVersion) -> tuple[
     return current, DeployResult(capability=current, version=version, created=False, cold_start=False, evicted=None)
 
 
-def _rollback_in_background(capability: Capability, *, target: CapabilityVersion, actor: str) -> DeployResult:
+def _rollback_in_background(
+    capability: Capability, *, target: CapabilityVersion, actor: str, cooldown: bool
+) -> DeployResult:
     """A rollback on a runtime whose placements run in Celery: the target's code and contract
     recorded as a new version and placed by the deploy task, as a deploy is (202 when it
     takes longer than SIGIL_DEPLOY_WAIT_SECONDS)."""
     current, unchanged = _rollback_start(capability, target)
     if unchanged is not None:
         return unchanged
+    if cooldown:
+        _claim_cooldown(current.agent.name)  # the task gives it back if the code is refused
     new = NewVersion(
         owner=current.agent,
         existing=current,
@@ -907,8 +1057,9 @@ def _record_rollback(
         locked.state = State.LIVE
         locked.slot = placement.slot
         locked.placed_sha = bundle_sha
+        locked.backend = placement.backend
         locked.updated_at = now
-        locked.save(update_fields=["current_version", "state", "slot", "placed_sha", "updated_at"])
+        locked.save(update_fields=["current_version", "state", "slot", "placed_sha", "backend", "updated_at"])
         audit_record(
             actor=actor,
             action="capability.rolled_back",

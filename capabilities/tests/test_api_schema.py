@@ -21,7 +21,10 @@ MAX_EXAMPLES = 250
 
 
 @pytest.fixture
-def api_schema(alice):
+def api_schema(alice, settings):
+    # The fuzzer's invalid-credential probes are guesses the failed-token brake would stop
+    # with a 429 after 20; the brake has tests of its own (sigil_site/tests/test_abuse.py).
+    settings.SIGIL_AUTH_FAILURE_LIMIT = 0
     assert alice.deploy(name="ping", code=PONG).status_code == 201  # something to list and inspect
     return schemathesis.openapi.from_url(f"{alice.base_url}/_api/schema")
 

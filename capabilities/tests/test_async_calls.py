@@ -1,11 +1,10 @@
-"""Asynchronous calls: `Prefer: respond-async` answers 202 at once, the call runs in Celery
-through the gateway, and its result is kept for its caller and posted to its callback."""
+"""Asynchronous calls: `Prefer: respond-async` answers 202 at once, the call runs on the
+engine's runners, and its result is kept for its caller and posted to its callback."""
 
 import hashlib
 import hmac
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from sigil_site.encryption import secret_encrypt
 from sigil_site.redis_client import get_redis
 from testsupport.capability_code import ECHO
 from testsupport.cast import deploy_answering, wait_for
-from testsupport.processes import descendants, wait_until
+from testsupport.processes import wait_until
 from testsupport.servers import database_url
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,12 +158,12 @@ def test_a_call_whose_token_is_revoked_before_it_runs_is_refused(alice, settings
     from agents import services, tokens
     from agents.models import Token
 
-    settings.SIGIL_ASYNC_QUEUE = "held"  # no worker takes it: it runs below, once the token is gone
+    settings.SIGIL_ASYNC_RUNNERS = 0  # no runner takes it: it runs below, once the token is gone
     deploy_answering(alice, "ping", "pong")
     status_url = accepted(alice.call("/alice/ping", headers=ASYNC))
     token = Token.objects.get(secret_hash=tokens.hash_secret(alice.invoke_token))
     services.token_revoke(token=token, actor="owner:test")
-    async_calls.async_call_run(call_id=status_url.rsplit("/", 1)[1])  # the queued task's body
+    async_calls.async_call_run(call_id=status_url.rsplit("/", 1)[1])  # what a runner does
     result = result_of(alice, status_url)
     assert result.status_code == 401 and result.json()["error"]["code"] == "unauthenticated"
 
@@ -198,12 +197,11 @@ def test_a_callback_to_a_private_address_is_refused_at_once(alice, settings, url
 
 
 def test_a_callback_is_checked_again_when_it_is_delivered(alice, settings, webhook_receiver, celery_worker):
-    settings.SIGIL_ASYNC_QUEUE = "held"  # run below, once the callback's address is no longer allowed
+    settings.SIGIL_ASYNC_RUNNERS = 0  # run below, once the callback's address is no longer allowed
     deploy_answering(alice, "ping", "pong")
     status_url = accepted(alice.call("/alice/ping", headers={**ASYNC, "X-Callback-Url": webhook_receiver.url}))
     # As if the name had come to resolve to a private address since it was accepted.
     settings.SIGIL_CALLBACK_ALLOWED_NETWORKS = []
-    settings.SIGIL_ASYNC_QUEUE = "celery"
     async_calls.async_call_run(call_id=status_url.rsplit("/", 1)[1])  # the callback goes to the worker
     assert result_of(alice, status_url).text == "pong"  # the result itself is kept
     refused = wait_for(
@@ -232,18 +230,18 @@ def test_running_a_call_again_after_it_is_done_changes_nothing(alice, webhook_re
     assert result_of(alice, status_url).text == "pong"
     wait_for(lambda: webhook_receiver.received, message="the callback")
     call_id = status_url.rsplit("/", 1)[1]
-    async_calls.async_call_run(call_id=call_id)  # a redelivered task
+    async_calls.async_call_run(call_id=call_id)  # run again, as after a runner's loss
     assert int(get_redis().hget(async_calls.record_key(call_id), "attempts")) == 1
     assert len(webhook_receiver.received) == 1
 
 
 @pytest.mark.slow
-def test_a_call_survives_its_worker_being_killed_mid_call(alice, settings, webhook_receiver, tmp_path):
+def test_a_call_survives_its_runner_being_killed_mid_call(alice, settings, webhook_receiver, tmp_path, celery_worker):
     from django.db import connection
 
     from capabilities import stats
 
-    settings.SIGIL_ASYNC_QUEUE = queue = f"async-{os.getpid()}"  # only the worker below takes it
+    settings.SIGIL_ASYNC_RUNNERS = 0  # only the runner process below takes it, at first
     subscribe("alice")
     alice.deploy(name="slow", code=SLOW)
     env = {
@@ -252,10 +250,9 @@ def test_a_call_survives_its_worker_being_killed_mid_call(alice, settings, webho
         "SIGIL_ACCESS_LOG": "false",
         "SIGIL_CALLBACK_ALLOWED_NETWORKS": "127.0.0.0/8",
     }
-    command = [sys.executable, "-m", "celery", "-A", "sigil_site", "worker", "--pool", "prefork", "--concurrency", "1"]
-    command += ["--queues", queue, "--without-mingle", "--without-gossip", "--hostname", f"{queue}@test"]
-    with (tmp_path / "celery.log").open("wb") as log:
-        worker = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    command = [sys.executable, "manage.py", "runcalls"]
+    with (tmp_path / "runcalls.log").open("wb") as log:
+        runner = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         status_url = accepted(alice.call("/alice/slow?n=1", headers={**ASYNC, "X-Callback-Url": webhook_receiver.url}))
         call_id = status_url.rsplit("/", 1)[1]
@@ -263,11 +260,11 @@ def test_a_call_survives_its_worker_being_killed_mid_call(alice, settings, webho
             lambda: alice.call(status_url).json().get("status") == "running",
             timeout=60,
             interval=0.1,
-            what="the worker to start the call",
+            what="the runner to start the call",
         )
-        children = descendants(worker.pid)
-        assert len(children) == 1, children  # the pool's one process, running the call
-        os.kill(children.pop(), signal.SIGKILL)
+        runner.kill()  # the runner's process dies mid-call, its lease with it
+        runner.wait(timeout=30)
+        settings.SIGIL_ASYNC_RUNNERS = 8  # the server's runners take it back once that lease lapses
 
         result = result_of(alice, status_url, timeout=60)
         assert result.status_code == 200 and result.text == "slow ?n=1"
@@ -278,12 +275,13 @@ def test_a_call_survives_its_worker_being_killed_mid_call(alice, settings, webho
         assert json.loads(webhook_receiver.received[0][1])["result"]["body"] == "slow ?n=1"
         assert int(get_redis().hget(stats.stats_key("alice--slow"), "calls")) == 1
     finally:
-        worker.terminate()
-        worker.wait(timeout=30)
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait(timeout=30)
 
 
 def test_an_agent_with_its_limit_of_calls_waiting_is_refused_until_one_has_run(alice, bob, settings):
-    settings.SIGIL_ASYNC_QUEUE = "held"  # no worker takes them: they wait, as behind a busy worker
+    settings.SIGIL_ASYNC_RUNNERS = 0  # no runner takes them: they wait, as behind busy runners
     settings.SIGIL_ASYNC_MAX_PENDING_PER_AGENT = 2
     deploy_answering(alice, "ping", "pong", public=True)
     waiting = [accepted(alice.call("/alice/ping", headers=ASYNC)) for _ in range(2)]

@@ -79,8 +79,8 @@ def test_an_account_without_a_workers_dev_subdomain(cf_settings, cf_emulator_fre
     assert lines(output)["plan"] == "ok"
 
 
-def test_a_full_script_quota_leaves_no_room_for_sigils_worker(cf_settings, cf_client):
-    cf_settings.SIGIL_POOL_TOTAL_QUOTA = 1
+def test_a_full_script_quota_leaves_no_room_for_sigils_worker(cf_settings, cf_client, cf_emulator_fresh):
+    cf_emulator_fresh.configure(script_limit=1)
     assert cfcheck("platform")[1]  # the account's one script can be the dispatch Worker
     source = {"owner.js": 'export default { fetch() { return new Response("mine") } }'}
     cf_client.script_upload(
@@ -89,7 +89,45 @@ def test_a_full_script_quota_leaves_no_room_for_sigils_worker(cf_settings, cf_cl
     output, ok = cfcheck("platform")
     assert not ok
     assert lines(output)["scripts"] == "MISSING"
-    assert "1 of the account's 1 Worker scripts" in output
+    assert "1 of the account's 1 Worker scripts (as Cloudflare's refusal named it)" in output
+
+
+OWNERS = 'export default { fetch() { return new Response("mine") } }'
+
+
+def test_a_free_account_says_how_many_slots_the_pool_can_really_use(cf_settings, cf_client, cf_emulator_fresh):
+    # The settings' defaults are a paid account's: 500 scripts, 440 slots. Free allows 100.
+    cf_emulator_fresh.configure(plan="free")
+    for i in range(60):  # the owner's own Workers, more than the 50 reserved for them
+        cf_client.script_upload(
+            f"owners-{i}", modules={"o.js": OWNERS}, main_module="o.js", compatibility_date="2025-01-01"
+        )
+    output, ok = cfcheck("worker-pool")
+    assert ok, output  # it works, paging out on Cloudflare's refusals
+    assert (
+        "60 of the account's 100 Worker scripts (the Workers Free plan's) are in use, 60 of them not Sigil's" in output
+    )
+    assert "Sigil can really use 30 slots, not the 440 its settings give" in output
+    assert [line.split()[0] for line in output.splitlines() if "scripts:" in line] == ["note"]
+
+
+def test_a_paid_account_with_room_gives_the_pool_every_slot_of_its_settings(cf_settings, cf_emulator_fresh):
+    output, ok = cfcheck("worker-pool")
+    assert ok, output
+    assert "0 of the account's 500 Worker scripts (the Workers Paid plan's) are in use" in output
+    assert "Sigil can use its 440 slots" in output
+
+
+def test_a_pool_with_no_slot_left_on_the_account_cannot_work(cf_settings, cf_client, cf_emulator_fresh):
+    cf_emulator_fresh.configure(plan="free", script_limit=12)  # 100 on Free; fewer to keep it short
+    for i in range(12):
+        cf_client.script_upload(
+            f"owners-{i}", modules={"o.js": OWNERS}, main_module="o.js", compatibility_date="2025-01-01"
+        )
+    output, ok = cfcheck("worker-pool")
+    assert not ok
+    assert lines(output)["scripts"] == "MISSING"
+    assert "Sigil can really use 0 slots" in output
 
 
 def test_a_free_account_is_not_ready_for_the_loader_runtime(cf_settings, cf_emulator_fresh, redis_client):

@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 from django.core.exceptions import ImproperlyConfigured
 
 from capabilities.cloudflare import (
@@ -197,21 +198,63 @@ def test_connection_errors_are_retried_then_unavailable(cf_emulator_fresh, redis
     assert cf_emulator_fresh.token not in str(unavailable.value)
 
 
+def spend_elsewhere(emulator, calls: int = 1) -> None:
+    """API calls on the same token from outside Sigil (the owner's dashboard, their scripts):
+    they draw on Cloudflare's limit, and Sigil never sees their Ratelimit headers."""
+    url = f"{emulator.api_base}/accounts/{emulator.account_id}/workers/scripts"
+    for _ in range(calls):
+        requests.get(url, headers={"Authorization": f"Bearer {emulator.token}"}, timeout=10)
+
+
 def test_cloudflare_429_is_waited_out_with_retry_after_then_served(cf_client, cf_emulator_fresh):
     cf_emulator_fresh.configure(rate_limit="3/1")
     started = time.monotonic()
-    for _ in range(4):
-        cf_client.script_list()
+    cf_client.script_list()
+    spend_elsewhere(cf_emulator_fresh, 2)
+    cf_client.script_list()
     elapsed = time.monotonic() - started
     statuses = [(call["status"], call["code"]) for call in cf_emulator_fresh.api_calls()]
     assert statuses == [(200, None)] * 3 + [(429, 971), (200, None)]
     assert 1.0 <= elapsed < 3.0
 
 
+def test_ratelimit_headers_pause_the_shared_budget_before_cloudflare_locks_out(cf_emulator_fresh, redis_client):
+    # Cloudflare's `Ratelimit: "default";r=0;t=30` on the third answer says the window is
+    # spent: the fourth call is not made (it would lock the token out for the whole window).
+    client = make_client(cf_emulator_fresh, redis_client, max_rate_wait_seconds=0.5)
+    cf_emulator_fresh.configure(rate_limit="3/30")
+    for _ in range(3):
+        client.script_list()
+    started = time.monotonic()
+    with pytest.raises(CloudflareRateLimited) as limited:
+        client.script_list()
+    assert time.monotonic() - started < 0.5
+    assert 25 < limited.value.retry_after <= 30
+    assert [call["status"] for call in cf_emulator_fresh.api_calls()] == [200, 200, 200]
+    assert 25_000 < redis_client.pttl(client.budget.pause_key) <= 30_000  # every process waits
+
+
+def test_a_tighter_ratelimit_policy_than_configured_is_adopted(cf_emulator_fresh, redis_client):
+    client = make_client(cf_emulator_fresh, redis_client, rate_limit=1000, rate_window_seconds=300)
+    client.script_list()  # the emulator's policy is Cloudflare's 1200 per 300 s: looser, kept
+    assert (client.budget.limit, client.budget.window_ms) == (1000, 300_000)
+    cf_emulator_fresh.configure(rate_limit="50/60")
+    client.script_list()
+    assert (client.budget.limit, client.budget.window_ms) == (50, 60_000)
+
+
+def test_a_delete_answered_without_a_body_is_done(cf_client, cf_emulator_fresh):
+    cf_emulator_fresh.configure(empty_delete_answers=True)
+    upload(cf_client, "gone")
+    assert cf_client.script_delete("gone") is None
+    assert cf_client.script_list() == []
+    assert [call["status"] for call in cf_emulator_fresh.api_calls(method="DELETE")] == [200]
+
+
 def test_retry_after_beyond_the_allowed_wait_is_raised_as_rate_limited(cf_emulator_fresh, redis_client):
     client = make_client(cf_emulator_fresh, redis_client, max_rate_wait_seconds=0.5)
     cf_emulator_fresh.configure(rate_limit="1/30")
-    client.script_list()
+    spend_elsewhere(cf_emulator_fresh)
     started = time.monotonic()
     with pytest.raises(CloudflareRateLimited) as limited:
         client.script_list()
@@ -240,7 +283,7 @@ def test_a_lockout_longer_than_the_allowed_wait_still_pauses_every_process(cf_em
     # waits the lockout out instead of calling into it.
     client = make_client(cf_emulator_fresh, redis_client, max_rate_wait_seconds=0.5)
     cf_emulator_fresh.configure(rate_limit="1/3")
-    client.script_list()
+    spend_elsewhere(cf_emulator_fresh)
     with pytest.raises(CloudflareRateLimited):
         client.script_list()
     assert 2000 < redis_client.pttl(client.budget.pause_key) <= 3000

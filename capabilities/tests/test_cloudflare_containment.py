@@ -119,11 +119,31 @@ def test_a_runaway_capability_on_the_platform_runtime_is_stopped_at_its_cpu_limi
 
 
 @pytest.mark.slow
-def test_a_runaway_capability_on_the_worker_pool_runtime_is_stopped_by_cloudflares_limit_unnoticed(
-    worker_pool, alice, bob, redis_client
+def test_a_runaway_capability_on_the_loader_runtime_is_stopped_at_its_cpu_limit_unnoticed(
+    loader, alice, bob, settings, redis_client
 ):
-    # Sigil sets no CPU limit on pool scripts: the account's default applies, shortened here.
-    worker_pool.configure(default_cpu_ms=CPU_MS)
+    # Every Dynamic Worker runs in the loader Worker's one process on the emulator; its limit
+    # (not the loader Worker's 30 s) stops it, and the others' calls are not lost.
+    settings.SIGIL_CPU_MS = CPU_MS
+    stopped, others = incident(alice, bob)
+    assert_contained(
+        stopped,
+        others,
+        redis_client,
+        status=504,
+        code="timeout",
+        message=f"alice--spin ran past its CPU limit of {CPU_MS} ms and was stopped",
+    )
+    assert wait_healthy(alice.base_url)["checks"]["runtime"] == "ok"
+
+
+@pytest.mark.slow
+def test_a_runaway_capability_on_the_worker_pool_runtime_is_stopped_by_cloudflares_limit_unnoticed(
+    worker_pool, alice, bob, settings, redis_client
+):
+    # Sigil uploads each pool script with its CPU limit (limits.cpu_ms), which Cloudflare
+    # enforces; the account's default (30 s) would hold the runaway far longer.
+    settings.SIGIL_CPU_MS = CPU_MS
     stopped, others = incident(alice, bob, runaway_calls=2)
     assert_contained(
         stopped,

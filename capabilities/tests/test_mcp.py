@@ -173,7 +173,7 @@ def test_an_agent_deploys_a_tool_over_mcp_and_calls_it_at_once(sigil, alice, mod
     before, deployed, after, called, listed, inspected, again, removed, gone = run(
         sigil, alice.deploy_token, mode, steps
     )
-    assert before == {"sigil.deploy", "sigil.list", "sigil.inspect", "sigil.remove"}
+    assert before == {"sigil.deploy", "sigil.list", "sigil.inspect", "sigil.remove", "sigil.versions", "sigil.rollback"}
     assert not deployed.is_error, deployed.content[0].text
     assert deployed.structured_content["tool"] == "alice--add" and deployed.structured_content["version"] == 1
     assert after["alice--add"].input_schema == ADD_INPUT

@@ -15,6 +15,9 @@ from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
 from testsupport.cast import wait_for
 
+# What reconcile's reaper reports when no process died.
+NOTHING_REAPED = {"deploys_resent": 0, "deploys_failed": 0, "placing_freed": 0, "page_outs_resent": 0}
+
 
 @pytest.fixture
 def capped(settings):
@@ -150,7 +153,13 @@ def test_reconcile_removes_orphans_and_repairs_lost_placements(capped, alice):
     assert set(runtime.list_slots()) == {"alice--a"}
     assert state("alice--b") == "paged_out"
     assert alice.call("/alice/b").text == "b"  # its next call pages it back in
-    assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0, "shed": 0}
+    assert services.capability_reconcile() == {
+        "orphans_removed": 0,
+        "repaired": 0,
+        "pager_corrected": 0,
+        "shed": 0,
+        **NOTHING_REAPED,
+    }
 
 
 def test_reconcile_repairs_the_pagers_books(capped, alice, celery_worker, settings):
@@ -176,12 +185,18 @@ def test_reconcile_repairs_the_pagers_books(capped, alice, celery_worker, settin
     redis.zadd(pager.EVICTING_KEY, {"alice--b": 1})
 
     result = services.capability_reconcile()
-    assert result == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 3, "shed": 0}
+    assert result == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 3, "shed": 0, **NOTHING_REAPED}
     corrected = AuditEvent.objects.filter(action="pager.corrected").values_list("subject", flat=True)
     assert sorted(corrected) == ["alice--a", "alice--ghost", "alice--gone"]
     wait_for(lambda: state("alice--b") == "paged_out", message="the lost page-out, sent again")
     assert pager.pager_locations() == {"alice--a": {pager.lru_key("normal")}, "alice--c": {pager.lru_key("normal")}}
-    assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0, "shed": 0}
+    assert services.capability_reconcile() == {
+        "orphans_removed": 0,
+        "repaired": 0,
+        "pager_corrected": 0,
+        "shed": 0,
+        **NOTHING_REAPED,
+    }
 
 
 def test_a_call_that_finds_its_script_gone_pages_in_and_retries(alice, workerd_group):

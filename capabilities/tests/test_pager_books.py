@@ -24,6 +24,9 @@ from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
 from testsupport.cast import wait_for
 
+# What reconcile's reaper reports when no process died.
+NOTHING_REAPED = {"deploys_resent": 0, "deploys_failed": 0, "placing_freed": 0, "page_outs_resent": 0}
+
 SCRIPT_PATH = re.compile(r".*/workers/scripts/(s-[a-z0-9]+)$")
 # Code that does not start: the emulator refuses it at upload, as Cloudflare does.
 CODE_THAT_DOES_NOT_START = "throw new Error('broken at start'); export default {}"
@@ -113,7 +116,13 @@ def test_concurrent_page_ins_on_a_full_pool_keep_the_books(worker_pool, alice, c
     assert book_problems(scripts_on_cloudflare) == []
     assert {state(first), state(second)} == {"live"}
     assert most_scripts_at_once(worker_pool) <= 3 + 2
-    assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0, "shed": 0}
+    assert services.capability_reconcile() == {
+        "orphans_removed": 0,
+        "repaired": 0,
+        "pager_corrected": 0,
+        "shed": 0,
+        **NOTHING_REAPED,
+    }
 
 
 def test_the_victim_is_deleted_only_after_its_replacement_is_placed(worker_pool, alice, celery_worker):
@@ -137,6 +146,7 @@ def test_a_failed_placement_restores_its_victim(worker_pool, alice, celery_worke
     refused = alice.deploy(name="d", code=CODE_THAT_DOES_NOT_START, type="normal")
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_request"
     settings.SIGIL_CF_MAX_RETRIES = 0
+    settings.SIGIL_DEPLOY_RETRIES = 0  # the failure is kept, not tried again
     runtimes_forget()  # a client built with it
     worker_pool.configure(fail_next=1)
     failed = alice.deploy(name="e", code=code("e"), type="normal")
@@ -156,6 +166,7 @@ def test_what_a_failed_placement_left_is_deleted_later_if_cloudflare_fails_again
     worker_pool, alice, celery_worker, settings, scripts_on_cloudflare
 ):
     settings.SIGIL_CF_MAX_RETRIES = 0
+    settings.SIGIL_DEPLOY_RETRIES = 0  # the failure is kept, not tried again
     worker_pool.configure(fail_next=2)  # the upload, then the delete of what it may have left
     failed = alice.deploy(name="a", code=code("a"), type="normal")
     assert failed.status_code == 502
@@ -179,7 +190,7 @@ def test_lowered_slots_are_shed_in_eviction_order(worker_pool, alice, celery_wor
 
     lower_slots(sigil, to=2)
     result = services.capability_reconcile()
-    assert result == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0, "shed": 1}
+    assert result == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0, "shed": 1, **NOTHING_REAPED}
     wait_for(settled, timeout=30, message="the excess to be paged out")
     assert [state(f) for f in ("alice--n2", "alice--n1", "alice--keep")] == ["paged_out", "live", "live"]
     assert list(AuditEvent.objects.filter(action="capability.evicted").values_list("subject", flat=True)) == [
@@ -360,7 +371,13 @@ def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations):
         assert response.text in {text} | failed_deploys.get(capability.full_name, set()), capability.full_name
     wait_for(settled, timeout=60, message="the last page-outs")
     assert book_problems(scripts_on_cloudflare) == []
-    assert services.capability_reconcile() == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 0, "shed": 0}
+    assert services.capability_reconcile() == {
+        "orphans_removed": 0,
+        "repaired": 0,
+        "pager_corrected": 0,
+        "shed": 0,
+        **NOTHING_REAPED,
+    }
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ def test_a_web_process_started_on_a_fresh_account_is_healthy(backend, cf_emulato
     assert cf_emulator_fresh.api_calls() == []  # nothing on the account yet
     environment = on_emulator(backend, cf_emulator_fresh)
     # `served` returns once /_health answers 200, and fails after a minute of 503s.
-    with served("gunicorn", port=free_port(), environment=environment, log=tmp_path / "server.log") as url:
+    with served("uvicorn", port=free_port(), environment=environment, log=tmp_path / "server.log") as url:
         health = requests.get(f"{url}/_health", timeout=30).json()
     assert health["status"] == "ok", health
     assert health["backend"] == backend

@@ -419,44 +419,21 @@ def test_on_the_pool_a_staged_version_in_traffic_pages_out_and_in_like_any_capab
 
 
 def test_warm_calls_to_either_version_run_no_sql(alice):
-    import io
+    import contextlib
 
-    from django.db import connection
-    from django.test.utils import CaptureQueriesContext
-
-    from sigil_site.wsgi import SigilApplication, django_application
+    from testsupport.engine_calls import answers, call_request, sql_counted
 
     deploy(alice, "ping", "one")
     stage(alice, "two")
     assert split(alice, weight=50, caller_header="X-User").status_code == 200
-    app = SigilApplication(django_application)
-
-    def call(caller):
-        captured = {}
-
-        def start_response(status, headers, exc_info=None):
-            captured["version"] = dict(headers).get("X-Sigil-Version")
-
-        environ = {
-            "REQUEST_METHOD": "GET",
-            "PATH_INFO": "/alice/ping",
-            "QUERY_STRING": "",
-            "SERVER_NAME": "127.0.0.1",
-            "SERVER_PORT": "80",
-            "HTTP_HOST": "127.0.0.1",
-            "HTTP_AUTHORIZATION": f"Bearer {alice.invoke_token}",
-            "HTTP_X_USER": caller,
-            "wsgi.input": io.BytesIO(b""),
-            "wsgi.url_scheme": "http",
-        }
-        result = app(environ, start_response)
-        body = b"".join(result)
-        result.close()
-        return captured["version"], body
-
     callers = [f"user-{i}" for i in range(20)]
-    first = {caller: call(caller) for caller in callers}  # fills the token and route caches
-    assert set(first.values()) == {("1", b"one"), ("2", b"two")}
-    with CaptureQueriesContext(connection) as queries:
-        assert {caller: call(caller) for caller in callers} == first
-    assert len(queries) == 0, [q["sql"] for q in queries]
+    batch = [call_request(alice, "/alice/ping", headers={"x-user": caller}) for caller in callers]
+    queries: list[str] = []
+    counting = contextlib.ExitStack()
+    # The first batch fills the token and route caches; the second is counted.
+    first, again = answers(batch, batch, between=lambda _: counting.enter_context(sql_counted(queries)))
+    counting.close()
+    versions = [(headers["X-Sigil-Version"], body) for _, headers, body in first]
+    assert set(versions) == {("1", b"one"), ("2", b"two")}
+    assert [(headers["X-Sigil-Version"], body) for _, headers, body in again] == versions
+    assert queries == [], queries

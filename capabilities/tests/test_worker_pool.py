@@ -3,13 +3,11 @@ emulator over HTTP (its scripts running on workerd), and a real Celery worker.""
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from django.db import connection
+import requests
 
 from agents.models import AuditEvent
 from capabilities import names, services
@@ -18,6 +16,7 @@ from capabilities.runtimes import runtimes_forget
 from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
 from testsupport.cast import wait_for
+from testsupport.celery_workers import start_worker_process
 
 
 @pytest.fixture
@@ -109,6 +108,84 @@ def test_ten_cold_capabilities_at_once_under_a_tight_rate_limit_all_succeed(work
     assert len([c for c in burst if c["method"] == "POST" and c["path"].endswith("/subdomain")]) == 10
 
 
+def spend_elsewhere(emulator, calls: int) -> None:
+    """API calls on Sigil's token from outside Sigil (the owner's dashboard or scripts)."""
+    url = f"{emulator.api_base}/accounts/{emulator.account_id}/workers/scripts"
+    for _ in range(calls):
+        requests.get(url, headers={"Authorization": f"Bearer {emulator.token}"}, timeout=10)
+
+
+def test_cloudflares_lockout_is_503_unavailable_with_its_retry_after_in_sigils_words(worker_pool, alice):
+    deploy(alice, "cold", "c", type="normal")
+    services.capability_evict(full="alice--cold", actor="owner:test")
+    worker_pool.configure(rate_limit="3/60")
+    spend_elsewhere(worker_pool, 3)  # the window is spent: Sigil's next call locks the token out
+    started = time.monotonic()
+    response = alice.deploy(name="locked", code=code("x"))
+    assert time.monotonic() - started < 10  # refused at once, not after the budget's waits
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unavailable"
+    assert 55 <= int(response.headers["Retry-After"]) <= 60
+    assert "alice--locked" in error["message"] and "try again in" in error["message"]
+    # Cloudflare's internals (its code, its limit, its wording) stay in Sigil's log.
+    assert not any(word in error["message"] for word in ("971", "requests per", "Cloudflare answered"))
+    assert {c["code"] for c in worker_pool.api_calls() if c["status"] == 429} == {971}
+
+    # A call that must page a capability in meets the same lockout the same way.
+    called = alice.call("/alice/cold")
+    assert called.status_code == 503, called.text
+    assert called.json()["error"]["code"] == "unavailable"
+    assert 50 <= int(called.headers["Retry-After"]) <= 60
+    assert "971" not in called.json()["error"]["message"]
+
+
+def owners_own_scripts(cf_client, count: int) -> None:
+    """Workers of the owner's own on the account, which share its script quota with Sigil's."""
+    for i in range(count):
+        site = {"main.js": code("site")}
+        cf_client.script_upload(f"owners-{i}", modules=site, main_module="main.js", compatibility_date="2025-01-01")
+
+
+def test_an_account_full_of_the_owners_workers_pages_out_and_retries_and_tells_the_owner(
+    worker_pool, alice, cf_client, scripts_on_cloudflare
+):
+    # 3 slots and 2 scripts reserved for the owner; the owner runs 5: the account (7 scripts)
+    # refuses Sigil's third with 10037 though the pager has room for it.
+    owners_own_scripts(cf_client, 5)
+    deploy(alice, "a", "a", type="normal")
+    deploy(alice, "b", "b", type="normal")
+    assert alice.call("/alice/b").text == "b"  # a is the least recently used
+    third = deploy(alice, "c", "c", type="normal")
+    assert third["evicted"] == "alice--a"
+    assert alice.call("/alice/c").text == "c"
+    assert len(scripts_on_cloudflare()) == 7
+    assert [c["code"] for c in worker_pool.api_calls(method="PUT") if c["status"] == 400] == [10037]
+    assert Capability.objects.get(full_name="alice--a").state == "paged_out"
+    told = AuditEvent.objects.get(action="runtime.account_full")
+    assert told.detail["capability"] == "alice--c" and told.detail["paged_out"] == "alice--a"
+    health = requests.get(f"{alice.base_url}/_health", timeout=10)
+    assert health.status_code == 200  # Sigil still serves
+    assert "refused a script for want of room" in health.json()["warnings"][0]
+    # a comes back the same way when called, paging out the least recently used again.
+    assert alice.call("/alice/a").text == "a"
+    assert Capability.objects.get(full_name="alice--b").state == "paged_out"
+
+
+def test_a_capability_is_shed_when_the_account_is_full_and_nothing_can_be_paged_out(
+    worker_pool, alice, cf_client, scripts_on_cloudflare
+):
+    owners_own_scripts(cf_client, 7)
+    started = time.monotonic()
+    response = alice.deploy(name="shed", code=code("x"))
+    assert time.monotonic() - started < 10
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "unavailable" and "Retry-After" in response.headers
+    assert "no room" in response.json()["error"]["message"]
+    assert AuditEvent.objects.filter(action="runtime.account_full", detail__paged_out=None).exists()
+    assert len(scripts_on_cloudflare()) == 7
+
+
 def test_cloudflare_5xx_is_retried_and_the_deploy_served(worker_pool, alice):
     worker_pool.configure(fail_next=2)
     response = alice.deploy(name="resilient", code=code("still here"))
@@ -176,49 +253,6 @@ def test_a_worker_killed_during_a_page_in_converges_after_reconcile(
     assert alice.call("/alice/a").text == "a"
 
 
-def start_worker_process(settings, *, queue):
-    db = connection.settings_dict
-    if db["ENGINE"].endswith("sqlite3"):
-        database_url = f"sqlite:///{db['NAME']}"
-    else:
-        database_url = f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
-    env = {
-        **os.environ,
-        "DATABASE_URL": database_url,
-        "SIGIL_BACKEND": "worker-pool",
-        "CF_API_BASE": settings.CF_API_BASE,
-        "CF_API_TOKEN": settings.CF_API_TOKEN,
-        "CF_ACCOUNT_ID": settings.CF_ACCOUNT_ID,
-        "SIGIL_CF_WORKERS_BASE": settings.SIGIL_CF_WORKERS_BASE,
-        "SIGIL_POOL_TOTAL_QUOTA": str(settings.SIGIL_POOL_TOTAL_QUOTA),
-        "SIGIL_POOL_SYSTEM_RESERVED": str(settings.SIGIL_POOL_SYSTEM_RESERVED),
-        "SIGIL_POOL_USER_RESERVED": str(settings.SIGIL_POOL_USER_RESERVED),
-        "SIGIL_POOL_SAFETY_MARGIN": str(settings.SIGIL_POOL_SAFETY_MARGIN),
-        "SIGIL_PLACEMENT_LOCK_SECONDS": str(settings.SIGIL_PLACEMENT_LOCK_SECONDS),
-        "SIGIL_INTERNAL_SECRET": settings.SIGIL_INTERNAL_SECRET,
-    }
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "sigil_site",
-            "worker",
-            "-Q",
-            queue,
-            "--pool",
-            "solo",
-            "--loglevel",
-            "WARNING",
-        ],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
 def test_a_script_cloudflare_lost_is_a_miss_paged_in_on_the_call(worker_pool, alice, cf_client):
     deploy(alice, "a", "a")
     cf_client.script_delete(names.pool_script_name("alice--a"))  # gone behind Sigil's back
@@ -231,32 +265,19 @@ def test_a_script_cloudflare_lost_is_a_miss_paged_in_on_the_call(worker_pool, al
 def test_a_chunked_call_to_a_lost_script_never_reaches_it_without_its_body(worker_pool, alice, cf_client):
     """Production servers hand the gateway a chunked body with no Content-Length; a lost
     script is paged in again only for bodiless calls, since a body cannot be sent twice."""
-    import io
-
-    from sigil_site.wsgi import SigilApplication, django_application
     from testsupport.capability_code import ECHO
+    from testsupport.engine_calls import answers, call_request
 
     assert alice.deploy(name="echo", code=ECHO).status_code == 201
     cf_client.script_delete(names.pool_script_name("alice--echo"))
-    captured = {}
-    environ = {
-        "REQUEST_METHOD": "POST",
-        "PATH_INFO": "/alice/echo",
-        "QUERY_STRING": "",
-        "SERVER_NAME": "127.0.0.1",
-        "SERVER_PORT": "80",
-        "HTTP_HOST": "127.0.0.1",
-        "HTTP_AUTHORIZATION": f"Bearer {alice.invoke_token}",
-        "HTTP_TRANSFER_ENCODING": "chunked",
-        "wsgi.input": io.BytesIO(b"the body"),
-        "wsgi.url_scheme": "http",
-    }
-    result = SigilApplication(django_application)(
-        environ, lambda status, headers, exc_info=None: captured.update(status=status)
-    )
-    body = b"".join(result)
-    result.close()
-    assert not captured["status"].startswith("207"), body  # the echo never answered an empty body
+
+    async def body():
+        yield b"the body"
+
+    request = call_request(alice, "/alice/echo", method="POST", headers={"transfer-encoding": "chunked"})
+    request.body, request.chunked = body(), True
+    ((status, _, answered),) = answers([request])[0:1][0]
+    assert status != 207, answered  # the echo never answered an empty body
     assert alice.call("/alice/echo").status_code == 207  # a bodiless call pages it in again
     assert alice.call("/alice/echo", method="POST", data=b"the body").json()["body"] == "the body"
 

@@ -108,7 +108,7 @@ def test_worker_sees_its_request_bindings_and_no_internal_headers(api, cf_emulat
     api.enable("echo")
     host = cf_emulator_fresh.workers_dev_host("echo")
     # A caller's X-Sigil-Retire would have the loader host release the script instead of running it.
-    forged = {"X-Custom": "kept", "X-Sigil-Secret": "forged", "X-Sigil-Retire": "1"}
+    forged = {"X-Custom": "kept", "X-Sigil-Secret": "forged", "X-Sigil-Retire": "1", "X-Sigil-Store": "1"}
     seen = cf_emulator_fresh.worker_request(host, "/p?q=1", "POST", data=b"payload", headers=forged).json()
     assert seen["url"] == f"http://{host}/p?q=1"
     assert (seen["method"], seen["body"]) == ("POST", "payload")

@@ -85,3 +85,34 @@ def test_a_silent_process_its_supervisor_reniced_is_charged_the_wall_time_it_wai
             time.sleep(0.01)
     assert charged.exceeded and starved.poll() is not None
     assert not spared.exceeded and merely_slow.poll() is None
+
+
+def test_a_dynamic_workers_limit_stops_the_call_that_started_it_last(meter, processes):
+    # A loader Worker's calls share its process; one runs a Dynamic Worker limited to 50 ms,
+    # started after the other's: it is the one blamed, the other only shared the process.
+    spinning = processes(SPIN)
+    stops = []
+    with (
+        meter.call(pid=spinning.pid, stop=lambda: stops.append(spinning.kill()), limit_ms=60_000) as earlier,
+        meter.call(pid=spinning.pid, stop=lambda: stops.append(spinning.kill()), limit_ms=60_000) as later,
+    ):
+        earlier.run_dynamic(50)
+        time.sleep(0.01)
+        later.run_dynamic(50)
+        deadline = time.monotonic() + 10
+        while not stops and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert stops == [None] and earlier.exceeded and later.exceeded
+    assert later.dynamic_exceeded and not earlier.dynamic_exceeded
+    assert earlier.stopped_by_dynamic and later.stopped_by_dynamic
+    # Within its loader Worker's own limit of 60 s by far: the Dynamic Worker's stopped it.
+    assert later.used_ms < 2_000
+
+
+def test_a_dynamic_worker_that_ended_no_longer_limits_its_call(meter, processes):
+    waiting = processes(WAIT)
+    with meter.call(pid=waiting.pid, stop=waiting.kill, limit_ms=60_000) as ticket:
+        ticket.run_dynamic(1)
+        ticket.run_dynamic(None)
+        time.sleep(0.2)
+    assert not ticket.exceeded and ticket.over_ms() < 0

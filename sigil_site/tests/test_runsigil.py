@@ -241,16 +241,17 @@ def test_the_local_backend_runs_workerd_and_no_emulator(settings):
     programs, _ = sigil_programs(port=8000)
 
     assert [program.name for program in programs] == ["workerd", "celery", "web"]
-    assert "granian" in programs[-1].argv[0] and "sigil_site.wsgi:application" in programs[-1].argv
+    assert "granian" in programs[-1].argv[0] and "sigil_site.asgi:application" in programs[-1].argv
 
 
-def test_dev_serves_with_djangos_reloading_server(settings):
+def test_dev_serves_with_uvicorn_reloading_on_code_changes(settings):
     settings.SIGIL_EMBEDDED_REDIS = False
 
     programs, _ = sigil_programs(port=8000, dev=True)
 
     web = programs[-1].argv
-    assert "runserver" in web and "--noreload" not in web
+    assert web[0].endswith("uvicorn") and "--reload" in web
+    assert "sigil_site.asgi:development_application" in web
 
 
 def test_the_emulator_runs_when_the_cloudflare_api_base_points_at_it(settings):

@@ -37,7 +37,7 @@ def test_a_malformed_chunked_body_is_a_400_on_make_devs_server(sigil):
     with socket.create_connection(("127.0.0.1", int(sigil.url.rsplit(":", 1)[1])), timeout=10) as sock:
         sock.sendall(b"POST /_api/deploy HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
         answer = sock.recv(4096)
-        assert answer.startswith(b"HTTP/1.1 400") and b"malformed chunked body" in answer
+        assert answer.startswith(b"HTTP/1.1 400"), answer
 
 
 @pytest.mark.slow

@@ -25,6 +25,9 @@
 // adds an entrypoint that does just that. The host keeps two versions of a slot loaded (see
 // VERSIONS_KEPT) and retires older ones as newer ones are called; `x-sigil-retire: 1` retires
 // the id's isolate at once (the slot was removed): 204 whether or not it was loaded.
+//
+// With `x-sigil-store: 1` (the loader runtime only) the host writes the request's body, a
+// stored bundle, to `code:{sha}` through its own KV binding: 204.
 
 const SECRET_HEADER = "x-sigil-secret";
 const LOADER_ID_HEADER = "x-sigil-loader-id";
@@ -34,6 +37,7 @@ const VERSION_HEADER = "x-sigil-version";
 const HOST_HEADER = "x-sigil-host";
 const VALIDATE_HEADER = "x-sigil-validate";
 const RETIRE_HEADER = "x-sigil-retire";
+const STORE_HEADER = "x-sigil-store";
 const PROBE_ENTRYPOINT = "SigilStartProbe";
 const RETIRE_ENTRYPOINT = "SigilRetire";
 // A name no capability module has: Sigil names them main.js (CodeBundle.from_code).
@@ -221,6 +225,15 @@ export default {
     const sha = loaderId.slice(loaderId.indexOf("@") + 1);
     if (request.headers.get(RETIRE_HEADER) === "1") {
       await retire(env, forget(slot, loaderId));
+      return new Response(null, { status: 204 });
+    }
+    if (request.headers.get(STORE_HEADER) === "1") {
+      // Workers KV caches a read that found nothing where it was made (up to 60 s), even once
+      // Sigil's API write of the bundle arrives there; a write through the binding is seen
+      // where it was made at once. So Sigil stores a bundle through the host when the host's
+      // start check did not find it (capabilities/runtimes/loader.py).
+      if (!env.CODE_KV) return refuse(400, "no-kv", "this host reads no code from Workers KV", env);
+      await env.CODE_KV.put(`code:${sha}`, await request.text());
       return new Response(null, { status: 204 });
     }
 

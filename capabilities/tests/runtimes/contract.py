@@ -3,8 +3,15 @@ real code and sends a real request to it."""
 
 from __future__ import annotations
 
+import json
+import socket
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
 import pytest
 import urllib3
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import ClientConnection, connect
 
 from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.runtimes.errors import RuntimeRejected
@@ -21,6 +28,30 @@ ECHO_HEADERS = """export default { async fetch(request) {
   return Response.json(Object.fromEntries(request.headers));
 } }"""
 
+# A WebSocket session: each message comes back as it was sent; "close please" has the code end
+# the session with 4000, and a close from the caller is answered with the caller's own code.
+# It takes the first subprotocol offered, and says what path it was called on.
+WEBSOCKET_ECHO = """export default { async fetch(request) {
+  if (request.headers.get("upgrade") !== "websocket") return new Response("expected a WebSocket", { status: 426 });
+  const [client, server] = Object.values(new WebSocketPair());
+  let closing = false;
+  server.accept();
+  server.addEventListener("message", (event) => {
+    if (event.data === "close please") {
+      closing = true;
+      server.close(4000, "as asked");
+    } else {
+      server.send(event.data);
+    }
+  });
+  server.addEventListener("close", (event) => { if (!closing) server.close(event.code, event.reason); });
+  const url = new URL(request.url);
+  const headers = { "x-seen": url.pathname + url.search };
+  const offered = request.headers.get("sec-websocket-protocol");
+  if (offered) headers["sec-websocket-protocol"] = offered.split(",")[0].trim();
+  return new Response(null, { status: 101, webSocket: client, headers });
+} }"""
+
 _http = urllib3.PoolManager(retries=False, timeout=10)
 
 
@@ -30,6 +61,30 @@ def call(route: Route, path: str = "/", method: str = "GET", headers: dict | Non
         all_headers["Host"] = route.host_header
     all_headers.update(headers or {})
     return _http.request(method, route.base_url + path, headers=all_headers)
+
+
+def open_websocket(route: Route, path: str = "/", headers: dict | None = None, **options) -> ClientConnection:
+    """A WebSocket session with the code behind `route`, as the gateway opens one: to the
+    route's base URL with its headers, and its Host header when it has one."""
+    base = urlsplit(route.base_url)
+    sock = socket.create_connection((base.hostname, base.port or 80), timeout=10)
+    # The handshake names the route's Host; the socket goes to the base URL.
+    return connect(
+        f"ws://{route.host_header or base.netloc}{path}",
+        sock=sock,
+        additional_headers=[*route.headers, *(headers or {}).items()],
+        open_timeout=15,
+        close_timeout=10,
+        **options,
+    )
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """An answer to an upgrade, as `Runtime.is_missing` reads one."""
+
+    status: int
+    headers: object
 
 
 class RuntimeContract:
@@ -74,6 +129,61 @@ class RuntimeContract:
         seen = call(runtime.route(slot=slot, sha=bundle.sha), headers={"X-Custom": "kept"}).json()
         assert seen["x-custom"] == "kept"
         assert not [name for name in seen if name.startswith("x-sigil")]
+
+    def test_a_websocket_session_echoes_text_and_binary_both_ways(self, runtime):
+        slot = runtime.slot_for("alice--echo")
+        bundle = CodeBundle.from_code(WEBSOCKET_ECHO)
+        runtime.place(slot=slot, bundle=bundle)
+        route = runtime.route(slot=slot, sha=bundle.sha)
+        with open_websocket(route, "/room/1?who=alice", subprotocols=["sigil.echo", "other"]) as ws:
+            assert ws.response.status_code == 101
+            assert ws.response.headers["x-seen"] == "/room/1?who=alice"
+            assert ws.subprotocol == "sigil.echo"  # the code's choice reached the caller
+            ws.send("hello")
+            assert ws.recv(timeout=10) == "hello"
+            ws.send(b"\x00\x01\xff")
+            assert ws.recv(timeout=10) == b"\x00\x01\xff"
+            large = bytes(range(256)) * 2048  # 512 KiB, within Cloudflare's 1 MiB per message
+            ws.send(large)
+            assert ws.recv(timeout=10) == large
+            for n in range(20):
+                ws.send(f"message {n}")
+            assert [ws.recv(timeout=10) for _ in range(20)] == [f"message {n}" for n in range(20)]
+            ws.close(code=1000, reason="done")
+        assert (ws.protocol.close_rcvd.code, ws.protocol.close_rcvd.reason) == (1000, "done")  # the code's answer
+
+    def test_the_code_can_end_a_websocket_session(self, runtime):
+        slot = runtime.slot_for("alice--echo-ends")
+        bundle = CodeBundle.from_code(WEBSOCKET_ECHO)
+        runtime.place(slot=slot, bundle=bundle)
+        with open_websocket(runtime.route(slot=slot, sha=bundle.sha)) as ws:
+            ws.send("close please")
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=10)
+        assert (ws.protocol.close_rcvd.code, ws.protocol.close_rcvd.reason) == (4000, "as asked")
+
+    def test_an_upgrade_reaches_the_code_with_its_headers_and_without_sigils(self, runtime):
+        slot = runtime.slot_for("alice--upgrade-headers")
+        bundle = CodeBundle.from_code(ECHO_HEADERS)  # answers the upgrade with a plain 200
+        runtime.place(slot=slot, bundle=bundle)
+        with pytest.raises(InvalidStatus) as refused:
+            open_websocket(runtime.route(slot=slot, sha=bundle.sha), headers={"Sec-WebSocket-Protocol": "chat"})
+        answer = refused.value.response
+        assert answer.status_code == 200
+        seen = json.loads(answer.body)
+        assert seen["upgrade"] == "websocket"
+        assert "upgrade" in seen["connection"].lower()
+        assert seen["sec-websocket-version"] == "13"
+        assert seen["sec-websocket-protocol"] == "chat"
+        assert seen["sec-websocket-key"]
+        assert not [name for name in seen if name.startswith("x-sigil")]
+
+    def test_an_upgrade_to_code_that_is_not_there_is_a_miss(self, runtime):
+        runtime.place(slot=runtime.slot_for("alice--present"), bundle=CodeBundle.from_code(HELLO))
+        with pytest.raises(InvalidStatus) as refused:
+            open_websocket(runtime.route(slot=runtime.slot_for("alice--absent"), sha="0" * 64))
+        answer = refused.value.response
+        assert runtime.is_missing(_Answer(answer.status_code, answer.headers))
 
     @pytest.mark.parametrize(
         ("code", "words"),

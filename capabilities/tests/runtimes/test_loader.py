@@ -69,6 +69,21 @@ def test_code_missing_from_kv_is_a_miss(runtime, cf_client):
     assert response.status == 404 and runtime.is_missing(response)
 
 
+def test_a_placement_survives_the_miss_workers_kv_cached_where_the_host_runs(runtime, cf_emulator_fresh):
+    # A call that reached the host before the bundle was written (a page-in racing a call, a
+    # location the write had not reached): Cloudflare keeps that "not found" up to 60 s,
+    # even for the API's write that follows. The placement stores it through the host.
+    assert cf_emulator_fresh.config()["kv_miss_cache_seconds"] == 60
+    runtime.provision()
+    bundle = CodeBundle.from_code(HELLO)
+    route = runtime.route(slot="alice--raced", sha=bundle.sha)
+    assert runtime.is_missing(call(route))  # the miss is cached now
+    runtime.place(slot="alice--raced", bundle=bundle)
+    assert call(route).data == b"hello /"
+    stores = [c for c in cf_emulator_fresh.api_calls(method="PUT") if "/values/code" in c["path"]]
+    assert len(stores) == 1  # the API's write: the host's own went through its binding
+
+
 def test_code_that_does_not_start_leaves_no_bundle_in_kv(runtime, cf_client):
     with pytest.raises(RuntimeRejected):
         runtime.place(slot="alice--broken", bundle=CodeBundle.from_code("export default {"))
@@ -112,3 +127,21 @@ def test_new_code_frees_the_bundle_it_replaces_unless_another_slot_uses_it(runti
     runtime.place(slot="bob--two", bundle=second)
     assert stored() == {f"code:{second.sha}"}
     assert call(runtime.route(slot="bob--two", sha=second.sha)).data == b"hello /"
+
+
+def test_a_runaway_dynamic_worker_is_stopped_at_its_cpu_limit_not_its_loader_workers(runtime):
+    # The runtime gives each call 50 ms; the loader Worker's own limit is the plan's 30 s.
+    import time
+
+    runtime.provision()
+    spin = CodeBundle.from_code("export default { async fetch() { while (true) {} } }")
+    hello = CodeBundle.from_code(HELLO)
+    runtime.place(slot="alice--spin", bundle=spin)
+    runtime.place(slot="bob--hello", bundle=hello)
+    started = time.monotonic()
+    stopped = call(runtime.route(slot="alice--spin", sha=spin.sha))
+    assert time.monotonic() - started < 3
+    # As on Cloudflare, the Dynamic Worker's limit throws into the loader Worker, which says so.
+    assert (stopped.status, stopped.headers.get("x-sigil-error")) == (500, "exceeded-cpu"), stopped.data
+    assert b"ran past its CPU limit of 50 ms" in stopped.data
+    assert call(runtime.route(slot="bob--hello", sha=hello.sha)).data == b"hello /"

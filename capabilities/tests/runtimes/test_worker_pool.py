@@ -44,3 +44,17 @@ def test_only_sigils_scripts_are_listed(runtime, cf_client):
 
 def test_slots_are_the_quota_less_reserved_and_margin(runtime):
     assert runtime.total_slots == 440 and runtime.safety_margin == 5
+
+
+def test_each_script_is_uploaded_with_its_cpu_limit(runtime, cf_client):
+    from capabilities.runtimes.base import CodeBundle
+    from capabilities.tests.runtimes.contract import HELLO
+
+    own, default = runtime.slot_for("alice--own"), runtime.slot_for("alice--default")
+    runtime.place(slot=own, bundle=CodeBundle.from_code(HELLO, cpu_ms=50))
+    runtime.place(slot=default, bundle=CodeBundle.from_code(HELLO))
+    assert cf_client.script_settings_get(own)["limits"] == {"cpu_ms": 50}
+    assert cf_client.script_settings_get(default)["limits"] == {}  # no default: Cloudflare's own
+    runtime.default_cpu_ms = 700
+    runtime.place(slot=default, bundle=CodeBundle.from_code(HELLO))
+    assert cf_client.script_settings_get(default)["limits"] == {"cpu_ms": 700}
