@@ -891,6 +891,7 @@ class StatusApi(APIView):
                     "backend": serializers.CharField(),
                     "total_slots": serializers.IntegerField(allow_null=True),
                     "used_slots": serializers.IntegerField(),
+                    "paging_out": serializers.IntegerField(),
                     "agents": serializers.IntegerField(),
                     "lru_enabled": serializers.BooleanField(),
                     "eviction_count": serializers.IntegerField(),

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 
-from capabilities import failures
+from capabilities import failures, names
 from capabilities.models import BreakerState
 from capabilities.tasks import capability_record_breaker as capability_record_breaker_task
+from capabilities.tasks import capability_split_guard as capability_split_guard_task
 from sigil_site.errors import Degraded
 from sigil_site.redis_client import get_redis
 
@@ -124,13 +125,27 @@ class Breaker:
         status = status_of(raw, now=now)
         if status == Status.FORCED:
             # No end to announce: ask the caller to look again after one cool-down.
+            self._refused(redis, full)
             raise Degraded(f"{full} was made degraded by Sigil's owner", retry_after=self.cooldown_seconds)
         if status == Status.OPEN:
+            self._refused(redis, full)
             raise Degraded(f"{full} is degraded after repeated failures", retry_after=float(raw) - now)
         ttl_ms = int(self.cooldown_seconds * 1000) or 1000
         if not redis.set(trial_key(full), 1, nx=True, px=ttl_ms):
+            self._refused(redis, full)
             raise Degraded(f"{full} is degraded; a trial call is in progress", retry_after=1)
         return True
+
+    @staticmethod
+    def _refused(redis, full: str) -> None:
+        """A staged version in a split, refused by its breaker: the split's guard decides on
+        this answer too (one more round trip, and only for staged versions)."""
+        if not names.is_variant(full):
+            return
+        from capabilities import stats
+
+        if stats.split_refusal_count(redis, variant=full):
+            capability_split_guard_task.delay()
 
     def count_failure(self, *, full: str, now: float | None = None) -> bool:
         """Count one failure of `full` that no call's outcome recorded (for example the
@@ -157,6 +172,8 @@ def breaker_changed(*, full: str, change: bytes | str | None, at_epoch: float) -
     opened = change in (b"opened", "opened")
     state = BreakerState.OPEN if opened else BreakerState.CLOSED
     capability_record_breaker_task.delay(full=full, state=state, at_epoch=at_epoch)
+    if opened and names.is_variant(full):
+        capability_split_guard_task.delay()  # a staged version failing: its guard looks at once
 
 
 def breaker_reset(*, full: str) -> None:

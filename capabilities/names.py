@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 import secrets
 
@@ -72,3 +73,22 @@ def new_ephemeral_name() -> str:
 def pool_script_name(full: str, *, length: int = 6) -> str:
     """The pooled worker's stable script name: `s-` + the first hex digits of sha256(full)."""
     return "s-" + hashlib.sha256(full.encode()).hexdigest()[:length]
+
+
+def installation_tag(secret: str) -> str:
+    """The tag on every script this Sigil installation uploads to Cloudflare: unique to it
+    (derived from its SIGIL_INTERNAL_SECRET, which it never shows), so reconcile and a switch
+    touch only what this installation created, never the owner's own scripts, even ones
+    tagged `sigil` or named like Sigil's."""
+    digest = hmac.new(secret.encode(), b"sigil installation tag", hashlib.sha256).hexdigest()
+    return f"sigil-{digest[:16]}"
+
+
+_VARIANT_SUFFIX = re.compile(r"v[0-9]+")
+
+
+def is_variant(full: str) -> bool:
+    """Whether `full` names the placement of a staged version in traffic (`{full}--v{n}`,
+    routes.variant_name), which no capability's full name can be (names hold no `--`)."""
+    parts = full.split(SEPARATOR)
+    return len(parts) == 3 and bool(_VARIANT_SUFFIX.fullmatch(parts[2]))

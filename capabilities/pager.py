@@ -21,7 +21,7 @@ again from the registry when Redis has lost them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from capabilities import leases
@@ -101,6 +101,39 @@ def victims_needed(*, used: int, leaving: int, slots: int, margin: int) -> int |
 def excess(*, used: int, slots: int) -> int:
     """How many placed capabilities are over the slots (after the slots were lowered)."""
     return max(0, used - slots)
+
+
+def prewarm_allows(
+    *,
+    calls: int,
+    candidates: Iterable[Candidate],
+    window_calls: Mapping[str, int],
+    placed_this_round: Collection[str],
+    victims: int | None,
+    now: float,
+) -> bool:
+    """Whether prewarm may page in a capability called `calls` times in its window, when
+    admitting it takes `victims` victims (victims_needed; None: it would have to wait).
+
+    With room, always. On a full runtime, only when the victim the pager would choose (the
+    first of eviction_order) is colder than it (fewer calls in the window; an expired
+    ephemeral always is) and was not placed by this same prewarm round: prewarm never
+    evicts what is hotter than what it places, nor what it has just placed. Never when it
+    would wait or take more than one victim (the slots were lowered: shedding comes first).
+    """
+    if victims is None or victims > 1:
+        return False
+    if victims == 0:
+        return True
+    order = eviction_order(candidates, now=now)
+    if not order:
+        return False
+    victim = order[0]
+    if victim.full in placed_this_round:
+        return False
+    if victim.expires is not None and victim.expires <= now:
+        return True
+    return window_calls.get(victim.full, 0) < calls
 
 
 # --- the same policy, run atomically in Redis ------------------------------------------------
@@ -361,6 +394,21 @@ def pager_inflight_leave(full: str, *, process: str, pipe=None) -> None:
     """The call counted by `pager_inflight_enter` (which returned `process`) has ended;
     queued on `pipe` when given."""
     (pipe or get_redis()).hincrby(inflight_by_process_key(full), process, -1)
+
+
+def pager_candidates() -> list[Candidate]:
+    """Every capability served from the LRU sets, as the policy sees it (for prewarm)."""
+    pipe = get_redis().pipeline(transaction=False)
+    for key in LRU_KEYS:
+        pipe.zrange(key, 0, -1, withscores=True)
+    pipe.zrange(EXPIRY_KEY, 0, -1, withscores=True)
+    *served, expiring = pipe.execute()
+    expires = {member.decode(): score for member, score in expiring}
+    return [
+        Candidate(full=member.decode(), type=kind, last_access=score, expires=expires.get(member.decode()))
+        for kind, members in zip(CLASS_ORDER, served, strict=True)
+        for member, score in members
+    ]
 
 
 def pager_inflight(full: str) -> int:

@@ -230,10 +230,18 @@ def _version_status(capability: Capability, version: CapabilityVersion) -> str:
 def backend_status() -> dict:
     """The runtime's slots and the registry's counts, as GET /_api/status reports them."""
     runtime = get_runtime()
+    on_runtime = Capability.objects.filter(backend__in=("", runtime.name))
+    used = on_runtime.filter(state=State.LIVE).count()
+    if runtime.total_slots is not None:
+        # Slots in use, as the seeds' status reports them. Victims still being deleted are
+        # `paging_out`, apart: they hold the safety margin, not a slot. Only for a moment after
+        # the slots were lowered is more placed than they allow, until the excess is shed.
+        used = min(used, runtime.total_slots)
     return {
         "backend": runtime.name,
         "total_slots": runtime.total_slots,
-        "used_slots": Capability.objects.filter(state__in=(State.LIVE, State.EVICTING)).count(),
+        "used_slots": used,
+        "paging_out": on_runtime.filter(state=State.EVICTING).count(),
         "agents": Agent.objects.count(),
         "lru_enabled": runtime.total_slots is not None,
         "eviction_count": AuditEvent.objects.filter(action="capability.evicted").count(),

@@ -56,6 +56,45 @@ def code_field(code: str | None) -> str:
     return f"e:{code}" if code else ""
 
 
+def split_refused_key(variant: str) -> str:
+    return f"sigil:split:refused:{variant}"
+
+
+def split_guard_due_key(variant: str) -> str:
+    return f"sigil:split:guard-due:{variant}"
+
+
+# At most one guard run is asked for per staged version in this long, however many of its
+# answers are refusals.
+SPLIT_GUARD_DEBOUNCE_MS = 500
+
+
+def split_refusal_count(redis, *, variant: str) -> bool:
+    """Count one call sent to the staged version `variant` of a split and refused by its own
+    breaker: the split guard counts it as a failed answer of that version (the caller got no
+    answer of the current one either). Returns whether a guard run should be asked for now
+    (at most once per SPLIT_GUARD_DEBOUNCE_MS). One round trip."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.incr(split_refused_key(variant))
+    pipe.set(split_guard_due_key(variant), 1, nx=True, px=SPLIT_GUARD_DEBOUNCE_MS)
+    return bool(pipe.execute()[1])
+
+
+def split_refusals(variant: str) -> int:
+    """How many calls to the staged version `variant` its breaker refused."""
+    return int(get_redis().get(split_refused_key(variant)) or 0)
+
+
+def split_forget(variant: str) -> None:
+    get_redis().delete(split_refused_key(variant), split_guard_due_key(variant))
+
+
+def live_counts(full: str) -> tuple[int, int]:
+    """The calls and errors of `full` the gateway recorded that no flush has claimed yet."""
+    calls, errors = get_redis().hmget(stats_key(full), "calls", "errors")
+    return int(calls or 0), int(errors or 0)
+
+
 def answer_count(*, full: str | None, status: int, code: str | None) -> None:
     """Count one answer the capability's code did not give (a refusal: 401, 404, 429, 503
     degraded, ...; or a 202 while it pages in) on `full`, or on UNROUTED when the path named

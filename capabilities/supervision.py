@@ -33,7 +33,9 @@ API (everything a runtime or the Cloudflare emulator needs; the host is any obje
   also starts one for every name the registry holds, writes a status file every half
   second and whenever a process changes state (`read_status(path)`), and stops them all
   when `stop_event` is set: SIGTERM, and SIGKILL for any that has not exited after
-  `stop_seconds` (a stalled one at once).
+  `stop_seconds` (a stalled one at once). With `idle(names)`, asked every
+  RETIRE_CHECK_SECONDS, the processes of the names it returns are stopped the same way,
+  and not started again until it no longer returns them.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ _SENT_BEFORE_LAST_ANSWER = 0.5
 # A loop silent for this many probe intervals is spinning, not merely busy for a moment.
 _NICE_AFTER_SILENT_INTERVALS = 3
 _SENT_AFTER_STUCK_PROBE = 0.25
+# How often a group with `idle` asks it which processes are no longer needed (also how long
+# a name it has retired may wait to be started again).
+RETIRE_CHECK_SECONDS = 1.0
 
 
 class Host(Protocol):
@@ -453,8 +458,10 @@ class WorkerdGroup:
         status_path: Path | None = None,
         on_kill: Callable[[Kill], None] | None = None,
         stop_seconds: float = 2.0,
+        idle: Callable[[list[str]], set[str]] | None = None,
     ) -> None:
         self.make_host = make_host
+        self.idle = idle
         self.limits = limits
         self.registry = registry
         self.kill_log = kill_log
@@ -463,6 +470,7 @@ class WorkerdGroup:
         self.stop_seconds = stop_seconds
         self.processes: dict[str, SupervisedWorkerd] = {}
         self._threads: dict[str, threading.Thread] = {}
+        self._stops: dict[str, threading.Event] = {}  # one per process: it is retired alone
         self._failures: list[BaseException] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -495,26 +503,52 @@ class WorkerdGroup:
                     # Other processes wait for a new name's process to serve: tell them at once.
                     on_state=self.write_status if self.status_path is not None else None,
                 )
-                thread = threading.Thread(target=self._run_one, args=(supervised,), name=f"workerd-{name}", daemon=True)
+                stop = threading.Event()
+                thread = threading.Thread(
+                    target=self._run_one, args=(supervised, stop), name=f"workerd-{name}", daemon=True
+                )
                 self.processes[name] = supervised
                 self._threads[name] = thread
+                self._stops[name] = stop
                 thread.start()
             return supervised
 
-    def _run_one(self, supervised: SupervisedWorkerd) -> None:
+    def _run_one(self, supervised: SupervisedWorkerd, stop: threading.Event) -> None:
         try:
-            supervised.run(self._stop, stop_seconds=self.stop_seconds)
+            supervised.run(stop, stop_seconds=self.stop_seconds)
         except BaseException as exc:  # handed to run(), which raises it in its caller
             self._failures.append(exc)
+
+    def retire(self, name: str) -> bool:
+        """Stop the process of `name` (as `stop` stops every one) and forget it, so that the
+        next `ensure` or run of the loop starts a fresh one; return whether one ran."""
+        with self._lock:
+            supervised = self.processes.pop(name, None)
+            thread, stop = self._threads.pop(name, None), self._stops.pop(name, None)
+        if supervised is None:
+            return False
+        stop.set()
+        thread.join(self.stop_seconds + 5)
+        logger.info("workerd for %s stopped: nothing of it is placed any more", name)
+        if self.status_path is not None:
+            self.write_status()
+        return True
 
     def run(self, stop: threading.Event, *, poll_seconds: float = 0.2) -> None:
         """Serve every name the registry holds (and any `ensure`d) until `stop` is set, then
         stop them all. Raises the first error a process's supervision could not handle."""
-        last_status = 0.0
+        last_status = last_idle_check = 0.0
+        idle: set[str] = set()
         try:
             while not stop.is_set() and not self._failures:
-                for name in self.registry.names():
-                    self._start(name)
+                names = self.registry.names()
+                if self.idle is not None and time.monotonic() - last_idle_check >= RETIRE_CHECK_SECONDS:
+                    idle, last_idle_check = self.idle(names), time.monotonic()
+                    for name in idle & set(self.processes):
+                        self.retire(name)
+                for name in names:
+                    if name not in idle:
+                        self._start(name)
                 if self.status_path is not None and time.monotonic() - last_status >= 0.5:
                     self.write_status()
                     last_status = time.monotonic()
@@ -527,6 +561,10 @@ class WorkerdGroup:
     def stop(self) -> None:
         """Stop every process, together. Idempotent."""
         self._stop.set()
+        with self._lock:
+            stops = list(self._stops.values())
+        for event in stops:
+            event.set()
         for thread in list(self._threads.values()):
             thread.join(self.stop_seconds + 5)
         if self.status_path is not None:

@@ -83,6 +83,13 @@ def capability_flush_stats() -> None:
     services.capability_flush_stats()
 
 
+@shared_task(name="capabilities.capability_split_guard", acks_late=True, reject_on_worker_lost=True)
+def capability_split_guard() -> None:
+    from capabilities import services
+
+    services.capability_split_guard()
+
+
 @shared_task(name="capabilities.capability_record_breaker", acks_late=True, reject_on_worker_lost=True)
 def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None:
     from capabilities import services

@@ -613,6 +613,12 @@ class _RequestHandler(BaseHTTPRequestHandler):
                         raise LimitExceeded("cpu") from None
                     reason = running.stopped_for(sent_at)
                     if reason is not None:
+                        # Stopped for another call's Dynamic Worker: on Cloudflare this call's
+                        # isolate would not have noticed, so a bodiless one runs again.
+                        if metered and not replayed and not body.chunked and not body.length:
+                            replayed, stopped_pid = True, pid
+                            deadline = time.monotonic() + REPLACED_WITHIN_SECONDS
+                            continue
                         raise LimitExceeded(reason) from None
                     # Refused: the process was stopped (another call ran past a limit) before
                     # this one reached it. Nothing ran (no body was read), so it goes to the

@@ -50,7 +50,7 @@ from capabilities.engine.upstream import (
 )
 from capabilities.engine.values import CallAnswer, CallRequest, Prefetched
 from capabilities.runtimes import get_runtime, runtime_for
-from capabilities.runtimes.base import Route
+from capabilities.runtimes.base import SERVED_VERSION_HEADER, Route
 from capabilities.runtimes.errors import RuntimeThrottled, RuntimeUnavailable
 from sigil_site.errors import (
     REDIS_UNREACHABLE,
@@ -325,6 +325,7 @@ class Engine:
             chosen = await self.split_variant(route.split, request, token_hash)
             if chosen is not None:
                 full, route, breaker_raw = chosen
+                served.capability = full  # a refusal of the staged version is counted on it
         now = time.time()
         is_trial = False
         if breaker_raw is not None:  # not closed: open, half-open or forced
@@ -409,6 +410,11 @@ class Engine:
         upstream_ms = (time.perf_counter() - upstream_started) * 1000
         call.page_in_ms = page_in_ms
 
+        # The placed code names its own version where the runtime replaces code in place
+        # (worker-pool, platform): the header is then the truth, not the route's.
+        served = upstream.headers.get(SERVED_VERSION_HEADER)
+        if served is not None and served.isdigit():
+            call.version = int(served)
         failure = upstream.headers.get("x-sigil-error")
         if failure is None and upstream.status == 503 and runtime_for(route.backend).stopped_at_limits(upstream):
             failure = EXCEEDED_LIMITS
@@ -442,8 +448,8 @@ class Engine:
         sigil_ms = (time.perf_counter() - started) * 1000 - upstream_ms - (page_in_ms or 0)
         timing = f"sigil;dur={sigil_ms:.2f}, capability;dur={upstream_ms:.2f}"
         headers = [("X-Sigil-Capability", call.shown)]
-        if route.version is not None:
-            headers.append(("X-Sigil-Version", str(route.version)))
+        if call.version is not None:
+            headers.append(("X-Sigil-Version", str(call.version)))
         if page_in_ms is not None:
             headers.append(("X-Sigil-Cold-Start", "1"))
             timing += f", page-in;dur={page_in_ms:.2f}"

@@ -76,6 +76,11 @@ class CodeBundle:
     # of `sha`: the same code with another limit is the same code. A runtime that fixes the
     # limit at upload (worker-pool's `limits.cpu_ms`) reads it here; the others per call.
     cpu_ms: int | None = field(default=None, compare=False)
+    # The capability version this code is, for runtimes whose placed code names it in every
+    # answer (SERVED_VERSION_HEADER): one slot's code is replaced in place there, so the
+    # route's version alone may be the previous one's for a moment. Not part of `sha`, nor
+    # of the stored form: the code is the same whichever version carries it.
+    version: int | None = field(default=None, compare=False)
     sha: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -93,8 +98,11 @@ class CodeBundle:
         *,
         bindings: tuple[ResolvedBinding, ...] | list[ResolvedBinding] = (),
         cpu_ms: int | None = None,
+        version: int | None = None,
     ) -> CodeBundle:
-        return cls(main_module="main.js", modules={"main.js": code}, bindings=tuple(bindings), cpu_ms=cpu_ms)
+        return cls(
+            main_module="main.js", modules={"main.js": code}, bindings=tuple(bindings), cpu_ms=cpu_ms, version=version
+        )
 
     @property
     def secrets(self) -> dict[str, str]:
@@ -121,6 +129,12 @@ class CodeBundle:
             sealed = AESGCM(bundle_seal_key(seal_key)).encrypt(nonce, _canonical(self.secrets), self.sha.encode())
             stored["sealed"] = base64.b64encode(nonce + sealed).decode()
         return _canonical(stored)
+
+
+# The response header with which placed code names the capability version it is, on
+# runtimes whose slot is overwritten in place by a redeploy (worker-pool's guard). Where a
+# route names the code's sha (local, loader), the route's version is the answering code's.
+SERVED_VERSION_HEADER = "x-sigil-served-version"
 
 
 def bundle_seal_key(host_secret: str) -> bytes:
@@ -248,6 +262,13 @@ class Runtime(ABC):
     @abstractmethod
     def list_slots(self) -> list[str]:
         """The slots this runtime holds that Sigil manages. Raises RuntimeUnavailable."""
+
+    def created_here(self, *, slot: str) -> bool:
+        """Whether this Sigil installation created `slot`, asked before reconcile or a switch
+        deletes a slot no capability holds. Runtimes that share a place with the owner's own
+        scripts (a Cloudflare account) look for the installation's tag; the others hold only
+        Sigil's. Raises RuntimeUnavailable."""
+        return True
 
     @abstractmethod
     def check(self) -> None:

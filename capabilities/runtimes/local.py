@@ -39,10 +39,15 @@ class LocalProcesses:
     are `base_port` + an index the registry allocates on an agent's first placement and
     keeps, so routes cached by the gateway stay valid across restarts. The supervisor
     (runworkerd) writes a status file and, before it kills a process, a kill record.
+
+    An agent with nothing placed any more (its last capability removed, or the agent gone)
+    has its process stopped once `idle_after_seconds` have passed since a placement last
+    asked for it (`want`); its next placement asks again, and the supervisor starts it.
     """
 
     state_dir: Path
     base_port: int
+    idle_after_seconds: float = 60.0
 
     @property
     def registry(self) -> PortRegistry:
@@ -59,6 +64,31 @@ class LocalProcesses:
     @staticmethod
     def name_for(slot: str) -> str:
         return slot.partition(SEPARATOR)[0]
+
+    def want(self, name: str) -> None:
+        """A placement for `name` is under way: its process is needed (for idle_after_seconds
+        at least, whatever is placed meanwhile)."""
+        stamp = self.state_dir / "wanted" / name
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.touch()
+
+    def idle(self, names: list[str], *, code_dir: Path) -> set[str]:
+        """Which of `names` have no placement under `code_dir` and were not wanted lately.
+        One directory listing, and one stat per name without a placement."""
+        slots = Path(code_dir) / "slots"
+        placed = (
+            {self.name_for(p.name) for p in slots.iterdir() if not p.name.startswith(".")} if slots.is_dir() else set()
+        )
+        cutoff = time.time() - self.idle_after_seconds
+        idle = set()
+        for name in set(names) - placed:
+            try:
+                wanted_at = (self.state_dir / "wanted" / name).stat().st_mtime
+            except FileNotFoundError:
+                wanted_at = 0.0
+            if wanted_at < cutoff:
+                idle.add(name)
+        return idle
 
     def group(self, *, code_dir: Path, binary: str, secret: str, limits: Limits, own_session: bool) -> WorkerdGroup:
         """The supervisor's side: one supervised workerd per agent in the registry, which
@@ -81,7 +111,14 @@ class LocalProcesses:
                 own_session=own_session,
             )
 
-        return WorkerdGroup(make_host, limits, self.registry, kill_log=self.kill_log, status_path=self.status_path)
+        return WorkerdGroup(
+            make_host,
+            limits,
+            self.registry,
+            kill_log=self.kill_log,
+            status_path=self.status_path,
+            idle=lambda names: self.idle(names, code_dir=code_dir),
+        )
 
 
 def local_limits(*, cpu_ms: int, memory_mb: int) -> Limits:
@@ -239,6 +276,7 @@ class LocalRuntime(Runtime):
     def _wait_for_process(self, name: str, *, after: float = 0.0) -> None:
         """Register `name` (its first placement) and wait until the supervisor serves it (with
         a process that started serving after `after`, an epoch)."""
+        self.processes.want(name)  # before the supervisor could find it idle and stop it
         port = self._registry.port_for(name)
         deadline = time.monotonic() + PROCESS_START_SECONDS
         while True:

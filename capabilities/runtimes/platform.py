@@ -16,8 +16,13 @@ from capabilities.runtimes.worker_pool import metadata_binding
 
 DISPATCHER_MODULE = "dispatcher.js"
 DISPATCHER_SOURCE = (Path(__file__).resolve().parent / "platform" / DISPATCHER_MODULE).read_text()
-# Tag of every capability script Sigil puts in the namespace: `list_slots` lists only these.
+# Tag of every capability script Sigil puts in the namespace: `list_slots` lists these. Only
+# those with this installation's tag as well (names.installation_tag) are `created_here`.
 CAPABILITY_TAG = "sigil"
+# The entry module in front of a capability's own when its version is known (see the module).
+VERSION_MODULE = "sigil-served-version.js"
+VERSION_SOURCE = (Path(__file__).resolve().parent / "platform" / "served-version.js").read_text()
+VERSION_BINDING = "SIGIL_SERVED_VERSION"
 # A script name is one DNS label (reference §1.5); full names may be longer (74 characters).
 MAX_SCRIPT_NAME = 63
 
@@ -63,6 +68,7 @@ class PlatformRuntime(FrontedRuntime):
         self.client = client
         self.namespace = namespace
         self._secret = secret
+        self.installation_tag = names.installation_tag(secret)
         self.dispatcher = SigilWorker(
             client=client,
             name=dispatcher,
@@ -103,18 +109,25 @@ class PlatformRuntime(FrontedRuntime):
         return done
 
     def place(self, *, slot: str, bundle: CodeBundle) -> None:
-        """Upload the capability into the namespace, tagged with Sigil and its agent. One API
-        call (after the first placement of the process). Idempotent."""
+        """Upload the capability into the namespace, tagged with Sigil and its agent; with
+        `bundle.version`, behind an entry module that names it in every answer
+        (SERVED_VERSION_HEADER), since the upload replaces the script in place. One API call
+        (after the first placement of the process). Idempotent."""
         self._ensure_provisioned()
         agent = slot.partition(names.SEPARATOR)[0]
+        modules, main_module = bundle.modules, bundle.main_module
+        bindings = [metadata_binding(b) for b in bundle.bindings]
+        if bundle.version is not None and bundle.main_module == "main.js":
+            modules, main_module = {VERSION_MODULE: VERSION_SOURCE, **bundle.modules}, VERSION_MODULE
+            bindings.append({"type": "plain_text", "name": VERSION_BINDING, "text": str(bundle.version)})
         self.client.namespace_script_upload(
             self.namespace,
             slot,
-            modules=bundle.modules,
-            main_module=bundle.main_module,
+            modules=modules,
+            main_module=main_module,
             compatibility_date=bundle.compatibility_date,
-            bindings=[metadata_binding(b) for b in bundle.bindings],
-            tags=[CAPABILITY_TAG, f"agent-{agent}", f"sha-{bundle.sha[:16]}"],
+            bindings=bindings,
+            tags=[CAPABILITY_TAG, self.installation_tag, f"agent-{agent}", f"sha-{bundle.sha[:16]}"],
         )
 
     def remove(self, *, slot: str) -> None:
@@ -126,3 +139,10 @@ class PlatformRuntime(FrontedRuntime):
 
     def list_slots(self) -> list[str]:
         return sorted(s.id for s in self.client.namespace_script_list(self.namespace, tags=[f"{CAPABILITY_TAG}:yes"]))
+
+    def created_here(self, *, slot: str) -> bool:
+        """One API call (the namespace's scripts with this installation's tag): asked only of
+        slots no capability holds. A script tagged `sigil` alone is the owner's, or was
+        uploaded before the installation's tag existed: never deleted."""
+        mine = self.client.namespace_script_list(self.namespace, tags=[f"{self.installation_tag}:yes"])
+        return slot in {s.id for s in mine}

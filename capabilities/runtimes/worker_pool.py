@@ -14,8 +14,10 @@ from capabilities.runtimes.base import CodeBundle, ResolvedBinding, Route, Runti
 GUARD_MODULE = "sigil-guard.js"
 GUARD_SOURCE = (Path(__file__).resolve().parent / "pool" / "guard.js").read_text()
 GUARD_SECRET_BINDING = "SIGIL_GUARD_SECRET"
+# A plain_text binding read by the guard, which names the version in SERVED_VERSION_HEADER.
+GUARD_VERSION_BINDING = "SIGIL_SERVED_VERSION"
 POOL_PREFIX = "s-"
-POOL_TAG = "sigil"
+POOL_TAG = "sigil"  # for people reading the account; what marks Sigil's own is installation_tag
 
 
 def metadata_binding(binding: ResolvedBinding) -> dict:
@@ -42,7 +44,8 @@ class WorkerPoolRuntime(Runtime):
     """Slots = total quota − system reserved − user reserved − safety margin.
 
     Only `s-` scripts are Sigil's: `list_slots` ignores the owner's own Workers, and Sigil
-    never deletes or counts them.
+    never deletes or counts them; an `s-` script without this installation's tag
+    (`created_here`) is the owner's too, and never deleted.
     """
 
     name = "worker-pool"
@@ -81,6 +84,7 @@ class WorkerPoolRuntime(Runtime):
         self.default_cpu_ms = cpu_ms
         self.redirects = redirect
         self._secret = secret
+        self.installation_tag = names.installation_tag(secret)
         self.slots = pool_slots(
             total_quota=total_quota,
             system_reserved=system_reserved,
@@ -106,7 +110,8 @@ class WorkerPoolRuntime(Runtime):
         return names.pool_script_name(full_name, length=6 + 2 * attempt)
 
     def place(self, *, slot: str, bundle: CodeBundle) -> None:
-        """Upload the script behind Sigil's guard and turn its workers.dev URL on.
+        """Upload the script behind Sigil's guard and turn its workers.dev URL on. The guard
+        names `bundle.version` (when given) in every answer's SERVED_VERSION_HEADER.
 
         Two API calls, the fewest Cloudflare allows: the upload, and the per-script
         workers.dev toggle (reference §3.2: an API upload is not known to be reachable
@@ -122,13 +127,16 @@ class WorkerPoolRuntime(Runtime):
         else:
             modules, main_module = {GUARD_MODULE: GUARD_SOURCE, **bundle.modules}, GUARD_MODULE
             bindings.append({"type": "secret_text", "name": GUARD_SECRET_BINDING, "text": self._secret})
+            if bundle.version is not None:
+                # The upload replaces the script in place: its every answer says which version it is.
+                bindings.append({"type": "plain_text", "name": GUARD_VERSION_BINDING, "text": str(bundle.version)})
         self.client.script_upload(
             slot,
             modules=modules,
             main_module=main_module,
             compatibility_date=bundle.compatibility_date,
             bindings=bindings,
-            tags=[POOL_TAG, f"sha-{bundle.sha[:16]}"],
+            tags=[POOL_TAG, self.installation_tag, f"sha-{bundle.sha[:16]}"],
             limits={"cpu_ms": cpu_ms} if (cpu_ms := bundle.cpu_ms or self.default_cpu_ms) else None,
         )
         self.client.script_subdomain_set(slot, enabled=True)
@@ -165,6 +173,14 @@ class WorkerPoolRuntime(Runtime):
 
     def list_slots(self) -> list[str]:
         return sorted(s.id for s in self.client.script_list() if s.id.startswith(POOL_PREFIX))
+
+    def created_here(self, *, slot: str) -> bool:
+        """One API call (the script's settings): asked only of slots no capability holds."""
+        try:
+            tags = self.client.script_settings_get(slot).get("tags") or []
+        except CloudflareNotFound:
+            return False  # gone already: nothing to delete
+        return self.installation_tag in tags
 
     def check(self) -> None:
         self._subdomain = self.client.subdomain_get()

@@ -4,6 +4,7 @@ ones on runtimes with a pager.
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -12,6 +13,7 @@ from django.db.models import Q, Sum
 from django.utils import timezone
 
 from agents.services import agent_notify, audit_record
+from capabilities import pager
 from capabilities.models import Capability, CapabilityStatsWindow, CapabilityType, State
 from capabilities.runtimes import get_runtime
 from capabilities.services.placement import capability_page_in
@@ -55,27 +57,49 @@ def capability_mark_inactive(*, now: datetime | None = None, batch_size: int = 5
 
 def capability_prewarm(*, now: datetime | None = None) -> list[str]:
     """Page in the most called capabilities of the last SIGIL_PREWARM_WINDOW_SECONDS that are
-    not live, up to SIGIL_PREWARM_TOP_N; return their names. Only on runtimes with a pager."""
+    not live, up to SIGIL_PREWARM_TOP_N, hottest first; return their names. Only on runtimes
+    with a pager.
+
+    On a full runtime a capability is prewarmed only when its victim is colder than it and
+    was not prewarmed in this same run (pager.prewarm_allows); the first that is not stops
+    the run, as every one after it is colder still. The victim is judged on the pager's
+    state just before each page-in. Idempotent: what is live is left alone.
+    """
     runtime = get_runtime()
     if runtime.total_slots is None:
         return []
     now = now or timezone.now()
     since = now - timedelta(seconds=settings.SIGIL_PREWARM_WINDOW_SECONDS)
-    top = list(
+    window_calls = dict(
         CapabilityStatsWindow.objects.filter(window_start__gte=since)
         .values("full_name")
         .annotate(calls=Sum("calls"))
-        .order_by("-calls", "full_name")
-        .values_list("full_name", flat=True)[: min(settings.SIGIL_PREWARM_TOP_N, runtime.total_slots)]
+        .values_list("full_name", "calls")
     )
+    ranked = sorted(window_calls, key=lambda full: (-window_calls[full], full))
+    top = ranked[: min(settings.SIGIL_PREWARM_TOP_N, runtime.total_slots)]
     cold = set(
         Capability.objects.filter(full_name__in=top, state__in=(State.PAGED_OUT,)).values_list("full_name", flat=True)
     )
-    warmed = []
+    warmed: list[str] = []
     for full in (f for f in top if f in cold):
+        usage = pager.pager_usage()
+        allowed = pager.prewarm_allows(
+            calls=window_calls[full],
+            candidates=pager.pager_candidates(),
+            window_calls=window_calls,
+            placed_this_round=warmed,
+            victims=pager.victims_needed(
+                used=usage.used, leaving=usage.evicting, slots=runtime.total_slots, margin=runtime.safety_margin
+            ),
+            now=time.time(),
+        )
+        if not allowed:
+            break
         try:
-            capability_page_in(full=full, reason="prewarm")
+            _, placed = capability_page_in(full=full, reason="prewarm")
         except NotFound:
             continue  # removed since the window was counted
-        warmed.append(full)
+        if placed:  # not paged in by a call meanwhile
+            warmed.append(full)
     return warmed

@@ -90,14 +90,16 @@ def placement_lock_within(full: str, *, wait_seconds: float | None) -> Iterator[
         lock.release()
 
 
-def bundle_for(code: str, capability: Capability, runtime: Runtime) -> CodeBundle:
+def bundle_for(code: str, capability: Capability, runtime: Runtime, *, version: int | None = None) -> CodeBundle:
     """`code` with the current values of the bindings `capability` declares and its agent
-    is still granted, as `runtime` gives them (a binding no longer granted is left out).
-    Raises InvalidRequest (a binding of a kind the runtime lacks, a secret's variable unset)."""
+    is still granted, as `runtime` gives them (a binding no longer granted is left out), as
+    the capability's version number `version` (which the placed code names in its answers
+    where the runtime replaces code in place). Raises InvalidRequest (a binding of a kind
+    the runtime lacks, a secret's variable unset)."""
     resolved = binding_rules.bindings_resolve(
         capability.bindings, agent_id=capability.agent_id, supported_kinds=runtime.binding_kinds, strict=False
     )
-    return CodeBundle.from_code(code, bindings=resolved, cpu_ms=capability.cpu_ms)
+    return CodeBundle.from_code(code, bindings=resolved, cpu_ms=capability.cpu_ms, version=version)
 
 
 @dataclass(frozen=True)
@@ -483,7 +485,8 @@ def capability_page_in(
         placed = capability.state not in routes.SERVED_STATES
         if placed:
             started = time.perf_counter()
-            bundle = bundle_for(capability.current_version.code, capability, get_runtime())
+            current = capability.current_version
+            bundle = bundle_for(current.code, capability, get_runtime(), version=current.number)
             with placement_room(full=full, capability_type=capability.type, expires_at=capability.expires_at) as room:
                 placement = room.place(bundle)
                 with transaction.atomic():
@@ -687,6 +690,8 @@ def capability_reconcile() -> dict[str, int]:
     for slot in sorted(placed - set(served)):
         if any(placement_in_progress(full) for full in owners.get(slot, [])):
             continue
+        if not runtime.created_here(slot=slot):
+            continue  # the owner's own, though it looks like Sigil's
         runtime.remove(slot=slot)
         audit_record(
             actor="system", action="runtime.orphan_removed", subject=slot, detail={"owners": owners.get(slot, [])}
@@ -821,7 +826,8 @@ def capability_refresh_bindings(*, full: str) -> bool:
         )
         if capability is None or capability.current_version is None:
             return False
-        bundle = bundle_for(capability.current_version.code, capability, runtime)
+        current = capability.current_version
+        bundle = bundle_for(current.code, capability, runtime, version=current.number)
         if bundle.sha == capability.placed_sha:
             return False
         try:

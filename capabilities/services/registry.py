@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -229,38 +230,9 @@ def capability_deploy(
     )
     owner = Agent.objects.get(pk=principal.agent_id)
 
-    existing = None
-    if name is not None:
-        full = names.full_name(owner.name, name)
-        existing = (
-            Capability.objects.select_related("agent", "current_version", "staged_version")
-            .exclude(state=State.REMOVED)
-            .filter(full_name=full)
-            .first()
-        )
-        if existing is None and type == CapabilityType.EPHEMERAL:
-            raise NotFound(f"no ephemeral capability {full}: deploy with name null to create one")
-        if existing is not None and existing.type != type:
-            raise Conflict(f"{full} is a {existing.type} capability; it cannot be redeployed as {type}")
-        wanted = contract_merge(Contract.of(existing.current_version if existing else None), contract or {})
+    if name is None:
         if stage:
-            return _stage(
-                existing,
-                full=full,
-                type=type,
-                code=code,
-                sha=sha,
-                bindings=bindings,
-                contract=wanted,
-                principal=principal,
-            )
-        unchanged = existing is not None and existing.current_version and existing.current_version.sha == sha
-        if unchanged and existing.bindings == bindings and wanted == Contract.of(existing.current_version):
-            result = _redeploy_unchanged(existing, principal=principal, is_public=is_public)
-            return _set_cache_when_degraded(result, cache_when_degraded, principal=principal)
-    elif stage:
-        stage_allowed(type)
-    elif type == CapabilityType.EPHEMERAL:
+            stage_allowed(type)
         live_ephemerals = Capability.objects.filter(
             agent=owner, type=CapabilityType.EPHEMERAL, expires_at__gt=now
         ).exclude(state=State.REMOVED)
@@ -269,49 +241,187 @@ def capability_deploy(
                 f"{owner.name} already has {settings.SIGIL_EPHEMERAL_MAX_PER_AGENT} live ephemeral capabilities"
             )
         full = _unused_ephemeral_name(owner.name)
-        wanted = contract_merge(Contract(), contract or {})
+    else:
+        full = names.full_name(owner.name, name)
+    asked = DeployAsked(
+        principal=principal,
+        owner=owner,
+        full=full,
+        named=name is not None,
+        type=type,
+        ttl=ttl,
+        code=code,
+        sha=sha,
+        bindings=bindings,
+        resolved=resolved,
+        is_public=is_public,
+        contract=contract or {},
+        stage=stage,
+        cache_when_degraded=cache_when_degraded,
+        now=now,
+    )
+    # Linearizable per capability: what this deploy compares itself with (the version that
+    # serves, or the one still being placed) is read under the lock that orders deploys of
+    # `full`, so a deploy never answers a no-op from a state a concurrent deploy is changing.
+    if get_runtime().places_in_background:
+        # Only the recording is ordered here; the placements are, by the placement lock
+        # each deploy task waits on in turn (a version deployed after it supersedes it).
+        with _deploy_lock(full):
+            ordered = _deploy_ordered(asked)
+        return deploy_awaited(ordered)
+    # The placement is made in the request: a deploy waits its turn behind the one being placed.
+    with placement_lock_within(full, wait_seconds=None):
+        return _deploy_ordered(asked)
 
+
+@dataclass(frozen=True)
+class DeployAsked:
+    """A deploy's input once checked, before it is compared with the capability's state."""
+
+    principal: Principal
+    owner: Agent
+    full: str
+    named: bool
+    type: str
+    ttl: int | None
+    code: str
+    sha: str
+    bindings: list[str]
+    resolved: Any
+    is_public: bool
+    contract: Mapping[str, Any]
+    stage: bool
+    cache_when_degraded: bool | None
+    now: datetime
+
+
+# How long a deploy waits for a concurrent deploy of the same capability to be recorded
+# (a few database writes and a task sent: never a placement, which runs in the deploy task),
+# and how long the lock outlives a process that died holding it.
+DEPLOY_RECORD_WAIT_SECONDS = 10
+DEPLOY_RECORD_LOCK_SECONDS = 30
+
+
+@contextmanager
+def _deploy_lock(full: str) -> Iterator[None]:
+    """Hold the lock that orders the recording of deploys of `full`. Raises Conflict when a
+    concurrent deploy holds it for longer than DEPLOY_RECORD_WAIT_SECONDS."""
+    lock = get_redis().lock(
+        f"sigil:lock:deploy:{full}",
+        timeout=DEPLOY_RECORD_LOCK_SECONDS,
+        blocking_timeout=DEPLOY_RECORD_WAIT_SECONDS,
+    )
+    if not lock.acquire():
+        raise Conflict(f"{full} is being deployed by another request; retry when it is done")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def latest_accepted(capability: Capability) -> tuple[CapabilityVersion | None, bool]:
+    """The version an agent was last told serves or will serve: the newest version still
+    being placed after the current one, else the current one; and whether it is pending."""
+    current = capability.current_version
+    pending = (
+        capability.versions.filter(placement=VersionPlacement.PLACING)
+        .filter(number__gt=current.number if current else 0)
+        .order_by("-number")
+        .first()
+    )
+    return (pending, True) if pending is not None else (current, False)
+
+
+def _deploy_ordered(asked: DeployAsked) -> DeployResult | Queued:
+    """The part of a deploy that reads the capability's state and acts on it; called with
+    the lock that orders deploys of `asked.full` held."""
+    full = asked.full
+    existing = None
+    wanted = contract_merge(Contract(), asked.contract)
+    if asked.named:
+        existing = (
+            Capability.objects.select_related("agent", "current_version", "staged_version")
+            .exclude(state=State.REMOVED)
+            .filter(full_name=full)
+            .first()
+        )
+        if existing is None and asked.type == CapabilityType.EPHEMERAL:
+            raise NotFound(f"no ephemeral capability {full}: deploy with name null to create one")
+        if existing is not None and existing.type != asked.type:
+            raise Conflict(f"{full} is a {existing.type} capability; it cannot be redeployed as {asked.type}")
+        latest, pending = latest_accepted(existing) if existing is not None else (None, False)
+        wanted = contract_merge(Contract.of(latest), asked.contract)
+        if asked.stage:
+            return _stage(
+                existing,
+                full=full,
+                type=asked.type,
+                code=asked.code,
+                sha=asked.sha,
+                bindings=asked.bindings,
+                contract=wanted,
+                principal=asked.principal,
+            )
+        if latest is not None and latest.sha == asked.sha and wanted == Contract.of(latest):
+            if pending and latest.requested.get("bindings", []) == asked.bindings:
+                if latest.requested.get("public") == asked.is_public:
+                    # The same deploy as the one still being placed: it is the one that will serve.
+                    # (Its own cache_when_degraded, if it sent one, applies once it is placed.)
+                    return DeployResult(
+                        capability=existing,
+                        version=latest,
+                        created=existing.current_version_id is None,
+                        cold_start=False,
+                        evicted=None,
+                        pending=True,
+                    )
+            elif not pending and existing.bindings == asked.bindings:
+                result = _redeploy_unchanged(existing, principal=asked.principal, is_public=asked.is_public)
+                return _set_cache_when_degraded(result, asked.cache_when_degraded, principal=asked.principal)
+
+    owner = asked.owner
     _claim_cooldown(owner.name)
+    now = asked.now
+    ttl = asked.ttl
     expires_at = existing.expires_at if existing else (now + timedelta(seconds=ttl) if ttl is not None else None)
     new = NewVersion(
         owner=owner,
         existing=existing,
         full=full,
-        type=type,
+        type=asked.type,
         expires_at=expires_at,
-        code=code,
-        sha=sha,
+        code=asked.code,
+        sha=asked.sha,
         contract=wanted,
         now=now,
     )
     if get_runtime().places_in_background:
         requested = {
-            "bindings": bindings,
-            "public": is_public,
-            "cache_when_degraded": cache_when_degraded,
-            "actor": _actor(principal),
+            "bindings": asked.bindings,
+            "public": asked.is_public,
+            "cache_when_degraded": asked.cache_when_degraded,
+            "actor": _actor(asked.principal),
         }
         return _deploy_in_background(new, requested)
-    lock = placement_lock(full, blocking=False)
-    if not lock.acquire():
-        raise Conflict(f"{full} is being deployed by another request; retry when it is done")
-    try:
-        bundle = CodeBundle.from_code(code, bindings=resolved)
-        with placement_room(full=full, capability_type=type, expires_at=expires_at) as room:
-            try:
-                placement = room.place(bundle)
-            except (InvalidRequest, TooLarge):
-                # The runtime refused the code (it does not start, or is too large): nothing
-                # was deployed, so the fixed code need not wait out a cool-down.
-                get_redis().delete(_cooldown_key(owner.name))
-                raise
-            capability, version = _record_deploy(
-                new, placement, bundle_sha=bundle.sha, bindings=bindings, is_public=is_public, principal=principal
-            )
-        routes.route_publish(capability)
-        contract_copies.contract_publish(capability)
-    finally:
-        lock.release()
+    bundle = CodeBundle.from_code(asked.code, bindings=asked.resolved)
+    with placement_room(full=full, capability_type=asked.type, expires_at=expires_at) as room:
+        try:
+            placement = room.place(bundle)
+        except (InvalidRequest, TooLarge):
+            # The runtime refused the code (it does not start, or is too large): nothing
+            # was deployed, so the fixed code need not wait out a cool-down.
+            get_redis().delete(_cooldown_key(owner.name))
+            raise
+        capability, version = _record_deploy(
+            new,
+            placement,
+            bundle_sha=bundle.sha,
+            bindings=asked.bindings,
+            is_public=asked.is_public,
+            principal=asked.principal,
+        )
+    routes.route_publish(capability)
+    contract_copies.contract_publish(capability)
     result = DeployResult(
         capability=capability,
         version=version,
@@ -319,7 +429,7 @@ def capability_deploy(
         cold_start=placement.cold_start,
         evicted=placement.evicted,
     )
-    return _set_cache_when_degraded(result, cache_when_degraded, principal=principal)
+    return _set_cache_when_degraded(result, asked.cache_when_degraded, principal=asked.principal)
 
 
 def _set_cache_when_degraded(result: DeployResult, value: bool | None, *, principal: Principal) -> DeployResult:
@@ -385,6 +495,9 @@ def _stage(
     stage_allowed(type)
     if existing is None:
         raise NotFound(f"no capability {full}: deploy its first version without stage")
+    if existing.current_version is None:
+        # Its first deploy was refused or is still being placed: nothing to try a version against.
+        raise Conflict(f"{full} has no version placed yet: deploy its first version without stage")
     if existing.bindings != bindings:
         raise InvalidRequest("a staged version runs with the capability's bindings: deploy new bindings without stage")
     staged = existing.staged_version
@@ -400,40 +513,33 @@ def _stage(
             )
     if existing.has_split:
         raise Conflict(f"{full} has a split running with v{staged.number}: promote or abort it first")
+    # Called with the lock that orders deploys of `full` held (capability_deploy).
     _claim_cooldown(principal.agent_name)
-    lock = placement_lock(full, blocking=False)
-    if not lock.acquire():
-        raise Conflict(f"{full} is being deployed by another request; retry when it is done")
-    try:
-        with transaction.atomic():
-            capability = (
-                Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(pk=existing.pk).first()
-            )
-            if capability is None:
-                raise NotFound(f"no capability {full}")
-            if capability.has_split:
-                raise Conflict(f"{full} has a split running: promote or abort it first")
-            number = _next_version_number(capability)
-            version = CapabilityVersion.objects.create(
-                capability=capability,
-                number=number,
-                code=code,
-                sha=sha,
-                size_bytes=len(code.encode()),
-                **contract.as_fields(),
-            )
-            capability.staged_version = version
-            capability.updated_at = timezone.now()
-            capability.save(update_fields=["staged_version", "updated_at"])
-            audit_record(
-                actor=_actor(principal),
-                action="capability.staged",
-                agent_name=principal.agent_name,
-                subject=full,
-                detail={"version": number, "sha": sha},
-            )
-    finally:
-        lock.release()
+    with transaction.atomic():
+        capability = Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(pk=existing.pk).first()
+        if capability is None:
+            raise NotFound(f"no capability {full}")
+        if capability.has_split:
+            raise Conflict(f"{full} has a split running: promote or abort it first")
+        number = _next_version_number(capability)
+        version = CapabilityVersion.objects.create(
+            capability=capability,
+            number=number,
+            code=code,
+            sha=sha,
+            size_bytes=len(code.encode()),
+            **contract.as_fields(),
+        )
+        capability.staged_version = version
+        capability.updated_at = timezone.now()
+        capability.save(update_fields=["staged_version", "updated_at"])
+        audit_record(
+            actor=_actor(principal),
+            action="capability.staged",
+            agent_name=principal.agent_name,
+            subject=full,
+            detail={"version": number, "sha": sha},
+        )
     capability.agent = existing.agent
     return DeployResult(
         capability=capability, version=version, created=False, cold_start=False, evicted=None, staged=True
@@ -455,19 +561,34 @@ def _outcome_key(version_id: int) -> str:
     return f"sigil:deploy:outcome:{version_id}"
 
 
-def _deploy_in_background(new: NewVersion, requested: dict) -> DeployResult:
-    """Record the new version and hand its placement to a Celery task; wait for the outcome
-    up to SIGIL_DEPLOY_WAIT_SECONDS. `requested` holds what applies once it is placed."""
-    # The lock only while recording: a placement of `full` under way (an earlier deploy's
-    # task, a page-in) makes this a concurrent deploy, as when placing in the request.
-    lock = placement_lock(new.full, blocking=False)
-    if not lock.acquire():
-        raise Conflict(f"{new.full} is being deployed by another request; retry when it is done")
-    try:
-        capability, version = _record_pending(new, requested)
-    finally:
-        lock.release()
+@dataclass(frozen=True)
+class Queued:
+    """A version recorded and handed to the deploy task, whose outcome is still to be awaited
+    (`deploy_awaited`), after the lock that orders deploys is released."""
+
+    new: NewVersion
+    capability: Capability
+    version: CapabilityVersion
+
+
+def _deploy_in_background(new: NewVersion, requested: dict) -> Queued:
+    """Record the new version and hand its placement to a Celery task. `requested` holds what
+    applies once it is placed."""
+    # Called with the lock that orders deploys of `full` held, never its placement lock: a
+    # placement under way (an earlier deploy's task, a page-in) ends before this version's
+    # task places it, and an earlier version not yet placed is superseded by this one.
+    capability, version = _record_pending(new, requested)
     capability_place_version_task.apply_async(kwargs={"version_id": version.pk}, queue=settings.SIGIL_DEPLOY_QUEUE)
+    return Queued(new, capability, version)
+
+
+def deploy_awaited(queued: DeployResult | Queued) -> DeployResult:
+    """The answer to a deploy: a queued placement's outcome once it comes within
+    SIGIL_DEPLOY_WAIT_SECONDS (pending when it has not). Raises the error a refused
+    placement recorded."""
+    if isinstance(queued, DeployResult):
+        return queued
+    new, capability, version = queued.new, queued.capability, queued.version
     outcome = _await_outcome(version.pk, seconds=settings.SIGIL_DEPLOY_WAIT_SECONDS)
     if outcome is None:
         return DeployResult(
@@ -652,7 +773,16 @@ def _place_version(version_id: int, *, last_try: bool) -> dict:
         return _outcome_of(version)
     if capability.state == State.REMOVED:
         return _record_superseded(version, f"{capability.full_name} was removed before v{version.number} was placed")
-    newer = capability.versions.filter(number__gt=version.number).order_by("number").values_list("number", flat=True)
+    # A newer deploy (being placed, or placed) supersedes this one; a newer one refused does
+    # not, nor does a staged version (kept aside, not deployed).
+    newer = (
+        capability.versions.filter(
+            number__gt=version.number, placement__in=(VersionPlacement.PLACING, VersionPlacement.PLACED)
+        )
+        .exclude(pk=capability.staged_version_id or 0)
+        .order_by("number")
+        .values_list("number", flat=True)
+    )
     if newer:
         return _record_superseded(version, f"v{newer[0]} was deployed before v{version.number} was placed")
     runtime = get_runtime()
@@ -660,7 +790,7 @@ def _place_version(version_id: int, *, last_try: bool) -> dict:
         resolved = binding_rules.bindings_resolve(
             version.requested.get("bindings", []), agent_id=capability.agent_id, supported_kinds=runtime.binding_kinds
         )
-        bundle = CodeBundle.from_code(version.code, bindings=resolved, cpu_ms=capability.cpu_ms)
+        bundle = CodeBundle.from_code(version.code, bindings=resolved, cpu_ms=capability.cpu_ms, version=version.number)
         room_for = {
             "full": capability.full_name,
             "capability_type": capability.type,
@@ -923,7 +1053,9 @@ def capability_rollback(
     if not Capability.objects.exclude(state=State.REMOVED).filter(pk=capability.pk).exists():
         raise NotFound(f"no capability {full}")
     if get_runtime().places_in_background:
-        return _rollback_in_background(capability, target=target, actor=actor, cooldown=cooldown)
+        with _deploy_lock(full):
+            ordered = _rollback_in_background(capability, target=target, actor=actor, cooldown=cooldown)
+        return deploy_awaited(ordered)
     lock = placement_lock(full, blocking=False)
     if not lock.acquire():
         raise Conflict(f"{full} is being deployed; retry when it is done")
@@ -1012,7 +1144,7 @@ def _rollback_start(capability: Capability, target: CapabilityVersion) -> tuple[
 
 def _rollback_in_background(
     capability: Capability, *, target: CapabilityVersion, actor: str, cooldown: bool
-) -> DeployResult:
+) -> DeployResult | Queued:
     """A rollback on a runtime whose placements run in Celery: the target's code and contract
     recorded as a new version and placed by the deploy task, as a deploy is (202 when it
     takes longer than SIGIL_DEPLOY_WAIT_SECONDS)."""

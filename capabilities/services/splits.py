@@ -20,7 +20,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from agents.services import agent_notify, audit_record
-from capabilities import contract_copies, routes, selectors
+from capabilities import contract_copies, routes, selectors, stats
 from capabilities.models import Capability, CapabilityType, State
 from capabilities.runtimes import get_runtime
 from capabilities.services.placement import bundle_for, capability_page_in, placement_lock, placement_room
@@ -91,6 +91,8 @@ def capability_split_set(
         current = _current(capability)
         if current.staged_version is None:
             raise Conflict(f'{current.full_name} has no staged version: deploy one with "stage": true first')
+        if current.current_version is None:
+            raise Conflict(f"{current.full_name} has no version placed yet to split its callers with")
         starting = not current.has_split
         if starting:
             _place_variant(current)
@@ -184,7 +186,7 @@ def capability_promote(*, capability: Capability, actor: str) -> Capability:
                 f"v{previous.number} was deployed after v{staged.number} was staged: abort, and stage "
                 f"v{staged.number}'s code again to try it against v{previous.number}"
             )
-        bundle = bundle_for(staged.code, current, get_runtime())
+        bundle = bundle_for(staged.code, current, get_runtime(), version=staged.number)
         with placement_room(
             full=current.full_name, capability_type=current.type, expires_at=current.expires_at
         ) as room:
@@ -248,37 +250,83 @@ def _retire_variants(capability: Capability, *, actor: str) -> None:
         .exclude(state=State.REMOVED)
         .values_list("full_name", flat=True)
     ):
+        stats.split_forget(full)
         try:
             capability_remove_as_owner(full=full, actor=actor)
         except NotFound:
             continue  # retired meanwhile
 
 
+@dataclass(frozen=True)
+class GuardFigures:
+    """What the guard decides on: the staged version's answers and failed answers since the
+    split began (its calls, and the calls its breaker refused, which failed too), and the
+    current version's calls and errors."""
+
+    staged_answers: int
+    staged_failed: int
+    current_calls: int
+    current_errors: int
+    staged_refused: int = 0
+
+
+def guard_trips(figures: GuardFigures, *, margin: float, min_calls: int) -> bool:
+    """Whether a split's guard aborts it: over at least `min_calls` answers of the staged
+    version, its failure rate exceeds the current version's error rate by more than `margin`."""
+    if figures.staged_answers < min_calls or figures.staged_answers == 0:
+        return False
+    current_rate = figures.current_errors / figures.current_calls if figures.current_calls else 0.0
+    return figures.staged_failed / figures.staged_answers - current_rate > margin
+
+
+def _guard_figures(capability: Capability, report: dict) -> GuardFigures | None:
+    """The guard's figures: the flushed windows, and what the gateway recorded since the
+    last flush, so a decision is taken on every answer recorded so far."""
+    staged, current = report["staged"]["stats"], report["current"]["stats"]
+    if staged is None:
+        return None
+    variant = routes.variant_name(capability)
+    staged_calls, staged_errors = stats.live_counts(variant)
+    current_calls, current_errors = stats.live_counts(capability.full_name)
+    refused = stats.split_refusals(variant)
+    return GuardFigures(
+        staged_answers=staged["calls"] + staged_calls + refused,
+        staged_failed=staged["errors"] + staged_errors + refused,
+        current_calls=current["calls"] + current_calls,
+        current_errors=current["errors"] + current_errors,
+        staged_refused=refused,
+    )
+
+
 def capability_split_guard() -> list[str]:
-    """Abort every split whose guard trips: the staged version's error rate since the split
-    began exceeds the current version's by more than the guard's margin, over at least its
-    least number of calls. Each abort is audited (actor `system`) and sent to the agent's
-    webhook. Returns the capabilities whose split it aborted. Safe to run at any time."""
+    """Abort every split whose guard trips (guard_trips): the staged version's failure rate
+    since the split began (every answer counts: its errors, and the calls its own breaker
+    refused) exceeds the current version's error rate by more than the guard's margin, over
+    at least its least number of answers. Run after each stats flush, and as soon as a
+    staged version's breaker opens or refuses. Each abort is audited (actor `system`) and
+    sent to the agent's webhook. Returns the capabilities whose split it aborted. Safe to
+    run at any time, and concurrently."""
     aborted = []
     guarded = Capability.objects.select_related("agent", "current_version", "staged_version").filter(
         split_weight__isnull=False, split_guard_margin__isnull=False
     )
     for capability in guarded.exclude(state=State.REMOVED):
         report = selectors.capability_split_report(capability=capability)
-        staged, current = report["staged"]["stats"], report["current"]["stats"]
-        if staged is None or staged["calls"] < capability.split_guard_min_calls:
+        figures = _guard_figures(capability, report)
+        if figures is None or not guard_trips(
+            figures, margin=capability.split_guard_margin, min_calls=capability.split_guard_min_calls
+        ):
             continue
-        staged_rate = staged["errors"] / staged["calls"]
-        current_rate = current["errors"] / current["calls"] if current["calls"] else 0.0
-        if staged_rate - current_rate <= capability.split_guard_margin:
-            continue
+        current_rate = figures.current_errors / figures.current_calls if figures.current_calls else 0.0
         reason = {
             "reason": "guard",
-            "staged_error_rate": round(staged_rate, 4),
+            "staged_error_rate": round(figures.staged_failed / figures.staged_answers, 4),
             "current_error_rate": round(current_rate, 4),
-            "staged_calls": staged["calls"],
+            "staged_calls": figures.staged_answers,
             "margin": capability.split_guard_margin,
         }
+        if figures.staged_refused:
+            reason["staged_refused"] = figures.staged_refused
         try:
             capability_split_abort(capability=capability, actor="system", reason=reason)
         except (Conflict, NotFound):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
-from django.db.models import Count, F
+from django.db.models import Count, F, Q
 from django.utils import timezone
 
 from agents.services import audit_record
@@ -36,6 +36,13 @@ from capabilities.services.placement import (
     slot_for,
 )
 from sigil_site.errors import InvalidRequest, SigilError
+
+
+def never_placed() -> Q:
+    """Capabilities no runtime ever held: no slot given (the first deploy was refused, or is
+    still queued), or no version placed. A switch has nothing of theirs to move: they stay
+    on no runtime, and their next placement is on the current one."""
+    return Q(slot="") | Q(current_version__isnull=True)
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,8 @@ def capability_switch_backend(*, full: str, actor: str) -> SwitchStep:
         source, old_slot = capability.backend, capability.slot
         bundle = None
         if capability.state in routes.SERVED_STATES and capability.current_version is not None:
-            bundle = bundle_for(capability.current_version.code, capability, runtime)
+            current = capability.current_version
+            bundle = bundle_for(current.code, capability, runtime, version=current.number)
         # The pager's sets speak for the new runtime: this capability is not placed there yet.
         pager.pager_forget(full)
         if bundle is not None and runtime.total_slots is not None and pager.pager_usage().used >= runtime.total_slots:
@@ -155,15 +163,11 @@ def _record_switch(
 
 def capability_adopt_backend(*, backend: str) -> int:
     """Record `backend` as the runtime of every capability placed before Sigil recorded
-    runtimes (an empty `backend` field); return how many. Idempotent."""
-    fulls = list(Capability.objects.exclude(state=State.REMOVED).filter(backend="").values_list("full_name", flat=True))
+    runtimes (an empty `backend` field, and placed); return how many. Idempotent."""
+    fulls = list(_unrecorded().values_list("full_name", flat=True))
     for full in fulls:
         with transaction.atomic():
-            changed = (
-                Capability.objects.exclude(state=State.REMOVED)
-                .filter(full_name=full, backend="")
-                .update(backend=backend)
-            )
+            changed = _unrecorded().filter(full_name=full).update(backend=backend)
         if changed:
             capability = Capability.objects.select_related("agent").exclude(state=State.REMOVED).get(full_name=full)
             routes.route_publish(capability)
@@ -192,16 +196,25 @@ def runtime_sweep_previous(*, backend: str, actor: str) -> list[str]:
     for slot in sorted(set(runtime.list_slots()) - held):
         if slot in owners and placement_in_progress(owners[slot]):
             continue
+        if not runtime.created_here(slot=slot):
+            continue  # the owner's own, though it looks like Sigil's
         runtime.remove(slot=slot)
         audit_record(actor=actor, action="runtime.slot_released", subject=slot, detail={"backend": backend})
         released.append(slot)
     return released
 
 
+def _unrecorded():
+    """Capabilities placed before Sigil recorded their runtime (it records it on every
+    placement now): an empty `backend`, though a runtime held them."""
+    return Capability.objects.exclude(state=State.REMOVED).filter(backend="").exclude(never_placed())
+
+
 @dataclass(frozen=True)
 class SwitchEvent:
     """One thing the switch did, for the owner to follow: `kind` is "provisioned",
-    "adopted", "moved" (with `step`), "failed" (with `error`), "released" or "swept"."""
+    "adopted", "skipped" (never placed: nothing to move), "moved" (with `step`), "failed"
+    (with `error`), "released" or "swept"."""
 
     kind: str
     full: str = ""
@@ -218,12 +231,14 @@ class SwitchEvent:
 class SwitchPlan:
     """What a switch would do, read without touching anything: `moving` are (full name, its
     runtime) in the order they would move; `unrecorded` were placed before Sigil recorded
-    runtimes (they count as `source`'s, and make the switch refuse without one)."""
+    runtimes (they count as `source`'s, and make the switch refuse without one); `skipped`
+    were never placed on any runtime (they stay on none)."""
 
     target: str
     source: str | None
     moving: list[tuple[str, str]]
     unrecorded: int
+    skipped: list[str] = field(default_factory=list)
 
 
 def switch_plan(*, source: str | None) -> SwitchPlan:
@@ -232,18 +247,21 @@ def switch_plan(*, source: str | None) -> SwitchPlan:
     target = get_runtime().name
     if source == target:
         raise InvalidRequest(f"SIGIL_BACKEND is already {source}: set it to the runtime to switch to")
-    unrecorded = Capability.objects.exclude(state=State.REMOVED).filter(backend="").count()
+    unrecorded = _unrecorded().count()
     if unrecorded and source is None:
         raise InvalidRequest(
             f"{unrecorded} capabilities were placed before Sigil recorded their runtime: name it with --from"
         )
-    moving = Capability.objects.exclude(state=State.REMOVED).exclude(backend=target)
+    # Only a capability Sigil never placed has no runtime recorded now; nothing of it is to move.
+    unplaced = Capability.objects.exclude(state=State.REMOVED).filter(backend="").filter(never_placed())
+    skipped = sorted(unplaced.values_list("full_name", flat=True))
+    moving = Capability.objects.exclude(state=State.REMOVED).exclude(backend=target).exclude(full_name__in=skipped)
     if source is not None:
         moving = moving.filter(backend__in=[source, ""])
     # Most recently called first: on a runtime with a slot limit, they are the ones placed.
     fulls = moving.order_by(F("last_access_at").desc(nulls_last=True), "full_name").values_list("full_name", "backend")
     moving_now = [(full, backend or source) for full, backend in fulls]
-    return SwitchPlan(target=target, source=source, moving=moving_now, unrecorded=unrecorded)
+    return SwitchPlan(target=target, source=source, moving=moving_now, unrecorded=unrecorded, skipped=skipped)
 
 
 def backend_switch(*, source: str | None, actor: str, grace_seconds: float) -> Iterator[SwitchEvent]:
@@ -251,18 +269,23 @@ def backend_switch(*, source: str | None, actor: str, grace_seconds: float) -> I
 
     `source` limits the switch to capabilities on that runtime, and names the runtime of
     those placed before Sigil recorded runtimes; without it, such capabilities make the
-    switch refuse (InvalidRequest) rather than guess. Safe to interrupt and run again: each
-    capability moves at most once, and the sweep deletes what an interrupted run left.
-    A capability that cannot move is reported and keeps being served where it is.
+    switch refuse (InvalidRequest) rather than guess. A capability never placed (its first
+    deploy refused or still queued) is skipped and reported: it stays on no runtime. Safe
+    to interrupt and run again: each capability moves at most once, and the sweep deletes
+    what an interrupted run left. A capability that cannot move is reported and keeps being
+    served where it is.
     """
     runtime = get_runtime()
     switch_plan(source=source)  # refuses what the switch cannot start with
     yield SwitchEvent("provisioned", backend=runtime.name, lines=runtime.provision())
 
-    if Capability.objects.exclude(state=State.REMOVED).filter(backend="").exists():
+    if _unrecorded().exists():
         yield SwitchEvent("adopted", backend=source, total=capability_adopt_backend(backend=source))
 
-    fulls = switch_plan(source=source).moving
+    plan = switch_plan(source=source)
+    for full in plan.skipped:
+        yield SwitchEvent("skipped", full=full)
+    fulls = plan.moving
     sources = {backend for _, backend in fulls} | ({source} if source else set())
 
     pending: deque[tuple[float, str, str, str]] = deque()  # (due, backend, slot, full)

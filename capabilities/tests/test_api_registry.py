@@ -100,6 +100,7 @@ def test_status_reports_the_local_backend(alice):
         "backend": "local",
         "total_slots": None,
         "used_slots": 1,
+        "paging_out": 0,
         "agents": 1,
         "lru_enabled": False,
         "eviction_count": 0,

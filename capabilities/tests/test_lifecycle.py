@@ -50,6 +50,36 @@ def test_prewarm_pages_in_the_most_called_capability(worker_pool, alice, celery_
     assert response.text == "hot" and "X-Sigil-Cold-Start" not in response.headers
 
 
+def test_prewarm_on_a_full_pool_never_evicts_what_it_just_placed_nor_anything_hotter(
+    worker_pool, alice, celery_worker, settings
+):
+    settings.SIGIL_PREWARM_TOP_N = 3
+    for name in ("p1", "p2"):  # two of the three slots, evicted last
+        alice.deploy(name=name, code=code(name), type="persistent")
+    hot = {"h1": 6, "h2": 4, "h3": 2}
+    for name, calls in hot.items():
+        alice.deploy(name=name, code=code(name), type="normal")
+        for _ in range(calls):
+            assert alice.call(f"/alice/{name}").text == name
+    flush_stats_when_recorded(alice__h1=6, alice__h2=4, alice__h3=2)
+    alice.deploy(name="cold", code=code("cold"), type="normal")  # never called: the one to go
+    for name in hot:
+        services.capability_evict(full=f"alice--{name}", actor="owner:test")
+    wait_for(lambda: not Capability.objects.filter(state="evicting").exists(), timeout=30, message="page-outs")
+    assert set(Capability.objects.filter(state="live").values_list("name", flat=True)) == {"p1", "p2", "cold"}
+    page_ins = AuditEvent.objects.filter(action="capability.paged_in").count()
+
+    # h1 takes the cold one's slot; h2 would take h1's, just placed: the run stops there,
+    # rather than chain h1 out for h2 and h2 out for h3.
+    assert services.capability_prewarm() == ["alice--h1"]
+    wait_for(lambda: not Capability.objects.filter(state="evicting").exists(), timeout=30, message="page-outs")
+    assert set(Capability.objects.filter(state="live").values_list("name", flat=True)) == {"p1", "p2", "h1"}
+    assert AuditEvent.objects.filter(action="capability.paged_in").count() == page_ins + 1
+    # Run again: h2 would evict h1, hotter than it; nothing changes.
+    assert services.capability_prewarm() == []
+    assert Capability.objects.get(full_name="alice--h1").state == "live"
+
+
 def test_prewarm_does_nothing_on_a_runtime_without_a_pager(alice):
     alice.deploy(name="hot", code=code("hot"))
     alice.call("/alice/hot")

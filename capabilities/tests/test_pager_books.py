@@ -19,6 +19,7 @@ from capabilities import names, pager, services, stats
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime, runtimes_forget
 from capabilities.tasks import PAGE_OUT_RECHECK_SECONDS, RuntimeTask
+from sigil_site.errors import UpstreamError
 from sigil_site.redis_client import get_redis
 from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
@@ -274,25 +275,30 @@ def test_the_page_out_waits_the_invoke_timeout_and_still_has_its_failure_retries
 
 def stress_plan(rng: random.Random, operations: int) -> list[tuple[str, str]]:
     """The operations of a stress run, drawn in advance so that a seed gives the same plan:
-    (call | deploy | remove, a capability name) or (expire, "")."""
+    (call | deploy | remove | split, a capability name) or (expire | prewarm, "")."""
     plan = []
     for _ in range(operations):
         roll, name = rng.random(), f"c{rng.randrange(20)}"
-        if roll < 0.7:
+        if roll < 0.64:
             plan.append(("call", name))
-        elif roll < 0.85:
+        elif roll < 0.77:
             plan.append(("deploy", name))
-        elif roll < 0.95:
+        elif roll < 0.85:
             plan.append(("remove", name))
+        elif roll < 0.91:
+            plan.append(("split", name))
+        elif roll < 0.95:
+            plan.append(("prewarm", ""))
         else:
             plan.append(("expire", ""))
     return plan
 
 
 def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations):
-    """Randomized concurrent calls, deploys, removes and expiries of 20 capabilities on six
-    slots, with Cloudflare's latency and failures injected; then the books, and every
-    capability answering with its current code."""
+    """Randomized concurrent calls, deploys, removes, expiries, traffic splits (staged
+    versions placed beside their capability, then promoted or aborted) and prewarm runs of
+    20 capabilities on six slots, with Cloudflare's latency and failures injected; then the
+    books, and every capability answering with its current code."""
     from capabilities.services import capability_expire_ephemerals
 
     print(f"pager stress seed: {seed}")
@@ -325,6 +331,39 @@ def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations):
         # the client's retries; 429: the agent's live ephemerals are at their limit.
         assert response.status_code in (200, 201, 409, 429, 502), response.text
 
+    def split_one(step, name):
+        """Stage a version and send half the callers to it; or end the split running."""
+        if kinds[name] == "ephemeral":
+            return  # ephemerals have no staged versions
+        full = f"alice--{name}"
+        capability = Capability.objects.exclude(state="removed").filter(full_name=full).first()
+        if capability is None:
+            return
+        base, headers = f"{alice.base_url}/_api/capabilities/{full}/split", alice.headers(alice.deploy_token)
+        if capability.split_weight is None:
+            staged = alice.deploy(name=name, code=code(f"{name} staged at step {step}"), stage=True)
+            # 404: removed meanwhile; 409: a split started meanwhile.
+            assert staged.status_code in (200, 404, 409), staged.text
+            response = alice.session.put(base, json={"weight": 50}, headers=headers, timeout=60)
+        else:
+            how = ("promote", "abort")[step % 2]
+            response = alice.session.post(f"{base}/{how}", headers=headers, timeout=60)
+        # 404: removed; 409: nothing staged, or a placement of it under way; 502: Cloudflare failed.
+        assert response.status_code in (200, 404, 409, 502), response.text
+
+    def prewarm_once():
+        before = AuditEvent.objects.order_by("-id").values_list("id", flat=True).first() or 0
+        services.capability_flush_stats()
+        try:
+            warmed = services.capability_prewarm()
+        except UpstreamError:
+            return  # a page-in met Cloudflare's failures: the task runs it again
+        round_events = AuditEvent.objects.filter(
+            id__gt=before, action="capability.paged_in", subject__in=warmed, detail__reason="prewarm"
+        )
+        evicted = {event.detail["evicted"] for event in round_events} - {None}
+        assert not evicted & set(warmed), (warmed, evicted)  # never what it placed this round
+
     def run(step, action, name):
         full = full_of(name) if name else None
         if action == "call" and full:
@@ -340,6 +379,10 @@ def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations):
             assert response.status_code in (204, 404), response.text
         elif action == "expire":
             capability_expire_ephemerals()
+        elif action == "split":
+            split_one(step, name)
+        elif action == "prewarm":
+            prewarm_once()
 
     for name in sorted(kinds):  # all twenty first: most calls then page in
         deploy_one(-1, name)
@@ -352,18 +395,30 @@ def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations):
             future.result()
 
     emulator.configure(latency=0, fault_rate=0)
+    # The splits still running end, so that every caller gets the current version.
+    for capability in Capability.objects.exclude(state="removed").filter(split_weight__isnull=False):
+        services.capability_split_abort(capability=capability, actor="owner:test")
     wait_for(settled, timeout=60, message="all page-outs and releases to finish")
     evictions = AuditEvent.objects.filter(action="capability.evicted").count()
     faults = len([c for c in emulator.api_calls() if c["status"] >= 500])
     print(f"{evictions} evictions, {faults} injected Cloudflare failures")
     assert evictions >= 20 and faults >= 10  # the run did page, and failed to
+    splits = AuditEvent.objects.filter(action="capability.split_started").count()
+    prewarmed = AuditEvent.objects.filter(action="capability.paged_in", detail__reason="prewarm").count()
+    print(f"{splits} splits started, {prewarmed} prewarmed")
+    assert splits >= 3  # staged versions took slots of their own
     assert book_problems(scripts_on_cloudflare) == []
     runtime = get_runtime()
     assert most_scripts_at_once(emulator) <= runtime.total_slots + runtime.safety_margin
 
     # Every capability still answers, with its current code (ephemerals about to expire aside).
     soon = timezone.now() + timedelta(seconds=30)
-    alive = Capability.objects.exclude(state="removed").exclude(expires_at__lt=soon).select_related("current_version")
+    alive = (
+        Capability.objects.exclude(state="removed")
+        .exclude(expires_at__lt=soon)
+        .filter(variant_of__isnull=True)
+        .select_related("current_version")
+    )
     for capability in alive:
         response = alice.call("/" + capability.full_name.replace("--", "/", 1))
         text = re.search(r"new Response\('(.*)'\)", capability.current_version.code)[1]

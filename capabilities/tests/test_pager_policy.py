@@ -64,6 +64,49 @@ def test_excess_is_what_is_placed_beyond_the_slots():
     assert excess(used=9, slots=10) == 0
 
 
+PREWARM_STATE = [c("e-expired", "ephemeral", -1, expires=-5), c("n-old", "normal", -500), c("p", "persistent", -900)]
+
+
+@pytest.mark.parametrize(
+    ("calls", "candidates", "window_calls", "placed_this_round", "victims", "allowed"),
+    [
+        (1, [], {}, [], 0, True),  # room: no victim, always
+        (50, [c("n", "normal", -10)], {}, [], None, False),  # it would wait for a delete
+        (50, [c("n", "normal", -10)], {}, [], 2, False),  # the slots were lowered: shed first
+        (50, [c("n", "normal", -10)], {"n": 49}, [], 1, True),  # the victim is colder
+        (50, [c("n", "normal", -10)], {"n": 50}, [], 1, False),  # as hot: never traded
+        (50, [c("n", "normal", -10)], {"n": 900}, [], 1, False),  # hotter: never evicted
+        (50, [c("n", "normal", -10)], {}, [], 1, True),  # not called in the window at all
+        (50, [c("n", "normal", -10)], {"n": 1}, ["n"], 1, False),  # placed by this round
+        # The victim is the pager's, by eviction order, not the coldest by calls:
+        (50, [c("n-old", "normal", -500), c("n-new", "normal", -1)], {"n-old": 60, "n-new": 1}, [], 1, False),
+        (50, [c("e", "ephemeral", -1), c("n", "normal", -500)], {"e": 5, "n": 900}, [], 1, True),
+        # An expired ephemeral goes first, and however hot it was, it is going anyway.
+        (1, PREWARM_STATE, {"e-expired": 999, "n-old": 0}, [], 1, True),
+        (1, PREWARM_STATE, {}, ["e-expired"], 1, False),
+        (50, [], {}, [], 1, False),  # full, and nothing it could evict (all being placed)
+    ],
+)
+def test_prewarm_evicts_only_what_is_colder_and_never_what_it_placed(
+    calls, candidates, window_calls, placed_this_round, victims, allowed
+):
+    decided = pager.prewarm_allows(
+        calls=calls,
+        candidates=candidates,
+        window_calls=window_calls,
+        placed_this_round=placed_this_round,
+        victims=victims,
+        now=NOW,
+    )
+    assert decided is allowed
+
+
+def test_pager_candidates_reads_back_what_the_sets_hold(redis_client):
+    state = [c("e", "ephemeral", -1, expires=+60), c("n", "normal", -10), c("p", "persistent", -900)]
+    load(redis_client, state)
+    assert sorted(pager.pager_candidates(), key=lambda x: x.full) == state
+
+
 # --- the Lua against the policy -------------------------------------------------------------
 
 

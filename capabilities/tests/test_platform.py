@@ -3,7 +3,7 @@ dispatch namespace behind the repo's dispatch Worker."""
 
 from django.core.management import call_command
 
-from capabilities import services
+from capabilities import names, services
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
 from testsupport.capability_code import PONG
@@ -57,3 +57,31 @@ def test_status_has_no_slot_limit_and_no_pager(platform, alice):
     alice.deploy(name="ping", code=PONG)
     status = alice.call("/_api/status").json()
     assert status == {**status, "backend": "platform", "total_slots": None, "lru_enabled": False}
+
+
+def test_reconcile_leaves_the_owners_scripts_in_the_namespace_alone_even_tagged_sigil(
+    platform, alice, cf_client, settings
+):
+    alice.deploy(name="ping", code=PONG)
+    namespace = get_runtime().namespace
+    cf_client.namespace_script_upload(
+        namespace,
+        "owners-own",
+        modules={"w.js": PONG},
+        main_module="w.js",
+        compatibility_date="2025-01-01",
+        tags=["sigil", "agent-owner"],
+    )
+    # One this installation left behind (its placement's worker died before recording it).
+    cf_client.namespace_script_upload(
+        namespace,
+        "alice--left",
+        modules={"w.js": PONG},
+        main_module="w.js",
+        compatibility_date="2025-01-01",
+        tags=["sigil", names.installation_tag(settings.SIGIL_INTERNAL_SECRET)],
+    )
+    assert services.capability_reconcile()["orphans_removed"] == 1
+    assert sorted(s.id for s in cf_client.namespace_script_list(namespace)) == ["alice--ping", "owners-own"]
+    assert services.capability_reconcile()["orphans_removed"] == 0
+    assert alice.call("/alice/ping").text == "pong"

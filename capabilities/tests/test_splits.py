@@ -261,6 +261,56 @@ def test_the_guard_aborts_a_failing_staged_version_and_tells_the_agent(
     assert delivery == {**delivery, "capability": "alice--ping", "staged_version": 2, "staged_error_rate": 1.0}
 
 
+def test_the_guard_aborts_an_always_failing_staged_version_once_its_breaker_refusals_reach_the_least_calls(
+    runtime, alice, settings
+):
+    settings.SIGIL_BREAKER_THRESHOLD = 3  # the staged version's breaker opens long before the guard's least calls
+    deploy(alice, "ping", "one")
+    alice.deploy(name="ping", code=THROWS, stage=True)
+    assert split(alice, weight=100, guard={"margin": 0.5, "min_calls": 10}).status_code == 200
+
+    answers = []
+
+    def split_ended():
+        answers.append(alice.call("/alice/ping").status_code)
+        return inspect(alice)["split"] is None
+
+    wait_for(split_ended, timeout=30, interval=0.1, message="the guard's abort")
+    staged = answers[: answers.index(200)] if 200 in answers else answers
+    assert set(staged) == {502, 503}  # its errors, then its breaker's refusals
+    assert staged.count(503) >= 10 - 3
+    event = AuditEvent.objects.get(subject="alice--ping", action="capability.split_aborted")
+    assert event.detail == {
+        **event.detail,
+        "reason": "guard",
+        "staged_error_rate": 1.0,
+        "current_error_rate": 0.0,
+        "margin": 0.5,
+    }
+    assert 10 <= event.detail["staged_calls"] <= len(staged) and event.detail["staged_refused"] > 0
+    assert {alice.call("/alice/ping").text for _ in range(5)} == {"one"}
+
+
+@pytest.mark.parametrize(
+    ("staged", "current", "tripped"),
+    [
+        ((9, 9), (100, 0), False),  # below the least answers, however bad
+        ((10, 10), (100, 0), True),  # every answer failed (errors and refusals alike)
+        ((10, 5), (100, 0), False),  # half: within the margin of 0.5
+        ((10, 6), (100, 0), True),
+        ((10, 10), (100, 60), False),  # the current version fails nearly as much
+        ((10, 10), (0, 0), True),  # no calls to the current version: its rate counts as 0
+    ],
+)
+def test_the_guard_rule(staged, current, tripped):
+    from capabilities.services.splits import GuardFigures, guard_trips
+
+    figures = GuardFigures(
+        staged_answers=staged[0], staged_failed=staged[1], current_calls=current[0], current_errors=current[1]
+    )
+    assert guard_trips(figures, margin=0.5, min_calls=10) is tripped
+
+
 def test_the_guard_leaves_a_split_alone_below_its_least_calls(alice, settings):
     settings.SIGIL_BREAKER_THRESHOLD = 100
     deploy(alice, "ping", "one")

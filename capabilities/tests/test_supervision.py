@@ -179,3 +179,42 @@ def test_supervision_gives_up_at_once_when_workerd_is_not_installed(tmp_path):
     group.registry.port_for("someone")
     with pytest.raises(WorkerdMissing, match="npm ci"):
         group.run(threading.Event())
+
+
+def test_an_agent_with_nothing_placed_any_more_has_its_workerd_stopped_until_its_next_placement(tmp_path):
+    from capabilities.runtimes.local import LocalProcesses, LocalRuntime, local_limits
+
+    processes = LocalProcesses(state_dir=tmp_path / "workerd", base_port=free_port_block(), idle_after_seconds=1.0)
+    code_dir = tmp_path / "code"
+    group = processes.group(
+        code_dir=code_dir,
+        binary=settings.SIGIL_WORKERD_BIN,
+        secret=SECRET,
+        limits=local_limits(cpu_ms=1000, memory_mb=500),
+        own_session=False,
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=group.run, args=(stop,), daemon=True)
+    thread.start()
+    runtime = LocalRuntime(code_dir=code_dir, processes=processes, secret=SECRET)
+    try:
+        wait_until(lambda: read_status(processes.status_path), timeout=10, what="the supervisor's status")
+        for slot in ("alice--kept", "bob--gone"):
+            runtime.place(slot=slot, bundle=CodeBundle.from_code(PONG))
+        bob_pid = group.get("bob").host.process.pid
+        alice_pid = group.get("alice").host.process.pid
+
+        runtime.remove(slot="bob--gone")  # bob's last capability: removed (or bob deleted)
+        wait_until(lambda: not is_alive(bob_pid), timeout=10, what="bob's workerd to stop")
+        assert group.get("bob") is None
+        assert "bob" not in read_status(processes.status_path)["processes"]
+        time.sleep(1.5)  # past the idle time and a check: alice's has a placement, it runs on
+        assert is_alive(alice_pid) and group.get("alice").host.process.pid == alice_pid
+
+        runtime.place(slot="bob--back", bundle=CodeBundle.from_code(PONG))  # started again for it
+        assert group.get("bob").serving()
+        assert runtime.list_slots() == ["alice--kept", "bob--back"]
+    finally:
+        stop.set()
+        thread.join(15)
+    assert not thread.is_alive() and not is_alive(alice_pid)

@@ -195,3 +195,30 @@ def test_a_dry_run_lists_what_would_move_and_changes_nothing(on_the_pool, alice,
     call_command("switchbackend", "--dry-run", "--json", "--from", "worker-pool", stdout=output)
     assert json.loads(output.getvalue())["unrecorded"] == 5
     assert set(Capability.objects.values_list("backend", flat=True)) == {""}
+
+
+def test_a_capability_never_placed_is_skipped_and_reported_and_needs_no_from(
+    on_the_pool, alice, sigil, settings, cf_client
+):
+    # Its first deploy refused: recorded (failed), never on any runtime.
+    settings.SIGIL_DEPLOY_WAIT_SECONDS = 0
+    assert alice.deploy(name="broken", code="export default {").status_code == 202
+    wait_for(lambda: Capability.objects.get(full_name="alice--broken").state == "failed", message="the failure")
+    switch_to(settings, sigil, "platform")
+
+    plan = io.StringIO()
+    call_command("switchbackend", "--dry-run", "--json", stdout=plan)
+    plan = json.loads(plan.getvalue())
+    assert (plan["unrecorded"], plan["skipped"]) == (0, ["alice--broken"])
+    assert "alice--broken" not in {item["capability"] for item in plan["moving"]}
+
+    output = io.StringIO()
+    call_command("switchbackend", stdout=output)  # no --from
+    out = output.getvalue()
+    assert "alice--broken: never placed, nothing to move" in out and "1 skipped" in out
+    assert "alice--broken:" not in out.split("never placed")[1]  # not moved as well
+    broken = Capability.objects.get(full_name="alice--broken")
+    assert (broken.backend, broken.slot, broken.state) == ("", "", "failed")
+    assert not AuditEvent.objects.filter(action="capability.switched", subject="alice--broken").exists()
+    assert all(alice.call(f"/alice/{name}").text == name for name in on_the_pool)
+    assert sorted(s.id for s in cf_client.namespace_script_list("sigil")) == [f"alice--{n}" for n in on_the_pool]

@@ -205,6 +205,26 @@ def test_the_owners_own_scripts_are_never_touched(worker_pool, alice, cf_client,
     assert alice.call("/_api/status").json()["used_slots"] == 1
 
 
+def test_reconcile_deletes_only_the_orphans_this_installation_created(
+    worker_pool, alice, cf_client, scripts_on_cloudflare, settings
+):
+    upload = {"main_module": "main.js", "compatibility_date": "2025-01-01"}
+    # The owner's own Worker, named and tagged as Sigil's are: never Sigil's to delete.
+    cf_client.script_upload("s-0ca5e1", modules={"main.js": code("mine")}, tags=["sigil"], **upload)
+    # One this installation left behind (a placement whose worker died before recording it).
+    mine = names.installation_tag(settings.SIGIL_INTERNAL_SECRET)
+    cf_client.script_upload("s-1eft0f", modules={"main.js": code("left")}, tags=["sigil", mine], **upload)
+    deploy(alice, "a", "a")
+
+    assert services.capability_reconcile()["orphans_removed"] == 1
+    assert "s-0ca5e1" in scripts_on_cloudflare() and "s-1eft0f" not in scripts_on_cloudflare()
+    assert AuditEvent.objects.filter(action="runtime.orphan_removed").values_list("subject", flat=True).get() == (
+        "s-1eft0f"
+    )
+    assert services.capability_reconcile()["orphans_removed"] == 0
+    assert alice.call("/alice/a").text == "a"
+
+
 def test_redirect_mode_answers_302_to_the_workers_dev_url(worker_pool, alice, settings):
     settings.SIGIL_POOL_REDIRECT = True
     deploy(alice, "a", "a")
@@ -374,3 +394,38 @@ def test_a_deploy_waits_for_a_celery_worker_and_is_placed_when_one_starts(
     assert AuditEvent.objects.filter(action="capability.created", subject="alice--later").count() == 1
     gone = names.pool_script_name("alice--gone")
     assert gone not in scripts_on_cloudflare() and uploads(worker_pool, gone) == []
+
+
+def test_status_never_reports_more_used_slots_than_there_are_and_shows_what_is_paged_out_apart(
+    worker_pool, alice, celery_worker
+):
+    import dataclasses
+    import threading
+
+    import requests
+
+    for name in ("a", "b", "c", "d", "e", "f"):
+        deploy(alice, name, name, type="normal")
+    wait_for(lambda: not Capability.objects.filter(state="evicting").exists(), timeout=30, message="page-outs")
+    worker_pool.configure(latency=0.3)  # the victims' deletes take a while: they are seen leaving
+    poller = dataclasses.replace(alice, session=requests.Session())
+    seen, stop = [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            seen.append(poller.call("/_api/status").json())
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    try:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            assert list(pool.map(lambda n: alice.call(f"/alice/{n}").text, "abc")) == ["a", "b", "c"]
+        wait_for(lambda: not Capability.objects.filter(state="evicting").exists(), timeout=60, message="page-outs")
+    finally:
+        stop.set()
+        thread.join()
+    worker_pool.configure(latency=0)
+    assert seen and all(s["used_slots"] <= s["total_slots"] == 3 for s in seen), seen
+    assert any(s["paging_out"] > 0 for s in seen)
+    final = alice.call("/_api/status").json()
+    assert (final["used_slots"], final["paging_out"]) == (3, 0)

@@ -47,7 +47,7 @@ class Command(BaseCommand):
             self._show_plan(plan, as_json=as_json)
             return
         target = settings.SIGIL_BACKEND
-        counts = {"moved": 0, "reassigned": 0, "already": 0, "gone": 0, "failed": 0}
+        counts = {"moved": 0, "reassigned": 0, "already": 0, "gone": 0, "skipped": 0, "failed": 0}
         try:
             for event in backend_switch(
                 source=source, actor="owner:cli", grace_seconds=settings.SIGIL_SWITCH_GRACE_SECONDS
@@ -63,10 +63,13 @@ class Command(BaseCommand):
     def _show_plan(self, plan: SwitchPlan, *, as_json: bool) -> None:
         moving = [{"capability": full, "from": backend} for full, backend in plan.moving]
         if as_json:
-            self.stdout.write(json.dumps({"to": plan.target, "unrecorded": plan.unrecorded, "moving": moving}))
+            document = {"to": plan.target, "unrecorded": plan.unrecorded, "moving": moving, "skipped": plan.skipped}
+            self.stdout.write(json.dumps(document))
             return
         for item in moving:
             self.stdout.write(f"{placement_label(item['capability'])}: {item['from']} -> {plan.target}")
+        for full in plan.skipped:
+            self.stdout.write(f"{placement_label(full)}: never placed, stays on no runtime")
         self.stdout.write(f"Would switch {len(moving)} capabilities to {plan.target}; nothing was changed.")
 
     def _show(self, event: SwitchEvent, target: str, counts: dict[str, int]) -> None:
@@ -75,6 +78,9 @@ class Command(BaseCommand):
                 self.stdout.write(line)
         elif event.kind == "adopted":
             self.stdout.write(f"{event.total} capabilities placed before runtimes were recorded are on {event.backend}")
+        elif event.kind == "skipped":
+            counts["skipped"] += 1
+            self.stdout.write(f"{event.full}: never placed, nothing to move (it stays on no runtime)")
         elif event.kind == "moved":
             step = event.step
             counts[step.outcome] += 1

@@ -2,7 +2,8 @@
 // capability's own module. A workers.dev URL is public, so the guard answers only requests
 // that carry Sigil's shared secret, strips Sigil's headers before the capability sees the
 // request, and marks every response it passes on, so the gateway can tell the capability's
-// own 404 from Cloudflare's "no such Worker".
+// own 404 from Cloudflare's "no such Worker", and with the capability version the script is
+// (a redeploy replaces it in place, so only the answering code knows which version it is).
 import * as main from "./main.js";
 
 // Code that is no capability is refused while the script starts (so its upload fails), in
@@ -17,6 +18,7 @@ if (capability === null || typeof capability !== "object" || typeof capability.f
 // Not x-sigil-secret: that one is the loader host's, and a host in front may consume it.
 const SECRET_HEADER = "x-sigil-pool-secret";
 const GUARD_HEADER = "x-sigil-guard";
+const VERSION_HEADER = "x-sigil-served-version";
 
 function sameSecret(given, expected) {
   const encoder = new TextEncoder();
@@ -29,7 +31,8 @@ function sameSecret(given, expected) {
 
 export default {
   async fetch(request, env, ctx) {
-    const { SIGIL_GUARD_SECRET, ...capabilityEnv } = env;
+    const { SIGIL_GUARD_SECRET, SIGIL_SERVED_VERSION, ...capabilityEnv } = env;
+    const version = SIGIL_SERVED_VERSION ? { [VERSION_HEADER]: SIGIL_SERVED_VERSION } : {};
     if (!sameSecret(request.headers.get(SECRET_HEADER), SIGIL_GUARD_SECRET)) {
       return new Response("Forbidden\n", { status: 403, headers: { [GUARD_HEADER]: "refused" } });
     }
@@ -43,11 +46,12 @@ export default {
     } catch (error) {
       return new Response(JSON.stringify({ error: "exception", message: String((error && error.stack) || error) }), {
         status: 500,
-        headers: { "content-type": "application/json", "x-sigil-error": "exception", [GUARD_HEADER]: "ok" },
+        headers: { "content-type": "application/json", "x-sigil-error": "exception", [GUARD_HEADER]: "ok", ...version },
       });
     }
     const marked = new Response(response.body, response);
     marked.headers.set(GUARD_HEADER, "ok");
+    if (SIGIL_SERVED_VERSION) marked.headers.set(VERSION_HEADER, SIGIL_SERVED_VERSION);
     return marked;
   },
 };

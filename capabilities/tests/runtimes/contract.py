@@ -112,6 +112,46 @@ class RuntimeContract:
         assert runtime.list_slots().count(slot) == 1
         assert call(runtime.route(slot=slot, sha=bundle.sha)).status == 200
 
+    def test_every_answer_is_of_the_version_its_route_or_its_header_names_through_a_redeploy(self, runtime):
+        """The gateway takes the version from SERVED_VERSION_HEADER when the answer carries it,
+        else from the route: either way the version whose code answered, while a redeploy
+        replaces the code of one slot under a route that may still be the previous one."""
+        import threading
+
+        from capabilities.runtimes.base import SERVED_VERSION_HEADER
+        from testsupport.capability_code import answering
+
+        slot = runtime.slot_for("alice--redeployed")
+        first = CodeBundle.from_code(answering("one"), version=1)
+        runtime.place(slot=slot, bundle=first)
+        routes = {1: runtime.route(slot=slot, sha=first.sha)}
+        answers, stop = [], threading.Event()
+
+        def poll():
+            while not stop.is_set():
+                route_version = max(routes)  # the route a gateway holds: updated after the placement
+                response = call(routes[route_version])
+                if runtime.is_missing(response):
+                    continue  # not the code's answer: the gateway finds the route again
+                version = response.headers.get(SERVED_VERSION_HEADER) or str(route_version)
+                answers.append((response.data.decode(), version))
+
+        thread = threading.Thread(target=poll)
+        thread.start()
+        try:
+            second = CodeBundle.from_code(answering("two"), version=2)
+            runtime.place(slot=slot, bundle=second)
+            threading.Event().wait(0.2)  # the gateway's route is updated a moment later
+            routes[2] = runtime.route(slot=slot, sha=second.sha)
+            updated = len(answers)
+            while len(answers) < updated + 10:
+                threading.Event().wait(0.01)
+        finally:
+            stop.set()
+            thread.join()
+        assert set(answers) <= {("one", "1"), ("two", "2")}, sorted(set(answers))
+        assert answers[-1] == ("two", "2")
+
     def test_removed_slot_is_not_listed(self, runtime):
         slot = runtime.slot_for("alice--gone")
         runtime.place(slot=slot, bundle=CodeBundle.from_code(HELLO))
