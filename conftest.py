@@ -353,16 +353,16 @@ def browser_thread():
 @pytest.fixture
 def page(browser_thread, request):
     """A fresh browser context and page for one test; a failed test leaves a screenshot in test-artifacts/."""
-    from testsupport.browser import screenshot, watch_console
+    from testsupport.browser import DESKTOP, screenshot, watch_console
 
-    context = browser_thread.browser.new_context(viewport={"width": 1440, "height": 900})
+    context = browser_thread.browser.new_context(viewport=DESKTOP)
     context.set_default_timeout(15_000)
     page = context.new_page()
     console_errors = watch_console(page)
     yield page
     report = getattr(request.node, "report_call", None)
     if report is not None and report.failed:
-        screenshot(page, f"failed-{request.node.name}")
+        screenshot(page, f"failed-{request.node.name}", phone=False)
     context.close()
     # A page that broke its own Content-Security-Policy, or whose script failed, says so here.
     assert not console_errors, f"the browser's console showed errors: {console_errors}"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 from datetime import timedelta
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.core.exceptions import ValidationError
 from django.db.models import Count, Q, Sum
 from django.http import HttpResponseNotAllowed, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
@@ -17,7 +20,9 @@ from django.utils.http import urlencode
 
 from agents import egress, services
 from agents.models import Agent, AuditEvent, Token
+from capabilities.names import validate_agent_name
 from sigil_site.errors import SigilError
+from sigil_site.redis_client import get_redis
 
 # The state of a capability that is gone (capabilities.models.State.REMOVED); named here
 # because agents never imports capabilities.
@@ -26,6 +31,48 @@ REMOVED = "removed"
 
 def owner_actor(request) -> str:
     return f"owner:{request.user.get_username()}"
+
+
+class RefusalsAsMessages:
+    """A service's refusal while an admin form saves (or a delete page deletes) is said as an
+    error message above the form it came from, never a 500: the service call runs after the
+    form validated, inside the admin's transaction, which the refusal rolls back."""
+
+    refusals: tuple[type[Exception], ...] = (SigilError,)
+
+    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
+        try:
+            return super().changeform_view(request, object_id, form_url, extra_context)
+        except self.refusals as exc:
+            return self._refused(request, exc)
+
+    def delete_view(self, request, object_id, extra_context=None):
+        try:
+            return super().delete_view(request, object_id, extra_context)
+        except self.refusals as exc:
+            return self._refused(request, exc)
+
+    def _refused(self, request, exc: Exception) -> HttpResponseRedirect:
+        self.message_user(request, getattr(exc, "message", None) or str(exc), level=messages.ERROR)
+        return HttpResponseRedirect(request.get_full_path())
+
+
+class SelectionChecked:
+    """A list action posted with a selection that names no row (an id that is no number, or
+    past a 64-bit integer) is said as a message instead of a 500: Django filters the list by
+    the posted ids as they come, and the database refuses such values."""
+
+    def response_action(self, request, queryset):
+        pk = self.model._meta.pk
+        for value in request.POST.getlist(helpers.ACTION_CHECKBOX_NAME):
+            try:
+                number = pk.to_python(value)
+            except ValidationError:
+                number = None
+            if number is None or (isinstance(number, int) and not -(2**63) <= number < 2**63):
+                self.message_user(request, f"The selection names no {self.opts.verbose_name}.", level=messages.ERROR)
+                return HttpResponseRedirect(request.get_full_path())
+        return super().response_action(request, queryset)
 
 
 class TokenInline(admin.TabularInline):
@@ -73,9 +120,19 @@ class AgentForm(forms.ModelForm):
             raise forms.ValidationError(refusal.replace("X-Callback-Url", "The A2A Agent Card URL"))
         return url
 
+    def clean_name(self):
+        # The naming rule, said on the field (the service checks it again, with the limit).
+        name = self.cleaned_data.get("name")
+        if self.instance.pk is None:
+            try:
+                validate_agent_name(name)
+            except SigilError as exc:
+                raise forms.ValidationError(exc.message) from exc
+        return name
+
 
 @admin.register(Agent)
-class AgentAdmin(admin.ModelAdmin):
+class AgentAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
     form = AgentForm
     list_display = ["name", "is_active", "capability_count", "calls", "errors", "has_webhook", "created_at"]
     list_filter = ["is_active"]
@@ -84,7 +141,8 @@ class AgentAdmin(admin.ModelAdmin):
     actions = ["disable_agents", "enable_agents"]
 
     def get_queryset(self, request):
-        current = ~Q(capabilities__state=REMOVED)
+        # Not removed, and no split's staged version (a row of its own, shown on its capability's page).
+        current = ~Q(capabilities__state=REMOVED) & Q(capabilities__variant_of__isnull=True)
         return (
             super()
             .get_queryset(request)
@@ -147,7 +205,7 @@ class AgentAdmin(admin.ModelAdmin):
 
     @admin.display(description="capabilities")
     def capabilities_panel(self, agent: Agent) -> str:
-        rows = agent.capabilities.exclude(state=REMOVED).order_by("full_name")
+        rows = agent.capabilities.exclude(state=REMOVED).filter(variant_of__isnull=True).order_by("full_name")
         if not rows:
             return "none"
         body = format_html_join(
@@ -170,9 +228,10 @@ class AgentAdmin(admin.ModelAdmin):
             ),
         )
         return format_html(
-            '<table id="agent-capabilities"><thead><tr><th>capability</th><th>type</th><th>state</th>'
+            '<div class="sigil-wide"><table id="agent-capabilities"><thead><tr><th>capability</th><th>type</th>'
+            "<th>state</th>"
             "<th>visibility</th><th>breaker</th><th>calls</th><th>errors</th><th>last access</th></tr></thead>"
-            "<tbody>{}</tbody></table>",
+            "<tbody>{}</tbody></table></div>",
             body,
         )
 
@@ -203,24 +262,72 @@ class AgentAdmin(admin.ModelAdmin):
     def has_delete_permission(self, request, obj=None) -> bool:
         return False  # capabilities and the audit trail refer to agents; disable instead
 
-    @admin.action(description="Disable selected agents (their tokens stop at once)")
-    def disable_agents(self, request, queryset) -> None:
-        count = self._set_active(request, queryset, is_active=False)
-        self.message_user(request, f"Disabled {count} agent(s).")
+    @admin.action(description="Disable selected agents (their tokens stop at once)…")
+    def disable_agents(self, request, queryset):
+        what = (
+            "Every token of theirs is refused from the next request on: their calls, deploys and MCP "
+            "sessions stop. Their capabilities stay, and enabling them again restores the tokens."
+        )
+        return self._set_active(request, queryset, is_active=False, action="Disable the selected agents", what=what)
 
-    @admin.action(description="Enable selected agents")
-    def enable_agents(self, request, queryset) -> None:
-        count = self._set_active(request, queryset, is_active=True)
-        self.message_user(request, f"Enabled {count} agent(s).")
+    @admin.action(description="Enable selected agents…")
+    def enable_agents(self, request, queryset):
+        what = "Their tokens that are neither revoked nor expired work again from the next request on."
+        return self._set_active(request, queryset, is_active=True, action="Enable the selected agents", what=what)
 
-    def _set_active(self, request, queryset, *, is_active: bool) -> int:
-        """Enable or disable each agent through the service; each change goes to the admin's history too."""
+    def _set_active(self, request, queryset, *, is_active: bool, action: str, what: str):
+        """Enable or disable each agent through the service, once the owner confirmed (the
+        confirmation page posts the selection back); each change goes to the admin's history too."""
+        agents = list(queryset.order_by("name"))
+        if request.POST.get("confirmed") != "yes":
+            changelist_url = reverse("admin:agents_agent_changelist")
+            context = {
+                **self.admin_site.each_context(request),
+                "opts": self.opts,
+                "title": f"{action}: are you sure?",
+                "subject": ", ".join(a.name for a in agents) or "no agent",
+                "subject_url": changelist_url,
+                "changelist_url": changelist_url,
+                "action": action,
+                "what": what,
+                "fields": {"action": request.POST.get("action", ""), "confirmed": "yes"},
+                "selected": [a.pk for a in agents],
+            }
+            return TemplateResponse(request, "admin/sigil/confirm.html", context)
         count = 0
-        for agent in queryset:
+        for agent in agents:
             if services.agent_set_active(agent=agent, is_active=is_active, actor=owner_actor(request)):
                 count += 1
                 self.log_change(request, agent, "Enabled" if is_active else "Disabled")
-        return count
+        self.message_user(request, f"{'Enabled' if is_active else 'Disabled'} {count} agent(s).")
+        return None
+
+
+# How long a token's secret waits for the page that shows it (the redirect after issuing).
+ISSUED_SECRET_SECONDS = 120
+
+
+def _issued_key(request, token: Token) -> str:
+    # Bound to the session that issued it: another owner's session cannot read it.
+    if not request.session.session_key:
+        request.session.save()
+    return f"sigil:token-issued:{token.pk}:{hashlib.sha256(request.session.session_key.encode()).hexdigest()}"
+
+
+def issued_secret_keep(request, token: Token, secret: str) -> None:
+    """Hand a new token's secret to the page the redirect opens: in Redis for a moment, never
+    in the database, the session or a message."""
+    get_redis().set(_issued_key(request, token), secret, ex=ISSUED_SECRET_SECONDS)
+
+
+def issued_secret_take(request, token: Token) -> str | None:
+    """The secret kept for this session's page, gone once read (None when already shown)."""
+    pipe = get_redis().pipeline(transaction=True)
+    key = _issued_key(request, token)
+    pipe.get(key)
+    pipe.delete(key)
+    secret, _ = pipe.execute()
+    return secret.decode() if secret is not None else None
 
 
 class TokenCreationForm(forms.ModelForm):
@@ -261,7 +368,7 @@ class TokenStateFilter(admin.SimpleListFilter):
 
 
 @admin.register(Token)
-class TokenAdmin(admin.ModelAdmin):
+class TokenAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
     list_display = ["prefix", "agent", "scope", "label", "state", "created_at", "expires_at", "last_used_at"]
     list_filter = [TokenStateFilter, "scope", "agent"]
     list_select_related = ["agent"]
@@ -302,17 +409,24 @@ class TokenAdmin(admin.ModelAdmin):
         obj.pk = token.pk
         obj.prefix = token.prefix
         obj.created_at = token.created_at
-        # Kept on this request's object only, for response_add: never saved, never in a
-        # message or the session, so it cannot be shown again.
-        obj.issued_secret = secret
+        issued_secret_keep(request, token, secret)
 
     def response_add(self, request, obj, post_url_continue=None):
+        # POST, redirect, GET: reloading the page that shows the secret issues nothing.
+        return HttpResponseRedirect(reverse("admin:agents_token_issued", args=[obj.pk]))
+
+    def issued_view(self, request, object_id):
+        """The page that shows a token's secret, once: to the session that issued it, within
+        ISSUED_SECRET_SECONDS; reloaded, it says the secret is gone."""
+        token = get_object_or_404(Token.objects.select_related("agent"), pk=object_id)
+        if not self.has_view_permission(request, token):
+            return HttpResponseRedirect(reverse("admin:index"))
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts,
             "title": "Token issued",
-            "token": obj,
-            "secret": obj.issued_secret,
+            "token": token,
+            "secret": issued_secret_take(request, token),
         }
         response = TemplateResponse(request, "admin/agents/token/issued.html", context)
         response["Cache-Control"] = "no-store"
@@ -330,7 +444,12 @@ class TokenAdmin(admin.ModelAdmin):
 
     def get_urls(self):
         revoke = self.admin_site.admin_view(self.revoke_view)
-        return [path("<path:object_id>/revoke/", revoke, name="agents_token_revoke"), *super().get_urls()]
+        issued = self.admin_site.admin_view(self.issued_view)
+        return [
+            path("<path:object_id>/revoke/", revoke, name="agents_token_revoke"),
+            path("<path:object_id>/issued/", issued, name="agents_token_issued"),
+            *super().get_urls(),
+        ]
 
     def revoke_view(self, request, object_id):
         """Revoke one token: GET asks (the confirmation page), POST revokes."""
@@ -430,7 +549,7 @@ class AuditTimeFilter(admin.SimpleListFilter):
 
 
 @admin.register(AuditEvent)
-class AuditEventAdmin(admin.ModelAdmin):
+class AuditEventAdmin(SelectionChecked, admin.ModelAdmin):
     list_display = ["created_at", "actor", "action", "agent_name", "subject_link", "detail_summary"]
     list_filter = [AuditTimeFilter, "action", "agent_name", AuditSubjectFilter]
     search_fields = ["subject", "actor", "agent_name", "action"]

@@ -21,11 +21,10 @@ from collections.abc import Mapping
 
 import redis
 from django.conf import settings
-from django.http import HttpResponse
 
 from agents.selectors import token_authenticate
-from agents.tokens import Principal
-from sigil_site.errors import RateLimited, Unauthenticated, retry_after_header
+from agents.tokens import Principal, stamp_used
+from sigil_site.errors import RateLimited, Unauthenticated
 
 
 def client_address(meta: Mapping[str, str], *, proxies: int) -> str:
@@ -102,25 +101,27 @@ class FailedAuthThrottle:
         raise Unauthenticated(refusal)
 
     def authenticate(
-        self, client: redis.Redis, address: str, secret: str, *, cached: bytes | None, failures: bytes | None
+        self,
+        client: redis.Redis,
+        address: str,
+        secret: str,
+        *,
+        cached: bytes | None,
+        failures: bytes | None,
+        stamp: bool = True,
     ) -> Principal:
         """The principal of `secret`. A token that fails counts against `address`, and once
         `address` is over the limit it is answered RateLimited instead of Unauthenticated.
         `cached` and `failures` are the token's cache entry and key(address), read by the
-        caller in its own round trip. Raises Unauthenticated or RateLimited."""
+        caller in its own round trip. A token that stands is stamped as used
+        (agents.tokens.stamp_used: at most once a minute per process) unless `stamp` is False,
+        for a caller that stamps on its own. Raises Unauthenticated or RateLimited."""
         try:
-            return token_authenticate(secret, cached=cached)
+            principal = token_authenticate(secret, cached=cached)
         except Unauthenticated:
             self.check(client, address, failures)
             self.failed(client, address)
             raise
-
-
-def admin_lockout_response(request, original_response=None, credentials=None) -> HttpResponse:
-    """django-axes' lock-out answer (AXES_LOCKOUT_CALLABLE), as its own but saying when to try
-    again: `429` with Retry-After, the lock-out time (each attempt meanwhile starts it again)."""
-    from axes.helpers import get_lockout_message
-
-    response = HttpResponse(get_lockout_message(), status=429, content_type="text/plain; charset=utf-8")
-    response["Retry-After"] = retry_after_header(settings.SIGIL_ADMIN_LOCKOUT_SECONDS)
-    return response
+        if stamp:
+            stamp_used(client, principal.token_hash)
+        return principal

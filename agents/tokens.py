@@ -12,7 +12,10 @@ SET NX, so a late fill can never resurrect a revoked token.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
+
+import redis
 
 TOKEN_PREFIX = "sgl_"
 TOMBSTONE = b"-"
@@ -22,6 +25,14 @@ REFUSALS = (TOMBSTONE, DISABLED)
 # wait for it (they overwrite the entry), it only bounds drift after manual SQL edits.
 POSITIVE_TTL_SECONDS = 300
 NEGATIVE_TTL_SECONDS = 30
+
+# Last-use stamps: token hash → epoch seconds (as text) of its latest use, moved into
+# Token.last_used_at by the stats flush. The gateway's record script stamps every call it
+# records; the API and MCP stamp through stamp_used().
+USED_KEY = "sigil:tokens:used"
+# A process stamps a token at most this often: "last used" is for an owner pruning unused
+# tokens, to the minute; a stamp per request would cost the API one more Redis round trip.
+STAMP_INTERVAL_SECONDS = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,3 +83,34 @@ def decode(token_hash: str, raw: bytes, now_epoch: float) -> Principal | None:
         return None
     calls, placements = (int(share or 0) for share in shares) if len(shares) == 2 else (0, 0)
     return Principal(int(agent_id), agent_name, scope, token_hash, calls, placements)
+
+
+# token hash → when this process last stamped it (time.monotonic()). Bounded by the number
+# of usable tokens, which only the owner creates. Threads may race to stamp twice: harmless.
+_stamped_at: dict[str, float] = {}
+
+
+def stamp_due(token_hash: str) -> bool:
+    """Whether this process should stamp the token now (and, if so, counts it as stamped):
+    false within STAMP_INTERVAL_SECONDS of its last stamp here. No I/O, so an async caller
+    can decide before it writes `USED_KEY` with its own client."""
+    now = time.monotonic()
+    last = _stamped_at.get(token_hash)
+    if last is not None and now - last < STAMP_INTERVAL_SECONDS:
+        return False
+    _stamped_at[token_hash] = now
+    return True
+
+
+def stamp_now() -> str:
+    """The value of a stamp in USED_KEY: epoch seconds, as the gateway's record script writes."""
+    return f"{time.time():.6f}"
+
+
+def stamp_used(client: redis.Redis, token_hash: str) -> bool:
+    """Record that the token was used now, unless this process did within
+    STAMP_INTERVAL_SECONDS (then no Redis round trip at all). Returns whether it wrote."""
+    if not stamp_due(token_hash):
+        return False
+    client.hset(USED_KEY, token_hash, stamp_now())
+    return True

@@ -21,6 +21,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
 from agents.admin import AgentAdmin as BaseAgentAdmin
+from agents.admin import RefusalsAsMessages, SelectionChecked
 from agents.models import Agent
 from capabilities import bindings as binding_rules
 from capabilities import breaker, call_logs, failures, selectors, services
@@ -199,6 +200,8 @@ PAGE_ACTIONS = [
         lambda c, actor: services.capability_set_public(capability=c, is_public=True, actor=actor),
         "Made {} public.",
         lambda c, b: not c.is_public,
+        confirm="Every agent may find and call it from the next request on, with its own invoke token; "
+        "calls by other agents count in its traffic.",
     ),
     PageAction(
         "make-private",
@@ -206,6 +209,7 @@ PAGE_ACTIONS = [
         lambda c, actor: services.capability_set_public(capability=c, is_public=False, actor=actor),
         "Made {} private.",
         lambda c, b: c.is_public,
+        confirm="Other agents' calls to it are answered 404 from the next request on; only its own agent may call it.",
     ),
     PageAction(
         "remove",
@@ -224,7 +228,7 @@ def epoch_time(epoch: float | None) -> datetime | None:
 
 
 @admin.register(Capability)
-class CapabilityAdmin(admin.ModelAdmin):
+class CapabilityAdmin(SelectionChecked, admin.ModelAdmin):
     list_display = [
         "full_name",
         "agent",
@@ -262,7 +266,7 @@ class CapabilityAdmin(admin.ModelAdmin):
     change_form_template = "admin/capabilities/capability/change_form.html"
     fieldsets = [
         (None, {"fields": ["agent", "full_name", "type", "visibility", "declared_bindings", "current_version"]}),
-        ("Runtime", {"fields": ["state", "slot", "placed_sha", "health", "breaker_opened_at"]}),
+        ("Runtime", {"fields": ["runtime", "state", "slot", "placed_bundle", "health", "breaker_opened_at"]}),
         (
             "Since it was created",
             {"fields": ["calls_total", "errors_total", "cold_calls_total", "last_access_at", "inactive_at"]},
@@ -278,9 +282,10 @@ class CapabilityAdmin(admin.ModelAdmin):
         "visibility",
         "declared_bindings",
         "current_version",
+        "runtime",
         "state",
         "slot",
-        "placed_sha",
+        "placed_bundle",
         "health",
         "breaker_opened_at",
         "calls_total",
@@ -301,6 +306,41 @@ class CapabilityAdmin(admin.ModelAdmin):
         if capability.breaker_state == BreakerState.OPEN:
             return mark_safe('<strong class="degraded-state" style="color: var(--error-fg)">degraded</strong>')
         return "ok"
+
+    @admin.display(description="runtime")
+    def runtime(self, capability: Capability) -> str:
+        """Which runtime holds it, and a warning when that is not SIGIL_BACKEND's: the
+        gateway serves it there until a switch moves it, if that runtime still answers."""
+        configured = settings.SIGIL_BACKEND
+        if capability.state not in (State.LIVE, State.EVICTING):
+            return format_html('<span id="runtime">none</span> (not placed; its next placement is on {})', configured)
+        backend = capability.backend or configured
+        if backend == configured:
+            return format_html('<span id="runtime">{}</span>', backend)
+        failure = services.runtime_failure(backend)
+        served = (
+            format_html("{} does not answer ({}): its calls fail", backend, failure)
+            if failure
+            else format_html("it is served from {}", backend)
+        )
+        return format_html(
+            '<span id="runtime">{}</span> <strong id="runtime-warning" style="color: var(--error-fg)">not '
+            "SIGIL_BACKEND ({}): {} until <code>python manage.py switchbackend</code> moves it</strong>",
+            backend,
+            configured,
+            served,
+        )
+
+    @admin.display(description="placed bundle sha256")
+    def placed_bundle(self, capability: Capability) -> str:
+        # Not the version's code sha: the bundle also covers the bindings' values.
+        if not capability.placed_sha:
+            return "– (nothing placed)"
+        return format_html(
+            '<code>{}</code><div class="help">The sha256 of what the runtime holds: the code with the values of its '
+            "bindings, so it differs from the version's code sha, and changes when a binding's value does.</div>",
+            capability.placed_sha,
+        )
 
     @admin.display(description="visibility", ordering="is_public")
     def visibility(self, capability: Capability) -> str:
@@ -368,11 +408,17 @@ class CapabilityAdmin(admin.ModelAdmin):
     def versions_panel(self, capability: Capability) -> str:
         rows = []
         can_roll_back = capability.state != State.REMOVED
+        never_served = selectors.capability_versions_never_served(capability=capability)
         for version in capability.versions.order_by("-number"):
             current = version.pk == capability.current_version_id
             view = reverse("admin:capabilities_capability_version", args=[capability.pk, version.number])
             if current:
                 action = mark_safe("<strong>current</strong>")
+            elif version.pk == capability.staged_version_id:
+                action = mark_safe('<em class="staged">staged: promote or abort it below</em>')
+            elif version.number in never_served:
+                # Rolling back to it would serve code that never passed a split's guard.
+                action = mark_safe('<em class="never-served">staged once, never served</em>')
             elif version.placement == VersionPlacement.PLACING:
                 action = mark_safe('<em class="placing">being placed…</em>')
             elif version.placement == VersionPlacement.FAILED:
@@ -404,8 +450,9 @@ class CapabilityAdmin(admin.ModelAdmin):
                 )
             )
         return format_html(
-            '<table id="versions"><thead><tr><th>version</th><th>sha256</th><th>bytes</th><th>deployed</th>'
-            "<th></th><th></th></tr></thead><tbody>{}</tbody></table>",
+            '<div class="sigil-wide"><table id="versions"><thead><tr><th>version</th><th>sha256</th><th>bytes</th>'
+            "<th>deployed</th>"
+            "<th></th><th></th></tr></thead><tbody>{}</tbody></table></div>",
             format_html_join("", "{}", ((row,) for row in rows)),
         )
 
@@ -541,7 +588,10 @@ class CapabilityAdmin(admin.ModelAdmin):
             "contract": contract_text(version),
             "contract_diff": version_diff(against, version, contract_text) if against else [],
             "is_current": version.pk == capability.current_version_id,
-            "can_roll_back": capability.state != State.REMOVED and self.has_change_permission(request, capability),
+            "can_roll_back": capability.state != State.REMOVED
+            and self.has_change_permission(request, capability)
+            and version.pk != capability.staged_version_id
+            and number not in selectors.capability_versions_never_served(capability=capability),
         }
         return TemplateResponse(request, "admin/capabilities/capability/version.html", context)
 
@@ -714,11 +764,11 @@ class CapabilityAdmin(admin.ModelAdmin):
         self.message_user(request, done.format(plural(changed)))
         return None
 
-    @admin.action(description="Make selected capabilities public")
+    @admin.action(description="Make selected capabilities public…")
     def make_public(self, request, queryset):
         return self._each(request, queryset, "make-public", "Made {} public.")
 
-    @admin.action(description="Make selected capabilities private")
+    @admin.action(description="Make selected capabilities private…")
     def make_private(self, request, queryset):
         return self._each(request, queryset, "make-private", "Made {} private.")
 
@@ -934,11 +984,14 @@ class AgentAdmin(GrantsSavedByServices, BaseAgentAdmin):
     """The agents' admin, with the bindings granted to each (kept here: agents never imports
     capabilities)."""
 
+    refusals = ACTION_ERRORS
+
     inlines = [*BaseAgentAdmin.inlines, AgentGrantInline]
 
 
 @admin.register(Binding)
-class BindingAdmin(GrantsSavedByServices, admin.ModelAdmin):
+class BindingAdmin(GrantsSavedByServices, SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
+    refusals = ACTION_ERRORS
     form = BindingForm
     list_display = ["__str__", "kind", "granted_to", "description", "updated_at"]
     list_filter = ["kind"]

@@ -9,7 +9,7 @@ from datetime import timedelta
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connection
-from django.http import HttpResponse, StreamingHttpResponse
+from django.http import HttpResponse, HttpResponseRedirect, JsonResponse, StreamingHttpResponse
 from django.template.loader import render_to_string
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
@@ -1241,6 +1241,7 @@ HEALTH = inline_serializer(
         "capabilities": serializers.IntegerField(allow_null=True),
         "agents": serializers.IntegerField(allow_null=True),
         "checks": serializers.DictField(child=serializers.CharField()),
+        "left_on_previous_runtimes": serializers.DictField(child=serializers.IntegerField(), required=False),
         "warnings": serializers.ListField(child=serializers.CharField(), required=False),
     },
 )
@@ -1254,7 +1255,9 @@ class HealthApi(APIView):
         operation_id="health",
         tags=["Operate"],
         summary="Health check",
-        description="No token. 200 when the database, Redis and the runtime answer; 503 naming what fails.",
+        description="No token. 200 when the database, Redis and the runtime answer; 503 naming what fails, "
+        "also when capabilities are still placed on a runtime used before SIGIL_BACKEND changed that no longer "
+        "answers (`left_on_previous_runtimes` counts them per runtime while any are left).",
         responses={200: HEALTH, 503: HEALTH, **error_responses(405, 406)},
     )
     def get(self, request):
@@ -1277,6 +1280,11 @@ class HealthApi(APIView):
             get_runtime().check()
         except RuntimeUnavailable as exc:
             checks["runtime"] = f"failing: {exc}"
+        left_behind = []
+        if checks["database"] == "ok":
+            left_behind = services.runtimes_left_behind()
+            gone = [left.describe() for left in left_behind if left.failure]
+            checks["previous_runtimes"] = "failing: " + "; ".join(gone) if gone else "ok"
         healthy = all(value == "ok" for value in checks.values())
         body = {"status": "ok" if healthy else "failing", "backend": settings.SIGIL_BACKEND, **counts, "checks": checks}
         try:
@@ -1284,9 +1292,35 @@ class HealthApi(APIView):
             warning = services.runtime_account_warning()
         except RedisError:  # reported above, as the redis check
             warning = None
-        if warning:
-            body["warnings"] = [warning]
+        warnings = [warning] if warning else []
+        # Still served where they are: the owner has a switch to finish, not an outage.
+        warnings += [left.describe() for left in left_behind if not left.failure]
+        if warnings:
+            body["warnings"] = warnings
+        if left_behind:
+            body["left_on_previous_runtimes"] = {left.backend: left.capabilities for left in left_behind}
         return Response(body, status=200 if healthy else 503)
+
+
+def index_view(request):
+    """GET /: a browser goes to the owner's console; any other client gets a small JSON index
+    of where things are (the banner's first URL, so it must answer something useful)."""
+    if request.method not in ("GET", "HEAD"):
+        return method_not_allowed("/")
+    if "text/html" in request.headers.get("Accept", ""):
+        return HttpResponseRedirect("/admin/")
+    base = settings.SIGIL_PUBLIC_URL.rstrip("/") or request.build_absolute_uri("/").rstrip("/")
+    index = {
+        "service": "sigil",
+        "calls": f"{base}/{{agent}}/{{capability}}",
+        "schema": f"{base}/_api/schema",
+        "docs": f"{base}/_api/schema/docs",
+        "mcp": f"{base}/_mcp",
+        "llms_txt": f"{base}/llms.txt",
+        "health": f"{base}/_health",
+        "admin": f"{base}/admin/",
+    }
+    return JsonResponse(index, json_dumps_params={"indent": 2})
 
 
 # Exempt from Django's CSRF check, whose refusal is an HTML page outside the envelope: neither

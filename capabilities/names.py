@@ -46,6 +46,15 @@ def full_name(agent: str, name: str) -> str:
     return f"{agent}{SEPARATOR}{name}"
 
 
+def placement_label(full: str) -> str:
+    """How the owner reads a placement's name: a split's staged version, placed as
+    `{full}--v{n}` (routes.variant_name), is `{full} (staged v{n})`; any other is itself."""
+    parent, sep, version = full.rpartition(SEPARATOR)
+    if sep and SEPARATOR in parent and version.startswith("v") and version[1:].isdigit():
+        return f"{parent} (staged {version})"
+    return full
+
+
 def split_full_name(full: str) -> tuple[str, str]:
     """`xiaoju--ping` → ("xiaoju", "ping"). Raises InvalidRequest for anything else."""
     agent, sep, name = full.partition(SEPARATOR)

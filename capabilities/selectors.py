@@ -372,3 +372,17 @@ def capability_split_report(*, capability: Capability) -> dict | None:
             "stats": capability_stats(capability=variant, since=since) if variant else None,
         },
     }
+
+
+def capability_versions_never_served(*, capability: Capability) -> set[int]:
+    """The numbers of `capability`'s versions that were staged (deployed with `stage`) and
+    never promoted: the code never answered as the current version, only, at most, to a
+    split's share of the callers. Read from the audit trail, which records both."""
+    events = AuditEvent.objects.filter(
+        subject=capability.full_name,
+        action__in=["capability.staged", "capability.promoted"],
+        created_at__gte=capability.created_at,  # not a removed namesake's
+    ).values_list("action", "detail")
+    staged = {detail.get("version") for action, detail in events if action == "capability.staged"}
+    promoted = {detail.get("version") for action, detail in events if action == "capability.promoted"}
+    return {number for number in staged - promoted if isinstance(number, int)}

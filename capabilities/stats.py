@@ -9,6 +9,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from agents import tokens
 from capabilities import breaker, failures, pager
 from sigil_site.redis_client import get_redis
 
@@ -16,7 +17,7 @@ from sigil_site.redis_client import get_redis
 LATENCY_BUCKETS_MS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 
 DIRTY_KEY = "sigil:stats:dirty"
-TOKENS_USED_KEY = "sigil:tokens:used"
+TOKENS_USED_KEY = tokens.USED_KEY  # "last used", stamped by every authenticated request
 # Answers that named no registered capability (a path that is no capability, one that does
 # not exist, a 401 before the route was known) are counted under this name: no agent or
 # capability can have it, and the totals still add up to every answer.

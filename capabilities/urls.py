@@ -3,6 +3,7 @@ from django.urls import path
 from capabilities import api
 
 urlpatterns = [
+    path("", api.index_view, name="index"),
     path("_api/deploy", api.CapabilityDeployApi.as_view(), name="capability-deploy"),
     path("_api/capabilities", api.CapabilityListApi.as_view(), name="capability-list"),
     path("_api/capabilities/<str:full>", api.CapabilityDetailApi.as_view(), name="capability-detail"),

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django import forms
 from django.conf import settings
 from django.contrib import admin
+from django.contrib.auth.admin import GroupAdmin, UserAdmin
+from django.contrib.auth.models import Group, User
+from django.core.exceptions import ValidationError
 from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.http import urlencode
 
+from agents.admin import SelectionChecked
 from agents.models import Agent
 from capabilities.dashboard import dashboard_get
 from sigil_site import charts
@@ -140,3 +145,39 @@ def beat_schedule_view(request):
         "now": timezone.now(),
     }
     return TemplateResponse(request, "admin/sigil/beat_schedule.html", context)
+
+
+class BoundedModelMultipleChoiceField(forms.ModelMultipleChoiceField):
+    """A choice of rows by id where an id beyond a 64-bit integer is refused as an unknown
+    choice: SQLite raises OverflowError for it in the `__in` query Django builds, a 500."""
+
+    def _check_values(self, value):
+        for pk in value or ():
+            try:
+                number = int(pk)
+            except (TypeError, ValueError):
+                continue  # Django's own check names it
+            if not -(2**63) <= number < 2**63:
+                raise ValidationError(
+                    self.error_messages["invalid_choice"], code="invalid_choice", params={"value": pk}
+                )
+        return super()._check_values(value)
+
+
+class BoundedChoices:
+    def formfield_for_manytomany(self, db_field, request, **kwargs):
+        kwargs.setdefault("form_class", BoundedModelMultipleChoiceField)
+        return super().formfield_for_manytomany(db_field, request, **kwargs)
+
+
+class OwnerGroupAdmin(SelectionChecked, BoundedChoices, GroupAdmin):
+    pass
+
+
+class OwnerUserAdmin(SelectionChecked, BoundedChoices, UserAdmin):
+    pass
+
+
+for _model, _model_admin in ((Group, OwnerGroupAdmin), (User, OwnerUserAdmin)):
+    admin.site.unregister(_model)
+    admin.site.register(_model, _model_admin)

@@ -14,7 +14,12 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 
 WIDTH, HEIGHT = 640, 180
-LEFT, RIGHT, TOP, BOTTOM = 52, 12, 10, 26
+RIGHT, TOP, BOTTOM = 12, 14, 26  # TOP: room for the top value label, centred on its line
+# The axis labels' largest font size (charts_style.html: 11 units, 15 on a phone, where the
+# chart is drawn at about 0.55 of its size) and a generous width of one of their characters,
+# in em: the left margin is made wide enough for the widest value label at that size.
+AXIS_FONT_MAX = 15
+AXIS_CHAR_EM = 0.62
 
 
 @dataclass(frozen=True)
@@ -58,34 +63,47 @@ def time_chart(
     ceiling = nice_ceiling(peak)
     if unit == "%":
         ceiling = min(ceiling, 1.0)  # a share never goes past 100 %
-    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+    y_labels = [(fraction, _number(ceiling * fraction, unit)) for fraction in (0, 0.5, 1)]
+    # Wide enough for the widest value label: "1,000 ms" was cut at the chart's left edge.
+    left = math.ceil(8 + AXIS_CHAR_EM * AXIS_FONT_MAX * max(len(text) for _, text in y_labels))
+    plot_w, plot_h = WIDTH - left - RIGHT, HEIGHT - TOP - BOTTOM
     slot = plot_w / count
 
     def y(value: float) -> float:
         return TOP + plot_h - plot_h * value / ceiling
 
     parts: list[str] = []
-    for fraction in (0, 0.5, 1):
+    for fraction, text in y_labels:
         value = ceiling * fraction
         parts.append(
             format_html(
                 '<line class="grid" x1="{}" x2="{}" y1="{}" y2="{}"/>'
-                '<text class="axis" x="{}" y="{}" text-anchor="end">{}</text>',
-                LEFT,
+                '<text class="axis" x="{}" y="{}" text-anchor="end" dominant-baseline="middle">{}</text>',
+                left,
                 WIDTH - RIGHT,
                 _f(y(value)),
                 _f(y(value)),
-                LEFT - 6,
-                _f(y(value) + 4),
-                _number(value, unit),
+                left - 6,
+                _f(max(y(value), TOP)),
+                text,
             )
         )
-    for i in sorted({0, count // 4, count // 2, 3 * count // 4, count - 1}):
+    ticks = sorted({0, count // 4, count // 2, 3 * count // 4, count - 1})
+    for i in ticks:
+        # The first and last labels end at the plot's edges rather than centred on their
+        # step, which would put half of each outside the chart.
+        if i == ticks[0] and len(ticks) > 1:
+            x, anchor = left, "start"
+        elif i == ticks[-1] and len(ticks) > 1:
+            x, anchor = WIDTH - RIGHT, "end"
+        else:
+            x, anchor = left + slot * (i + 0.5), "middle"
         parts.append(
             format_html(
-                '<text class="axis" x="{}" y="{}" text-anchor="middle">{}</text>',
-                _f(LEFT + slot * (i + 0.5)),
-                HEIGHT - 8,
+                '<text class="axis" x="{}" y="{}" text-anchor="{}">{}</text>',
+                _f(x),
+                HEIGHT - 6,
+                anchor,
                 x_labels[i] if i < len(x_labels) else "",
             )
         )
@@ -97,7 +115,7 @@ def time_chart(
                 if value is None:
                     runs.append([])
                 else:
-                    runs[-1].append((LEFT + slot * (i + 0.5), y(value)))
+                    runs[-1].append((left + slot * (i + 0.5), y(value)))
             for run in runs:
                 if len(run) > 1:
                     path = " ".join(f"{x:.1f},{py:.1f}" for x, py in run)
@@ -115,7 +133,7 @@ def time_chart(
                     format_html(
                         '<rect class="bar {}" x="{}" y="{}" width="{}" height="{}"><title>{} {}: {}</title></rect>',
                         line.css,
-                        _f(LEFT + slot * i + offset),
+                        _f(left + slot * i + offset),
                         _f(y(value)),
                         _f(width),
                         _f(TOP + plot_h - y(value)),

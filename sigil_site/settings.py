@@ -9,6 +9,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 from kombu import Queue
 
+from sigil_site import ports as sigil_ports
 from sigil_site import var_dir
 from sigil_site.logs import logging_config, process_name
 from sigil_site.schema import TAGS as SCHEMA_TAGS
@@ -482,10 +483,11 @@ AXES_COOLOFF_TIME = timedelta(seconds=SIGIL_ADMIN_LOCKOUT_SECONDS)
 AXES_LOCKOUT_PARAMETERS = ["ip_address"]
 AXES_RESET_ON_SUCCESS = True
 # Failures are counted in Redis (the cache above), not in database rows per attempt.
-AXES_HANDLER = "axes.handlers.cache.AxesCacheHandler"
+# axes' cache handler, which `manage.py axes_reset` can also clear whole (sigil_site/lockout.py).
+AXES_HANDLER = "sigil_site.lockout.LockoutCacheHandler"
+# The lock-out answer: the admin's page, with how long it lasts, a 429 with Retry-After.
+AXES_LOCKOUT_CALLABLE = "sigil_site.lockout.lockout_response"
 AXES_CLIENT_IP_CALLABLE = "agents.throttle.request_client_address"
-# Its 429, with Retry-After.
-AXES_LOCKOUT_CALLABLE = "agents.throttle.admin_lockout_response"
 AXES_VERBOSE = False
 # Its admin pages list database records, which the cache handler never writes.
 AXES_ENABLE_ADMIN = False
@@ -503,7 +505,8 @@ SIGIL_OWNER_PASSWORD = env_secret("SIGIL_OWNER_PASSWORD")
 
 SIGIL_WORKERD_BIN = env_str("SIGIL_WORKERD_BIN", str(BASE_DIR / "node_modules" / ".bin" / "workerd"))
 # Each agent's capabilities run in a workerd of their own, on this port plus the agent's index.
-SIGIL_WORKERD_PORT = env_int("SIGIL_WORKERD_PORT", 8788)
+# Unset: what runsigil chose from PORT and recorded under VAR_DIR (sigil_site/ports.py).
+SIGIL_WORKERD_PORT = env_int("SIGIL_WORKERD_PORT", sigil_ports.recorded(VAR_DIR).get("workerd", 8788))
 # Resident memory (MB) past which an agent's workerd is stopped and started afresh.
 SIGIL_WORKERD_MEMORY_MB = env_int("SIGIL_WORKERD_MEMORY_MB", 512)
 SIGIL_CODE_DIR = Path(env_str("SIGIL_CODE_DIR", str(VAR_DIR / "code")))
@@ -547,8 +550,8 @@ SIGIL_CF_MAX_RATE_WAIT_SECONDS = env_float("SIGIL_CF_MAX_RATE_WAIT_SECONDS", 30.
 # Retries of one call on 429, 5xx and connection errors, with exponential backoff.
 SIGIL_CF_MAX_RETRIES = env_int("SIGIL_CF_MAX_RETRIES", 4)
 SIGIL_CF_TIMEOUT_SECONDS = env_float("SIGIL_CF_TIMEOUT_SECONDS", 60.0)
-# Where `manage.py cfemulator` listens (always on 127.0.0.1).
-CF_EMULATOR_PORT = env_int("CF_EMULATOR_PORT", 8787)
+# Where `manage.py cfemulator` listens (always on 127.0.0.1). Unset: as SIGIL_WORKERD_PORT.
+CF_EMULATOR_PORT = env_int("CF_EMULATOR_PORT", sigil_ports.recorded(VAR_DIR).get("cfemulator", 8787))
 
 # A Cloudflare runtime without CF_API_TOKEN runs against the local emulator (started by
 # `manage.py runsigil`), never against Cloudflare.

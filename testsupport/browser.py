@@ -112,11 +112,53 @@ def _wrap(owner: BrowserThread, value):
     return value
 
 
-def screenshot(page: Remote, name: str) -> Path:
-    """Save the whole page under test-artifacts/ (kept for a person to look at) and return the path."""
+# The widths the owner's pages are checked at: a desktop, and a phone (an iPhone 12 to 15).
+DESKTOP = {"width": 1440, "height": 900}
+PHONE = {"width": 390, "height": 844}
+# What sticks out past the right edge of the viewport, widest first: the page's own width,
+# and a few elements that make it (tag, id or class, and their width) for the message.
+OVERFLOW = """() => {
+  const width = document.documentElement.clientWidth;
+  const culprits = [];
+  for (const element of document.body.querySelectorAll("*")) {
+    const box = element.getBoundingClientRect();
+    if (box.right > width + 1 && box.width > 0 && getComputedStyle(element).position !== "fixed") {
+      let scrolled = false;
+      for (let up = element.parentElement; up && up !== document.body; up = up.parentElement) {
+        const overflow = getComputedStyle(up).overflowX;
+        if (overflow === "auto" || overflow === "scroll" || overflow === "hidden") { scrolled = true; break; }
+      }
+      if (!scrolled) {
+        const classes = typeof element.className === "string" ? element.className.trim() : "";
+        const name = element.tagName.toLowerCase() + (element.id ? "#" + element.id : "")
+          + (classes ? "." + classes.split(/\\s+/).join(".") : "");
+        culprits.push([Math.round(box.right), name]);
+      }
+    }
+  }
+  culprits.sort((a, b) => b[0] - a[0]);
+  return { page: document.documentElement.scrollWidth, viewport: width, culprits: culprits.slice(0, 6) };
+}"""
+
+
+def screenshot(page: Remote, name: str, *, phone: bool = True) -> Path:
+    """Save the whole page under test-artifacts/ (kept for a person to look at) and return the
+    path; with `phone`, also at 390 px (`<name>-phone.png`), where the page body must not be
+    wider than the screen (AssertionError naming what sticks out)."""
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)}.png"
     page.screenshot(path=str(path), full_page=True)
+    if phone:
+        page.set_viewport_size(PHONE)
+        try:
+            measured = page.evaluate(OVERFLOW)
+            page.screenshot(path=str(path.with_name(f"{path.stem}-phone.png")), full_page=True)
+        finally:
+            page.set_viewport_size(DESKTOP)
+        assert measured["page"] <= measured["viewport"], (
+            f"{name}: at {PHONE['width']} px the page is {measured['page']} px wide; "
+            f"what sticks out (right edge, element): {measured['culprits']}"
+        )
     return path
 
 

@@ -3,6 +3,7 @@
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth import get_user_model
+from django.test import Client
 
 from agents.models import Agent, AuditEvent, Token
 
@@ -19,11 +20,18 @@ def test_disabling_an_agent_stops_all_its_tokens_at_once_and_enabling_restores_t
     assert alice.call("/_api/capabilities").status_code == 200
     assert alice.call("/_api/capabilities", token="deploy").status_code == 200
 
-    owner_client.post("/admin/agents/agent/", {"action": "disable_agents", "_selected_action": [agent.pk]})
+    chosen = {"action": "disable_agents", "_selected_action": [agent.pk]}
+    asked = owner_client.post("/admin/agents/agent/", chosen)
+    assert asked.status_code == 200 and 'id="confirm"' in asked.content.decode()
+    assert alice.call("/_api/capabilities").status_code == 200  # asked first: nothing changed yet
+
+    owner_client.post("/admin/agents/agent/", {**chosen, "confirmed": "yes"})
     assert alice.call("/_api/capabilities").status_code == 401
     assert alice.call("/_api/capabilities", token="deploy").status_code == 401
 
-    owner_client.post("/admin/agents/agent/", {"action": "enable_agents", "_selected_action": [agent.pk]})
+    chosen = {"action": "enable_agents", "_selected_action": [agent.pk]}
+    assert 'id="confirm"' in owner_client.post("/admin/agents/agent/", chosen).content.decode()
+    owner_client.post("/admin/agents/agent/", {**chosen, "confirmed": "yes"})
     assert alice.call("/_api/capabilities").status_code == 200
     assert AuditEvent.objects.filter(action="agent.disabled", actor="owner:owner").count() == 1
 
@@ -72,18 +80,54 @@ def test_webhook_form_sets_the_url_and_a_write_only_secret(owner_client, alice):
     assert AuditEvent.objects.filter(action="agent.webhook_changed").count() == 3
 
 
-def test_issued_secret_is_in_that_response_only_and_never_stored(owner_client, alice):
+def test_issued_secret_is_shown_once_after_a_redirect_and_never_stored(owner_client, alice):
     agent = Agent.objects.get(name="alice")
-    response = owner_client.post(
+    tokens_before = Token.objects.count()
+    posted = owner_client.post(
         "/admin/agents/token/add/", {"agent": agent.pk, "scope": "invoke", "label": "x", "expires_at_0": ""}
     )
-    secret = response.context["secret"]
-    assert "no-store" in response["Cache-Control"] and secret in response.content.decode()
     token = Token.objects.get(label="x")
+    assert posted.status_code == 302 and posted["Location"] == f"/admin/agents/token/{token.pk}/issued/"
+
+    shown = owner_client.get(posted["Location"])
+    secret = shown.context["secret"]
+    assert "no-store" in shown["Cache-Control"] and secret in shown.content.decode()
     assert secret not in {token.prefix, token.secret_hash}
+
+    reloaded = owner_client.get(posted["Location"])  # the owner reloads the page
+    assert reloaded.status_code == 200 and 'id="secret-gone"' in reloaded.content.decode()
+    assert secret not in reloaded.content.decode()
+    assert Token.objects.count() == tokens_before + 1  # reloading issued nothing
+
     assert secret not in owner_client.get(f"/admin/agents/token/{token.pk}/change/").content.decode()
     assert secret not in owner_client.get("/admin/agents/token/").content.decode()
     assert alice.call("/_api/capabilities", token=secret).status_code == 200
+
+
+def test_the_secret_page_shows_nothing_to_another_session(owner_client, alice):
+    agent = Agent.objects.get(name="alice")
+    posted = owner_client.post("/admin/agents/token/add/", {"agent": agent.pk, "scope": "invoke", "label": "y"})
+    other = Client()
+    other.force_login(get_user_model().objects.create_superuser("other", "other@example.invalid", "pw"))
+    assert 'id="secret-gone"' in other.get(posted["Location"]).content.decode()
+    assert owner_client.get(posted["Location"]).context["secret"]  # still there for the one who issued it
+
+
+def test_adding_an_agent_with_a_bad_name_or_over_the_limit_says_why(owner_client, alice, settings):
+    bad = owner_client.post("/admin/agents/agent/add/", {"name": "Not A Name"})
+    assert bad.status_code == 200 and "must match" in bad.content.decode()
+    assert not Agent.objects.filter(name="Not A Name").exists()
+
+    taken = owner_client.post("/admin/agents/agent/add/", {"name": "alice"})
+    assert taken.status_code == 200 and "already exists" in taken.content.decode()
+
+    settings.SIGIL_MAX_AGENTS = Agent.objects.count()
+    inlines = inline_data(owner_client.get("/admin/agents/agent/add/"))
+    over = owner_client.post("/admin/agents/agent/add/", {**inlines, "name": "carol"}, follow=True)
+    assert over.status_code == 200
+    assert any("SIGIL_MAX_AGENTS" in str(m) and m.level_tag == "error" for m in over.context["messages"])
+    assert not Agent.objects.filter(name="carol").exists()
+    assert not AuditEvent.objects.filter(agent_name="carol").exists()
 
 
 def test_token_expiry_must_be_in_the_future(owner_client, alice):

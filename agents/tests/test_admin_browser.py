@@ -13,6 +13,8 @@ def list_capabilities(base_url: str, secret: str) -> requests.Response:
 
 def test_owner_creates_an_agent_and_a_token_reads_it_once_uses_it_and_revokes_it(sigil, owner):
     page = owner
+    page.goto(f"{sigil.url}/admin/")
+    screenshot(page, "index")
     page.goto(f"{sigil.url}/admin/agents/agent/add/")
     page.fill("#id_name", "carol")
     page.click("input[name=_continue]")
@@ -32,6 +34,9 @@ def test_owner_creates_an_agent_and_a_token_reads_it_once_uses_it_and_revokes_it
     page.get_by_text("Copied.").wait_for()
     assert page.evaluate("navigator.clipboard.readText()") == secret
     screenshot(page, "agents-token-issued-once")
+    page.reload()  # the page after the redirect: reloading it issues nothing, and shows nothing
+    page.locator("#secret-gone").wait_for()
+    assert secret not in page.content() and Token.objects.filter(agent=carol).count() == 1
 
     token = Token.objects.get(agent=carol)
     assert secret not in (token.prefix, token.secret_hash) and token.prefix == secret[:12]

@@ -40,6 +40,7 @@ from capabilities.cloudflare.errors import (
     CloudflareSlotsExhausted,
     CloudflareUnavailable,
 )
+from capabilities.runtimes.errors import network_failure
 
 logger = logging.getLogger(__name__)
 
@@ -397,7 +398,7 @@ class CloudflareClient:
                 self.budget.settle(ticket)
                 self._count(None)
                 error: CloudflareError = CloudflareUnavailable(
-                    self._redact(f"{method} {path}: {type(exc).__name__}: {exc}")
+                    self._redact(f"{method} {path}: {type(exc).__name__}: {network_failure(exc)}")
                 )
                 retry = True
             else:

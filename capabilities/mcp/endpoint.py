@@ -195,6 +195,8 @@ class McpEndpoint:
         tool_keys = Toolbox.prefetch_keys(message)
         cached, failures, session, *tool_values = await engine.redis.mget(keys + tool_keys)
         principal = tokens.decode(token_hash, cached, time.time()) if cached is not None else None
+        if principal is not None and tokens.stamp_due(token_hash):  # "last used", at most once a minute
+            await engine.redis.hset(tokens.USED_KEY, token_hash, tokens.stamp_now())
         if principal is None:
             principal = await engine.offload(
                 throttle.authenticate, get_redis(), address, secret, cached=cached, failures=failures

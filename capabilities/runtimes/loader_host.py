@@ -17,7 +17,7 @@ import json
 import urllib3
 
 from capabilities.runtimes.base import Route
-from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
+from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable, network_failure
 
 START_CHECK_HEADER = "X-Sigil-Validate"
 RETIRE_HEADER = "X-Sigil-Retire"
@@ -35,7 +35,7 @@ def _ask_host(
     try:
         return pool.request("POST", route.base_url + "/", headers=headers, body=body)
     except urllib3.exceptions.HTTPError as exc:
-        raise RuntimeUnavailable(f"the loader host could not be asked to {what}: {exc}") from exc
+        raise RuntimeUnavailable(f"the loader host could not be asked to {what}: {network_failure(exc)}") from exc
 
 
 class HostNotReached(RuntimeUnavailable):

@@ -14,7 +14,7 @@ import urllib3
 
 from capabilities.cloudflare import CloudflareClient, CloudflareNotFound
 from capabilities.runtimes.base import Route, Runtime
-from capabilities.runtimes.errors import RuntimeUnavailable
+from capabilities.runtimes.errors import RuntimeUnavailable, network_failure
 
 # The plain-text binding that carries the deployed source's version, and the header the
 # Worker echoes it in when it refuses a request without Sigil's secret.
@@ -131,7 +131,7 @@ class SigilWorker:
         try:
             response = self._probe.request("GET", route.base_url + "/", headers=headers)
         except urllib3.exceptions.HTTPError as exc:
-            raise RuntimeUnavailable(f"Sigil's Worker {self.name} is not reachable: {exc}") from exc
+            raise RuntimeUnavailable(f"Sigil's Worker {self.name} is not reachable: {network_failure(exc)}") from exc
         hint = "run `python manage.py deployruntime`"
         if response.status != 403 or response.headers.get("x-sigil-error") != "forbidden":
             raise RuntimeUnavailable(f"Sigil's Worker {self.name} answered {response.status}, not its 403: {hint}")

@@ -56,19 +56,23 @@ from capabilities.services.splits import (
     capability_split_set,
 )
 from capabilities.services.switching import (
+    LeftBehind,
     SwitchEvent,
     SwitchPlan,
     SwitchStep,
     backend_switch,
     capability_adopt_backend,
     capability_switch_backend,
+    runtime_failure,
     runtime_release_previous,
     runtime_sweep_previous,
+    runtimes_left_behind,
     switch_plan,
 )
 
 __all__ = [
     "DeployResult",
+    "LeftBehind",
     "SplitGuard",
     "StillInFlight",
     "SwitchEvent",
@@ -114,9 +118,11 @@ __all__ = [
     "capability_split_set",
     "capability_switch_backend",
     "runtime_account_warning",
+    "runtime_failure",
     "runtime_provision",
     "runtime_ready",
     "runtime_release_previous",
     "runtime_sweep_previous",
+    "runtimes_left_behind",
     "switch_plan",
 ]

@@ -18,8 +18,9 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Count, F, Q
 from django.utils import timezone
 
 from agents.services import audit_record
@@ -315,3 +316,49 @@ def _release(item: tuple[float, str, str, str], actor: str) -> SwitchEvent:
         # The sweep at the end (or of the next run) deletes it.
         return SwitchEvent("failed", full=full, backend=backend, slots=[slot], error=str(exc))
     return SwitchEvent("released", full=full, backend=backend, slots=[slot] if released else [])
+
+
+@dataclass(frozen=True)
+class LeftBehind:
+    """Capabilities still placed on `backend`, a runtime other than SIGIL_BACKEND's, because
+    no switch has moved them yet. `failure` says why that runtime cannot serve them (it is
+    gone, or not configured any more); empty while it answers, and the gateway serves them
+    there."""
+
+    backend: str
+    capabilities: int
+    failure: str = ""
+
+    def describe(self) -> str:
+        where = f"{self.capabilities} capabilities are still placed on the {self.backend} runtime"
+        if self.failure:
+            where += f", which does not answer ({self.failure}): their calls fail"
+        else:
+            where += ", and served there"
+        return f"{where} until `python manage.py switchbackend` moves them to {get_runtime().name}"
+
+
+def runtimes_left_behind() -> list[LeftBehind]:
+    """Per runtime other than the configured one, the capabilities still placed there, and
+    whether it answers (its `check()`: a network call, made only for runtimes that hold
+    something). Reads only."""
+    current = get_runtime().name
+    placed = (
+        Capability.objects.filter(state__in=[State.LIVE, State.EVICTING], variant_of__isnull=True)
+        .exclude(backend__in=["", current])
+        .values("backend")
+        .annotate(count=Count("id"))
+        .order_by("backend")
+    )
+    return [LeftBehind(row["backend"], row["count"], runtime_failure(row["backend"])) for row in placed]
+
+
+def runtime_failure(backend: str) -> str:
+    """Why `backend` cannot serve what is placed on it, or "" when it answers."""
+    try:
+        runtime_for(backend).check()
+    except RuntimeFailure as exc:
+        return str(exc)
+    except (ImproperlyConfigured, ValueError) as exc:  # not configured any more, or unknown
+        return f"it cannot be built from the settings: {exc}"
+    return ""

@@ -209,3 +209,22 @@ def test_destructive_list_actions_ask_first(owner_client, alice):
     assert asked.status_code == 200 and "stops serving at once" in body and "alice--x" in body
     assert f'name="_selected_action" value="{capability.pk}"' in body
     assert alice.call("/alice/x").text == "one"
+
+
+def test_changing_publicity_asks_first_on_the_list_and_on_the_page(owner_client, alice, bob):
+    alice.deploy(name="shy", code=code("shy"))
+    shy = Capability.objects.get(full_name="alice--shy")
+    chosen = {"action": "make_public", "_selected_action": [shy.pk]}
+
+    asked = owner_client.post("/admin/capabilities/capability/", chosen)
+    assert asked.status_code == 200 and 'id="confirm"' in asked.content.decode()
+    assert bob.call("/alice/shy").status_code == 404  # asked first: still private
+    owner_client.post("/admin/capabilities/capability/", {**chosen, "confirmed": "yes"})
+    assert bob.call("/alice/shy").text == "shy"
+
+    page = owner_client.get(f"/admin/capabilities/capability/{shy.pk}/change/").content.decode()
+    assert f'href="/admin/capabilities/capability/{shy.pk}/actions/make-private/"' in page  # a link, not a form
+    asked = owner_client.get(f"/admin/capabilities/capability/{shy.pk}/actions/make-private/")
+    assert 'id="confirm"' in asked.content.decode() and bob.call("/alice/shy").text == "shy"
+    owner_client.post(f"/admin/capabilities/capability/{shy.pk}/actions/make-private/")
+    assert bob.call("/alice/shy").status_code == 404

@@ -5,7 +5,7 @@ from capabilities import tasks
 from capabilities.models import Capability
 from sigil_site.beat import LAST_RUN_KEY
 from sigil_site.redis_client import get_redis
-from testsupport.browser import screenshot
+from testsupport.browser import DESKTOP, PHONE, screenshot
 from testsupport.capability_code import answering as code
 from testsupport.cast import flush_stats_when_recorded, wait_for
 
@@ -91,3 +91,26 @@ def test_dashboard_shows_the_calls_just_made(sigil, owner, alice, celery_worker)
     row = page.locator("#beat-schedule tr", has_text="capability-flush-stats")
     row.get_by_text("succeeded").wait_for()
     screenshot(page, "beat-schedule")
+
+
+FAILING = """export default { async fetch() {
+  return new Response("the upstream database refused the connection: too many clients already", { status: 500 });
+} }"""
+
+
+def test_a_capability_page_shows_its_failures_readably_on_a_phone(sigil, owner, alice):
+    page = owner
+    alice.deploy(name="flaky", code=FAILING, type="normal")
+    for _ in range(3):
+        assert alice.call("/alice/flaky").status_code == 500
+    capability = Capability.objects.get(full_name="alice--flaky")
+    page.goto(f"{sigil.url}/admin/capabilities/capability/{capability.pk}/change/")
+    page.locator("#recent-failures tr.failure").first.wait_for()
+    screenshot(page, "capability-page-failures")
+    page.set_viewport_size(PHONE)
+    try:
+        # The message wraps at words in a column of its own, not a character per line.
+        width = page.locator("#recent-failures td.message").first.evaluate("cell => cell.getBoundingClientRect().width")
+        assert width >= 150
+    finally:
+        page.set_viewport_size(DESKTOP)

@@ -116,7 +116,7 @@ def test_health_checks_every_dependency(sigil, alice):
         "backend": "local",
         "capabilities": 1,
         "agents": 1,
-        "checks": {"database": "ok", "redis": "ok", "runtime": "ok"},
+        "checks": {"database": "ok", "redis": "ok", "runtime": "ok", "previous_runtimes": "ok"},
     }
 
 

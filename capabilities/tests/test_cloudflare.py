@@ -476,3 +476,20 @@ def test_kv_keys_are_listed_with_their_metadata(cf_client):
     ]
     cf_client.kv_put(namespace, "slot:alice--ping", b"ghi")  # a write without metadata drops it
     assert cf_client.kv_keys(namespace, prefix="slot:alice")[0] == {"name": "slot:alice--ping"}
+
+
+def test_a_runtime_that_does_not_answer_is_said_in_words(redis_client, cf_emulator):
+    """The error names the address and the OS's reason, not urllib3's objects."""
+    import socket
+
+    from capabilities.cloudflare.errors import CloudflareUnavailable
+
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = make_client(cf_emulator, redis_client, base_url=f"http://127.0.0.1:{port}/client/v4", max_retries=0)
+    with pytest.raises(CloudflareUnavailable) as caught:
+        client.script_list()
+    message = str(caught.value)
+    assert f"127.0.0.1:{port}: Connection refused" in message
+    assert "object at 0x" not in message and "urllib3" not in message

@@ -137,3 +137,42 @@ def test_a_capability_left_on_a_runtime_that_is_gone_says_how_to_move_it(emulato
         assert "still placed on the platform runtime, not local" in message and "switchbackend" in message
     finally:
         emulator.start()
+
+
+def test_health_and_the_capability_page_say_what_is_left_on_a_runtime_that_is_gone(emulator, alice, settings, sigil):
+    import requests
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    from capabilities.models import Capability
+    from capabilities.runtimes import runtimes_forget
+
+    settings.SIGIL_BACKEND = "platform"
+    assert alice.deploy(name="ping", code=PONG).status_code == 201
+    capability = Capability.objects.get(full_name="alice--ping")
+    owner = Client()
+    owner.force_login(get_user_model().objects.create_superuser("owner", "owner@example.invalid", "pw"))
+    page = owner.get(f"/admin/capabilities/capability/{capability.pk}/change/").content.decode()
+    assert 'id="runtime"' in page and "platform" in page and 'id="runtime-warning"' not in page
+
+    settings.SIGIL_BACKEND = "local"  # the owner changed SIGIL_BACKEND and restarted Sigil...
+    runtimes_forget()
+    sigil.app.gateway = None
+    answered = requests.get(f"{sigil.url}/_health", timeout=30)
+    assert answered.status_code == 200, answered.text  # ... the platform still answers: served there
+    assert answered.json()["left_on_previous_runtimes"] == {"platform": 1}
+    page = owner.get(f"/admin/capabilities/capability/{capability.pk}/change/").content.decode()
+    assert 'id="runtime-warning"' in page and "switchbackend" in page
+
+    emulator.server.stop()  # ... and then the runtime it was placed on is gone
+    try:
+        runtimes_forget()
+        answered = requests.get(f"{sigil.url}/_health", timeout=30)
+        assert answered.status_code == 503, answered.text
+        check = answered.json()["checks"]["previous_runtimes"]
+        assert check.startswith("failing: 1 capabilities are still placed on the platform runtime, which does not")
+        assert "switchbackend" in check and "object at 0x" not in check
+        page = owner.get(f"/admin/capabilities/capability/{capability.pk}/change/").content.decode()
+        assert "does not answer" in page
+    finally:
+        emulator.start()

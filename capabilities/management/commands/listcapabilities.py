@@ -7,7 +7,10 @@ from sigil_site.owner_commands import OwnerCommand, agent_named, iso, table
 
 
 class Command(OwnerCommand):
-    help = "List the capabilities (removed ones only with --state removed), with their version, breaker and calls."
+    help = (
+        "List the capabilities (removed ones only with --state removed), with their version (and staged one), "
+        "breaker and calls."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         super().add_arguments(parser)
@@ -15,7 +18,12 @@ class Command(OwnerCommand):
         parser.add_argument("--state", choices=State.values, help="only those in this state")
 
     def act(self, *, agent: str | None, state: str | None, **options) -> list[dict]:
-        query = Capability.objects.select_related("agent", "current_version").order_by("full_name")
+        # A split's staged version, placed as a row of its own, is shown on its capability's line.
+        query = (
+            Capability.objects.filter(variant_of__isnull=True)
+            .select_related("agent", "current_version", "staged_version")
+            .order_by("full_name")
+        )
         query = query.filter(state=state) if state else query.exclude(state=State.REMOVED)
         if agent:
             query = query.filter(agent=agent_named(agent))
@@ -28,6 +36,7 @@ class Command(OwnerCommand):
                 "state": c.state,
                 "backend": c.backend,
                 "version": c.current_version.number if c.current_version else None,
+                "staged_version": c.staged_version.number if c.staged_version else None,
                 "breaker": c.breaker_state,
                 "calls": c.calls_total,
                 "errors": c.errors_total,

@@ -7,6 +7,7 @@ import json
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from capabilities.names import placement_label
 from capabilities.runtimes import RUNTIMES
 from capabilities.runtimes.errors import RuntimeFailure
 from capabilities.services import SwitchEvent, SwitchPlan, backend_switch, switch_plan
@@ -66,9 +67,9 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps(document))
             return
         for item in moving:
-            self.stdout.write(f"{item['capability']}: {item['from']} -> {plan.target}")
+            self.stdout.write(f"{placement_label(item['capability'])}: {item['from']} -> {plan.target}")
         for full in plan.skipped:
-            self.stdout.write(f"{full}: never placed, stays on no runtime")
+            self.stdout.write(f"{placement_label(full)}: never placed, stays on no runtime")
         self.stdout.write(f"Would switch {len(moving)} capabilities to {plan.target}; nothing was changed.")
 
     def _show(self, event: SwitchEvent, target: str, counts: dict[str, int]) -> None:
@@ -89,14 +90,14 @@ class Command(BaseCommand):
                 "already": f"already on {target}",
                 "gone": "removed meanwhile",
             }[step.outcome]
-            self.stdout.write(f"[{event.index}/{event.total}] {event.full}: {where}")
+            self.stdout.write(f"[{event.index}/{event.total}] {placement_label(event.full)}: {where}")
         elif event.kind == "failed" and event.slots:
             self.stderr.write(f"  could not delete {event.slots[0]} from {event.backend} yet: {event.error}")
         elif event.kind == "failed":
             counts["failed"] += 1
-            self.stderr.write(f"[{event.index}/{event.total}] {event.full}: {event.error}")
+            self.stderr.write(f"[{event.index}/{event.total}] {placement_label(event.full)}: {event.error}")
         elif event.kind == "released" and event.slots:
-            self.stdout.write(f"  deleted {event.slots[0]} from {event.backend} ({event.full})")
+            self.stdout.write(f"  deleted {event.slots[0]} from {event.backend} ({placement_label(event.full)})")
         elif event.kind == "swept" and event.slots:
             leftovers = ", ".join(event.slots)
             self.stdout.write(f"deleted {len(event.slots)} leftover placements from {event.backend}: {leftovers}")

@@ -22,6 +22,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from capabilities.runtimes.local import local_processes
 from capabilities.supervision import read_status
 from capabilities.workerd import port_is_open, supervise_until_signalled
+from sigil_site import ports as sigil_ports
 from sigil_site.embedded_redis import EmbeddedRedis
 from sigil_site.lifetime import PidFiles
 from sigil_site.logs import SigilFormatter
@@ -53,7 +54,9 @@ class Command(BaseCommand):
     def handle(self, *args, port: int, ready_timeout: float, dev: bool = False, **options) -> None:
         pid_files = PidFiles(settings.VAR_DIR / "run")
         self._end_leftovers(pid_files)
-        self._check_can_start(port)
+        self._check_not_running(port)
+        settle_ports(port)  # only now: a Sigil already running on this var directory keeps its ports
+        self._check_can_start()
         base_url = f"http://127.0.0.1:{port}"
         if not dev:
             # granian serves the admin's files from STATIC_ROOT, as a proxy would in production.
@@ -110,9 +113,13 @@ class Command(BaseCommand):
         self.stdout.write(line)
         self.stdout.flush()
 
-    def _check_can_start(self, port: int) -> None:
+    def _check_not_running(self, port: int) -> None:
         if port_is_open(port):
             raise CommandError(f"port {port} is in use: stop what holds it, or choose another (make run PORT=...)")
+        if settings.SIGIL_EMBEDDED_REDIS and embedded_redis().ping():
+            raise CommandError(f"a Redis server already answers on {settings.REDIS_URL}: is Sigil running already?")
+
+    def _check_can_start(self) -> None:
         if runs_workerd() and port_is_open(settings.SIGIL_WORKERD_PORT):
             raise CommandError(
                 f"workerd's port {settings.SIGIL_WORKERD_PORT} is in use: stop what holds it, or set SIGIL_WORKERD_PORT"
@@ -124,13 +131,39 @@ class Command(BaseCommand):
             )
         if (runs_workerd() or runs_emulator()) and not Path(settings.SIGIL_WORKERD_BIN).exists():
             raise CommandError(f"workerd not found at {settings.SIGIL_WORKERD_BIN}: run `make install`")
-        if settings.SIGIL_EMBEDDED_REDIS and embedded_redis().ping():
-            raise CommandError(f"a Redis server already answers on {settings.REDIS_URL}: is Sigil running already?")
         connection = connections[DEFAULT_DB_ALIAS]
         executor = MigrationExecutor(connection)
         if executor.migration_plan(executor.loader.graph.leaf_nodes()):
             raise CommandError("the database has unapplied migrations: run `python manage.py migrate` first")
         connection.close()
+
+
+# Set in the environment of a runsigil that started itself afresh to read the ports it chose.
+PORTS_SETTLED = "SIGIL_RUNSIGIL_PORTS_SETTLED"
+
+
+def settle_ports(web: int) -> None:
+    """Choose workerd's and the emulator's ports from `web` (sigil_site/ports.py) and record
+    them under VAR_DIR, where every process and command reads them with its settings. This
+    process read its settings before: when they differ, it starts again (exec, same pid)
+    to read the recorded ones, as its children will. Ports set in the environment stay."""
+    # Set in the environment, not by default (settings cannot tell these apart).
+    workerd_fixed = settings.SIGIL_WORKERD_PORT if os.environ.get("SIGIL_WORKERD_PORT") else None
+    # CF_API_BASE set to an emulator on this machine names its port too.
+    emulator_set = os.environ.get("CF_EMULATOR_PORT") or (runs_emulator() and not settings.SIGIL_CF_EMULATED)
+    chosen = sigil_ports.ports_choose(
+        web=web,
+        var_dir=settings.VAR_DIR,
+        workerd_count=settings.SIGIL_MAX_AGENTS,
+        workerd_fixed=workerd_fixed,
+        emulator_fixed=settings.CF_EMULATOR_PORT if emulator_set else None,
+    )
+    sigil_ports.record(settings.VAR_DIR, chosen)
+    if (chosen.workerd, chosen.cfemulator) == (settings.SIGIL_WORKERD_PORT, settings.CF_EMULATOR_PORT):
+        return
+    if os.environ.get(PORTS_SETTLED):
+        raise CommandError(f"the ports chosen changed again while Sigil started ({chosen}): start it again")
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, PORTS_SETTLED: "1"})
 
 
 def embedded_redis() -> EmbeddedRedis:
