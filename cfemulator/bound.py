@@ -18,6 +18,11 @@ with real bindings:
   `fetch`, as Cloudflare does, when there is none, and "Worker exceeded CPU time limit."
   when the script ran past its limit. The uploaded code itself runs unchanged.
 
+The shim (for a dispatch namespace or a Worker Loader) re-exports the uploaded entry module's
+named exports, so they stay the Worker's top-level exports, as on Cloudflare: `ctx.exports`
+holds a binding for each (the loader host hands its SigilTail entrypoint to every Dynamic
+Worker as its tail that way).
+
 Text bindings reach the process through its environment, never its config file.
 """
 
@@ -62,6 +67,9 @@ DISPATCH_HOST_SUFFIX = "dispatch.localhost"
 # Worker Loader binding with the CPU meter around its entrypoints (see METER_HEADER).
 _SHIM = """\
 import * as uploaded from {main};
+// The uploaded module's named exports stay the Worker's top-level exports: its entrypoints and
+// Durable Object classes, which ctx.exports and other Workers' bindings name.
+export * from {main};
 {calls}
 
 const NAMESPACES = {namespaces};

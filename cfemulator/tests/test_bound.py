@@ -80,6 +80,35 @@ def test_a_worker_loader_binding_loads_code_at_run_time(api, cf_emulator_fresh):
     assert cf_emulator_fresh.worker_request(host).text == "loaded at run time"
 
 
+GREETS_ITSELF = """import { WorkerEntrypoint } from "cloudflare:workers";
+export class Greeter extends WorkerEntrypoint {
+  greet(name) { return `hello ${name} from ${this.env.WHO}`; }
+}
+export default { async fetch(request, env, ctx) {
+  return new Response(await ctx.exports.Greeter.greet("world"));
+} }"""
+
+
+def test_a_worker_loader_scripts_named_entrypoints_are_in_its_ctx_exports(api, cf_emulator_fresh):
+    # The emulator wraps such a script's entry module (the CPU meter); its top-level exports
+    # stay the script's own, as the loader host's tail entrypoint needs (host.js SigilTail).
+    response = api.upload(
+        "greets",
+        GREETS_ITSELF,
+        metadata={
+            "bindings": [
+                {"type": "worker_loader", "name": "LOADER"},
+                {"type": "plain_text", "name": "WHO", "text": "v1"},
+            ],
+            "compatibility_flags": ["enable_ctx_exports"],
+        },
+    )
+    assert response.status_code == 200, response.text
+    api.enable("greets")
+    answer = cf_emulator_fresh.worker_request(cf_emulator_fresh.workers_dev_host("greets"))
+    assert (answer.status_code, answer.text) == (200, "hello world from v1")
+
+
 def test_a_dispatch_namespace_binding_reaches_namespace_scripts_and_throws_worker_not_found(api, cf_emulator_fresh):
     api.call("POST", "/workers/dispatch/namespaces", json={"name": "users"})
     echo = "export default { fetch(r) { return new Response('user ' + new URL(r.url).host, { status: 201 }) } }"
