@@ -43,7 +43,7 @@ run: install
 	$(PY) manage.py ensureowner
 	exec $(PY) manage.py runsigil --port $(PORT)
 
-# The same, with Django's development server restarting the web process when the code changes.
+# The same, with uvicorn restarting the web process when the code changes.
 dev: install
 	$(PY) manage.py migrate --noinput
 	$(PY) manage.py ensureowner
