@@ -55,7 +55,7 @@ METER_HEADER = "x-cfemulator-meter"
 METER_CPU_HEADER = "x-cfemulator-cpu-ms"
 # How long after its start a Dynamic Worker that has not answered is taken to await (the timer
 # fired, so it gave the event loop back): long enough for workerd to enter its handler.
-YIELD_MS = 20
+YIELD_MS = 5
 LOADER_BINDING_PREFIX = "__CFEMULATOR_LOADER_"
 SHIM_MODULE = "__cfemulator_entry.js"
 EMULATOR_BINDING = "__CFEMULATOR"
