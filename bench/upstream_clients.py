@@ -27,7 +27,7 @@ import aiohttp
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from capabilities.workerd import free_port  # noqa: E402
+from capabilities.workerd import free_port
 
 APP = textwrap.dedent(
     """
@@ -98,7 +98,17 @@ def main() -> int:
     (folder / "target.py").write_text(APP)
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "target:app", "--port", str(port), "--log-level", "warning", "--no-access-log"],
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "target:app",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--no-access-log",
+        ],
         cwd=folder,
         env={**os.environ, "PYTHONPATH": str(folder)},
     )

@@ -58,6 +58,9 @@ EXCEEDED_HEADER = "x-cfemulator-exceeded-limits"
 CALL_HEADER = "x-cfemulator-call"
 METER_HEADER = "x-cfemulator-meter"
 METER_CPU_HEADER = "x-cfemulator-cpu-ms"
+# How long after its start a Dynamic Worker that has not answered is taken to await (the timer
+# fired, so it gave the event loop back): long enough for workerd to enter its handler.
+YIELD_MS = 5
 LOADER_BINDING_PREFIX = "__CFEMULATOR_LOADER_"
 SHIM_MODULE = "__cfemulator_entry.js"
 EMULATOR_BINDING = "__CFEMULATOR"
@@ -102,7 +105,9 @@ function dispatchNamespace(emulator, namespace) {{
 }}
 
 // Tell the emulator that the call `call` now runs a Dynamic Worker limited to `cpuMs` ("begin"),
-// or no longer does ("end"): it stops the call's process once that limit is spent.
+// that the Worker gave the event loop back ("yield"), or that it no longer runs ("end"): it stops
+// the call's process once that limit is spent. A begin is answered once no other Dynamic Worker
+// of the process holds the event loop, so the emulator knows which one spins.
 // Returns true for the replay of a call whose Dynamic Worker the emulator stopped (a 429):
 // that Worker is to throw Cloudflare's error at once.
 async function meter(emulator, call, phase, cpuMs) {{
@@ -126,13 +131,24 @@ function meteredEntrypoint(entrypoint, emulator, cpuMs, loaded) {{
         const call = calls.getStore();
         const limit = cpuMs();
         if (!call || !limit) return target.fetch(input, init);
-        if (await meter(emulator, call, "begin", limit)) {{
-          // Its code is loaded first: a load this call left unfinished would fail the next.
-          await loaded();
-          throw new Error({cpu_message});
-        }}
+        // Its code is loaded first, so that what holds the event loop from the begin on is the
+        // Worker's handler, not a read of its code (and a load this call left unfinished, when
+        // it throws at once, would fail the next).
+        await loaded();
+        if (await meter(emulator, call, "begin", limit)) throw new Error({cpu_message});
         try {{
-          return await target.fetch(input, init);
+          const answer = target.fetch(input, init);
+          // The Worker gave the event loop back once it answered, or once a timer could fire
+          // (none can while it runs without awaiting).
+          let settled = false;
+          let timer;
+          await new Promise((resolve) => {{
+            answer.then(() => {{ settled = true; resolve(); }}, () => {{ settled = true; resolve(); }});
+            timer = setTimeout(resolve, {yield_ms});
+          }});
+          clearTimeout(timer);
+          if (!settled) await meter(emulator, call, "yield", 0);
+          return await answer;
         }} finally {{
           await meter(emulator, call, "end", 0);
         }}
@@ -326,6 +342,7 @@ def bound_config(
             exceeded_header=json.dumps(EXCEEDED_HEADER),
             cpu_message=json.dumps(CPU_EXCEEDED_MESSAGE),
             memory_message=json.dumps(MEMORY_EXCEEDED_MESSAGE),
+            yield_ms=YIELD_MS,
             suffix=DISPATCH_HOST_SUFFIX,
             emulator=EMULATOR_BINDING,
         )

@@ -67,11 +67,20 @@ class Ticket:
     # stopped the process it shared (`stopped_by_dynamic`, for the other calls in flight).
     dynamic_exceeded: bool = False
     stopped_by_dynamic: bool = False
+    # Whether its Dynamic Worker was let start and has not yet given its process's event loop
+    # back (cfemulator.server: `meter_mark`); at most one call on a process holds it.
+    holds_loop: bool = False
 
     def run_dynamic(self, limit_ms: int | None) -> None:
-        """The call now runs a Dynamic Worker limited to `limit_ms` (None: no longer runs one)."""
+        """The call now runs a Dynamic Worker limited to `limit_ms`, which holds the event loop
+        until `gave_back_loop()` (None: no longer runs one)."""
         self.dynamic_limit_ms, self.dynamic_from_ms = limit_ms, self.used_ms
         self.dynamic_began_at = time.monotonic()
+        self.holds_loop = limit_ms is not None
+
+    def gave_back_loop(self) -> None:
+        """Its Dynamic Worker gave the event loop back: it awaits, so the others may run."""
+        self.holds_loop = False
 
     def over_ms(self) -> float:
         """How far past its tightest limit the call is now (negative: within it)."""
@@ -181,10 +190,14 @@ class CpuMeter:
                     )
                     if by_dynamic:
                         # The calls share the CPU equally, so the one charged most is not
-                        # known to be the one spinning. The Dynamic Worker started last is:
-                        # one that holds the event loop keeps any other from starting.
+                        # known to be the one spinning. The one whose Dynamic Worker holds the
+                        # event loop is (the emulator lets one hold it at a time); else (the
+                        # spinner gave it back once, and spins since it resumed) the Dynamic
+                        # Worker started last, as one that holds the loop keeps any other from
+                        # starting.
                         running = [t for t in metered.tickets if t.dynamic_limit_ms is not None]
-                        worst = max(running, key=lambda t: t.dynamic_began_at)
+                        holding = [t for t in running if t.holds_loop]
+                        worst = max(holding or running, key=lambda t: t.dynamic_began_at)
                         worst.dynamic_exceeded = True
                     for ticket in metered.tickets:
                         ticket.exceeded = True

@@ -110,8 +110,13 @@ _LOADER_HOST_MARKS = frozenset({"x-sigil-host"})
 
 
 @dataclass(eq=False)
-class _MeteredCall:
+class MeteredCall:
+    """A call to a script with a Worker Loader, as `EmulatorServer.meter_mark` knows it by `id`."""
+
+    id: str
     ticket: Ticket
+    pid: int
+    # Its Dynamic Worker is to throw Cloudflare's "exceeded CPU" at once, when it begins.
     replaying_stop: bool = False
 
 
@@ -155,8 +160,12 @@ class EmulatorServer:
         self.meter = CpuMeter(grace_ms=lambda: self.api.config.cpu_grace_ms)
         # The calls in flight to scripts with a Worker Loader, by the id they were sent with
         # (CALL_HEADER): their Dynamic Workers' limits are metered on them (`meter_mark`).
-        self._calls: dict[str, _MeteredCall] = {}
+        self._calls: dict[str, MeteredCall] = {}
+        # By process: the call whose Dynamic Worker was let start and has not given the event
+        # loop back yet (`meter_mark`); the others' begin waits on `_calls_changed`.
+        self._loop_holders: dict[int, str] = {}
         self._calls_lock = threading.Lock()
+        self._calls_changed = threading.Condition(self._calls_lock)
         self._requested_port = port
         self._http: _HttpServer | None = None
         self._thread: threading.Thread | None = None
@@ -290,32 +299,66 @@ class EmulatorServer:
     # --- called by the request handler --------------------------------------------------------
 
     @contextlib.contextmanager
-    def metered_call(self, ticket: Ticket, *, replaying_stop: bool = False) -> Iterator[str]:
-        """An id for the call metered by `ticket`, known to `meter_mark` while the block runs.
-        `replaying_stop`: the call is sent again after its Dynamic Worker was stopped, and that
-        Worker's entrypoint is to throw at once instead of running again (see `_run`)."""
+    def metered_call(self, ticket: Ticket, *, pid: int, replaying_stop: bool = False) -> Iterator[MeteredCall]:
+        """The call metered by `ticket` on process `pid`, known to `meter_mark` by its id while
+        the block runs. `replaying_stop`: the call is sent again after its Dynamic Worker was
+        stopped, and that Worker's entrypoint is to throw at once instead of running again
+        (see `_run`); the call's `replaying_stop` tells whether it has yet."""
         call = secrets.token_hex(8)
+        marked = MeteredCall(call, ticket, pid, replaying_stop)
         with self._calls_lock:
-            self._calls[call] = _MeteredCall(ticket, replaying_stop)
+            self._calls[call] = marked
         try:
-            yield call
+            yield marked
         finally:
-            with self._calls_lock:
+            with self._calls_changed:
                 self._calls.pop(call, None)
+                if self._loop_holders.get(pid) == call:
+                    del self._loop_holders[pid]
+                self._calls_changed.notify_all()
 
     def meter_mark(self, call: str, phase: str, cpu_ms: int) -> int:
-        """A Worker Loader's entrypoint, in the call `call`, starts ("begin") or ends ("end") a
-        Dynamic Worker limited to `cpu_ms`. Returns the status the entrypoint is answered: 204,
-        404 for an unknown call, 429 when the Worker is to throw Cloudflare's "exceeded CPU"
-        at once (the replay of a call whose Dynamic Worker was stopped)."""
-        with self._calls_lock:
+        """A Worker Loader's entrypoint, in the call `call`, starts ("begin") a Dynamic Worker
+        limited to `cpu_ms`, which gave the event loop back ("yield": it awaits) or ended
+        ("end"). Returns the status the entrypoint is answered: 204, 404 for an unknown call,
+        429 when the Worker is to throw Cloudflare's "exceeded CPU" at once (the replay of a
+        call whose Dynamic Worker was stopped).
+
+        A begin waits while another call's Dynamic Worker on the same process holds its event
+        loop: the meter can then tell which Worker spins when the process must be stopped
+        (`cfemulator.cpumeter`), where the order the emulator answered begins in is not the
+        order workerd started them in. It costs nothing a single-threaded workerd would not
+        make the call wait for anyway, but the round trip of the "yield".
+        """
+        with self._calls_changed:
             metered = self._calls.get(call)
             if metered is None:
                 return 404
-            if phase == "begin" and metered.replaying_stop:
+            if phase != "begin":
+                if self._loop_holders.get(metered.pid) == call:
+                    del self._loop_holders[metered.pid]
+                    self._calls_changed.notify_all()
+                if phase == "yield":
+                    metered.ticket.gave_back_loop()
+                else:
+                    metered.ticket.run_dynamic(None)
+                return 204
+            if metered.replaying_stop:
                 metered.replaying_stop = False
                 return 429
-        metered.ticket.run_dynamic(cpu_ms if phase == "begin" and cpu_ms > 0 else None)
+            deadline = time.monotonic() + LOOP_HELD_SECONDS
+            while (holder := self._loop_holders.get(metered.pid, call)) != call and call in self._calls:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._calls_changed.wait(left)
+            if call not in self._calls:
+                return 404
+            metered.ticket.run_dynamic(cpu_ms if cpu_ms > 0 else None)
+            if holder == call:
+                self._loop_holders[metered.pid] = call
+            else:
+                metered.ticket.gave_back_loop()  # it runs beside the holder, which keeps the blame
         return 204
 
     def proxy(
@@ -572,11 +615,12 @@ class _RequestHandler(BaseHTTPRequestHandler):
         metered = target.runs_bound and has_worker_loader(target.upload)
         # On Cloudflare a Dynamic Worker past its limit throws into its loader Worker, which
         # answers the call itself, and the other Dynamic Workers never notice; here the whole
-        # process had to be stopped. So a call without a body is sent once more, to the fresh
+        # process had to be stopped. So a call without a body is sent again, to the fresh
         # process: the stopped Worker's entrypoint then throws Cloudflare's error at once (the
-        # loader Worker's own code answers), and a call that only shared the process runs again.
+        # loader Worker's own code answers), and a call that only shared the process runs again,
+        # as often as another call's runaway stops the process under it (up to MAX_REPLAYS).
         replaying_stop = False
-        replayed = False
+        replays = 0
         restarted = False
         stopped_pid: int | None = None
         deadline = 0.0
@@ -596,27 +640,29 @@ class _RequestHandler(BaseHTTPRequestHandler):
                 emulator.meter.call(
                     pid=pid, stop=running.stop_for_cpu, limit_ms=limit_ms, silent=running.silent
                 ) as ticket,
-                emulator.metered_call(ticket, replaying_stop=replaying_stop) as call,
+                emulator.metered_call(ticket, pid=pid, replaying_stop=replaying_stop) as call,
             ):
                 if metered:
-                    headers[CALL_HEADER] = call
+                    headers[CALL_HEADER] = call.id
                 try:
                     upstream = send(running.port)
                 except (urllib3.exceptions.HTTPError, HandshakeFailed) as exc:
+                    replayable = metered and replays < MAX_REPLAYS and not body.chunked and not body.length
+                    # A replay to throw at once that was stopped before it threw still has to.
+                    replaying_stop = call.replaying_stop or ticket.dynamic_exceeded
                     if ticket.exceeded:
-                        replayable = ticket.stopped_by_dynamic and not body.chunked and not body.length
-                        if replayable and not replayed:
-                            replayed, stopped_pid = True, pid
-                            replaying_stop = ticket.dynamic_exceeded
+                        if replayable and ticket.stopped_by_dynamic:
+                            replays, stopped_pid = replays + 1, pid
                             deadline = time.monotonic() + REPLACED_WITHIN_SECONDS
                             continue
                         raise LimitExceeded("cpu") from None
                     reason = running.stopped_for(sent_at)
                     if reason is not None:
-                        # Stopped for another call's Dynamic Worker: on Cloudflare this call's
-                        # isolate would not have noticed, so a bodiless one runs again.
-                        if metered and not replayed and not body.chunked and not body.length:
-                            replayed, stopped_pid = True, pid
+                        # Stopped for another call's Dynamic Worker (it reached the process as
+                        # the meter stopped it): on Cloudflare this call's isolate would not
+                        # have noticed, so a bodiless one runs again.
+                        if replayable:
+                            replays, stopped_pid = replays + 1, pid
                             deadline = time.monotonic() + REPLACED_WITHIN_SECONDS
                             continue
                         raise LimitExceeded(reason) from None
@@ -846,6 +892,13 @@ def _parse_limits(header: str | None) -> Any:
 
 # How long a call whose Dynamic Worker was stopped waits for its process to be replaced.
 REPLACED_WITHIN_SECONDS = 10.0
+# How many times one call is sent again after a Dynamic Worker's stop (see `_run`): a call
+# stopped that often is answered with error 1102 instead of waiting on.
+MAX_REPLAYS = 3
+# How long a Dynamic Worker's begin waits for another one to give the event loop back before
+# it runs anyway, beside it: a Worker that holds the loop that long spins (and is stopped at
+# its limit) or computes, which workerd would have made the waiting one wait for as well.
+LOOP_HELD_SECONDS = 5.0
 # The process that runs uploads' start checks, beside the scripts' own (their keys hold a colon).
 START_CHECK_NAME = "start-check"
 # Cloudflare's limit on a script's top-level code at upload (reference §7.3).

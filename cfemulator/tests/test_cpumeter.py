@@ -109,6 +109,27 @@ def test_a_dynamic_workers_limit_stops_the_call_that_started_it_last(meter, proc
     assert later.used_ms < 2_000
 
 
+def test_a_dynamic_worker_holding_the_event_loop_is_blamed_over_one_started_after_it(meter, processes):
+    # The emulator answered the other's begin later, but that Worker gave the loop back (it
+    # awaits): the one still holding it is the one spinning, though it started first.
+    spinning = processes(SPIN)
+    stops = []
+    with (
+        meter.call(pid=spinning.pid, stop=lambda: stops.append(spinning.kill()), limit_ms=60_000) as holding,
+        meter.call(pid=spinning.pid, stop=lambda: stops.append(spinning.kill()), limit_ms=60_000) as awaiting,
+    ):
+        holding.run_dynamic(50)
+        time.sleep(0.01)
+        awaiting.run_dynamic(50)
+        awaiting.gave_back_loop()
+        deadline = time.monotonic() + 10
+        while not stops and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert stops == [None] and holding.exceeded and awaiting.exceeded
+    assert holding.dynamic_exceeded and not awaiting.dynamic_exceeded
+    assert holding.stopped_by_dynamic and awaiting.stopped_by_dynamic
+
+
 def test_a_dynamic_worker_that_ended_no_longer_limits_its_call(meter, processes):
     waiting = processes(WAIT)
     with meter.call(pid=waiting.pid, stop=waiting.kill, limit_ms=60_000) as ticket:
