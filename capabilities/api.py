@@ -693,6 +693,7 @@ class CapabilityLogsApi(APIView):
         before = serializers.IntegerField(required=False, min_value=1)
         limit = serializers.IntegerField(required=False, min_value=1, max_value=100, default=20)
 
+    @extend_schema_serializer(component_name="CallRecordPage")
     class OutputSerializer(serializers.Serializer):
         capability = serializers.CharField()
         records = CallRecordSerializer(many=True)
@@ -1044,11 +1045,13 @@ class CapabilityRollbackApi(APIView):
 class AgentA2aApi(APIView):
     """GET/PUT /_api/agent/a2a: where the calling agent receives its alerts as A2A messages."""
 
+    @extend_schema_serializer(component_name="AgentA2aChange")
     class InputSerializer(serializers.Serializer):
         agent_card_url = serializers.CharField(
             allow_blank=True, max_length=500, help_text="The agent's A2A Agent Card URL; empty stops the messages."
         )
 
+    @extend_schema_serializer(component_name="AgentA2a")
     class OutputSerializer(serializers.Serializer):
         agent = serializers.CharField()
         agent_card_url = serializers.CharField(allow_blank=True)
