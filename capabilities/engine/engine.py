@@ -598,11 +598,7 @@ class Engine:
 
     def upstream_request(self, request: CallRequest, target: Route) -> tuple[str, dict[str, str]]:
         """The URL and headers of the call as the runtime gets it."""
-        headers = {
-            name: value
-            for name, value in request.headers.items()
-            if name not in DROPPED_REQUEST_HEADERS and not name.startswith("x-sigil-")
-        }
+        headers = forwarded_headers(request)
         headers["x-request-id"] = request.request_id  # Sigil's, never the caller's
         headers.update(target.headers)
         if target.host_header:
@@ -743,11 +739,7 @@ class Engine:
         from capabilities.services.async_calls import async_call_accept
 
         await self.visible_route(served, full, principal.agent_name, route_raw)  # refuse now what nobody could serve
-        headers = {
-            name: value
-            for name, value in request.headers.items()
-            if name not in DROPPED_REQUEST_HEADERS and not name.startswith("x-sigil-")
-        }
+        headers = forwarded_headers(request)
         callback_url = headers.pop("x-callback-url", None)
         headers.pop("prefer", None)  # both were addressed to Sigil
         if request.length and request.length > self.async_max_body:
@@ -840,7 +832,10 @@ class AnswerBody:
                 runtime = runtime_for(self.route.backend)
                 stopped = runtime.call_stopped(slot=self.route.slot, sent_at=self.call.sent_at)
                 # Cut because another call ran its process past a limit: not this one's failure.
-                self.counts = stopped is None or stopped.culprit
+                # Nor is a memory stop that came while this call was only sending its answer: the
+                # process cannot say which call grew it, and one that had answered is the least
+                # likely (its own growth would have stopped it before its answer began).
+                self.counts = stopped is None or (stopped.culprit and stopped.reason != "memory")
 
     async def close(self, complete: bool) -> None:
         """Called once the caller has the last byte (or went away), so this bookkeeping is off
@@ -926,6 +921,16 @@ def log_access(
             "ms": ms,
         },
     )
+
+
+def forwarded_headers(request: CallRequest) -> dict[str, str]:
+    """The caller's headers the capability gets: not its credentials, nor hop-by-hop fields,
+    nor anything posing as Sigil's own (x-sigil-*)."""
+    return {
+        name: value
+        for name, value in request.headers.items()
+        if name not in DROPPED_REQUEST_HEADERS and not name.startswith("x-sigil-")
+    }
 
 
 def cache_target(rest: str, query: str | None) -> str:

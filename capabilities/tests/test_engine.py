@@ -8,6 +8,7 @@ import asyncio
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
@@ -167,6 +168,29 @@ def test_a_stale_token_storm_from_an_address_does_not_lock_out_a_valid_token(ali
     assert alice.call("/_api/capabilities").status_code == 200
     assert alice.call("/alice/ping", token=stale).status_code == 429
     assert tokens.hash_secret(stale) == token.secret_hash
+
+
+def test_request_bodies_in_flight_are_bounded_per_agent(alice, bob, settings):
+    settings.SIGIL_AGENT_BODY_BYTES_IN_FLIGHT = 3 * 1024 * 1024
+    slow_reader = """export default { async fetch(request) {
+      await new Promise(r => setTimeout(r, 1500));
+      return new Response(String((await request.arrayBuffer()).byteLength));
+    } }"""
+    alice.deploy(name="big", code=slow_reader)
+    bob.deploy(name="big", code=slow_reader)
+    body = b"b" * (2 * 1024 * 1024)
+
+    def post(agent):
+        return agent.call(f"/{agent.name}/big", method="POST", data=body)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        alices = [pool.submit(post, alice) for _ in range(3)]
+        time.sleep(0.3)  # alice's bodies on their way
+        bobs = pool.submit(post, bob)
+        statuses = sorted(future.result().status_code for future in alices)
+        # Past the bound, alice's bodies wait their turn (429); bob's are his own.
+        assert statuses == [200, 429, 429]
+        assert (bobs.result().status_code, bobs.result().text) == (200, str(len(body)))
 
 
 def test_a_large_upload_reaches_the_capability_as_it_arrives(alice):
