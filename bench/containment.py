@@ -4,7 +4,7 @@
 
 Sigil as `make run` runs it, minus the browser: a SQLite database and a bundled Redis under a
 temporary var directory, `manage.py runworkerd` (one workerd per agent under the watchdog,
-SIGIL_CPU_MS=1000 as by default) and gunicorn (two gthread workers). Agent `runaway` owns a
+SIGIL_CPU_MS=1000 as by default) and granian (two ASGI workers). Agent `runaway` owns a
 capability that never leaves `while (true) {}`; three other agents own a capability that
 answers `pong`. `--callers` threads call the other agents' capabilities round-robin over
 keep-alive connections, without pause, the whole time.
@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from capabilities.supervision import read_status  # noqa: E402
 from capabilities.workerd import free_port, free_port_block, port_is_open  # noqa: E402
 from sigil_site.embedded_redis import EmbeddedRedis  # noqa: E402
+from testsupport.servers import server_command  # noqa: E402
 
 SPIN = "export default { async fetch() { while (true) {} } }"
 PONG = "export default { async fetch() { return new Response('pong') } }"
@@ -79,11 +80,9 @@ def main() -> int:
         status_path = var_dir / "workerd" / "supervisor.json"
         wait(lambda: read_status(status_path) is not None, "runworkerd to report")
         port = free_port()
-        gunicorn = str(Path(sys.executable).parent / "gunicorn")
-        server = [gunicorn, "sigil_site.wsgi:application", "-b", f"127.0.0.1:{port}", "-k", "gthread"]
-        server += ["-w", "2", "--threads", str(args.callers + 2), "--log-level", "warning"]
-        children.append(start(server, env, var_dir / "gunicorn.log"))
-        wait(lambda: port_is_open(port), "gunicorn to listen")
+        server = server_command("granian", port=port, workers=2)
+        children.append(start(server, env, var_dir / "granian.log"))
+        wait(lambda: port_is_open(port), "granian to listen")
 
         client = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         deploy(client, tokens["runaway"], "spin", SPIN)
@@ -102,7 +101,7 @@ def main() -> int:
 
         answered, healthy = [], []
         for _ in range(args.incidents):
-            client = http.client.HTTPConnection("127.0.0.1", port, timeout=60)  # gunicorn closed the idle one
+            client = http.client.HTTPConnection("127.0.0.1", port, timeout=60)  # the server closed the idle one
             started = time.monotonic()
             response, _ = request(client, "GET", "/runaway/spin", token=runaway_token)
             client.close()

@@ -1,7 +1,7 @@
 """MCP benchmark: what a tools/call adds over a direct call of the same capability, and how long
 tools/list takes for an agent that may call 500 capabilities.
 
-    .venv/bin/python bench/mcp.py [--rounds 20] [--batch 25] [--server granian|gunicorn]
+    .venv/bin/python bench/mcp.py [--rounds 20] [--batch 25] [--server granian|uvicorn]
 
 It starts what it measures on 127.0.0.1, in a fresh temporary var directory: the bundled Redis,
 a migrated SQLite database, workerd (the local runtime, supervised in this process) and Sigil
@@ -68,7 +68,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--batch", type=int, default=25)
     parser.add_argument("--lists", type=int, default=30, help="full tool listings to time")
-    parser.add_argument("--server", choices=("granian", "gunicorn"), default="granian")
+    parser.add_argument("--server", choices=("granian", "uvicorn"), default="granian")
     args = parser.parse_args()
 
     var_dir = Path(tempfile.mkdtemp(prefix="sigil-bench-mcp-"))
@@ -114,7 +114,7 @@ def main() -> int:
         agent = agent_services.agent_create(name="bench", actor="owner:bench")
         _, token = agent_services.token_issue(agent=agent, scope="deploy", actor="owner:bench")
         server = subprocess.Popen(
-            server_command(args.server, port=port, workers=1, threads=4),
+            server_command(args.server, port=port, workers=1),
             cwd=ROOT,
             env=os.environ.copy(),
             start_new_session=True,

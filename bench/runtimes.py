@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/runtimes.py [--rounds 20] [--batch 25]
 
-Four Sigil servers (gunicorn, one gthread worker each) run side by side on one database and
+Four Sigil servers (uvicorn, one worker each) run side by side on one database and
 one Redis, one per SIGIL_BACKEND: local (workerd on this machine), worker-pool, platform and
 loader (the Cloudflare emulator, its scripts on workerd). Each serves the same capability
 code, deployed over the REST API. Calls are interleaved across the four in rounds, so drift
@@ -91,6 +91,7 @@ def main() -> int:
     from capabilities.supervision import read_status
     from cfemulator.api import EmulatorConfig
     from cfemulator.server import EmulatorServer
+    from testsupport.servers import server_command
 
     call_command("migrate", verbosity=0)
     emulator = EmulatorServer.build(
@@ -117,20 +118,7 @@ def main() -> int:
         _, token = agent_services.token_issue(agent=agent, scope="deploy", actor="owner:bench")
         for backend in BACKENDS:
             servers[backend] = subprocess.Popen(
-                [
-                    str(Path(sys.executable).parent / "gunicorn"),
-                    "sigil_site.wsgi:application",
-                    "-b",
-                    f"127.0.0.1:{ports[backend]}",
-                    "-k",
-                    "gthread",
-                    "--threads",
-                    "4",
-                    "-w",
-                    "1",
-                    "--log-level",
-                    "warning",
-                ],
+                server_command("uvicorn", port=ports[backend], workers=1),
                 cwd=ROOT,
                 env={**os.environ, "SIGIL_BACKEND": backend},
                 start_new_session=True,
