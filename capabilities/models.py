@@ -39,7 +39,11 @@ class Capability(models.Model):
     bindings = models.JSONField(default=list, blank=True)
     state = models.CharField(max_length=10, choices=State.choices, default=State.PAGED_OUT, db_index=True)
     slot = models.CharField(max_length=80, blank=True, help_text="The runtime's name for the placement.")
-    placed_sha = models.CharField(max_length=64, blank=True, help_text="The code sha the runtime holds.")
+    placed_sha = models.CharField(
+        max_length=64,
+        blank=True,
+        help_text="The sha256 of the bundle the runtime holds: the code with its bindings' values, not the version's code sha.",
+    )
     backend = models.CharField(
         max_length=20,
         blank=True,
