@@ -42,7 +42,8 @@ class Capability(models.Model):
     placed_sha = models.CharField(
         max_length=64,
         blank=True,
-        help_text="The sha256 of the bundle the runtime holds: the code with its bindings' values, not the version's code sha.",
+        help_text="The sha256 of the bundle the runtime holds: the code with its bindings' values, "
+        "not the version's code sha.",
     )
     backend = models.CharField(
         max_length=20,
