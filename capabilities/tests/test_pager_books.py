@@ -25,7 +25,7 @@ from capabilities.models import Capability
 from capabilities.runtimes import get_runtime, runtimes_forget
 from capabilities.services.placement import PAGE_OUTS_DUE_KEY
 from capabilities.tasks import PAGE_OUT_RECHECK_SECONDS, RuntimeTask
-from sigil_site.errors import Unavailable, UpstreamError
+from sigil_site.errors import Conflict, Unavailable, UpstreamError
 from sigil_site.redis_client import get_redis
 from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
@@ -439,16 +439,22 @@ def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations, owne
                 raise
             return  # a page-in was shed on the full account: the task runs it again
         # Never what it placed earlier this round: neither the victim a page-in chose, nor
-        # what a refusal of the account paged out for it. (A capability a call paged in
-        # meanwhile may be a victim, and prewarmed after it.)
-        round_events = AuditEvent.objects.filter(
-            id__gt=before, action="capability.paged_in", subject__in=warmed, detail__reason="prewarm"
-        )
+        # what a refusal of the account paged out for it (told before its page-in was).
+        # A capability a call paged in meanwhile may be a victim, and prewarmed after it.
+        paged_in = {
+            e.subject: e
+            for e in AuditEvent.objects.filter(
+                id__gt=before, action="capability.paged_in", subject__in=warmed, detail__reason="prewarm"
+            )
+        }
         refused = AuditEvent.objects.filter(id__gt=before, action="runtime.account_full", detail__capability__in=warmed)
-        for full, victim in [(e.subject, e.detail["evicted"]) for e in round_events] + [
-            (e.detail["capability"], e.detail["paged_out"]) for e in refused
-        ]:
-            assert victim not in warmed[: warmed.index(full)], (warmed, full, victim)
+        victims = [(full, e.detail["evicted"], "chosen") for full, e in paged_in.items()] + [
+            (e.detail["capability"], e.detail["paged_out"], "for the account")
+            for e in refused
+            if e.detail["capability"] in paged_in and e.id < paged_in[e.detail["capability"]].id
+        ]
+        for full, victim, how in victims:
+            assert victim not in warmed[: warmed.index(full)], (warmed, full, victim, how)
 
     def run(step, action, name):
         full = full_of(name) if name else None
@@ -492,9 +498,21 @@ def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations, owne
             future.result()
 
     emulator.configure(latency=0, fault_rate=0)
+
     # The splits still running end, so that every caller gets the current version.
-    for capability in Capability.objects.exclude(state="removed").filter(split_weight__isnull=False):
-        services.capability_split_abort(capability=capability, actor="owner:test")
+    def split_aborted(pk):
+        capability = Capability.objects.exclude(state="removed").filter(pk=pk, split_weight__isnull=False).first()
+        if capability is None:
+            return True
+        try:
+            services.capability_split_abort(capability=capability, actor="owner:test")
+        except Conflict:
+            return False  # a placement of it is still under way (a deploy's retries, a page-out)
+        return True
+
+    splitting = Capability.objects.exclude(state="removed").filter(split_weight__isnull=False)
+    for pk in splitting.values_list("pk", flat=True):
+        wait_for(lambda pk=pk: split_aborted(pk), timeout=60, message="the split's placement lock")
     wait_settled(timeout=60, message="all page-outs and releases to finish")
     evictions = AuditEvent.objects.filter(action="capability.evicted").count()
     faults = len([c for c in emulator.api_calls() if c["status"] >= 500])
