@@ -17,7 +17,7 @@ from capabilities import pager
 from capabilities.models import Capability, CapabilityStatsWindow, CapabilityType, State
 from capabilities.runtimes import get_runtime
 from capabilities.services.placement import capability_page_in
-from sigil_site.errors import NotFound
+from sigil_site.errors import NotFound, Unavailable
 
 
 def capability_mark_inactive(*, now: datetime | None = None, batch_size: int = 500) -> int:
@@ -63,7 +63,9 @@ def capability_prewarm(*, now: datetime | None = None) -> list[str]:
     On a full runtime a capability is prewarmed only when its victim is colder than it and
     was not prewarmed in this same run (pager.prewarm_allows); the first that is not stops
     the run, as every one after it is colder still. The victim is judged on the pager's
-    state just before each page-in. Idempotent: what is live is left alone.
+    state just before each page-in. An account that refuses a page-in for want of room
+    (Cloudflare's 10037) ends the run: prewarm never pages out a capability it did not
+    judge. Idempotent: what is live is left alone.
     """
     runtime = get_runtime()
     if runtime.total_slots is None:
@@ -100,6 +102,8 @@ def capability_prewarm(*, now: datetime | None = None) -> list[str]:
             _, placed = capability_page_in(full=full, reason="prewarm")
         except NotFound:
             continue  # removed since the window was counted
+        except Unavailable:
+            break  # the account refused it for want of room (the owner was told): so it would the next
         if placed:  # not paged in by a call meanwhile
             warmed.append(full)
     return warmed

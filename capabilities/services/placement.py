@@ -119,8 +119,11 @@ RESTORE_LOCK_WAIT_SECONDS = 10
 class Room:
     """A placement on the runtime, made room for by the pager: see `placement_room`."""
 
-    def __init__(self, *, full: str, capability_type: str, expires_at: datetime | None) -> None:
+    def __init__(
+        self, *, full: str, capability_type: str, expires_at: datetime | None, page_out_for_account: bool = True
+    ) -> None:
         self.full = full
+        self.page_out_for_account = page_out_for_account
         self.capability_type = capability_type
         self.expires_epoch = expires_at.timestamp() if expires_at else None
         self.runtime = get_runtime()
@@ -163,7 +166,11 @@ class Room:
                 _place(self.full, self.slot, bundle, self.runtime)
                 return paged_out
             except SlotsExhausted as exc:
-                victim = _page_out_for_account(newcomer=self.full, deadline=deadline) if self.claim else None
+                victim = (
+                    _page_out_for_account(newcomer=self.full, deadline=deadline)
+                    if self.claim and self.page_out_for_account
+                    else None
+                )
                 runtime_account_full(runtime=self.runtime, full=self.full, paged_out=victim, refusal=str(exc))
                 if victim is None or time.monotonic() > deadline:
                     raise Unavailable(
@@ -236,16 +243,22 @@ class Room:
 
 
 @contextmanager
-def placement_room(*, full: str, capability_type: str, expires_at: datetime | None) -> Iterator[Room]:
+def placement_room(
+    *, full: str, capability_type: str, expires_at: datetime | None, page_out_for_account: bool = True
+) -> Iterator[Room]:
     """Place `full` on the runtime with `room.place(bundle)`, and record the placement in the
     database inside the block.
 
     Call with `full`'s placement lock held. On a runtime with a slot limit the pager's page-out
     runs in the seeds' order: victims are marked evicting (still served), the newcomer is
     placed and recorded, and only then are the victims deleted, in the background. If the
-    block raises, the victims are restored and the newcomer's claim is given back.
+    block raises, the victims are restored and the newcomer's claim is given back. Without
+    `page_out_for_account`, an account that refuses the newcomer (10037) sheds it rather
+    than paging out a capability the pager did not choose.
     """
-    room = Room(full=full, capability_type=capability_type, expires_at=expires_at)
+    room = Room(
+        full=full, capability_type=capability_type, expires_at=expires_at, page_out_for_account=page_out_for_account
+    )
     try:
         yield room
     except BaseException:
@@ -260,21 +273,34 @@ def _page_out_for_account(*, newcomer: str, deadline: float) -> str | None:
     until `deadline` (monotonic) at most. Returns its name, or None when none could go."""
     usage = pager.pager_usage()
     for victim in pager.pager_shed_excess(now=time.time(), slots=max(0, usage.used - 1)):
-        if victim.full == newcomer or not _mark_evicting(victim.full):
+        if victim.full == newcomer:
             continue
-        # Its calls in flight may finish first; after the deadline a count still held is
-        # taken for a call that will never end, as any page-out does at its own deadline.
-        wait_until = time.time() + max(0.0, deadline - time.monotonic())
-        while True:
-            try:
-                capability_page_out(full=victim.full, wait_until=wait_until)
-                return victim.full
-            except StillInFlight:
-                time.sleep(0.05)
-            except RuntimeUnavailable:
-                # Its delete failed: the page-out task finishes it; this placement is shed.
-                capability_page_out_task.delay_on_commit(full=victim.full)
-                return None
+        # A capability whose lock is held is being placed, paged or removed by another, or
+        # is the one this placement is for (a split's base, whose staged version this is):
+        # waiting for that lock could wait on this very placement, so it is passed over,
+        # back in its class (the shed moved it to the evicting set).
+        lock = placement_lock(victim.full, blocking=False)
+        if not lock.acquire():
+            pager.pager_restore(victim)
+            continue
+        try:
+            if not _mark_evicting(victim.full):
+                continue
+            # Its calls in flight may finish first; after the deadline a count still held is
+            # taken for a call that will never end, as any page-out does at its own deadline.
+            wait_until = time.time() + max(0.0, deadline - time.monotonic())
+            while True:
+                try:
+                    _page_out_locked(full=victim.full, wait_until=wait_until)
+                    return victim.full
+                except StillInFlight:
+                    time.sleep(0.05)
+                except RuntimeUnavailable:
+                    # Its delete failed: the page-out task finishes it; this placement is shed.
+                    capability_page_out_task.delay_on_commit(full=victim.full)
+                    return None
+        finally:
+            lock.release()
     return None
 
 
@@ -470,8 +496,11 @@ def capability_page_in(
     this call placed it.
 
     Concurrent callers for the same capability wait on one lock, so one placement serves
-    them all; a caller waits at most `wait_seconds` for it (0: not at all). Raises NotFound,
-    UpstreamError, Timeout (the wait ran out), PlacementUnderWay (with 0, the lock is held).
+    them all; a caller waits at most `wait_seconds` for it (0: not at all). A prewarm
+    (`reason="prewarm"`) pages out only the victims the pager chose, which prewarm judged:
+    when the account refuses it for want of room, it is shed. Raises NotFound,
+    UpstreamError, Timeout (the wait ran out), PlacementUnderWay (with 0, the lock is held),
+    Unavailable (the account is full).
     """
     with placement_lock_within(full, wait_seconds=wait_seconds):
         capability = (
@@ -487,7 +516,12 @@ def capability_page_in(
             started = time.perf_counter()
             current = capability.current_version
             bundle = bundle_for(current.code, capability, get_runtime(), version=current.number)
-            with placement_room(full=full, capability_type=capability.type, expires_at=capability.expires_at) as room:
+            with placement_room(
+                full=full,
+                capability_type=capability.type,
+                expires_at=capability.expires_at,
+                page_out_for_account=reason != "prewarm",
+            ) as room:
                 placement = room.place(bundle)
                 with transaction.atomic():
                     Capability.objects.filter(pk=capability.pk).update(
@@ -552,37 +586,40 @@ def capability_page_out(*, full: str, wait_until: float | None = None) -> bool:
     are in flight, RuntimeUnavailable when the runtime fails transiently.
     """
     with placement_lock(full, blocking=True):
-        capability = Capability.objects.select_related("agent").filter(full_name=full, state=State.EVICTING).first()
-        if capability is None:
-            get_redis().zrem(PAGE_OUTS_DUE_KEY, full)
-            return False
-        # The route first: a call that still found it served holds an in-flight count by the
-        # time this checks; one that did not goes to page it in, and waits for this lock.
-        leaving = copy.copy(capability)
-        leaving.state = State.PAGED_OUT
-        routes.route_publish(leaving)
-        if wait_until is None:
-            wait_until = time.time() + settings.SIGIL_INVOKE_TIMEOUT_SECONDS + PAGE_OUT_GRACE_SECONDS
-        if pager.pager_inflight(full) > 0 and time.time() < wait_until:
-            _page_out_due(full, within=PAGE_OUT_RECHECK_SECONDS)
-            raise StillInFlight(full, wait_until=wait_until)
-        try:
-            runtime_for(capability.backend).remove(slot=capability.slot)
-        except RuntimeUnavailable:
-            _page_out_due(full, within=MAX_COUNTDOWN_SECONDS)  # the task's retry
-            raise
-        with transaction.atomic():
-            changed = Capability.objects.filter(pk=capability.pk, state=State.EVICTING).update(
-                state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now()
-            )
-            if changed:
-                audit_record(
-                    actor="system", action="capability.evicted", agent_name=capability.agent.name, subject=full
-                )
-        pager.pager_forget(full)
+        return _page_out_locked(full=full, wait_until=wait_until)
+
+
+def _page_out_locked(*, full: str, wait_until: float | None) -> bool:
+    """`capability_page_out` with `full`'s placement lock held by the caller."""
+    capability = Capability.objects.select_related("agent").filter(full_name=full, state=State.EVICTING).first()
+    if capability is None:
         get_redis().zrem(PAGE_OUTS_DUE_KEY, full)
-        capability.refresh_from_db()
-        routes.route_publish(capability)
+        return False
+    # The route first: a call that still found it served holds an in-flight count by the
+    # time this checks; one that did not goes to page it in, and waits for this lock.
+    leaving = copy.copy(capability)
+    leaving.state = State.PAGED_OUT
+    routes.route_publish(leaving)
+    if wait_until is None:
+        wait_until = time.time() + settings.SIGIL_INVOKE_TIMEOUT_SECONDS + PAGE_OUT_GRACE_SECONDS
+    if pager.pager_inflight(full) > 0 and time.time() < wait_until:
+        _page_out_due(full, within=PAGE_OUT_RECHECK_SECONDS)
+        raise StillInFlight(full, wait_until=wait_until)
+    try:
+        runtime_for(capability.backend).remove(slot=capability.slot)
+    except RuntimeUnavailable:
+        _page_out_due(full, within=MAX_COUNTDOWN_SECONDS)  # the task's retry
+        raise
+    with transaction.atomic():
+        changed = Capability.objects.filter(pk=capability.pk, state=State.EVICTING).update(
+            state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now()
+        )
+        if changed:
+            audit_record(actor="system", action="capability.evicted", agent_name=capability.agent.name, subject=full)
+    pager.pager_forget(full)
+    get_redis().zrem(PAGE_OUTS_DUE_KEY, full)
+    capability.refresh_from_db()
+    routes.route_publish(capability)
     return bool(changed)
 
 

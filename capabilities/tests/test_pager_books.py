@@ -2,24 +2,30 @@
 its injected latency and failures), a real Celery worker. Every placed capability is in
 exactly one place of the pager's state and the database agrees, the account never holds
 more scripts than slots + margin, and a victim is deleted only after its replacement is
-placed, once its calls in flight have ended."""
+placed, once its calls in flight have ended. On an account whose owner's own Workers take
+more of the script limit than Sigil reserves for them, Cloudflare's refusals (10037) are a
+full pool: Sigil pages out and retries, or sheds, and tells the owner."""
 
 import os
 import random
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
+import requests
 from django.utils import timezone
 
 from agents.models import AuditEvent
 from capabilities import names, pager, services, stats
+from capabilities.cloudflare import CloudflareNotFound, CloudflareSlotsExhausted, CloudflareUnavailable
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime, runtimes_forget
+from capabilities.services.placement import PAGE_OUTS_DUE_KEY
 from capabilities.tasks import PAGE_OUT_RECHECK_SECONDS, RuntimeTask
-from sigil_site.errors import UpstreamError
+from sigil_site.errors import Conflict, Unavailable, UpstreamError
 from sigil_site.redis_client import get_redis
 from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
@@ -87,6 +93,19 @@ def settled():
     """No placement, page-out or slot release left to do."""
     usage = pager.pager_usage()
     return usage.placing == 0 and usage.evicting == 0 and not Capability.objects.filter(state="evicting").exists()
+
+
+def wait_settled(*, timeout, message):
+    """Wait until `settled`; if it never is, say what is still under way."""
+    try:
+        wait_for(settled, timeout=timeout, message=message)
+    except AssertionError as exc:
+        evicting = list(Capability.objects.filter(state="evicting").values_list("full_name", flat=True))
+        due = get_redis().zrange(PAGE_OUTS_DUE_KEY, 0, -1, withscores=True)
+        raise AssertionError(
+            f"{exc}: {pager.pager_usage()}, evicting in the database {evicting}, "
+            f"the pager's {pager.pager_locations()}, page-outs due {due}"
+        ) from None
 
 
 @pytest.fixture
@@ -273,9 +292,10 @@ def test_the_page_out_waits_the_invoke_timeout_and_still_has_its_failure_retries
     assert deletes[0]["time"] >= placed + settings.SIGIL_INVOKE_TIMEOUT_SECONDS
 
 
-def stress_plan(rng: random.Random, operations: int) -> list[tuple[str, str]]:
+def stress_plan(rng: random.Random, operations: int, *, owner: bool = False) -> list[tuple[str, str]]:
     """The operations of a stress run, drawn in advance so that a seed gives the same plan:
-    (call | deploy | remove | split, a capability name) or (expire | prewarm, "")."""
+    (call | deploy | remove | split, a capability name) or (expire | prewarm | owner, ""),
+    the owner's steps (adding or deleting a Worker of its own) only when `owner`."""
     plan = []
     for _ in range(operations):
         roll, name = rng.random(), f"c{rng.randrange(20)}"
@@ -289,20 +309,76 @@ def stress_plan(rng: random.Random, operations: int) -> list[tuple[str, str]]:
             plan.append(("split", name))
         elif roll < 0.95:
             plan.append(("prewarm", ""))
+        elif owner and roll >= 0.97:
+            plan.append(("owner", ""))
         else:
             plan.append(("expire", ""))
     return plan
 
 
-def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations):
+class OwnersWorkers:
+    """The owner's own Workers on the account, uploaded through Cloudflare's API without
+    Sigil: they share the account's script limit with Sigil's. `base` of them stay for the
+    whole run; one more comes and goes (`toggle`), so that the room left to Sigil changes
+    mid-run."""
+
+    EXTRA = "owners-extra"
+
+    def __init__(self, cf_client, *, base: int) -> None:
+        self.cf_client, self.base = cf_client, base
+        self.lock = threading.Lock()
+        self.changes = 0
+
+    def _upload(self, name: str) -> None:
+        site = {"main.js": code(f"the owner site {name}")}
+        self.cf_client.script_upload(name, modules=site, main_module="main.js", compatibility_date="2025-01-01")
+
+    def start(self) -> None:
+        for i in range(self.base):
+            self._upload(f"owners-{i}")
+
+    def toggle(self) -> None:
+        """Add the extra Worker, or delete it. The account may refuse the owner's upload as
+        it refuses Sigil's (10037), and Cloudflare's injected failures reach the owner too."""
+        with self.lock:
+            try:
+                if self.EXTRA in {s.id for s in self.cf_client.script_list()}:
+                    self.cf_client.script_delete(self.EXTRA)
+                else:
+                    self._upload(self.EXTRA)
+                self.changes += 1
+            except (CloudflareSlotsExhausted, CloudflareUnavailable, CloudflareNotFound):
+                pass
+
+
+def refusals_for_want_of_room(calls) -> int:
+    """Uploads of Sigil's pool scripts the account refused with 10037."""
+    return sum(1 for c in calls if c["method"] == "PUT" and SCRIPT_PATH.fullmatch(c["path"]) and c.get("code") == 10037)
+
+
+def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations, owner: OwnersWorkers | None = None):
     """Randomized concurrent calls, deploys, removes, expiries, traffic splits (staged
     versions placed beside their capability, then promoted or aborted) and prewarm runs of
     20 capabilities on six slots, with Cloudflare's latency and failures injected; then the
-    books, and every capability answering with its current code."""
+    books, and every capability answering with its current code.
+
+    With `owner`, the owner's own Workers take more of the account's script limit than
+    Sigil reserves for them, and come and go mid-run: the account refuses Sigil's uploads
+    with 10037 though the pager has a slot, and Sigil pages out for it or sheds (503)."""
     from capabilities.services import capability_expire_ephemerals
 
-    print(f"pager stress seed: {seed}")
-    plan = stress_plan(random.Random(seed), operations)
+    print(f"pager stress seed: {seed}" + (f", the owner's Workers taking {owner.base}+ scripts" if owner else ""))
+    plan = stress_plan(random.Random(seed), operations, owner=owner is not None)
+    # Only a full account sheds a placement: without the owner's Workers, a 503 is a bug.
+    shed = {503} if owner else set()
+
+    def answered(response, statuses):
+        assert response.status_code in statuses | shed, (response.status_code, response.text)
+        if response.status_code == 503:
+            error = response.json()["error"]
+            assert error["code"] == "unavailable" and "no room" in error["message"], error
+            assert int(response.headers["Retry-After"]) > 0
+
     # c0, c4, ... are ephemeral: Sigil names them (t-...), so the plan's name maps to the
     # latest one deployed for it; their TTLs are short enough that some expire mid-run.
     kinds = {f"c{i}": ("persistent", "normal", "normal", "ephemeral")[i % 4] for i in range(20)}
@@ -329,7 +405,7 @@ def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations):
                 failed_deploys.setdefault(f"alice--{name}", set()).add(text)
         # 409: a deploy of the same capability is under way; 502: Cloudflare failed past
         # the client's retries; 429: the agent's live ephemerals are at their limit.
-        assert response.status_code in (200, 201, 409, 429, 502), response.text
+        answered(response, {200, 201, 409, 429, 502})
 
     def split_one(step, name):
         """Stage a version and send half the callers to it; or end the split running."""
@@ -343,13 +419,13 @@ def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations):
         if capability.split_weight is None:
             staged = alice.deploy(name=name, code=code(f"{name} staged at step {step}"), stage=True)
             # 404: removed meanwhile; 409: a split started meanwhile.
-            assert staged.status_code in (200, 404, 409), staged.text
+            answered(staged, {200, 404, 409})
             response = alice.session.put(base, json={"weight": 50}, headers=headers, timeout=60)
         else:
             how = ("promote", "abort")[step % 2]
             response = alice.session.post(f"{base}/{how}", headers=headers, timeout=60)
         # 404: removed; 409: nothing staged, or a placement of it under way; 502: Cloudflare failed.
-        assert response.status_code in (200, 404, 409, 502), response.text
+        answered(response, {200, 404, 409, 502})
 
     def prewarm_once():
         before = AuditEvent.objects.order_by("-id").values_list("id", flat=True).first() or 0
@@ -358,18 +434,34 @@ def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations):
             warmed = services.capability_prewarm()
         except UpstreamError:
             return  # a page-in met Cloudflare's failures: the task runs it again
-        round_events = AuditEvent.objects.filter(
-            id__gt=before, action="capability.paged_in", subject__in=warmed, detail__reason="prewarm"
-        )
-        evicted = {event.detail["evicted"] for event in round_events} - {None}
-        assert not evicted & set(warmed), (warmed, evicted)  # never what it placed this round
+        except Unavailable:
+            if owner is None:
+                raise
+            return  # a page-in was shed on the full account: the task runs it again
+        # Never what it placed earlier this round: neither the victim a page-in chose, nor
+        # what a refusal of the account paged out for it (told before its page-in was).
+        # A capability a call paged in meanwhile may be a victim, and prewarmed after it.
+        paged_in = {
+            e.subject: e
+            for e in AuditEvent.objects.filter(
+                id__gt=before, action="capability.paged_in", subject__in=warmed, detail__reason="prewarm"
+            )
+        }
+        refused = AuditEvent.objects.filter(id__gt=before, action="runtime.account_full", detail__capability__in=warmed)
+        victims = [(full, e.detail["evicted"], "chosen") for full, e in paged_in.items()] + [
+            (e.detail["capability"], e.detail["paged_out"], "for the account")
+            for e in refused
+            if e.detail["capability"] in paged_in and e.id < paged_in[e.detail["capability"]].id
+        ]
+        for full, victim, how in victims:
+            assert victim not in warmed[: warmed.index(full)], (warmed, full, victim, how)
 
     def run(step, action, name):
         full = full_of(name) if name else None
         if action == "call" and full:
             response = alice.call("/" + full.replace("--", "/", 1))
             # 404: removed or expired by another step; 502: its page-in met Cloudflare's failures.
-            assert response.status_code in (200, 404, 502), (full, response.status_code, response.text)
+            answered(response, {200, 404, 502})
         elif action == "deploy":
             deploy_one(step, name)
         elif action == "remove" and full:
@@ -383,22 +475,45 @@ def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations):
             split_one(step, name)
         elif action == "prewarm":
             prewarm_once()
+        elif action == "owner":
+            owner.toggle()
 
+    if owner:
+        owner.start()
     for name in sorted(kinds):  # all twenty first: most calls then page in
         deploy_one(-1, name)
     # The gateway asks Cloudflare for the account's workers.dev subdomain on its first call,
     # and does not answer in the contract if that fails: not this test's subject.
     assert alice.call("/alice/c1").status_code == 200
+    if owner:
+        # The traffic starts with the owner's extra Worker on the account, uploaded once
+        # Sigil's page-outs leave it room.
+        wait_settled(timeout=60, message="the first page-outs")
+        owner.toggle()
+        assert owner.changes == 1
+    traffic_starts = len(emulator.api_calls())
     emulator.configure(latency=0.02, fault_rate=0.05, fault_seed=seed)
     with ThreadPoolExecutor(max_workers=6) as pool:
         for future in [pool.submit(run, step, *item) for step, item in enumerate(plan)]:
             future.result()
 
     emulator.configure(latency=0, fault_rate=0)
+
     # The splits still running end, so that every caller gets the current version.
-    for capability in Capability.objects.exclude(state="removed").filter(split_weight__isnull=False):
-        services.capability_split_abort(capability=capability, actor="owner:test")
-    wait_for(settled, timeout=60, message="all page-outs and releases to finish")
+    def split_aborted(pk):
+        capability = Capability.objects.exclude(state="removed").filter(pk=pk, split_weight__isnull=False).first()
+        if capability is None:
+            return True
+        try:
+            services.capability_split_abort(capability=capability, actor="owner:test")
+        except Conflict:
+            return False  # a placement of it is still under way (a deploy's retries, a page-out)
+        return True
+
+    splitting = Capability.objects.exclude(state="removed").filter(split_weight__isnull=False)
+    for pk in splitting.values_list("pk", flat=True):
+        wait_for(lambda pk=pk: split_aborted(pk), timeout=60, message="the split's placement lock")
+    wait_settled(timeout=60, message="all page-outs and releases to finish")
     evictions = AuditEvent.objects.filter(action="capability.evicted").count()
     faults = len([c for c in emulator.api_calls() if c["status"] >= 500])
     print(f"{evictions} evictions, {faults} injected Cloudflare failures")
@@ -407,6 +522,15 @@ def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations):
     prewarmed = AuditEvent.objects.filter(action="capability.paged_in", detail__reason="prewarm").count()
     print(f"{splits} splits started, {prewarmed} prewarmed")
     assert splits >= 3  # staged versions took slots of their own
+    calls = emulator.api_calls()
+    refusals, during_traffic = refusals_for_want_of_room(calls), refusals_for_want_of_room(calls[traffic_starts:])
+    told = AuditEvent.objects.filter(action="runtime.account_full")
+    print(f"{refusals} uploads refused for want of room ({during_traffic} mid-run), {told.count()} told")
+    if owner:
+        assert during_traffic >= 1  # the account really was full mid-run
+        warning = requests.get(f"{alice.base_url}/_health", timeout=10).json()["warnings"]
+        assert any("refused a script for want of room" in w for w in warning), warning
+    assert told.count() == refusals  # every refusal was told to the owner
     assert book_problems(scripts_on_cloudflare) == []
     runtime = get_runtime()
     assert most_scripts_at_once(emulator) <= runtime.total_slots + runtime.safety_margin
@@ -420,11 +544,12 @@ def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations):
         .select_related("current_version")
     )
     for capability in alive:
+        # The owner's Workers still take their share: a page-in now meets its refusals alone.
         response = alice.call("/" + capability.full_name.replace("--", "/", 1))
         text = re.search(r"new Response\('(.*)'\)", capability.current_version.code)[1]
         assert response.status_code == 200, (capability.full_name, response.text)
         assert response.text in {text} | failed_deploys.get(capability.full_name, set()), capability.full_name
-    wait_for(settled, timeout=60, message="the last page-outs")
+    wait_settled(timeout=60, message="the last page-outs")
     assert book_problems(scripts_on_cloudflare) == []
     assert services.capability_reconcile() == {
         "orphans_removed": 0,
@@ -433,6 +558,10 @@ def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations):
         "shed": 0,
         **NOTHING_REAPED,
     }
+    assert told.count() == refusals_for_want_of_room(emulator.api_calls())
+    if owner:
+        owners = [s for s in scripts_on_cloudflare() if s.startswith("owners-")]
+        assert len(owners) >= owner.base  # Sigil never touched the owner's Workers
 
 
 @pytest.fixture
@@ -445,15 +574,44 @@ def six_slots(worker_pool, settings):
     return worker_pool
 
 
+def owners_share(emulator, cf_client) -> OwnersWorkers:
+    """The account's real limit is the quota Sigil was told (11 scripts, the system script
+    elsewhere), but the owner runs 3 Workers of its own where 2 were reserved, and a fourth
+    comes and goes: Sigil's six slots and margin of two (8 scripts) meet 10037 at 7, or 6."""
+    emulator.configure(script_limit=11 - 1)
+    return OwnersWorkers(cf_client, base=3)
+
+
 def test_randomized_concurrent_traffic_keeps_the_books(six_slots, alice, celery_worker, scripts_on_cloudflare):
     run_stress(
         seed=20261201, alice=alice, emulator=six_slots, scripts_on_cloudflare=scripts_on_cloudflare, operations=300
     )
 
 
+def test_randomized_traffic_on_an_account_the_owners_workers_share_keeps_the_books(
+    six_slots, alice, celery_worker, cf_client, scripts_on_cloudflare
+):
+    run_stress(
+        seed=20261202,
+        alice=alice,
+        emulator=six_slots,
+        scripts_on_cloudflare=scripts_on_cloudflare,
+        operations=300,
+        owner=owners_share(six_slots, cf_client),
+    )
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("shared", [False, True], ids=["sigil-alone", "owners-workers-share"])
 def test_randomized_concurrent_traffic_keeps_the_books_on_a_random_seed(
-    six_slots, alice, celery_worker, scripts_on_cloudflare
+    shared, six_slots, alice, celery_worker, cf_client, scripts_on_cloudflare
 ):
     seed = int(os.environ.get("SIGIL_STRESS_SEED") or random.SystemRandom().randrange(2**32))
-    run_stress(seed=seed, alice=alice, emulator=six_slots, scripts_on_cloudflare=scripts_on_cloudflare, operations=600)
+    run_stress(
+        seed=seed,
+        alice=alice,
+        emulator=six_slots,
+        scripts_on_cloudflare=scripts_on_cloudflare,
+        operations=600,
+        owner=owners_share(six_slots, cf_client) if shared else None,
+    )
