@@ -202,7 +202,7 @@ def test_a_kill_9_of_the_emulator_leaves_no_workerd(tmp_path):
         emulator.kill()
         emulator.wait()
         wait_until(lambda: not any(is_alive(pid) for pid in workerd), timeout=5, what="its workerd to end")
-        assert not port_is_open(workerd_port)
+        wait_until(lambda: not port_is_open(workerd_port), timeout=5, what="its port to close")
     finally:
         if emulator.poll() is None:
             emulator.kill()
