@@ -74,8 +74,10 @@ logger = logging.getLogger("capabilities.gateway")
 access_logger = logging.getLogger("sigil.access")
 
 # What the engine drops from the caller's request besides hop-by-hop fields: the caller's
-# credentials, and (below) anything posing as Sigil's internal headers.
-DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"authorization", "host", "content-length"}
+# credentials, the length it writes itself, and (below) anything posing as Sigil's internal
+# headers. The caller's Host goes on (the capability's request.url names the host it was
+# called at), unless the route names the host its runtime needs.
+DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"authorization", "content-length"}
 # Cloudflare stopped the capability at its limits. Sigil's own Workers answer `exceeded-cpu`
 # (with "ran past its CPU limit of N ms") when they see it; an unmarked 1102, which does not
 # say whether CPU or memory ran out, is read as EXCEEDED_LIMITS (Runtime.stopped_at_limits).
