@@ -256,13 +256,20 @@ async def run_call(engine: Engine, record: dict[str, bytes], request_id: str) ->
     return async_calls.CallResult(answer.status, _kept_headers(answer.headers), bytes(kept), truncated)
 
 
-async def run_once(call_id: str) -> None:
-    """Run one call on an engine of its own (async_calls.async_call_run)."""
-    engine = Engine()
-    try:
-        await execute(engine, call_id)
-    finally:
-        await engine.aclose()
+def run_now(*, call_id: str) -> None:
+    """Run one accepted call now, outside the runners (an owner's command, a test), on an
+    engine of its own. Idempotent: a call already done is not run again, and its callback is
+    queued once. A record that has expired is dropped."""
+
+    async def run() -> None:
+        engine = Engine()
+        try:
+            await execute(engine, call_id)
+            await engine.redis.lrem(async_calls.QUEUE_KEY, 0, call_id)
+        finally:
+            await engine.aclose()
+
+    asyncio.run(run())
 
 
 def _kept_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -177,18 +177,6 @@ return 1
 """
 
 
-def async_call_run(*, call_id: str) -> None:
-    """Run one accepted call now, outside the runners (an owner's command, a test), on an engine
-    of its own. Idempotent: a call already done is not run again, and its callback is queued
-    once. A record that has expired is dropped."""
-    import asyncio
-
-    from capabilities.engine.runner import run_once
-
-    asyncio.run(run_once(call_id))
-    get_redis().lrem(QUEUE_KEY, 0, call_id)
-
-
 def async_call_get(*, principal: Principal, call_id: str) -> AsyncCall:
     """The call as its caller sees it. Raises NotFound for an unknown or expired call, and
     for another agent's (whose calls are not revealed to exist)."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from agents.models import Agent, AuditEvent
+from capabilities.engine import runner
 from capabilities.models import Capability
 from capabilities.services import async_calls
 from sigil_site.encryption import secret_encrypt
@@ -163,7 +164,7 @@ def test_a_call_whose_token_is_revoked_before_it_runs_is_refused(alice, settings
     status_url = accepted(alice.call("/alice/ping", headers=ASYNC))
     token = Token.objects.get(secret_hash=tokens.hash_secret(alice.invoke_token))
     services.token_revoke(token=token, actor="owner:test")
-    async_calls.async_call_run(call_id=status_url.rsplit("/", 1)[1])  # what a runner does
+    runner.run_now(call_id=status_url.rsplit("/", 1)[1])  # what a runner does
     result = result_of(alice, status_url)
     assert result.status_code == 401 and result.json()["error"]["code"] == "unauthenticated"
 
@@ -202,7 +203,7 @@ def test_a_callback_is_checked_again_when_it_is_delivered(alice, settings, webho
     status_url = accepted(alice.call("/alice/ping", headers={**ASYNC, "X-Callback-Url": webhook_receiver.url}))
     # As if the name had come to resolve to a private address since it was accepted.
     settings.SIGIL_CALLBACK_ALLOWED_NETWORKS = []
-    async_calls.async_call_run(call_id=status_url.rsplit("/", 1)[1])  # the callback goes to the worker
+    runner.run_now(call_id=status_url.rsplit("/", 1)[1])  # the callback goes to the worker
     assert result_of(alice, status_url).text == "pong"  # the result itself is kept
     refused = wait_for(
         lambda: AuditEvent.objects.filter(action="webhook.refused", subject="alice--ping").first(),
@@ -230,7 +231,7 @@ def test_running_a_call_again_after_it_is_done_changes_nothing(alice, webhook_re
     assert result_of(alice, status_url).text == "pong"
     wait_for(lambda: webhook_receiver.received, message="the callback")
     call_id = status_url.rsplit("/", 1)[1]
-    async_calls.async_call_run(call_id=call_id)  # run again, as after a runner's loss
+    runner.run_now(call_id=call_id)  # run again, as after a runner's loss
     assert int(get_redis().hget(async_calls.record_key(call_id), "attempts")) == 1
     assert len(webhook_receiver.received) == 1
 
@@ -291,7 +292,7 @@ def test_an_agent_with_its_limit_of_calls_waiting_is_refused_until_one_has_run(a
     assert refused.headers["Retry-After"] == "1"
     accepted(bob.call("/alice/ping", headers=ASYNC))  # another agent's calls are its own
 
-    async_calls.async_call_run(call_id=waiting[0].rsplit("/", 1)[1])  # one runs: room for one more
+    runner.run_now(call_id=waiting[0].rsplit("/", 1)[1])  # one runs: room for one more
     assert result_of(alice, waiting[0]).text == "pong"
     accepted(alice.call("/alice/ping", headers=ASYNC))
     assert alice.call("/alice/ping", headers=ASYNC).status_code == 429
