@@ -407,7 +407,7 @@ def access_log(caplog):
     import json
     import logging
 
-    from sigil_site.logs import SigilFormatter
+    from sigil.logs import SigilFormatter
 
     caplog.set_level(logging.INFO, logger="sigil.access")
     as_json = SigilFormatter(kind="json")

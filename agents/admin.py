@@ -21,8 +21,8 @@ from django.utils.http import urlencode
 from agents import egress, services
 from agents.models import Agent, AuditEvent, Token
 from capabilities.names import validate_agent_name
-from sigil_site.errors import SigilError
-from sigil_site.redis_client import get_redis
+from sigil.errors import SigilError
+from sigil.redis_client import get_redis
 
 # The state of a capability that is gone (capabilities.models.State.REMOVED); named here
 # because agents never imports capabilities.

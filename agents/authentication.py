@@ -11,8 +11,8 @@ from rest_framework.authentication import BaseAuthentication, SessionAuthenticat
 from agents import tokens
 from agents.selectors import parse_bearer
 from agents.throttle import FailedAuthThrottle
-from sigil_site.errors import WWW_AUTHENTICATE
-from sigil_site.redis_client import get_redis
+from sigil.errors import WWW_AUTHENTICATE
+from sigil.redis_client import get_redis
 
 
 class BearerTokenAuthentication(BaseAuthentication):

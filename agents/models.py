@@ -6,7 +6,7 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
-from sigil_site.encryption import secret_decrypt, secret_encrypt
+from sigil.encryption import secret_decrypt, secret_encrypt
 
 
 class Agent(models.Model):
@@ -19,7 +19,7 @@ class Agent(models.Model):
         blank=True, help_text="Where Sigil posts this agent's alerts (breaker opened, error rate, inactive)."
     )
     # The key of the HMAC-SHA256 in each delivery's X-Sigil-Signature header, shared with the
-    # agent: encrypted at rest (sigil_site.encryption); read and set as `webhook_secret`.
+    # agent: encrypted at rest (sigil.encryption); read and set as `webhook_secret`.
     webhook_secret_encrypted = models.TextField(blank=True, editable=False)
     # This agent's own shares of each web process (capabilities/engine/shares.py); empty: the
     # SIGIL_AGENT_* defaults.

@@ -7,8 +7,8 @@ import time
 from agents import tokens
 from agents.models import Token
 from agents.tokens import Principal
-from sigil_site.errors import Unauthenticated
-from sigil_site.redis_client import get_redis
+from sigil.errors import Unauthenticated
+from sigil.redis_client import get_redis
 
 
 def token_authenticate(secret: str, *, cached: bytes | None = None) -> Principal:

@@ -20,8 +20,8 @@ from django.utils import timezone
 from agents import a2a, egress, tokens
 from agents.models import Agent, AuditEvent, Scope, Token
 from capabilities.names import validate_agent_name
-from sigil_site.errors import Conflict, InvalidRequest, QuotaExceeded
-from sigil_site.redis_client import get_redis
+from sigil.errors import Conflict, InvalidRequest, QuotaExceeded
+from sigil.redis_client import get_redis
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from django.conf import settings
 
 from agents.selectors import token_authenticate
 from agents.tokens import Principal, stamp_used
-from sigil_site.errors import RateLimited, Unauthenticated
+from sigil.errors import RateLimited, Unauthenticated
 
 
 def client_address(meta: Mapping[str, str], *, proxies: int) -> str:

@@ -72,7 +72,7 @@ def main() -> int:
     args = parser.parse_args()
 
     var_dir = Path(tempfile.mkdtemp(prefix="sigil-bench-mcp-"))
-    from sigil_site.embedded_redis import EmbeddedRedis
+    from sigil.embedded_redis import EmbeddedRedis
 
     embedded = EmbeddedRedis(var_dir / "redis")
     embedded.start()

@@ -35,7 +35,7 @@ def main() -> int:
 
     embedded = None
     if not os.environ.get("REDIS_URL"):
-        from sigil_site.embedded_redis import EmbeddedRedis
+        from sigil.embedded_redis import EmbeddedRedis
 
         embedded = EmbeddedRedis(Path(tempfile.mkdtemp(prefix="sigil-bench-")))
         embedded.start()
@@ -49,7 +49,7 @@ def main() -> int:
 
     django.setup()
     from capabilities import pager
-    from sigil_site.redis_client import get_redis
+    from sigil.redis_client import get_redis
 
     redis = get_redis()
     print(f"{'registered':>10} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}  target <= {TARGET_MS} ms")

@@ -45,7 +45,7 @@ from invoke import ROOT, Processes, deploy, manage, wait_for_health  # noqa: E40
 
 from capabilities.supervision import read_status  # noqa: E402
 from capabilities.workerd import free_port, free_port_block  # noqa: E402
-from sigil_site.embedded_redis import EmbeddedRedis  # noqa: E402
+from sigil.embedded_redis import EmbeddedRedis  # noqa: E402
 from testsupport.servers import server_command  # noqa: E402
 
 SLOW = "export default { async fetch() { await new Promise(r => setTimeout(r, %d)); return new Response('slow') } }"

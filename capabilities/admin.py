@@ -39,8 +39,8 @@ from capabilities.models import (
     VersionPlacement,
 )
 from capabilities.runtimes.errors import RuntimeFailure
-from sigil_site import charts
-from sigil_site.errors import SigilError
+from sigil import charts
+from sigil.errors import SigilError
 
 # What an action may fail with: Sigil's API errors, and a runtime failing under it.
 ACTION_ERRORS = (SigilError, RuntimeFailure)

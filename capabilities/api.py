@@ -43,7 +43,7 @@ from capabilities.parsers import LimitedJSONParser
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.errors import RuntimeUnavailable
 from capabilities.services import async_calls
-from sigil_site.errors import (
+from sigil.errors import (
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
@@ -51,7 +51,7 @@ from sigil_site.errors import (
     Unauthenticated,
     error_response,
 )
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 
 
 class StrictBooleanField(serializers.BooleanField):

@@ -12,8 +12,8 @@ import re
 
 from capabilities.models import Binding, BindingKind
 from capabilities.runtimes.base import ResolvedBinding, secret_fingerprint
-from sigil_site.encryption import secret_decrypt, secrets_key
-from sigil_site.errors import Forbidden, InvalidRequest
+from sigil.encryption import secret_decrypt, secrets_key
+from sigil.errors import Forbidden, InvalidRequest
 
 DECLARATION = re.compile(r"(?P<kind>[A-Z0-9]+):(?P<name>[A-Z][A-Z0-9_]{0,63})")
 

@@ -28,8 +28,8 @@ from capabilities import failures, names
 from capabilities.models import BreakerState
 from capabilities.tasks import capability_record_breaker as capability_record_breaker_task
 from capabilities.tasks import capability_split_guard as capability_split_guard_task
-from sigil_site.errors import Degraded
-from sigil_site.redis_client import get_redis
+from sigil.errors import Degraded
+from sigil.redis_client import get_redis
 
 # The open key's value when the owner forced the breaker; otherwise it holds the epoch
 # (seconds) the cool-down ends at.

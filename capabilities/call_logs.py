@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from capabilities import names, routes
-from sigil_site.errors import InvalidRequest
-from sigil_site.redis_client import get_redis
+from sigil.errors import InvalidRequest
+from sigil.redis_client import get_redis
 
 SEQ_KEY = "sigil:logs:seq"
 LOST_KEY = "sigil:logs:lost"

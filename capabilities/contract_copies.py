@@ -13,7 +13,7 @@ import json
 
 from capabilities.contracts import Contract
 from capabilities.models import Capability, CapabilityVersion, State
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 
 TOMBSTONE = b"-"
 TTL_SECONDS = 3600

@@ -20,7 +20,7 @@ from referencing import Registry
 from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT202012
 
-from sigil_site.errors import InvalidRequest
+from sigil.errors import InvalidRequest
 
 DESCRIPTION_MAX_CHARS = 4096
 EXAMPLES_MAX = 10

@@ -26,7 +26,7 @@ from agents.models import AuditEvent
 from capabilities import pager, stats
 from capabilities.cloudflare import api_calls_hour_key
 from capabilities.models import Capability, CapabilityStatsWindow, State
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 
 DAYS_PER_MONTH = 30
 # The share of calls that may be cold for a slot count to be enough.

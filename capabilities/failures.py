@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from django.conf import settings
 
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 
 # The longest message kept: a first line of an exception, or the start of a 5xx body.
 MESSAGE_MAX_CHARS = 500

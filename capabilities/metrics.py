@@ -16,7 +16,7 @@ from capabilities import call_logs, stats
 from capabilities.cloudflare import API_CALLS_KEY, API_RATE_LIMITED_KEY
 from capabilities.models import BreakerState, Capability, State
 from capabilities.runtimes import get_runtime
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 
 
 def _escape(value: str) -> str:

@@ -7,7 +7,7 @@ import hmac
 import re
 import secrets
 
-from sigil_site.errors import InvalidRequest
+from sigil.errors import InvalidRequest
 
 AGENT_RULE = "^[a-z][a-z0-9-]{0,30}$ with no '--'"
 CAPABILITY_RULE = "^[a-z0-9][a-z0-9-]{0,40}$ with no '--'"

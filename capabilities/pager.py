@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-from capabilities import leases
 from capabilities.models import Capability, CapabilityType, State
-from sigil_site.redis_client import get_redis
+from sigil import leases
+from sigil.redis_client import get_redis
 
 # Eviction order of the seed: expired ephemerals, then ephemerals, normals, persistents.
 CLASS_ORDER = (CapabilityType.EPHEMERAL, CapabilityType.NORMAL, CapabilityType.PERSISTENT)

@@ -7,7 +7,7 @@ import io
 from django.conf import settings
 from rest_framework.parsers import JSONParser
 
-from sigil_site.errors import InvalidRequest, TooLarge
+from sigil.errors import InvalidRequest, TooLarge
 
 
 class LimitedJSONParser(JSONParser):

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 
 from capabilities.models import Capability, State
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 
 TOMBSTONE = b"-"
 TTL_SECONDS = 3600

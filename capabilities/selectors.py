@@ -24,7 +24,7 @@ from capabilities.models import (
     VersionPlacement,
 )
 from capabilities.runtimes import get_runtime
-from sigil_site.errors import Forbidden, InvalidRequest, NotFound
+from sigil.errors import Forbidden, InvalidRequest, NotFound
 
 SEARCH_MAX_CHARS = 200
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from agents import tokens
 from capabilities import breaker, failures, pager
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 
 # Upper bounds (ms) of the latency histogram's buckets; one more bucket holds the rest.
 LATENCY_BUCKETS_MS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sigil_site.lifetime import PidFiles, die_with_parent
+from sigil.lifetime import PidFiles, die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class WorkerdHost:
 
     @property
     def pid_name(self) -> str:
-        """Its pid file's name in `state_dir` (sigil_site.lifetime.PidFiles)."""
+        """Its pid file's name in `state_dir` (sigil.lifetime.PidFiles)."""
         return f"workerd-{self.port}"
 
     def write_config(self) -> Path:

@@ -18,7 +18,7 @@ from django.utils.http import urlencode
 from agents.admin import SelectionChecked
 from agents.models import Agent
 from capabilities.dashboard import dashboard_get
-from sigil_site import charts
+from sigil import charts
 from sigil_site.beat import beat_schedule_list
 
 admin.site.site_header = "Sigil"

@@ -19,7 +19,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sigil_site.settings")
 from django.conf import settings
 from django.core.asgi import get_asgi_application
 
-from sigil_site.request_id import new_request_id, set_request_id
+from sigil.request_id import new_request_id, set_request_id
 
 django_application = get_asgi_application()
 
@@ -51,7 +51,7 @@ class SigilApplication:
         kind = scope["type"]
         if kind == "lifespan":
             return await self.lifespan(receive, send)
-        # Every line logged while serving this request names it (sigil_site/logs.py).
+        # Every line logged while serving this request names it (sigil/logs.py).
         request_id = new_request_id()
         set_request_id(request_id)
         path = scope["path"]

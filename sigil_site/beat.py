@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 from celery.schedules import schedule as celery_schedule
 from django.conf import settings
 
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 
 LAST_RUN_KEY = "sigil:beat:last-run"
 

@@ -2,7 +2,7 @@
 
 Every Celery beat (`celery -A sigil_site beat` on a production host, the one `make run`
 embeds in its worker) runs this scheduler; only the one holding the lease (a
-`capabilities.leases.Lease`, renewed by its process every third of SIGIL_LEASE_SECONDS)
+`sigil.leases.Lease`, renewed by its process every third of SIGIL_LEASE_SECONDS)
 sends periodic tasks. When that host dies its lease runs out within SIGIL_LEASE_SECONDS and
 the next beat to tick takes it, so two hosts never send the schedule twice and a lost
 host's schedule does not stop.
@@ -18,7 +18,7 @@ import logging
 from celery.beat import PersistentScheduler
 from redis.exceptions import LockError, RedisError
 
-from capabilities.leases import Lease, lease_seconds
+from sigil.leases import Lease, lease_seconds
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ app.autodiscover_tasks()
 
 
 # Celery logs through Sigil's own configuration (one format for every process, see
-# sigil_site/logs.py) instead of replacing the root logger's handlers with its own.
+# sigil/logs.py) instead of replacing the root logger's handlers with its own.
 @setup_logging.connect
 def _sigil_logging(**kwargs) -> None:
     import logging.config
@@ -31,14 +31,14 @@ def _sigil_logging(**kwargs) -> None:
 # A task's log lines carry its id as their request id (the id its failure is logged under).
 @task_prerun.connect
 def _name_task_lines(task_id=None, **kwargs) -> None:
-    from sigil_site.request_id import set_request_id
+    from sigil.request_id import set_request_id
 
     set_request_id(task_id)
 
 
 @task_postrun.connect
 def _end_task_lines(**kwargs) -> None:
-    from sigil_site.request_id import set_request_id
+    from sigil.request_id import set_request_id
 
     set_request_id(None)
 
@@ -53,8 +53,8 @@ def _remember_success(sender=None, **kwargs) -> None:
 
 @task_failure.connect
 def _remember_failure(sender=None, task_id=None, exception=None, **kwargs) -> None:
+    from sigil.errors import SigilError, error_for_unexpected
     from sigil_site.beat import beat_record_run
-    from sigil_site.errors import SigilError, error_for_unexpected
 
     # In the contract's terms. An unexpected error's request id is the task id, which
     # Celery's own log line of the traceback names too ("Task name[id] raised unexpected").
@@ -63,7 +63,7 @@ def _remember_failure(sender=None, task_id=None, exception=None, **kwargs) -> No
 
 
 # A Celery worker places capabilities: it makes Sigil's own Worker ready as it starts, as the
-# web process does (sigil_site/wsgi.py), so a worker alone is enough on a fresh account.
+# web process does (sigil_site/asgi.py), so a worker alone is enough on a fresh account.
 @worker_ready.connect
 def _runtime_ready(sender=None, **kwargs) -> None:
     from capabilities.services import runtime_ready

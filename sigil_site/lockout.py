@@ -11,8 +11,8 @@ from django.core.cache import cache
 from django.http import HttpResponse
 from django.shortcuts import render
 
-from sigil_site.errors import retry_after_header
-from sigil_site.redis_client import get_redis
+from sigil.errors import retry_after_header
+from sigil.redis_client import get_redis
 
 
 class LockoutCacheHandler(AxesCacheHandler):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.http import HttpResponse
 
-from sigil_site.request_id import current_request_id, new_request_id
+from sigil.request_id import current_request_id, new_request_id
 
 # The owner's console runs only the admin's own script files (no inline script, no other
 # origin), so injected markup cannot run code there. Inline styles stay allowed: Django's
@@ -44,7 +44,7 @@ class RequestId:
         self.get_response = get_response
 
     def __call__(self, request):
-        # sigil_site/wsgi.py gave the request its id (and the log its context) already.
+        # sigil_site/asgi.py gave the request its id (and the log its context) already.
         request.request_id = current_request_id() or new_request_id()
         response = self.get_response(request)
         response["X-Request-Id"] = request.request_id

@@ -1,6 +1,6 @@
 """What the OpenAPI schema (/_api/schema, /_api/schema/docs) says beyond the views: its
 operation groups, and the routes served outside DRF's views, which drf-spectacular cannot
-see: the capability call (sigil_site/wsgi.py's gateway), /_mcp, /llms.txt and /metrics."""
+see: the capability call (capabilities/engine/, mounted by sigil_site/asgi.py), /_mcp, /llms.txt and /metrics."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 from kombu import Queue
 
-from sigil_site import ports as sigil_ports
-from sigil_site import var_dir
-from sigil_site.logs import logging_config, process_name
+from sigil import ports as sigil_ports
+from sigil import var_dir
+from sigil.logs import logging_config, process_name
 from sigil_site.schema import TAGS as SCHEMA_TAGS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -306,7 +306,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["agents.permissions.HasInvokeScope"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["capabilities.parsers.LimitedJSONParser"],
-    "EXCEPTION_HANDLER": "sigil_site.errors.exception_handler",
+    "EXCEPTION_HANDLER": "sigil.errors.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
 }
@@ -505,7 +505,7 @@ SIGIL_OWNER_PASSWORD = env_secret("SIGIL_OWNER_PASSWORD")
 
 SIGIL_WORKERD_BIN = env_str("SIGIL_WORKERD_BIN", str(BASE_DIR / "node_modules" / ".bin" / "workerd"))
 # Each agent's capabilities run in a workerd of their own, on this port plus the agent's index.
-# Unset: what runsigil chose from PORT and recorded under VAR_DIR (sigil_site/ports.py).
+# Unset: what runsigil chose from PORT and recorded under VAR_DIR (sigil/ports.py).
 SIGIL_WORKERD_PORT = env_int("SIGIL_WORKERD_PORT", sigil_ports.recorded(VAR_DIR).get("workerd", 8788))
 # Resident memory (MB) past which an agent's workerd is stopped and started afresh.
 SIGIL_WORKERD_MEMORY_MB = env_int("SIGIL_WORKERD_MEMORY_MB", 512)
@@ -530,7 +530,7 @@ SIGIL_POOL_REDIRECT = env_bool("SIGIL_POOL_REDIRECT", False)
 # its lock at most this long while its process lives.
 SIGIL_PLACEMENT_LOCK_SECONDS = env_int("SIGIL_PLACEMENT_LOCK_SECONDS", 180)
 # How long a mark a process renews while it works (a placement lock, a deploy's owner, the
-# process's own liveness) outlives the process's death (capabilities/leases.py).
+# process's own liveness) outlives the process's death (sigil/leases.py).
 SIGIL_LEASE_SECONDS = env_float("SIGIL_LEASE_SECONDS", 15.0)
 
 # --- Cloudflare -------------------------------------------------------------------------
@@ -589,7 +589,7 @@ SIGIL_SWITCH_GRACE_SECONDS = env_float("SIGIL_SWITCH_GRACE_SECONDS", 5.0)
 
 # --- Logging ----------------------------------------------------------------------------
 
-# SIGIL_LOG_FORMAT is read by sigil_site/logs.py itself too, where Django's settings are not
+# SIGIL_LOG_FORMAT is read by sigil/logs.py itself too, where Django's settings are not
 # loaded (granian's own logging, the supervisor); both read the same variable.
 SIGIL_LOG_FORMAT = env_str("SIGIL_LOG_FORMAT", "text")
 if SIGIL_LOG_FORMAT not in ("text", "json"):

@@ -2,7 +2,7 @@
 relays their output, restarts those that die, and stops them all by pid.
 
 However the supervisor ends, its programs end too: each gets SIGTERM from the kernel when
-the supervisor dies (sigil_site.lifetime), and each is recorded in a pid file, so that the
+the supervisor dies (sigil.lifetime), and each is recorded in a pid file, so that the
 next start ends by SIGKILL whatever of them did not stop."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sigil_site.lifetime import PidFiles, die_with_parent
-from sigil_site.logs import relayed_line
+from sigil.lifetime import PidFiles, die_with_parent
+from sigil.logs import relayed_line
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Supervisor:
     reaches only the supervisor, which then stops them in the reverse order of their start.
 
     Each line a child prints is passed to `emit` in the log's format (`log_format`, see
-    sigil_site/logs.py): as it is when it is in that format already, else marked with the
+    sigil/logs.py): as it is when it is in that format already, else marked with the
     program's name.
     """
 

@@ -1,5 +1,5 @@
 """Sigil's URLs: the control API, health, schema and admin. The invoke gateway is not here:
-sigil_site/wsgi.py mounts it in front of Django so that calls skip the middleware."""
+sigil_site/asgi.py mounts it in front of Django so that calls skip the middleware."""
 
 from django.contrib import admin
 from django.urls import include, path
@@ -7,8 +7,8 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from sigil_site import admin as owner_pages
 
-handler404 = "sigil_site.errors.handler404"
-handler500 = "sigil_site.errors.handler500"
+handler404 = "sigil.errors.handler404"
+handler500 = "sigil.errors.handler500"
 
 urlpatterns = [
     path("", include("capabilities.urls")),

@@ -107,7 +107,7 @@ def flush_stats_when_recorded(**expected_calls: int) -> None:
     response may get ahead of it. Keyword names are full names with `__` for `--`.
     """
     from capabilities import stats, tasks
-    from sigil_site.redis_client import get_redis
+    from sigil.redis_client import get_redis
 
     redis = get_redis()
     for key, calls in expected_calls.items():

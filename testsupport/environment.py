@@ -35,7 +35,7 @@ if os.environ["SIGIL_TEST_REDIS_BASE"]:
     _base = _base.rsplit("/", 1)[0] if _base.count("/") > 2 else _base
     os.environ["REDIS_URL"] = f"{_base}/{1 + _worker_index}"
 else:
-    from sigil_site.embedded_redis import EmbeddedRedis
+    from sigil.embedded_redis import EmbeddedRedis
 
     # Nothing to keep across a run that starts from an empty directory each time.
     _embedded_redis = EmbeddedRedis(_VAR_DIR / "redis", durable=False)

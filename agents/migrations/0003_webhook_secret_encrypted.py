@@ -3,7 +3,7 @@ from django.db import migrations, models
 
 def encrypt_webhook_secrets(apps, schema_editor):
     """The keys stored in plain text, encrypted as the new column keeps them."""
-    from sigil_site.encryption import secret_encrypt
+    from sigil.encryption import secret_encrypt
 
     Agent = apps.get_model("agents", "Agent")
     for agent in Agent.objects.exclude(webhook_secret=""):
@@ -12,7 +12,7 @@ def encrypt_webhook_secrets(apps, schema_editor):
 
 
 def decrypt_webhook_secrets(apps, schema_editor):
-    from sigil_site.encryption import secret_decrypt
+    from sigil.encryption import secret_decrypt
 
     Agent = apps.get_model("agents", "Agent")
     for agent in Agent.objects.exclude(webhook_secret_encrypted=""):

@@ -4,7 +4,7 @@ import pytest
 
 from agents import services
 from agents.models import Agent, AuditEvent
-from sigil_site.errors import InvalidRequest
+from sigil.errors import InvalidRequest
 
 
 @pytest.mark.django_db

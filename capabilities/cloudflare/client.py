@@ -158,7 +158,7 @@ class CloudflareClient:
         from django.conf import settings
         from django.core.exceptions import ImproperlyConfigured
 
-        from sigil_site.redis_client import get_redis
+        from sigil.redis_client import get_redis
 
         if not settings.CF_ACCOUNT_ID or not settings.CF_API_TOKEN:
             raise ImproperlyConfigured("CF_ACCOUNT_ID and CF_API_TOKEN (or CF_API_TOKEN_FILE) are required")

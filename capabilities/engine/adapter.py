@@ -16,7 +16,7 @@ from urllib.parse import quote, unquote, unquote_to_bytes
 from agents.throttle import client_address
 from capabilities.engine.engine import Engine
 from capabilities.engine.values import CallRequest
-from sigil_site.errors import InvalidRequest
+from sigil.errors import InvalidRequest
 
 # What PATH_INFO-style re-quoting keeps as it is, so the capability sees the path the caller sent.
 PATH_SAFE = "/:@!$&'()*+,;=-._~"

@@ -39,7 +39,7 @@ from agents import tokens
 from agents.selectors import parse_bearer, token_authenticate_hash
 from agents.throttle import FailedAuthThrottle
 from agents.tokens import Principal
-from capabilities import breaker, degraded_cache, failures, leases, names, pager, routes, stats
+from capabilities import breaker, degraded_cache, failures, names, pager, routes, stats
 from capabilities.engine.shares import FairShares
 from capabilities.engine.upstream import (
     HOP_BY_HOP,
@@ -52,7 +52,8 @@ from capabilities.engine.values import CallAnswer, CallRequest, Prefetched
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import SERVED_VERSION_HEADER, Route
 from capabilities.runtimes.errors import RuntimeThrottled, RuntimeUnavailable
-from sigil_site.errors import (
+from sigil import leases
+from sigil.errors import (
     REDIS_UNREACHABLE,
     CapabilityError,
     Degraded,
@@ -68,7 +69,7 @@ from sigil_site.errors import (
     error_for_unexpected,
     error_headers,
 )
-from sigil_site.redis_client import SOCKET_TIMEOUT_SECONDS, get_redis
+from sigil.redis_client import SOCKET_TIMEOUT_SECONDS, get_redis
 
 logger = logging.getLogger("capabilities.gateway")
 access_logger = logging.getLogger("sigil.access")
@@ -900,7 +901,7 @@ def log_access(
     page_in_ms: float | None,
     code: str | None = None,
 ) -> None:
-    """One line per call (logger `sigil.access`), its fields as the log's own (sigil_site/logs.py:
+    """One line per call (logger `sigil.access`), its fields as the log's own (sigil/logs.py:
     JSON or text, with the time, process and request id), and for an answer Sigil wrote as an
     error, its error code."""
     if not access_logger.isEnabledFor(logging.INFO):

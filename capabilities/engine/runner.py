@@ -36,9 +36,9 @@ from capabilities.engine.engine import Engine, error_answer
 from capabilities.engine.upstream import HOP_BY_HOP
 from capabilities.engine.values import CallRequest
 from capabilities.services import async_calls
-from sigil_site.errors import Timeout
-from sigil_site.redis_client import SOCKET_TIMEOUT_SECONDS
-from sigil_site.request_id import new_request_id, set_request_id
+from sigil.errors import Timeout
+from sigil.redis_client import SOCKET_TIMEOUT_SECONDS
+from sigil.request_id import new_request_id, set_request_id
 
 logger = logging.getLogger(__name__)
 

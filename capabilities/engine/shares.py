@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from agents.tokens import Principal
-from sigil_site.errors import RateLimited
+from sigil.errors import RateLimited
 
 
 @dataclass(frozen=True)

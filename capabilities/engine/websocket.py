@@ -18,7 +18,7 @@ from django.conf import settings
 
 from capabilities.engine.upstream import RefusedUpgrade, UpstreamTimeout, UpstreamUnreachable
 from capabilities.engine.values import CallAnswer
-from sigil_site.errors import Timeout, UpstreamError
+from sigil.errors import Timeout, UpstreamError
 
 logger = logging.getLogger("capabilities.gateway")
 

@@ -41,7 +41,7 @@ from agents.selectors import parse_bearer
 from agents.tokens import Principal
 from capabilities.mcp.tools import InvalidParams, Prefetched, Toolbox, tools_list
 from capabilities.parsers import json_depth_over
-from sigil_site.errors import (
+from sigil.errors import (
     InternalError,
     InvalidRequest,
     SigilError,
@@ -49,7 +49,7 @@ from sigil_site.errors import (
     error_for_unexpected,
     error_headers,
 )
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from capabilities import breaker, call_logs, contract_copies, contracts, names, 
 from capabilities.contracts import Contract
 from capabilities.engine.values import CallRequest
 from capabilities.engine.values import Prefetched as CallPrefetched
-from sigil_site.errors import InvalidRequest, SigilError
+from sigil.errors import InvalidRequest, SigilError
 
 PAGE_SIZE = 100
 OWN_PREFIX = "sigil."
@@ -327,7 +327,7 @@ class Toolbox:
         """POST the arguments to the capability through the engine, in-process, as the caller:
         its credentials and address go with it; the MCP client's other headers are not the
         tool's."""
-        from sigil_site.request_id import current_request_id
+        from sigil.request_id import current_request_id
 
         agent, name = names.split_full_name(full)
         body = json.dumps(arguments).encode()

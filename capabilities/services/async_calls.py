@@ -24,8 +24,8 @@ from django.utils import timezone
 from agents import egress
 from agents.models import Agent
 from agents.tokens import Principal
-from sigil_site.errors import InvalidRequest, NotFound, RateLimited
-from sigil_site.redis_client import get_redis
+from sigil.errors import InvalidRequest, NotFound, RateLimited
+from sigil.redis_client import get_redis
 
 ACCEPTED, RUNNING, DONE = "accepted", "running", "done"
 CALLBACK_EVENT = "call.completed"

@@ -11,8 +11,8 @@ from agents.services import audit_record
 from capabilities import selectors
 from capabilities.models import Binding, BindingGrant, State
 from capabilities.tasks import capability_refresh_bindings as capability_refresh_bindings_task
-from sigil_site.encryption import secret_encrypt
-from sigil_site.errors import Conflict
+from sigil.encryption import secret_encrypt
+from sigil.errors import Conflict
 
 
 def binding_check_rename(binding: Binding, *, kind: str, name: str) -> None:

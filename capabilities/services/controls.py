@@ -14,7 +14,7 @@ from agents.services import audit_record
 from capabilities import breaker, routes
 from capabilities.models import BreakerState, Capability, State
 from capabilities.services.observability import capability_record_breaker
-from sigil_site.errors import InvalidRequest, NotFound
+from sigil.errors import InvalidRequest, NotFound
 
 
 def capability_reset_breaker(*, capability: Capability, actor: str) -> None:

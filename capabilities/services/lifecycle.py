@@ -17,7 +17,7 @@ from capabilities import pager
 from capabilities.models import Capability, CapabilityStatsWindow, CapabilityType, State
 from capabilities.runtimes import get_runtime
 from capabilities.services.placement import capability_page_in
-from sigil_site.errors import NotFound, Unavailable
+from sigil.errors import NotFound, Unavailable
 
 
 def capability_mark_inactive(*, now: datetime | None = None, batch_size: int = 500) -> int:

@@ -14,7 +14,7 @@ from agents.models import Token
 from agents.services import agent_notify, audit_record
 from capabilities import call_logs, names, stats
 from capabilities.models import BreakerState, Capability, CapabilityStatsWindow, State, StatsFlush
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 
 # Leftover batches one flush retries before claiming its own: bounded, so that a batch the
 # database keeps refusing cannot grow one run without end.

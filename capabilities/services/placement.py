@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from agents.services import audit_record
 from capabilities import bindings as binding_rules
-from capabilities import leases, pager, routes
+from capabilities import pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import CodeBundle, Runtime
@@ -35,8 +35,9 @@ from capabilities.runtimes.errors import (
 from capabilities.tasks import MAX_COUNTDOWN_SECONDS, PAGE_OUT_RECHECK_SECONDS
 from capabilities.tasks import capability_clear_slot as capability_clear_slot_task
 from capabilities.tasks import capability_page_out as capability_page_out_task
-from sigil_site.errors import Conflict, InvalidRequest, NotFound, Timeout, TooLarge, Unavailable, UpstreamError
-from sigil_site.redis_client import get_redis
+from sigil import leases
+from sigil.errors import Conflict, InvalidRequest, NotFound, Timeout, TooLarge, Unavailable, UpstreamError
+from sigil.redis_client import get_redis
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class PlacementUnderWay(Exception):
 def placement_lock(full: str, *, blocking: bool, wait_seconds: float | None = None) -> leases.Lease:
     """The lock held while `full` is placed, paged, moved or removed: one at a time.
 
-    A lease (capabilities/leases.py): held up to SIGIL_PLACEMENT_LOCK_SECONDS while its
+    A lease (sigil/leases.py): held up to SIGIL_PLACEMENT_LOCK_SECONDS while its
     process lives, free within SIGIL_LEASE_SECONDS of its death. A blocking caller waits up
     to SIGIL_PLACEMENT_LOCK_SECONDS, or `wait_seconds` when given.
     """

@@ -3,7 +3,7 @@ and every mark it held in what the hosts share is freed, within a bound.
 
 A Celery worker's main process killed with -9 acknowledges nothing: the broker gives its
 tasks to another worker only after its visibility timeout (settings). What it held is
-owned by leases (capabilities/leases.py), so a lease after its death this reaper, run by
+owned by leases (sigil/leases.py), so a lease after its death this reaper, run by
 beat every SIGIL_REAP_INTERVAL_SECONDS (and by reconcile), finds the work nobody owns and
 sends it again or ends it with a recorded outcome. Bound: SIGIL_LEASE_SECONDS plus
 SIGIL_REAP_INTERVAL_SECONDS until a resend (30 s by default), and a deploy no worker takes

@@ -22,7 +22,7 @@ from agents.models import Agent
 from agents.services import audit_record
 from agents.tokens import Principal
 from capabilities import bindings as binding_rules
-from capabilities import call_logs, contract_copies, failures, leases, names, pager, routes, selectors, tasks
+from capabilities import call_logs, contract_copies, failures, names, pager, routes, selectors, tasks
 from capabilities.contracts import Contract, contract_merge
 from capabilities.models import Capability, CapabilityType, CapabilityVersion, State, VersionPlacement
 from capabilities.runtimes import get_runtime
@@ -39,7 +39,8 @@ from capabilities.services.placement import (
 from capabilities.services.splits import stage_allowed
 from capabilities.tasks import capability_place_version as capability_place_version_task
 from capabilities.tasks import capability_release_slot as capability_release_slot_task
-from sigil_site.errors import (
+from sigil import leases
+from sigil.errors import (
     Conflict,
     Cooldown,
     Forbidden,
@@ -53,7 +54,7 @@ from sigil_site.errors import (
     error_for_unexpected,
     error_from_code,
 )
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from capabilities import contract_copies, routes, selectors, stats
 from capabilities.models import Capability, CapabilityType, State
 from capabilities.runtimes import get_runtime
 from capabilities.services.placement import bundle_for, capability_page_in, placement_lock, placement_room
-from sigil_site.errors import Conflict, InvalidRequest, NotFound
+from sigil.errors import Conflict, InvalidRequest, NotFound
 
 # The guard's least number of calls to the staged version when the agent names none.
 GUARD_MIN_CALLS_DEFAULT = 20

@@ -35,7 +35,7 @@ from capabilities.services.placement import (
     placement_room,
     slot_for,
 )
-from sigil_site.errors import InvalidRequest, SigilError
+from sigil.errors import InvalidRequest, SigilError
 
 
 def never_placed() -> Q:

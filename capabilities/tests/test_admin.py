@@ -7,7 +7,7 @@ from django.test import Client
 from agents.models import AuditEvent
 from capabilities import services
 from capabilities.models import Binding, Capability
-from sigil_site.encryption import secret_encrypt
+from sigil.encryption import secret_encrypt
 from testsupport.capability_code import answering as code
 from testsupport.cast import grant, wait_for
 

@@ -3,8 +3,8 @@ workerd: degrade and reset, roll back, and the dashboard."""
 
 from capabilities import tasks
 from capabilities.models import Capability
+from sigil.redis_client import get_redis
 from sigil_site.beat import LAST_RUN_KEY
-from sigil_site.redis_client import get_redis
 from testsupport.browser import DESKTOP, PHONE, screenshot
 from testsupport.capability_code import answering as code
 from testsupport.cast import flush_stats_when_recorded, wait_for

@@ -16,8 +16,8 @@ from agents.models import Agent, AuditEvent
 from capabilities.engine import runner
 from capabilities.models import Capability
 from capabilities.services import async_calls
-from sigil_site.encryption import secret_encrypt
-from sigil_site.redis_client import get_redis
+from sigil.encryption import secret_encrypt
+from sigil.redis_client import get_redis
 from testsupport.capability_code import ECHO
 from testsupport.cast import deploy_answering, wait_for
 from testsupport.processes import wait_until

@@ -3,7 +3,7 @@
 import pytest
 
 from capabilities.models import Binding, Capability
-from sigil_site.encryption import secret_encrypt
+from sigil.encryption import secret_encrypt
 from testsupport.cast import grant
 
 READS_ENV = """export default { async fetch(request, env) {

@@ -7,7 +7,7 @@ import pytest
 
 from capabilities import breaker
 from capabilities.models import Capability
-from sigil_site.errors import Degraded
+from sigil.errors import Degraded
 from testsupport.capability_code import PONG
 from testsupport.cast import wait_for
 

@@ -7,7 +7,7 @@ import pytest
 
 from capabilities import call_logs
 from capabilities.models import Binding
-from sigil_site.encryption import secret_encrypt
+from sigil.encryption import secret_encrypt
 from testsupport.cast import grant, wait_for
 
 CHATTY = """export default { async fetch(request, env) {

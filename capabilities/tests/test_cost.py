@@ -14,7 +14,7 @@ from capabilities import cost, stats
 from capabilities.cloudflare import api_calls_hour_key
 from capabilities.cost import Access, replay_cold_calls, smallest_slots
 from capabilities.models import CapabilityStatsWindow
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 from testsupport.cast import deploy_answering, wait_for
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

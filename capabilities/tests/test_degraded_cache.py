@@ -4,7 +4,7 @@ from its last good response while its breaker is open; anything else is `503 deg
 import time
 
 from capabilities import degraded_cache
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 from testsupport.inflight import SERVER_REQUESTS
 
 # Answers its path and query with a fresh stamp (so a cached answer shows as the old one),

@@ -21,7 +21,7 @@ from agents.models import Agent
 from capabilities import stats
 from capabilities.models import Capability
 from capabilities.services import async_calls
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 from testsupport.cast import deploy_answering, wait_for
 
 SLOW = "export default { async fetch() { await new Promise(r => setTimeout(r, %d)); return new Response('slow') } }"

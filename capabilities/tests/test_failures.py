@@ -128,7 +128,7 @@ def test_refusals_are_counted_per_capability_and_in_total(alice, access_log):
 
 
 def get_field(full, field):
-    from sigil_site.redis_client import get_redis
+    from sigil.redis_client import get_redis
 
     return get_redis().hget(stats.stats_key(full), field) or 0
 

@@ -12,8 +12,8 @@ from agents import tokens
 from capabilities import names, routes
 from capabilities.models import Capability, State
 from capabilities.services.placement import placement_lock
-from sigil_site.embedded_redis import EmbeddedRedis
-from sigil_site.redis_client import SOCKET_TIMEOUT_SECONDS, get_redis
+from sigil.embedded_redis import EmbeddedRedis
+from sigil.redis_client import SOCKET_TIMEOUT_SECONDS, get_redis
 from testsupport.capability_code import PONG
 from testsupport.cast import wait_for
 
@@ -53,7 +53,7 @@ def test_an_unexpected_error_in_the_control_api_is_a_500_internal_error_with_a_r
     message = assert_error(listed, 500, "internal_error")
     request_id = re.search(r"request ([0-9a-f]{16})", message).group(1)
     assert listed.headers["X-Request-Id"] == request_id
-    assert any(r.name == "sigil_site.errors" and request_id in r.getMessage() for r in caplog.records)
+    assert any(r.name == "sigil.errors" and request_id in r.getMessage() for r in caplog.records)
     assert any(r.name == "django.request" and r.exc_info for r in caplog.records)  # Django's traceback
     assert_error(alice.call("/alice/anything"), 500, "internal_error")  # the gateway reads the same entry
 

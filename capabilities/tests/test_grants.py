@@ -13,7 +13,7 @@ import pytest
 from agents.models import Agent, AuditEvent
 from capabilities import services
 from capabilities.models import Binding, Capability
-from sigil_site.encryption import secret_encrypt
+from sigil.encryption import secret_encrypt
 from testsupport.cast import grant, make_agent, wait_for
 
 READS_KEY = """export default { async fetch(request, env) {

@@ -125,7 +125,7 @@ def test_each_call_leaves_one_json_access_line(alice, caplog):
     import json
     import logging
 
-    from sigil_site.logs import SigilFormatter
+    from sigil.logs import SigilFormatter
 
     alice.deploy(name="ping", code=PONG)
     with caplog.at_level(logging.INFO, logger="sigil.access"):

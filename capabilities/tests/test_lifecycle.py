@@ -11,7 +11,7 @@ from django.utils import timezone
 from agents.models import Agent, AuditEvent
 from capabilities import services
 from capabilities.models import Capability
-from sigil_site.encryption import secret_encrypt
+from sigil.encryption import secret_encrypt
 from testsupport.capability_code import answering as code
 from testsupport.cast import flush_stats_when_recorded, wait_for
 

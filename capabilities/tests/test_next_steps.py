@@ -18,7 +18,7 @@ from agents.models import Agent, Token
 from capabilities.models import Capability
 from capabilities.services import capability_mark_inactive
 from capabilities.tests.test_async_calls import SLOW, result_of
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 from testsupport.capability_code import PONG
 
 DEPLOY_BODY = json.dumps({"name": "ping", "code": PONG})

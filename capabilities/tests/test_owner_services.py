@@ -5,8 +5,8 @@ import pytest
 from agents.models import AuditEvent
 from capabilities import breaker, services
 from capabilities.models import Capability
-from sigil_site.errors import NotFound
-from sigil_site.redis_client import get_redis
+from sigil.errors import NotFound
+from sigil.redis_client import get_redis
 from testsupport.capability_code import answering as code
 from testsupport.cast import wait_for
 

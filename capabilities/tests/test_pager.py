@@ -10,7 +10,7 @@ from agents.models import AuditEvent
 from capabilities import pager, routes, services
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
 from testsupport.cast import wait_for

@@ -25,8 +25,8 @@ from capabilities.models import Capability
 from capabilities.runtimes import get_runtime, runtimes_forget
 from capabilities.services.placement import PAGE_OUTS_DUE_KEY
 from capabilities.tasks import PAGE_OUT_RECHECK_SECONDS, RuntimeTask
-from sigil_site.errors import Conflict, Unavailable, UpstreamError
-from sigil_site.redis_client import get_redis
+from sigil.errors import Conflict, Unavailable, UpstreamError
+from sigil.redis_client import get_redis
 from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
 from testsupport.cast import wait_for

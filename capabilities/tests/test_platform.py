@@ -23,7 +23,7 @@ def test_each_capability_gets_its_cpu_limit_through_the_dispatch_worker(platform
 def test_a_cpu_limit_out_of_cloudflares_range_is_refused(platform, alice):
     import pytest
 
-    from sigil_site.errors import InvalidRequest
+    from sigil.errors import InvalidRequest
 
     alice.deploy(name="ping", code=PONG)
     with pytest.raises(InvalidRequest):

@@ -99,7 +99,7 @@ def test_createagent_refuses_bad_names(db, name):
 
 def test_at_most_eight_agents(db, settings):
     from agents.services import agent_create
-    from sigil_site.errors import QuotaExceeded
+    from sigil.errors import QuotaExceeded
 
     settings.SIGIL_MAX_AGENTS = 2
     agent_create(name="one", actor="owner:test")
@@ -169,7 +169,7 @@ def test_a_redeploy_whose_capability_was_removed_since_it_was_read_is_a_conflict
 
     from capabilities.contracts import Contract
     from capabilities.services.registry import NewVersion
-    from sigil_site.errors import Conflict
+    from sigil.errors import Conflict
 
     alice.deploy(name="ping", code=PONG)
     read = Capability.objects.select_related("agent").get(full_name="alice--ping")

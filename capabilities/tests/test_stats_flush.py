@@ -13,7 +13,7 @@ from django.db import DatabaseError
 
 from capabilities import services, stats, tasks
 from capabilities.models import Capability, CapabilityStatsWindow, StatsFlush
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 from testsupport.capability_code import PONG
 from testsupport.cast import wait_for
 

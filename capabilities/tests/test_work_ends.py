@@ -16,11 +16,12 @@ import time
 import pytest
 
 from agents.models import AuditEvent
-from capabilities import leases, names, pager, services
+from capabilities import names, pager, services
 from capabilities.models import Capability, CapabilityVersion
 from capabilities.services.placement import placement_lock, placement_lock_key
 from capabilities.services.registry import DEPLOY_RESENDS
-from sigil_site.redis_client import get_redis
+from sigil import leases
+from sigil.redis_client import get_redis
 from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
 from testsupport.cast import wait_for

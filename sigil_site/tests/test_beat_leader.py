@@ -4,10 +4,10 @@ import time
 
 import pytest
 
-from capabilities.leases import lease_seconds
+from sigil.leases import lease_seconds
+from sigil.redis_client import get_redis
 from sigil_site import beat_leader
 from sigil_site.celery import app
-from sigil_site.redis_client import get_redis
 
 QUEUE = "beat-leader-test"  # no worker consumes it
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from capabilities.workerd import free_port, port_is_open
-from sigil_site.embedded_redis import EmbeddedRedis
-from sigil_site.lifetime import PidFiles, group_members
+from sigil.embedded_redis import EmbeddedRedis
+from sigil.lifetime import PidFiles, group_members
 from sigil_site.tests import test_runsigil
 from sigil_site.tests.test_runsigil import MANAGE, http_status, start_runsigil
 from testsupport.capability_code import PONG

@@ -4,9 +4,9 @@ import pytest
 from django.contrib.auth import get_user_model
 
 from capabilities import tasks
-from sigil_site import charts
+from sigil import charts
+from sigil.redis_client import get_redis
 from sigil_site.beat import LAST_RUN_KEY, beat_record_run, beat_schedule_list
-from sigil_site.redis_client import get_redis
 from testsupport.cast import flush_stats_when_recorded, wait_for
 
 PAGES = ["/admin/dashboard/", "/admin/beat-schedule/"]

@@ -3,7 +3,7 @@
 from django.core.management.base import CommandParser
 
 from agents import services
-from sigil_site.owner_commands import CLI_ACTOR, OwnerCommand, agent_named
+from sigil.owner_commands import CLI_ACTOR, OwnerCommand, agent_named
 
 
 class SetAgentActive(OwnerCommand):

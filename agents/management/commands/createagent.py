@@ -6,7 +6,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
 from agents import services
-from sigil_site.errors import SigilError
+from sigil.errors import SigilError
 
 
 class Command(BaseCommand):

@@ -7,7 +7,7 @@ from django.utils import timezone
 
 from agents import services
 from agents.models import Scope
-from sigil_site.owner_commands import CLI_ACTOR, OwnerCommand, agent_named, iso
+from sigil.owner_commands import CLI_ACTOR, OwnerCommand, agent_named, iso
 
 
 class Command(OwnerCommand):

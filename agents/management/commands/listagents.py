@@ -6,7 +6,7 @@ from django.db.models import Count, Q
 from django.utils import timezone
 
 from agents.models import Agent
-from sigil_site.owner_commands import OwnerCommand, iso, table
+from sigil.owner_commands import OwnerCommand, iso, table
 
 
 class Command(OwnerCommand):

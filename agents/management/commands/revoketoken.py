@@ -4,8 +4,8 @@ from django.core.management.base import CommandParser
 
 from agents import services, tokens
 from agents.models import Token
-from sigil_site.errors import InvalidRequest, NotFound
-from sigil_site.owner_commands import CLI_ACTOR, OwnerCommand
+from sigil.errors import InvalidRequest, NotFound
+from sigil.owner_commands import CLI_ACTOR, OwnerCommand
 
 
 class Command(OwnerCommand):

@@ -3,7 +3,7 @@
 from django.core.management.base import CommandParser
 
 from capabilities.models import Capability, State
-from sigil_site.owner_commands import OwnerCommand, agent_named, iso, table
+from sigil.owner_commands import OwnerCommand, agent_named, iso, table
 
 
 class Command(OwnerCommand):

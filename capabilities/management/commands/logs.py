@@ -11,7 +11,7 @@ from django.conf import settings
 from django.core.management.base import CommandParser
 
 from capabilities import call_logs
-from sigil_site.owner_commands import OwnerCommand, capability_named
+from sigil.owner_commands import OwnerCommand, capability_named
 
 
 class Command(OwnerCommand):

@@ -3,7 +3,7 @@
 from django.core.management.base import CommandParser
 
 from capabilities import services
-from sigil_site.owner_commands import CLI_ACTOR, OwnerCommand, capability_named
+from sigil.owner_commands import CLI_ACTOR, OwnerCommand, capability_named
 
 
 class Command(OwnerCommand):

@@ -11,7 +11,7 @@ from capabilities.names import placement_label
 from capabilities.runtimes import RUNTIMES
 from capabilities.runtimes.errors import RuntimeFailure
 from capabilities.services import SwitchEvent, SwitchPlan, backend_switch, switch_plan
-from sigil_site.errors import SigilError
+from sigil.errors import SigilError
 
 
 class Command(BaseCommand):

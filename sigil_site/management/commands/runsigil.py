@@ -22,10 +22,10 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from capabilities.runtimes.local import local_processes
 from capabilities.supervision import read_status
 from capabilities.workerd import port_is_open, supervise_until_signalled
-from sigil_site import ports as sigil_ports
-from sigil_site.embedded_redis import EmbeddedRedis
-from sigil_site.lifetime import PidFiles
-from sigil_site.logs import SigilFormatter
+from sigil import ports as sigil_ports
+from sigil.embedded_redis import EmbeddedRedis
+from sigil.lifetime import PidFiles
+from sigil.logs import SigilFormatter
 from sigil_site.owner import OwnerAccount, owner_ensure
 from sigil_site.supervisor import Program, StartupFailed, Supervisor
 
@@ -143,7 +143,7 @@ PORTS_SETTLED = "SIGIL_RUNSIGIL_PORTS_SETTLED"
 
 
 def settle_ports(web: int) -> None:
-    """Choose workerd's and the emulator's ports from `web` (sigil_site/ports.py) and record
+    """Choose workerd's and the emulator's ports from `web` (sigil/ports.py) and record
     them under VAR_DIR, where every process and command reads them with its settings. This
     process read its settings before: when they differ, it starts again (exec, same pid)
     to read the recorded ones, as its children will. Ports set in the environment stay."""

@@ -1,5 +1,5 @@
 """The id of the request (or Celery task) being served, for the log lines written while
-serving it. Each request sets a fresh one as it starts (sigil_site/wsgi.py), each task its
+serving it. Each request sets a fresh one as it starts (sigil_site/asgi.py), each task its
 task id; code that answers the caller reads the same id with `current_request_id()`."""
 
 from __future__ import annotations

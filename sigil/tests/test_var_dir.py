@@ -15,7 +15,7 @@ import pytest
 import redis
 from django.conf import settings
 
-from sigil_site.embedded_redis import EmbeddedRedis
+from sigil.embedded_redis import EmbeddedRedis
 
 MANAGE = str(settings.BASE_DIR / "manage.py")
 

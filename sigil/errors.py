@@ -15,7 +15,7 @@ from django.http import Http404, HttpResponse
 from rest_framework import exceptions as drf
 from rest_framework.response import Response
 
-from sigil_site.request_id import current_request_id, new_request_id
+from sigil.request_id import current_request_id, new_request_id
 
 logger = logging.getLogger(__name__)
 

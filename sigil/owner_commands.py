@@ -8,7 +8,7 @@ from datetime import datetime
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from sigil_site.errors import SigilError
+from sigil.errors import SigilError
 
 #: the actor the audit trail records for what the owner does from a shell
 CLI_ACTOR = "owner:cli"
@@ -60,7 +60,7 @@ def table(rows: list[dict], columns: list[str]) -> str:
 
 def agent_named(name: str):
     from agents.models import Agent
-    from sigil_site.errors import NotFound
+    from sigil.errors import NotFound
 
     agent = Agent.objects.filter(name=name).first()
     if agent is None:

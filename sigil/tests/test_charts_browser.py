@@ -4,7 +4,7 @@ width and a phone's, whatever the values (a latency in seconds, a share, nothing
 import pytest
 from django.template.loader import render_to_string
 
-from sigil_site import charts
+from sigil import charts
 from testsupport.browser import DESKTOP, PHONE
 
 # Each label's box in the chart's own units, and the chart's size.

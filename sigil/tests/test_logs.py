@@ -4,8 +4,8 @@ import io
 import json
 import logging
 
-from sigil_site.logs import RoutineAtDebug, SigilFormatter, relayed_line
-from sigil_site.request_id import set_request_id
+from sigil.logs import RoutineAtDebug, SigilFormatter, relayed_line
+from sigil.request_id import set_request_id
 
 
 def handler_output(kind: str, *, root_level: int = logging.INFO):

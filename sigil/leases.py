@@ -26,7 +26,7 @@ from django.conf import settings
 from redis.exceptions import LockError, RedisError
 from redis.lock import Lock
 
-from sigil_site.redis_client import get_redis
+from sigil.redis_client import get_redis
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,2 @@
+"""Sigil's ground: what every app imports and that imports no app (errors, the Redis client,
+request ids, encryption, logging, charts, leases, the owner-command base, process lifetime)."""
