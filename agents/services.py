@@ -17,7 +17,7 @@ from django.core.validators import URLValidator
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from agents import a2a, egress, tokens
+from agents import a2a, egress, jobs, tokens
 from agents.models import Agent, AuditEvent, Scope, Token
 from capabilities.names import validate_agent_name
 from sigil.errors import Conflict, InvalidRequest, QuotaExceeded
@@ -237,9 +237,6 @@ def agent_notify(*, agent_name: str, event: str, payload: dict) -> bool:
     agent = Agent.objects.filter(name=agent_name).first()
     if agent is None or not (agent.webhook_url or agent.a2a_card_url):
         return False
-    from agents.tasks import agent_a2a_deliver as agent_a2a_deliver_task
-    from agents.tasks import agent_webhook_deliver as agent_webhook_deliver_task
-
     delivery = {
         "id": str(uuid.uuid4()),
         "event": event,
@@ -248,9 +245,9 @@ def agent_notify(*, agent_name: str, event: str, payload: dict) -> bool:
         **payload,
     }
     if agent.webhook_url:
-        agent_webhook_deliver_task.delay_on_commit(agent_id=agent.pk, delivery=delivery)
+        jobs.agent_webhook_deliver.delay_on_commit(agent_id=agent.pk, delivery=delivery)
     if agent.a2a_card_url:
-        agent_a2a_deliver_task.delay_on_commit(agent_id=agent.pk, delivery=delivery)
+        jobs.agent_a2a_deliver.delay_on_commit(agent_id=agent.pk, delivery=delivery)
     return True
 
 
@@ -307,18 +304,6 @@ def agent_a2a_deliver(*, agent_id: int, delivery: dict) -> None:
     )
 
 
-def agent_a2a_failed(*, agent_id: int, delivery: dict, reason: str) -> None:
-    """Record an A2A delivery given up after its last retry, so the owner sees it in the trail."""
-    agent = Agent.objects.filter(pk=agent_id).first()
-    audit_record(
-        actor="system",
-        action="a2a.failed",
-        agent_name=agent.name if agent else "",
-        subject=delivery.get("capability", ""),
-        detail={"event": delivery.get("event"), "delivery": delivery.get("id"), "reason": reason},
-    )
-
-
 def agent_webhook_deliver(*, agent_id: int, delivery: dict, url: str = "") -> None:
     """POST one delivery to `url` (a call's callback), else to the agent's webhook, signed
     with the agent's webhook secret. Raises WebhookUnavailable when a retry may succeed; a
@@ -348,7 +333,7 @@ def agent_webhook_deliver(*, agent_id: int, delivery: dict, url: str = "") -> No
     except InvalidRequest as exc:
         # SIGIL_SECRETS_KEY changed: a delivery unsigned, or signed with another key, would mislead.
         reason = f"{exc.message}; set the webhook secret again"
-        agent_webhook_failed(agent_id=agent.pk, delivery=delivery, reason=reason)
+        agent_delivery_failed(agent_id=agent.pk, delivery=delivery, reason=reason)
         return
     if secret:
         headers["X-Sigil-Signature"] = webhook_signature(secret, body)
@@ -383,12 +368,14 @@ def _callback_refused(agent: Agent, delivery: dict, reason: str) -> None:
     )
 
 
-def agent_webhook_failed(*, agent_id: int, delivery: dict, reason: str) -> None:
-    """Record a delivery given up after its last retry, so the owner sees it in the trail."""
+def agent_delivery_failed(*, agent_id: int, delivery: dict, reason: str, channel: str = "webhook") -> None:
+    """Record a delivery given up (after its last retry, or as one that cannot be signed), so
+    the owner sees it in the trail as `{channel}.failed`: `webhook` (a webhook or a call's
+    callback) or `a2a`."""
     agent = Agent.objects.filter(pk=agent_id).first()
     audit_record(
         actor="system",
-        action="webhook.failed",
+        action=f"{channel}.failed",
         agent_name=agent.name if agent else "",
         subject=delivery.get("capability", ""),
         detail={"event": delivery.get("event"), "delivery": delivery.get("id"), "reason": reason},

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.utils import timezone
 
-from agents import egress
+from agents import egress, jobs
 from agents.models import Agent
 from agents.tokens import Principal
 from sigil.errors import InvalidRequest, NotFound, RateLimited
@@ -233,11 +233,7 @@ def _queue_callback(call_id: str) -> None:
         "capability": call.capability,
         "result": call.result.as_json(),
     }
-    from agents.tasks import agent_webhook_deliver as agent_webhook_deliver_task
-
     # Queued, then marked: a worker lost in between queues it again (at least once; the
     # delivery id lets the receiver drop a repeat), never not at all.
-    agent_webhook_deliver_task.apply_async(
-        kwargs={"agent_id": agent.pk, "delivery": delivery, "url": callback}, queue=settings.SIGIL_ASYNC_QUEUE
-    )
+    jobs.agent_callback_deliver.delay(agent_id=agent.pk, delivery=delivery, url=callback)
     redis.hset(key, "callback_queued", 1)

@@ -21,6 +21,9 @@ from django.utils import timezone
 from agents.services import audit_record
 from capabilities import bindings as binding_rules
 from capabilities import pager, routes
+from capabilities.jobs import PAGE_OUT_RECHECK_SECONDS
+from capabilities.jobs import capability_clear_slot as capability_clear_slot_task
+from capabilities.jobs import capability_page_out as capability_page_out_task
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import CodeBundle, Runtime
@@ -32,12 +35,10 @@ from capabilities.runtimes.errors import (
     ScriptTooLarge,
     SlotsExhausted,
 )
-from capabilities.tasks import MAX_COUNTDOWN_SECONDS, PAGE_OUT_RECHECK_SECONDS
-from capabilities.tasks import capability_clear_slot as capability_clear_slot_task
-from capabilities.tasks import capability_page_out as capability_page_out_task
 from sigil import leases
 from sigil.errors import Conflict, InvalidRequest, NotFound, Timeout, TooLarge, Unavailable, UpstreamError
 from sigil.redis_client import get_redis
+from sigil.work import MAX_COUNTDOWN_SECONDS
 
 logger = logging.getLogger(__name__)
 

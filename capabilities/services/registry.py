@@ -22,8 +22,10 @@ from agents.models import Agent
 from agents.services import audit_record
 from agents.tokens import Principal
 from capabilities import bindings as binding_rules
-from capabilities import call_logs, contract_copies, failures, names, pager, routes, selectors, tasks
+from capabilities import call_logs, contract_copies, failures, names, pager, routes, selectors
 from capabilities.contracts import Contract, contract_merge
+from capabilities.jobs import capability_place_version as capability_place_version_task
+from capabilities.jobs import capability_release_slot as capability_release_slot_task
 from capabilities.models import Capability, CapabilityType, CapabilityVersion, State, VersionPlacement
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import CodeBundle, code_sha
@@ -37,8 +39,6 @@ from capabilities.services.placement import (
     placement_room,
 )
 from capabilities.services.splits import stage_allowed
-from capabilities.tasks import capability_place_version as capability_place_version_task
-from capabilities.tasks import capability_release_slot as capability_release_slot_task
 from sigil import leases
 from sigil.errors import (
     Conflict,
@@ -55,6 +55,7 @@ from sigil.errors import (
     error_from_code,
 )
 from sigil.redis_client import get_redis
+from sigil.work import retry_countdown
 
 logger = logging.getLogger(__name__)
 
@@ -579,7 +580,7 @@ def _deploy_in_background(new: NewVersion, requested: dict) -> Queued:
     # placement under way (an earlier deploy's task, a page-in) ends before this version's
     # task places it, and an earlier version not yet placed is superseded by this one.
     capability, version = _record_pending(new, requested)
-    capability_place_version_task.apply_async(kwargs={"version_id": version.pk}, queue=settings.SIGIL_DEPLOY_QUEUE)
+    capability_place_version_task.delay(version_id=version.pk)
     return Queued(new, capability, version)
 
 
@@ -691,7 +692,7 @@ def capability_place_version(*, version_id: int, retries: int = 0, max_retries: 
             outcome = _place_version(version_id, last_try=last_try)
     except TRANSIENT_DEPLOY_FAILURES as exc:
         if not last_try:
-            countdown = tasks.retry_countdown(retries=retries, retry_after=None)
+            countdown = retry_countdown(retries=retries)
             # The worker holds the retry, unacknowledged, for its countdown.
             redis.set(deploy_retry_key(version_id), 1, px=int((countdown + leases.lease_seconds()) * 1000))
             logger.warning(
@@ -753,7 +754,7 @@ def capability_reap_deploys() -> dict[str, int]:
             subject=full,
             detail={"version": version.number, "resend": sends, "reason": "no worker owns its placement"},
         )
-        capability_place_version_task.apply_async(kwargs={"version_id": version.pk}, queue=settings.SIGIL_DEPLOY_QUEUE)
+        capability_place_version_task.delay(version_id=version.pk)
         resent += 1
     return {"deploys_resent": resent, "deploys_failed": failed}
 
