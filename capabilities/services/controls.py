@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 
 from django.db import transaction
 from django.utils import timezone
@@ -94,8 +93,6 @@ def capability_force_degraded(*, capability: Capability, actor: str) -> None:
     now = time.time()
     breaker.breaker_force(full=full, actor=actor, now=now)
     with transaction.atomic():
-        Capability.objects.filter(pk=capability.pk, breaker_state=BreakerState.CLOSED).update(
-            breaker_state=BreakerState.OPEN, breaker_opened_at=datetime.fromtimestamp(now, tz=UTC)
-        )
+        capability_record_breaker(full=full, state=BreakerState.OPEN, at_epoch=now, announce=False)
         audit_record(actor=actor, action="capability.forced_degraded", agent_name=capability.agent.name, subject=full)
     capability.refresh_from_db()

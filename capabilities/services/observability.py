@@ -12,8 +12,9 @@ from django.utils import timezone
 
 from agents.models import Token
 from agents.services import agent_notify, audit_record
-from capabilities import call_logs, names, stats
+from capabilities import breaker, call_logs, jobs, names, stats
 from capabilities.models import BreakerState, Capability, CapabilityStatsWindow, State, StatsFlush
+from sigil.errors import Degraded
 from sigil.redis_client import get_redis
 
 # Leftover batches one flush retries before claiming its own: bounded, so that a batch the
@@ -158,16 +159,47 @@ def _flush_token_use() -> None:
     stats.tokens_used_forget(used)
 
 
-def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None:
-    """Persist a breaker transition seen by the gateway, with an audit event. Idempotent."""
+def breaker_enter(rules: breaker.Breaker, redis, *, full: str, raw: bytes, now: float) -> bool:
+    """Admit a call past `full`'s breaker (breaker.Breaker.enter: True for the half-open
+    breaker's one trial). Raises Degraded when it refuses; a staged version refused counts
+    toward its split's guard (stats.split_refusal_count), which is asked to look when due. No
+    SQL: the gateway calls it on the hot path, one more round trip for staged versions only."""
+    try:
+        return rules.enter(redis, full=full, raw=raw, now=now)
+    except Degraded:
+        if names.is_variant(full) and stats.split_refusal_count(redis, variant=full):
+            jobs.capability_split_guard.delay()
+        raise
+
+
+def breaker_changed(*, full: str, change: bytes | str | None, at_epoch: float) -> None:
+    """Act on what a breaker script reported ('opened', 'closed'; '' is none): the transition
+    is persisted by the record task (capability_record_breaker), and a staged version whose
+    breaker opened has its split's guard look at once. No SQL: it only sends tasks."""
+    state = breaker.transition(change)
+    if state is None:
+        return
+    jobs.capability_record_breaker.delay(full=full, state=state, at_epoch=at_epoch)
+    if state == BreakerState.OPEN and names.is_variant(full):
+        jobs.capability_split_guard.delay()
+
+
+def capability_record_breaker(*, full: str, state: str, at_epoch: float, announce: bool = True) -> bool:
+    """Persist a breaker transition on the capability's row: the one writer of the breaker's
+    database copy (breaker_state, breaker_opened_at), which the admin and the API read. With
+    `announce`, a change is audited (capability.degraded, capability.recovered) and an opening
+    sent to the agent's webhook; the owner's force announces itself instead. Returns whether
+    the row changed. Idempotent."""
     opened_at = datetime.fromtimestamp(at_epoch, tz=UTC) if state == BreakerState.OPEN else None
     with transaction.atomic():
         capability = Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).first()
         if capability is None or capability.breaker_state == state:
-            return
+            return False
         capability.breaker_state = state
         capability.breaker_opened_at = opened_at
         capability.save(update_fields=["breaker_state", "breaker_opened_at"])
+        if not announce:
+            return True
         action = "capability.degraded" if state == BreakerState.OPEN else "capability.recovered"
         audit_record(actor="system", action=action, agent_name=capability.agent.name, subject=full)
         if state == BreakerState.OPEN:
@@ -180,6 +212,7 @@ def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None
                     **call_logs.call_records_alert_fields(full=full),
                 },
             )
+    return True
 
 
 def capability_prune_stats(*, now: datetime | None = None, batch_size: int = 10_000) -> int:
