@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from datetime import timedelta
 
 from django import forms
@@ -18,8 +19,9 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
-from agents import egress, services
+from agents import egress, services, tokens
 from agents.models import Agent, AuditEvent, Token
+from agents.tokens import TokenState
 from capabilities.names import validate_agent_name
 from sigil.errors import SigilError
 from sigil.redis_client import get_redis
@@ -356,14 +358,10 @@ class TokenStateFilter(admin.SimpleListFilter):
 
     def queryset(self, request, queryset):
         now = timezone.now()
-        if self.value() == "usable":
-            return queryset.filter(revoked_at__isnull=True).exclude(expires_at__lte=now)
         if self.value() == "expiring":
-            return queryset.filter(revoked_at__isnull=True, expires_at__gt=now, expires_at__lte=now + timedelta(days=7))
-        if self.value() == "revoked":
-            return queryset.filter(revoked_at__isnull=False)
-        if self.value() == "expired":
-            return queryset.filter(revoked_at__isnull=True, expires_at__lte=now)
+            return queryset.filter(tokens.state_filter(TokenState.USABLE, now), expires_at__lte=now + timedelta(days=7))
+        if self.value() in tuple(TokenState):
+            return queryset.filter(tokens.state_filter(TokenState(self.value()), now))
         return queryset
 
 
@@ -379,11 +377,7 @@ class TokenAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
 
     @admin.display(description="state")
     def state(self, token: Token) -> str:
-        if token.revoked_at is not None:
-            return "revoked"
-        if token.expires_at is not None and token.expires_at <= timezone.now():
-            return "expired"
-        return "usable"
+        return token.state(time.time())
 
     def get_form(self, request, obj=None, **kwargs):
         if obj is None:
