@@ -35,6 +35,11 @@ def audit_record(
     )
 
 
+def _agent_event(agent_name: str, *, actor: str, action: str, detail: dict | None = None) -> None:
+    """Audit an event whose subject is the agent itself."""
+    audit_record(actor=actor, action=action, agent_name=agent_name, subject=agent_name, detail=detail)
+
+
 def agent_create(*, name: str, actor: str) -> Agent:
     """Register an agent. Raises InvalidRequest (name), QuotaExceeded (too many), Conflict (taken)."""
     validate_agent_name(name)
@@ -46,7 +51,7 @@ def agent_create(*, name: str, actor: str) -> Agent:
                 agent = Agent.objects.create(name=name)
         except IntegrityError as exc:
             raise Conflict(f"agent {name!r} already exists") from exc
-        audit_record(actor=actor, action="agent.created", agent_name=name, subject=name)
+        _agent_event(name, actor=actor, action="agent.created")
     return agent
 
 
@@ -96,12 +101,7 @@ def agent_set_active(*, agent: Agent, is_active: bool, actor: str) -> bool:
     with transaction.atomic():
         changed = Agent.objects.filter(pk=agent.pk, is_active=not is_active).update(is_active=is_active)
         if changed:
-            audit_record(
-                actor=actor,
-                action="agent.enabled" if is_active else "agent.disabled",
-                agent_name=agent.name,
-                subject=agent.name,
-            )
+            _agent_event(agent.name, actor=actor, action="agent.enabled" if is_active else "agent.disabled")
     agent.refresh_from_db()
     # Both directions invalidate: disabling must refuse, enabling must stop refusing. A live
     # token of a disabled agent is refused saying so; a revoked one stays plainly revoked.
@@ -130,13 +130,8 @@ def agent_set_shares(
             .update(max_calls_in_flight=calls_in_flight, max_placements_in_flight=placements_in_flight)
         )
         if changed:
-            audit_record(
-                actor=actor,
-                action="agent.shares_changed",
-                agent_name=agent.name,
-                subject=agent.name,
-                detail={"calls_in_flight": calls_in_flight, "placements_in_flight": placements_in_flight},
-            )
+            shares = {"calls_in_flight": calls_in_flight, "placements_in_flight": placements_in_flight}
+            _agent_event(agent.name, actor=actor, action="agent.shares_changed", detail=shares)
     agent.refresh_from_db()
     # The caps ride in the tokens' cached entries: dropped, they are read again with the new ones.
     _write_tombstones(list(agent.tokens.values_list("secret_hash", flat=True)), delete=True)
@@ -161,13 +156,8 @@ def agent_set_webhook(*, agent: Agent, url: str, secret: str | None, actor: str)
         if secret is not None:
             current.webhook_secret = secret
         current.save(update_fields=["webhook_url", "webhook_secret_encrypted"])
-        audit_record(
-            actor=actor,
-            action="agent.webhook_changed",
-            agent_name=agent.name,
-            subject=agent.name,
-            detail={"url": url, "secret_changed": secret_changed},
-        )
+        detail = {"url": url, "secret_changed": secret_changed}
+        _agent_event(agent.name, actor=actor, action="agent.webhook_changed", detail=detail)
     agent.refresh_from_db()
     return True
 
@@ -191,9 +181,7 @@ def agent_set_a2a(*, agent: Agent, url: str, actor: str) -> bool:
             return False
         current.a2a_card_url = url
         current.save(update_fields=["a2a_card_url"])
-        audit_record(
-            actor=actor, action="agent.a2a_changed", agent_name=agent.name, subject=agent.name, detail={"url": url}
-        )
+        _agent_event(agent.name, actor=actor, action="agent.a2a_changed", detail={"url": url})
     agent.refresh_from_db()
     return True
 

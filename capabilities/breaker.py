@@ -23,36 +23,25 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from django.conf import settings
-
 from capabilities import failures
 from capabilities.models import BreakerState
+from sigil.configured import FromSettings, setting
 from sigil.errors import Degraded
-from sigil.redis_client import get_redis
+from sigil.redis_client import get_redis, key_family
 
 # The open key's value when the owner forced the breaker; otherwise it holds the epoch
 # (seconds) the cool-down ends at.
 FORCED = b"forced"
 
 
-def open_key(full: str) -> str:
-    """Absent: closed. FORCED: forced open. Otherwise: open until this epoch, half-open after."""
-    return f"sigil:breaker:open:{full}"
-
-
-def failures_key(full: str) -> str:
-    """Failures in a row since the last success."""
-    return f"sigil:breaker:failures:{full}"
-
-
-def trial_key(full: str) -> str:
-    """Held by the one trial call of a half-open breaker (expires after a cool-down)."""
-    return f"sigil:breaker:trial:{full}"
-
-
-def forced_by_key(full: str) -> str:
-    """Who forced the breaker open and when (JSON), while it is forced."""
-    return f"sigil:breaker:forced-by:{full}"
+# A capability's breaker keys, by its full name. `open`: absent while closed, FORCED while
+# forced, else the epoch its cool-down ends at (half-open after). `failures`: failures in a row
+# since the last success. `trial`: held by a half-open breaker's one trial call (expiring after
+# a cool-down). `forced-by`: who forced it open and when (JSON), while it is forced.
+open_key = key_family("sigil:breaker:open")
+failures_key = key_family("sigil:breaker:failures")
+trial_key = key_family("sigil:breaker:trial")
+forced_by_key = key_family("sigil:breaker:forced-by")
 
 
 class Status(enum.StrEnum):
@@ -104,15 +93,11 @@ def transition(change: bytes | str | None) -> BreakerState | None:
 
 
 @dataclass(frozen=True)
-class Breaker:
+class Breaker(FromSettings):
     """The breaker rules with their settings; one per gateway, or built where needed."""
 
-    threshold: int
-    cooldown_seconds: float
-
-    @classmethod
-    def from_settings(cls) -> Breaker:
-        return cls(threshold=settings.SIGIL_BREAKER_THRESHOLD, cooldown_seconds=settings.SIGIL_BREAKER_COOLDOWN_SECONDS)
+    threshold: int = setting("SIGIL_BREAKER_THRESHOLD")
+    cooldown_seconds: float = setting("SIGIL_BREAKER_COOLDOWN_SECONDS")
 
     def enter(self, redis, *, full: str, raw: bytes, now: float) -> bool:
         """Admit a call to a capability whose open key holds `raw`; return True when the call

@@ -68,50 +68,50 @@ def capability_apply_stats(*, batch: stats.StatsBatch) -> bool:
             continue
         capability = Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(full_name=full).first()
         if capability is not None:
-            capability.calls_total += taken.calls
-            capability.errors_total += taken.errors
-            capability.latency_ms_total += taken.latency_ms
-            capability.cold_calls_total += taken.cold_calls
-            capability.page_in_ms_total += taken.page_in_ms
-            capability.latency_buckets_total = stats.add_buckets(capability.latency_buckets_total, taken.buckets)
-            capability.refused_total += taken.refused
-            capability.statuses_total = stats.add_counts(capability.statuses_total, taken.statuses)
-            capability.codes_total = stats.add_counts(capability.codes_total, taken.codes)
+            _add_counters(capability, taken, {counter: total for counter, (total, _) in SUMMED.items()})
             if taken.last_access_epoch is not None:
                 capability.last_access_at = datetime.fromtimestamp(taken.last_access_epoch, tz=UTC)
                 capability.inactive_at = None  # called again: active
-            capability.save(
-                update_fields=[
-                    "calls_total",
-                    "errors_total",
-                    "latency_ms_total",
-                    "cold_calls_total",
-                    "page_in_ms_total",
-                    "latency_buckets_total",
-                    "refused_total",
-                    "statuses_total",
-                    "codes_total",
-                    "last_access_at",
-                    "inactive_at",
-                ]
-            )
+            totals = [total for total, _ in SUMMED.values()]
+            capability.save(update_fields=[*totals, "last_access_at", "inactive_at"])
         window, _ = CapabilityStatsWindow.objects.select_for_update().get_or_create(
             full_name=full,
             window_start=window_start,
             defaults={"agent_name": full.split(names.SEPARATOR, 1)[0]},
         )
-        window.calls += taken.calls
-        window.errors += taken.errors
-        window.cold_calls += taken.cold_calls
-        window.latency_ms_sum += taken.latency_ms
-        window.page_in_ms_sum += taken.page_in_ms
-        window.latency_buckets = stats.add_buckets(window.latency_buckets, taken.buckets)
-        window.refused += taken.refused
-        window.statuses = stats.add_counts(window.statuses, taken.statuses)
-        window.codes = stats.add_counts(window.codes, taken.codes)
+        _add_counters(window, taken, {counter: window_sum for counter, (_, window_sum) in SUMMED.items()})
         window.save()
         _alert_on_error_rate(window)
     return True
+
+
+# Each counter of a claimed batch (stats.CallStats) and the fields it is added to: the
+# capability's total, and its minute window's sum.
+SUMMED = {
+    "calls": ("calls_total", "calls"),
+    "errors": ("errors_total", "errors"),
+    "latency_ms": ("latency_ms_total", "latency_ms_sum"),
+    "cold_calls": ("cold_calls_total", "cold_calls"),
+    "page_in_ms": ("page_in_ms_total", "page_in_ms_sum"),
+    "buckets": ("latency_buckets_total", "latency_buckets"),
+    "refused": ("refused_total", "refused"),
+    "statuses": ("statuses_total", "statuses"),
+    "codes": ("codes_total", "codes"),
+}
+
+
+def _add_counters(row, taken: stats.CallStats, fields: dict[str, str]) -> None:
+    """Add `taken`'s counters to `row`'s fields (counter → field name): histograms bucket by
+    bucket, counts by status class or code key by key, the rest as numbers."""
+    for counter, name in fields.items():
+        value, more = getattr(row, name), getattr(taken, counter)
+        if isinstance(more, list):
+            value = stats.add_buckets(value, more)
+        elif isinstance(more, dict):
+            value = stats.add_counts(value, more)
+        else:
+            value += more
+        setattr(row, name, value)
 
 
 def _alert_on_error_rate(window: CapabilityStatsWindow) -> None:
