@@ -23,6 +23,7 @@ from capabilities.models import Capability
 from capabilities.services import async_calls
 from sigil.redis_client import get_redis
 from testsupport.cast import deploy_answering, wait_for
+from testsupport.engine_calls import answers_together, call_request
 
 SLOW = "export default { async fetch() { await new Promise(r => setTimeout(r, %d)); return new Response('slow') } }"
 # Answers the first bytes of its request body at once, without waiting for the rest.
@@ -149,6 +150,17 @@ def test_slow_page_ins_do_not_hold_another_agents_warm_calls(worker_pool, alice,
     results = cold.join()
     assert [status for status, _, _ in results] == [200] * 10
     assert max(bob_ended) < min(ended for _, ended, _ in results)
+
+
+def test_calls_that_find_a_cold_capability_together_share_its_one_placement(worker_pool, alice, settings):
+    # With a share of one placement, every call but the first must await that placement, not
+    # start one of its own (and meet the share's 429).
+    settings.SIGIL_AGENT_PLACEMENTS_IN_FLIGHT = 1
+    for name in ("a", "b", "c", "d"):  # three slots: `a` is paged out
+        deploy_answering(alice, name, name, type="normal")
+    wait_for(lambda: Capability.objects.get(full_name="alice--a").state == "paged_out", message="a paged out")
+    results = answers_together([call_request(alice, "/alice/a") for _ in range(20)])
+    assert [(status, body) for status, _, body in results] == [(200, b"a")] * 20
 
 
 def test_a_stale_token_storm_from_an_address_does_not_lock_out_a_valid_token(alice, settings):
