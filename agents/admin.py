@@ -14,7 +14,6 @@ from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
-from django.utils.html import format_html
 from django.utils.http import urlencode
 
 from agents import egress, services
@@ -118,8 +117,8 @@ class AgentAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
 
     @admin.display(description="capabilities", ordering="capability_count")
     def capability_count(self, agent: Agent) -> str:
-        url = reverse("admin:capabilities_capability_changelist") + "?" + urlencode({"agent__id__exact": agent.pk})
-        return format_html('<a href="{}">{}</a>', url, agent.capability_count)
+        query = urlencode({"agent__id__exact": agent.pk})
+        return fragment("admin/agents/agent/capability_count.html", query=query, count=agent.capability_count)
 
     @admin.display(description="calls (all time)", ordering="calls")
     def calls(self, agent: Agent) -> int:
@@ -463,7 +462,8 @@ class AuditEventAdmin(SelectionChecked, admin.ModelAdmin):
     def subject_link(self, event: AuditEvent) -> str:
         if not event.subject:
             return ""
-        return format_html('<a href="?{}">{}</a>', urlencode({"subject": event.subject}), event.subject)
+        query = urlencode({"subject": event.subject})
+        return fragment("admin/agents/auditevent/subject.html", query=query, subject=event.subject)
 
     @admin.display(description="detail")
     def detail_summary(self, event: AuditEvent) -> str:
