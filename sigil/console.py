@@ -10,7 +10,7 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.core.exceptions import ValidationError
 from django.db.models import Q
-from django.http import HttpResponseRedirect
+from django.http import HttpRequest, HttpResponseRedirect
 from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
 from django.urls import reverse
@@ -19,7 +19,7 @@ from django.utils.safestring import SafeString, mark_safe
 from sigil.errors import SigilError
 
 
-def owner_actor(request) -> str:
+def owner_actor(request: HttpRequest) -> str:
     return f"owner:{request.user.get_username()}"
 
 
@@ -36,7 +36,7 @@ def fragment(template_name: str, **context) -> SafeString:
 
 def confirm_page(
     model_admin: admin.ModelAdmin,
-    request,
+    request: HttpRequest,
     *,
     action: str,
     subject: str,
@@ -66,7 +66,7 @@ def confirm_page(
     return TemplateResponse(request, "admin/sigil/confirm.html", context)
 
 
-def confirmed(request) -> bool:
+def confirmed(request: HttpRequest) -> bool:
     """Whether a list action's confirmation page was answered yes."""
     return request.POST.get("confirmed") == "yes"
 

@@ -3,6 +3,7 @@ mounted under /admin/ by sigil_site/urls.py through the admin site's own login c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from operator import attrgetter, methodcaller
 
@@ -17,7 +18,7 @@ from django.utils import timezone
 from django.utils.http import urlencode
 
 from agents.models import Agent
-from capabilities.dashboard import dashboard_chart, dashboard_get
+from capabilities.dashboard import Bucket, dashboard_chart, dashboard_get
 from sigil import charts
 from sigil.console import SelectionChecked
 from sigil_site.beat import beat_schedule_list
@@ -43,7 +44,7 @@ REFRESH_SECONDS = 60
 STATUS_CSS = {"1xx": "s3xx", "2xx": "s2xx", "3xx": "s3xx", "4xx": "s4xx", "5xx": "s5xx"}
 
 
-def _status_count(status_class: str):
+def _status_count(status_class: str) -> Callable[[Bucket], int]:
     return lambda bucket: bucket.statuses.get(status_class, 0)
 
 

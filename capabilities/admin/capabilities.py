@@ -10,8 +10,8 @@ from operator import attrgetter
 
 from django.conf import settings
 from django.contrib import admin
-from django.db.models import Q
-from django.http import Http404, HttpResponseNotAllowed, HttpResponseRedirect
+from django.db.models import Q, QuerySet
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
 from django.urls import path, reverse
 from django.utils import timezone
 
@@ -157,12 +157,12 @@ PAGE_ACTIONS = [
 PAGE_ACTIONS_BY_SLUG = {action.slug: action for action in PAGE_ACTIONS}
 
 
-def bulk_action(slug: str):
+def bulk_action(slug: str) -> Callable:
     """One of PAGE_ACTIONS as an action of the list, named by its `bulk`."""
     action = PAGE_ACTIONS_BY_SLUG[slug]
     name, description, _ = action.bulk
 
-    def run(model_admin, request, queryset):
+    def run(model_admin: CapabilityAdmin, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:
         return model_admin.run_on_selection(request, queryset, action)
 
     run.__name__ = name
