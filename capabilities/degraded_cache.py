@@ -25,6 +25,17 @@ entries_key = key_family("sigil:degraded-cache")
 index_key = key_family("sigil:degraded-cache-index")
 
 
+@dataclass(frozen=True)
+class CachedAnswer:
+    """A good answer as kept, to be served again while the breaker is open."""
+
+    status: int
+    reason: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    stored_epoch: float
+
+
 # KEYS: entries, index. ARGV: path and query, the answer (JSON), now (epoch s), most entries,
 # max age (s). Stores the answer, drops the oldest beyond the bound, renews the expiry.
 _STORE = """
@@ -40,17 +51,6 @@ redis.call('EXPIRE', KEYS[1], ARGV[5])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
 return 1
 """
-
-
-@dataclass(frozen=True)
-class CachedAnswer:
-    """A good answer as kept, to be served again while the breaker is open."""
-
-    status: int
-    reason: str
-    headers: list[tuple[str, str]]
-    body: bytes
-    stored_epoch: float
 
 
 @dataclass(frozen=True)
