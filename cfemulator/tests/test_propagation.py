@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from capabilities.cloudflare import CloudflareClient
 from cfemulator.tests.test_api import Api
 from testsupport.capability_code import PONG
+from testsupport.emulator import cloudflare_client
 
 DELAY = 0.5
 
@@ -23,13 +23,7 @@ def api(cf_emulator_fresh):
 
 def test_the_workers_dev_toggle_of_a_fresh_script_is_retried_through_its_10007(api, cf_emulator_fresh, redis_client):
     # Backoffs as in production: its two not-found retries outlast the delay.
-    client = CloudflareClient(
-        base_url=cf_emulator_fresh.api_base,
-        account_id=cf_emulator_fresh.account_id,
-        api_token=cf_emulator_fresh.token,
-        redis=redis_client,
-        backoff_base_seconds=0.5,
-    )
+    client = cloudflare_client(cf_emulator_fresh, redis_client, backoff_base_seconds=0.5)
     try:
         assert api.upload("fresh").status_code == 200
         assert client.script_subdomain_set("fresh", enabled=True)["enabled"] is True

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
-from cfemulator.control import EmulatorControl
+from capabilities.workerd import free_port
 from cfemulator.server import EmulatorServer
 from cfemulator.tests.test_api import Api
 from testsupport.capability_code import PONG
+from testsupport.emulator import EmulatorControl, emulator_server
 
 KV_AND_SECRET = """export default { async fetch(request, env) {
   if (request.method === "PUT") { await env.STORE.put("k", await request.text()); return new Response("stored"); }
@@ -21,27 +21,15 @@ class RestartableEmulator:
     """An emulator of its own on a fixed port and state directory, which a test can restart."""
 
     def __init__(self, state_dir, workerd_binary: str) -> None:
-        from capabilities.workerd import free_port
-
         self.state_dir = state_dir
         self.workerd_binary = workerd_binary
         self.port = free_port()
         self.server: EmulatorServer | None = None
         self.start()
-        self.control = EmulatorControl(url=self.server.url, token=DEV_TOKEN, account_id=DEV_ACCOUNT_ID)
+        self.control = EmulatorControl.of(self.server)
 
     def start(self) -> None:
-        from capabilities.workerd import free_port
-
-        self.server = EmulatorServer.build(
-            workerd_binary=self.workerd_binary,
-            state_dir=self.state_dir,
-            token=DEV_TOKEN,
-            account_id=DEV_ACCOUNT_ID,
-            config=EmulatorConfig(),
-            port=self.port,
-            workerd_port=free_port(),
-        )
+        self.server = emulator_server(workerd_binary=self.workerd_binary, state_dir=self.state_dir, port=self.port)
         self.server.start()
 
     def restart(self) -> None:

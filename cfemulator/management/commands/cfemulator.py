@@ -12,7 +12,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from capabilities.workerd import WorkerdMissing, free_port
-from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, PLANS, EmulatorConfig, parse_rate_limit
+from cfemulator.config import DEV_ACCOUNT_ID, DEV_TOKEN, PLANS, EmulatorConfig
+from cfemulator.ratelimit import parse_rate_limit
 from cfemulator.server import EmulatorServer
 
 
