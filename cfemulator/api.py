@@ -310,9 +310,10 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
         path = request.path[len(API_PREFIX) :] if request.path.startswith(API_PREFIX + "/") else None
         if path is None:
             raise ApiError(404, 7003)
-        for method, pattern, handler in self._routes:  # noqa: B007  (handler is used after the break)
+        for pattern, methods in self._routes:
             match = pattern.fullmatch(path)
-            if match and method == request.method:
+            if match and request.method in methods:
+                handler = methods[request.method]
                 break
         else:
             raise ApiError(404, 7003)
@@ -346,7 +347,8 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
         # Constant-time comparison: the emulator stands in for a service that guards a secret.
         return scheme.lower() == "bearer" and bool(given) and _same(given, self._token.encode())
 
-    def _route_table(self) -> list[tuple[str, re.Pattern[str], Handler]]:
+    def _route_table(self) -> list[tuple[re.Pattern[str], dict[str, Handler]]]:
+        """Each path the API serves, with its handler for each method (paths never overlap)."""
         account = r"/accounts/(?P<account>[^/]+)"
         scripts = account + r"/workers/scripts"
         script = scripts + r"/(?P<script>[^/]+)"
@@ -355,41 +357,32 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
         ns_script = namespace + r"/scripts/(?P<script>[^/]+)"
         kv = account + r"/storage/kv/namespaces"
         kv_ns = kv + r"/(?P<kv>[^/]+)"
-        table: list[tuple[str, str, Handler]] = [
+        value = kv_ns + r"/values/(?P<key>[^/]+)"
+        table: dict[str, dict[str, Handler]] = {
             # A user's token, then an account's own token (Cloudflare has both kinds).
-            ("GET", r"/user/tokens/verify", self._token_verify),
-            ("GET", account + r"/tokens/verify", self._token_verify),
-            ("GET", scripts, self._script_list),
-            ("PUT", script, self._script_upload),
-            ("DELETE", script, self._script_delete),
-            ("GET", script + "/settings", self._script_settings),
-            ("GET", script + "/subdomain", self._script_subdomain_get),
-            ("POST", script + "/subdomain", self._script_subdomain_set),
-            ("DELETE", script + "/subdomain", self._script_subdomain_delete),
-            ("GET", account + "/workers/subdomain", self._subdomain_get),
-            ("PUT", account + "/workers/subdomain", self._subdomain_put),
-            ("GET", namespaces, self._namespace_list),
-            ("POST", namespaces, self._namespace_create),
-            ("GET", namespace, self._namespace_get),
-            ("DELETE", namespace, self._namespace_delete),
-            ("GET", namespace + "/scripts", self._ns_script_list),
-            ("DELETE", namespace + "/scripts", self._ns_script_bulk_delete),
-            ("PUT", ns_script, self._ns_script_upload),
-            ("GET", ns_script, self._ns_script_get),
-            ("DELETE", ns_script, self._ns_script_delete),
-            ("GET", ns_script + "/tags", self._ns_script_tags_get),
-            ("PUT", ns_script + "/tags", self._ns_script_tags_put),
-            ("GET", kv, self._kv_namespace_list),
-            ("POST", kv, self._kv_namespace_create),
-            ("GET", kv_ns, self._kv_namespace_get),
-            ("DELETE", kv_ns, self._kv_namespace_delete),
-            ("PUT", kv_ns + r"/values/(?P<key>[^/]+)", self._kv_put),
-            ("GET", kv_ns + r"/values/(?P<key>[^/]+)", self._kv_get),
-            ("DELETE", kv_ns + r"/values/(?P<key>[^/]+)", self._kv_delete),
-            ("GET", kv_ns + r"/metadata/(?P<key>[^/]+)", self._kv_metadata),
-            ("GET", kv_ns + "/keys", self._kv_keys),
-        ]
-        return [(method, re.compile(pattern), handler) for method, pattern, handler in table]
+            r"/user/tokens/verify": {"GET": self._token_verify},
+            account + r"/tokens/verify": {"GET": self._token_verify},
+            scripts: {"GET": self._script_list},
+            script: {"PUT": self._script_upload, "DELETE": self._script_delete},
+            script + "/settings": {"GET": self._script_settings},
+            script + "/subdomain": {
+                "GET": self._script_subdomain_get,
+                "POST": self._script_subdomain_set,
+                "DELETE": self._script_subdomain_delete,
+            },
+            account + "/workers/subdomain": {"GET": self._subdomain_get, "PUT": self._subdomain_put},
+            namespaces: {"GET": self._namespace_list, "POST": self._namespace_create},
+            namespace: {"GET": self._namespace_get, "DELETE": self._namespace_delete},
+            namespace + "/scripts": {"GET": self._ns_script_list, "DELETE": self._ns_script_bulk_delete},
+            ns_script: {"PUT": self._ns_script_upload, "GET": self._ns_script_get, "DELETE": self._ns_script_delete},
+            ns_script + "/tags": {"GET": self._ns_script_tags_get, "PUT": self._ns_script_tags_put},
+            kv: {"GET": self._kv_namespace_list, "POST": self._kv_namespace_create},
+            kv_ns: {"GET": self._kv_namespace_get, "DELETE": self._kv_namespace_delete},
+            value: {"PUT": self._kv_put, "GET": self._kv_get, "DELETE": self._kv_delete},
+            kv_ns + r"/metadata/(?P<key>[^/]+)": {"GET": self._kv_metadata},
+            kv_ns + "/keys": {"GET": self._kv_keys},
+        }
+        return [(re.compile(pattern), methods) for pattern, methods in table.items()]
 
     # --- API tokens ---------------------------------------------------------------------------
 

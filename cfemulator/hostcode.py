@@ -13,6 +13,7 @@ theirs about Cloudflare cannot hide in the witness.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -105,7 +106,7 @@ def start_problem(*, port: int, host_secret: str, loader_id: str) -> str | None:
 
 def _said(body: bytes) -> str:
     """What the host's refusal says: its JSON `message`, else its text."""
-    try:
-        return str(json.loads(body)["message"]).strip()
-    except (ValueError, KeyError, TypeError):
-        return body.decode(errors="replace").strip()
+    said = body.decode(errors="replace")
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        said = str(json.loads(said)["message"])
+    return said.strip()

@@ -37,7 +37,7 @@ import urllib3
 from urllib3 import HTTPHeaderDict
 
 from capabilities.workerd import WorkerdHost
-from cfemulator.api import CloudflareApi
+from cfemulator.api import API_PREFIX, CloudflareApi
 from cfemulator.config import EmulatorConfig
 from cfemulator.cpumeter import CpuMeter
 from cfemulator.dynamic_calls import DynamicCalls
@@ -119,18 +119,19 @@ class EmulatorServer:
         return server
 
     @property
+    def url(self) -> str:
+        return f"http://{LISTEN_ADDRESS}:{self.port}"
+
+    @property
     def port(self) -> int:
+        """The port it listens on. Raises RuntimeError before `bind`."""
         if self._http is None:
             raise RuntimeError("the emulator is not bound yet")
         return self._http.server_address[1]
 
     @property
-    def url(self) -> str:
-        return f"http://{LISTEN_ADDRESS}:{self.port}"
-
-    @property
     def api_base(self) -> str:
-        return f"{self.url}/client/v4"
+        return f"{self.url}{API_PREFIX}"
 
     def bind(self) -> None:
         """Open the listening socket on 127.0.0.1 (never any other address)."""

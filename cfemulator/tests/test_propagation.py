@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cfemulator.tests.test_api import Api
+from cfemulator.tests.test_api import Api, kv_binding
 from testsupport.capability_code import PONG
 from testsupport.emulator import cloudflare_client
 
@@ -56,11 +56,11 @@ def test_a_kv_value_written_over_the_api_reaches_bindings_after_the_delay(api, c
     reads = """export default { async fetch(request, env) {
       return new Response(String(await env.STORE.get("k")));
     } }"""
-    namespace = api.call("POST", "/storage/kv/namespaces", json={"title": "store"}).json()["result"]["id"]
+    namespace = api.kv_namespace()
     values = f"/storage/kv/namespaces/{namespace}/values"
     api.call("PUT", f"{values}/k", data=b"old")
     cf_emulator_fresh.configure(propagation_delay=0)
-    bindings = [{"type": "kv_namespace", "name": "STORE", "namespace_id": namespace}]
+    bindings = [kv_binding(namespace)]
     assert api.upload("reader", reads, metadata={"bindings": bindings}).status_code == 200
     api.enable("reader")
     host = cf_emulator_fresh.workers_dev_host("reader")

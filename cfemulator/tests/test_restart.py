@@ -7,7 +7,7 @@ import pytest
 
 from capabilities.workerd import free_port
 from cfemulator.server import EmulatorServer
-from cfemulator.tests.test_api import Api
+from cfemulator.tests.test_api import Api, kv_binding
 from testsupport.capability_code import PONG
 from testsupport.emulator import EmulatorControl, emulator_server
 
@@ -63,9 +63,9 @@ def test_a_capability_deployed_before_a_restart_answers_after_it(emulator, backe
 
 def test_kv_values_secrets_and_workers_dev_routes_survive_a_restart(emulator):
     api = Api(emulator.control)
-    namespace = api.call("POST", "/storage/kv/namespaces", json={"title": "store"}).json()["result"]["id"]
+    namespace = api.kv_namespace()
     bindings = [
-        {"type": "kv_namespace", "name": "STORE", "namespace_id": namespace},
+        kv_binding(namespace),
         {"type": "secret_text", "name": "TOKEN", "text": "s3cr3t"},
     ]
     assert api.upload("keeper", KV_AND_SECRET, metadata={"bindings": bindings}).status_code == 200
