@@ -21,7 +21,8 @@ from cfemulator.uploads import ScriptUpload
 logger = logging.getLogger(__name__)
 
 # Raised when the shape of the state changes: a file of another version is not read.
-STATE_VERSION = 1
+# 2: text bindings are the emulator's own (cfemulator.uploads.TextBinding).
+STATE_VERSION = 2
 
 
 @dataclass
