@@ -15,7 +15,7 @@ def workerd_group():
     import threading
 
     from capabilities.runtimes.local import local_workerd_group
-    from capabilities.supervision import read_status
+    from capabilities.workerd.group import read_status
     from testsupport.processes import wait_until
 
     group = local_workerd_group()
@@ -249,10 +249,10 @@ def cf_emulator():
     """
     from django.conf import settings
 
-    from capabilities.workerd import free_port
     from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
     from cfemulator.control import EmulatorControl
     from cfemulator.server import EmulatorServer
+    from sigil.ports import free_port
 
     server = EmulatorServer.build(
         workerd_binary=settings.SIGIL_WORKERD_BIN,

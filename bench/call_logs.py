@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from invoke import Processes, deploy, load_average, manage, percentile, request, wait_for_health  # noqa: E402
 
-from capabilities.workerd import free_port  # noqa: E402
+from sigil.ports import free_port  # noqa: E402
 
 AGENT = "bench"
 POLL_SECONDS = 0.002

@@ -39,9 +39,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from capabilities.supervision import read_status  # noqa: E402
-from capabilities.workerd import free_port, free_port_block, port_is_open  # noqa: E402
+from capabilities.workerd.group import read_status  # noqa: E402
 from sigil.embedded_redis import EmbeddedRedis  # noqa: E402
+from sigil.ports import free_port, free_port_block, port_is_open  # noqa: E402
 from testsupport.servers import server_command  # noqa: E402
 
 SPIN = "export default { async fetch() { while (true) {} } }"

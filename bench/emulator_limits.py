@@ -49,9 +49,9 @@ def main() -> int:
     import urllib3
     from django.conf import settings
 
-    from capabilities.workerd import free_port
     from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
     from cfemulator.server import EmulatorServer
+    from sigil.ports import free_port
 
     emulator = EmulatorServer.build(
         workerd_binary=settings.SIGIL_WORKERD_BIN,

@@ -45,9 +45,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from capabilities.runtimes.base import CodeBundle  # noqa: E402
-from capabilities.supervision import read_status  # noqa: E402
-from capabilities.workerd import free_port, free_port_block  # noqa: E402
+from capabilities.workerd.group import read_status  # noqa: E402
 from sigil.embedded_redis import EmbeddedRedis  # noqa: E402
+from sigil.ports import free_port, free_port_block  # noqa: E402
 from testsupport.servers import server_command  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent

@@ -76,7 +76,7 @@ def main() -> int:
 
     embedded = EmbeddedRedis(var_dir / "redis")
     embedded.start()
-    from capabilities.workerd import free_port, free_port_block, port_is_open
+    from sigil.ports import free_port, free_port_block, port_is_open
 
     os.environ.update(
         {
@@ -99,7 +99,7 @@ def main() -> int:
     from agents import services as agent_services
     from capabilities.models import Capability, CapabilityVersion
     from capabilities.runtimes.local import local_workerd_group
-    from capabilities.supervision import read_status
+    from capabilities.workerd.group import read_status
 
     call_command("migrate", verbosity=0)
     workerd = local_workerd_group()

@@ -35,7 +35,7 @@ def main() -> int:
 
     embedded = EmbeddedRedis(var_dir / "redis")
     embedded.start()
-    from capabilities.workerd import free_port
+    from sigil.ports import free_port
 
     emulator_port = free_port()
     os.environ.update(

@@ -53,7 +53,7 @@ def main() -> int:
 
     embedded = EmbeddedRedis(var_dir / "redis")
     embedded.start()
-    from capabilities.workerd import free_port, free_port_block, port_is_open
+    from sigil.ports import free_port, free_port_block, port_is_open
 
     emulator_port, workerd_port = free_port(), free_port_block()
     from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN
@@ -88,7 +88,7 @@ def main() -> int:
     from capabilities.models import Capability
     from capabilities.runtimes import build_runtime
     from capabilities.runtimes.local import local_workerd_group
-    from capabilities.supervision import read_status
+    from capabilities.workerd.group import read_status
     from cfemulator.api import EmulatorConfig
     from cfemulator.server import EmulatorServer
     from testsupport.servers import server_command

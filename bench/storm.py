@@ -43,9 +43,9 @@ sys.path.insert(0, str(BENCH_DIR.parent))
 
 from invoke import ROOT, Processes, deploy, manage, wait_for_health  # noqa: E402
 
-from capabilities.supervision import read_status  # noqa: E402
-from capabilities.workerd import free_port, free_port_block  # noqa: E402
+from capabilities.workerd.group import read_status  # noqa: E402
 from sigil.embedded_redis import EmbeddedRedis  # noqa: E402
+from sigil.ports import free_port, free_port_block  # noqa: E402
 from testsupport.servers import server_command  # noqa: E402
 
 SLOW = "export default { async fetch() { await new Promise(r => setTimeout(r, %d)); return new Response('slow') } }"

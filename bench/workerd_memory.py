@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from invoke import Processes, cpu_seconds, deploy, load_average, manage, request, wait_for_health  # noqa: E402
 
-from capabilities.workerd import free_port  # noqa: E402
+from sigil.ports import free_port  # noqa: E402
 from testsupport.processes import command_line, descendants, resident_mb, wait_until  # noqa: E402
 
 AGENT = "bench"

@@ -37,7 +37,6 @@ from typing import Any
 from urllib.parse import unquote
 
 from capabilities.runtimes.base import SECRET_KIND, CodeBundle, secret_fingerprint
-from capabilities.workerd import write_atomically
 from cfemulator.api_common import (
     _LABEL,
     ApiRequest,
@@ -66,6 +65,7 @@ from cfemulator.state import (
     save_state,
 )
 from cfemulator.uploads import ScriptUpload, parse_upload
+from sigil.files import write_atomically
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ from urllib3 import HTTPHeaderDict
 from capabilities.runtimes.base import Route
 from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
 from capabilities.runtimes.loader_host import loader_host_start_check
-from capabilities.workerd import WorkerdHost
+from capabilities.workerd.host import WorkerdHost
 from cfemulator.api import MAX_BODY_BYTES, ApiRequest, CloudflareApi, EmulatorConfig, WorkerTarget
 from cfemulator.bound import (
     CALL_HEADER,

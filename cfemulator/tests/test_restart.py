@@ -21,7 +21,7 @@ class RestartableEmulator:
     """An emulator of its own on a fixed port and state directory, which a test can restart."""
 
     def __init__(self, state_dir, workerd_binary: str) -> None:
-        from capabilities.workerd import free_port
+        from sigil.ports import free_port
 
         self.state_dir = state_dir
         self.workerd_binary = workerd_binary
@@ -31,7 +31,7 @@ class RestartableEmulator:
         self.control = EmulatorControl(url=self.server.url, token=DEV_TOKEN, account_id=DEV_ACCOUNT_ID)
 
     def start(self) -> None:
-        from capabilities.workerd import free_port
+        from sigil.ports import free_port
 
         self.server = EmulatorServer.build(
             workerd_binary=self.workerd_binary,

@@ -11,9 +11,10 @@ from types import FrameType
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from capabilities.workerd import WorkerdMissing, free_port
+from capabilities.workerd.host import WorkerdMissing
 from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, PLANS, EmulatorConfig, parse_rate_limit
 from cfemulator.server import EmulatorServer
+from sigil.ports import free_port
 
 
 class Command(BaseCommand):
