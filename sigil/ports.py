@@ -101,8 +101,8 @@ def _free_block(count: int, *, avoid: set[int]) -> int:
 
 
 def port_is_open(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether something accepts connections on `host`:`port` now. (A port Sigil's own
-    processes left in TIME_WAIT a moment ago is not: it is still theirs to take.)"""
+    """Whether something accepts connections on `host`:`port` now. A port in TIME_WAIT (one
+    Sigil's own processes left a moment ago) is not open: it is still theirs to take."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.2)
         return sock.connect_ex((host, port)) == 0

@@ -31,7 +31,8 @@ FIRST_BACKOFF_SECONDS = 0.2
 # A process that keeps dying is tried again at least this often, so one whose cause went
 # away (a port released, Redis back) serves again soon without anyone acting.
 MAX_BACKOFF_SECONDS = 10.0
-# Longer than any of Sigil's programs takes to start and fail (a bad setting, a port in use).
+# A process that ran this long is restarted at once: a crash loop this slow costs at most one
+# start every 10 s, and one that fails at start (a bad setting, a port in use) dies sooner.
 STABLE_SECONDS = 10.0
 
 
