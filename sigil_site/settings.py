@@ -441,7 +441,7 @@ SIGIL_DEGRADED_CACHE_MAX_BYTES = env_int("SIGIL_DEGRADED_CACHE_MAX_BYTES", 256 *
 # session of a staff account.
 SIGIL_OWNER_API_TOKEN = env_secret("SIGIL_OWNER_API_TOKEN")
 
-# --- Cost estimate: Cloudflare's published prices (README: Configuration gives each source) --
+# --- Cost estimate: Cloudflare's published prices (docs/configuration.md gives each source)
 
 # Workers Free: requests a day, CPU ms per call, scripts per account.
 SIGIL_PRICE_FREE_REQUESTS_PER_DAY = env_int("SIGIL_PRICE_FREE_REQUESTS_PER_DAY", 100_000)
