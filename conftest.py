@@ -15,7 +15,7 @@ def workerd_group():
     import threading
 
     from capabilities.runtimes.local import local_workerd_group
-    from capabilities.supervision import read_status
+    from capabilities.workerd.group import read_status
     from testsupport.processes import wait_until
 
     group = local_workerd_group()

@@ -48,9 +48,9 @@ from harness import (
     wait_until,
 )
 
-from capabilities.supervision import read_status
-from capabilities.workerd import free_port
+from capabilities.workerd.group import read_status
 from sigil.lifetime import PidFiles
+from sigil.ports import free_port
 
 AGENT = "bench"
 PING = "export default { async fetch() { return new Response('pong') } }"

@@ -85,7 +85,7 @@ def workerd_in_thread():
     import threading
 
     from capabilities.runtimes.local import local_workerd_group
-    from capabilities.supervision import read_status
+    from capabilities.workerd.group import read_status
 
     group = local_workerd_group()
     stopping = threading.Event()
@@ -139,7 +139,7 @@ class Processes:
     def workerd(self, env: dict[str, str], var_dir: Path) -> subprocess.Popen:
         """The local runtime's workerd processes under `manage.py runworkerd`, once its
         supervisor has reported."""
-        from capabilities.supervision import read_status
+        from capabilities.workerd.group import read_status
 
         process = self.start([sys.executable, MANAGE, "runworkerd"], env=env, log=var_dir / "runworkerd.log")
         status = var_dir / "workerd" / "supervisor.json"

@@ -26,8 +26,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from capabilities.workerd import write_atomically
 from cfemulator.uploads import ScriptUpload
+from sigil.files import write_atomically
 
 # The HKDF info host.js derives its unsealing key with.
 _SEAL_INFO = b"sigil bundle secrets"

@@ -36,7 +36,7 @@ from pathlib import Path
 import urllib3
 from urllib3 import HTTPHeaderDict
 
-from capabilities.workerd import WorkerdHost
+from capabilities.workerd.host import WorkerdHost
 from cfemulator.api import API_PREFIX, CloudflareApi
 from cfemulator.config import EmulatorConfig
 from cfemulator.cpumeter import CpuMeter

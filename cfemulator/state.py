@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capabilities.workerd import write_atomically
 from cfemulator.uploads import ScriptUpload
+from sigil.files import write_atomically
 
 logger = logging.getLogger(__name__)
 

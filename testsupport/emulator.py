@@ -10,9 +10,9 @@ from typing import Any
 import requests
 
 from capabilities.cloudflare import CloudflareClient
-from capabilities.workerd import free_port
 from cfemulator.config import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
 from cfemulator.server import EmulatorServer
+from sigil.ports import free_port
 
 
 def emulator_server(*, workerd_binary: str, state_dir: Path, port: int = 0) -> EmulatorServer:

@@ -11,9 +11,9 @@ import cfemulator
 
 EMULATOR = Path(cfemulator.__file__).resolve().parent
 # Sigil's packages, and the parts of them the emulator may use: the workerd host and its
-# supervision (capabilities/workerd/ once both live there), and Django for its command.
+# supervision (capabilities/workerd/), and the ground, which imports no app (ports, files).
 SIGIL_PACKAGES = ("agents", "capabilities", "sigil", "sigil_site", "testsupport")
-SHARED = ("capabilities.workerd", "capabilities.supervision")
+SHARED = ("capabilities.workerd", "sigil")
 
 
 def imported_modules(path: Path) -> set[str]:

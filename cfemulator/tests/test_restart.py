@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from capabilities.workerd import free_port
 from cfemulator.server import EmulatorServer
 from cfemulator.tests.test_api import Api, kv_binding
+from sigil.ports import free_port
 from testsupport.capability_code import PONG
 from testsupport.emulator import EmulatorControl, emulator_server
 

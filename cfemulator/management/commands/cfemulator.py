@@ -12,9 +12,10 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from capabilities.workerd import WorkerdMissing, free_port
+from capabilities.workerd.host import WorkerdMissing
 from cfemulator.config import DEV_ACCOUNT_ID, DEV_TOKEN, PLANS, EmulatorConfig
 from cfemulator.server import EmulatorServer
+from sigil.ports import free_port
 
 # The account's settings the command line gives (their defaults are EmulatorConfig's), with
 # what argparse needs to read each.
