@@ -13,7 +13,6 @@ from django.utils import timezone
 from agents.models import Agent, AuditEvent
 from agents.tokens import Principal
 from capabilities import call_logs, names, stats
-from capabilities.visibility import capability_own, capability_visible, visible_q
 from capabilities.contracts import Contract
 from capabilities.models import (
     BreakerState,
@@ -25,6 +24,7 @@ from capabilities.models import (
     VersionPlacement,
 )
 from capabilities.runtimes import get_runtime
+from capabilities.visibility import capability_own, capability_visible, visible_q
 from sigil.errors import Forbidden, InvalidRequest, NotFound
 
 SEARCH_MAX_CHARS = 200

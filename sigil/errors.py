@@ -26,8 +26,6 @@ from sigil.request_id import current_request_id, new_request_id
 
 logger = logging.getLogger(__name__)
 
-# The headers errors are sent with, and what each says.
-RETRY_AFTER = {"Retry-After": "seconds to wait before trying again"}
 # Sent with every 401 (RFC 9110 §11.6.1): the scheme a client should answer with.
 WWW_AUTHENTICATE = 'Bearer realm="sigil"'
 
@@ -51,12 +49,15 @@ class SigilError(Exception):
         self.retry_after = retry_after
 
 
+class RetryLater(SigilError):
+    """An error that says when to try again: sent with Retry-After when it knows."""
+
+    headers = {"Retry-After": "seconds to wait before trying again"}
+
+
 class InvalidRequest(SigilError):
     status, code = 400, "invalid_request"
-    meaning = (
-        "malformed JSON, a wrong or unknown field, a name that breaks a rule, code that does not start, "
-        "a callback URL that is not http(s) or is at a private address"
-    )
+    meaning = "bad JSON, a wrong or unknown field, a name against the rules, code that fails to start, a private URL"
     example = "capability name 'Bad_Name' must match ^[a-z0-9][a-z0-9-]{0,40}$ with no '--'"
 
 
@@ -120,20 +121,15 @@ class TooLarge(SigilError):
     example = "code is 10485761 bytes; the limit is 10485760 bytes"
 
 
-class Cooldown(SigilError):
+class Cooldown(RetryLater):
     status, code = 429, "cooldown"
     meaning = "a deploy sooner than SIGIL_DEPLOY_COOLDOWN_SECONDS after the agent's last"
-    headers = RETRY_AFTER
     example = "xiaoju deployed less than 5 s ago; retry later"
 
 
-class RateLimited(SigilError):
+class RateLimited(RetryLater):
     status, code = 429, "rate_limited"
-    meaning = (
-        "too many failing tokens from this address, or more than the agent's share (calls in flight, asynchronous "
-        "calls, ephemeral capabilities)"
-    )
-    headers = RETRY_AFTER
+    meaning = "too many failing tokens from this address, or more than the agent's share (calls, ephemerals, …)"
     example = "xiaoju has 256 calls in flight, its share of this server; retry when some have ended"
 
 
@@ -155,27 +151,23 @@ class CapabilityError(SigilError):
     example = "xiaoju--ping threw: TypeError: undefined is not a function"
 
 
-class Degraded(SigilError):
+class Degraded(RetryLater):
     status, code = 503, "degraded"
     meaning = "the capability's circuit breaker is open, after repeated failures or by the owner"
-    headers = RETRY_AFTER
     example = "xiaoju--ping is degraded after repeated failures"
 
 
-class Unavailable(SigilError):
+class Unavailable(RetryLater):
     """Sigil cannot serve this now (Redis unreachable, a runtime process restarting); try again shortly."""
 
     status, code = 503, "unavailable"
     meaning = "a dependency is down (Redis unreachable, a runtime restarting, no room on the account)"
-    headers = RETRY_AFTER
     example = "Sigil's Redis is unreachable; try again shortly"
 
 
 class Timeout(SigilError):
     status, code = 504, "timeout"
-    meaning = (
-        "no answer in time (SIGIL_INVOKE_TIMEOUT_SECONDS), a capability past its CPU limit, a placement still under way"
-    )
+    meaning = "no answer in time (SIGIL_INVOKE_TIMEOUT_SECONDS), past its CPU limit, a placement still under way"
     example = "xiaoju--ping is still being placed after 30 s; try again shortly"
 
 

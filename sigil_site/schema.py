@@ -4,20 +4,8 @@ see: the capability call (capabilities/engine/, mounted by sigil_site/asgi.py), 
 
 from __future__ import annotations
 
+from sigil import errors
 from sigil.error_docs import openapi_error_responses
-from sigil.errors import (
-    CapabilityError,
-    Degraded,
-    InvalidRequest,
-    NotFound,
-    RateLimited,
-    Timeout,
-    TooLarge,
-    Unauthenticated,
-    Unavailable,
-    UnsupportedMediaType,
-    UpstreamError,
-)
 
 # The groups of the docs page, by what a reader wants to do, in this order.
 TAGS = [
@@ -82,20 +70,20 @@ CALL_OPERATION = {
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CallAccepted"}}},
         },
         **openapi_error_responses(
-            InvalidRequest,
-            Unauthenticated,
-            NotFound,
-            TooLarge,
-            RateLimited,
-            UpstreamError,
-            CapabilityError,
-            Degraded,
-            Unavailable,
-            Timeout,
+            errors.InvalidRequest,
+            errors.Unauthenticated,
+            errors.NotFound,
+            errors.TooLarge,
+            errors.RateLimited,
+            errors.UpstreamError,
+            errors.CapabilityError,
+            errors.Degraded,
+            errors.Unavailable,
+            errors.Timeout,
             about={
-                InvalidRequest: "an X-Callback-Url that is not http(s) or is at a private address",
-                Unauthenticated: "no token for a private capability, or a bad one",
-                TooLarge: "the body is over SIGIL_INVOKE_MAX_BODY_BYTES",
+                errors.InvalidRequest: "an X-Callback-Url that is not http(s) or is at a private address",
+                errors.Unauthenticated: "no token for a private capability, or a bad one",
+                errors.TooLarge: "the body is over SIGIL_INVOKE_MAX_BODY_BYTES",
             },
         ),
     },
@@ -114,13 +102,13 @@ METRICS_OPERATION = {
     "responses": {
         "200": {"description": "The metrics", "content": {"text/plain": {"schema": {"type": "string"}}}},
         **openapi_error_responses(
-            Unauthenticated,
-            NotFound,
-            RateLimited,
+            errors.Unauthenticated,
+            errors.NotFound,
+            errors.RateLimited,
             about={
-                Unauthenticated: "not the metrics token",
-                NotFound: "metrics are off",
-                RateLimited: "too many failing tokens from this address",
+                errors.Unauthenticated: "not the metrics token",
+                errors.NotFound: "metrics are off",
+                errors.RateLimited: "too many failing tokens from this address",
             },
         ),
     },
@@ -184,12 +172,12 @@ MCP_OPERATION = {
         "400": {"description": "A JSON-RPC error the transport answers with 400 (a missing envelope, a wrong version)"},
         "404": {"description": "An unknown session, or an unknown method (stateless revision)"},
         **openapi_error_responses(
-            Unauthenticated,
-            TooLarge,
-            UnsupportedMediaType,
+            errors.Unauthenticated,
+            errors.TooLarge,
+            errors.UnsupportedMediaType,
             about={
-                Unauthenticated: "no token or a bad one; the JSON-RPC error's data names the code",
-                TooLarge: "the body is over SIGIL_DEPLOY_MAX_BODY_BYTES",
+                errors.Unauthenticated: "no token or a bad one; the JSON-RPC error's data names the code",
+                errors.TooLarge: "the body is over SIGIL_DEPLOY_MAX_BODY_BYTES",
             },
         ),
     },

@@ -240,7 +240,7 @@ class CapabilitySplitEndApi(APIView):
     """POST …/split/promote or …/split/abort: end the split one way or the other."""
 
     permission_classes = [HasDeployScope]
-    end = staticmethod(services.capability_promote)
+    end = staticmethod(services.capability_promote)  # split_end_api gives each way its own
 
     def post(self, request, full: str):
         capability = selectors.capability_get_owned(principal=request.user, full=full)
@@ -255,30 +255,27 @@ SPLIT_END_RESPONSES = {
 }
 
 
-@extend_schema_view(
-    post=extend_schema(
-        operation_id="promoteSplit",
-        tags=["Deploy"],
-        summary="End the traffic split by making the staged version current",
-        request=None,
-        responses=SPLIT_END_RESPONSES,
+def split_end_api(name: str, end, *, operation_id: str, summary: str) -> type[CapabilitySplitEndApi]:
+    """The view of one way to end a split, documented as its own operation."""
+    view = type(name, (CapabilitySplitEndApi,), {"end": staticmethod(end), "__doc__": CapabilitySplitEndApi.__doc__})
+    schema = extend_schema(
+        operation_id=operation_id, tags=["Deploy"], summary=summary, request=None, responses=SPLIT_END_RESPONSES
     )
-)
-class CapabilityPromoteApi(CapabilitySplitEndApi):
-    end = staticmethod(services.capability_promote)
+    return extend_schema_view(post=schema)(view)
 
 
-@extend_schema_view(
-    post=extend_schema(
-        operation_id="abortSplit",
-        tags=["Deploy"],
-        summary="End the traffic split by sending every call to the current version again",
-        request=None,
-        responses=SPLIT_END_RESPONSES,
-    )
+CapabilityPromoteApi = split_end_api(
+    "CapabilityPromoteApi",
+    services.capability_promote,
+    operation_id="promoteSplit",
+    summary="End the traffic split by making the staged version current",
 )
-class CapabilitySplitAbortApi(CapabilitySplitEndApi):
-    end = staticmethod(services.capability_split_abort)
+CapabilitySplitAbortApi = split_end_api(
+    "CapabilitySplitAbortApi",
+    services.capability_split_abort,
+    operation_id="abortSplit",
+    summary="End the traffic split by sending every call to the current version again",
+)
 
 
 class CapabilityVersionsApi(APIView):

@@ -7,25 +7,8 @@ from __future__ import annotations
 from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
+from sigil import errors
 from sigil.error_docs import by_status, error_description, error_example
-from sigil.errors import (
-    Conflict,
-    Cooldown,
-    Forbidden,
-    InvalidRequest,
-    MethodNotAllowed,
-    NotAcceptable,
-    NotFound,
-    RateLimited,
-    SigilError,
-    Timeout,
-    TooLarge,
-    Unauthenticated,
-    Unavailable,
-    UnsupportedMediaType,
-    UpstreamError,
-    error_kinds,
-)
 
 
 @extend_schema_field(
@@ -35,7 +18,7 @@ from sigil.errors import (
             "code": {
                 "type": "string",
                 "description": "What went wrong, for programs: "
-                + ", ".join(dict.fromkeys(kind.code for kind in error_kinds())),
+                + ", ".join(dict.fromkeys(kind.code for kind in errors.error_kinds())),
             },
             "message": {"type": "string", "description": "The same for people, naming the field or limit at fault"},
         },
@@ -56,14 +39,30 @@ class ErrorSerializer(serializers.Serializer):
 
 # What any call with a token may meet, whatever it asks; every view documents these and the
 # errors of its own, so that a client (and the schema fuzz test) knows every status to expect.
-AUTHENTICATED = (InvalidRequest, Unauthenticated, Forbidden, MethodNotAllowed, NotAcceptable, RateLimited)
+AUTHENTICATED = (
+    errors.InvalidRequest,
+    errors.Unauthenticated,
+    errors.Forbidden,
+    errors.MethodNotAllowed,
+    errors.NotAcceptable,
+    errors.RateLimited,
+)
 # What a view that reads or writes a capability of its agent's adds.
-NOT_FOUND = (*AUTHENTICATED, NotFound)
+NOT_FOUND = (*AUTHENTICATED, errors.NotFound)
 # What a deploy (or a rollback, which is one) adds: the placement and its limits.
-DEPLOYING = (*NOT_FOUND, Conflict, TooLarge, UnsupportedMediaType, Cooldown, UpstreamError, Unavailable, Timeout)
+DEPLOYING = (
+    *NOT_FOUND,
+    errors.Conflict,
+    errors.TooLarge,
+    errors.UnsupportedMediaType,
+    errors.Cooldown,
+    errors.UpstreamError,
+    errors.Unavailable,
+    errors.Timeout,
+)
 
 
-def error_responses(*kinds: type[SigilError]) -> dict[int, OpenApiResponse]:
+def error_responses(*kinds: type[errors.SigilError]) -> dict[int, OpenApiResponse]:
     """The responses of an operation that can answer `kinds`: one per status, with the codes it
     stands for and an example of each, as the catalogue has them."""
     return {
@@ -95,65 +94,42 @@ ADD_DEPLOY = {
 }
 
 
-DEPLOY_EXAMPLES = [
-    OpenApiExample("A capability with its contract", request_only=True, value=ADD_DEPLOY),
-    OpenApiExample(
-        "A named capability",
-        request_only=True,
-        value={
-            "name": "ping",
-            "code": 'export default { async fetch(request) { return new Response("pong") } }',
-            "description": "Answers pong.",
-        },
-    ),
-    OpenApiExample(
-        "A public capability with a binding",
-        request_only=True,
-        value={
-            "name": "weather",
-            "type": "normal",
-            "public": True,
-            "bindings": ["SECRET:WEATHER_KEY"],
-            "code": "export default { async fetch(request, env) { "
-            "return fetch(`https://api.example.com/?key=${env.WEATHER_KEY}`) } }",
-        },
-    ),
-    OpenApiExample(
-        "An ephemeral capability for an hour",
-        request_only=True,
-        value={
-            "name": None,
-            "ttl": 3600,
-            "code": "export default { fetch: () => new Response('hi') }",
-            "description": "Says hi, for an hour.",
-        },
-    ),
-    OpenApiExample(
-        "Deployed",
-        response_only=True,
-        status_codes=["201"],
-        value={
-            "capability": "xiaoju--add",
-            "url": "https://sigil.example.com/xiaoju/add",
-            "version": 1,
-            "staged": False,
-            "expires_at": None,
-            "cold_start": True,
-            "evicted": None,
-        },
-    ),
-    OpenApiExample(
+# What a deploy may be sent, by name.
+DEPLOY_REQUESTS = {
+    "A capability with its contract": ADD_DEPLOY,
+    "A named capability": {
+        "name": "ping",
+        "code": 'export default { async fetch(request) { return new Response("pong") } }',
+        "description": "Answers pong.",
+    },
+    "A public capability with a binding": {
+        "name": "weather",
+        "type": "normal",
+        "public": True,
+        "bindings": ["SECRET:WEATHER_KEY"],
+        "code": "export default { async fetch(request, env) { "
+        "return fetch(`https://api.example.com/?key=${env.WEATHER_KEY}`) } }",
+    },
+    "An ephemeral capability for an hour": {
+        "name": None,
+        "ttl": 3600,
+        "code": "export default { fetch: () => new Response('hi') }",
+        "description": "Says hi, for an hour.",
+    },
+}
+ADD_DEPLOYED = {"capability": "xiaoju--add", "url": "https://sigil.example.com/xiaoju/add", "expires_at": None}
+# What it answers, by status: placed at once, or still being placed.
+DEPLOY_ANSWERS = {
+    "201": ("Deployed", {**ADD_DEPLOYED, "version": 1, "staged": False, "cold_start": True, "evicted": None}),
+    "202": (
         "Still being placed",
-        response_only=True,
-        status_codes=["202"],
-        value={
-            "status": "deploying",
-            "callback": "/_status/xiaoju--add",
-            "eta_seconds": 5,
-            "capability": "xiaoju--add",
-            "url": "https://sigil.example.com/xiaoju/add",
-            "version": 2,
-            "expires_at": None,
-        },
+        {"status": "deploying", "callback": "/_status/xiaoju--add", "eta_seconds": 5, **ADD_DEPLOYED, "version": 2},
+    ),
+}
+DEPLOY_EXAMPLES = [
+    *(OpenApiExample(name, value=value, request_only=True) for name, value in DEPLOY_REQUESTS.items()),
+    *(
+        OpenApiExample(name, value=value, response_only=True, status_codes=[status])
+        for status, (name, value) in DEPLOY_ANSWERS.items()
     ),
 ]
