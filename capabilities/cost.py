@@ -35,8 +35,8 @@ COLD_TARGET = 0.01
 
 @dataclass(frozen=True)
 class Prices:
-    """Cloudflare's published prices and included amounts, from settings (README gives the
-    source and date of each)."""
+    """Cloudflare's published prices and included amounts, from settings (docs/configuration.md
+    gives the source and date of each)."""
 
     free_requests_per_day: int
     free_cpu_ms_per_call: int

@@ -67,9 +67,11 @@ def markdown_table() -> str:
         "",
         "<!-- Written by `python -m sigil.error_docs` from the classes in sigil/errors.py; edit those. -->",
         "",
-        'Every error Sigil answers itself, on the API, the call route and MCP alike, is `{"error": '
-        '{"code": …, "message": …}}`: a code for programs and a message for people, naming the field or '
-        "limit at fault. A capability's own responses pass through unchanged.",
+        "Every error code Sigil answers, with its status, headers and an example, generated from the",
+        "error classes in `sigil/errors.py`. Every error Sigil writes itself, on the control API, the",
+        'call route and MCP alike, is `{"error": {"code": …, "message": …}}`: a code for programs and',
+        "a message for people, naming the field or limit at fault. A capability's own responses pass",
+        "through unchanged.",
         "",
         "| status | code | when | headers | example message |",
         "|---|---|---|---|---|",

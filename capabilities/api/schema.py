@@ -78,7 +78,7 @@ def error_responses(*kinds: type[errors.SigilError]) -> dict[int, OpenApiRespons
     }
 
 
-# A deploy with its contract: the example of the schema, /llms.txt and the README.
+# A deploy with its contract: the example of the schema, /llms.txt and docs/contract.md.
 ADD_DEPLOY = {
     "name": "add",
     "code": "export default { async fetch(request) { const {a, b} = await request.json(); "
