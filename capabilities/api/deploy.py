@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from drf_spectacular.utils import (
     OpenApiExample,
-    OpenApiParameter,
     extend_schema,
     extend_schema_serializer,
     extend_schema_view,
@@ -20,11 +19,11 @@ from agents import services as agent_services
 from agents.models import Agent
 from agents.permissions import HasDeployScope
 from capabilities import contracts, selectors, services
+from capabilities.api.pages import PAGE_PARAMETERS, PagedApi
 from capabilities.api.schema import AUTHENTICATED, DEPLOY_EXAMPLES, DEPLOYING, NOT_FOUND, error_responses
 from capabilities.api.serializers import (
     AcceptedSerializer,
     CapabilityDetailSerializer,
-    CapabilityPagination,
     ContractFields,
     SplitSerializer,
     StrictBooleanField,
@@ -278,10 +277,8 @@ CapabilitySplitAbortApi = split_end_api(
 )
 
 
-class CapabilityVersionsApi(APIView):
+class CapabilityVersionsApi(PagedApi):
     """GET /_api/capabilities/{full}/versions: the owner's history of a capability."""
-
-    pagination_class = CapabilityPagination  # so that the schema shows the page's shape
 
     @extend_schema(
         operation_id="listVersions",
@@ -290,15 +287,17 @@ class CapabilityVersionsApi(APIView):
         description="Each version's number, sha256, contract summary, when and by whom it was made, and whether it "
         "is served, staged or was refused. Only the capability's own agent may list them (any of its tokens); "
         "`POST …/rollback` restores one.",
-        parameters=[OpenApiParameter("limit", int), OpenApiParameter("offset", int)],
+        parameters=PAGE_PARAMETERS,
         responses={200: VersionSerializer(many=True), **error_responses(*NOT_FOUND)},
     )
     def get(self, request, full: str):
         capability = selectors.capability_get_owned(principal=request.user, full=full)
-        paginator = CapabilityPagination()
-        page = paginator.paginate_queryset(selectors.capability_versions(capability=capability), request, view=self)
-        records = selectors.versions_describe(capability=capability, versions=list(page))
-        return paginator.get_paginated_response(VersionSerializer(records, many=True).data)
+        return self.answer_page(
+            selectors.capability_versions(capability=capability),
+            lambda page: VersionSerializer(
+                selectors.versions_describe(capability=capability, versions=page), many=True
+            ).data,
+        )
 
 
 class CapabilityRollbackApi(APIView):

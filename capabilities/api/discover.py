@@ -23,13 +23,13 @@ from rest_framework.views import APIView
 
 from agents.permissions import HasDeployScope
 from capabilities import call_logs, selectors, services
+from capabilities.api.pages import PAGE_PARAMETERS, PagedApi
 from capabilities.api.schema import AUTHENTICATED, NOT_FOUND, error_responses
 from capabilities.api.serializers import (
     DEPLOY_STATE,
     CallAcceptedSerializer,
     CallRecordSerializer,
     CapabilityDetailSerializer,
-    CapabilityPagination,
     CapabilitySerializer,
 )
 from capabilities.models import State
@@ -37,9 +37,7 @@ from capabilities.services import async_calls
 from capabilities.visibility import capability_own
 
 
-class CapabilityListApi(APIView):
-    pagination_class = CapabilityPagination  # so that the schema shows the page's shape
-
+class CapabilityListApi(PagedApi):
     @extend_schema(
         operation_id="listCapabilities",
         tags=["Discover"],
@@ -55,8 +53,7 @@ class CapabilityListApi(APIView):
                 description="Words to look for in each capability's full name and description "
                 "(case-insensitive; every word must appear).",
             ),
-            OpenApiParameter("limit", int),
-            OpenApiParameter("offset", int),
+            *PAGE_PARAMETERS,
         ],
         responses={200: CapabilitySerializer(many=True), **error_responses(*AUTHENTICATED)},
     )
@@ -68,10 +65,8 @@ class CapabilityListApi(APIView):
             agent=request.query_params.get("agent"),
             q=request.query_params.get("q"),
         )
-        paginator = CapabilityPagination()
-        page = paginator.paginate_queryset(query, request, view=self)
-        return paginator.get_paginated_response(
-            CapabilitySerializer(page, many=True, context={"request": request}).data
+        return self.answer_page(
+            query, lambda page: CapabilitySerializer(page, many=True, context={"request": request}).data
         )
 
 

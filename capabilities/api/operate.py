@@ -28,15 +28,7 @@ from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.errors import RuntimeUnavailable
-from sigil.errors import (
-    InvalidRequest,
-    MethodNotAllowed,
-    NotAcceptable,
-    NotFound,
-    RateLimited,
-    Unauthenticated,
-    error_response,
-)
+from sigil import errors
 from sigil.redis_client import get_redis
 
 
@@ -92,9 +84,9 @@ def _days(raw: str | None) -> float:
     try:
         days = float(raw)
     except ValueError as exc:
-        raise InvalidRequest("days must be a number") from exc
+        raise errors.InvalidRequest("days must be a number") from exc
     if not 0 < days <= settings.SIGIL_STATS_RETENTION_DAYS:
-        raise InvalidRequest(f"days must be over 0 and at most {settings.SIGIL_STATS_RETENTION_DAYS}")
+        raise errors.InvalidRequest(f"days must be over 0 and at most {settings.SIGIL_STATS_RETENTION_DAYS}")
     return days
 
 
@@ -123,7 +115,7 @@ class HealthApi(APIView):
         description="No token. 200 when the database, Redis and the runtime answer; 503 naming what fails, "
         "also when capabilities are still placed on a runtime used before SIGIL_BACKEND changed that no longer "
         "answers (`left_on_previous_runtimes` counts them per runtime while any are left).",
-        responses={200: HEALTH, 503: HEALTH, **error_responses(MethodNotAllowed, NotAcceptable)},
+        responses={200: HEALTH, 503: HEALTH, **error_responses(errors.MethodNotAllowed, errors.NotAcceptable)},
     )
     def get(self, request):
         checks = {"database": "ok", "redis": "ok", "runtime": "ok"}
@@ -216,7 +208,7 @@ def metrics_view(request):
         return method_not_allowed("/metrics")
     expected = settings.SIGIL_METRICS_TOKEN
     if not expected:
-        return error_response(NotFound("metrics are off: set SIGIL_METRICS_TOKEN to turn them on"))
+        return errors.error_response(errors.NotFound("metrics are off: set SIGIL_METRICS_TOKEN to turn them on"))
     throttle = FailedAuthThrottle.from_settings()
     given = request.META.get("HTTP_AUTHORIZATION", "")
     address = throttle.address(request.META)
@@ -228,12 +220,12 @@ def metrics_view(request):
             f"Bearer {expected}",
             refusal="send Authorization: Bearer <SIGIL_METRICS_TOKEN>",
         )
-    except (RateLimited, Unauthenticated) as exc:
-        return error_response(exc)
+    except (errors.RateLimited, errors.Unauthenticated) as exc:
+        return errors.error_response(exc)
     return HttpResponse(metrics_render(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def method_not_allowed(path: str) -> HttpResponse:
-    response = error_response(MethodNotAllowed(f"{path} answers GET"))
+    response = errors.error_response(errors.MethodNotAllowed(f"{path} answers GET"))
     response["Allow"] = "GET, HEAD"
     return response

@@ -9,7 +9,6 @@ from django.conf import settings
 from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer, inline_serializer
 from rest_framework import serializers
-from rest_framework.pagination import LimitOffsetPagination
 
 from capabilities import breaker, call_logs, contracts, failures, selectors
 from capabilities.models import Capability
@@ -339,8 +338,3 @@ class VersionSerializer(serializers.Serializer):
     failure = inline_serializer(
         "VersionFailure", {"code": serializers.CharField(), "message": serializers.CharField()}, allow_null=True
     )
-
-
-class CapabilityPagination(LimitOffsetPagination):
-    default_limit = 50
-    max_limit = 200
