@@ -1,8 +1,8 @@
 """The control API (/_api/…): thin views that translate JSON, call one service, translate back.
 
 `deploy` holds the writes, `discover` the reads, `operate` the owner's and the plain paths;
-`serializers` the answers' shapes; `schema` what the OpenAPI document adds (the error
-responses, from the catalogue in sigil/errors.py). What other entry points (MCP, the admin)
+`serializers` the answers' shapes, `pages` the paged lists; `schema` what the OpenAPI
+document adds (the error responses, from the catalogue in sigil/errors.py). What other entry points (MCP, the admin)
 share with the API is re-exported here, so that both answer in one shape.
 """
 
