@@ -14,7 +14,7 @@ from pathlib import Path
 
 import requests
 
-from capabilities.workerd import free_port
+from sigil.ports import free_port
 from testsupport.celery_workers import process_environment, start_worker_process
 from testsupport.processes import wait_until
 from testsupport.servers import ROOT, server_command
