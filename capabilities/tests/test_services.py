@@ -168,7 +168,7 @@ def test_a_redeploy_whose_capability_was_removed_since_it_was_read_is_a_conflict
     from django.db import transaction
 
     from capabilities.contracts import Contract
-    from capabilities.services.registry import NewVersion
+    from capabilities.services.versions import NewVersion
     from sigil.errors import Conflict
 
     alice.deploy(name="ping", code=PONG)
