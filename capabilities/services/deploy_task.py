@@ -17,7 +17,6 @@ from datetime import timedelta
 from django.conf import settings
 from django.utils import timezone
 
-from agents.services import audit_record
 from capabilities import bindings as binding_rules
 from capabilities import tasks
 from capabilities.models import Capability, CapabilityVersion, DeployRequest, State, VersionPlacement
@@ -25,7 +24,7 @@ from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import CodeBundle
 from capabilities.runtimes.errors import RuntimeUnavailable
 from capabilities.services.placement_lock import placement_lock_key, placement_lock_within
-from capabilities.services.records import Placement, capability_written, record_live
+from capabilities.services.records import Placement, capability_audit, capability_written, record_live
 from capabilities.services.room import room_for
 from capabilities.services.versions import DeployResult, NewVersion, cooldown_give_back
 from capabilities.tasks import capability_place_version as capability_place_version_task
@@ -225,11 +224,10 @@ def capability_reap_deploys() -> dict[str, int]:
             _announce(version.pk, _record_failed(version.pk, error))
             failed += 1
             continue
-        audit_record(
+        capability_audit(
+            version.capability,
             actor="system",
             action="capability.deploy_resent",
-            agent_name=version.capability.agent.name,
-            subject=full,
             detail={"version": version.number, "resend": sends, "reason": "no worker owns its placement"},
         )
         capability_place_version_task.apply_async(kwargs={"version_id": version.pk}, queue=settings.SIGIL_DEPLOY_QUEUE)
@@ -309,13 +307,7 @@ def _record_placed(version: CapabilityVersion, *, placement: Placement, bundle_s
                 "public": capability.is_public,
                 "bindings": capability.bindings,
             }
-        audit_record(
-            actor=asked.actor,
-            action=action,
-            agent_name=capability.agent.name,
-            subject=capability.full_name,
-            detail=detail,
-        )
+        capability_audit(capability, actor=asked.actor, action=action, detail=detail)
     return capability
 
 
@@ -333,11 +325,10 @@ def _record_failed(version_id: int, error: SigilError) -> dict:
         never_placed = Capability.objects.filter(pk=capability.pk, current_version=None).exclude(state=State.REMOVED)
         if not never_placed.update(state=State.FAILED, updated_at=timezone.now()):
             write.unchanged()  # only the version failed: the capability serves as it did
-        audit_record(
+        capability_audit(
+            capability,
             actor=version.deploy_request.actor,
             action="capability.deploy_failed",
-            agent_name=capability.agent.name,
-            subject=capability.full_name,
             detail={"version": version.number, **failure},
         )
     return {"status": VersionPlacement.FAILED, **failure}

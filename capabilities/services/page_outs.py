@@ -18,7 +18,7 @@ from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import Runtime
 from capabilities.runtimes.errors import RuntimeUnavailable
 from capabilities.services.placement_lock import placement_lock
-from capabilities.services.records import capability_written
+from capabilities.services.records import capability_audit, capability_written
 from capabilities.tasks import MAX_COUNTDOWN_SECONDS, PAGE_OUT_RECHECK_SECONDS
 from capabilities.tasks import capability_page_out as capability_page_out_task
 from sigil.redis_client import get_redis
@@ -231,11 +231,10 @@ def capability_mark_missing(*, full: str, slot: str | None = None, backend: str 
         Capability.objects.filter(pk=capability.pk).update(
             state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now()
         )
-        audit_record(
+        capability_audit(
+            capability,
             actor="system",
             action="capability.repaired",
-            agent_name=capability.agent.name,
-            subject=full,
             detail={"reason": "the runtime no longer had its script"},
         )
     pager.pager_forget(full)

@@ -23,7 +23,7 @@ from capabilities.services.placement_lock import (
     placement_lock_key,
     placement_lock_within,
 )
-from capabilities.services.records import capability_current, capability_written, record_live
+from capabilities.services.records import capability_audit, capability_current, capability_written, record_live
 from capabilities.services.room import bundle_for, room_for, runtime_throttled
 from sigil.errors import NotFound, Unavailable, UpstreamError
 
@@ -111,11 +111,10 @@ def capability_refresh_bindings(*, full: str) -> bool:
                 room.place(bundle)
                 with capability_written(full):
                     Capability.objects.filter(pk=capability.pk).update(placed_sha=bundle.sha, updated_at=timezone.now())
-                    audit_record(
+                    capability_audit(
+                        capability,
                         actor="system",
                         action="capability.bindings_refreshed",
-                        agent_name=capability.agent.name,
-                        subject=full,
                         detail={"bindings": capability.bindings},
                     )
         except Unavailable as exc:

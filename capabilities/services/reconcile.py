@@ -19,7 +19,7 @@ from capabilities.runtimes.errors import RuntimeFailure
 from capabilities.services.page_outs import capability_shed_excess, page_out_later, pager_rows, same_runtime
 from capabilities.services.placement_lock import placement_in_progress
 from capabilities.services.reaper import capability_reap
-from capabilities.services.records import capability_written
+from capabilities.services.records import capability_audit, capability_written
 
 logger = logging.getLogger(__name__)
 
@@ -125,11 +125,10 @@ def _repair_missing(runtime, placed: set[str], served: dict[str, str]) -> int:
             capability.placed_sha = ""
             capability.updated_at = timezone.now()
             capability.save(update_fields=["state", "placed_sha", "updated_at"])
-            audit_record(
+            capability_audit(
+                capability,
                 actor="system",
                 action="capability.repaired",
-                agent_name=capability.agent.name,
-                subject=full,
                 detail={"reason": "not on the runtime", "slot": slot},
             )
         repaired += 1

@@ -13,6 +13,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from agents.services import audit_record
 from capabilities import copies
 from capabilities.models import Capability, CapabilityVersion, State
 
@@ -83,6 +84,13 @@ def record_live(
         changed.append(name)
     capability.save(update_fields=changed)
     return capability
+
+
+def capability_audit(capability: Capability, *, actor: str, action: str, detail: dict | None = None) -> None:
+    """An event about `capability` in the audit trail, under its agent and full name."""
+    audit_record(
+        actor=actor, action=action, agent_name=capability.agent.name, subject=capability.full_name, detail=detail
+    )
 
 
 def capability_current(full: str, *related: str) -> Capability | None:

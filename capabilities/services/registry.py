@@ -24,7 +24,7 @@ from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import CodeBundle, code_sha
 from capabilities.services.deploy_task import Queued, deploy_awaited, deploy_in_background
 from capabilities.services.placement_lock import placement_lock_within
-from capabilities.services.records import Placement, capability_written, record_live
+from capabilities.services.records import Placement, capability_audit, capability_written, record_live
 from capabilities.services.room import placement_room
 from capabilities.services.versions import (
     DeployResult,
@@ -261,14 +261,7 @@ def _deploy_ordered(asked: DeployAsked) -> DeployResult | Queued:
         except (InvalidRequest, TooLarge):
             cooldown_give_back(owner.name)
             raise
-        capability, version = _record_deploy(
-            new,
-            placement,
-            bundle_sha=bundle.sha,
-            bindings=asked.bindings,
-            is_public=asked.is_public,
-            principal=asked.principal,
-        )
+        capability, version = _record_deploy(new, placement, bundle_sha=bundle.sha, asked=asked)
     result = DeployResult(
         capability=capability,
         version=version,
@@ -292,13 +285,7 @@ def _update(capability: Capability, *, principal: Principal, detail: dict, **fie
     answer while degraded), audited as `capability.updated` with `detail`."""
     with capability_written(capability.full_name):
         Capability.objects.filter(pk=capability.pk).update(**fields, updated_at=timezone.now())
-        audit_record(
-            actor=actor_of(principal),
-            action="capability.updated",
-            agent_name=capability.agent.name,
-            subject=capability.full_name,
-            detail=detail,
-        )
+        capability_audit(capability, actor=actor_of(principal), action="capability.updated", detail=detail)
     for name, value in fields.items():
         setattr(capability, name, value)
 
@@ -339,29 +326,17 @@ def _unused_ephemeral_name(agent_name: str) -> str:
 
 
 def _record_deploy(
-    new: NewVersion,
-    placement: Placement,
-    *,
-    bundle_sha: str,
-    bindings: list[str],
-    is_public: bool,
-    principal: Principal,
+    new: NewVersion, placement: Placement, *, bundle_sha: str, asked: DeployAsked
 ) -> tuple[Capability, CapabilityVersion]:
-    """A new version placed in the request, made current."""
+    """A new version placed in the request, made current with the bindings and public flag
+    `asked` for."""
+    fields = {"is_public": asked.is_public, "bindings": asked.bindings}
     with capability_written(new.full):
-        capability = new.capability_locked(is_public=is_public, bindings=bindings, state=State.LIVE)
+        capability = new.capability_locked(state=State.LIVE, **fields)
         version = new.create_version(capability)
-        record_live(
-            capability,
-            placement,
-            bundle_sha=bundle_sha,
-            version=version,
-            now=new.now,
-            is_public=is_public,
-            bindings=bindings,
-        )
+        record_live(capability, placement, bundle_sha=bundle_sha, version=version, now=new.now, **fields)
         audit_record(
-            actor=actor_of(principal),
+            actor=actor_of(asked.principal),
             action="capability.created" if new.existing is None else "capability.deployed",
             agent_name=new.owner.name,
             subject=new.full,
@@ -369,8 +344,8 @@ def _record_deploy(
                 "version": version.number,
                 "sha": new.sha,
                 "type": new.type,
-                "public": is_public,
-                "bindings": bindings,
+                "public": asked.is_public,
+                "bindings": asked.bindings,
                 "contract": [name for name, value in new.contract.as_fields().items() if value],
             },
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from agents.services import audit_record
 from agents.tokens import Principal
 from capabilities import selectors
 from capabilities.contracts import Contract
@@ -11,7 +10,13 @@ from capabilities.runtimes import get_runtime
 from capabilities.services import versions
 from capabilities.services.deploy_task import Queued, deploy_awaited, deploy_in_background
 from capabilities.services.placement_lock import held, placement_lock
-from capabilities.services.records import Placement, capability_current, capability_written, record_live
+from capabilities.services.records import (
+    Placement,
+    capability_audit,
+    capability_current,
+    capability_written,
+    record_live,
+)
 from capabilities.services.room import bundle_for, room_for
 from capabilities.services.versions import DeployResult
 from sigil.errors import Conflict, Forbidden, InvalidRequest, NotFound, TooLarge
@@ -141,11 +146,10 @@ def _record_rollback(
         locked = new.capability_locked()
         version = new.create_version(locked)
         record_live(locked, placement, bundle_sha=bundle_sha, version=version, now=new.now)
-        audit_record(
+        capability_audit(
+            current,
             actor=actor,
             action="capability.rolled_back",
-            agent_name=current.agent.name,
-            subject=current.full_name,
             detail={"version": version.number, "restored_version": target.number, "sha": target.sha},
         )
     locked.agent = current.agent

@@ -24,7 +24,7 @@ from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime
 from capabilities.services.placement import capability_page_in
 from capabilities.services.placement_lock import placement_lock
-from capabilities.services.records import capability_current, capability_written, record_live
+from capabilities.services.records import capability_audit, capability_current, capability_written, record_live
 from capabilities.services.removal import capability_remove_as_owner
 from capabilities.services.room import bundle_for, room_for
 from sigil.errors import Conflict, InvalidRequest, NotFound
@@ -185,11 +185,10 @@ def capability_promote(*, capability: Capability, actor: str) -> Capability:
                 locked = Capability.objects.select_for_update().get(pk=current.pk)
                 record_live(locked, placement, bundle_sha=bundle.sha, version=staged)
                 _end_split(locked)
-                audit_record(
+                capability_audit(
+                    current,
                     actor=actor,
                     action="capability.promoted",
-                    agent_name=current.agent.name,
-                    subject=current.full_name,
                     detail={"version": staged.number, "previous_version": previous.number if previous else None},
                 )
     return current
@@ -205,11 +204,10 @@ def capability_split_abort(*, capability: Capability, actor: str, reason: dict |
     with _ending_split(capability, actor=actor, doing="abort") as current, capability_written(current.full_name):
         locked = Capability.objects.select_for_update().get(pk=current.pk)
         _end_split(locked)
-        audit_record(
+        capability_audit(
+            current,
             actor=actor,
             action="capability.split_aborted",
-            agent_name=current.agent.name,
-            subject=current.full_name,
             detail={"staged_version": current.staged_version.number, **(reason or {})},
         )
     return current

@@ -29,7 +29,7 @@ from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.errors import RuntimeFailure
 from capabilities.services.placement_lock import placement_in_progress, placement_lock
-from capabilities.services.records import capability_current, capability_written, record_live
+from capabilities.services.records import capability_audit, capability_current, capability_written, record_live
 from capabilities.services.room import bundle_for, room_for, slot_for
 from sigil.errors import InvalidRequest, SigilError
 
@@ -115,11 +115,10 @@ def _switch_recorded(
     backend = get_runtime().name
     with capability_written(capability.full_name):
         yield
-        audit_record(
+        capability_audit(
+            capability,
             actor=actor,
             action="capability.switched",
-            agent_name=capability.agent.name,
-            subject=capability.full_name,
             detail={"from": source, "to": backend, "from_slot": old_slot, "to_slot": slot, "placed": placed},
         )
 
