@@ -46,7 +46,6 @@ def service_task(job: Job, **options):
 
 capability_release_slot = service_task(jobs.capability_release_slot, base=RuntimeTask)
 capability_clear_slot = service_task(jobs.capability_clear_slot, base=RuntimeTask)
-capability_page_in = service_task(jobs.capability_page_in, base=RuntimeTask)
 capability_prewarm = service_task(jobs.capability_prewarm, base=RuntimeTask)
 capability_refresh_bindings = service_task(jobs.capability_refresh_bindings, base=RuntimeTask)
 capability_expire_ephemerals = service_task(jobs.capability_expire_ephemerals)

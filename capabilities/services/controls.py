@@ -10,9 +10,10 @@ from django.db import transaction
 from django.utils import timezone
 
 from agents.services import audit_record
-from capabilities import breaker, routes
+from capabilities import breaker
 from capabilities.models import BreakerState, Capability, State
 from capabilities.services.observability import capability_record_breaker
+from capabilities.services.records import capability_written
 from sigil.errors import InvalidRequest, NotFound
 
 
@@ -52,20 +53,21 @@ def capability_set_public(*, capability: Capability, is_public: bool, actor: str
 
 def _owner_update(*, capability: Capability, actor: str, action: str, detail: dict, **values) -> bool:
     """Set `values` on a capability not removed; when that changed it, audit `action` with
-    `detail` and republish its route. Returns whether it changed."""
-    with transaction.atomic():
+    `detail` (its Redis copies are published again by capability_written). Returns whether it
+    changed."""
+    with capability_written(capability.full_name) as write:
         changed = (
             Capability.objects.exclude(state=State.REMOVED)
             .filter(pk=capability.pk)
             .exclude(**values)
             .update(**values, updated_at=timezone.now())
         )
-        if changed:
+        if not changed:
+            write.unchanged()
+        else:
             agent_name = capability.agent.name
             audit_record(actor=actor, action=action, agent_name=agent_name, subject=capability.full_name, detail=detail)
     capability.refresh_from_db()
-    if changed:
-        routes.route_publish(capability)
     return bool(changed)
 
 
