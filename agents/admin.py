@@ -19,8 +19,8 @@ from django.utils.http import urlencode
 
 from agents import egress, services, tokens
 from agents.models import Agent, AuditEvent, Token
+from agents.names import validate_agent_name
 from agents.tokens import TokenState
-from capabilities.names import validate_agent_name
 from sigil.console import (
     ButtonsOnly,
     OptionsFilter,

@@ -17,7 +17,7 @@ def sigil_tasks():
 
 
 def test_every_task_is_acknowledged_late_and_given_back_when_its_worker_is_lost(sigil_tasks):
-    assert len(sigil_tasks) >= 19
+    assert {"capabilities.capability_place_version", "agents.agent_callback_deliver"} <= set(sigil_tasks)
     loose = [name for name, task in sigil_tasks.items() if not (task.acks_late and task.reject_on_worker_lost)]
     assert loose == []
 
