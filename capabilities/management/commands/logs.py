@@ -40,7 +40,8 @@ class Command(OwnerCommand):
     ):
         capability = capability_get(full=full)
         page = call_logs.call_records_list(
-            full=capability.full_name, request_id=request_id, level=level, limit=max(1, limit)
+            full=capability.full_name,
+            query=call_logs.RecordQuery(request_id=request_id, level=level, limit=max(1, limit)),
         )
         records = list(reversed(page.records))
         if not follow:
