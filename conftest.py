@@ -293,7 +293,7 @@ def cf_settings(settings, cf_emulator_fresh):
 @pytest.fixture
 def cf_client(cf_emulator_fresh, redis_client):
     """A CloudflareClient on the fresh emulator and the test's Redis, with short backoffs."""
-    from capabilities.cloudflare import CloudflareClient
+    from capabilities.runtimes.cloudflare import CloudflareClient
 
     client = CloudflareClient(
         base_url=cf_emulator_fresh.api_base,

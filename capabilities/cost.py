@@ -3,7 +3,7 @@ copes with it: reads for the owner's cost page, `GET /_api/cost` and `manage.py 
 
 Sources, all recorded by Sigil: the per-minute windows the stats flush writes (calls, their
 duration, cold calls, which capabilities were called each day), the audit trail's page-ins,
-the Cloudflare API calls counted per hour (capabilities.cloudflare), and the access log of
+the Cloudflare API calls counted per hour (capabilities.runtimes.cloudflare), and the access log of
 the last calls (stats.ACCESS_LOG_KEY), which is replayed through the pager's own eviction
 policy to find the smallest slot count that would have kept cold calls under 1 %.
 
@@ -24,7 +24,7 @@ from django.conf import settings
 
 from agents.models import AuditEvent
 from capabilities import pager, stats
-from capabilities.cloudflare import api_calls_hour_key
+from capabilities.runtimes.cloudflare import api_calls_hour_key
 from capabilities.models import Capability, CapabilityStatsWindow, State
 from sigil.redis_client import get_redis
 

@@ -11,7 +11,7 @@ import time
 import urllib3
 
 from capabilities.call_logs import LogLimits
-from capabilities.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check, loader_host_store

@@ -9,7 +9,7 @@ import hashlib
 from pathlib import Path
 
 from capabilities import names
-from capabilities.cloudflare import CloudflareClient, CloudflareError, CloudflareNotFound
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareError, CloudflareNotFound
 from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
 from capabilities.runtimes.worker_pool import metadata_binding

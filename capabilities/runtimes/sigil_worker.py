@@ -12,7 +12,7 @@ from typing import Any
 
 import urllib3
 
-from capabilities.cloudflare import CloudflareClient, CloudflareNotFound
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound
 from capabilities.runtimes.base import Route, Runtime
 from capabilities.runtimes.errors import RuntimeUnavailable, network_failure
 

@@ -8,7 +8,7 @@ import contextlib
 from pathlib import Path
 
 from capabilities import names
-from capabilities.cloudflare import CloudflareClient, CloudflareNotFound
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound
 from capabilities.runtimes.base import CodeBundle, ResolvedBinding, Route, Runtime
 
 GUARD_MODULE = "sigil-guard.js"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
-from capabilities.cloudflare import (
+from capabilities.runtimes.cloudflare import (
     CloudflareAuthFailure,
     CloudflareClient,
     CloudflareError,

@@ -11,7 +11,7 @@ from django.core.management import call_command
 
 from agents.models import AuditEvent
 from capabilities import cost, stats
-from capabilities.cloudflare import api_calls_hour_key
+from capabilities.runtimes.cloudflare import api_calls_hour_key
 from capabilities.cost import Access, replay_cold_calls, smallest_slots
 from capabilities.models import CapabilityStatsWindow
 from sigil.redis_client import get_redis

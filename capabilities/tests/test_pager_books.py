@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from agents.models import AuditEvent
 from capabilities import names, pager, services, stats
-from capabilities.cloudflare import CloudflareNotFound, CloudflareSlotsExhausted, CloudflareUnavailable
+from capabilities.runtimes.cloudflare import CloudflareNotFound, CloudflareSlotsExhausted, CloudflareUnavailable
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime, runtimes_forget
 from capabilities.services.placement import PAGE_OUTS_DUE_KEY

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from capabilities.cloudflare import CloudflareClient
+from capabilities.runtimes.cloudflare import CloudflareClient
 from cfemulator.tests.test_api import Api
 from testsupport.capability_code import PONG
 

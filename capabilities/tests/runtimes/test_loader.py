@@ -5,7 +5,7 @@ emulator's KV store."""
 import pytest
 import urllib3
 
-from capabilities.cloudflare import CloudflarePlanRequired
+from capabilities.runtimes.cloudflare import CloudflarePlanRequired
 from capabilities.runtimes.base import CodeBundle, ResolvedBinding
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader import LoaderRuntime

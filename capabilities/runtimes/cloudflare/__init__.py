@@ -14,8 +14,8 @@ One module per concern: `errors` (Cloudflare's codes and the error types), `budg
 budget), `client` (the client and how it builds requests). Callers import from here.
 """
 
-from capabilities.cloudflare.budget import RateBudget
-from capabilities.cloudflare.client import (
+from capabilities.runtimes.cloudflare.budget import RateBudget
+from capabilities.runtimes.cloudflare.client import (
     API_CALLS_KEY,
     API_RATE_LIMITED_KEY,
     CloudflareClient,
@@ -24,7 +24,7 @@ from capabilities.cloudflare.client import (
     module_content_type,
     upload_parts,
 )
-from capabilities.cloudflare.errors import (
+from capabilities.runtimes.cloudflare.errors import (
     CloudflareAuthFailure,
     CloudflareError,
     CloudflareNotFound,

@@ -16,8 +16,8 @@ import redis
 import requests
 from requests.adapters import HTTPAdapter
 
-from capabilities.cloudflare.budget import RateBudget
-from capabilities.cloudflare.errors import (
+from capabilities.runtimes.cloudflare.budget import RateBudget
+from capabilities.runtimes.cloudflare.errors import (
     _AUTH_CODES,
     _NOT_FOUND_CODES,
     _PLAN_CODES,
