@@ -16,6 +16,8 @@ _AGENT = re.compile(r"[a-z][a-z0-9-]{0,30}")
 _CAPABILITY = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")
 EPHEMERAL_PREFIX = "t-"
 SEPARATOR = "--"
+# Every pooled worker's script name starts so; the account's other scripts are not Sigil's.
+POOL_PREFIX = "s-"
 # Paths Sigil itself serves at the top level; an agent with one of these names could never
 # be reached through the gateway.
 RESERVED_AGENT_NAMES = frozenset({"admin", "static", "metrics"})
@@ -72,7 +74,7 @@ def new_ephemeral_name() -> str:
 
 def pool_script_name(full: str, *, length: int = 6) -> str:
     """The pooled worker's stable script name: `s-` + the first hex digits of sha256(full)."""
-    return "s-" + hashlib.sha256(full.encode()).hexdigest()[:length]
+    return POOL_PREFIX + hashlib.sha256(full.encode()).hexdigest()[:length]
 
 
 def installation_tag(secret: str) -> str:

@@ -8,11 +8,16 @@ import hmac
 import json
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from django.conf import LazySettings
+from django.core.checks import CheckMessage
+
+from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 
 # The errors live in their own module; importers of them from here keep working.
 from capabilities.runtimes.errors import (  # noqa: F401
@@ -178,16 +183,61 @@ class CallStopped:
     message: str
 
 
+@dataclass(frozen=True)
+class Process:
+    """A program a runtime needs on this machine, which `manage.py runsigil` runs as
+    `manage.py {command}` and restarts when it dies. Each runs workerd (SIGIL_WORKERD_BIN)."""
+
+    name: str  # in runsigil's output, and on the program's log lines
+    command: str
+    port: int  # where it serves, which must be free before it starts
+    port_name: str  # the port in words, for the refusal when it is taken ("workerd's port")
+    port_hint: str  # what else the owner may do then ("set SIGIL_WORKERD_PORT")
+    description: str  # the line runsigil says about it when it starts
+    ready: Callable[[], bool] | None = None  # None: once its port answers
+
+
 class Runtime(ABC):
-    """One place where capability code runs. Subclasses read settings only in __init__."""
+    """One place where capability code runs. Subclasses read settings only in __init__.
+
+    The class states the runtime's facts without being built (its class methods, given the
+    settings): whether it is on Cloudflare, its system checks, what it would bill, and the
+    processes it needs on this machine; callers ask it rather than test its name.
+    """
 
     #: the value of SIGIL_BACKEND that selects this runtime (its key in RUNTIMES)
     name: str = ""
+    #: whether it runs on a Cloudflare account (the CF_* settings, `manage.py cfcheck`)
+    on_cloudflare: bool = False
 
     @classmethod
     @abstractmethod
     def from_settings(cls) -> Runtime:
         """This runtime as Sigil's settings describe it: the one place a runtime reads them."""
+
+    @classmethod
+    def settings_errors(cls, settings: LazySettings) -> list[CheckMessage]:
+        """What is wrong with `settings` for this runtime, as Django's system checks report
+        it; asked at start of the runtime SIGIL_BACKEND names."""
+        return []
+
+    @classmethod
+    def processes(cls, settings: LazySettings) -> list[Process]:
+        """The programs this runtime needs on this machine beside Sigil's own (web, worker,
+        Redis), in the order they start."""
+        return []
+
+    @classmethod
+    def where(cls, settings: LazySettings) -> list[str]:
+        """Where this runtime's code runs, in words, for runsigil's first lines."""
+        return [process.description for process in cls.processes(settings)]
+
+    @classmethod
+    def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
+        """What a month of `usage` would cost on this runtime at `prices`: a bill for each
+        plan it can run on (`smallest_slots`: the fewest slots that kept cold calls under
+        1 %, None when unknown). None for a runtime that costs only its machine."""
+        return []
 
     @property
     def total_slots(self) -> int | None:

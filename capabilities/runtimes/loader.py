@@ -9,10 +9,13 @@ import threading
 import time
 
 import urllib3
+from django.conf import LazySettings
 
 from capabilities.call_logs import LogLimits
-from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
+from capabilities.runtimes.billing import Prices, RuntimeBill, Usage, standard_usage
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
+from capabilities.runtimes.cloudflare.account import Finding, PlanProbe
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check, loader_host_store
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
@@ -60,6 +63,34 @@ class LoaderRuntime(FrontedRuntime):
         )
 
     marker_header = "x-sigil-host"
+
+    @classmethod
+    def front_name(cls, settings: LazySettings) -> str:
+        return settings.SIGIL_LOADER_WORKER
+
+    @classmethod
+    def plan_finding(cls, *, client: CloudflareClient, probe: PlanProbe, settings: LazySettings) -> Finding:
+        """A Worker Loader binding needs Workers Paid: the probe of the plan has found out."""
+        return probe.finding
+
+    @classmethod
+    def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
+        """Dynamic Workers, on Workers Paid: each call is two requests (the loader Worker and
+        the Dynamic Worker it calls), and each capability called on a day is one Dynamic Worker
+        that day."""
+        requests = 2 * usage.calls
+        items = {"plan": prices.paid_monthly_usd} | standard_usage(
+            requests=requests,
+            cpu_ms=usage.duration_ms,
+            included_requests=prices.paid_included_requests,
+            included_cpu_ms=prices.paid_included_cpu_ms,
+            prices=prices,
+        )
+        extra_workers = max(0.0, usage.dynamic_worker_days - prices.dynamic_included_workers)
+        items["dynamic_workers"] = extra_workers * prices.dynamic_worker_day_usd
+        plan = "Dynamic Workers (Workers Paid)"
+        return [RuntimeBill.of(runtime=cls.name, plan=plan, items=items, requests=requests, cpu_ms=usage.duration_ms)]
+
     # A Dynamic Worker's env holds plain values (reference §5.3): variables and secrets.
     binding_kinds = TEXT_BINDING_KINDS
 

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import urllib3
+from django.conf import LazySettings
+from django.core.checks import CheckMessage, Error
 
 from capabilities.call_logs import LogLimits
 from capabilities.log_sink import LogSink
 from capabilities.names import SEPARATOR
-from capabilities.runtimes.base import TEXT_BINDING_KINDS, CallStopped, CodeBundle, Route, Runtime
+from capabilities.runtimes.base import TEXT_BINDING_KINDS, CallStopped, CodeBundle, Process, Route, Runtime
 from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
 from capabilities.runtimes.loader_host import loader_host_retire, loader_host_start_check
 from capabilities.supervision import Kill, KillLog, Limits, PortRegistry, WorkerdGroup, read_status
@@ -29,6 +31,9 @@ DEFAULT_CPU_MS = 30_000
 RESTART_GRACE_SECONDS = 10.0
 # How long a placement waits for the supervisor to start a new agent's process.
 PROCESS_START_SECONDS = 15.0
+# An idle workerd with the loader host already takes about 60 MB: a lower limit would have
+# the watchdog stop it as soon as it starts, again and again.
+MIN_MEMORY_MB = 128
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,28 @@ class LocalRuntime(Runtime):
     name = "local"
     # workerd on this machine has no Cloudflare account behind it: only values can be given.
     binding_kinds = TEXT_BINDING_KINDS
+
+    @classmethod
+    def settings_errors(cls, settings: LazySettings) -> list[CheckMessage]:
+        if settings.SIGIL_WORKERD_MEMORY_MB < MIN_MEMORY_MB:
+            memory = f"SIGIL_WORKERD_MEMORY_MB is {settings.SIGIL_WORKERD_MEMORY_MB}"
+            return [Error(memory, hint=f"Use {MIN_MEMORY_MB} (MB) or more.", id="sigil.E011")]
+        return []
+
+    @classmethod
+    def processes(cls, settings: LazySettings) -> list[Process]:
+        """The workerd supervisor (`manage.py runworkerd`), ready once it writes its status."""
+        status_path = local_processes().status_path
+        supervisor = Process(
+            name="workerd",
+            command="runworkerd",
+            port=settings.SIGIL_WORKERD_PORT,
+            port_name="workerd's port",
+            port_hint="set SIGIL_WORKERD_PORT",
+            description=f"one workerd per agent on 127.0.0.1:{settings.SIGIL_WORKERD_PORT} and up",
+            ready=lambda: read_status(status_path) is not None,
+        )
+        return [supervisor]
 
     @classmethod
     def from_settings(cls) -> LocalRuntime:

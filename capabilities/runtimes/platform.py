@@ -8,11 +8,20 @@ import contextlib
 import hashlib
 from pathlib import Path
 
+from django.conf import LazySettings
+
 from capabilities import names
-from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareError, CloudflareNotFound
 from capabilities.runtimes.base import CodeBundle, Route
+from capabilities.runtimes.billing import Prices, RuntimeBill, Usage, standard_usage
+from capabilities.runtimes.cloudflare import (
+    CloudflareClient,
+    CloudflareError,
+    CloudflareNotFound,
+    CloudflareRejected,
+    metadata_binding,
+)
+from capabilities.runtimes.cloudflare.account import Finding, PlanProbe
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
-from capabilities.runtimes.worker_pool import metadata_binding
 
 DISPATCHER_MODULE = "dispatcher.js"
 DISPATCHER_SOURCE = (Path(__file__).resolve().parent / "platform" / DISPATCHER_MODULE).read_text()
@@ -53,6 +62,44 @@ class PlatformRuntime(FrontedRuntime):
         )
 
     marker_header = "x-sigil-dispatch"
+
+    @classmethod
+    def front_name(cls, settings: LazySettings) -> str:
+        return settings.SIGIL_PLATFORM_DISPATCHER
+
+    @classmethod
+    def plan_finding(cls, *, client: CloudflareClient, probe: PlanProbe, settings: LazySettings) -> Finding:
+        """Workers for Platforms is on when the account lists its dispatch namespaces. One API call."""
+        try:
+            namespaces = client.namespace_list()
+        except CloudflareRejected as exc:
+            return Finding(
+                "plan",
+                False,
+                f"Workers for Platforms is not enabled on the account, and the platform runtime needs its "
+                f"subscription (Workers for Platforms Paid) ({exc})",
+            )
+        listed = {str(namespace.get("namespace_name") or namespace.get("name") or "") for namespace in namespaces}
+        mine = settings.SIGIL_PLATFORM_NAMESPACE
+        where = "exists" if mine in listed else "is created when Sigil starts"
+        return Finding("plan", True, f"Workers for Platforms is enabled; the dispatch namespace {mine} {where}")
+
+    @classmethod
+    def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
+        """Workers for Platforms: the dispatch Worker and the capability's are billed as one
+        request; one script per registered capability."""
+        items = {"plan": prices.platforms_monthly_usd} | standard_usage(
+            requests=usage.calls,
+            cpu_ms=usage.duration_ms,
+            included_requests=prices.platforms_included_requests,
+            included_cpu_ms=prices.platforms_included_cpu_ms,
+            prices=prices,
+        )
+        items["scripts"] = max(0, usage.capabilities - prices.platforms_included_scripts) * prices.platforms_script_usd
+        plan = "Workers for Platforms"
+        return [
+            RuntimeBill.of(runtime=cls.name, plan=plan, items=items, requests=usage.calls, cpu_ms=usage.duration_ms)
+        ]
 
     def __init__(
         self,

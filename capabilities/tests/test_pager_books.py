@@ -20,9 +20,9 @@ from django.utils import timezone
 
 from agents.models import AuditEvent
 from capabilities import names, pager, services, stats
-from capabilities.runtimes.cloudflare import CloudflareNotFound, CloudflareSlotsExhausted, CloudflareUnavailable
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime, runtimes_forget
+from capabilities.runtimes.cloudflare import CloudflareNotFound, CloudflareSlotsExhausted, CloudflareUnavailable
 from capabilities.services.placement import PAGE_OUTS_DUE_KEY
 from capabilities.tasks import PAGE_OUT_RECHECK_SECONDS, RuntimeTask
 from sigil.errors import Conflict, Unavailable, UpstreamError

@@ -11,7 +11,8 @@ part of an exception message (messages echoed from the server are redacted too) 
 a repr.
 
 One module per concern: `errors` (Cloudflare's codes and the error types), `budget` (the rate
-budget), `client` (the client and how it builds requests). Callers import from here.
+budget), `client` (the client), `uploads` (a script upload's parts), `account` (what the
+runtimes on an account share). Callers import from here.
 """
 
 from capabilities.runtimes.cloudflare.budget import RateBudget
@@ -21,8 +22,6 @@ from capabilities.runtimes.cloudflare.client import (
     CloudflareClient,
     ScriptInfo,
     api_calls_hour_key,
-    module_content_type,
-    upload_parts,
 )
 from capabilities.runtimes.cloudflare.errors import (
     CloudflareAuthFailure,
@@ -35,6 +34,7 @@ from capabilities.runtimes.cloudflare.errors import (
     CloudflareSlotsExhausted,
     CloudflareUnavailable,
 )
+from capabilities.runtimes.cloudflare.uploads import metadata_binding, module_content_type, upload_parts
 
 __all__ = [
     "API_CALLS_KEY",
@@ -52,6 +52,7 @@ __all__ = [
     "RateBudget",
     "ScriptInfo",
     "api_calls_hour_key",
+    "metadata_binding",
     "module_content_type",
     "upload_parts",
 ]

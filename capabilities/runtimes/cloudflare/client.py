@@ -40,21 +40,10 @@ from capabilities.runtimes.cloudflare.errors import (
     CloudflareSlotsExhausted,
     CloudflareUnavailable,
 )
+from capabilities.runtimes.cloudflare.uploads import upload_parts
 from capabilities.runtimes.errors import network_failure
 
 logger = logging.getLogger(__name__)
-
-# Content types of module parts, by file extension (Wrangler's mapping, reference §1.1).
-_MODULE_TYPES = {
-    ".js": "application/javascript+module",
-    ".mjs": "application/javascript+module",
-    ".cjs": "application/javascript",
-    ".wasm": "application/wasm",
-    ".map": "application/source-map",
-    ".txt": "text/plain",
-    ".html": "text/plain",
-    ".json": "text/plain",
-}
 
 # Wrangler sends this header on the per-script subdomain toggle (reference §3.2).
 _SCRIPT_API_DATE = ("Cloudflare-Workers-Script-Api-Date", "2025-08-01")
@@ -535,48 +524,7 @@ class CloudflareClient:
         return text.replace(self._token, "[redacted]") if self._token else text
 
 
-# --- request building ---------------------------------------------------------------------
-
-
-def module_content_type(name: str) -> str:
-    """The content type of a module part, chosen by the module's file extension."""
-    dot = name.rfind(".")
-    return _MODULE_TYPES.get(name[dot:].lower() if dot >= 0 else "", "application/octet-stream")
-
-
-def upload_parts(
-    *,
-    modules: Mapping[str, str | bytes],
-    main_module: str,
-    compatibility_date: str,
-    compatibility_flags: Sequence[str] = (),
-    bindings: Sequence[Mapping[str, Any]] = (),
-    tags: Sequence[str] = (),
-    limits: Mapping[str, int] | None = None,
-) -> list[tuple[str, tuple]]:
-    """The multipart parts of a script upload, laid out as Wrangler sends them (reference §1.1).
-
-    `metadata` is a plain form field (no filename, no content type); each module is a part
-    whose name and filename are the module's name. Raises ValueError when `main_module` is
-    not among `modules`.
-    """
-    if main_module not in modules:
-        raise ValueError(f"main module {main_module!r} is not among the modules")
-    metadata: dict[str, Any] = {
-        "main_module": main_module,
-        "compatibility_date": compatibility_date,
-        "bindings": [dict(binding) for binding in bindings],
-        "tags": list(tags),
-    }
-    if compatibility_flags:
-        metadata["compatibility_flags"] = list(compatibility_flags)
-    if limits:
-        metadata["limits"] = dict(limits)
-    parts: list[tuple[str, tuple]] = [("metadata", (None, json.dumps(metadata)))]
-    for name, source in modules.items():
-        body = source.encode() if isinstance(source, str) else source
-        parts.append((name, (name, body, module_content_type(name))))
-    return parts
+# --- request paths and answers ----------------------------------------------------------------
 
 
 def _plan_message(path: str, detail: str, code: int | None) -> str:

@@ -5,8 +5,8 @@ emulator's KV store."""
 import pytest
 import urllib3
 
-from capabilities.runtimes.cloudflare import CloudflarePlanRequired
 from capabilities.runtimes.base import CodeBundle, ResolvedBinding
+from capabilities.runtimes.cloudflare import CloudflarePlanRequired
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader import LoaderRuntime
 from capabilities.tests.runtimes.contract import HELLO, RuntimeContract, call

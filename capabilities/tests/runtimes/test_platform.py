@@ -4,8 +4,8 @@
 import pytest
 import urllib3
 
-from capabilities.runtimes.cloudflare import CloudflarePlanRequired
 from capabilities.runtimes.base import CodeBundle
+from capabilities.runtimes.cloudflare import CloudflarePlanRequired
 from capabilities.runtimes.platform import PlatformRuntime
 from capabilities.tests.runtimes.contract import HELLO, RuntimeContract, call
 
