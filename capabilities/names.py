@@ -1,4 +1,5 @@
-"""Naming rules for agents, capabilities and pooled workers. Pure functions, no I/O."""
+"""Naming rules for capabilities and pooled workers, built on the agent-name rule
+(agents/names.py). Pure functions, no I/O."""
 
 from __future__ import annotations
 
@@ -7,29 +8,15 @@ import hmac
 import re
 import secrets
 
+from agents.names import SEPARATOR, validate_agent_name
 from sigil.errors import InvalidRequest
 
-AGENT_RULE = "^[a-z][a-z0-9-]{0,30}$ with no '--'"
 CAPABILITY_RULE = "^[a-z0-9][a-z0-9-]{0,40}$ with no '--'"
 
-_AGENT = re.compile(r"[a-z][a-z0-9-]{0,30}")
 _CAPABILITY = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")
 EPHEMERAL_PREFIX = "t-"
-SEPARATOR = "--"
 # Every pooled worker's script name starts so; the account's other scripts are not Sigil's.
 POOL_PREFIX = "s-"
-# Paths Sigil itself serves at the top level; an agent with one of these names could never
-# be reached through the gateway.
-RESERVED_AGENT_NAMES = frozenset({"admin", "static", "metrics"})
-
-
-def validate_agent_name(name: object) -> str:
-    """Return `name` if it is a valid agent name. Raises InvalidRequest naming the rule."""
-    if not isinstance(name, str) or not _AGENT.fullmatch(name) or SEPARATOR in name:
-        raise InvalidRequest(f"agent name {name!r} must match {AGENT_RULE}")
-    if name in RESERVED_AGENT_NAMES:
-        raise InvalidRequest(f"agent name {name!r} is reserved by Sigil")
-    return name
 
 
 def validate_capability_name(name: object, *, ephemeral: bool = False) -> str:
