@@ -18,27 +18,13 @@ from requests.adapters import HTTPAdapter
 
 from capabilities.runtimes.cloudflare.budget import RateBudget
 from capabilities.runtimes.cloudflare.errors import (
-    _AUTH_CODES,
-    _NOT_FOUND_CODES,
-    _PLAN_CODES,
-    _RETRY_STATUSES,
-    _ROUTE_CODES,
-    _TRANSIENT_CODES,
-    CODE_KV_BINDING_INVALID,
-    CODE_LOADER_PAID_PLAN,
-    CODE_RATE_LIMITED,
-    CODE_SCRIPT_TOO_LARGE,
-    CODE_TOO_MANY_SCRIPTS,
-    CODE_VALIDATION,
     CloudflareAuthFailure,
     CloudflareError,
     CloudflareNotFound,
-    CloudflarePlanRequired,
     CloudflareRateLimited,
     CloudflareRejected,
-    CloudflareScriptTooLarge,
-    CloudflareSlotsExhausted,
     CloudflareUnavailable,
+    error_for,
 )
 from capabilities.runtimes.cloudflare.uploads import upload_parts
 from capabilities.runtimes.errors import network_failure
@@ -475,36 +461,8 @@ class CloudflareClient:
     def _error_from_envelope(
         self, status: int, envelope: Any, method: str, path: str, retry_after: float | None
     ) -> CloudflareError:
-        errors = envelope.get("errors") if isinstance(envelope, dict) else None
-        first = errors[0] if isinstance(errors, list) and errors and isinstance(errors[0], dict) else {}
-        code = first.get("code") if isinstance(first.get("code"), int) else None
-        detail = str(first.get("message") or "no error message")
         where = f"{method} {path}: " if method else ""
-        message = self._redact(
-            f"{where}Cloudflare answered {status}" + (f", code {code}: {detail}" if code else f": {detail}")
-        )
-        kwargs = {"status": status, "code": code, "retry_after": retry_after}
-        if code in _AUTH_CODES or status == 401:
-            return CloudflareAuthFailure(message, **kwargs)
-        if code == CODE_RATE_LIMITED or status == 429:
-            return CloudflareRateLimited(message, **kwargs)
-        if code == CODE_SCRIPT_TOO_LARGE:
-            return CloudflareScriptTooLarge(message, **kwargs)
-        if code == CODE_TOO_MANY_SCRIPTS:
-            return CloudflareSlotsExhausted(message, **kwargs)
-        if code in _PLAN_CODES or (code == CODE_VALIDATION and "of type worker_loader is invalid" in detail):
-            return CloudflarePlanRequired(self._redact(where + _plan_message(path, detail, code)), **kwargs)
-        if code == CODE_KV_BINDING_INVALID:
-            return CloudflareRejected(
-                self._redact(f"{where}a KV binding names a KV namespace the account lacks (code {code}: {detail})"),
-                **kwargs,
-            )
-        # A 404 without Cloudflare's envelope comes from something else (a proxy, a wrong API base).
-        if code in _NOT_FOUND_CODES or (status == 404 and code not in _ROUTE_CODES and isinstance(envelope, dict)):
-            return CloudflareNotFound(message, **kwargs)
-        if code in _TRANSIENT_CODES or status >= 500 or status in _RETRY_STATUSES:
-            return CloudflareUnavailable(message, **kwargs)
-        return CloudflareRejected(message, **kwargs)
+        return error_for(status, envelope, where=where, path=path, retry_after=retry_after, redact=self._redact)
 
     @staticmethod
     def _should_retry(response: requests.Response, error: CloudflareError) -> bool:
@@ -525,17 +483,6 @@ class CloudflareClient:
 
 
 # --- request paths and answers ----------------------------------------------------------------
-
-
-def _plan_message(path: str, detail: str, code: int | None) -> str:
-    """Plain words for a plan refusal, with Cloudflare's own answer after them."""
-    if "/workers/dispatch/" in path:
-        need = "dispatch namespaces need a Workers for Platforms subscription on the account"
-    elif "worker_loader" in detail or code == CODE_LOADER_PAID_PLAN:
-        need = "a Worker Loader binding (the loader runtime) needs the Workers Paid plan"
-    else:
-        need = "the account's plan does not include this feature"
-    return f"{need} (Cloudflare answered code {code}: {detail})"
 
 
 def _segment(value: str) -> str:
