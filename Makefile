@@ -60,7 +60,7 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The figures in the README: warm-call overhead and throughput against bare workerd (needs
+# The figures in docs/benchmarks.md: warm-call overhead and throughput against bare workerd (needs
 # wrk), paging costs, the runtimes side by side, and workerd's memory.
 bench: install
 	$(PY) bench/invoke.py

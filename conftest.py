@@ -120,11 +120,23 @@ class SigilServer:
 
 @pytest.fixture
 def sigil(_sigil_server_thread, transactional_db):
-    """The running server for this test; its engine is rebuilt from this test's settings."""
+    """The running server for this test; its engine is rebuilt from this test's settings.
+
+    Where an earlier test started the session's Celery workers, they consume what this test's
+    calls queue (a breaker change) even though it asked for no worker: it ends with them idle
+    too, before its database is emptied."""
+    from django.conf import settings
+
     port, app = _sigil_server_thread
     app.reset_engine()
-    yield SigilServer(f"http://127.0.0.1:{port}", app)
+    queues = ["celery", settings.SIGIL_DEPLOY_QUEUE] if CELERY_WORKERS_STARTED else []
+    with _left_idle(queues) if queues else contextlib.nullcontext():
+        yield SigilServer(f"http://127.0.0.1:{port}", app)
     app.reset_engine()
+
+
+#: set once this process's session Celery workers run (they run until the session ends)
+CELERY_WORKERS_STARTED: list[bool] = []
 
 
 @pytest.fixture(scope="session")
@@ -141,6 +153,7 @@ def _celery_workers(django_db_setup, django_db_blocker):
     app.loader.import_default_modules()
     queues = {f"tasks-{os.getpid()}@test": ["celery"], f"deploys-{os.getpid()}@test": [settings.SIGIL_DEPLOY_QUEUE]}
     with django_db_blocker.unblock(), workers_in_threads(app, queues=queues) as workers:
+        CELERY_WORKERS_STARTED.append(True)
         yield dict(zip(("tasks", "deploys"), workers.values(), strict=True))
 
 

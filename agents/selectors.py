@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 from agents import tokens
-from agents.models import Token
+from agents.models import Agent, Token
 from agents.tokens import Principal
-from sigil.errors import Unauthenticated
+from sigil.errors import NotFound, Unauthenticated
 from sigil.redis_client import get_redis
 
 
@@ -75,3 +75,11 @@ def parse_bearer(header: str | None) -> str:
     if scheme.lower() != "bearer" or not secret.strip():
         raise Unauthenticated("send Authorization: Bearer <token>")
     return secret.strip()
+
+
+def agent_named(name: str) -> Agent:
+    """The agent of that name. Raises NotFound."""
+    agent = Agent.objects.filter(name=name).first()
+    if agent is None:
+        raise NotFound(f"no agent {name!r}")
+    return agent

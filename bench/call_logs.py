@@ -25,21 +25,13 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
-import secrets
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
 
-from invoke import Processes, deploy, load_average, manage, percentile, request, wait_for_health  # noqa: E402
-
-from capabilities.workerd import free_port  # noqa: E402
+from capabilities.workerd import free_port
 
 AGENT = "bench"
 POLL_SECONDS = 0.002
@@ -54,41 +46,25 @@ def code(lines: int) -> str:
     )
 
 
-def sigil_env(var_dir: Path, *, enabled: bool) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "sigil_site.settings",
-        "DEBUG": "false",
-        "SECRET_KEY": secrets.token_urlsafe(48),
-        "SIGIL_VAR_DIR": str(var_dir),
-        "SIGIL_INTERNAL_SECRET": secrets.token_hex(32),
-        "SIGIL_OWNER_PASSWORD": secrets.token_urlsafe(16),
-        "SIGIL_BACKEND": "local",
-        "SIGIL_WORKERD_PORT": str(free_port()),
-        "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
-        "SIGIL_LOG_LEVEL": "WARNING",
-        "SIGIL_ACCESS_LOG": "false",
-        "ALLOWED_HOSTS": "127.0.0.1",
-        "SIGIL_LOGS_ENABLED": "true" if enabled else "false",
-    }
-    for name in ("DATABASE_URL", "REDIS_URL", "SIGIL_CODE_DIR"):
-        env.pop(name, None)
-    return env
-
-
-def start_sigil(processes: Processes, *, enabled: bool, lines: int) -> tuple[int, dict[str, str]]:
+def start_sigil(processes: harness.Processes, *, enabled: bool, lines: int) -> tuple[int, dict[str, str]]:
     """A Sigil of its own (its own var dir, Redis, workerd), with the capability deployed."""
-    var_dir = Path(tempfile.mkdtemp(prefix=f"sigil-bench-logs-{'on' if enabled else 'off'}-"))
-    env = sigil_env(var_dir, enabled=enabled)
+    var_dir = harness.fresh_var_dir(f"logs-{'on' if enabled else 'off'}")
+    env = harness.sigil_environment(
+        var_dir,
+        own_redis=True,
+        SIGIL_BACKEND="local",
+        SIGIL_WORKERD_PORT=str(free_port()),
+        SIGIL_LOGS_ENABLED="true" if enabled else "false",
+    )
     port = free_port()
-    manage("migrate", "--noinput", env=env)
-    tokens = json.loads(manage("createagent", AGENT, "--json", env=env))
+    harness.manage("migrate", "--noinput", env=env)
+    tokens = json.loads(harness.manage("createagent", AGENT, "--json", env=env))
     runsigil = processes.start(
         [sys.executable, "manage.py", "runsigil", "--port", str(port)], env=env, log=var_dir / "runsigil.log"
     )
-    wait_for_health(port, runsigil, seconds=120)
+    harness.wait_for_health(port, runsigil, seconds=120)
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    deploy(connection, tokens["deploy_token"], "chatty", code(lines))
+    harness.deploy(connection, tokens["deploy_token"], "chatty", code(lines))
     connection.close()
     return port, {"Authorization": f"Bearer {tokens['invoke_token']}"}
 
@@ -98,7 +74,7 @@ def warm_latency(port: int, invoke: dict[str, str], calls: int) -> list[float]:
     times = []
     for _ in range(calls):
         started = time.perf_counter()
-        response, _ = request(connection, "GET", "/bench/chatty/call", headers=invoke)
+        response, _ = harness.request(connection, "GET", "/bench/chatty/call", headers=invoke)
         times.append((time.perf_counter() - started) * 1000)
         if response.status != 200:
             raise RuntimeError(f"a warm call answered {response.status}")
@@ -110,7 +86,7 @@ def warm_throughput(port: int, invoke: dict[str, str], calls: int, connections: 
     def run() -> None:
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         for _ in range(calls // connections):
-            request(connection, "GET", "/bench/chatty/call", headers=invoke)
+            harness.request(connection, "GET", "/bench/chatty/call", headers=invoke)
         connection.close()
 
     threads = [threading.Thread(target=run) for _ in range(connections)]
@@ -129,23 +105,23 @@ def main() -> int:
     parser.add_argument("--warm", type=int, default=2000, help="warm calls per measurement of the cost")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    print(f"load average {load_average()}")
+    print(f"load average {harness.load_average()}")
 
     delays: list[float] = []
-    with Processes() as processes:
+    with harness.Processes() as processes:
         port, invoke = start_sigil(processes, enabled=True, lines=args.lines)
         off_port, off_invoke = start_sigil(processes, enabled=False, lines=args.lines)
         calls = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         reads = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         for i in range(args.calls + 5):
-            response, _ = request(calls, "GET", "/bench/chatty/call", headers=invoke)
+            response, _ = harness.request(calls, "GET", "/bench/chatty/call", headers=invoke)
             ended = time.perf_counter()
             if response.status != 200:
                 raise RuntimeError(f"call {i} answered {response.status}")
             request_id = response.getheader("X-Request-Id")
             path = f"/_api/capabilities/bench--chatty/logs?request_id={request_id}"
             while True:
-                answer, body = request(reads, "GET", path, headers=invoke)
+                answer, body = harness.request(reads, "GET", path, headers=invoke)
                 if answer.status == 200 and json.loads(body)["records"]:
                     break
                 if time.perf_counter() - ended > 10:
@@ -161,14 +137,15 @@ def main() -> int:
         for _ in range(args.rounds):
             for label, target, headers in (("on", port, invoke), ("off", off_port, off_invoke)):
                 latency = warm_latency(target, headers, args.warm)
-                figures[label].setdefault("p50", []).append(percentile(latency, 0.5))
-                figures[label].setdefault("p99", []).append(percentile(latency, 0.99))
+                figures[label].setdefault("p50", []).append(harness.percentile(latency, 0.5))
+                figures[label].setdefault("p99", []).append(harness.percentile(latency, 0.99))
                 figures[label].setdefault("rps", []).append(warm_throughput(target, headers, args.warm))
 
-    print(f"load average {load_average()}")
+    print(f"load average {harness.load_average()}")
     print(
         f"end of call to readable record, {len(delays)} calls of {args.lines} lines: "
-        f"p50 {percentile(delays, 0.5):.1f} ms, p99 {percentile(delays, 0.99):.1f} ms, worst {max(delays):.1f} ms "
+        f"p50 {harness.percentile(delays, 0.5):.1f} ms, p99 {harness.percentile(delays, 0.99):.1f} ms, "
+        f"worst {max(delays):.1f} ms "
         f"(target p99 under 1000 ms)"
     )
     for label in ("on", "off"):

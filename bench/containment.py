@@ -22,27 +22,18 @@ Every figure is in ms; the incidents' durations are medians (and the slowest).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
-import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from harness import Processes, bearer, deploy, fresh_var_dir, manage, percentile, request, sigil_environment, wait_until
 
-from capabilities.supervision import read_status  # noqa: E402
-from capabilities.workerd import free_port, free_port_block, port_is_open  # noqa: E402
-from sigil.embedded_redis import EmbeddedRedis  # noqa: E402
-from testsupport.servers import server_command  # noqa: E402
+from capabilities.workerd import free_port, free_port_block, port_is_open
+from testsupport.servers import server_command
 
 SPIN = "export default { async fetch() { while (true) {} } }"
 PONG = "export default { async fetch() { return new Response('pong') } }"
@@ -56,39 +47,22 @@ def main() -> int:
     parser.add_argument("--normal-seconds", type=float, default=5.0)
     args = parser.parse_args()
 
-    var_dir = Path(tempfile.mkdtemp(prefix="sigil-bench-containment-"))
-    redis_server = EmbeddedRedis(var_dir / "redis")
-    redis_server.start()
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "sigil_site.settings",
-        "SECRET_KEY": "bench",
-        "SIGIL_VAR_DIR": str(var_dir),
-        "REDIS_URL": redis_server.url,
-        "SIGIL_WORKERD_PORT": str(free_port_block()),
-        "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
-        "SIGIL_LOG_LEVEL": "WARNING",
-        "SIGIL_ACCESS_LOG": "false",
-        "PYTHONUNBUFFERED": "1",
-    }
-    env.pop("DATABASE_URL", None)
-    children: list[subprocess.Popen] = []
-    try:
+    var_dir = fresh_var_dir("containment")
+    env = sigil_environment(var_dir, own_redis=True, SIGIL_WORKERD_PORT=str(free_port_block()), PYTHONUNBUFFERED="1")
+    with Processes() as processes:
+        processes.redis_unless_given(env, var_dir)
         manage("migrate", "--noinput", env=env)
         tokens = {name: json.loads(manage("createagent", name, "--json", env=env)) for name in ("runaway", *OTHERS)}
-        children.append(start([sys.executable, "manage.py", "runworkerd"], env, var_dir / "runworkerd.log"))
-        status_path = var_dir / "workerd" / "supervisor.json"
-        wait(lambda: read_status(status_path) is not None, "runworkerd to report")
+        processes.workerd(env, var_dir)
         port = free_port()
-        server = server_command("granian", port=port, workers=2)
-        children.append(start(server, env, var_dir / "granian.log"))
-        wait(lambda: port_is_open(port), "granian to listen")
+        processes.start(server_command("granian", port=port, workers=2), env=env, log=var_dir / "granian.log")
+        wait_until(lambda: port_is_open(port), "granian did not listen")
 
         client = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        deploy(client, tokens["runaway"], "spin", SPIN)
-        deploy(client, tokens["runaway"], "pong", PONG)
+        deploy(client, tokens["runaway"]["deploy_token"], "spin", SPIN)
+        deploy(client, tokens["runaway"]["deploy_token"], "pong", PONG)
         for name in OTHERS:
-            deploy(client, tokens[name], "pong", PONG)
+            deploy(client, tokens[name]["deploy_token"], "pong", PONG)
         targets = [(f"/{name}/pong", tokens[name]["invoke_token"]) for name in OTHERS]
         runaway_token = tokens["runaway"]["invoke_token"]
 
@@ -103,29 +77,25 @@ def main() -> int:
         for _ in range(args.incidents):
             client = http.client.HTTPConnection("127.0.0.1", port, timeout=60)  # the server closed the idle one
             started = time.monotonic()
-            response, _ = request(client, "GET", "/runaway/spin", token=runaway_token)
+            response, _ = request(client, "GET", "/runaway/spin", headers=bearer(runaway_token))
             client.close()
             if response.status != 504:
                 raise RuntimeError(f"the runaway call answered {response.status}, expected 504")
             answered.append(time.monotonic() - started)
-            wait(lambda: runtime_healthy(port, runaway_token), "the runtime to be healthy again", seconds=30)
+            wait_until(lambda: runtime_healthy(port, runaway_token), "the runtime was not healthy again", seconds=30)
             healthy.append(time.monotonic() - started)
             load.mark("incident")
             time.sleep(1.0)  # calm before the next one
             load.mark("between")
         load.stop()
-    finally:
-        for child in reversed(children):
-            stop(child)
-        redis_server.stop()
-        shutil.rmtree(var_dir, ignore_errors=True)
+    shutil.rmtree(var_dir, ignore_errors=True)
 
     normal, incident = load.latencies("normal"), load.latencies("incident")
     failed = load.failures("normal") + load.failures("incident")
     print(f"other agents' calls ({args.callers} callers, {len(OTHERS)} agents), latency in ms")
     print(f"{'':<10} {'calls':>7} {'p50':>8} {'p99':>8} {'max':>8}")
     for label, values in (("normal", normal), ("incident", incident)):
-        p50, p99 = percentile(values, 50), percentile(values, 99)
+        p50, p99 = percentile(values, 0.50), percentile(values, 0.99)
         print(f"{label:<10} {len(values):>7} {p50:>8.2f} {p99:>8.2f} {max(values):>8.2f}")
     print(f"failed calls of the other agents: {failed}")
     print()
@@ -172,7 +142,7 @@ class Load:
             phase = self.phase
             started = time.perf_counter()
             try:
-                response, _ = request(connection, "GET", path, token=token)
+                response, _ = request(connection, "GET", path, headers=bearer(token))
                 status = response.status
             except (OSError, http.client.HTTPException):
                 connection.close()
@@ -192,66 +162,12 @@ def runtime_healthy(port: int, runaway_token: str) -> bool:
         health, body = request(connection, "GET", "/_health")
         if health.status != 200 or json.loads(body)["status"] != "ok":
             return False
-        response, _ = request(connection, "GET", "/runaway/pong", token=runaway_token)
+        response, _ = request(connection, "GET", "/runaway/pong", headers=bearer(runaway_token))
         return response.status == 200
     except OSError:
         return False
     finally:
         connection.close()
-
-
-def percentile(values: list[float], pct: int) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))]
-
-
-def request(connection, method: str, path: str, *, token: str | None = None, body: bytes | None = None):
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    if body is not None:
-        headers["Content-Type"] = "application/json"
-    connection.request(method, path, body=body, headers=headers)
-    response = connection.getresponse()
-    return response, response.read()
-
-
-def deploy(connection, tokens: dict, name: str, code: str) -> None:
-    body = json.dumps({"name": name, "code": code}).encode()
-    response, data = request(connection, "POST", "/_api/deploy", token=tokens["deploy_token"], body=body)
-    if response.status != 201:
-        raise RuntimeError(f"deploy of {name}: {response.status} {data[:300]!r}")
-
-
-def manage(*args: str, env: dict[str, str]) -> str:
-    result = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stderr}")
-    return result.stdout
-
-
-def start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL to the process's group (runworkerd keeps workerd in its own)."""
-    if process.poll() is None:
-        process.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=10)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-
-
-def wait(condition, what: str, *, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,8 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from harness import start_emulator
 
 STEADY = "export default { async fetch() { return new Response('pong') } }"
 RUNAWAY = """export default { async fetch(request) {
@@ -51,17 +49,8 @@ def main() -> int:
 
     from capabilities.workerd import free_port
     from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
-    from cfemulator.server import EmulatorServer
 
-    emulator = EmulatorServer.build(
-        workerd_binary=settings.SIGIL_WORKERD_BIN,
-        state_dir=settings.VAR_DIR / "cfemulator",
-        token=DEV_TOKEN,
-        account_id=DEV_ACCOUNT_ID,
-        config=EmulatorConfig(),
-        workerd_port=free_port(),
-    )
-    emulator.start()
+    emulator = start_emulator(settings.VAR_DIR, port=free_port())
     http = urllib3.PoolManager(maxsize=4, timeout=urllib3.Timeout(connect=5.0, read=60.0), retries=False)
     api = f"{emulator.api_base}/accounts/{DEV_ACCOUNT_ID}/workers/scripts"
     auth = {"Authorization": f"Bearer {DEV_TOKEN}"}

@@ -32,23 +32,29 @@ import os
 import resource
 import secrets
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from harness import (
+    Processes,
+    deploy,
+    fresh_var_dir,
+    load_average,
+    manage,
+    percentile,
+    request,
+    sigil_environment,
+    wait_for_health,
+)
 
-from capabilities.runtimes.base import CodeBundle  # noqa: E402
-from capabilities.supervision import read_status  # noqa: E402
-from capabilities.workerd import free_port, free_port_block  # noqa: E402
-from sigil.embedded_redis import EmbeddedRedis  # noqa: E402
-from testsupport.servers import server_command  # noqa: E402
+from capabilities.runtimes.base import CodeBundle
+from capabilities.supervision import read_status
+from capabilities.workerd import free_port, free_port_block
+from testsupport.servers import server_command
 
 BENCH_DIR = Path(__file__).resolve().parent
 # Latency runs time every call in Lua (wrk's own percentiles are corrected for coordinated
@@ -172,82 +178,6 @@ def interleaved_throughput(targets: dict[str, Target], *, seconds: float) -> dic
     return totals
 
 
-class Processes:
-    """Child processes started by the benchmark, stopped by pid in reverse order."""
-
-    def __init__(self) -> None:
-        self.stack = contextlib.ExitStack()
-
-    def __enter__(self) -> Processes:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stack.close()
-
-    def start(self, command: list[str], *, env: dict[str, str], log: Path) -> subprocess.Popen:
-        with open(log, "ab") as out:
-            process = subprocess.Popen(
-                command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.stack.callback(stop, process)
-        return process
-
-    def adopt(self, stopper) -> None:
-        self.stack.callback(stopper)
-
-
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM the process (a server's master stops its own workers), then SIGKILL its group."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    # Workers that outlived their master are still in the session the benchmark created.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-
-
-def request(connection: http.client.HTTPConnection, method: str, path: str, *, headers=None, body=None):
-    connection.request(method, path, body=body, headers=headers or {})
-    response = connection.getresponse()
-    return response, response.read()
-
-
-def wait_for_health(port: int, process: subprocess.Popen, *, seconds: float = 60.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}")
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            response, _ = request(connection, "GET", "/_health")
-            connection.close()
-            if response.status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"the server on port {port} was not healthy within {seconds:g} s")
-
-
-def manage(*args: str, env: dict[str, str]) -> str:
-    result = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stderr}")
-    return result.stdout
-
-
-def deploy(connection, token: str, name: str, code: str) -> None:
-    body = json.dumps({"name": name, "code": code}).encode()
-    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
-    response, data = request(connection, "POST", "/_api/deploy", headers=headers, body=body)
-    if response.status not in (200, 201):
-        raise RuntimeError(f"deploy of {name} answered {response.status}: {data.decode(errors='replace')}")
-
-
 def check_reply(target: Target, port: int, path: str) -> None:
     """One call before the load, so a wrong setup fails loudly instead of benchmarking errors."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -286,15 +216,6 @@ def measure_cold(port: int, tokens: dict[str, str], *, server: str, runs: int) -
     return timings
 
 
-def load_average() -> str:
-    return " ".join(f"{value:.2f}" for value in os.getloadavg())
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 def spread(values: list[float], digits: int) -> str:
     """The median, and the range when there were several rounds."""
     middle = f"{statistics.median(values):.{digits}f}"
@@ -322,41 +243,18 @@ def main() -> int:
         )
         return 2
 
-    var_dir = Path(tempfile.mkdtemp(prefix="sigil-bench-"))
+    var_dir = fresh_var_dir("invoke")
     internal_secret = secrets.token_hex(32)
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "sigil_site.settings",
-        "DEBUG": "false",
-        "SECRET_KEY": secrets.token_urlsafe(48),
-        "SIGIL_VAR_DIR": str(var_dir),
-        "SIGIL_INTERNAL_SECRET": internal_secret,
-        "SIGIL_WORKERD_PORT": str(free_port_block()),
-        "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
-        "SIGIL_LOG_LEVEL": "WARNING",
-        "ALLOWED_HOSTS": "127.0.0.1",
-    }
-    env.pop("DATABASE_URL", None)  # always a fresh SQLite file under the temporary var dir
+    env = sigil_environment(var_dir, SIGIL_INTERNAL_SECRET=internal_secret, SIGIL_WORKERD_PORT=str(free_port_block()))
     print(f"var dir {var_dir}; load average {load_average()}")
 
     with Processes() as processes:
         backing = {}  # the processes behind every target, by part, for the CPU figures
-        if not env.get("REDIS_URL"):
-            redis_server = EmbeddedRedis(var_dir / "redis")
-            redis_server.start()
-            processes.adopt(redis_server.stop)
-            env["REDIS_URL"] = redis_server.url
-            backing["redis"] = redis_server.process.pid
+        redis_pid = processes.redis_unless_given(env, var_dir)
+        if redis_pid is not None:
+            backing["redis"] = redis_pid
         # The local runtime's workerd processes (one per agent) under their supervisor.
-        processes.start(
-            [sys.executable, str(ROOT / "manage.py"), "runworkerd"], env=env, log=var_dir / "runworkerd.log"
-        )
-        status_path = var_dir / "workerd" / "supervisor.json"
-        deadline = time.monotonic() + 30
-        while read_status(status_path) is None:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"runworkerd did not report within 30 s; see {var_dir / 'runworkerd.log'}")
-            time.sleep(0.1)
+        processes.workerd(env, var_dir)
 
         manage("migrate", "--noinput", env=env)
         tokens = json.loads(manage("createagent", AGENT, "--json", env=env))
@@ -376,7 +274,8 @@ def main() -> int:
         connection.close()
 
         full = f"{AGENT}--{CAPABILITY}"
-        agent_workerd = read_status(status_path)["processes"][AGENT]  # started by the first deploy
+        # The agent's workerd, started by the first deploy.
+        agent_workerd = read_status(var_dir / "workerd" / "supervisor.json")["processes"][AGENT]
         backing["workerd"] = agent_workerd["pid"]
         workerd_port = agent_workerd["port"]
         targets = {

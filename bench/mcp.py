@@ -29,16 +29,12 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from harness import ROOT, fresh_var_dir, setup_django_here, workerd_in_thread
+from invoke import cpu_seconds
 
-from bench.invoke import cpu_seconds  # noqa: E402
-from testsupport.servers import server_command  # noqa: E402
+from testsupport.servers import server_command
 
 CODE = """export default { async fetch(request) {
   const { a, b } = await request.json();
@@ -71,46 +67,17 @@ def main() -> int:
     parser.add_argument("--server", choices=("granian", "uvicorn"), default="granian")
     args = parser.parse_args()
 
-    var_dir = Path(tempfile.mkdtemp(prefix="sigil-bench-mcp-"))
-    from sigil.embedded_redis import EmbeddedRedis
-
-    embedded = EmbeddedRedis(var_dir / "redis")
-    embedded.start()
     from capabilities.workerd import free_port, free_port_block, port_is_open
 
-    os.environ.update(
-        {
-            "DJANGO_SETTINGS_MODULE": "sigil_site.settings",
-            "SECRET_KEY": "bench",
-            "SIGIL_VAR_DIR": str(var_dir),
-            "REDIS_URL": embedded.url,
-            "SIGIL_WORKERD_PORT": str(free_port_block()),
-            "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
-            "SIGIL_LOG_LEVEL": "WARNING",
-            "SIGIL_ACCESS_LOG": "false",
-        }
-    )
-    os.environ.pop("DATABASE_URL", None)
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
+    var_dir = fresh_var_dir("mcp")
+    embedded = setup_django_here(var_dir, SIGIL_WORKERD_PORT=str(free_port_block()))
     from agents import services as agent_services
     from capabilities.models import Capability, CapabilityVersion
-    from capabilities.runtimes.local import local_workerd_group
-    from capabilities.supervision import read_status
 
-    call_command("migrate", verbosity=0)
-    workerd = local_workerd_group()
-    stop_workerd = threading.Event()
-    supervisor = threading.Thread(target=workerd.run, args=(stop_workerd,), daemon=True)
+    stop_workerd = workerd_in_thread()
     port = free_port()
     server = None
     try:
-        supervisor.start()
-        while read_status(workerd.status_path) is None:
-            time.sleep(0.05)
         agent = agent_services.agent_create(name="bench", actor="owner:bench")
         _, token = agent_services.token_issue(agent=agent, scope="deploy", actor="owner:bench")
         server = subprocess.Popen(
@@ -187,8 +154,7 @@ def main() -> int:
         if server is not None and server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=15)
-        stop_workerd.set()
-        supervisor.join(30)
+        stop_workerd()
         embedded.stop()
 
     print(f"Sigil on {args.server}, 1 worker of 4 threads; {args.rounds * args.batch} calls each, ms")

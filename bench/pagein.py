@@ -11,15 +11,11 @@ calls it made. Also prints how many API calls one page-in costs, from the emulat
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from harness import fresh_var_dir, setup_django_here, start_emulator
 
 TARGET_OVERHEAD_MS = 50.0
 
@@ -30,53 +26,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
 
-    var_dir = Path(tempfile.mkdtemp(prefix="sigil-bench-pagein-"))
-    from sigil.embedded_redis import EmbeddedRedis
-
-    embedded = EmbeddedRedis(var_dir / "redis")
-    embedded.start()
     from capabilities.workerd import free_port
 
+    var_dir = fresh_var_dir("pagein")
     emulator_port = free_port()
-    os.environ.update(
-        {
-            "DJANGO_SETTINGS_MODULE": "sigil_site.settings",
-            "SECRET_KEY": "bench",
-            "SIGIL_VAR_DIR": str(var_dir),
-            "REDIS_URL": embedded.url,
-            "SIGIL_BACKEND": "worker-pool",
-            "CF_EMULATOR_PORT": str(emulator_port),
-            "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
-            # No Celery worker here: the deploy answers at once and is placed below.
-            "SIGIL_DEPLOY_WAIT_SECONDS": "0",
-            "SIGIL_LOG_LEVEL": "WARNING",
-            "SIGIL_ACCESS_LOG": "false",
-        }
+    # No Celery worker here: the deploy answers at once and is placed below.
+    embedded = setup_django_here(
+        var_dir, SIGIL_BACKEND="worker-pool", CF_EMULATOR_PORT=str(emulator_port), SIGIL_DEPLOY_WAIT_SECONDS="0"
     )
-    os.environ.pop("DATABASE_URL", None)
-    import django
-
-    django.setup()
-    from django.conf import settings
-    from django.core.management import call_command
-
     from agents import services as agent_services
     from agents.tokens import Principal
     from capabilities import services
-    from cfemulator.api import EmulatorConfig
-    from cfemulator.server import EmulatorServer
 
-    call_command("migrate", verbosity=0)
-    emulator = EmulatorServer.build(
-        workerd_binary=settings.SIGIL_WORKERD_BIN,
-        state_dir=var_dir / "cfemulator",
-        token=settings.CF_API_TOKEN,
-        account_id=settings.CF_ACCOUNT_ID,
-        config=EmulatorConfig(),
-        port=emulator_port,
-        workerd_port=free_port(),
-    )
-    emulator.start()
+    emulator = start_emulator(var_dir, port=emulator_port)
     try:
         agent = agent_services.agent_create(name="bench", actor="owner:bench")
         principal = Principal(agent.pk, agent.name, "deploy", "bench")

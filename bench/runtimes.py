@@ -30,13 +30,9 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from harness import ROOT, fresh_var_dir, setup_django_here, start_emulator, wait_until, workerd_in_thread
 
 BACKENDS = ("local", "worker-pool", "platform", "loader")
 CODE = "export default { async fetch() { return new Response('pong') } }"
@@ -48,72 +44,36 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=25)
     args = parser.parse_args()
 
-    var_dir = Path(tempfile.mkdtemp(prefix="sigil-bench-runtimes-"))
-    from sigil.embedded_redis import EmbeddedRedis
-
-    embedded = EmbeddedRedis(var_dir / "redis")
-    embedded.start()
     from capabilities.workerd import free_port, free_port_block, port_is_open
-
-    emulator_port, workerd_port = free_port(), free_port_block()
     from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN
 
-    common = {
-        "DJANGO_SETTINGS_MODULE": "sigil_site.settings",
-        "SECRET_KEY": "bench",
-        "SIGIL_VAR_DIR": str(var_dir),
-        "REDIS_URL": embedded.url,
-        "SIGIL_WORKERD_PORT": str(workerd_port),
-        "CF_API_BASE": f"http://127.0.0.1:{emulator_port}/client/v4",
-        "CF_API_TOKEN": DEV_TOKEN,
-        "CF_ACCOUNT_ID": DEV_ACCOUNT_ID,
-        "SIGIL_CF_WORKERS_BASE": f"http://127.0.0.1:{emulator_port}",
-        "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
+    var_dir = fresh_var_dir("runtimes")
+    emulator_port, workerd_port = free_port(), free_port_block()
+    embedded = setup_django_here(
+        var_dir,
+        SIGIL_WORKERD_PORT=str(workerd_port),
+        CF_API_BASE=f"http://127.0.0.1:{emulator_port}/client/v4",
+        CF_API_TOKEN=DEV_TOKEN,
+        CF_ACCOUNT_ID=DEV_ACCOUNT_ID,
+        SIGIL_CF_WORKERS_BASE=f"http://127.0.0.1:{emulator_port}",
         # No Celery worker here: a Cloudflare deploy answers 202 at once, and this script
         # places it itself (`place_queued`).
-        "SIGIL_DEPLOY_WAIT_SECONDS": "0",
-        "SIGIL_LOG_LEVEL": "WARNING",
-        "SIGIL_ACCESS_LOG": "false",
-    }
-    os.environ.update(common)
-    os.environ.pop("DATABASE_URL", None)
-    import django
-
-    django.setup()
+        SIGIL_DEPLOY_WAIT_SECONDS="0",
+    )
     import urllib3
     from django.conf import settings
-    from django.core.management import call_command
 
     from agents import services as agent_services
     from capabilities.models import Capability
     from capabilities.runtimes import build_runtime
-    from capabilities.runtimes.local import local_workerd_group
-    from capabilities.supervision import read_status
-    from cfemulator.api import EmulatorConfig
-    from cfemulator.server import EmulatorServer
     from testsupport.servers import server_command
 
-    call_command("migrate", verbosity=0)
-    emulator = EmulatorServer.build(
-        workerd_binary=settings.SIGIL_WORKERD_BIN,
-        state_dir=var_dir / "cfemulator",
-        token=DEV_TOKEN,
-        account_id=DEV_ACCOUNT_ID,
-        config=EmulatorConfig(),
-        port=emulator_port,
-        workerd_port=free_port(),
-    )
-    workerd = local_workerd_group()  # the local runtime's processes, supervised here
-    stop_workerd = threading.Event()
-    supervisor = threading.Thread(target=workerd.run, args=(stop_workerd,), daemon=True)
+    emulator = start_emulator(var_dir, port=emulator_port)
+    stop_workerd = workerd_in_thread()  # the local runtime's processes, supervised here
     servers: dict[str, subprocess.Popen] = {}
     ports = {backend: free_port() for backend in BACKENDS}
     http = urllib3.PoolManager(maxsize=4, retries=False, timeout=30)
     try:
-        emulator.start()
-        supervisor.start()
-        while read_status(workerd.status_path) is None:
-            time.sleep(0.05)
         agent = agent_services.agent_create(name="bench", actor="owner:bench")
         _, token = agent_services.token_issue(agent=agent, scope="deploy", actor="owner:bench")
         for backend in BACKENDS:
@@ -123,11 +83,7 @@ def main() -> int:
                 env={**os.environ, "SIGIL_BACKEND": backend},
                 start_new_session=True,
             )
-        deadline = time.monotonic() + 30
-        while not all(port_is_open(port) for port in ports.values()):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the Sigil servers did not listen within 30 s")
-            time.sleep(0.1)
+        wait_until(lambda: all(port_is_open(port) for port in ports.values()), "the Sigil servers did not listen")
 
         auth = {"Authorization": f"Bearer {token}"}
         targets = {}
@@ -185,8 +141,7 @@ def main() -> int:
                 os.killpg(process.pid, signal.SIGTERM)
                 process.wait(timeout=10)
         emulator.stop()
-        stop_workerd.set()
-        supervisor.join(30)
+        stop_workerd()
         embedded.stop()
 
     median = {key: statistics.median(values) for key, values in samples.items()}

@@ -26,27 +26,17 @@ import argparse
 import asyncio
 import http.client
 import json
-import os
-import secrets
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 import aiohttp
+from harness import Processes, deploy, fresh_var_dir, load_average, manage, sigil_environment, wait_for_health
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-sys.path.insert(0, str(BENCH_DIR.parent))
-
-from invoke import ROOT, Processes, deploy, manage, wait_for_health  # noqa: E402
-
-from capabilities.supervision import read_status  # noqa: E402
-from capabilities.workerd import free_port, free_port_block  # noqa: E402
-from sigil.embedded_redis import EmbeddedRedis  # noqa: E402
-from testsupport.servers import server_command  # noqa: E402
+from capabilities.workerd import free_port, free_port_block
+from testsupport.servers import server_command
 
 SLOW = "export default { async fetch() { await new Promise(r => setTimeout(r, %d)); return new Response('slow') } }"
 PING = "export default { async fetch() { return new Response('pong') } }"
@@ -125,32 +115,12 @@ def main() -> int:
     parser.add_argument("--quiet-calls", type=int, default=2000, help="the other agent's calls per phase")
     args = parser.parse_args()
 
-    var_dir = Path(tempfile.mkdtemp(prefix="sigil-storm-"))
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "sigil_site.settings",
-        "SECRET_KEY": secrets.token_urlsafe(48),
-        "SIGIL_VAR_DIR": str(var_dir),
-        "SIGIL_WORKERD_PORT": str(free_port_block()),
-        "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
-        "SIGIL_LOG_LEVEL": "WARNING",
-        "SIGIL_ACCESS_LOG": "false",
-        "ALLOWED_HOSTS": "127.0.0.1",
-    }
-    env.pop("DATABASE_URL", None)
-    print(f"var dir {var_dir}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    var_dir = fresh_var_dir("storm")
+    env = sigil_environment(var_dir, SIGIL_WORKERD_PORT=str(free_port_block()))
+    print(f"var dir {var_dir}; load average {load_average()}")
     with Processes() as processes:
-        if not env.get("REDIS_URL"):
-            redis_server = EmbeddedRedis(var_dir / "redis")
-            redis_server.start()
-            processes.adopt(redis_server.stop)
-            env["REDIS_URL"] = redis_server.url
-        processes.start([sys.executable, str(ROOT / "manage.py"), "runworkerd"], env=env, log=var_dir / "w.log")
-        deadline = time.monotonic() + 30
-        while read_status(var_dir / "workerd" / "supervisor.json") is None:
-            if time.monotonic() > deadline:
-                raise RuntimeError("runworkerd did not report within 30 s")
-            time.sleep(0.1)
+        processes.redis_unless_given(env, var_dir)
+        processes.workerd(env, var_dir)
         manage("migrate", "--noinput", env=env)
         agents = {name: json.loads(manage("createagent", name, "--json", env=env)) for name in ("storm", "quiet")}
         tokens = {name: agent["invoke_token"] for name, agent in agents.items()}

@@ -24,22 +24,26 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
-import secrets
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from harness import (
+    Processes,
+    deploy,
+    fresh_var_dir,
+    load_average,
+    manage,
+    request,
+    sigil_environment,
+    wait_for_health,
+)
+from invoke import cpu_seconds
 
-from invoke import Processes, cpu_seconds, deploy, load_average, manage, request, wait_for_health  # noqa: E402
-
-from capabilities.workerd import free_port  # noqa: E402
-from testsupport.processes import command_line, descendants, resident_mb, wait_until  # noqa: E402
+from capabilities.workerd import free_port
+from testsupport.processes import command_line, descendants, resident_mb, wait_until
 
 AGENT = "bench"
 # Each version keeps a little state of its own, as real capabilities do (a parsed config, a table).
@@ -187,25 +191,9 @@ def main() -> int:
     parser.add_argument("--capabilities", type=int, default=20, help="capabilities deployed, called, removed")
     args = parser.parse_args()
 
-    var_dir = Path(tempfile.mkdtemp(prefix="sigil-bench-memory-"))
+    var_dir = fresh_var_dir("memory")
     port = free_port()
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "sigil_site.settings",
-        "DEBUG": "false",
-        "SECRET_KEY": secrets.token_urlsafe(48),
-        "SIGIL_VAR_DIR": str(var_dir),
-        "SIGIL_INTERNAL_SECRET": secrets.token_hex(32),
-        "SIGIL_OWNER_PASSWORD": secrets.token_urlsafe(16),
-        "SIGIL_BACKEND": "local",
-        "SIGIL_WORKERD_PORT": str(free_port()),
-        "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
-        "SIGIL_LOG_LEVEL": "WARNING",
-        "SIGIL_ACCESS_LOG": "false",
-        "ALLOWED_HOSTS": "127.0.0.1",
-    }
-    for name in ("DATABASE_URL", "REDIS_URL", "SIGIL_CODE_DIR"):
-        env.pop(name, None)  # everything fresh, under the temporary var dir
+    env = sigil_environment(var_dir, own_redis=True, SIGIL_BACKEND="local", SIGIL_WORKERD_PORT=str(free_port()))
     print(f"var dir {var_dir}; load average {load_average()}")
 
     with Processes() as processes:

@@ -353,7 +353,7 @@ class CapabilityDetailSerializer(CapabilitySerializer):
         return obj.current_version.code if owner and obj.current_version else None
 
 
-# A deploy with its contract: the example of the schema, /llms.txt and the README.
+# A deploy with its contract: the example of the schema, /llms.txt and docs/contract.md.
 ADD_DEPLOY = {
     "name": "add",
     "code": "export default { async fetch(request) { const {a, b} = await request.json(); "

@@ -565,7 +565,7 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
             raise ApiError(400, 7003, f"Could not route to {request.path}, perhaps your object identifier is invalid?")
         if "/workers/dispatch/" in path and not self._config.workers_for_platforms:
             # No public source gives Cloudflare's answer here; 403 with 10015 ("not entitled")
-            # is the closest documented code, and the client reads both (README, plan checks).
+            # is the closest documented code, and the client reads both (docs/cloudflare.md, plans).
             raise ApiError(403, 10015, "This account is not entitled to Workers for Platforms (dispatch namespaces).")
         if request.method == "PUT" and "script" in params and not path.endswith("/tags"):
             # Parsing (and compressing) a large upload must not hold the account lock.

@@ -56,19 +56,3 @@ def table(rows: list[dict], columns: list[str]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)
-
-
-def agent_named(name: str):
-    from agents.models import Agent
-    from sigil.errors import NotFound
-
-    agent = Agent.objects.filter(name=name).first()
-    if agent is None:
-        raise NotFound(f"no agent {name!r}")
-    return agent
-
-
-def capability_named(full: str):
-    from capabilities.selectors import capability_get
-
-    return capability_get(full=full)

@@ -51,7 +51,7 @@ class RequestId:
         return response
 
 
-# Sigil's own routes that a page of any origin may use (README, "Browsers and CORS"). The
+# Sigil's own routes that a page of any origin may use (docs/contract.md, "Browsers and CORS"). The
 # credential is a bearer token the page must hold and send itself, never a cookie a browser
 # adds on its own, so allowing every origin lends no one else's authority; the admin is not
 # among them. Calls (the gateway) and /_mcp are served before Django and answer for themselves.

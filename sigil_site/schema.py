@@ -130,7 +130,7 @@ MCP_OPERATION = {
         "stateless; or 2025-11-25 and 2025-06-18 after `initialize`, with `Mcp-Session-Id`). `tools/list` lists "
         "the capabilities the token's agent may call, named `{agent}--{name}`; `tools/call` POSTs the arguments "
         "to one as JSON. With a deploy token, Sigil's own tools come first: `sigil.deploy`, `sigil.list`, "
-        "`sigil.inspect`, `sigil.remove`, `sigil.versions`, `sigil.rollback`. See /llms.txt and the README."
+        "`sigil.inspect`, `sigil.remove`, `sigil.versions`, `sigil.rollback`. See /llms.txt and docs/contract.md."
     ),
     "requestBody": {
         "required": True,

@@ -49,6 +49,27 @@ def answers(*batches: list[CallRequest], between=None) -> list[list[tuple[int, d
     return asyncio.run(run())
 
 
+def answers_together(batch: list[CallRequest]) -> list[tuple[int, dict, bytes]]:
+    """The batch's calls all at once on one engine, each step of theirs in lockstep (as calls
+    that arrive together are): (status, headers, body) of each."""
+    from capabilities.engine.engine import Engine
+
+    async def one(engine, request):
+        answer = await engine.call(request)
+        body = b"".join([chunk async for chunk in answer.chunks()])
+        await answer.close()
+        return answer.status, dict(answer.headers), body
+
+    async def run():
+        engine = Engine()
+        try:
+            return await asyncio.gather(*(one(engine, request) for request in batch))
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(run())
+
+
 @contextlib.contextmanager
 def sql_counted(queries: list[str]):
     """Append to `queries` every SQL statement run while the block runs, on any thread's

@@ -1,4 +1,4 @@
-"""Sigil served by the production servers the README names, in processes of their own."""
+"""Sigil served by the production servers docs/operations.md names, in processes of their own."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ SERVERS = ("granian", "uvicorn")
 
 
 def server_command(server: str, *, port: int, workers: int) -> list[str]:
-    """How each ASGI server the README names runs Sigil's application (the engine in front of Django)."""
+    """How each ASGI server docs/operations.md names runs Sigil's application (the engine in front of Django)."""
     bin_dir = Path(sys.executable).parent
     if server == "uvicorn":
         return [

@@ -505,7 +505,11 @@ class Engine:
         while True:
             try:
                 placing = self.placing.get(full)
-                if placing is None and not await self.redis.exists(placement_lock_key(full)):
+                locked = placing is None and await self.redis.exists(placement_lock_key(full))
+                # Calls that arrive together all ask Redis before any starts the placement: the
+                # first answered starts it, the others await it (and take no placement share).
+                placing = self.placing.get(full)
+                if placing is None and not locked:
                     with self.shares.placement(principal):
                         placing = self.placing[full] = asyncio.ensure_future(self.place(full))
                         try:

@@ -5,6 +5,7 @@ and never-ending async calls end."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -23,6 +24,8 @@ from capabilities.models import Capability
 from capabilities.services import async_calls
 from sigil.redis_client import get_redis
 from testsupport.cast import deploy_answering, wait_for
+from testsupport.engine_calls import answers_together, call_request
+from testsupport.processes import resident_mb
 
 SLOW = "export default { async fetch() { await new Promise(r => setTimeout(r, %d)); return new Response('slow') } }"
 # Answers the first bytes of its request body at once, without waiting for the rest.
@@ -149,6 +152,17 @@ def test_slow_page_ins_do_not_hold_another_agents_warm_calls(worker_pool, alice,
     results = cold.join()
     assert [status for status, _, _ in results] == [200] * 10
     assert max(bob_ended) < min(ended for _, ended, _ in results)
+
+
+def test_calls_that_find_a_cold_capability_together_share_its_one_placement(worker_pool, alice, settings):
+    # With a share of one placement, every call but the first must await that placement, not
+    # start one of its own (and meet the share's 429).
+    settings.SIGIL_AGENT_PLACEMENTS_IN_FLIGHT = 1
+    for name in ("a", "b", "c", "d"):  # three slots: `a` is paged out
+        deploy_answering(alice, name, name, type="normal")
+    wait_for(lambda: Capability.objects.get(full_name="alice--a").state == "paged_out", message="a paged out")
+    results = answers_together([call_request(alice, "/alice/a") for _ in range(20)])
+    assert [(status, body) for status, _, body in results] == [(200, b"a")] * 20
 
 
 def test_a_stale_token_storm_from_an_address_does_not_lock_out_a_valid_token(alice, settings):
@@ -303,6 +317,42 @@ def test_an_async_call_gives_the_capability_the_request_id_of_its_202(alice, cel
     )
     assert answer.json()["headers"]["x-request-id"] == request_id
     assert answer.headers["X-Request-Id"] != ""
+
+
+ENDLESS = """export default { async fetch() {
+  const chunk = new Uint8Array(64 * 1024).fill(120);
+  return new Response(new ReadableStream({ pull(controller) { controller.enqueue(chunk); } }));
+} }"""
+
+
+def test_callers_that_never_read_an_endless_answer_leave_sigils_memory_flat(sigil, alice):
+    # Without backpressure the web process would buffer what workerd writes, at hundreds of MB a
+    # second; with it, each call holds at most a few buffers (the server runs in this process).
+    alice.deploy(name="endless", code=ENDLESS)
+    with alice.call("/alice/endless", stream=True) as answer:
+        assert answer.status_code == 200 and len(answer.raw.read(1 << 20)) == 1 << 20
+    request = f"GET /alice/endless HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {alice.invoke_token}\r\n\r\n"
+    port = int(alice.base_url.rsplit(":", 1)[1])
+    idle = []
+    for _ in range(4):
+        caller = socket.create_connection(("127.0.0.1", port))
+        caller.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        caller.sendall(request.encode())
+        idle.append(caller)  # never read from
+    try:
+        wait_for(lambda: in_flight(sigil, "alice") == 4, message="the four calls in flight")
+        baseline = resident_mb(os.getpid())
+        growth = 0.0
+        watched_until = time.monotonic() + 3
+        while time.monotonic() < watched_until:
+            growth = max(growth, resident_mb(os.getpid()) - baseline)
+            time.sleep(0.1)
+        assert growth < 64, f"the web process grew by {growth:.0f} MB for callers that read nothing"
+    finally:
+        for caller in idle:
+            caller.close()
+    # A caller that leaves ends its call.
+    wait_for(lambda: in_flight(sigil, "alice") == 0, message="the calls to end once their callers left")
 
 
 def test_a_capabilitys_slow_answer_reaches_the_caller_as_it_is_written(alice):

@@ -28,7 +28,7 @@ from testsupport.cast import wait_for
 from testsupport.celery_workers import start_worker_process
 
 LEASE = 2.0
-# What the README promises with the defaults (a 15 s lease, reaped every 15 s), scaled to
+# What docs/architecture.md promises with the defaults (a 15 s lease, reaped every 15 s), scaled to
 # this test's lease: a lease, a reap interval, and the placement itself.
 BOUND = 4 * LEASE + 10
 

@@ -1,5 +1,5 @@
 """Chunked request bodies reach the control API and capabilities whole, under `make dev`'s
-server and under each production server the README names."""
+server and under each production server docs/operations.md names."""
 
 import json
 

@@ -3,7 +3,8 @@
 from django.core.management.base import CommandParser
 
 from agents import services
-from sigil.owner_commands import CLI_ACTOR, OwnerCommand, agent_named
+from agents.selectors import agent_named
+from sigil.owner_commands import CLI_ACTOR, OwnerCommand
 
 
 class SetAgentActive(OwnerCommand):

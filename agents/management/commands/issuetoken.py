@@ -7,7 +7,8 @@ from django.utils import timezone
 
 from agents import services
 from agents.models import Scope
-from sigil.owner_commands import CLI_ACTOR, OwnerCommand, agent_named, iso
+from agents.selectors import agent_named
+from sigil.owner_commands import CLI_ACTOR, OwnerCommand, iso
 
 
 class Command(OwnerCommand):

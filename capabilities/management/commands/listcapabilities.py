@@ -2,8 +2,9 @@
 
 from django.core.management.base import CommandParser
 
+from agents.selectors import agent_named
 from capabilities.models import Capability, State
-from sigil.owner_commands import OwnerCommand, agent_named, iso, table
+from sigil.owner_commands import OwnerCommand, iso, table
 
 
 class Command(OwnerCommand):

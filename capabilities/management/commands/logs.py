@@ -11,7 +11,8 @@ from django.conf import settings
 from django.core.management.base import CommandParser
 
 from capabilities import call_logs
-from sigil.owner_commands import OwnerCommand, capability_named
+from capabilities.selectors import capability_get
+from sigil.owner_commands import OwnerCommand
 
 
 class Command(OwnerCommand):
@@ -40,7 +41,7 @@ class Command(OwnerCommand):
         for_seconds: float | None = None,
         **options,
     ):
-        capability = capability_named(full)
+        capability = capability_get(full=full)
         page = call_logs.call_records_list(
             full=capability.full_name, request_id=request_id, level=level, limit=max(1, limit)
         )

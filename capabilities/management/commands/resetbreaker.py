@@ -3,7 +3,8 @@
 from django.core.management.base import CommandParser
 
 from capabilities import services
-from sigil.owner_commands import CLI_ACTOR, OwnerCommand, capability_named
+from capabilities.selectors import capability_get
+from sigil.owner_commands import CLI_ACTOR, OwnerCommand
 
 
 class Command(OwnerCommand):
@@ -14,7 +15,7 @@ class Command(OwnerCommand):
         parser.add_argument("capability", help="its full name, agent--name")
 
     def act(self, *, capability: str, **options) -> dict:
-        services.capability_reset_breaker(capability=capability_named(capability), actor=CLI_ACTOR)
+        services.capability_reset_breaker(capability=capability_get(full=capability), actor=CLI_ACTOR)
         return {"capability": capability, "breaker": "closed"}
 
     def describe(self, result: dict) -> str:

@@ -3,7 +3,8 @@
 from django.core.management.base import CommandParser
 
 from capabilities import services
-from sigil.owner_commands import CLI_ACTOR, OwnerCommand, capability_named
+from capabilities.selectors import capability_get
+from sigil.owner_commands import CLI_ACTOR, OwnerCommand
 
 
 class Command(OwnerCommand):
@@ -18,7 +19,7 @@ class Command(OwnerCommand):
         parser.add_argument("version", type=int, help="the version whose code to serve")
 
     def act(self, *, capability: str, version: int, **options) -> dict:
-        current = capability_named(capability)
+        current = capability_get(full=capability)
         previous = current.current_version.number if current.current_version else None
         result = services.capability_rollback(capability=current, version_number=version, actor=CLI_ACTOR)
         return {

@@ -217,7 +217,7 @@ def named(env: dict[str, str], name: str) -> dict[str, str]:
 
 
 def granian_command(port: int) -> list[str]:
-    """The server the README's Production section runs, with one worker: ASGI on uvloop, so
+    """The server docs/operations.md's Production section runs, with one worker: ASGI on uvloop, so
     that calls in flight wait on events, not threads. The backpressure (requests in flight
     per worker) is far above what the agents' shares add up to by default."""
     return [

@@ -1,0 +1,230 @@
+"""What the benchmarks share: a fresh Sigil's environment under a temporary var directory,
+its processes started and stopped by pid, Django set up in the benchmark's own process, the
+Cloudflare emulator, and the few HTTP steps every benchmark takes (health, deploy)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MANAGE = str(ROOT / "manage.py")
+
+
+def fresh_var_dir(name: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f"sigil-bench-{name}-"))
+
+
+def sigil_environment(var_dir: Path, *, own_redis: bool = False, **settings: str) -> dict[str, str]:
+    """The environment of a Sigil started by a benchmark: everything under `var_dir` (a fresh
+    SQLite database; the Redis at REDIS_URL, or with `own_redis` a bundled one started by
+    runsigil), quiet logs, no deploy cool-down; `settings` add to it or override it."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "sigil_site.settings",
+        "DEBUG": "false",
+        "SECRET_KEY": secrets.token_urlsafe(48),
+        "SIGIL_VAR_DIR": str(var_dir),
+        "SIGIL_INTERNAL_SECRET": secrets.token_hex(32),
+        "SIGIL_OWNER_PASSWORD": secrets.token_urlsafe(16),
+        "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
+        "SIGIL_LOG_LEVEL": "WARNING",
+        "SIGIL_ACCESS_LOG": "false",
+        "ALLOWED_HOSTS": "127.0.0.1",
+    }
+    for name in ("DATABASE_URL", "SIGIL_CODE_DIR", *(["REDIS_URL"] if own_redis else [])):
+        env.pop(name, None)
+    env.update(settings)
+    return env
+
+
+def setup_django_here(var_dir: Path, **settings: str):
+    """Django set up in this process on a fresh var directory with its own bundled Redis and a
+    migrated database; the Redis server is returned for the caller to stop."""
+    from sigil.embedded_redis import EmbeddedRedis
+
+    embedded = EmbeddedRedis(var_dir / "redis")
+    embedded.start()
+    os.environ.update(sigil_environment(var_dir, REDIS_URL=embedded.url, **settings))
+    os.environ.pop("DATABASE_URL", None)
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    return embedded
+
+
+def start_emulator(var_dir: Path, *, port: int, **config):
+    """The Cloudflare emulator on 127.0.0.1:`port`, with its own workerd, started."""
+    from django.conf import settings
+
+    from capabilities.workerd import free_port
+    from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
+    from cfemulator.server import EmulatorServer
+
+    emulator = EmulatorServer.build(
+        workerd_binary=settings.SIGIL_WORKERD_BIN,
+        state_dir=var_dir / "cfemulator",
+        token=DEV_TOKEN,
+        account_id=DEV_ACCOUNT_ID,
+        config=EmulatorConfig(**config),
+        port=port,
+        workerd_port=free_port(),
+    )
+    emulator.start()
+    return emulator
+
+
+def workerd_in_thread():
+    """The local runtime's workerd processes, supervised in a thread of this process once it
+    has reported; returns what stops them."""
+    import threading
+
+    from capabilities.runtimes.local import local_workerd_group
+    from capabilities.supervision import read_status
+
+    group = local_workerd_group()
+    stopping = threading.Event()
+    supervisor = threading.Thread(target=group.run, args=(stopping,), daemon=True)
+    supervisor.start()
+    wait_until(lambda: read_status(group.status_path) is not None, "the workerd supervisor did not report")
+
+    def stop() -> None:
+        stopping.set()
+        supervisor.join(30)
+
+    return stop
+
+
+class Processes:
+    """Child processes started by the benchmark, stopped by pid in reverse order."""
+
+    def __init__(self) -> None:
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stack.close()
+
+    def start(self, command: list[str], *, env: dict[str, str], log: Path) -> subprocess.Popen:
+        with open(log, "ab") as out:
+            process = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.stack.callback(stop, process)
+        return process
+
+    def adopt(self, stopper) -> None:
+        self.stack.callback(stopper)
+
+    def redis_unless_given(self, env: dict[str, str], var_dir: Path) -> int | None:
+        """Start the bundled Redis under `var_dir` unless `env` names one (REDIS_URL, which
+        it then points at this one); the pid of what it started."""
+        if env.get("REDIS_URL"):
+            return None
+        from sigil.embedded_redis import EmbeddedRedis
+
+        server = EmbeddedRedis(var_dir / "redis")
+        server.start()
+        self.adopt(server.stop)
+        env["REDIS_URL"] = server.url
+        return server.process.pid
+
+    def workerd(self, env: dict[str, str], var_dir: Path) -> subprocess.Popen:
+        """The local runtime's workerd processes under `manage.py runworkerd`, once its
+        supervisor has reported."""
+        from capabilities.supervision import read_status
+
+        process = self.start([sys.executable, MANAGE, "runworkerd"], env=env, log=var_dir / "runworkerd.log")
+        status = var_dir / "workerd" / "supervisor.json"
+        wait_until(lambda: read_status(status) is not None, f"runworkerd did not report; see {var_dir}/runworkerd.log")
+        return process
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the process (a server's master stops its own workers), then SIGKILL its group."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    # Workers that outlived their master are still in the session the benchmark created.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def manage(*args: str, env: dict[str, str]) -> str:
+    result = subprocess.run([sys.executable, MANAGE, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stderr}")
+    return result.stdout
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def request(connection: http.client.HTTPConnection, method: str, path: str, *, headers=None, body=None):
+    connection.request(method, path, body=body, headers=headers or {})
+    response = connection.getresponse()
+    return response, response.read()
+
+
+def wait_for_health(port: int, process: subprocess.Popen | None = None, *, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            response, _ = request(connection, "GET", "/_health")
+            connection.close()
+            if response.status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the server on port {port} was not healthy within {seconds:g} s")
+
+
+def deploy(connection: http.client.HTTPConnection, token: str, name: str, code: str) -> None:
+    body = json.dumps({"name": name, "code": code}).encode()
+    headers = {**bearer(token), "Content-Type": "application/json"}
+    response, data = request(connection, "POST", "/_api/deploy", headers=headers, body=body)
+    if response.status not in (200, 201):
+        raise RuntimeError(f"deploy of {name} answered {response.status}: {data.decode(errors='replace')}")
+
+
+def wait_until(condition, what: str, *, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} within {seconds:g} s")
+        time.sleep(0.05)
+
+
+def load_average() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
