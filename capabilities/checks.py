@@ -48,27 +48,16 @@ def check_prices(app_configs, **kwargs) -> list[CheckMessage]:
 def check_abuse_limits(app_configs, **kwargs) -> list[Error]:
     """A throttle or lock-out that is on needs a time to last; the JSON depth limit must
     stay below Python's recursion limit, so that a deep body meets Sigil's 400 first."""
-    errors = []
-    if settings.SIGIL_AUTH_FAILURE_LIMIT < 0 or (
-        settings.SIGIL_AUTH_FAILURE_LIMIT and settings.SIGIL_AUTH_FAILURE_WINDOW_SECONDS < 1
-    ):
-        errors.append(
-            Error(
-                "the failed-token throttle needs SIGIL_AUTH_FAILURE_LIMIT >= 0 and, when on, a window",
-                hint="Set SIGIL_AUTH_FAILURE_WINDOW_SECONDS to 1 or more, or SIGIL_AUTH_FAILURE_LIMIT to 0.",
-                id="sigil.E030",
-            )
-        )
-    if settings.SIGIL_ADMIN_LOGIN_FAILURE_LIMIT < 0 or (
-        settings.SIGIL_ADMIN_LOGIN_FAILURE_LIMIT and settings.SIGIL_ADMIN_LOCKOUT_SECONDS < 1
-    ):
-        errors.append(
-            Error(
-                "the admin's lock-out needs SIGIL_ADMIN_LOGIN_FAILURE_LIMIT >= 0 and, when on, a duration",
-                hint="Set SIGIL_ADMIN_LOCKOUT_SECONDS to 1 or more, or SIGIL_ADMIN_LOGIN_FAILURE_LIMIT to 0.",
-                id="sigil.E031",
-            )
-        )
+    errors = [
+        *_limit_with_duration(
+            "SIGIL_AUTH_FAILURE_LIMIT", "SIGIL_AUTH_FAILURE_WINDOW_SECONDS", what="the failed-token throttle",
+            needs="a window", id="sigil.E030",
+        ),
+        *_limit_with_duration(
+            "SIGIL_ADMIN_LOGIN_FAILURE_LIMIT", "SIGIL_ADMIN_LOCKOUT_SECONDS", what="the admin's lock-out",
+            needs="a duration", id="sigil.E031",
+        ),
+    ]  # fmt: skip
     if settings.SIGIL_TRUSTED_PROXY_COUNT < 0:
         errors.append(Error("SIGIL_TRUSTED_PROXY_COUNT cannot be negative", id="sigil.E032"))
     if not 1 <= settings.SIGIL_JSON_MAX_DEPTH <= 500:
@@ -80,3 +69,17 @@ def check_abuse_limits(app_configs, **kwargs) -> list[Error]:
             )
         )
     return errors
+
+
+def _limit_with_duration(limit: str, duration: str, *, what: str, needs: str, id: str) -> list[Error]:
+    """A limit that is on (above 0) needs its `duration` setting of 1 or more."""
+    value = getattr(settings, limit)
+    if value < 0 or (value and getattr(settings, duration) < 1):
+        return [
+            Error(
+                f"{what} needs {limit} >= 0 and, when on, {needs}",
+                hint=f"Set {duration} to 1 or more, or {limit} to 0.",
+                id=id,
+            )
+        ]
+    return []

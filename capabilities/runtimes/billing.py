@@ -49,6 +49,15 @@ class Prices:
     dynamic_included_workers: int = 1000
     dynamic_worker_day_usd: float = 0.002
 
+    def plan_lines(self, plan: str, *, requests: float, cpu_ms: float) -> dict[str, float]:
+        """The lines of a month on `plan` ("paid" or "platforms"): its fee, then the requests
+        and CPU time beyond what it includes, at the Standard usage rates."""
+        return {
+            "plan": getattr(self, f"{plan}_monthly_usd"),
+            "requests": overage(requests, getattr(self, f"{plan}_included_requests"), self.requests_per_million_usd),
+            "cpu": overage(cpu_ms, getattr(self, f"{plan}_included_cpu_ms"), self.cpu_per_million_ms_usd),
+        }
+
 
 def prices_with(override: str) -> Prices:
     """The table with the prices the JSON object `override` names instead (empty: the table).
@@ -115,13 +124,3 @@ class RuntimeBill:
 def overage(used: float, included: float, per_million: float) -> float:
     """What `used` costs beyond the `included` amount, at `per_million` USD a million."""
     return max(0.0, used - included) / 1_000_000 * per_million
-
-
-def standard_usage(
-    *, requests: float, cpu_ms: float, included_requests: float, included_cpu_ms: float, prices: Prices
-) -> dict[str, float]:
-    """The request and CPU lines of a paid plan's bill (the Standard usage rates)."""
-    return {
-        "requests": overage(requests, included_requests, prices.requests_per_million_usd),
-        "cpu": overage(cpu_ms, included_cpu_ms, prices.cpu_per_million_ms_usd),
-    }

@@ -13,7 +13,7 @@ from django.conf import LazySettings
 
 from capabilities.call_logs import LogLimits
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
-from capabilities.runtimes.billing import Prices, RuntimeBill, Usage, standard_usage
+from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
 from capabilities.runtimes.cloudflare.account import Finding, PlanProbe
 from capabilities.runtimes.errors import RuntimeRejected
@@ -52,12 +52,9 @@ class LoaderRuntime(FrontedRuntime):
         from django.conf import settings
 
         return cls(
-            client=CloudflareClient.from_settings(),
+            **cls.account_settings(),
             worker=settings.SIGIL_LOADER_WORKER,
             kv_title=settings.SIGIL_LOADER_KV_TITLE,
-            secret=settings.SIGIL_INTERNAL_SECRET,
-            cpu_ms=settings.SIGIL_CPU_MS,
-            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
             propagation_wait_seconds=settings.SIGIL_INVOKE_TIMEOUT_SECONDS,
             log_limits=LogLimits.from_settings().for_host() if settings.SIGIL_LOGS_ENABLED else None,
         )
@@ -79,13 +76,7 @@ class LoaderRuntime(FrontedRuntime):
         the Dynamic Worker it calls), and each capability called on a day is one Dynamic Worker
         that day."""
         requests = 2 * usage.calls
-        items = {"plan": prices.paid_monthly_usd} | standard_usage(
-            requests=requests,
-            cpu_ms=usage.duration_ms,
-            included_requests=prices.paid_included_requests,
-            included_cpu_ms=prices.paid_included_cpu_ms,
-            prices=prices,
-        )
+        items = prices.plan_lines("paid", requests=requests, cpu_ms=usage.duration_ms)
         extra_workers = max(0.0, usage.dynamic_worker_days - prices.dynamic_included_workers)
         items["dynamic_workers"] = extra_workers * prices.dynamic_worker_day_usd
         plan = "Dynamic Workers (Workers Paid)"

@@ -12,7 +12,7 @@ from django.conf import LazySettings
 
 from capabilities import names
 from capabilities.runtimes.base import CodeBundle, Route
-from capabilities.runtimes.billing import Prices, RuntimeBill, Usage, standard_usage
+from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import (
     CloudflareClient,
     CloudflareError,
@@ -53,12 +53,9 @@ class PlatformRuntime(FrontedRuntime):
         from django.conf import settings
 
         return cls(
-            client=CloudflareClient.from_settings(),
+            **cls.account_settings(),
             namespace=settings.SIGIL_PLATFORM_NAMESPACE,
             dispatcher=settings.SIGIL_PLATFORM_DISPATCHER,
-            secret=settings.SIGIL_INTERNAL_SECRET,
-            cpu_ms=settings.SIGIL_CPU_MS,
-            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
         )
 
     marker_header = "x-sigil-dispatch"
@@ -88,13 +85,7 @@ class PlatformRuntime(FrontedRuntime):
     def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
         """Workers for Platforms: the dispatch Worker and the capability's are billed as one
         request; one script per registered capability."""
-        items = {"plan": prices.platforms_monthly_usd} | standard_usage(
-            requests=usage.calls,
-            cpu_ms=usage.duration_ms,
-            included_requests=prices.platforms_included_requests,
-            included_cpu_ms=prices.platforms_included_cpu_ms,
-            prices=prices,
-        )
+        items = prices.plan_lines("platforms", requests=usage.calls, cpu_ms=usage.duration_ms)
         items["scripts"] = max(0, usage.capabilities - prices.platforms_included_scripts) * prices.platforms_script_usd
         plan = "Workers for Platforms"
         return [

@@ -13,7 +13,7 @@ from django.core.checks import CheckMessage, Error
 from capabilities import names
 from capabilities.names import POOL_PREFIX
 from capabilities.runtimes.base import CodeBundle, Route
-from capabilities.runtimes.billing import Prices, RuntimeBill, Usage, standard_usage
+from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, metadata_binding
 from capabilities.runtimes.cloudflare.account import CloudflareRuntime, Finding, PlanProbe, scripts_in_use
 
@@ -58,15 +58,12 @@ class WorkerPoolRuntime(CloudflareRuntime):
         from django.conf import settings
 
         return cls(
-            client=CloudflareClient.from_settings(),
-            secret=settings.SIGIL_INTERNAL_SECRET,
+            **cls.account_settings(),
             total_quota=settings.SIGIL_POOL_TOTAL_QUOTA,
             system_reserved=settings.SIGIL_POOL_SYSTEM_RESERVED,
             user_reserved=settings.SIGIL_POOL_USER_RESERVED,
             safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
-            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
             redirect=settings.SIGIL_POOL_REDIRECT,
-            cpu_ms=settings.SIGIL_CPU_MS,
         )
 
     @classmethod
@@ -107,13 +104,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
             fits=not limits,
             limits=limits,
         )
-        paid = {"plan": prices.paid_monthly_usd} | standard_usage(
-            requests=usage.calls,
-            cpu_ms=usage.duration_ms,
-            included_requests=prices.paid_included_requests,
-            included_cpu_ms=prices.paid_included_cpu_ms,
-            prices=prices,
-        )
+        paid = prices.plan_lines("paid", requests=usage.calls, cpu_ms=usage.duration_ms)
         return [
             free,
             RuntimeBill.of(

@@ -83,6 +83,20 @@ class CloudflareRuntime(Runtime):
 
     on_cloudflare = True
 
+    @staticmethod
+    def account_settings() -> dict:
+        """What every runtime on the account is built with, from settings: the client, Sigil's
+        secret (its Workers refuse calls without it), the default CPU limit per call, and
+        where the account's Workers are called."""
+        from django.conf import settings
+
+        return {
+            "client": CloudflareClient.from_settings(),
+            "secret": settings.SIGIL_INTERNAL_SECRET,
+            "cpu_ms": settings.SIGIL_CPU_MS,
+            "invoke_base": settings.SIGIL_CF_WORKERS_BASE,
+        }
+
     @classmethod
     def settings_errors(cls, settings: LazySettings) -> list[CheckMessage]:
         if not settings.CF_ACCOUNT_ID:
