@@ -44,6 +44,12 @@ def placement_label(full: str) -> str:
     return full
 
 
+def agent_of(full: str) -> str:
+    """The agent whose capability, or staged version of one (`{full}--v{n}`), `full` names:
+    the tenant a runtime is given with its slot."""
+    return full.partition(SEPARATOR)[0]
+
+
 def split_full_name(full: str) -> tuple[str, str]:
     """`xiaoju--ping` → ("xiaoju", "ping"). Raises InvalidRequest for anything else."""
     agent, sep, name = full.partition(SEPARATOR)

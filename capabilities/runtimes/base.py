@@ -203,6 +203,9 @@ class Runtime(ABC):
     The class states the runtime's facts without being built (its class methods, given the
     settings): whether it is on Cloudflare, its system checks, what it would bill, and the
     processes it needs on this machine; callers ask it rather than test its name.
+
+    `tenant`, given with a slot, is the agent the capability there belongs to: a runtime that
+    keeps agents apart (a process, or a tag, per agent) reads it there, never in the slot.
     """
 
     #: the value of SIGIL_BACKEND that selects this runtime (its key in RUNTIMES)
@@ -262,8 +265,8 @@ class Runtime(ABC):
         `attempt` gives another name, for when the first is taken."""
 
     @abstractmethod
-    def place(self, *, slot: str, bundle: CodeBundle) -> None:
-        """Make `bundle` the code served at `slot`.
+    def place(self, *, slot: str, bundle: CodeBundle, tenant: str) -> None:
+        """Make `bundle` the code served at `slot`, for `tenant`.
 
         Idempotent: placing the same bundle again changes nothing. Raises RuntimeUnavailable
         (transient), ScriptTooLarge, SlotsExhausted or RuntimeRejected.
@@ -271,11 +274,13 @@ class Runtime(ABC):
 
     @abstractmethod
     def remove(self, *, slot: str) -> None:
-        """Stop serving `slot` and free its room. Removing a missing slot is not an error."""
+        """Stop serving `slot` and free its room. Removing a missing slot is not an error. The
+        slot's tenant, where the runtime needs it, is in the runtime's own record of the slot
+        (a slot no capability holds any more is removed too)."""
 
     @abstractmethod
-    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
-        """Where the gateway sends requests for `slot` running code `sha`. No I/O.
+    def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
+        """Where the gateway sends requests for `tenant`'s `slot` running code `sha`. No I/O.
 
         `cpu_ms` is the capability's own CPU limit per call (None: the runtime's default);
         runtimes that cannot enforce one ignore it.
@@ -294,8 +299,8 @@ class Runtime(ABC):
         """
         return response.status == 404 and response.headers.get("x-sigil-error") == "missing-code"
 
-    def call_stopped(self, *, slot: str, sent_at: float) -> CallStopped | None:
-        """Why a call to `slot` sent at `sent_at` (epoch) lost its connection, when the
+    def call_stopped(self, *, slot: str, tenant: str, sent_at: float) -> CallStopped | None:
+        """Why a call to `tenant`'s `slot` sent at `sent_at` (epoch) lost its connection, when the
         runtime stopped its process for a limit; None when it did not (a plain failure).
 
         Asked only after a failed call, so it may read local state. Runtimes whose limits

@@ -198,7 +198,7 @@ class LoaderRuntime(FrontedRuntime):
     def slot_for(self, full_name: str, *, attempt: int = 0) -> str:
         return full_name  # full names are unique, and KV keys hold up to 512 bytes
 
-    def place(self, *, slot: str, bundle: CodeBundle) -> None:
+    def place(self, *, slot: str, bundle: CodeBundle, tenant: str) -> None:
         """Write the bundle under its sha, have the loader Worker start it, then point the
         slot at it: two KV writes, a KV read and one request to the loader Worker (after the
         first placement of the process; two more when the Worker did not see the bundle),
@@ -208,7 +208,7 @@ class LoaderRuntime(FrontedRuntime):
         # Its secrets are sealed for the loader Worker, whose SIGIL_SECRET opens them.
         stored = bundle.to_json(seal_key=self._secret)
         self.client.kv_put(self.kv_id, CODE_PREFIX + bundle.sha, stored)
-        route = self.route(slot=slot, sha=bundle.sha)
+        route = self.route(slot=slot, sha=bundle.sha, tenant=tenant)
         try:
             if not self._start_check(route):
                 # The host's location does not see the API's write yet, and will not while
@@ -266,7 +266,7 @@ class LoaderRuntime(FrontedRuntime):
             for key in self.client.kv_keys(self.kv_id, prefix=SLOT_PREFIX)
         }
 
-    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
+    def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
         return self._front_route([("X-Sigil-Secret", self._secret), ("X-Sigil-Loader-Id", f"{slot}@{sha}")], cpu_ms)
 
     def list_slots(self) -> list[str]:

@@ -146,13 +146,12 @@ class PlatformRuntime(FrontedRuntime):
         self._provisioned = True
         return done
 
-    def place(self, *, slot: str, bundle: CodeBundle) -> None:
-        """Upload the capability into the namespace, tagged with Sigil and its agent; with
+    def place(self, *, slot: str, bundle: CodeBundle, tenant: str) -> None:
+        """Upload the capability into the namespace, tagged with Sigil and its agent (`tenant`); with
         `bundle.version`, behind an entry module that names it in every answer
         (SERVED_VERSION_HEADER), since the upload replaces the script in place. One API call
         (after the first placement of the process). Idempotent."""
         self._ensure_provisioned()
-        agent = slot.partition(names.SEPARATOR)[0]
         modules, main_module = bundle.modules, bundle.main_module
         bindings = [metadata_binding(b) for b in bundle.bindings]
         if bundle.version is not None and bundle.main_module == "main.js":
@@ -165,14 +164,14 @@ class PlatformRuntime(FrontedRuntime):
             main_module=main_module,
             compatibility_date=bundle.compatibility_date,
             bindings=bindings,
-            tags=[CAPABILITY_TAG, self.installation_tag, f"agent-{agent}", f"sha-{bundle.sha[:16]}"],
+            tags=[CAPABILITY_TAG, self.installation_tag, f"agent-{tenant}", f"sha-{bundle.sha[:16]}"],
         )
 
     def remove(self, *, slot: str) -> None:
         with contextlib.suppress(CloudflareNotFound):
             self.client.namespace_script_delete(self.namespace, slot)
 
-    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
+    def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
         return self._front_route([("X-Sigil-Dispatch-Secret", self._secret), ("X-Sigil-Script", slot)], cpu_ms)
 
     def list_slots(self) -> list[str]:

@@ -180,7 +180,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
         # s-{6 hex}; on a collision two more hex digits per attempt.
         return names.pool_script_name(full_name, length=6 + 2 * attempt)
 
-    def place(self, *, slot: str, bundle: CodeBundle) -> None:
+    def place(self, *, slot: str, bundle: CodeBundle, tenant: str) -> None:
         """Upload the script behind Sigil's guard and turn its workers.dev URL on. The guard
         names `bundle.version` (when given) in every answer's SERVED_VERSION_HEADER.
 
@@ -216,7 +216,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
         with contextlib.suppress(CloudflareNotFound):
             self.client.script_delete(slot)
 
-    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
+    def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
         """Where the script answers. The account's subdomain is asked for once per process."""
         host = f"{slot}.{self.subdomain}.workers.dev"
         headers = (("X-Sigil-Pool-Secret", self._secret),)

@@ -41,6 +41,16 @@ API_RATE_LIMITED_KEY = "sigil:cf:rate_limited"
 API_CALLS_HOURS_KEPT = 32 * 24
 
 
+# The client's tuning, each argument from its setting (sigil_site/settings.py says why each default).
+TUNING_SETTINGS = {
+    "rate_limit": "SIGIL_CF_RATE_LIMIT",
+    "rate_window_seconds": "SIGIL_CF_RATE_WINDOW_SECONDS",
+    "max_rate_wait_seconds": "SIGIL_CF_MAX_RATE_WAIT_SECONDS",
+    "max_retries": "SIGIL_CF_MAX_RETRIES",
+    "timeout_seconds": "SIGIL_CF_TIMEOUT_SECONDS",
+}
+
+
 def api_calls_hour_key(hour: int) -> str:
     return f"sigil:cf:calls:hour:{hour}"
 
@@ -137,16 +147,13 @@ class CloudflareClient:
 
         if not settings.CF_ACCOUNT_ID or not settings.CF_API_TOKEN:
             raise ImproperlyConfigured("CF_ACCOUNT_ID and CF_API_TOKEN (or CF_API_TOKEN_FILE) are required")
+        tuning = {argument: getattr(settings, name) for argument, name in TUNING_SETTINGS.items()}
         return cls(
             base_url=settings.CF_API_BASE,
             account_id=settings.CF_ACCOUNT_ID,
             api_token=settings.CF_API_TOKEN,
             redis=get_redis(),  # the process's one pool
-            rate_limit=settings.SIGIL_CF_RATE_LIMIT,
-            rate_window_seconds=settings.SIGIL_CF_RATE_WINDOW_SECONDS,
-            max_rate_wait_seconds=settings.SIGIL_CF_MAX_RATE_WAIT_SECONDS,
-            max_retries=settings.SIGIL_CF_MAX_RETRIES,
-            timeout_seconds=settings.SIGIL_CF_TIMEOUT_SECONDS,
+            **tuning,
         )
 
     def __repr__(self) -> str:
