@@ -21,6 +21,7 @@ from capabilities.runtimes.cloudflare import (
     metadata_binding,
 )
 from capabilities.runtimes.cloudflare.account import Finding, PlanProbe
+from capabilities.runtimes.cloudflare.uploads import CAPABILITY_MODULE, SECRET_MODULE, sigil_modules
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
 
 DISPATCHER_MODULE = "dispatcher.js"
@@ -110,7 +111,7 @@ class PlatformRuntime(FrontedRuntime):
         self.dispatcher = SigilWorker(
             client=client,
             name=dispatcher,
-            modules={DISPATCHER_MODULE: DISPATCHER_SOURCE},
+            modules={DISPATCHER_MODULE: DISPATCHER_SOURCE, **sigil_modules(SECRET_MODULE)},
             main_module=DISPATCHER_MODULE,
             bindings=[{"type": "dispatch_namespace", "name": "DISPATCHER", "namespace": namespace}],
             secret_bindings=[{"type": "secret_text", "name": "SIGIL_DISPATCH_SECRET", "text": secret}],
@@ -155,7 +156,8 @@ class PlatformRuntime(FrontedRuntime):
         modules, main_module = bundle.modules, bundle.main_module
         bindings = [metadata_binding(b) for b in bundle.bindings]
         if bundle.version is not None and bundle.main_module == "main.js":
-            modules, main_module = {VERSION_MODULE: VERSION_SOURCE, **bundle.modules}, VERSION_MODULE
+            entry = {VERSION_MODULE: VERSION_SOURCE, **sigil_modules(CAPABILITY_MODULE)}
+            modules, main_module = {**entry, **bundle.modules}, VERSION_MODULE
             bindings.append({"type": "plain_text", "name": VERSION_BINDING, "text": str(bundle.version)})
         self.client.namespace_script_upload(
             self.namespace,

@@ -16,6 +16,7 @@ from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, metadata_binding
 from capabilities.runtimes.cloudflare.account import CloudflareRuntime, Finding, PlanProbe, scripts_in_use
+from capabilities.runtimes.cloudflare.uploads import CAPABILITY_MODULE, SECRET_MODULE, sigil_modules
 
 GUARD_MODULE = "sigil-guard.js"
 GUARD_SOURCE = (Path(__file__).resolve().parent / "pool" / "guard.js").read_text()
@@ -196,7 +197,8 @@ class WorkerPoolRuntime(CloudflareRuntime):
             # Callers are sent to the script itself, so it must answer them without Sigil.
             modules, main_module = bundle.modules, bundle.main_module
         else:
-            modules, main_module = {GUARD_MODULE: GUARD_SOURCE, **bundle.modules}, GUARD_MODULE
+            guard = {GUARD_MODULE: GUARD_SOURCE, **sigil_modules(CAPABILITY_MODULE, SECRET_MODULE)}
+            modules, main_module = {**guard, **bundle.modules}, GUARD_MODULE
             bindings.append({"type": "secret_text", "name": GUARD_SECRET_BINDING, "text": self._secret})
             if bundle.version is not None:
                 # The upload replaces the script in place: its every answer says which version it is.

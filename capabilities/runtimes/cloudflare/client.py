@@ -84,6 +84,18 @@ class ScriptInfo:
 # --- the client ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Retries:
+    """How the client tries a call again: at most `max_retries` more times, after a backoff
+    of half to all of `backoff_base_seconds` * 2^attempt (capped at `backoff_max_seconds`),
+    each attempt answered within `timeout_seconds`."""
+
+    max_retries: int
+    timeout_seconds: float
+    backoff_base_seconds: float
+    backoff_max_seconds: float
+
+
 class CloudflareClient:
     """Calls the Cloudflare REST API for one account, on behalf of every runtime.
 
@@ -113,10 +125,12 @@ class CloudflareClient:
             raise ValueError("the Cloudflare client needs an account id and an API token")
         self.base_url = base_url.rstrip("/")
         self.account_id = account_id
-        self.max_retries = max_retries
-        self.timeout_seconds = timeout_seconds
-        self.backoff_base_seconds = backoff_base_seconds
-        self.backoff_max_seconds = backoff_max_seconds
+        self.retries = Retries(
+            max_retries=max_retries,
+            timeout_seconds=timeout_seconds,
+            backoff_base_seconds=backoff_base_seconds,
+            backoff_max_seconds=backoff_max_seconds,
+        )
         self.redis = redis
         self.budget = RateBudget(
             redis=redis,
@@ -374,7 +388,7 @@ class CloudflareClient:
                     data=data,
                     files=files,
                     headers=headers,
-                    timeout=(min(10.0, self.timeout_seconds), self.timeout_seconds),
+                    timeout=(min(10.0, self.retries.timeout_seconds), self.retries.timeout_seconds),
                 )
             except (requests.ConnectionError, requests.Timeout) as exc:
                 self.budget.settle(ticket)
@@ -393,7 +407,7 @@ class CloudflareClient:
                 retry = self._should_retry(response, error)
                 if isinstance(error, CloudflareNotFound) and attempt < not_found_retries:
                     retry = True
-            if not retry or attempt >= self.max_retries:
+            if not retry or attempt >= self.retries.max_retries:
                 raise error
             delay = self._backoff(attempt)
             if isinstance(error, CloudflareRateLimited) and error.retry_after is not None:
@@ -410,7 +424,7 @@ class CloudflareClient:
                 path,
                 error,
                 attempt + 1,
-                self.max_retries + 1,
+                self.retries.max_retries + 1,
                 delay,
             )
             if delay:
@@ -481,7 +495,8 @@ class CloudflareClient:
 
     def _backoff(self, attempt: int) -> float:
         """Exponential backoff with jitter: half to all of base * 2^attempt, capped."""
-        ceiling = min(self.backoff_max_seconds, self.backoff_base_seconds * (2**attempt))
+        retries = self.retries
+        ceiling = min(retries.backoff_max_seconds, retries.backoff_base_seconds * (2**attempt))
         return ceiling * random.uniform(0.5, 1.0)
 
     def _redact(self, text: str) -> str:

@@ -5,9 +5,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from capabilities.runtimes.base import ResolvedBinding
+
+# Modules of Sigil's that the entry modules it uploads import, each uploaded beside them under
+# its file's name: the constant-time check of Sigil's secret, and the capability's default
+# export as the entry modules in front of it see it (refused at start when it is none).
+SECRET_MODULE = "sigil-secret.js"
+CAPABILITY_MODULE = "sigil-capability.js"
+_HERE = Path(__file__).resolve().parent
+_SIGIL_MODULES = {name: (_HERE / name).read_text() for name in (SECRET_MODULE, CAPABILITY_MODULE)}
+
+
+def sigil_modules(*names: str) -> dict[str, str]:
+    """Sigil's modules `names` (SECRET_MODULE, CAPABILITY_MODULE), by name, for an upload."""
+    return {name: _SIGIL_MODULES[name] for name in names}
+
 
 # Content types of module parts, by file extension (Wrangler's mapping, reference §1.1).
 _MODULE_TYPES = {

@@ -46,14 +46,12 @@ def test_new_code_frees_the_bundle_it_replaces_unless_another_slot_uses_it(runti
     assert call(runtime.route(slot="bob--two", tenant="bob", sha=second.sha)).data == b"hello /"
 
 
-def test_the_supervisor_takes_in_every_agent_with_a_placement(tmp_path):
+def supervisor_started(tmp_path):
+    """The local runtime's processes under `tmp_path`, once the supervisor's group is made
+    (which takes in the agents with placements in `tmp_path / "code"`)."""
     from capabilities.runtimes.local import LocalProcesses, local_limits
 
-    (tmp_path / "code" / "slots").mkdir(parents=True)
-    for slot in ("alice--one", "alice--two", "bob--three"):
-        (tmp_path / "code" / "slots" / slot).write_text("0" * 64)
     processes = LocalProcesses(state_dir=tmp_path / "workerd", base_port=9000)
-
     processes.group(
         code_dir=tmp_path / "code",
         binary="workerd",
@@ -61,26 +59,26 @@ def test_the_supervisor_takes_in_every_agent_with_a_placement(tmp_path):
         limits=local_limits(cpu_ms=1000, memory_mb=512),
         own_session=True,
     )
+    return processes
+
+
+def test_the_supervisor_takes_in_every_agent_with_a_placement(tmp_path):
+    (tmp_path / "code" / "slots").mkdir(parents=True)
+    for slot in ("alice--one", "alice--two", "bob--three"):
+        (tmp_path / "code" / "slots" / slot).write_text("0" * 64)
+    processes = supervisor_started(tmp_path)
 
     assert processes.registry.names() == ["alice", "bob"]
 
 
 def test_placements_are_filed_under_the_tenant_they_are_given_not_read_from_the_slot(tmp_path):
-    from capabilities.runtimes.local import LocalProcesses, Placements, local_limits
+    from capabilities.runtimes.local import Placements
 
     placements = Placements(tmp_path / "code")
     pointer = placements.pointer(slot="alice--borrowed", tenant="carol")  # no slot names carol
     pointer.parent.mkdir(parents=True)
     pointer.write_text("0" * 64)
-    processes = LocalProcesses(state_dir=tmp_path / "workerd", base_port=9000)
-
-    processes.group(
-        code_dir=tmp_path / "code",
-        binary="workerd",
-        secret="s",
-        limits=local_limits(cpu_ms=1000, memory_mb=512),
-        own_session=True,
-    )
+    processes = supervisor_started(tmp_path)
 
     assert processes.registry.names() == ["carol"]
     assert placements.find("alice--borrowed") == pointer
