@@ -14,7 +14,6 @@ from django.core.checks import CheckMessage, Error
 
 from capabilities.call_logs import LogLimits
 from capabilities.log_sink import LogSink
-from capabilities.names import SEPARATOR
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CallStopped, CodeBundle, Process, Route, Runtime
 from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
 from capabilities.runtimes.loader_host import loader_host_retire, loader_host_start_check
@@ -78,7 +77,7 @@ class Placements:
             return
         for pointer in self.root.iterdir():
             if pointer.is_file() and not pointer.name.startswith("."):
-                filed = self.pointer(slot=pointer.name, tenant=pointer.name.partition(SEPARATOR)[0])
+                filed = self.pointer(slot=pointer.name, tenant=pointer.name.partition("--")[0])
                 filed.parent.mkdir(parents=True, exist_ok=True)
                 pointer.replace(filed)
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from django.conf import LazySettings
 
-from capabilities import names
 from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import (
@@ -20,14 +19,14 @@ from capabilities.runtimes.cloudflare import (
     CloudflareRejected,
     metadata_binding,
 )
-from capabilities.runtimes.cloudflare.account import Finding, PlanProbe
+from capabilities.runtimes.cloudflare.account import Finding, PlanProbe, installation_tag
 from capabilities.runtimes.cloudflare.uploads import CAPABILITY_MODULE, SECRET_MODULE, sigil_modules
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
 
 DISPATCHER_MODULE = "dispatcher.js"
 DISPATCHER_SOURCE = (Path(__file__).resolve().parent / "platform" / DISPATCHER_MODULE).read_text()
 # Tag of every capability script Sigil puts in the namespace: `list_slots` lists these. Only
-# those with this installation's tag as well (names.installation_tag) are `created_here`.
+# those with this installation's tag as well (account.installation_tag) are `created_here`.
 CAPABILITY_TAG = "sigil"
 # The entry module in front of a capability's own when its version is known (see the module).
 VERSION_MODULE = "sigil-served-version.js"
@@ -107,7 +106,7 @@ class PlatformRuntime(FrontedRuntime):
         self.client = client
         self.namespace = namespace
         self._secret = secret
-        self.installation_tag = names.installation_tag(secret)
+        self.installation_tag = installation_tag(secret)
         self.dispatcher = SigilWorker(
             client=client,
             name=dispatcher,

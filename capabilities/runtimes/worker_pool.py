@@ -5,17 +5,23 @@ quota (sigil-backend-lru.md)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from pathlib import Path
 
 from django.conf import LazySettings
 from django.core.checks import CheckMessage, Error
 
-from capabilities import names
-from capabilities.names import POOL_PREFIX
 from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, metadata_binding
-from capabilities.runtimes.cloudflare.account import CloudflareRuntime, Finding, PlanProbe, scripts_in_use
+from capabilities.runtimes.cloudflare.account import (
+    POOL_PREFIX,
+    CloudflareRuntime,
+    Finding,
+    PlanProbe,
+    installation_tag,
+    scripts_in_use,
+)
 from capabilities.runtimes.cloudflare.uploads import CAPABILITY_MODULE, SECRET_MODULE, sigil_modules
 
 GUARD_MODULE = "sigil-guard.js"
@@ -24,6 +30,11 @@ GUARD_SECRET_BINDING = "SIGIL_GUARD_SECRET"
 # A plain_text binding read by the guard, which names the version in SERVED_VERSION_HEADER.
 GUARD_VERSION_BINDING = "SIGIL_SERVED_VERSION"
 POOL_TAG = "sigil"  # for people reading the account; what marks Sigil's own is installation_tag
+
+
+def pool_script_name(full: str, *, length: int = 6) -> str:
+    """The pooled worker's stable script name: `s-` + the first hex digits of sha256(full)."""
+    return POOL_PREFIX + hashlib.sha256(full.encode()).hexdigest()[:length]
 
 
 def pool_slots(*, total_quota: int, system_reserved: int, user_reserved: int, safety_margin: int) -> int:
@@ -156,7 +167,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
         self.default_cpu_ms = cpu_ms
         self.redirects = redirect
         self._secret = secret
-        self.installation_tag = names.installation_tag(secret)
+        self.installation_tag = installation_tag(secret)
         self.slots = pool_slots(
             total_quota=total_quota,
             system_reserved=system_reserved,
@@ -179,7 +190,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
 
     def slot_for(self, full_name: str, *, attempt: int = 0) -> str:
         # s-{6 hex}; on a collision two more hex digits per attempt.
-        return names.pool_script_name(full_name, length=6 + 2 * attempt)
+        return pool_script_name(full_name, length=6 + 2 * attempt)
 
     def place(self, *, slot: str, bundle: CodeBundle, tenant: str) -> None:
         """Upload the script behind Sigil's guard and turn its workers.dev URL on. The guard

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from abc import abstractmethod
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -11,13 +13,24 @@ from urllib.parse import urlsplit
 from django.conf import LazySettings
 from django.core.checks import CheckMessage, Error
 
-from capabilities.names import POOL_PREFIX
 from capabilities.runtimes.base import Process, Runtime
 from capabilities.runtimes.cloudflare.client import CloudflareClient
 
+# Every pooled worker's script name starts so (worker_pool.pool_script_name): the account's
+# other scripts are not Sigil's, but for its own Workers in front of the capabilities.
+POOL_PREFIX = "s-"
 # Worker scripts an account may hold, by plan (reference §7.3); over it, uploads are 10037.
 FREE_PLAN, PAID_PLAN = "Workers Free", "Workers Paid"
 PLAN_SCRIPT_LIMITS = {FREE_PLAN: 100, PAID_PLAN: 500}
+
+
+def installation_tag(secret: str) -> str:
+    """The tag on every script this Sigil installation uploads to Cloudflare: unique to it
+    (derived from its SIGIL_INTERNAL_SECRET, which it never shows), so reconcile and a switch
+    touch only what this installation created, never the owner's own scripts, even ones
+    tagged `sigil` or named like Sigil's."""
+    digest = hmac.new(secret.encode(), b"sigil installation tag", hashlib.sha256).hexdigest()
+    return f"sigil-{digest[:16]}"
 
 
 def runs_on_local_emulator(settings: LazySettings) -> bool:
