@@ -125,12 +125,7 @@ class CloudflareClient:
             raise ValueError("the Cloudflare client needs an account id and an API token")
         self.base_url = base_url.rstrip("/")
         self.account_id = account_id
-        self.retries = Retries(
-            max_retries=max_retries,
-            timeout_seconds=timeout_seconds,
-            backoff_base_seconds=backoff_base_seconds,
-            backoff_max_seconds=backoff_max_seconds,
-        )
+        self.retries = Retries(max_retries, timeout_seconds, backoff_base_seconds, backoff_max_seconds)
         self.redis = redis
         self.budget = RateBudget(
             redis=redis,
