@@ -17,8 +17,11 @@ from capabilities.log_sink import LogSink
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CallStopped, CodeBundle, Process, Route, Runtime
 from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
 from capabilities.runtimes.loader_host import loader_host_retire, loader_host_start_check
-from capabilities.supervision import Kill, KillLog, Limits, PortRegistry, WorkerdGroup, read_status
-from capabilities.workerd import WorkerdHost, write_atomically
+from capabilities.workerd.group import PortRegistry, WorkerdGroup, read_status
+from capabilities.workerd.host import WorkerdHost
+from capabilities.workerd.supervision import Kill, KillLog, Limits
+from sigil.files import write_atomically
+from sigil.lifetime import start_time
 
 # Time the watchdog grants past the CPU budget before it calls a process stalled: a loaded
 # machine can delay a probe's answer, and killing an innocent process costs its agent calls.
@@ -89,9 +92,10 @@ class LocalProcesses:
 
     Each agent's capabilities run in a workerd of their own (named by the agent, the tenant
     the runtime is given with each slot), so a capability that spins or bloats stalls only
-    its own agent's process. Ports are `base_port` + an index the registry allocates on an agent's first placement and
-    keeps, so routes cached by the gateway stay valid across restarts. The supervisor
-    (runworkerd) writes a status file and, before it kills a process, a kill record.
+    its own agent's process. Ports are `base_port` + an index the registry allocates on an
+    agent's first placement and keeps, so routes cached by the gateway stay valid across
+    restarts. The supervisor (runworkerd) writes a status file and, before it kills a
+    process, a kill record.
 
     An agent with nothing placed any more (its last capability removed, or the agent gone)
     has its process stopped once `idle_after_seconds` have passed since a placement last
@@ -395,17 +399,19 @@ class LocalRuntime(Runtime):
         return sorted(pointer.name for pointer in self.placements.pointers())
 
     def call_stopped(self, *, slot: str, tenant: str, sent_at: float) -> CallStopped | None:
-        """The watchdog's kill record of the slot's process, when it stopped the process after
-        the call was sent, or shortly before while the fresh one was not serving yet."""
+        """Why the slot's process stopped under a call sent at `sent_at`: the watchdog's kill
+        record, when it stopped the process after the call was sent (or shortly before, while
+        the fresh one was not serving yet); else the process's own exit, when the one that
+        took the call is gone."""
         name = tenant
+        status = read_status(self.processes.status_path) or {"processes": {}}
+        entry = status["processes"].get(name)
         kill = self._kill_log.latest(name)
         if kill is None or kill.at < sent_at - RESTART_GRACE_SECONDS:
-            return None
+            return _exited_under(entry, sent_at)
         if kill.at < sent_at:
-            status = read_status(self.processes.status_path) or {"processes": {}}
-            entry = status["processes"].get(name)
             if entry is not None and entry["state"] == "serving" and kill.at <= entry["since"] <= sent_at:
-                return None  # a fresh process served when the call was sent: some other failure
+                return _exited_under(entry, sent_at)  # a fresh process served when the call was sent
             return CallStopped(culprit=False, reason=kill.reason, message=kill.describe())
         return CallStopped(culprit=kill.blames(sent_at), reason=kill.reason, message=kill.describe())
 
@@ -420,6 +426,15 @@ class LocalRuntime(Runtime):
                 kill = entry.get("last_kill")
                 why = f" after it {Kill(**kill).describe()}" if kill and entry["state"] == "restarting" else ""
                 raise RuntimeUnavailable(f"workerd for {name} is {entry['state']}{why}")
+
+
+def _exited_under(entry: dict | None, sent_at: float) -> CallStopped | None:
+    """The process's own exit under the call, when the one serving as it was sent is gone
+    (dead, or already replaced); None while it still serves: some other failure."""
+    if entry is None:
+        return None
+    serving = entry["state"] == "serving" and entry["since"] <= sent_at and start_time(entry["pid"]) is not None
+    return None if serving else CallStopped(culprit=False, reason="exited", message="exited")
 
 
 def _pointed_sha(pointer: Path) -> str | None:

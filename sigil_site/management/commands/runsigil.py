@@ -22,11 +22,11 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from capabilities.runtimes import runtime_class
 from capabilities.runtimes.base import Process
 from capabilities.runtimes.cloudflare.account import runs_on_local_emulator
-from capabilities.workerd import port_is_open, supervise_until_signalled
 from sigil import ports as sigil_ports
 from sigil.embedded_redis import EmbeddedRedis
-from sigil.lifetime import PidFiles
+from sigil.lifetime import PidFiles, supervise_until_signalled
 from sigil.logs import SigilFormatter
+from sigil.ports import port_is_open
 from sigil_site.owner import OwnerAccount, owner_ensure
 from sigil_site.supervisor import Program, StartupFailed, Supervisor
 
