@@ -11,7 +11,7 @@ import time
 import urllib3
 from django.conf import LazySettings
 
-from capabilities.call_logs import LogLimits
+from capabilities.log_limits import LogLimits
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
