@@ -14,7 +14,7 @@ def workerd_group():
     agent's first placement and kept for the rest of the session."""
     import threading
 
-    from capabilities.runtimes.local import local_workerd_group
+    from capabilities.log_sink import local_workerd_group
     from capabilities.workerd.group import read_status
     from testsupport.processes import wait_until
 

@@ -1,5 +1,4 @@
-"""The agent-name rule: what an agent may be called. Pure functions, no I/O; capabilities'
-own names (capabilities/names.py) are built on it."""
+"""The agent-name rule: what an agent may be called. Pure functions, no I/O."""
 
 from __future__ import annotations
 
@@ -9,8 +8,8 @@ from sigil.errors import InvalidRequest
 
 AGENT_RULE = "^[a-z][a-z0-9-]{0,30}$ with no '--'"
 _AGENT = re.compile(r"[a-z][a-z0-9-]{0,30}")
-# Between an agent's name and its capability's in a full name (`alice--ping`): no agent
-# name holds it.
+# What follows an agent's name in every name built on it (a capability's full name,
+# `agent--name`): so no agent name holds it.
 SEPARATOR = "--"
 # Paths Sigil itself serves at the top level; an agent with one of these names could never
 # be reached through the gateway.

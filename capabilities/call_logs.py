@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from capabilities import names, routes
+from capabilities.log_limits import LogLimits
 from sigil.errors import InvalidRequest
 from sigil.redis_client import get_redis
 
@@ -90,31 +91,6 @@ redis.call('HINCRBY', bytes, full, size)
 while redis.call('LLEN', list) > max_records do drop_oldest() end
 return seq
 """
-
-
-@dataclass(frozen=True)
-class LogLimits:
-    """The bounds on what is kept, from settings."""
-
-    lines_per_call: int
-    line_bytes: int
-    records_per_capability: int
-    retention_seconds: int
-    agent_bytes: int
-
-    @classmethod
-    def from_settings(cls) -> LogLimits:
-        return cls(
-            lines_per_call=settings.SIGIL_LOGS_LINES_PER_CALL,
-            line_bytes=settings.SIGIL_LOGS_LINE_BYTES,
-            records_per_capability=settings.SIGIL_LOGS_RECORDS_PER_CAPABILITY,
-            retention_seconds=settings.SIGIL_LOGS_RETENTION_SECONDS,
-            agent_bytes=settings.SIGIL_LOGS_AGENT_BYTES,
-        )
-
-    def for_host(self) -> dict:
-        """The per-call bounds as the loader host's tail reads them (LOG_LIMITS)."""
-        return {"lines": self.lines_per_call, "lineBytes": self.line_bytes}
 
 
 class RecordRefused(ValueError):

@@ -1,10 +1,8 @@
-"""Naming rules for capabilities and pooled workers, on the agent-name rule of agents/names.py.
-Pure functions, no I/O."""
+"""Naming rules for capabilities, built on the agent-name rule (agents/names.py); what the
+runtimes call their scripts is theirs. Pure functions, no I/O."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import re
 import secrets
 
@@ -42,6 +40,12 @@ def placement_label(full: str) -> str:
     return full
 
 
+def agent_of(full: str) -> str:
+    """The agent whose capability, or staged version of one (`{full}--v{n}`), `full` names:
+    the tenant a runtime is given with its slot."""
+    return full.partition(SEPARATOR)[0]
+
+
 def split_full_name(full: str) -> tuple[str, str]:
     """`xiaoju--ping` → ("xiaoju", "ping"). Raises InvalidRequest for anything else."""
     agent, sep, name = full.partition(SEPARATOR)
@@ -55,20 +59,6 @@ def split_full_name(full: str) -> tuple[str, str]:
 def new_ephemeral_name() -> str:
     """A fresh `t-{hash6}` name; the caller retries on the rare collision."""
     return EPHEMERAL_PREFIX + secrets.token_hex(3)
-
-
-def pool_script_name(full: str, *, length: int = 6) -> str:
-    """The pooled worker's stable script name: `s-` + the first hex digits of sha256(full)."""
-    return "s-" + hashlib.sha256(full.encode()).hexdigest()[:length]
-
-
-def installation_tag(secret: str) -> str:
-    """The tag on every script this Sigil installation uploads to Cloudflare: unique to it
-    (derived from its SIGIL_INTERNAL_SECRET, which it never shows), so reconcile and a switch
-    touch only what this installation created, never the owner's own scripts, even ones
-    tagged `sigil` or named like Sigil's."""
-    digest = hmac.new(secret.encode(), b"sigil installation tag", hashlib.sha256).hexdigest()
-    return f"sigil-{digest[:16]}"
 
 
 _VARIANT_SUFFIX = re.compile(r"v[0-9]+")
