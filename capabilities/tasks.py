@@ -179,7 +179,7 @@ def capability_refresh_bindings(*, full: str) -> None:
 def call_records_collect() -> None:
     # No retry: the next beat comes within SIGIL_LOGS_COLLECT_INTERVAL_SECONDS, and a batch
     # not yet taken waits for it where the tail left it.
-    from capabilities import call_logs
+    from capabilities import services
     from capabilities.runtimes import get_runtime
 
-    call_logs.call_records_collect(runtime=get_runtime())
+    services.call_records_collect(runtime=get_runtime())

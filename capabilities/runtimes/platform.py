@@ -9,9 +9,11 @@ import hashlib
 from pathlib import Path
 
 from capabilities import names
+from capabilities.call_logs import LogLimits
 from capabilities.cloudflare import CloudflareClient, CloudflareError, CloudflareNotFound
 from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
+from capabilities.runtimes.tail_worker import TailMailbox
 from capabilities.runtimes.worker_pool import metadata_binding
 
 DISPATCHER_MODULE = "dispatcher.js"
@@ -50,6 +52,7 @@ class PlatformRuntime(FrontedRuntime):
             secret=settings.SIGIL_INTERNAL_SECRET,
             cpu_ms=settings.SIGIL_CPU_MS,
             invoke_base=settings.SIGIL_CF_WORKERS_BASE,
+            log_limits=LogLimits.from_settings().for_host() if settings.SIGIL_LOGS_ENABLED else None,
         )
 
     marker_header = "x-sigil-dispatch"
@@ -63,8 +66,16 @@ class PlatformRuntime(FrontedRuntime):
         secret: str,
         cpu_ms: int,
         invoke_base: str = "",
+        log_limits: dict | None = None,
     ) -> None:
         super().__init__(cpu_ms=cpu_ms)
+        # Sigil's Tail Worker, the dispatch Worker's tail consumer: it receives the user
+        # Workers' events too, and skips the dispatch Worker's own. None: call records are off.
+        self.tails = (
+            TailMailbox(client=client, limits=log_limits, skip=(dispatcher,), invoke_base=invoke_base)
+            if log_limits
+            else None
+        )
         self.client = client
         self.namespace = namespace
         self._secret = secret
@@ -77,6 +88,7 @@ class PlatformRuntime(FrontedRuntime):
             bindings=[{"type": "dispatch_namespace", "name": "DISPATCHER", "namespace": namespace}],
             secret_bindings=[{"type": "secret_text", "name": "SIGIL_DISPATCH_SECRET", "text": secret}],
             version_binding="SIGIL_DISPATCHER_VERSION",
+            tail_consumers=self.tails.consumers if self.tails is not None else (),
             invoke_base=invoke_base,
         )
 
@@ -103,6 +115,8 @@ class PlatformRuntime(FrontedRuntime):
             except CloudflareError:
                 # Created by a concurrent provision meanwhile? Then this finds it; else it raises.
                 self.client.namespace_get(self.namespace)
+        if self.tails is not None:
+            done += self.tails.provision()
         if self.dispatcher.deploy():
             done.append(f"deployed the dispatch Worker {self.dispatcher.name} ({self.dispatcher.version})")
         self._provisioned = True
@@ -136,6 +150,9 @@ class PlatformRuntime(FrontedRuntime):
 
     def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
         return self._front_route([("X-Sigil-Dispatch-Secret", self._secret), ("X-Sigil-Script", slot)], cpu_ms)
+
+    def call_records_take(self, *, limit: int) -> list[dict]:
+        return self.tails.take(limit=limit) if self.tails is not None else []
 
     def list_slots(self) -> list[str]:
         return sorted(s.id for s in self.client.namespace_script_list(self.namespace, tags=[f"{CAPABILITY_TAG}:yes"]))

@@ -19,6 +19,7 @@ if (capability === null || typeof capability !== "object" || typeof capability.f
 const SECRET_HEADER = "x-sigil-pool-secret";
 const GUARD_HEADER = "x-sigil-guard";
 const VERSION_HEADER = "x-sigil-served-version";
+const EXCEPTION_MARK = "[sigil:exception]";
 
 function sameSecret(given, expected) {
   const encoder = new TextEncoder();
@@ -44,6 +45,13 @@ export default {
     try {
       response = await capability.fetch(new Request(request, { headers }), capabilityEnv, ctx);
     } catch (error) {
+      // The guard answers for the capability, so the call's TraceItem shows no exception:
+      // this line carries it to Sigil's Tail Worker (host/tail.js, EXCEPTION_MARK).
+      console.error(EXCEPTION_MARK, {
+        name: String((error && error.name) || "Error"),
+        message: String((error && error.message) || error),
+        stack: String((error && error.stack) || ""),
+      });
       return new Response(JSON.stringify({ error: "exception", message: String((error && error.stack) || error) }), {
         status: 500,
         headers: { "content-type": "application/json", "x-sigil-error": "exception", [GUARD_HEADER]: "ok", ...version },
