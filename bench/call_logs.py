@@ -17,7 +17,7 @@ directory, on 127.0.0.1 only; creates an agent and deploys a capability that wri
    SIGIL_LOGS_ENABLED=false, off; `--rounds` times each, alternating, so that other work on
    the machine slows both alike.
 
-With `--emulator` it measures instead, on the worker-pool and platform runtimes against the
+With `--emulator 1` it measures instead, on the worker-pool and platform runtimes against the
 Cloudflare emulator (which runs Tail Workers as Cloudflare does), the time from a call's
 answer to its record being readable: the capability's Tail Worker leaves it in Workers KV,
 and a collector here does what the beat's task does every SIGIL_LOGS_COLLECT_INTERVAL_SECONDS
@@ -28,7 +28,6 @@ It stops everything it started, by pid.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import sys
@@ -54,13 +53,8 @@ def code(lines: int) -> str:
 
 def start_sigil(processes: harness.Processes, *, enabled: bool, lines: int) -> tuple[int, dict[str, str]]:
     """A Sigil of its own (its own var dir, Redis, workerd), with the capability deployed."""
-    var_dir = harness.fresh_var_dir(f"logs-{'on' if enabled else 'off'}")
-    env = harness.sigil_environment(
-        var_dir,
-        own_redis=True,
-        SIGIL_BACKEND="local",
-        SIGIL_WORKERD_PORT=str(free_port()),
-        SIGIL_LOGS_ENABLED="true" if enabled else "false",
+    var_dir, env = harness.local_sigil(
+        f"logs-{'on' if enabled else 'off'}", SIGIL_LOGS_ENABLED="true" if enabled else "false"
     )
     port = free_port()
     harness.manage("migrate", "--noinput", env=env)
@@ -104,8 +98,11 @@ def warm_throughput(port: int, invoke: dict[str, str], calls: int, connections: 
     return (calls // connections * connections) / (time.perf_counter() - started)
 
 
-def readable_after(port: int, invoke: dict[str, str], path: str, full: str, calls: int) -> list[float]:
-    """ms from each call's answer to its record being readable, after 5 calls to warm up."""
+def readable_after(
+    port: int, invoke: dict[str, str], path: str, full: str, calls: int, *, patience: float = 30
+) -> list[float]:
+    """ms from each call's answer to its record being readable, after 5 calls that warm the
+    isolate, the connections and the sink; a record not readable within `patience` s fails."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     reads = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     delays = []
@@ -121,8 +118,8 @@ def readable_after(port: int, invoke: dict[str, str], path: str, full: str, call
             )
             if answer.status == 200 and json.loads(body)["records"]:
                 break
-            if time.perf_counter() - ended > 30:
-                raise RuntimeError(f"the record of {request_id} was not readable within 30 s")
+            if time.perf_counter() - ended > patience:
+                raise RuntimeError(f"the record of {request_id} was not readable within {patience:g} s")
             time.sleep(POLL_SECONDS)
         if i >= 5:
             delays.append((time.perf_counter() - ended) * 1000)
@@ -227,42 +224,23 @@ def on_the_emulator(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=300)
-    parser.add_argument("--lines", type=int, default=5, help="console lines each call writes")
-    parser.add_argument("--warm", type=int, default=2000, help="warm calls per measurement of the cost")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--emulator", action="store_true", help="measure on the emulator's Cloudflare runtimes")
-    parser.add_argument("--collect-every", type=float, default=2.0, help="seconds between collections")
-    args = parser.parse_args()
+    args = harness.options(
+        __doc__,
+        calls=300,
+        lines=(5, "console lines each call writes"),
+        warm=(2000, "warm calls per measurement of the cost"),
+        rounds=2,
+        emulator=(0, "1: measure on the emulator's Cloudflare runtimes instead"),
+        collect_every=(2.0, "seconds between collections, with --emulator 1"),
+    )
     print(f"load average {harness.load_average()}")
     if args.emulator:
         return on_the_emulator(args)
 
-    delays: list[float] = []
     with harness.Processes() as processes:
         port, invoke = start_sigil(processes, enabled=True, lines=args.lines)
         off_port, off_invoke = start_sigil(processes, enabled=False, lines=args.lines)
-        calls = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        reads = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        for i in range(args.calls + 5):
-            response, _ = harness.request(calls, "GET", "/bench/chatty/call", headers=invoke)
-            ended = time.perf_counter()
-            if response.status != 200:
-                raise RuntimeError(f"call {i} answered {response.status}")
-            request_id = response.getheader("X-Request-Id")
-            path = f"/_api/capabilities/bench--chatty/logs?request_id={request_id}"
-            while True:
-                answer, body = harness.request(reads, "GET", path, headers=invoke)
-                if answer.status == 200 and json.loads(body)["records"]:
-                    break
-                if time.perf_counter() - ended > 10:
-                    raise RuntimeError(f"the record of {request_id} was not readable within 10 s")
-                time.sleep(POLL_SECONDS)
-            if i >= 5:  # the first calls warm the isolate, the connections and the sink
-                delays.append((time.perf_counter() - ended) * 1000)
-        calls.close()
-        reads.close()
+        delays = readable_after(port, invoke, "/bench/chatty/call", f"{AGENT}--chatty", args.calls, patience=10)
 
         figures: dict[str, dict[str, list[float]]] = {"on": {}, "off": {}}
         warm_latency(off_port, off_invoke, 50)  # its isolate loaded, its connections open
