@@ -28,6 +28,7 @@ It stops everything it started, by pid.
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import sys
