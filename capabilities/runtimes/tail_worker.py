@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import threading
 
-from capabilities.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
 from capabilities.runtimes.sigil_worker import SigilWorker
 from capabilities.workerd.config import HOST_DIR
 
