@@ -30,5 +30,6 @@ class LogLimits:
         )
 
     def for_host(self) -> dict:
-        """The per-call bounds as the loader host's tail reads them (LOG_LIMITS)."""
-        return {"lines": self.lines_per_call, "lineBytes": self.line_bytes}
+        """The per-call bounds as the loader host's tail reads them (LOG_LIMITS), and how long
+        a batch left in Workers KV for Sigil waits to be collected (the records' retention)."""
+        return {"lines": self.lines_per_call, "lineBytes": self.line_bytes, "retentionSeconds": self.retention_seconds}

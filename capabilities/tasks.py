@@ -12,7 +12,7 @@ from celery.contrib.django.task import DjangoTask
 from celery.exceptions import Retry
 from django.conf import settings
 
-from capabilities import call_logs, jobs, services
+from capabilities import jobs, services
 from capabilities.jobs import PAGE_OUT_RECHECK_SECONDS
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.errors import RuntimeUnavailable
@@ -93,4 +93,4 @@ def capability_page_out(self, *, full: str, wait_until: float | None = None) -> 
 def call_records_collect() -> None:
     # No retry: the next beat comes within SIGIL_LOGS_COLLECT_INTERVAL_SECONDS, and a batch
     # not yet taken waits for it where the tail left it.
-    call_logs.call_records_collect(runtime=get_runtime())
+    services.call_records_collect(runtime=get_runtime())
