@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
@@ -30,20 +31,14 @@ def call_keys(token_hash: str, full: str, throttle_key: str) -> tuple[str, str, 
     return tokens.cache_key(token_hash), routes.key(full), breaker.open_key(full), throttle_key
 
 
+@dataclass(slots=True, eq=False)
 class Admission:
     """Admits the calls of one engine."""
 
-    def __init__(
-        self,
-        redis_client: aioredis.Redis,
-        offload: Offload,
-        auth_throttle: FailedAuthThrottle,
-        cache: degraded_cache.DegradedCache,
-    ) -> None:
-        self.redis = redis_client
-        self.offload = offload
-        self.auth_throttle = auth_throttle
-        self.degraded_cache = cache
+    redis: aioredis.Redis
+    offload: Offload
+    auth_throttle: FailedAuthThrottle
+    degraded_cache: degraded_cache.DegradedCache
 
     async def prefetch(self, request: CallRequest, token_hash: str, full: str) -> Prefetched:
         """The call's read (call_keys()) in one MGET, unless its caller already made it."""

@@ -27,8 +27,7 @@ class AsyncEntry:
     """Accepts the asynchronous calls of one engine."""
 
     def __init__(self, admission: Admission, offload: Offload) -> None:
-        self.admission = admission
-        self.offload = offload
+        self.admission, self.offload = admission, offload
         self.max_body = settings.SIGIL_ASYNC_MAX_BODY_BYTES
 
     async def accept(

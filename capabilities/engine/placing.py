@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from django.conf import settings
@@ -24,15 +25,18 @@ PLACEMENT_POLL_FIRST_SECONDS = 0.01
 PLACEMENT_POLL_MAX_SECONDS = 0.2
 
 
+@dataclass(slots=True, eq=False)
 class Placer:
     """The page-ins of one engine, and the placements under way in its process."""
 
-    def __init__(self, redis: aioredis.Redis, offload: Offload, shares: FairShares) -> None:
-        self.redis = redis
-        self.offload = offload
-        self.shares = shares
+    redis: aioredis.Redis
+    offload: Offload
+    shares: FairShares
+    lock_seconds: float = field(init=False)
+    placing: dict[str, asyncio.Future] = field(default_factory=dict)  # this process's placements under way
+
+    def __post_init__(self) -> None:
         self.lock_seconds = settings.SIGIL_PLACEMENT_LOCK_SECONDS
-        self.placing: dict[str, asyncio.Future] = {}  # this process's placements under way
 
     async def page_in(
         self, full: str, principal: Principal, *, wait_seconds: float | None

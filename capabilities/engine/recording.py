@@ -8,12 +8,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import redis.asyncio as aioredis
 from django.conf import settings
+from redis.commands.core import AsyncScript
 
-from capabilities import breaker, degraded_cache, failures, pager, routes, stats
+from capabilities import breaker, degraded_cache, failures, pager, stats
 from capabilities.engine.access_log import log_access
 from capabilities.engine.calls import Call
 from capabilities.engine.offload import Offload
@@ -27,23 +28,21 @@ from sigil.redis_client import get_redis
 logger = logging.getLogger("capabilities.gateway")
 
 
+@dataclass(slots=True, eq=False)
 class Recorder:
     """Records, counts and abandons the calls of one engine."""
 
-    def __init__(
-        self,
-        redis: aioredis.Redis,
-        offload: Offload,
-        shares: FairShares,
-        rules: breaker.Breaker,
-        cache: degraded_cache.DegradedCache,
-    ) -> None:
-        self.redis = redis
-        self.offload = offload
-        self.shares = shares
-        self.breaker = rules
-        self.degraded_cache = cache
-        self.record_script = redis.register_script(stats.RECORD_CALL)
+    redis: aioredis.Redis
+    offload: Offload
+    shares: FairShares
+    breaker: breaker.Breaker
+    degraded_cache: degraded_cache.DegradedCache  # where AnswerBody keeps a last good answer
+    record_script: AsyncScript = field(init=False)
+    failures_kept: int = field(init=False)
+    access_log_length: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.record_script = self.redis.register_script(stats.RECORD_CALL)
         self.failures_kept = settings.SIGIL_FAILURES_KEPT
         self.access_log_length = settings.SIGIL_ACCESS_PATTERN_MAX_CALLS
 
@@ -59,21 +58,9 @@ class Recorder:
         ok = status < 500 if ok is None else ok
         now = time.time()
         latency_ms = (time.perf_counter() - call.started) * 1000
-        record = stats.CallRecord(
-            full=call.full,
-            capability_type=call.capability_type,
-            token_hash=call.token_hash,
-            at_epoch=now,
-            latency_ms=latency_ms,
-            status=status,
-            ok=ok,
-            is_trial=call.is_trial,
-            inflight_process=call.inflight_process,
-            page_in_ms=call.page_in_ms,
-            code=code,
-            failure=""
-            if ok
-            else failures.failure_encode(
+        failure = ""
+        if not ok:
+            failure = failures.failure_encode(
                 status=status,
                 code=code,
                 message=message,
@@ -81,7 +68,9 @@ class Recorder:
                 request_id=call.request_id,
                 version=call.version,
                 at_epoch=now,
-            ),
+            )
+        record = stats.CallRecord(
+            call, at_epoch=now, latency_ms=latency_ms, status=status, ok=ok, code=code, failure=failure
         )
         change = await self.record_script(
             keys=record.keys(),
@@ -130,14 +119,7 @@ class Recorder:
 class AnswerBody:
     """Streams the capability's body to the caller; records the call once it has been sent."""
 
-    def __init__(
-        self,
-        recorder: Recorder,
-        upstream: UpstreamResponse,
-        call: Call,
-        route: routes.CachedRoute,
-        request: CallRequest,
-    ) -> None:
+    def __init__(self, recorder: Recorder, upstream: UpstreamResponse, call: Call, route, request: CallRequest) -> None:
         self.recorder = recorder
         self.upstream = upstream
         self.call = call

@@ -9,6 +9,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 from urllib3.util import parse_url
@@ -48,18 +49,16 @@ PROPAGATION_FIRST_PAUSE_SECONDS = 0.05
 PROPAGATION_MAX_PAUSE_SECONDS = 1.0
 
 
+@dataclass(slots=True, eq=False)
 class Sender:
     """Sends the calls of one engine to their runtimes, one request each time."""
 
-    def __init__(
-        self, runtime: Runtime, upstream: UpstreamClient, offload: Offload, recorder: Recorder, max_body: int
-    ) -> None:
-        self.runtime = runtime
-        self.upstream = upstream
-        self.offload = offload
-        self.recorder = recorder
-        self.max_body = max_body
-        self.route_memo: dict[tuple, Route] = {}
+    runtime: Runtime
+    upstream: UpstreamClient
+    offload: Offload
+    recorder: Recorder  # a call that timed out or was stopped at a limit is recorded as it fails
+    max_body: int
+    route_memo: dict[tuple, Route] = field(default_factory=dict)  # where each placement answers
 
     async def target(self, route: routes.CachedRoute) -> Route:
         """Where the route's slot answers, resolved once per placement: the route's own

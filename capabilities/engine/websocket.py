@@ -67,9 +67,7 @@ async def websocket_open(sender: Sender, request: CallRequest, call: Call, targe
 class WebSocketSession:
     """The runtime's side of one relayed WebSocket."""
 
-    def __init__(
-        self, recorder: Recorder, upstream: aiohttp.ClientWebSocketResponse, call: Call, max_seconds: float
-    ) -> None:
+    def __init__(self, recorder: Recorder, upstream: aiohttp.ClientWebSocketResponse, call, max_seconds: float) -> None:
         self.recorder = recorder
         self.upstream = upstream
         self.call = call
