@@ -45,12 +45,12 @@ from capabilities.engine.calls import Call, Served
 from capabilities.engine.offload import Offload
 from capabilities.engine.placing import Placer
 from capabilities.engine.recording import AnswerBody, Recorder
-from capabilities.engine.sending import Sender, failure_of, script_missing
+from capabilities.engine.sending import EXCEEDED_LIMITS, Sender
 from capabilities.engine.shares import FairShares
 from capabilities.engine.upstream import HOP_BY_HOP, UpstreamClient
 from capabilities.engine.values import CallAnswer, CallRequest
 from capabilities.engine.websocket import websocket_open
-from capabilities.runtimes import get_runtime
+from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import SERVED_VERSION_HEADER, Route
 from sigil import leases
 from sigil.errors import (
@@ -221,7 +221,8 @@ class Engine:
 
         upstream_started = time.perf_counter()
         upstream = await sender.send_once(request, call, route)
-        missed = script_missing(route, upstream)
+        # Every runtime's "script gone" answer is a 404: other calls skip the check.
+        missed = upstream.status == 404 and runtime_for(route.backend).is_missing(upstream)
         if page_in_ms is None and missed and not request.has_body:
             # The runtime lost a script Sigil thought live: a miss after all (or the route
             # was out of date: a switch of runtime moved it). Page it in and retry once
@@ -235,7 +236,7 @@ class Engine:
             call.version = route.version
             upstream_started = time.perf_counter()
             upstream = await sender.send_once(request, call, route)
-            missed = script_missing(route, upstream)
+            missed = upstream.status == 404 and runtime_for(route.backend).is_missing(upstream)
         if missed and page_in_ms is not None and not request.has_body:
             upstream = await sender.resend_while_propagating(request, call, route, upstream)
         upstream_ms = (time.perf_counter() - upstream_started) * 1000
@@ -246,7 +247,9 @@ class Engine:
         served = upstream.headers.get(SERVED_VERSION_HEADER)
         if served is not None and served.isdigit():
             call.version = int(served)
-        failure = failure_of(route, upstream)
+        failure = upstream.headers.get("x-sigil-error")
+        if failure is None and upstream.status == 503 and runtime_for(route.backend).stopped_at_limits(upstream):
+            failure = EXCEEDED_LIMITS
         if failure is not None:
             await sender.runtime_failure(upstream, failure, call)
 

@@ -140,6 +140,7 @@ class Sender:
         serves a new Worker, and a workers.dev route just turned on, only once they have
         propagated. Backs off, within the call's time (SIGIL_INVOKE_TIMEOUT_SECONDS); the last
         answer is the caller's. Nothing ran the capability's code meanwhile, so resending is safe."""
+        runtime = runtime_for(route.backend)
         deadline = call.started + self.upstream.read_timeout
         pause = PROPAGATION_FIRST_PAUSE_SECONDS
         while time.perf_counter() + pause < deadline:
@@ -148,7 +149,7 @@ class Sender:
             await asyncio.sleep(pause)
             pause = min(pause * 2, PROPAGATION_MAX_PAUSE_SECONDS)
             upstream = await self.send_once(request, call, route)
-            if not script_missing(route, upstream):
+            if not (upstream.status == 404 and runtime.is_missing(upstream)):
                 break
         return upstream
 
@@ -184,21 +185,6 @@ class Sender:
             logger.error("runtime refused a call to %s: %s %s", call.full, failure, message)
             error = UpstreamError(f"the runtime failed to run {call.full} ({failure})")
         raise error  # answered by Engine.call(), which logs and counts it with its code
-
-
-def script_missing(route: routes.CachedRoute, upstream: UpstreamResponse) -> bool:
-    """Whether the runtime answered that the route's script is not there. Every runtime's
-    "script gone" answer is a 404: other answers skip the runtime's check."""
-    return upstream.status == 404 and runtime_for(route.backend).is_missing(upstream)
-
-
-def failure_of(route: routes.CachedRoute, upstream: UpstreamResponse) -> str | None:
-    """The runtime's own failure an answer carries (`x-sigil-error`, or Cloudflare's stop at
-    the limits); None for the capability's own answer."""
-    failure = upstream.headers.get("x-sigil-error")
-    if failure is None and upstream.status == 503 and runtime_for(route.backend).stopped_at_limits(upstream):
-        failure = EXCEEDED_LIMITS
-    return failure
 
 
 def forwarded_headers(request: CallRequest) -> dict[str, str]:
