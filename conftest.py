@@ -15,7 +15,7 @@ def workerd_group():
     import threading
 
     from capabilities.runtimes.local import local_workerd_group
-    from capabilities.supervision import read_status
+    from capabilities.workerd.group import read_status
     from testsupport.processes import wait_until
 
     group = local_workerd_group()
@@ -262,21 +262,11 @@ def cf_emulator():
     """
     from django.conf import settings
 
-    from capabilities.workerd import free_port
-    from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
-    from cfemulator.control import EmulatorControl
-    from cfemulator.server import EmulatorServer
+    from testsupport.emulator import EmulatorControl, emulator_server
 
-    server = EmulatorServer.build(
-        workerd_binary=settings.SIGIL_WORKERD_BIN,
-        state_dir=settings.VAR_DIR / "cfemulator",
-        token=DEV_TOKEN,
-        account_id=DEV_ACCOUNT_ID,
-        config=EmulatorConfig(),
-        workerd_port=free_port(),
-    )
+    server = emulator_server(workerd_binary=settings.SIGIL_WORKERD_BIN, state_dir=settings.VAR_DIR / "cfemulator")
     server.start()
-    yield EmulatorControl(url=server.url, token=DEV_TOKEN, account_id=DEV_ACCOUNT_ID)
+    yield EmulatorControl.of(server)
     server.stop()
 
 
@@ -306,13 +296,11 @@ def cf_settings(settings, cf_emulator_fresh):
 @pytest.fixture
 def cf_client(cf_emulator_fresh, redis_client):
     """A CloudflareClient on the fresh emulator and the test's Redis, with short backoffs."""
-    from capabilities.cloudflare import CloudflareClient
+    from testsupport.emulator import cloudflare_client
 
-    client = CloudflareClient(
-        base_url=cf_emulator_fresh.api_base,
-        account_id=cf_emulator_fresh.account_id,
-        api_token=cf_emulator_fresh.token,
-        redis=redis_client,
+    client = cloudflare_client(
+        cf_emulator_fresh,
+        redis_client,
         max_retries=4,
         max_rate_wait_seconds=10.0,
         backoff_base_seconds=0.01,

@@ -3,76 +3,38 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from datetime import timedelta
 
 from django import forms
 from django.contrib import admin, messages
-from django.contrib.admin import helpers
-from django.core.exceptions import ValidationError
 from django.db.models import Count, Q, Sum
 from django.http import HttpResponseNotAllowed, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
-from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
 from agents import egress, services
 from agents.models import Agent, AuditEvent, Token
 from capabilities.names import validate_agent_name
+from sigil.console import (
+    ButtonsOnly,
+    OptionsFilter,
+    RefusalsAsMessages,
+    SelectionChecked,
+    confirm_page,
+    confirmed,
+    fragment,
+    owner_actor,
+)
 from sigil.errors import SigilError
 from sigil.redis_client import get_redis
 
 # The state of a capability that is gone (capabilities.models.State.REMOVED); named here
 # because agents never imports capabilities.
 REMOVED = "removed"
-
-
-def owner_actor(request) -> str:
-    return f"owner:{request.user.get_username()}"
-
-
-class RefusalsAsMessages:
-    """A service's refusal while an admin form saves (or a delete page deletes) is said as an
-    error message above the form it came from, never a 500: the service call runs after the
-    form validated, inside the admin's transaction, which the refusal rolls back."""
-
-    refusals: tuple[type[Exception], ...] = (SigilError,)
-
-    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
-        try:
-            return super().changeform_view(request, object_id, form_url, extra_context)
-        except self.refusals as exc:
-            return self._refused(request, exc)
-
-    def delete_view(self, request, object_id, extra_context=None):
-        try:
-            return super().delete_view(request, object_id, extra_context)
-        except self.refusals as exc:
-            return self._refused(request, exc)
-
-    def _refused(self, request, exc: Exception) -> HttpResponseRedirect:
-        self.message_user(request, getattr(exc, "message", None) or str(exc), level=messages.ERROR)
-        return HttpResponseRedirect(request.get_full_path())
-
-
-class SelectionChecked:
-    """A list action posted with a selection that names no row (an id that is no number, or
-    past a 64-bit integer) is said as a message instead of a 500: Django filters the list by
-    the posted ids as they come, and the database refuses such values."""
-
-    def response_action(self, request, queryset):
-        pk = self.model._meta.pk
-        for value in request.POST.getlist(helpers.ACTION_CHECKBOX_NAME):
-            try:
-                number = pk.to_python(value)
-            except ValidationError:
-                number = None
-            if number is None or (isinstance(number, int) and not -(2**63) <= number < 2**63):
-                self.message_user(request, f"The selection names no {self.opts.verbose_name}.", level=messages.ERROR)
-                return HttpResponseRedirect(request.get_full_path())
-        return super().response_action(request, queryset)
 
 
 class TokenInline(admin.TabularInline):
@@ -155,8 +117,8 @@ class AgentAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
 
     @admin.display(description="capabilities", ordering="capability_count")
     def capability_count(self, agent: Agent) -> str:
-        url = reverse("admin:capabilities_capability_changelist") + "?" + urlencode({"agent__id__exact": agent.pk})
-        return format_html('<a href="{}">{}</a>', url, agent.capability_count)
+        query = urlencode({"agent__id__exact": agent.pk})
+        return fragment("admin/agents/agent/capability_count.html", query=query, count=agent.capability_count)
 
     @admin.display(description="calls (all time)", ordering="calls")
     def calls(self, agent: Agent) -> int:
@@ -197,10 +159,10 @@ class AgentAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
 
     @admin.display(description="shortcuts")
     def links(self, agent: Agent) -> str:
-        issue = reverse("admin:agents_token_add") + "?" + urlencode({"agent": agent.pk})
-        trail = reverse("admin:agents_auditevent_changelist") + "?" + urlencode({"agent_name": agent.name})
-        return format_html(
-            '<a class="button" href="{}">Issue a token</a> <a class="button" href="{}">Audit trail</a>', issue, trail
+        return fragment(
+            "admin/agents/agent/links.html",
+            issue_query=urlencode({"agent": agent.pk}),
+            trail_query=urlencode({"agent_name": agent.name}),
         )
 
     @admin.display(description="capabilities")
@@ -208,32 +170,7 @@ class AgentAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
         rows = agent.capabilities.exclude(state=REMOVED).filter(variant_of__isnull=True).order_by("full_name")
         if not rows:
             return "none"
-        body = format_html_join(
-            "",
-            '<tr><td><a href="{}">{}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>'
-            "<td>{}</td></tr>",
-            (
-                (
-                    reverse("admin:capabilities_capability_change", args=[c.pk]),
-                    c.full_name,
-                    c.type,
-                    c.get_state_display(),
-                    "public" if c.is_public else "private",
-                    "degraded" if c.breaker_state == "open" else "ok",
-                    c.calls_total,
-                    c.errors_total,
-                    c.last_access_at.strftime("%Y-%m-%d %H:%M") if c.last_access_at else "never",
-                )
-                for c in rows
-            ),
-        )
-        return format_html(
-            '<div class="sigil-wide"><table id="agent-capabilities"><thead><tr><th>capability</th><th>type</th>'
-            "<th>state</th>"
-            "<th>visibility</th><th>breaker</th><th>calls</th><th>errors</th><th>last access</th></tr></thead>"
-            "<tbody>{}</tbody></table></div>",
-            body,
-        )
+        return fragment("admin/agents/agent/capabilities_panel.html", capabilities=rows)
 
     @admin.display(description="webhook secret")
     def webhook_secret_state(self, agent: Agent) -> str:
@@ -279,21 +216,11 @@ class AgentAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
         """Enable or disable each agent through the service, once the owner confirmed (the
         confirmation page posts the selection back); each change goes to the admin's history too."""
         agents = list(queryset.order_by("name"))
-        if request.POST.get("confirmed") != "yes":
-            changelist_url = reverse("admin:agents_agent_changelist")
-            context = {
-                **self.admin_site.each_context(request),
-                "opts": self.opts,
-                "title": f"{action}: are you sure?",
-                "subject": ", ".join(a.name for a in agents) or "no agent",
-                "subject_url": changelist_url,
-                "changelist_url": changelist_url,
-                "action": action,
-                "what": what,
-                "fields": {"action": request.POST.get("action", ""), "confirmed": "yes"},
-                "selected": [a.pk for a in agents],
-            }
-            return TemplateResponse(request, "admin/sigil/confirm.html", context)
+        if not confirmed(request):
+            subject = ", ".join(a.name for a in agents) or "no agent"
+            return confirm_page(
+                self, request, action=action, subject=subject, what=what, selected=[a.pk for a in agents]
+            )
         count = 0
         for agent in agents:
             if services.agent_set_active(agent=agent, is_active=is_active, actor=owner_actor(request)):
@@ -342,33 +269,26 @@ class TokenCreationForm(forms.ModelForm):
         return expires_at
 
 
-class TokenStateFilter(admin.SimpleListFilter):
+class TokenStateFilter(OptionsFilter):
     title = "state"
     parameter_name = "state"
-
-    def lookups(self, request, model_admin):
-        return [
-            ("usable", "usable"),
-            ("expiring", "expiring within 7 days"),
-            ("revoked", "revoked"),
-            ("expired", "expired"),
-        ]
-
-    def queryset(self, request, queryset):
-        now = timezone.now()
-        if self.value() == "usable":
-            return queryset.filter(revoked_at__isnull=True).exclude(expires_at__lte=now)
-        if self.value() == "expiring":
-            return queryset.filter(revoked_at__isnull=True, expires_at__gt=now, expires_at__lte=now + timedelta(days=7))
-        if self.value() == "revoked":
-            return queryset.filter(revoked_at__isnull=False)
-        if self.value() == "expired":
-            return queryset.filter(revoked_at__isnull=True, expires_at__lte=now)
-        return queryset
+    options = {
+        "usable": ("usable", lambda: Q(revoked_at__isnull=True) & ~Q(expires_at__lte=timezone.now())),
+        "expiring": (
+            "expiring within 7 days",
+            lambda: Q(
+                revoked_at__isnull=True,
+                expires_at__gt=timezone.now(),
+                expires_at__lte=timezone.now() + timedelta(days=7),
+            ),
+        ),
+        "revoked": ("revoked", lambda: Q(revoked_at__isnull=False)),
+        "expired": ("expired", lambda: Q(revoked_at__isnull=True, expires_at__lte=timezone.now())),
+    }
 
 
 @admin.register(Token)
-class TokenAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
+class TokenAdmin(ButtonsOnly, SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
     list_display = ["prefix", "agent", "scope", "label", "state", "created_at", "expires_at", "last_used_at"]
     list_filter = [TokenStateFilter, "scope", "agent"]
     list_select_related = ["agent"]
@@ -432,16 +352,6 @@ class TokenAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
         response["Cache-Control"] = "no-store"
         return response
 
-    def change_view(self, request, object_id, form_url="", extra_context=None):
-        # A token cannot be edited: it is revoked with the button, or issued anew.
-        extra_context = {
-            **(extra_context or {}),
-            "show_save": False,
-            "show_save_and_continue": False,
-            "show_save_and_add_another": False,
-        }
-        return super().change_view(request, object_id, form_url, extra_context)
-
     def get_urls(self):
         revoke = self.admin_site.admin_view(self.revoke_view)
         issued = self.admin_site.admin_view(self.issued_view)
@@ -460,19 +370,14 @@ class TokenAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
             return HttpResponseRedirect(reverse("admin:index"))
         token_url = reverse("admin:agents_token_change", args=[token.pk])
         if request.method == "GET":
-            context = {
-                **self.admin_site.each_context(request),
-                "opts": self.opts,
-                "title": "Revoke this token: are you sure?",
-                "subject": f"{token.prefix}… of {token.agent.name}",
-                "subject_url": token_url,
-                "changelist_url": reverse("admin:agents_token_changelist"),
-                "action": "Revoke this token",
-                "what": f"Every call and deploy with it is refused from the next request on; {token.agent.name}'s "
-                "other tokens keep working. A revoked token cannot be restored.",
-                "fields": {},
-            }
-            return TemplateResponse(request, "admin/sigil/confirm.html", context)
+            what = (
+                f"Every call and deploy with it is refused from the next request on; {token.agent.name}'s "
+                "other tokens keep working. A revoked token cannot be restored."
+            )
+            subject = f"{token.prefix}… of {token.agent.name}"
+            return confirm_page(
+                self, request, action="Revoke this token", subject=subject, subject_url=token_url, what=what
+            )
         if services.token_revoke(token=token, actor=owner_actor(request)):
             self.log_change(request, token, "Revoked")
             self.message_user(request, f"Revoked token {token.prefix}… of {token.agent.name}.")
@@ -486,23 +391,17 @@ class TokenAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
     @admin.action(description="Revoke selected tokens…")
     def revoke_tokens(self, request, queryset):
         tokens = list(queryset.select_related("agent"))
-        if request.POST.get("confirmed") != "yes":
+        if not confirmed(request):
             # Asked first, as for one token: a revoked token cannot be restored.
-            changelist_url = reverse("admin:agents_token_changelist")
-            context = {
-                **self.admin_site.each_context(request),
-                "opts": self.opts,
-                "title": "Revoke the selected tokens: are you sure?",
-                "subject": ", ".join(f"{t.prefix}… of {t.agent.name}" for t in tokens) or "no token",
-                "subject_url": changelist_url,
-                "changelist_url": changelist_url,
-                "action": "Revoke the selected tokens",
-                "what": "Every call and deploy with them is refused from the next request on; their agents' other "
-                "tokens keep working. A revoked token cannot be restored.",
-                "fields": {"action": request.POST.get("action", ""), "confirmed": "yes"},
-                "selected": [t.pk for t in tokens],
-            }
-            return TemplateResponse(request, "admin/sigil/confirm.html", context)
+            what = (
+                "Every call and deploy with them is refused from the next request on; their agents' other "
+                "tokens keep working. A revoked token cannot be restored."
+            )
+            subject = ", ".join(f"{t.prefix}… of {t.agent.name}" for t in tokens) or "no token"
+            selected = [t.pk for t in tokens]
+            return confirm_page(
+                self, request, action="Revoke the selected tokens", subject=subject, what=what, selected=selected
+            )
         count = 0
         for token in tokens:
             try:
@@ -535,17 +434,19 @@ class AuditSubjectFilter(admin.SimpleListFilter):
         return queryset.filter(subject=self.value()) if self.value() else queryset
 
 
-class AuditTimeFilter(admin.SimpleListFilter):
+def _within(span: timedelta) -> Callable[[], Q]:
+    return lambda: Q(created_at__gte=timezone.now() - span)
+
+
+class AuditTimeFilter(OptionsFilter):
     title = "time"
     parameter_name = "within"
-    SPANS = {"1h": timedelta(hours=1), "24h": timedelta(days=1), "7d": timedelta(days=7), "30d": timedelta(days=30)}
-
-    def lookups(self, request, model_admin):
-        return [("1h", "last hour"), ("24h", "last 24 hours"), ("7d", "last 7 days"), ("30d", "last 30 days")]
-
-    def queryset(self, request, queryset):
-        span = self.SPANS.get(self.value() or "")
-        return queryset.filter(created_at__gte=timezone.now() - span) if span else queryset
+    options = {
+        "1h": ("last hour", _within(timedelta(hours=1))),
+        "24h": ("last 24 hours", _within(timedelta(days=1))),
+        "7d": ("last 7 days", _within(timedelta(days=7))),
+        "30d": ("last 30 days", _within(timedelta(days=30))),
+    }
 
 
 @admin.register(AuditEvent)
@@ -561,7 +462,8 @@ class AuditEventAdmin(SelectionChecked, admin.ModelAdmin):
     def subject_link(self, event: AuditEvent) -> str:
         if not event.subject:
             return ""
-        return format_html('<a href="?{}">{}</a>', urlencode({"subject": event.subject}), event.subject)
+        query = urlencode({"subject": event.subject})
+        return fragment("admin/agents/auditevent/subject.html", query=query, subject=event.subject)
 
     @admin.display(description="detail")
     def detail_summary(self, event: AuditEvent) -> str:

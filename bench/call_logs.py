@@ -31,7 +31,7 @@ import time
 
 import harness
 
-from capabilities.workerd import free_port
+from sigil.ports import free_port
 
 AGENT = "bench"
 POLL_SECONDS = 0.002

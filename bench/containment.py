@@ -32,7 +32,7 @@ import time
 
 from harness import Processes, bearer, deploy, fresh_var_dir, manage, percentile, request, sigil_environment, wait_until
 
-from capabilities.workerd import free_port, free_port_block, port_is_open
+from sigil.ports import free_port, free_port_block, port_is_open
 from testsupport.servers import server_command
 
 SPIN = "export default { async fetch() { while (true) {} } }"

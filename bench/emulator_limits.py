@@ -47,8 +47,8 @@ def main() -> int:
     import urllib3
     from django.conf import settings
 
-    from capabilities.workerd import free_port
     from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
+    from sigil.ports import free_port
 
     emulator = start_emulator(settings.VAR_DIR, port=free_port())
     http = urllib3.PoolManager(maxsize=4, timeout=urllib3.Timeout(connect=5.0, read=60.0), retries=False)

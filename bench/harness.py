@@ -68,23 +68,13 @@ def setup_django_here(var_dir: Path, **settings: str):
     return embedded
 
 
-def start_emulator(var_dir: Path, *, port: int, **config):
+def start_emulator(var_dir: Path, *, port: int):
     """The Cloudflare emulator on 127.0.0.1:`port`, with its own workerd, started."""
     from django.conf import settings
 
-    from capabilities.workerd import free_port
-    from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
-    from cfemulator.server import EmulatorServer
+    from testsupport.emulator import emulator_server
 
-    emulator = EmulatorServer.build(
-        workerd_binary=settings.SIGIL_WORKERD_BIN,
-        state_dir=var_dir / "cfemulator",
-        token=DEV_TOKEN,
-        account_id=DEV_ACCOUNT_ID,
-        config=EmulatorConfig(**config),
-        port=port,
-        workerd_port=free_port(),
-    )
+    emulator = emulator_server(workerd_binary=settings.SIGIL_WORKERD_BIN, state_dir=var_dir / "cfemulator", port=port)
     emulator.start()
     return emulator
 
@@ -95,7 +85,7 @@ def workerd_in_thread():
     import threading
 
     from capabilities.runtimes.local import local_workerd_group
-    from capabilities.supervision import read_status
+    from capabilities.workerd.group import read_status
 
     group = local_workerd_group()
     stopping = threading.Event()
@@ -149,7 +139,7 @@ class Processes:
     def workerd(self, env: dict[str, str], var_dir: Path) -> subprocess.Popen:
         """The local runtime's workerd processes under `manage.py runworkerd`, once its
         supervisor has reported."""
-        from capabilities.supervision import read_status
+        from capabilities.workerd.group import read_status
 
         process = self.start([sys.executable, MANAGE, "runworkerd"], env=env, log=var_dir / "runworkerd.log")
         status = var_dir / "workerd" / "supervisor.json"

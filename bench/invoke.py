@@ -52,8 +52,8 @@ from harness import (
 )
 
 from capabilities.runtimes.base import CodeBundle
-from capabilities.supervision import read_status
-from capabilities.workerd import free_port, free_port_block
+from capabilities.workerd.group import read_status
+from sigil.ports import free_port, free_port_block
 from testsupport.servers import server_command
 
 BENCH_DIR = Path(__file__).resolve().parent

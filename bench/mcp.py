@@ -67,7 +67,7 @@ def main() -> int:
     parser.add_argument("--server", choices=("granian", "uvicorn"), default="granian")
     args = parser.parse_args()
 
-    from capabilities.workerd import free_port, free_port_block, port_is_open
+    from sigil.ports import free_port, free_port_block, port_is_open
 
     var_dir = fresh_var_dir("mcp")
     embedded = setup_django_here(var_dir, SIGIL_WORKERD_PORT=str(free_port_block()))

@@ -26,7 +26,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
 
-    from capabilities.workerd import free_port
+    from sigil.ports import free_port
 
     var_dir = fresh_var_dir("pagein")
     emulator_port = free_port()

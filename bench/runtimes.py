@@ -44,8 +44,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=25)
     args = parser.parse_args()
 
-    from capabilities.workerd import free_port, free_port_block, port_is_open
     from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN
+    from sigil.ports import free_port, free_port_block, port_is_open
 
     var_dir = fresh_var_dir("runtimes")
     emulator_port, workerd_port = free_port(), free_port_block()

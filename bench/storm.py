@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 from harness import Processes, deploy, fresh_var_dir, load_average, manage, sigil_environment, wait_for_health
 
-from capabilities.workerd import free_port, free_port_block
+from sigil.ports import free_port, free_port_block
 from testsupport.servers import server_command
 
 SLOW = "export default { async fetch() { await new Promise(r => setTimeout(r, %d)); return new Response('slow') } }"

@@ -27,7 +27,7 @@ import aiohttp
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from capabilities.workerd import free_port
+from sigil.ports import free_port
 
 APP = textwrap.dedent(
     """

@@ -42,7 +42,7 @@ from harness import (
 )
 from invoke import cpu_seconds
 
-from capabilities.workerd import free_port
+from sigil.ports import free_port
 from testsupport.processes import command_line, descendants, resident_mb, wait_until
 
 AGENT = "bench"

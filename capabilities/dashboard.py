@@ -3,12 +3,17 @@ minute windows and the audit trail (the last few seconds of calls may not be flu
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+
+from django.utils import timezone
+from django.utils.safestring import SafeString
 
 from agents.models import AuditEvent
 from capabilities import selectors, stats
 from capabilities.models import Capability, CapabilityStatsWindow
+from sigil import charts
 
 
 @dataclass
@@ -143,4 +148,23 @@ def dashboard_get(
         top=top,
         degraded=degraded,
         status=selectors.backend_status(),
+    )
+
+
+def dashboard_chart(
+    dashboard: Dashboard,
+    *,
+    title: str,
+    series: Iterable[tuple[str, Callable[[Bucket], float | None], str]],
+    kind: str = "line",
+    unit: str = "",
+) -> SafeString:
+    """A chart of the dashboard's steps, labelled by their local time; each series is its
+    label, the figure it reads of a step, and its colour (a CSS class of charts_style.html)."""
+    return charts.time_chart(
+        title=title,
+        x_labels=[timezone.localtime(bucket.start).strftime("%H:%M") for bucket in dashboard.buckets],
+        kind=kind,
+        unit=unit,
+        series=[charts.Series(label, [value(b) for b in dashboard.buckets], css) for label, value, css in series],
     )

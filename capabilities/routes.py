@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 
 from capabilities.models import Capability, State
+from capabilities.visibility import may_see
 from sigil.redis_client import get_redis
 
 TOMBSTONE = b"-"
@@ -40,8 +41,8 @@ class CachedRoute:
 
 
 def route_visible(route: CachedRoute | None, agent_name: str) -> bool:
-    """Whether an agent may call the capability behind `route`: its own, or a public one."""
-    return route is not None and (route.agent == agent_name or route.is_public)
+    """Whether an agent may call the capability behind `route` (capabilities.visibility)."""
+    return route is not None and may_see(route.agent == agent_name, route.is_public)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,15 +24,16 @@ from capabilities.models import (
     VersionPlacement,
 )
 from capabilities.runtimes import get_runtime
+from capabilities.visibility import capability_own, capability_visible, visible_q
 from sigil.errors import Forbidden, InvalidRequest, NotFound
 
 SEARCH_MAX_CHARS = 200
 
 
 def visible_to(principal: Principal) -> Q:
-    """What an agent may see and call: its own capabilities and every public one. The
-    placements of staged versions in traffic are the split's, never listed on their own."""
-    return (Q(agent_id=principal.agent_id) | Q(is_public=True)) & Q(variant_of__isnull=True)
+    """What an agent may see and call (capabilities.visibility). The placements of staged
+    versions in traffic are the split's, never listed on their own."""
+    return visible_q(principal) & Q(variant_of__isnull=True)
 
 
 def capability_get(*, full: str) -> Capability:
@@ -55,7 +56,7 @@ def capability_get_visible(*, principal: Principal, full: str) -> Capability:
     """
     names.split_full_name(full)
     capability = capability_get(full=full)
-    if not (capability.agent_id == principal.agent_id or capability.is_public):
+    if not capability_visible(capability, principal):
         raise NotFound(f"no capability {full}")
     return capability
 
@@ -64,7 +65,7 @@ def capability_get_owned(*, principal: Principal, full: str) -> Capability:
     """The capability `full` for a change by its own agent: NotFound when the caller may not
     see it, Forbidden when it may but it is another agent's."""
     capability = capability_get_visible(principal=principal, full=full)
-    if capability.agent_id != principal.agent_id:
+    if not capability_own(capability, principal):
         raise Forbidden(f"{full} is not under {principal.agent_name}'s prefix")
     return capability
 
@@ -73,7 +74,7 @@ def capability_get_own(*, principal: Principal, full: str) -> Capability:
     """The capability `full` if it is the caller's own. Another agent's is NotFound, public or
     not: what its code said and how its calls ended are its owner's alone."""
     capability = capability_get_visible(principal=principal, full=full)
-    if capability.agent_id != principal.agent_id:
+    if not capability_own(capability, principal):
         raise NotFound(f"no capability {full} of {principal.agent_name}'s")
     return capability
 

@@ -7,15 +7,17 @@ script quota, size limit and rate limit (a 429 with code 971 locks the token out
 of the window), plus injected latency and faults. Anything else answers 7003, as an unknown route does.
 
 Uploaded bundles are written to `code_dir` as `{sha}.json` (the loader host's format, with
-secret_text values sealed for the emulator's workerd as Sigil seals its own), so each
+secret_text values sealed for the emulator's workerd: `cfemulator.hostcode`), so each
 script's workerd runs them (`cfemulator.scripts`); `resolve_host` maps a workers.dev Host to
 the script it runs. Scripts binding KV, a Worker Loader or a dispatch namespace run from a
-config of their own (`cfemulator.bound`), whose KV reads and writes `kv_binding` serves from
-this account.
+config of their own (`cfemulator.bound`), whose KV reads and writes `kv_binding`
+(`cfemulator.api_kv`) serves from this account's one KV store.
 
-One module per concern: this one holds the account (control, routing, lock-out, the code
-store); the endpoints are in `api_scripts`, `api_namespaces` and `api_kv`, what they share
-in `api_common`, and the account's records (scripts, namespaces, KV values) in `state`.
+One module per concern: this one holds the account (control, routing, lock-out, logs); the
+endpoints are in `api_scripts`, `api_namespaces` and `api_kv`, what they share in
+`api_common`, an upload's way into the account in `codestore`, the settings in `config`,
+the rate limit in `ratelimit`, and the account's records (scripts, namespaces, KV values)
+in `state`.
 """
 
 from __future__ import annotations
@@ -28,196 +30,40 @@ import random
 import re
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from capabilities.runtimes.base import SECRET_KIND, CodeBundle, secret_fingerprint
-from capabilities.workerd import write_atomically
 from cfemulator.api_common import (
     _LABEL,
     ApiRequest,
     ApiResponse,
     _error_response,
     _fault_response,
-    _now,
     _ok,
     _same,
 )
 from cfemulator.api_kv import KvEndpoints
 from cfemulator.api_namespaces import NamespaceEndpoints
 from cfemulator.api_scripts import ScriptEndpoints
-from cfemulator.bound import kv_list_body, needs_own_workerd
-from cfemulator.envelope import ApiError
-from cfemulator.limits import DEFAULT_CPU_MS, MAX_CPU_MS
+from cfemulator.bound import needs_own_workerd
+from cfemulator.codestore import CodeStore
 
-# The account's records live in state.py; named here too, as earlier saved states name them.
-from cfemulator.state import (
-    AccountState,
-    DispatchNamespace,
-    KvNamespace,
-    KvValue,
-    Script,
-    load_state,
-    save_state,
-)
+# Named here too, as callers of the emulator (benchmarks) import them from here.
+from cfemulator.config import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig  # noqa: F401
+from cfemulator.envelope import ApiError
+from cfemulator.ratelimit import LockoutWindow
+from cfemulator.state import AccountState, DispatchNamespace, KvNamespace, Script, load_state, save_state
 from cfemulator.uploads import ScriptUpload, parse_upload
 
 logger = logging.getLogger(__name__)
 
 API_PREFIX = "/client/v4"
-# Credentials the emulator accepts when none are configured (CF_API_TOKEN, CF_ACCOUNT_ID).
-DEV_TOKEN = "sigil-emulator-dev-token"
-DEV_ACCOUNT_ID = "5169110000000000000000000000e001"
-# Cloudflare's schema pattern (§1.5) with the documented 63-character bound of a DNS label.
 # How many API calls the request log keeps; enough for any test, bounded for long dev runs.
 _LOG_SIZE = 10_000
-# Bodies above this are refused before they are read (Cloudflare's request limit).
-MAX_BODY_BYTES = 100 * 1024 * 1024
-PLANS = frozenset({"free", "paid"})
-# Worker scripts an account may hold on each plan (reference §7.3): changing the plan sets
-# `script_limit` to its plan's unless the same change sets it.
-PLAN_SCRIPT_LIMITS = {"free": 100, "paid": 500}
-
-
-@dataclass(frozen=True)
-class EmulatorConfig:
-    """What a test (or `manage.py cfemulator`) may change while the emulator runs."""
-
-    script_limit: int = 500
-    latency: float = 0.0
-    fault_rate: float = 0.0
-    fault_seed: int | None = None
-    # Fail exactly the next N API calls with a 5xx (deterministic fault injection).
-    fail_next: int = 0
-    rate_limit: int = 1200
-    rate_window: float = 300.0
-    # Cloudflare's Paid plan limit, measured after compression (reference §7.3).
-    script_max_bytes: int = 10 * 1024 * 1024
-    subdomain: str = "sigil-emulator"
-    # The CPU limit of a call to a script that sets none: the Paid plan's 30 s (Free: 10 ms).
-    default_cpu_ms: int = DEFAULT_CPU_MS
-    # CPU ms a call may use past its limit before it is stopped (see cfemulator.cpumeter).
-    cpu_grace_ms: int = 100
-    # The account's plan: "paid" (Workers Paid) or "free". Dynamic Worker Loader needs Paid.
-    plan: str = "paid"
-    # Whether the account subscribes to Workers for Platforms (dispatch namespaces).
-    workers_for_platforms: bool = True
-    # The code of the 404 for a missing dispatch namespace. No public source gives the real
-    # one, so tests run the client against 10007 and against another code.
-    namespace_not_found_code: int = 10007
-    # Seconds before a change reaches the Workers runtime, as Cloudflare's propagation: a new
-    # script (its API calls answer 10007 and its URL 404 until then), a workers.dev toggle,
-    # a KV value written over the API (bindings read the one before). 0: at once.
-    propagation_delay: float = 0.0
-    # Seconds a Worker's KV read that found nothing keeps answering "not found" at its
-    # location, even once the key is written over the API: Cloudflare caches a miss for the
-    # read's cacheTtl, 60 s by default (KV docs, "How KV works"). A write through the binding
-    # itself is seen at once where it was made. 0: misses are not cached.
-    kv_miss_cache_seconds: float = 60.0
-    # Answer a successful DELETE with 200 and no body at all, as some of Cloudflare's
-    # endpoints are documented to ("This call has no response body on a successful delete"),
-    # instead of the envelope with a null result.
-    empty_delete_answers: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["rate_limit"] = f"{self.rate_limit}/{self.rate_window:g}"
-        del data["rate_window"]
-        return data
-
-    def updated(self, changes: dict[str, Any]) -> EmulatorConfig:
-        """A copy with `changes` applied (keys as in `to_json`). Raises ValueError."""
-        known = {f.name for f in fields(self)} - {"rate_window"}
-        unknown = set(changes) - known
-        if unknown:
-            raise ValueError(f"unknown settings {sorted(unknown)}; known: {sorted(known)}")
-        values: dict[str, Any] = {}
-        for key, value in changes.items():
-            if key == "rate_limit":
-                values["rate_limit"], values["rate_window"] = parse_rate_limit(str(value))
-            elif key in ("script_limit", "fail_next", "script_max_bytes", "cpu_grace_ms", "namespace_not_found_code"):
-                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                    raise ValueError(f"{key} must be a whole number, at least 0")
-                values[key] = value
-            elif key == "default_cpu_ms":
-                if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_CPU_MS:
-                    raise ValueError(f"default_cpu_ms is a whole number of ms, 1 to {MAX_CPU_MS}")
-                values[key] = value
-            elif key in ("latency", "fault_rate", "propagation_delay", "kv_miss_cache_seconds"):
-                if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-                    raise ValueError(f"{key} must be a number, at least 0")
-                if key == "fault_rate" and value > 1:
-                    raise ValueError("fault_rate is a fraction, between 0 and 1")
-                values[key] = float(value)
-            elif key == "fault_seed":
-                if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                    raise ValueError("fault_seed must be a whole number or null")
-                values[key] = value
-            elif key == "plan":
-                if value not in PLANS:
-                    raise ValueError(f"plan is one of {sorted(PLANS)}")
-                values[key] = value
-                if "script_limit" not in changes:
-                    values["script_limit"] = PLAN_SCRIPT_LIMITS[value]
-            elif key in ("workers_for_platforms", "empty_delete_answers"):
-                if not isinstance(value, bool):
-                    raise ValueError(f"{key} is true or false")
-                values[key] = value
-            elif key == "subdomain":
-                if not isinstance(value, str) or (value and not re.fullmatch(_LABEL, value)):
-                    raise ValueError("subdomain must be one lowercase DNS label, or empty for none")
-                values[key] = value
-        return replace(self, **values)
-
-
-def parse_rate_limit(text: str) -> tuple[int, float]:
-    """`"1200/300"` -> (1200, 300.0): requests per window of seconds. Raises ValueError."""
-    count, _, window = text.partition("/")
-    try:
-        limit, seconds = int(count), float(window)
-    except ValueError:
-        raise ValueError(f"a rate limit is REQUESTS/SECONDS, like 1200/300, not {text!r}") from None
-    if limit < 1 or seconds <= 0:
-        raise ValueError(f"a rate limit needs at least 1 request in a positive window, not {text!r}")
-    return limit, seconds
-
-
-class LockoutWindow:
-    """Cloudflare's API rate limit: over `limit` calls in `window` s blocks every call for `window` s."""
-
-    def __init__(self, limit: int, window: float) -> None:
-        self.limit = limit
-        self.window = window
-        self._calls: deque[float] = deque()
-        self._blocked_until = 0.0
-
-    def admit(self, now: float) -> float | None:
-        """Count one call; None when it may proceed, else the seconds until the lockout ends."""
-        if now < self._blocked_until:
-            return self._blocked_until - now
-        while self._calls and self._calls[0] <= now - self.window:
-            self._calls.popleft()
-        if len(self._calls) >= self.limit:
-            self._blocked_until = now + self.window
-            return self.window
-        self._calls.append(now)
-        return None
-
-    def headers(self, now: float) -> list[tuple[str, str]]:
-        """The `Ratelimit` headers Cloudflare sends on every response (reference §7.2)."""
-        remaining = max(0, self.limit - len(self._calls))
-        reset = self._calls[0] + self.window - now if self._calls else self.window
-        return [
-            ("Ratelimit", f'"default";r={remaining};t={max(0, math.ceil(reset))}'),
-            ("Ratelimit-Policy", f'"default";q={self.limit};w={self.window:g}'),
-        ]
-
-
 Handler = Callable[[ApiRequest, dict[str, str]], ApiResponse]
 
 
@@ -237,7 +83,7 @@ class WorkerTarget:
         return needs_own_workerd(self.upload)
 
 
-class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
+class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore):
     """One emulated account: its state, its endpoints, and the emulator's control operations.
 
     Thread-safe: every read and change of the state holds one lock; latency is slept and
@@ -385,15 +231,6 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
                     return WorkerTarget(key, script.name, script.sha, script.upload, namespace=namespace.name)
         return None
 
-    def script_keys(self) -> dict[str, str]:
-        """Every script of the account (its own and its namespaces'), by key, with its sha."""
-        with self._lock:
-            keys = {f"script:{s.name}": s.sha for s in self.scripts.values()}
-            for namespace in self.namespaces.values():
-                for script in namespace.scripts.values():
-                    keys[f"ns:{namespace.name}:{script.name}"] = script.sha
-            return keys
-
     def record_dispatch(self, *, namespace: str, script: str, limits: Any, status: int) -> None:
         """Log one call made through a dispatch namespace binding, with the limits it asked for."""
         with self._lock:
@@ -404,83 +241,6 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
     def dispatch_log(self) -> list[dict[str, Any]]:
         with self._lock:
             return list(self._dispatches)
-
-    def kv_binding(
-        self,
-        method: str,
-        namespace_id: str,
-        path: str,
-        query: dict[str, list[str]],
-        headers: dict[str, str],
-        body: bytes,
-    ) -> ApiResponse:
-        """Serve a KV binding's request from a bound script's workerd (workerd's KV protocol:
-        `GET|PUT|DELETE /{key}`, `GET /?prefix=&limit=&cursor=` to list).
-
-        These are Workers runtime reads and writes, not API calls: they are not logged and
-        draw nothing from the API rate limit.
-        """
-        key = unquote(path.lstrip("/"))
-        with self._lock:
-            namespace = self.kv_namespaces.get(namespace_id)
-            if namespace is None:
-                return ApiResponse(404, b"KV namespace not found", content_type="text/plain")
-            if not key and method == "GET":
-                prefix = (query.get("prefix") or [""])[0]
-                limit = min(1000, max(1, int((query.get("limit") or ["1000"])[0] or 1000)))
-                offset = int((query.get("cursor") or ["0"])[0] or 0)
-                now = time.time()
-                names = sorted(
-                    k
-                    for k, v in namespace.values.items()
-                    if k.startswith(prefix) and (v.expiration is None or v.expiration > now)
-                )
-                page = names[offset : offset + limit]
-                items = []
-                for item_name in page:
-                    value = namespace.values[item_name]
-                    entry: dict[str, Any] = {"name": item_name}
-                    if value.expiration is not None:
-                        entry["expiration"] = value.expiration
-                    if value.metadata is not None:
-                        entry["metadata"] = value.metadata
-                    items.append(entry)
-                cursor = str(offset + limit) if offset + limit < len(names) else ""
-                return ApiResponse(200, kv_list_body(items, cursor=cursor))
-            if method == "GET":
-                now = time.time()
-                if self._kv_misses.get((namespace_id, key), 0.0) > now:
-                    return ApiResponse(404, b"", content_type="text/plain")
-                try:
-                    seen = self._kv_value(namespace, key).as_seen(now)
-                except ApiError:
-                    seen = None
-                if seen is None:
-                    if self._config.kv_miss_cache_seconds:
-                        self._kv_misses[(namespace_id, key)] = now + self._config.kv_miss_cache_seconds
-                    return ApiResponse(404, b"", content_type="text/plain")
-                value = seen
-                extra = [("CF-KV-Metadata", json.dumps(value.metadata))] if value.metadata is not None else []
-                return ApiResponse(200, value.value, extra, content_type="application/octet-stream")
-            if method in ("PUT", "DELETE"):
-                self._kv_misses.pop((namespace_id, key), None)
-            if method == "PUT":
-                metadata_header = headers.get("cf-kv-metadata")
-                expiration = None
-                if query.get("expiration_ttl"):
-                    expiration = int(time.time()) + int(query["expiration_ttl"][0])
-                elif query.get("expiration"):
-                    expiration = int(query["expiration"][0])
-                namespace.values[key] = KvValue(
-                    value=body, expiration=expiration, metadata=json.loads(metadata_header) if metadata_header else None
-                )
-                self._save_locked()
-                return ApiResponse(200, b"", content_type="text/plain")
-            if method == "DELETE":
-                namespace.values.pop(key, None)
-                self._save_locked()
-                return ApiResponse(200, b"", content_type="text/plain")
-        return ApiResponse(405, b"", content_type="text/plain")
 
     # --- the API ------------------------------------------------------------------------------
 
@@ -550,9 +310,10 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
         path = request.path[len(API_PREFIX) :] if request.path.startswith(API_PREFIX + "/") else None
         if path is None:
             raise ApiError(404, 7003)
-        for method, pattern, handler in self._routes:  # noqa: B007  (handler is used after the break)
+        for pattern, methods in self._routes:
             match = pattern.fullmatch(path)
-            if match and method == request.method:
+            if match and request.method in methods:
+                handler = methods[request.method]
                 break
         else:
             raise ApiError(404, 7003)
@@ -580,25 +341,14 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
                 self._save_locked()
             return response
 
-    def _check_start(self, name: str, upload: ScriptUpload) -> None:
-        """Refuse code that does not start, as Cloudflare does at upload, after the cheaper
-        checks. Scripts that run in a workerd of their own (cfemulator.bound) are started
-        there on first use instead."""
-        if self._start_check is None or needs_own_workerd(upload):
-            return
-        sha = self._write_bundle(upload)
-        problem = self._start_check(f"{name}@{sha}")
-        if problem is not None:
-            self._release(sha)
-            raise ApiError(400, 10021, problem)
-
     def _authorized(self, header: str) -> bool:
         scheme, _, token = header.partition(" ")
         given = token.strip().encode()
         # Constant-time comparison: the emulator stands in for a service that guards a secret.
         return scheme.lower() == "bearer" and bool(given) and _same(given, self._token.encode())
 
-    def _route_table(self) -> list[tuple[str, re.Pattern[str], Handler]]:
+    def _route_table(self) -> list[tuple[re.Pattern[str], dict[str, Handler]]]:
+        """Each path the API serves, with its handler for each method (paths never overlap)."""
         account = r"/accounts/(?P<account>[^/]+)"
         scripts = account + r"/workers/scripts"
         script = scripts + r"/(?P<script>[^/]+)"
@@ -607,41 +357,32 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
         ns_script = namespace + r"/scripts/(?P<script>[^/]+)"
         kv = account + r"/storage/kv/namespaces"
         kv_ns = kv + r"/(?P<kv>[^/]+)"
-        table: list[tuple[str, str, Handler]] = [
+        value = kv_ns + r"/values/(?P<key>[^/]+)"
+        table: dict[str, dict[str, Handler]] = {
             # A user's token, then an account's own token (Cloudflare has both kinds).
-            ("GET", r"/user/tokens/verify", self._token_verify),
-            ("GET", account + r"/tokens/verify", self._token_verify),
-            ("GET", scripts, self._script_list),
-            ("PUT", script, self._script_upload),
-            ("DELETE", script, self._script_delete),
-            ("GET", script + "/settings", self._script_settings),
-            ("GET", script + "/subdomain", self._script_subdomain_get),
-            ("POST", script + "/subdomain", self._script_subdomain_set),
-            ("DELETE", script + "/subdomain", self._script_subdomain_delete),
-            ("GET", account + "/workers/subdomain", self._subdomain_get),
-            ("PUT", account + "/workers/subdomain", self._subdomain_put),
-            ("GET", namespaces, self._namespace_list),
-            ("POST", namespaces, self._namespace_create),
-            ("GET", namespace, self._namespace_get),
-            ("DELETE", namespace, self._namespace_delete),
-            ("GET", namespace + "/scripts", self._ns_script_list),
-            ("DELETE", namespace + "/scripts", self._ns_script_bulk_delete),
-            ("PUT", ns_script, self._ns_script_upload),
-            ("GET", ns_script, self._ns_script_get),
-            ("DELETE", ns_script, self._ns_script_delete),
-            ("GET", ns_script + "/tags", self._ns_script_tags_get),
-            ("PUT", ns_script + "/tags", self._ns_script_tags_put),
-            ("GET", kv, self._kv_namespace_list),
-            ("POST", kv, self._kv_namespace_create),
-            ("GET", kv_ns, self._kv_namespace_get),
-            ("DELETE", kv_ns, self._kv_namespace_delete),
-            ("PUT", kv_ns + r"/values/(?P<key>[^/]+)", self._kv_put),
-            ("GET", kv_ns + r"/values/(?P<key>[^/]+)", self._kv_get),
-            ("DELETE", kv_ns + r"/values/(?P<key>[^/]+)", self._kv_delete),
-            ("GET", kv_ns + r"/metadata/(?P<key>[^/]+)", self._kv_metadata),
-            ("GET", kv_ns + "/keys", self._kv_keys),
-        ]
-        return [(method, re.compile(pattern), handler) for method, pattern, handler in table]
+            r"/user/tokens/verify": {"GET": self._token_verify},
+            account + r"/tokens/verify": {"GET": self._token_verify},
+            scripts: {"GET": self._script_list},
+            script: {"PUT": self._script_upload, "DELETE": self._script_delete},
+            script + "/settings": {"GET": self._script_settings},
+            script + "/subdomain": {
+                "GET": self._script_subdomain_get,
+                "POST": self._script_subdomain_set,
+                "DELETE": self._script_subdomain_delete,
+            },
+            account + "/workers/subdomain": {"GET": self._subdomain_get, "PUT": self._subdomain_put},
+            namespaces: {"GET": self._namespace_list, "POST": self._namespace_create},
+            namespace: {"GET": self._namespace_get, "DELETE": self._namespace_delete},
+            namespace + "/scripts": {"GET": self._ns_script_list, "DELETE": self._ns_script_bulk_delete},
+            ns_script: {"PUT": self._ns_script_upload, "GET": self._ns_script_get, "DELETE": self._ns_script_delete},
+            ns_script + "/tags": {"GET": self._ns_script_tags_get, "PUT": self._ns_script_tags_put},
+            kv: {"GET": self._kv_namespace_list, "POST": self._kv_namespace_create},
+            kv_ns: {"GET": self._kv_namespace_get, "DELETE": self._kv_namespace_delete},
+            value: {"PUT": self._kv_put, "GET": self._kv_get, "DELETE": self._kv_delete},
+            kv_ns + r"/metadata/(?P<key>[^/]+)": {"GET": self._kv_metadata},
+            kv_ns + "/keys": {"GET": self._kv_keys},
+        }
+        return [(re.compile(pattern), methods) for pattern, methods in table.items()]
 
     # --- API tokens ---------------------------------------------------------------------------
 
@@ -649,77 +390,3 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints):
         # Cloudflare's answer for an active token; a bad one is 401/1000 (see _dispatch).
         token_id = hashlib.sha256(self._token.encode()).hexdigest()[:32]
         return _ok({"id": token_id, "status": "active"})
-
-    # --- the code store -----------------------------------------------------------------------
-
-    def _store(self, name: str, upload: ScriptUpload, existing: Script | None, *, propagates: bool = True) -> Script:
-        """Write the bundle the loader host reads and return the script that serves it; a
-        new script is served once propagated, unless not `propagates` (served at once).
-
-        The bundle's sha covers everything the script runs with (modules, date, text
-        bindings), so a change of any of them gives a new loader id and a fresh isolate.
-        """
-        sha = self._write_bundle(upload)
-        stamp = _now()
-        deployment = str(uuid.uuid4())
-        if existing is None:
-            live_at = time.time() + (self._config.propagation_delay if propagates else 0.0)
-            return Script(
-                name=name,
-                sha=sha,
-                upload=upload,
-                created_on=stamp,
-                modified_on=stamp,
-                live_at=live_at,
-                deployment_id=deployment,
-            )
-        old_sha = existing.sha
-        existing.sha, existing.upload, existing.modified_on = sha, upload, stamp
-        existing.deployment_id = deployment
-        if old_sha != sha:
-            self._release(old_sha)
-        return existing
-
-    @staticmethod
-    def _kept_bindings(upload: ScriptUpload, existing: Script | None) -> ScriptUpload:
-        """`upload` with the previous upload's bindings of the types its `keep_bindings` names
-        carried over, unless it binds that name itself (reference §1.2: Wrangler keeps
-        `secret_text` and `secret_key` this way, so secrets set apart survive a deploy)."""
-        if existing is None or not upload.keep_bindings:
-            return upload
-        named = {binding["name"] for binding in upload.bindings}
-        kept = [
-            binding
-            for binding in existing.upload.bindings
-            if binding["type"] in upload.keep_bindings and binding["name"] not in named
-        ]
-        if not kept:
-            return upload
-        kept_names = {binding["name"] for binding in kept}
-        texts = tuple(b for b in existing.upload.text_bindings if b.name in kept_names)
-        return replace(upload, bindings=[*upload.bindings, *kept], text_bindings=(*upload.text_bindings, *texts))
-
-    def _write_bundle(self, upload: ScriptUpload) -> str:
-        """Write the loader host's bundle for `upload`, once per sha; return the sha."""
-        bindings = tuple(
-            replace(b, fingerprint=secret_fingerprint(b.value, key=self._seal_key)) if b.kind == SECRET_KIND else b
-            for b in upload.text_bindings
-        )
-        bundle = CodeBundle(
-            main_module=upload.main_module,
-            modules=upload.loader_modules,
-            compatibility_date=upload.compatibility_date,
-            bindings=bindings,
-        )
-        path = self.code_dir / f"{bundle.sha}.json"
-        if not path.exists():
-            write_atomically(path, bundle.to_json(seal_key=self._seal_key))
-        return bundle.sha
-
-    def _release(self, sha: str) -> None:
-        """Delete a bundle no script uses any more."""
-        in_use = any(s.sha == sha for s in self.scripts.values()) or any(
-            s.sha == sha for ns in self.namespaces.values() for s in ns.scripts.values()
-        )
-        if not in_use:
-            (self.code_dir / f"{sha}.json").unlink(missing_ok=True)

@@ -14,6 +14,7 @@ from cfemulator import envelope
 from cfemulator.envelope import ApiError
 from cfemulator.state import DispatchNamespace, KvNamespace, KvValue, Script
 
+# Cloudflare's schema pattern (§1.5) with the documented 63-character bound of a DNS label.
 _SCRIPT_NAME = re.compile(r"^[a-z0-9_][a-z0-9_-]{0,62}$")
 _LABEL = r"[a-z0-9_][a-z0-9_-]{0,62}"
 _KV_MIN_TTL_SECONDS = 60
@@ -141,6 +142,15 @@ def _tags_match(script: Script, selector: str) -> bool:
 def _int_arg(request: ApiRequest, name: str, default: int) -> int:
     raw = request.arg(name)
     return default if raw in (None, "") else _int_value(raw, name)
+
+
+def _paged(items: list[Any], request: ApiRequest, *, least: int) -> tuple[list[Any], str]:
+    """The page of `items` that `limit` (at least `least`, at most 1000) and `cursor` (an
+    offset) ask for, and the next page's cursor ("" after the last)."""
+    limit = min(1000, max(least, _int_arg(request, "limit", 1000)))
+    offset = _int_arg(request, "cursor", 0)
+    cursor = str(offset + limit) if offset + limit < len(items) else ""
+    return items[offset : offset + limit], cursor
 
 
 def _int_value(raw: str, name: str) -> int:

@@ -1,4 +1,6 @@
-"""The emulated account's Workers KV: namespaces, values, metadata and key listings."""
+"""The emulated account's Workers KV: namespaces, values, metadata and key listings, over the
+API and through a script's KV binding (one store, two doors: the binding's reads and writes
+are the Workers runtime's, not API calls)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import json
 import time
 import uuid
 from typing import Any
+from urllib.parse import unquote
 
 from cfemulator.api_common import (
     _KV_MIN_TTL_SECONDS,
@@ -16,18 +19,17 @@ from cfemulator.api_common import (
     _int_value,
     _kv_namespace_json,
     _ok,
+    _paged,
     _visible_alone,
 )
+from cfemulator.bound import kv_list_body
 from cfemulator.envelope import ApiError
 from cfemulator.state import KvNamespace, KvValue
-from cfemulator.uploads import ScriptUpload, parse_form
+from cfemulator.uploads import parse_form
 
 
 class KvEndpoints:
-    """The Workers KV endpoints of `CloudflareApi` (a mixin: the account's state, lock and
-    config are the API's)."""
-
-    # --- Workers KV ---------------------------------------------------------------------------
+    """Workers KV for `CloudflareApi`, whose state, lock and config it uses (a mixin)."""
 
     def _kv_namespace_list(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
         everything = list(self.kv_namespaces.values())
@@ -58,16 +60,7 @@ class KvEndpoints:
     def _kv_put(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
         namespace = self._kv_namespace(params["kv"])
         key = _check_key(params["key"])
-        expiration: int | None = None
-        ttl = request.arg("expiration_ttl")
-        if ttl is not None:
-            seconds = _int_value(ttl, "expiration_ttl")
-            if seconds < _KV_MIN_TTL_SECONDS:
-                # The minimum is documented (reference §6); the code for breaking it is not.
-                raise ApiError(400, 10033, f"Invalid expiration_ttl of {seconds}. Expiration TTL must be at least 60.")
-            expiration = int(time.time()) + seconds
-        elif request.arg("expiration") is not None:
-            expiration = _int_value(request.arg("expiration") or "", "expiration")
+        expiration = _expiration(request, min_ttl=_KV_MIN_TTL_SECONDS)
         value, metadata = request.body, None
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
             parts = {part.name: part for part in parse_form(request.headers["content-type"], request.body)}
@@ -104,27 +97,7 @@ class KvEndpoints:
         return _ok(self._kv_value(self._kv_namespace(params["kv"]), params["key"]).metadata)
 
     def _kv_keys(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
-        namespace = self._kv_namespace(params["kv"])
-        prefix = request.arg("prefix", "") or ""
-        now = time.time()
-        names = sorted(
-            key
-            for key, item in namespace.values.items()
-            if key.startswith(prefix) and (item.expiration is None or item.expiration > now)
-        )
-        limit = min(1000, max(10, _int_arg(request, "limit", 1000)))
-        offset = _int_arg(request, "cursor", 0)
-        page = names[offset : offset + limit]
-        cursor = str(offset + limit) if offset + limit < len(names) else ""
-        items = []
-        for name in page:
-            item = namespace.values[name]
-            entry: dict[str, Any] = {"name": name}
-            if item.expiration is not None:
-                entry["expiration"] = item.expiration
-            if item.metadata is not None:
-                entry["metadata"] = item.metadata
-            items.append(entry)
+        items, cursor = _key_listing(self._kv_namespace(params["kv"]), request, least=10)
         return _ok(items, result_info={"count": len(items), "cursor": cursor})
 
     def _kv_namespace(self, namespace_id: str) -> KvNamespace:
@@ -140,17 +113,103 @@ class KvEndpoints:
             raise ApiError(404, 10009)
         return item
 
-    def _check_binding_targets(self, upload: ScriptUpload) -> None:
-        """A KV binding must name a KV namespace of the account (10042), a dispatch namespace
-        binding a dispatch namespace (10021), and a Worker Loader needs the Paid plan (10021,
-        with the text a free account gets)."""
-        for binding in upload.bindings:
-            kind = binding["type"]
-            if kind == "worker_loader" and self._config.plan != "paid":
-                raise ApiError(400, 10021, f"binding {binding['name']} of type {kind} is invalid")
-            if kind == "kv_namespace" and binding["namespace_id"] not in self.kv_namespaces:
-                raise ApiError(400, 10042, f"KV namespace '{binding['namespace_id']}' is not valid.")
-            if kind == "dispatch_namespace" and binding["namespace"] not in self.namespaces:
-                raise ApiError(
-                    400, 10021, f"binding {binding['name']} of type {kind} is invalid: no such dispatch namespace"
-                )
+    # --- a script's KV binding ---------------------------------------------------------------
+
+    def kv_binding(self, request: ApiRequest, namespace_id: str) -> ApiResponse:
+        """Serve a KV binding's request from a bound script's workerd (workerd's KV protocol:
+        `GET|PUT|DELETE /{key}`, `GET /?prefix=&limit=&cursor=` to list), from the same store
+        as the API: a read sees what has propagated to it, a write is seen at once.
+
+        These are Workers runtime reads and writes, not API calls: they are not logged and
+        draw nothing from the API rate limit.
+        """
+        key = unquote(request.path.lstrip("/"))
+        with self._lock:
+            namespace = self.kv_namespaces.get(namespace_id)
+            if namespace is None:
+                return _runtime_answer(404, b"KV namespace not found")
+            try:
+                return self._kv_binding_call(request, namespace, key)
+            except ApiError as error:
+                return _runtime_answer(error.status, error.message.encode())
+
+    def _kv_binding_call(self, request: ApiRequest, namespace: KvNamespace, key: str) -> ApiResponse:
+        method = request.method
+        if method == "GET" and not key:
+            items, cursor = _key_listing(namespace, request, least=1)
+            return ApiResponse(200, kv_list_body(items, cursor=cursor))
+        if method == "GET":
+            return self._kv_binding_read(namespace, key)
+        if method not in ("PUT", "DELETE"):
+            return _runtime_answer(405, b"")
+        self._kv_misses.pop((namespace.id, key), None)
+        if method == "PUT":
+            metadata = request.headers.get("cf-kv-metadata")
+            namespace.values[key] = KvValue(
+                value=request.body,
+                expiration=_expiration(request, min_ttl=None),
+                metadata=json.loads(metadata) if metadata else None,
+            )
+        else:
+            namespace.values.pop(key, None)
+        self._save_locked()
+        return _runtime_answer(200, b"")
+
+    def _kv_binding_read(self, namespace: KvNamespace, key: str) -> ApiResponse:
+        """A binding's `get`: the value as propagated to it, or a miss, cached as Cloudflare caches
+        one (EmulatorConfig.kv_miss_cache_seconds)."""
+        now = time.time()
+        if self._kv_misses.get((namespace.id, key), 0.0) > now:
+            return _runtime_answer(404, b"")
+        try:
+            seen = self._kv_value(namespace, key).as_seen(now)
+        except ApiError:
+            seen = None
+        if seen is None:
+            if self._config.kv_miss_cache_seconds:
+                self._kv_misses[(namespace.id, key)] = now + self._config.kv_miss_cache_seconds
+            return _runtime_answer(404, b"")
+        extra = [("CF-KV-Metadata", json.dumps(seen.metadata))] if seen.metadata is not None else []
+        return ApiResponse(200, seen.value, extra, content_type="application/octet-stream")
+
+
+def _runtime_answer(status: int, body: bytes) -> ApiResponse:
+    """An answer of the Workers runtime's KV: plain text, never the API's envelope."""
+    return ApiResponse(status, body, content_type="text/plain")
+
+
+def _expiration(request: ApiRequest, *, min_ttl: int | None) -> int | None:
+    """When a written value expires (epoch seconds), from `expiration_ttl` (at least
+    `min_ttl`, when given) or `expiration`; None when it does not. Raises ApiError."""
+    ttl = request.arg("expiration_ttl")
+    if ttl is not None:
+        seconds = _int_value(ttl, "expiration_ttl")
+        if min_ttl is not None and seconds < min_ttl:
+            # The minimum is documented (reference §6); the code for breaking it is not.
+            raise ApiError(400, 10033, f"Invalid expiration_ttl of {seconds}. Expiration TTL must be at least 60.")
+        return int(time.time()) + seconds
+    expiration = request.arg("expiration")
+    return None if expiration is None else _int_value(expiration, "expiration")
+
+
+def _key_listing(namespace: KvNamespace, request: ApiRequest, *, least: int) -> tuple[list[dict[str, Any]], str]:
+    """One page of the unexpired keys under `prefix`, in order, `limit` (at least `least`,
+    at most 1000) from `cursor`; and the cursor of the next page ("" after the last)."""
+    prefix = request.arg("prefix", "") or ""
+    now = time.time()
+    names = sorted(
+        key
+        for key, item in namespace.values.items()
+        if key.startswith(prefix) and (item.expiration is None or item.expiration > now)
+    )
+    page, cursor = _paged(names, request, least=least)
+    return [_key_json(name, namespace.values[name]) for name in page], cursor
+
+
+def _key_json(name: str, item: KvValue) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": name}
+    if item.expiration is not None:
+        entry["expiration"] = item.expiration
+    if item.metadata is not None:
+        entry["metadata"] = item.metadata
+    return entry

@@ -10,10 +10,10 @@ from cfemulator.api_common import (
     ApiRequest,
     ApiResponse,
     _check_name,
-    _int_arg,
     _now,
     _ns_script_json,
     _ok,
+    _paged,
     _tags_match,
     _upload_result,
 )
@@ -55,10 +55,7 @@ class NamespaceEndpoints:
     def _ns_script_list(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
         namespace = self._namespace(params["namespace"])
         matching = [s for s in namespace.scripts.values() if _tags_match(s, request.arg("tags", "") or "")]
-        limit = min(1000, max(1, _int_arg(request, "limit", 1000)))
-        offset = _int_arg(request, "cursor", 0)
-        page = matching[offset : offset + limit]
-        cursor = str(offset + limit) if offset + limit < len(matching) else ""
+        page, cursor = _paged(matching, request, least=1)
         items = [_ns_script_json(namespace, s) for s in page]
         return _ok(items, result_info={"count": len(items), "cursor": cursor})
 
@@ -76,12 +73,9 @@ class NamespaceEndpoints:
         name = _check_name(params["script"])
         # Namespaces are not capped by the account's Worker quota (reference §7.3).
         existing = namespace.scripts.get(name)
-        upload = self._kept_bindings(params["upload"], existing)
-        self._check_binding_targets(upload)
-        self._check_start(name, upload)
         # A first upload to a namespace is deployed synchronously: its 200 means it can be
         # dispatched to at once (Cloudflare's changelog, 2025-02-20).
-        script = self._store(name, upload, existing, propagates=False)
+        script = self._upload_stored(name, params["upload"], existing, propagates=False)
         namespace.scripts[name] = script
         namespace.modified_on = script.modified_on
         return _ok(_upload_result(script))

@@ -41,10 +41,7 @@ class ScriptEndpoints:
             raise ApiError(
                 400, 10037, f"You have exceeded the limit of {self._config.script_limit} Workers on your account."
             )
-        upload = self._kept_bindings(params["upload"], existing)
-        self._check_binding_targets(upload)
-        self._check_start(name, upload)
-        script = self._store(name, upload, existing)
+        script = self._upload_stored(name, params["upload"], existing)
         if existing is None:
             self.scripts[name] = script
         return _ok(_upload_result(script))

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capabilities.workerd import WorkerdHost
+from capabilities.workerd.host import WorkerdHost
 from cfemulator.limits import CPU_EXCEEDED_MESSAGE, MEMORY_EXCEEDED_MESSAGE
 from cfemulator.uploads import COMMONJS_TYPES, ES_MODULE_TYPES, SOURCE_MAP_TYPE, ScriptUpload
 
@@ -245,7 +245,7 @@ def _list(items: list[str]) -> str:
 
 @dataclass
 class BoundHost(WorkerdHost):
-    """A bound script's workerd, for `capabilities.supervision`: the script listens on
+    """A bound script's workerd, for `capabilities.workerd.supervision`: the script listens on
     `script_port`, and `port` answers the supervisor's liveness probe from a Worker of the
     emulator's own, in the same process, so no probe ever runs the script's code."""
 

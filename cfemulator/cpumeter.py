@@ -68,7 +68,7 @@ class Ticket:
     dynamic_exceeded: bool = False
     stopped_by_dynamic: bool = False
     # Whether its Dynamic Worker was let start and has not yet given its process's event loop
-    # back (cfemulator.server: `meter_mark`); at most one call on a process holds it.
+    # back (`cfemulator.dynamic_calls.DynamicCalls.mark`); at most one call on a process holds it.
     holds_loop: bool = False
 
     def run_dynamic(self, limit_ms: int | None) -> None:

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import json
 import secrets
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from html import escape
-from typing import Any
+from typing import Any, NamedTuple
 
 DEFAULT_CPU_MS = 30_000
 MAX_CPU_MS = 300_000
@@ -98,8 +97,9 @@ def negotiate(accept: str | None) -> str:
     return best
 
 
-@dataclass(frozen=True)
-class ErrorAnswer:
+class ErrorAnswer(NamedTuple):
+    """An answer made by Cloudflare's edge, not by the Worker: the proxy sends it as it is."""
+
     status: int
     content_type: str
     headers: list[tuple[str, str]]

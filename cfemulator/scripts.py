@@ -4,7 +4,7 @@ On Cloudflare each script runs in isolates of its own: one that spins or runs ou
 is stopped (error 1102) while every other script keeps answering. One open-source workerd
 runs all its Workers on one event loop, so a script that spins stops everything in its
 process; the emulator therefore gives each script a process of its own (about 10 MB of its
-own memory, 30 ms to start) under `capabilities.supervision`, which stops it when its
+own memory, 30 ms to start) under `capabilities.workerd.supervision`, which stops it when its
 memory passes `MEMORY_MB` or the CPU meter (`cfemulator.cpumeter`) finds a call past its
 limit, and starts a fresh one at once.
 
@@ -23,11 +23,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from capabilities.supervision import Limits, SupervisedWorkerd, WorkerdGroup
-from capabilities.workerd import WorkerdHost, free_port_block, port_is_open
+from capabilities.workerd.group import WorkerdGroup
+from capabilities.workerd.host import WorkerdHost
+from capabilities.workerd.supervision import Limits, SupervisedWorkerd
 from cfemulator.bound import BoundHost, needs_own_workerd
 from cfemulator.limits import MAX_CPU_MS
 from cfemulator.uploads import ScriptUpload
+from sigil.ports import free_port_block, port_is_open
 
 # Cloudflare allows 128 MB per isolate; workerd itself is about 50 MB resident, and the
 # loader runtime's Worker holds every capability's isolate in one process: a backstop against

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capabilities.workerd import write_atomically
 from cfemulator.uploads import ScriptUpload
+from sigil.files import write_atomically
 
 logger = logging.getLogger(__name__)
 
 # Raised when the shape of the state changes: a file of another version is not read.
-STATE_VERSION = 1
+# 2: text bindings are the emulator's own (cfemulator.uploads.TextBinding).
+STATE_VERSION = 2
 
 
 @dataclass

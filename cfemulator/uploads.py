@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.message import Message
 from email.parser import BytesHeaderParser
 from typing import Any
 
-from capabilities.runtimes.base import ResolvedBinding
 from cfemulator.envelope import ApiError
 
 # Module part content types the API accepts (reference §1.1, from the spec).
@@ -64,6 +63,15 @@ class FormPart:
 
 
 @dataclass(frozen=True)
+class TextBinding:
+    """A plain_text or secret_text binding: a value the script finds in `env` under `name`."""
+
+    name: str
+    value: str = field(repr=False)
+    secret: bool = False
+
+
+@dataclass(frozen=True)
 class ScriptUpload:
     """A checked upload: its metadata, its modules, and what the loader host is given."""
 
@@ -78,7 +86,7 @@ class ScriptUpload:
     # module name -> the loader's module value (a string for `.js` ES modules)
     loader_modules: dict[str, Any]
     # plain_text and secret_text bindings, as the loader host puts them in `env`
-    text_bindings: tuple[ResolvedBinding, ...] = ()
+    text_bindings: tuple[TextBinding, ...] = ()
     size_compressed: int = 0
     # Binding types the previous upload's bindings are kept of (metadata.keep_bindings).
     keep_bindings: tuple[str, ...] = ()
@@ -247,7 +255,7 @@ def _string_list(metadata: dict[str, Any], key: str) -> list[str]:
     return list(value)
 
 
-def _check_bindings(raw: Any) -> tuple[list[dict[str, Any]], tuple[ResolvedBinding, ...]]:
+def _check_bindings(raw: Any) -> tuple[list[dict[str, Any]], tuple[TextBinding, ...]]:
     """Check the bindings; return them, and the text bindings the loader host can give the script.
 
     Only text values (plain_text, secret_text) reach a script run by the loader host, which
@@ -256,7 +264,7 @@ def _check_bindings(raw: Any) -> tuple[list[dict[str, Any]], tuple[ResolvedBindi
     """
     if not isinstance(raw, list):
         raise ApiError(400, 10021, "metadata.bindings must be a list")
-    texts: list[ResolvedBinding] = []
+    texts: list[TextBinding] = []
     for binding in raw:
         if not isinstance(binding, dict):
             raise ApiError(400, 10021, "each binding must be an object")
@@ -272,7 +280,7 @@ def _check_bindings(raw: Any) -> tuple[list[dict[str, Any]], tuple[ResolvedBindi
                 raise ApiError(400, 10021, f"binding {name} of type {kind} needs a text value")
             if len(text.encode()) > MAX_TEXT_BINDING_BYTES:
                 raise ApiError(400, 10054, f"binding {name} is over {MAX_TEXT_BINDING_BYTES} bytes")
-            texts.append(ResolvedBinding(kind="VAR" if kind == "plain_text" else "SECRET", name=name, value=text))
+            texts.append(TextBinding(name=name, value=text, secret=kind == "secret_text"))
         for kind_with_target, key in (("kv_namespace", "namespace_id"), ("dispatch_namespace", "namespace")):
             if kind == kind_with_target and not (isinstance(binding.get(key), str) and binding[key]):
                 raise ApiError(400, 10021, f"binding {name} of type {kind} is invalid: {key} is required")

@@ -1,2 +1,3 @@
 """Sigil's ground: what every app imports and that imports no app (errors, the Redis client,
-request ids, encryption, logging, charts, leases, the owner-command base, process lifetime)."""
+request ids, encryption, logging, charts, leases, the owner-command base, process lifetime,
+the restart rule of every supervisor, ports on 127.0.0.1, files replaced in one step)."""

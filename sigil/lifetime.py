@@ -13,6 +13,8 @@ Two means, because one alone leaves a gap:
   and prctl. A start ends, by SIGKILL (to its process group, when it leads one), what a
   previous run recorded and left behind when it died, before it binds ports.
 
+A supervisor itself runs until SIGINT or SIGTERM (`supervise_until_signalled`).
+
 Imports nothing of Sigil's.
 """
 
@@ -22,6 +24,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -147,3 +150,28 @@ def group_members(pgid: int) -> list[int]:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             members.append(int(entry.name))
     return members
+
+
+def supervise_until_signalled(supervise: Callable[[threading.Event], None], *, name: str) -> None:
+    """Run `supervise(stop)` until SIGINT or SIGTERM sets `stop`; re-raise what it raised.
+
+    It runs in its own thread so that the signal handlers, which run on the main thread,
+    never wait on a lock that thread holds.
+    """
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            supervise(stop)
+        except BaseException as exc:  # handed to the main thread, which raises it
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=name)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+    if failure:
+        raise failure[0]

@@ -19,6 +19,7 @@ import json
 import os
 import random
 import socket
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def ports_choose(
 
 def _block_free(first: int, count: int, *, avoid: set[int]) -> bool:
     ports = range(first, first + count)
-    return ports[-1] <= 65_535 and first >= 1024 and not avoid & set(ports) and not any(map(_listened_on, ports))
+    return ports[-1] <= 65_535 and first >= 1024 and not avoid & set(ports) and not any(map(port_is_open, ports))
 
 
 def _free_block(count: int, *, avoid: set[int]) -> int:
@@ -99,9 +100,46 @@ def _free_block(count: int, *, avoid: set[int]) -> int:
             return first
 
 
-def _listened_on(port: int) -> bool:
-    # Whether something accepts connections there (as runsigil checked before it starts):
-    # a port its own processes left in TIME_WAIT a moment ago is still theirs to take.
+def port_is_open(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts connections on `host`:`port` now. A port in TIME_WAIT (one
+    Sigil's own processes left a moment ago) is not open: it is still theirs to take."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
+        return sock.connect_ex((host, port)) == 0
+
+
+def wait_for_port_closed(port: int, seconds: float) -> bool:
+    """Whether nothing listens on 127.0.0.1:`port`, waiting up to `seconds` for it to be released."""
+    deadline = time.monotonic() + seconds
+    while port_is_open(port):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 that is free now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def free_port_block(count: int = 16) -> int:
+    """The first of `count` consecutive ports of 127.0.0.1 that are free now, in FREE_RANGE:
+    ports in the kernel's ephemeral range are handed out to outgoing connections at any
+    moment, so a block of them picked now may be taken before use."""
+    low, high = FREE_RANGE
+    while True:
+        base = random.randrange(low, high - count, count)
+        if all(_can_bind(port) for port in range(base, base + count)):
+            return base
+
+
+def _can_bind(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -3,7 +3,9 @@ mounted under /admin/ by sigil_site/urls.py through the admin site's own login c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
+from operator import attrgetter, methodcaller
 
 from django import forms
 from django.conf import settings
@@ -15,10 +17,10 @@ from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.http import urlencode
 
-from agents.admin import SelectionChecked
 from agents.models import Agent
-from capabilities.dashboard import dashboard_get
+from capabilities.dashboard import Bucket, dashboard_chart, dashboard_get
 from sigil import charts
+from sigil.console import SelectionChecked
 from sigil_site.beat import beat_schedule_list
 
 admin.site.site_header = "Sigil"
@@ -42,6 +44,10 @@ REFRESH_SECONDS = 60
 STATUS_CSS = {"1xx": "s3xx", "2xx": "s2xx", "3xx": "s3xx", "4xx": "s4xx", "5xx": "s5xx"}
 
 
+def _status_count(status_class: str) -> Callable[[Bucket], int]:
+    return lambda bucket: bucket.statuses.get(status_class, 0)
+
+
 def dashboard_view(request):
     """Slots, traffic, errors, refusals, latency and paging over time, top and degraded
     capabilities; for every agent or one (`?agent=`), refreshed every minute unless `?refresh=off`."""
@@ -51,59 +57,35 @@ def dashboard_view(request):
     agent = request.GET.get("agent") if request.GET.get("agent") in agents else None
     refresh = request.GET.get("refresh") != "off"
     data = dashboard_get(now=timezone.now(), span=span, step=step, agent=agent)
-    labels = [timezone.localtime(bucket.start).strftime("%H:%M") for bucket in data.buckets]
     buckets = data.buckets
     status = data.status
     total = data.total
     # One failed call of one is no 100 % error rate: steps with fewer calls show no rate.
     min_calls = settings.SIGIL_ALERT_MIN_CALLS
     classes = sorted({c for b in buckets for c in b.statuses}) or ["2xx"]
-    charts_shown = [
-        charts.time_chart(
-            title="Calls and errors",
-            x_labels=labels,
-            kind="overlay",
-            series=[
-                charts.Series("calls", [b.calls for b in buckets], "calls"),
-                charts.Series("errors", [b.errors for b in buckets], "errors"),
-            ],
+    calls, errors = attrgetter("calls"), attrgetter("errors")
+    shown = [
+        ("Calls and errors", "overlay", "", [("calls", calls, "calls"), ("errors", errors, "errors")]),
+        ("Answers by status", "bars", "", [(c, _status_count(c), STATUS_CSS.get(c, "s3xx")) for c in classes]),
+        (
+            f"Error rate (steps with {min_calls} calls or more)",
+            "line",
+            "%",
+            [("errors / calls", methodcaller("error_rate_over", min_calls), "errors")],
         ),
-        charts.time_chart(
-            title="Answers by status",
-            x_labels=labels,
-            kind="bars",
-            series=[
-                charts.Series(c, [b.statuses.get(c, 0) for b in buckets], STATUS_CSS.get(c, "s3xx")) for c in classes
-            ],
-        ),
-        charts.time_chart(
-            title=f"Error rate (steps with {min_calls} calls or more)",
-            x_labels=labels,
-            unit="%",
-            series=[charts.Series("errors / calls", [b.error_rate_over(min_calls) for b in buckets], "errors")],
-        ),
-        charts.time_chart(
-            title="Latency through the gateway",
-            x_labels=labels,
-            unit="ms",
-            series=[
-                charts.Series("p50", [b.p50_ms for b in buckets], "p50"),
-                charts.Series("p95", [b.p95_ms for b in buckets], "p95"),
-            ],
+        (
+            "Latency through the gateway",
+            "line",
+            "ms",
+            [("p50", attrgetter("p50_ms"), "p50"), ("p95", attrgetter("p95_ms"), "p95")],
         ),
     ]
     if status["total_slots"] is not None:
-        charts_shown.append(
-            charts.time_chart(
-                title="Page-ins and evictions",
-                x_labels=labels,
-                kind="bars",
-                series=[
-                    charts.Series("page-ins", [b.page_ins for b in buckets], "pageins"),
-                    charts.Series("evictions", [b.evictions for b in buckets], "evictions"),
-                ],
-            )
-        )
+        paging = [("page-ins", attrgetter("page_ins"), "pageins"), ("evictions", attrgetter("evictions"), "evictions")]
+        shown.append(("Page-ins and evictions", "bars", "", paging))
+    charts_shown = [
+        dashboard_chart(data, title=title, kind=kind, unit=unit, series=series) for title, kind, unit, series in shown
+    ]
     query = {"span": span_key, **({"agent": agent} if agent else {}), **({} if refresh else {"refresh": "off"})}
     context = {
         **admin.site.each_context(request),

@@ -4,6 +4,9 @@ see: the capability call (capabilities/engine/, mounted by sigil_site/asgi.py), 
 
 from __future__ import annotations
 
+from sigil import errors
+from sigil.error_docs import openapi_error_responses
+
 # The groups of the docs page, by what a reader wants to do, in this order.
 TAGS = [
     {
@@ -28,13 +31,6 @@ TAGS = [
         "what the traffic would cost on each runtime.",
     },
 ]
-
-ERROR_REF = {"$ref": "#/components/schemas/Error"}
-
-
-def _error_response(description: str) -> dict:
-    return {"description": description, "content": {"application/json": {"schema": ERROR_REF}}}
-
 
 CALL_OPERATION = {
     "tags": ["Call"],
@@ -73,14 +69,23 @@ CALL_OPERATION = {
             "(the same as `status_url`) after `eta_seconds` for its result.",
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CallAccepted"}}},
         },
-        "400": _error_response("invalid_request: an X-Callback-Url that is not http(s) or is at a private address"),
-        "401": _error_response("unauthenticated: no token for a private capability, or a bad one"),
-        "404": _error_response("not_found: no such capability, or one the caller may not know exists"),
-        "413": _error_response("too_large: the body is over SIGIL_INVOKE_MAX_BODY_BYTES"),
-        "429": _error_response("rate_limited: too many failing tokens from this address"),
-        "502": _error_response("capability_error: the capability threw, or ran past its memory"),
-        "503": _error_response("degraded (its breaker is open) or unavailable, with Retry-After"),
-        "504": _error_response("timeout: no answer within SIGIL_INVOKE_TIMEOUT_SECONDS, or past its CPU limit"),
+        **openapi_error_responses(
+            errors.InvalidRequest,
+            errors.Unauthenticated,
+            errors.NotFound,
+            errors.TooLarge,
+            errors.RateLimited,
+            errors.UpstreamError,
+            errors.CapabilityError,
+            errors.Degraded,
+            errors.Unavailable,
+            errors.Timeout,
+            about={
+                errors.InvalidRequest: "an X-Callback-Url that is not http(s) or is at a private address",
+                errors.Unauthenticated: "no token for a private capability, or a bad one",
+                errors.TooLarge: "the body is over SIGIL_INVOKE_MAX_BODY_BYTES",
+            },
+        ),
     },
 }
 
@@ -96,9 +101,16 @@ METRICS_OPERATION = {
     "security": [{"metricsToken": []}],
     "responses": {
         "200": {"description": "The metrics", "content": {"text/plain": {"schema": {"type": "string"}}}},
-        "401": _error_response("unauthenticated: not the metrics token"),
-        "404": _error_response("not_found: metrics are off"),
-        "429": _error_response("rate_limited: too many failing tokens from this address, with Retry-After"),
+        **openapi_error_responses(
+            errors.Unauthenticated,
+            errors.NotFound,
+            errors.RateLimited,
+            about={
+                errors.Unauthenticated: "not the metrics token",
+                errors.NotFound: "metrics are off",
+                errors.RateLimited: "too many failing tokens from this address",
+            },
+        ),
     },
 }
 
@@ -158,10 +170,16 @@ MCP_OPERATION = {
         },
         "202": {"description": "A notification or a response: nothing to answer"},
         "400": {"description": "A JSON-RPC error the transport answers with 400 (a missing envelope, a wrong version)"},
-        "401": _error_response("unauthenticated: no token or a bad one; the JSON-RPC error's data names the code"),
         "404": {"description": "An unknown session, or an unknown method (stateless revision)"},
-        "413": _error_response("too_large: the body is over SIGIL_DEPLOY_MAX_BODY_BYTES"),
-        "415": _error_response("invalid_request: send Content-Type: application/json"),
+        **openapi_error_responses(
+            errors.Unauthenticated,
+            errors.TooLarge,
+            errors.UnsupportedMediaType,
+            about={
+                errors.Unauthenticated: "no token or a bad one; the JSON-RPC error's data names the code",
+                errors.TooLarge: "the body is over SIGIL_DEPLOY_MAX_BODY_BYTES",
+            },
+        ),
     },
 }
 

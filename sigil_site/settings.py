@@ -246,7 +246,7 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 CELERY_BEAT_SCHEDULER = "sigil_site.beat_leader:LeasedScheduler"
 # Deploys have a queue of their own, so that a request waiting on its deploy's placement is
 # never held behind a backlog of page-outs and other background work (capability_deploy sends them there).
-SIGIL_DEPLOY_QUEUE = "deploys"
+SIGIL_DEPLOY_QUEUE = env_str("SIGIL_DEPLOY_QUEUE", "deploys")
 # What a worker consumes unless told otherwise (celery -Q): the default queue and deploys.
 # Each bound by its own name: a message sent to the default exchange's key never lands in both.
 CELERY_TASK_QUEUES = (Queue("celery", routing_key="celery"), Queue(SIGIL_DEPLOY_QUEUE, routing_key=SIGIL_DEPLOY_QUEUE))

@@ -1,5 +1,6 @@
 """A small process supervisor for the embedded mode (`runsigil`): starts programs in order,
-relays their output, restarts those that die, and stops them all by pid.
+relays their output, restarts those that die (when, as sigil.restarts says), and stops them
+all by pid.
 
 However the supervisor ends, its programs end too: each gets SIGTERM from the kernel when
 the supervisor dies (sigil.lifetime), and each is recorded in a pid file, so that the
@@ -20,13 +21,9 @@ from dataclasses import dataclass, field
 
 from sigil.lifetime import PidFiles, die_with_parent
 from sigil.logs import relayed_line
+from sigil.restarts import Backoff
 
 logger = logging.getLogger(__name__)
-
-#: a program that dies within this many seconds of its start is backed off before the next try
-STABLE_SECONDS = 30.0
-FIRST_BACKOFF_SECONDS = 0.5
-MAX_BACKOFF_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ class _Child:
     program: Program
     process: subprocess.Popen | None = None
     started_at: float = 0.0
-    backoff: float = 0.0
+    backoff: Backoff = field(default_factory=Backoff)
     restart_at: float | None = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
     reader: threading.Thread | None = None
@@ -207,18 +204,15 @@ class Supervisor:
                     continue
                 _reap(child.process)
                 ran = now - child.started_at
-                if ran >= STABLE_SECONDS:
-                    child.backoff = 0.0
-                else:
-                    child.backoff = min(max(child.backoff * 2, FIRST_BACKOFF_SECONDS), MAX_BACKOFF_SECONDS)
-                child.restart_at = now + child.backoff
+                delay = child.backoff.after_exit(ran)
+                child.restart_at = now + delay
                 logger.warning(
                     "%s (pid %s) exited with %s after %.1f s; restarting in %.1f s",
                     child.program.name,
                     child.process.pid,
                     child.process.returncode,
                     ran,
-                    child.backoff,
+                    delay,
                 )
             if now >= child.restart_at:
                 self._join_reader(child)

@@ -21,7 +21,7 @@ from google.protobuf.json_format import MessageToDict
 from starlette.applications import Starlette
 from starlette.responses import Response
 
-from capabilities.workerd import free_port
+from sigil.ports import free_port
 
 RPC_PATH = "/a2a"
 

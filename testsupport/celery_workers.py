@@ -72,10 +72,10 @@ def workers_in_threads(app, *, queues: dict[str, list[str]]):
             warnings.warn(f"Celery workers still running {STOP_SECONDS} s after the session:\n{where}", stacklevel=1)
 
 
-def start_worker_process(settings, *, queue: str):
-    """A Celery worker in a process of its own (solo pool: its main process runs the tasks),
-    consuming `queue`, on the test's database, Redis and Cloudflare settings, in a session
-    of its own so a test can kill it with os.killpg."""
+def process_environment(settings, **extra: str) -> dict[str, str]:
+    """The environment of a Sigil process a test starts on the worker-pool runtime: the test's
+    database, Redis and Cloudflare settings (the emulator), and the pool's sizes; `extra` adds
+    to it (another SIGIL_VAR_DIR: another host)."""
     from django.db import connection
 
     db = connection.settings_dict
@@ -83,7 +83,7 @@ def start_worker_process(settings, *, queue: str):
         database_url = f"sqlite:///{db['NAME']}"
     else:
         database_url = f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
-    env = {
+    return {
         **os.environ,
         "DATABASE_URL": database_url,
         "SIGIL_BACKEND": "worker-pool",
@@ -98,10 +98,18 @@ def start_worker_process(settings, *, queue: str):
         "SIGIL_PLACEMENT_LOCK_SECONDS": str(settings.SIGIL_PLACEMENT_LOCK_SECONDS),
         "SIGIL_LEASE_SECONDS": str(settings.SIGIL_LEASE_SECONDS),
         "SIGIL_INTERNAL_SECRET": settings.SIGIL_INTERNAL_SECRET,
+        "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
+        **extra,
     }
+
+
+def start_worker_process(settings, *, queue: str, **extra: str):
+    """A Celery worker in a process of its own (solo pool: its main process runs the tasks),
+    consuming `queue` (comma-separated), on the test's database, Redis and Cloudflare
+    settings, in a session of its own so a test can kill it with os.killpg."""
     return subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "sigil_site", "worker", "-Q", queue, "--pool", "solo", "-l", "WARNING"],
-        env=env,
+        env=process_environment(settings, **extra),
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

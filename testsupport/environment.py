@@ -43,6 +43,6 @@ else:
     atexit.register(_embedded_redis.stop)
     os.environ["REDIS_URL"] = _embedded_redis.url
 
-from capabilities.workerd import free_port_block  # noqa: E402
+from sigil.ports import free_port_block  # noqa: E402
 
 os.environ["SIGIL_WORKERD_PORT"] = str(free_port_block())

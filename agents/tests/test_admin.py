@@ -189,3 +189,34 @@ def test_the_a2a_form_sets_the_agent_card_url_public_addresses_only(owner_client
     assert owner_client.post(url, {**inlines, "a2a_card_url": loopback}).status_code == 302
     agent.refresh_from_db()
     assert agent.a2a_card_url == loopback
+
+
+def test_the_token_list_filters_by_state(owner_client, alice):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from agents import services
+
+    agent = Agent.objects.get(name="alice")
+    now = timezone.now()
+    lasting = set(Token.objects.filter(agent=agent).values_list("pk", flat=True))  # no expiry
+
+    def issued(**fields) -> Token:
+        return services.token_issue(agent=agent, scope="invoke", actor="owner:test", **fields)[0]
+
+    soon = issued(expires_at=now + timedelta(days=2))
+    later = issued(expires_at=now + timedelta(days=30))
+    gone = issued(expires_at=now + timedelta(days=1))
+    Token.objects.filter(pk=gone.pk).update(expires_at=now - timedelta(days=1))
+    revoked = issued()
+    services.token_revoke(token=revoked, actor="owner:test")
+
+    def listed(state: str) -> set[int]:
+        page = owner_client.get(f"/admin/agents/token/?state={state}&agent__id__exact={agent.pk}")
+        return {t.pk for t in page.context["cl"].result_list}
+
+    assert listed("usable") == lasting | {soon.pk, later.pk}
+    assert listed("expiring") == {soon.pk}
+    assert listed("revoked") == {revoked.pk}
+    assert listed("expired") == {gone.pk}

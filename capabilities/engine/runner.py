@@ -37,14 +37,13 @@ from capabilities.engine.engine import Engine
 from capabilities.engine.upstream import HOP_BY_HOP
 from capabilities.engine.values import CallRequest
 from capabilities.services import async_calls
+from sigil import leases
 from sigil.errors import Timeout
 from sigil.redis_client import SOCKET_TIMEOUT_SECONDS
 from sigil.request_id import new_request_id, set_request_id
 
 logger = logging.getLogger(__name__)
 
-LEASE_SECONDS = 15
-RENEW_SECONDS = 5
 # A transient failure of Sigil's own is tried again this many times, this far apart.
 TRANSIENT_TRIES = 3
 TRANSIENT_PAUSE_SECONDS = 1.0
@@ -146,14 +145,16 @@ class AsyncCallRunner:
 
     async def keep_lease(self) -> None:
         while True:
+            # A lease as long as every shared mark's (sigil/leases.py), renewed every third of it.
+            seconds = leases.lease_seconds()
             try:
-                await self.redis.set(async_calls.runner_lease_key(self.runner_id), 1, ex=LEASE_SECONDS)
+                await self.redis.set(async_calls.runner_lease_key(self.runner_id), 1, ex=max(1, round(seconds)))
                 await reclaim(self.redis, self.runner_id)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 logger.warning("the async call runner could not renew its lease: %s", exc)
-            await asyncio.sleep(RENEW_SECONDS)
+            await asyncio.sleep(seconds / 3)
 
 
 async def reclaim(redis, own_id: str) -> int:

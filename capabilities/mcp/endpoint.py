@@ -46,6 +46,7 @@ from sigil.errors import (
     InvalidRequest,
     SigilError,
     TooLarge,
+    UnsupportedMediaType,
     error_for_unexpected,
     error_headers,
 )
@@ -433,10 +434,6 @@ def rpc_error_body(request_id, code: int, message: str, data: Any = None) -> byt
     if data is not None:
         error["data"] = data
     return json.dumps({"jsonrpc": "2.0", "id": request_id, "error": error}).encode()
-
-
-class UnsupportedMediaType(SigilError):
-    status, code = 415, "invalid_request"
 
 
 def refusal(error: SigilError) -> tuple[int, list[tuple[str, str]], bytes]:

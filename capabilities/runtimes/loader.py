@@ -16,7 +16,7 @@ from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check, loader_host_store
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
-from capabilities.workerd import HOST_DIR
+from capabilities.workerd.config import HOST_DIR
 
 HOST_MODULE = "host.js"
 HOST_SOURCE = (HOST_DIR / HOST_MODULE).read_text()

@@ -16,8 +16,10 @@ from capabilities.names import SEPARATOR
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CallStopped, CodeBundle, Route, Runtime
 from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
 from capabilities.runtimes.loader_host import loader_host_retire, loader_host_start_check
-from capabilities.supervision import Kill, KillLog, Limits, PortRegistry, WorkerdGroup, read_status
-from capabilities.workerd import WorkerdHost, write_atomically
+from capabilities.workerd.group import PortRegistry, WorkerdGroup, read_status
+from capabilities.workerd.host import WorkerdHost
+from capabilities.workerd.supervision import Kill, KillLog, Limits
+from sigil.files import write_atomically
 
 # Time the watchdog grants past the CPU budget before it calls a process stalled: a loaded
 # machine can delay a probe's answer, and killing an innocent process costs its agent calls.

@@ -10,14 +10,22 @@ from capabilities.models import Capability, CapabilityVersion
 from testsupport.capability_code import PONG
 
 
-def assert_rejected(response, status, code, *, message_part=None):
+def rows():
+    return Capability.objects.count(), CapabilityVersion.objects.count()
+
+
+def assert_rejected(send, status, code, *, message_part=None):
+    """Sends a deploy (`send()`) that must be refused with `status` and `code`, and leave no
+    capability or version behind. Returns the response."""
+    before = rows()
+    response = send()
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["code"] == code
     if message_part:
         assert message_part in error["message"]
-    assert Capability.objects.count() == 0 or status != 201
-    return error
+    assert rows() == before
+    return response
 
 
 def raw_deploy(alice, data: bytes, content_type="application/json"):
@@ -56,14 +64,14 @@ def raw_deploy(alice, data: bytes, content_type="application/json"):
     ],
 )
 def test_bad_deploy_input_is_a_400_and_creates_nothing(alice, body, message_part):
-    assert_rejected(alice.deploy(**body), 400, "invalid_request", message_part=message_part)
+    assert_rejected(lambda: alice.deploy(**body), 400, "invalid_request", message_part=message_part)
     assert Capability.objects.count() == 0
     assert CapabilityVersion.objects.count() == 0
 
 
 @pytest.mark.parametrize("data", [b"{not json", b"[1, 2]", b'"just a string"', b"", b"\xff\xfe"])
 def test_malformed_json_is_a_400(alice, data):
-    assert_rejected(raw_deploy(alice, data), 400, "invalid_request")
+    assert_rejected(lambda: raw_deploy(alice, data), 400, "invalid_request")
     assert Capability.objects.count() == 0
 
 
@@ -76,14 +84,14 @@ def test_wrong_content_type_is_a_400_in_the_envelope(alice):
 def test_code_over_the_script_limit_is_a_413(alice, settings):
     settings.SIGIL_SCRIPT_MAX_BYTES = 1000
     code = "export default { async fetch() { return new Response('" + "x" * 1000 + "') } }"
-    assert_rejected(alice.deploy(name="big", code=code), 413, "too_large")
+    assert_rejected(lambda: alice.deploy(name="big", code=code), 413, "too_large")
     assert Capability.objects.count() == 0
 
 
 def test_body_over_djangos_own_upload_limit_is_a_413(alice):
     # 20 MiB: above both the 10 MB script limit and the deploy body limit.
     body = json.dumps({"name": "huge", "code": "x" * (20 * 1024 * 1024)}).encode()
-    assert_rejected(raw_deploy(alice, body), 413, "too_large")
+    assert_rejected(lambda: raw_deploy(alice, body), 413, "too_large")
     assert Capability.objects.count() == 0
 
 
@@ -97,12 +105,14 @@ def test_script_just_under_ten_megabytes_deploys(alice):
 
 def test_agent_field_must_be_the_tokens_agent(alice):
     assert alice.deploy(agent="alice", name="mine", code=PONG).status_code == 201
-    assert_rejected(alice.deploy(agent="bob", name="theirs", code=PONG), 403, "forbidden")
+    assert_rejected(lambda: alice.deploy(agent="bob", name="theirs", code=PONG), 403, "forbidden")
 
 
 def test_name_taken_by_another_type_is_a_conflict(alice):
     assert alice.deploy(name="ping", code=PONG, type="normal").status_code == 201
-    error = assert_rejected(alice.deploy(name="ping", code=PONG + " ", type="persistent"), 409, "conflict")
+    error = assert_rejected(
+        lambda: alice.deploy(name="ping", code=PONG + " ", type="persistent"), 409, "conflict"
+    ).json()["error"]
     assert "normal" in error["message"]
     assert Capability.objects.get(full_name="alice--ping").type == "normal"
 
@@ -148,8 +158,7 @@ def test_an_ephemeral_redeployed_by_name_without_type_stays_ephemeral(alice):
 def test_deploy_cooldown_answers_429_with_retry_after(alice, settings):
     settings.SIGIL_DEPLOY_COOLDOWN_SECONDS = 5
     assert alice.deploy(name="one", code=PONG).status_code == 201
-    second = alice.deploy(name="two", code=PONG)
-    assert_rejected(second, 429, "cooldown")
+    second = assert_rejected(lambda: alice.deploy(name="two", code=PONG), 429, "cooldown")
     assert 1 <= int(second.headers["Retry-After"]) <= 5
     assert not Capability.objects.filter(full_name="alice--two").exists()
     # An unchanged redeploy is a no-op and is not held back by the cool-down.
@@ -177,7 +186,7 @@ def test_at_most_twenty_ephemerals_per_agent(alice, settings):
     settings.SIGIL_EPHEMERAL_MAX_PER_AGENT = 3
     for i in range(3):
         assert alice.deploy(code=PONG.replace("pong", f"e{i}")).status_code == 201
-    assert_rejected(alice.deploy(code=PONG.replace("pong", "e3")), 429, "rate_limited")
+    assert_rejected(lambda: alice.deploy(code=PONG.replace("pong", "e3")), 429, "rate_limited")
     assert Capability.objects.filter(type="ephemeral").count() == 3
 
 
@@ -202,7 +211,10 @@ def test_deploy_is_audited(alice):
     ],
 )
 def test_code_that_does_not_start_is_a_400_with_the_reason_and_creates_nothing(alice, code, words):
-    error = assert_rejected(alice.deploy(name="broken", code=code), 400, "invalid_request", message_part=words)
+    refused = assert_rejected(
+        lambda: alice.deploy(name="broken", code=code), 400, "invalid_request", message_part=words
+    )
+    error = refused.json()["error"]
     assert error["message"].startswith("the runtime refused the script: Uncaught")
     assert not Capability.objects.exists() and not CapabilityVersion.objects.exists()
     assert alice.call("/alice/broken").status_code == 404

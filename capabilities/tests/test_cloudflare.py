@@ -26,7 +26,7 @@ from capabilities.cloudflare import (
     upload_parts,
 )
 from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable, ScriptTooLarge, SlotsExhausted
-from capabilities.workerd import free_port
+from sigil.ports import free_port
 
 HELLO = "export default { async fetch(request) { return new Response('hello ' + new URL(request.url).pathname) } }"
 

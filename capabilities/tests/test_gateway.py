@@ -163,7 +163,7 @@ def test_ttl_expiry_runs_on_beat_and_a_worker(alice, settings, celery_worker, tm
 
 def test_an_unreachable_runtime_is_a_502_and_not_the_capabilitys_failure(alice, settings, redis_client, sigil):
     from capabilities.runtimes import runtimes_forget
-    from capabilities.workerd import free_port
+    from sigil.ports import free_port
 
     alice.deploy(name="ping", code=PONG)
     settings.SIGIL_WORKERD_PORT = free_port()  # nothing listens there

@@ -8,7 +8,7 @@ import sys
 import pytest
 import requests
 
-from capabilities.workerd import free_port
+from sigil.ports import free_port
 from testsupport.processes import wait_until
 from testsupport.servers import ROOT, database_url, served
 

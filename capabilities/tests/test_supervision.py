@@ -1,4 +1,4 @@
-"""The generic workerd supervision (capabilities.supervision) on real workerd processes."""
+"""The generic workerd supervision (capabilities.workerd) on real workerd processes."""
 
 import http.client
 import os
@@ -10,8 +10,10 @@ import pytest
 from django.conf import settings
 
 from capabilities.runtimes.base import CodeBundle
-from capabilities.supervision import KillLog, Limits, PortRegistry, WorkerdGroup, read_status
-from capabilities.workerd import WorkerdHost, WorkerdMissing, free_port_block
+from capabilities.workerd.group import PortRegistry, WorkerdGroup, read_status
+from capabilities.workerd.host import WorkerdHost, WorkerdMissing
+from capabilities.workerd.supervision import KillLog, Limits
+from sigil.ports import free_port_block
 from testsupport.capability_code import PONG
 from testsupport.processes import is_alive, wait_until
 

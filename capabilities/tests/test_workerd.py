@@ -14,16 +14,10 @@ from django.conf import settings
 
 from capabilities.runtimes import build_runtime
 from capabilities.runtimes.base import CodeBundle, Route
-from capabilities.supervision import read_status
 from capabilities.tests.runtimes.contract import HELLO, call
-from capabilities.workerd import (
-    WorkerdHost,
-    WorkerdMissing,
-    WorkerdPortInUse,
-    free_port,
-    free_port_block,
-    port_is_open,
-)
+from capabilities.workerd.group import read_status
+from capabilities.workerd.host import WorkerdHost, WorkerdMissing, WorkerdPortInUse
+from sigil.ports import free_port, free_port_block, port_is_open
 from testsupport.processes import children, command_line, is_alive, resident_mb, wait_until
 
 

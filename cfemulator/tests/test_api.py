@@ -51,6 +51,15 @@ class Api:
     def enable(self, name: str) -> requests.Response:
         return self.call("POST", f"/workers/scripts/{name}/subdomain", json={"enabled": True})
 
+    def kv_namespace(self, title: str = "store") -> str:
+        """A new KV namespace of the account: its id."""
+        return self.call("POST", "/storage/kv/namespaces", json={"title": title}).json()["result"]["id"]
+
+
+def kv_binding(namespace: str) -> dict:
+    """The binding of KV namespace `namespace` as `env.STORE`."""
+    return {"type": "kv_namespace", "name": "STORE", "namespace_id": namespace}
+
 
 @pytest.fixture
 def api(cf_emulator_fresh):

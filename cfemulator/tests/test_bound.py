@@ -9,7 +9,7 @@ import time
 import pytest
 
 from cfemulator.limits import CPU_EXCEEDED_MESSAGE
-from cfemulator.tests.test_api import Api, first_error
+from cfemulator.tests.test_api import Api, first_error, kv_binding
 from cfemulator.tests.test_limits import Steady, stopped_within
 
 KV_WORKER = """export default { async fetch(request, env) {
@@ -72,18 +72,10 @@ def serve(api, emulator, name, code, bindings):
 
 
 def test_a_kv_binding_reads_and_writes_the_accounts_kv_store(api, cf_emulator_fresh):
-    namespace = api.call("POST", "/storage/kv/namespaces", json={"title": "store"}).json()["result"]["id"]
+    namespace = api.kv_namespace()
     values = f"/storage/kv/namespaces/{namespace}/values"
     api.call("PUT", f"{values}/from-api", data=b"written over REST")
-    host = serve(
-        api,
-        cf_emulator_fresh,
-        "kv-user",
-        KV_WORKER,
-        [
-            {"type": "kv_namespace", "name": "STORE", "namespace_id": namespace},
-        ],
-    )
+    host = serve(api, cf_emulator_fresh, "kv-user", KV_WORKER, [kv_binding(namespace)])
     read = cf_emulator_fresh.worker_request(host, "/from-api").json()
     assert read == {"value": "written over REST", "metadata": None}
     assert cf_emulator_fresh.worker_request(host, "/k1", "PUT", data=b"from the worker").text == "stored"
@@ -203,7 +195,7 @@ def test_a_binding_to_a_namespace_the_account_lacks_is_refused(api, binding, cod
 
 
 def test_text_bindings_of_a_bound_script_stay_out_of_its_config_file(api, cf_emulator_fresh, settings):
-    namespace = api.call("POST", "/storage/kv/namespaces", json={"title": "store"}).json()["result"]["id"]
+    namespace = api.kv_namespace()
     code = "export default { fetch(r, env) { return new Response(env.TOKEN + ' ' + typeof env.STORE) } }"
     host = serve(
         api,
@@ -211,7 +203,7 @@ def test_text_bindings_of_a_bound_script_stay_out_of_its_config_file(api, cf_emu
         "secretive",
         code,
         [
-            {"type": "kv_namespace", "name": "STORE", "namespace_id": namespace},
+            kv_binding(namespace),
             {"type": "secret_text", "name": "TOKEN", "text": "s3cr3t-value"},
         ],
     )

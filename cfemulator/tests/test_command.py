@@ -12,7 +12,7 @@ from pathlib import Path
 import requests
 from django.conf import settings
 
-from capabilities.workerd import free_port, port_is_open
+from sigil.ports import free_port, port_is_open
 
 MANAGE = Path(settings.BASE_DIR) / "manage.py"
 

@@ -3,6 +3,7 @@ waits is not, and CPU is shared among the calls in flight."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -39,13 +40,32 @@ def processes():
         process.wait()
 
 
+def wait_for_a_stop(stops: list) -> None:
+    """Wait up to 10 s for the meter to stop a process (`stops` gains an entry)."""
+    deadline = time.monotonic() + 10
+    while not stops and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def two_calls_on_one_spinning_process(meter, processes):
+    """Two calls in flight on one spinning process, within a loader Worker's limit of 60 s
+    each, and the list of the process's stops; the block's end waits for one."""
+    spinning = processes(SPIN)
+    stops = []
+    with (
+        meter.call(pid=spinning.pid, stop=lambda: stops.append(spinning.kill()), limit_ms=60_000) as first,
+        meter.call(pid=spinning.pid, stop=lambda: stops.append(spinning.kill()), limit_ms=60_000) as second,
+    ):
+        yield first, second, stops
+        wait_for_a_stop(stops)
+
+
 def test_a_call_on_a_spinning_process_is_stopped_once_past_its_limit(meter, processes):
     spinning = processes(SPIN)
     stops = []
     with meter.call(pid=spinning.pid, stop=lambda: stops.append(spinning.kill()), limit_ms=50) as ticket:
-        deadline = time.monotonic() + 10
-        while not stops and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for_a_stop(stops)
     assert stops == [None] and ticket.exceeded
     # Charged past its limit and the grace, then stopped (a late poll on a loaded machine
     # charges more at once).
@@ -90,18 +110,10 @@ def test_a_silent_process_its_supervisor_reniced_is_charged_the_wall_time_it_wai
 def test_a_dynamic_workers_limit_stops_the_call_that_started_it_last(meter, processes):
     # A loader Worker's calls share its process; one runs a Dynamic Worker limited to 50 ms,
     # started after the other's: it is the one blamed, the other only shared the process.
-    spinning = processes(SPIN)
-    stops = []
-    with (
-        meter.call(pid=spinning.pid, stop=lambda: stops.append(spinning.kill()), limit_ms=60_000) as earlier,
-        meter.call(pid=spinning.pid, stop=lambda: stops.append(spinning.kill()), limit_ms=60_000) as later,
-    ):
+    with two_calls_on_one_spinning_process(meter, processes) as (earlier, later, stops):
         earlier.run_dynamic(50)
         time.sleep(0.01)
         later.run_dynamic(50)
-        deadline = time.monotonic() + 10
-        while not stops and time.monotonic() < deadline:
-            time.sleep(0.01)
     assert stops == [None] and earlier.exceeded and later.exceeded
     assert later.dynamic_exceeded and not earlier.dynamic_exceeded
     assert earlier.stopped_by_dynamic and later.stopped_by_dynamic
@@ -112,19 +124,11 @@ def test_a_dynamic_workers_limit_stops_the_call_that_started_it_last(meter, proc
 def test_a_dynamic_worker_holding_the_event_loop_is_blamed_over_one_started_after_it(meter, processes):
     # The emulator answered the other's begin later, but that Worker gave the loop back (it
     # awaits): the one still holding it is the one spinning, though it started first.
-    spinning = processes(SPIN)
-    stops = []
-    with (
-        meter.call(pid=spinning.pid, stop=lambda: stops.append(spinning.kill()), limit_ms=60_000) as holding,
-        meter.call(pid=spinning.pid, stop=lambda: stops.append(spinning.kill()), limit_ms=60_000) as awaiting,
-    ):
+    with two_calls_on_one_spinning_process(meter, processes) as (holding, awaiting, stops):
         holding.run_dynamic(50)
         time.sleep(0.01)
         awaiting.run_dynamic(50)
         awaiting.gave_back_loop()
-        deadline = time.monotonic() + 10
-        while not stops and time.monotonic() < deadline:
-            time.sleep(0.01)
     assert stops == [None] and holding.exceeded and awaiting.exceeded
     assert holding.dynamic_exceeded and not awaiting.dynamic_exceeded
     assert holding.stopped_by_dynamic and awaiting.stopped_by_dynamic

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cfemulator.tests.test_api import ECHO, Api, first_error
+from cfemulator.tests.test_api import ECHO, Api, first_error, kv_binding
 
 
 @pytest.fixture
@@ -88,8 +88,8 @@ def test_a_kv_miss_is_cached_where_it_was_read_as_cloudflare_caches_it(api, cf_e
       if (request.method === "PUT") { await env.STORE.put("k", "mine"); return new Response("put"); }
       return new Response(String(await env.STORE.get("k")));
     } }"""
-    namespace = api.call("POST", "/storage/kv/namespaces", json={"title": "store"}).json()["result"]["id"]
-    bindings = [{"type": "kv_namespace", "name": "STORE", "namespace_id": namespace}]
+    namespace = api.kv_namespace()
+    bindings = [kv_binding(namespace)]
     assert api.upload("reader", reads, metadata={"bindings": bindings}).status_code == 200
     api.enable("reader")
     host = cf_emulator_fresh.workers_dev_host("reader")

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from capabilities.cloudflare import CloudflareClient
-from cfemulator.tests.test_api import Api
+from cfemulator.tests.test_api import Api, kv_binding
 from testsupport.capability_code import PONG
+from testsupport.emulator import cloudflare_client
 
 DELAY = 0.5
 
@@ -23,13 +23,7 @@ def api(cf_emulator_fresh):
 
 def test_the_workers_dev_toggle_of_a_fresh_script_is_retried_through_its_10007(api, cf_emulator_fresh, redis_client):
     # Backoffs as in production: its two not-found retries outlast the delay.
-    client = CloudflareClient(
-        base_url=cf_emulator_fresh.api_base,
-        account_id=cf_emulator_fresh.account_id,
-        api_token=cf_emulator_fresh.token,
-        redis=redis_client,
-        backoff_base_seconds=0.5,
-    )
+    client = cloudflare_client(cf_emulator_fresh, redis_client, backoff_base_seconds=0.5)
     try:
         assert api.upload("fresh").status_code == 200
         assert client.script_subdomain_set("fresh", enabled=True)["enabled"] is True
@@ -62,11 +56,11 @@ def test_a_kv_value_written_over_the_api_reaches_bindings_after_the_delay(api, c
     reads = """export default { async fetch(request, env) {
       return new Response(String(await env.STORE.get("k")));
     } }"""
-    namespace = api.call("POST", "/storage/kv/namespaces", json={"title": "store"}).json()["result"]["id"]
+    namespace = api.kv_namespace()
     values = f"/storage/kv/namespaces/{namespace}/values"
     api.call("PUT", f"{values}/k", data=b"old")
     cf_emulator_fresh.configure(propagation_delay=0)
-    bindings = [{"type": "kv_namespace", "name": "STORE", "namespace_id": namespace}]
+    bindings = [kv_binding(namespace)]
     assert api.upload("reader", reads, metadata={"bindings": bindings}).status_code == 200
     api.enable("reader")
     host = cf_emulator_fresh.workers_dev_host("reader")

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
-from cfemulator.control import EmulatorControl
 from cfemulator.server import EmulatorServer
-from cfemulator.tests.test_api import Api
+from cfemulator.tests.test_api import Api, kv_binding
+from sigil.ports import free_port
 from testsupport.capability_code import PONG
+from testsupport.emulator import EmulatorControl, emulator_server
 
 KV_AND_SECRET = """export default { async fetch(request, env) {
   if (request.method === "PUT") { await env.STORE.put("k", await request.text()); return new Response("stored"); }
@@ -21,27 +21,15 @@ class RestartableEmulator:
     """An emulator of its own on a fixed port and state directory, which a test can restart."""
 
     def __init__(self, state_dir, workerd_binary: str) -> None:
-        from capabilities.workerd import free_port
-
         self.state_dir = state_dir
         self.workerd_binary = workerd_binary
         self.port = free_port()
         self.server: EmulatorServer | None = None
         self.start()
-        self.control = EmulatorControl(url=self.server.url, token=DEV_TOKEN, account_id=DEV_ACCOUNT_ID)
+        self.control = EmulatorControl.of(self.server)
 
     def start(self) -> None:
-        from capabilities.workerd import free_port
-
-        self.server = EmulatorServer.build(
-            workerd_binary=self.workerd_binary,
-            state_dir=self.state_dir,
-            token=DEV_TOKEN,
-            account_id=DEV_ACCOUNT_ID,
-            config=EmulatorConfig(),
-            port=self.port,
-            workerd_port=free_port(),
-        )
+        self.server = emulator_server(workerd_binary=self.workerd_binary, state_dir=self.state_dir, port=self.port)
         self.server.start()
 
     def restart(self) -> None:
@@ -75,9 +63,9 @@ def test_a_capability_deployed_before_a_restart_answers_after_it(emulator, backe
 
 def test_kv_values_secrets_and_workers_dev_routes_survive_a_restart(emulator):
     api = Api(emulator.control)
-    namespace = api.call("POST", "/storage/kv/namespaces", json={"title": "store"}).json()["result"]["id"]
+    namespace = api.kv_namespace()
     bindings = [
-        {"type": "kv_namespace", "name": "STORE", "namespace_id": namespace},
+        kv_binding(namespace),
         {"type": "secret_text", "name": "TOKEN", "text": "s3cr3t"},
     ]
     assert api.upload("keeper", KV_AND_SECRET, metadata={"bindings": bindings}).status_code == 200

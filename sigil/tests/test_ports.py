@@ -15,8 +15,8 @@ import pytest
 import requests
 from django.conf import settings
 
-from capabilities.workerd import free_port_block, port_is_open
 from sigil import ports
+from sigil.ports import free_port_block, port_is_open
 from sigil_site.tests.test_runsigil import Output
 from testsupport.capability_code import PONG
 from testsupport.processes import descendants, is_alive, wait_until

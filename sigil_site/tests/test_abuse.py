@@ -9,7 +9,7 @@ import re
 import pytest
 import requests
 
-from capabilities.workerd import free_port
+from sigil.ports import free_port
 from testsupport.capability_code import PONG
 from testsupport.cast import wait_for
 from testsupport.servers import served

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from capabilities.workerd import free_port, port_is_open
 from sigil.embedded_redis import EmbeddedRedis
 from sigil.lifetime import PidFiles, group_members
+from sigil.ports import free_port, port_is_open
 from sigil_site.tests import test_runsigil
 from sigil_site.tests.test_runsigil import MANAGE, http_status, start_runsigil
 from testsupport.capability_code import PONG
@@ -210,7 +210,7 @@ def test_a_kill_9_of_the_emulator_leaves_no_workerd(tmp_path):
 
 
 def test_a_workerd_a_killed_run_left_on_its_port_is_ended_before_a_new_one_starts(tmp_path, settings):
-    from capabilities.workerd import WorkerdHost
+    from capabilities.workerd.host import WorkerdHost
 
     host = WorkerdHost.from_settings(port=free_port(), state_dir=tmp_path / "workerd", code_dir=tmp_path / "code")
     host.start()

@@ -19,7 +19,7 @@ import redis
 from django.conf import settings
 from django.contrib.auth.hashers import check_password
 
-from capabilities.workerd import free_port, free_port_block, port_is_open
+from sigil.ports import free_port, free_port_block, port_is_open
 from sigil_site.management.commands.runsigil import sigil_programs
 from testsupport.cast import AgentClient
 from testsupport.processes import command_line, descendants, is_alive, wait_until

@@ -6,7 +6,7 @@ import json
 import pytest
 import requests
 
-from capabilities.workerd import free_port
+from sigil.ports import free_port
 from testsupport.capability_code import ECHO
 from testsupport.servers import SERVERS, chunks, deploy_and_echo_chunked, served
 

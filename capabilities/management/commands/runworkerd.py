@@ -6,7 +6,8 @@ from __future__ import annotations
 from django.core.management.base import BaseCommand, CommandError
 
 from capabilities.runtimes.local import local_workerd_group
-from capabilities.workerd import WorkerdMissing, supervise_until_signalled
+from capabilities.workerd.host import WorkerdMissing
+from sigil.lifetime import supervise_until_signalled
 
 
 class Command(BaseCommand):

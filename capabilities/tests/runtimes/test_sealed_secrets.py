@@ -9,7 +9,7 @@ from capabilities.runtimes.base import CodeBundle, ResolvedBinding, secret_finge
 from capabilities.runtimes.errors import RuntimeUnavailable
 from capabilities.runtimes.local import LocalProcesses, LocalRuntime, local_limits
 from capabilities.tests.runtimes.contract import call
-from capabilities.workerd import free_port_block
+from sigil.ports import free_port_block
 from testsupport.processes import wait_until
 
 SHOWS_TOKEN = "export default { fetch(r, env) { return Response.json({ token: env.TOKEN, greeting: env.GREETING }) } }"

@@ -7,13 +7,39 @@ import signal
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from capabilities.workerd import WorkerdMissing, free_port
-from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN, PLANS, EmulatorConfig, parse_rate_limit
+from capabilities.workerd.host import WorkerdMissing
+from cfemulator.config import DEV_ACCOUNT_ID, DEV_TOKEN, PLANS, EmulatorConfig
 from cfemulator.server import EmulatorServer
+from sigil.ports import free_port
+
+# The account's settings the command line gives (their defaults are EmulatorConfig's), with
+# what argparse needs to read each.
+_SETTINGS: dict[str, dict[str, Any]] = {
+    "script_limit": {"type": int, "help": "Workers per account"},
+    "latency": {"type": float, "help": "seconds added to each API call"},
+    "rate_limit": {"help": "REQUESTS/SECONDS"},
+    "fault_rate": {"type": float, "help": "fraction of calls that 5xx"},
+    "script_max_bytes": {"type": int, "help": "compressed script size limit"},
+    "subdomain": {"help": "the account's workers.dev subdomain"},
+    "default_cpu_ms": {
+        "type": int,
+        "help": "CPU ms a call may use when its script sets no limit (Paid plan: 30000, Free: 10)",
+    },
+    "plan": {"choices": sorted(PLANS), "help": "the account's plan (free refuses worker_loader)"},
+    "workers_for_platforms": {
+        "action": argparse.BooleanOptionalAction,
+        "help": "whether the account subscribes to Workers for Platforms (dispatch namespaces)",
+    },
+    "propagation_delay": {
+        "type": float,
+        "help": "seconds before new scripts, workers.dev toggles and KV writes reach the Workers runtime",
+    },
+}
 
 
 class Command(BaseCommand):
@@ -23,42 +49,10 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        defaults = EmulatorConfig()
+        defaults = EmulatorConfig().to_json()
+        for name, options in _SETTINGS.items():
+            parser.add_argument(f"--{name.replace('_', '-')}", default=defaults[name], **options)
         parser.add_argument("--port", type=int, default=settings.CF_EMULATOR_PORT, help="port on 127.0.0.1")
-        parser.add_argument("--script-limit", type=int, default=defaults.script_limit, help="Workers per account")
-        parser.add_argument("--latency", type=float, default=defaults.latency, help="seconds added to each API call")
-        parser.add_argument(
-            "--rate-limit", default=f"{defaults.rate_limit}/{defaults.rate_window:g}", help="REQUESTS/SECONDS"
-        )
-        parser.add_argument("--fault-rate", type=float, default=defaults.fault_rate, help="fraction of calls that 5xx")
-        parser.add_argument(
-            "--script-max-bytes", type=int, default=defaults.script_max_bytes, help="compressed script size limit"
-        )
-        parser.add_argument("--subdomain", default=defaults.subdomain, help="the account's workers.dev subdomain")
-        parser.add_argument(
-            "--default-cpu-ms",
-            type=int,
-            default=defaults.default_cpu_ms,
-            help="CPU ms a call may use when its script sets no limit (Paid plan: 30000, Free: 10)",
-        )
-        parser.add_argument(
-            "--plan",
-            choices=sorted(PLANS),
-            default=defaults.plan,
-            help="the account's plan (free refuses worker_loader)",
-        )
-        parser.add_argument(
-            "--workers-for-platforms",
-            action=argparse.BooleanOptionalAction,
-            default=defaults.workers_for_platforms,
-            help="whether the account subscribes to Workers for Platforms (dispatch namespaces)",
-        )
-        parser.add_argument(
-            "--propagation-delay",
-            type=float,
-            default=defaults.propagation_delay,
-            help="seconds before new scripts, workers.dev toggles and KV writes reach the Workers runtime",
-        )
         parser.add_argument(
             "--token", default=settings.CF_API_TOKEN or DEV_TOKEN, help="the API token accepted (default CF_API_TOKEN)"
         )
@@ -74,21 +68,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options) -> None:
         try:
-            limit, window = parse_rate_limit(options["rate_limit"])
-            config = EmulatorConfig().updated(
-                {
-                    "script_limit": options["script_limit"],
-                    "latency": options["latency"],
-                    "fault_rate": options["fault_rate"],
-                    "script_max_bytes": options["script_max_bytes"],
-                    "subdomain": options["subdomain"],
-                    "default_cpu_ms": options["default_cpu_ms"],
-                    "propagation_delay": options["propagation_delay"],
-                    "rate_limit": f"{limit}/{window:g}",
-                    "plan": options["plan"],
-                    "workers_for_platforms": options["workers_for_platforms"],
-                }
-            )
+            config = EmulatorConfig().updated({name: options[name] for name in _SETTINGS})
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
         server = EmulatorServer.build(

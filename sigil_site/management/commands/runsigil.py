@@ -20,12 +20,12 @@ from django.db.migrations.executor import MigrationExecutor
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from capabilities.runtimes.local import local_processes
-from capabilities.supervision import read_status
-from capabilities.workerd import port_is_open, supervise_until_signalled
+from capabilities.workerd.group import read_status
 from sigil import ports as sigil_ports
 from sigil.embedded_redis import EmbeddedRedis
-from sigil.lifetime import PidFiles
+from sigil.lifetime import PidFiles, supervise_until_signalled
 from sigil.logs import SigilFormatter
+from sigil.ports import port_is_open
 from sigil_site.owner import OwnerAccount, owner_ensure
 from sigil_site.supervisor import Program, StartupFailed, Supervisor
 

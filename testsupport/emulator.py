@@ -1,12 +1,32 @@
-"""A handle on a running emulator for tests: its addresses and credentials, and its
-/__emulator/ controls, all over HTTP."""
+"""The Cloudflare emulator for tests: one started on loopback, a handle on it (its addresses,
+credentials and /__emulator/ controls, all over HTTP), and Sigil's Cloudflare client on it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import requests
+
+from capabilities.cloudflare import CloudflareClient
+from cfemulator.config import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
+from cfemulator.server import EmulatorServer
+from sigil.ports import free_port
+
+
+def emulator_server(*, workerd_binary: str, state_dir: Path, port: int = 0) -> EmulatorServer:
+    """An emulator (not started yet) with the development credentials and the start config,
+    its account kept under `state_dir`; `port=0` takes a free one when it binds."""
+    return EmulatorServer.build(
+        workerd_binary=workerd_binary,
+        state_dir=state_dir,
+        token=DEV_TOKEN,
+        account_id=DEV_ACCOUNT_ID,
+        config=EmulatorConfig(),
+        port=port,
+        workerd_port=free_port(),
+    )
 
 
 @dataclass
@@ -67,7 +87,20 @@ class EmulatorControl:
         headers = {**kwargs.pop("headers", {}), "Host": host}
         return self._session.request(method, self.url + path, headers=headers, timeout=30, **kwargs)
 
+    @classmethod
+    def of(cls, server: EmulatorServer) -> EmulatorControl:
+        """The handle on `server`, once it is bound, with its credentials."""
+        return cls(url=server.url, token=server.token, account_id=server.api.account_id)
+
     def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         response = self._session.request(method, self.url + path, timeout=10, **kwargs)
         response.raise_for_status()
         return response.json()
+
+
+def cloudflare_client(emulator: EmulatorControl, redis: Any, **tuning: Any) -> CloudflareClient:
+    """Sigil's Cloudflare client on `emulator`'s account, with `tuning` (its retries and
+    backoffs) over the client's own defaults. The caller closes it."""
+    return CloudflareClient(
+        base_url=emulator.api_base, account_id=emulator.account_id, api_token=emulator.token, redis=redis, **tuning
+    )

@@ -1,0 +1,340 @@
+"""A script's call, sent on to the workerd process that runs it and relayed back as it comes.
+
+The request handler's (`cfemulator.handler`) half for the hosts `{script}.{sub}.workers.dev`
+and `{script}.{namespace}.dispatch.localhost`: the body streams both ways, a WebSocket upgrade
+becomes a byte relay (`cfemulator.tunnel`), and a call that runs past its CPU or memory limit
+is answered with Cloudflare's error 1102 (`cfemulator.limits`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import urllib3
+from urllib3 import HTTPHeaderDict
+
+from cfemulator.api import WorkerTarget
+from cfemulator.bodies import PIECE, BodyTooLarge, RequestBody
+from cfemulator.bound import (
+    CALL_HEADER,
+    EXCEEDED_HEADER,
+    LIMITS_HEADER,
+    NOT_FOUND_HEADER,
+    ORIGINAL_HOST_HEADER,
+    has_worker_loader,
+)
+from cfemulator.hostcode import LOADER_ID_HEADER, SECRET_HEADER
+from cfemulator.limits import call_cpu_ms, exceeded_answer
+from cfemulator.tunnel import UPGRADE_HEADERS, Handshake, HandshakeFailed, is_websocket_upgrade, relay
+
+logger = logging.getLogger(__name__)
+
+# RFC 9110 §7.6.1 connection-specific fields, and the length the emulator writes itself: it
+# frames every body itself (a known length is passed on, anything else is chunked).
+_CONNECTION_FIELDS = frozenset({"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade"})
+HOP_BY_HOP = _CONNECTION_FIELDS | {"proxy-authenticate", "proxy-authorization", "content-length"}
+# The loader host's control headers: a caller's own never reach a script the host runs.
+_HOST_HEADERS = frozenset(
+    {"x-sigil-secret", "x-sigil-loader-id", "x-sigil-validate", "x-sigil-retire", "x-sigil-store", "x-sigil-cpu-ms"}
+)
+# Sent by the emulator itself on every answer; a Worker's own (or a nested emulator
+# answer's, through a dispatch namespace) would repeat them.
+OWN_HEADERS = frozenset({"content-type", "server", "date"})
+_NOT_PASSED = HOP_BY_HOP | OWN_HEADERS
+# What the emulator's loader host adds to the answer of a plain script it runs (its mark
+# for Sigil's gateway, capabilities/runtimes/host/host.js): on Cloudflare the script's
+# answer reaches the caller as the script made it, so the mark is taken off again.
+_LOADER_HOST_MARKS = frozenset({"x-sigil-host"})
+# How long a call whose Dynamic Worker was stopped waits for its process to be replaced.
+REPLACED_WITHIN_SECONDS = 10.0
+# How many times one call is sent again after a Dynamic Worker's stop (see `_run`): a call
+# stopped that often is answered with error 1102 instead of waiting on.
+MAX_REPLAYS = 3
+
+
+class LimitExceeded(Exception):
+    """The call ran past a limit ("cpu" or "memory") and its script's process was stopped."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class WorkerProxy:
+    """How `cfemulator.handler.RequestHandler` serves a script's call (a mixin of it: the
+    connection, its headers and `_send` are the handler's)."""
+
+    def _serve_worker(self, host: str, split: Any) -> None:
+        emulator = self.server.emulator
+        target = emulator.api.resolve_host(host)
+        limits = self.headers.get(LIMITS_HEADER)
+        if target is None:
+            # The body is left unread, so the connection cannot be reused.
+            self.close_connection = True
+            # The reference does not say what a workers.dev host without a Worker answers;
+            # a plain 404 is what a client can rely on. The header tells the emulator's
+            # dispatch namespace binding to throw "Worker not found" instead.
+            self._log_dispatch(host, limits, 404)  # before answering: whoever got the answer may read the log
+            self._send(
+                404,
+                f"No Worker is served at {host}\n".encode(),
+                "text/plain; charset=utf-8",
+                [(NOT_FOUND_HEADER, "1")],
+            )
+            return
+        try:
+            body = RequestBody(self)
+        except (BodyTooLarge, ValueError) as exc:
+            self._refuse_body(exc)
+            return
+        # Cloudflare hands a WebSocket request to the Worker with its upgrade; it has no body.
+        upgrade = body.finished and is_websocket_upgrade(self.command, self.headers.get("Upgrade"))
+        headers = HTTPHeaderDict()
+        original_host = self.headers.get(ORIGINAL_HOST_HEADER)
+        for name, value in self.headers.items():
+            lower = name.lower()
+            hop_by_hop = lower in HOP_BY_HOP and not (upgrade and lower in UPGRADE_HEADERS)
+            if hop_by_hop or lower in (LIMITS_HEADER, ORIGINAL_HOST_HEADER, CALL_HEADER):
+                continue
+            if lower == "host" and original_host:
+                value = original_host
+            # A script run by the loader host must not be reachable with a caller's own secret
+            # or loader id; a bound script runs alone and gets every header, as on Cloudflare.
+            if lower in _HOST_HEADERS and not target.runs_bound:
+                continue
+            headers.add(name, value)
+        if body.length:  # urllib3 frames an empty one as the method expects
+            headers["Content-Length"] = str(body.length)
+        path = split.path + (f"?{split.query}" if split.query else "")
+
+        def send(port: int) -> Any:
+            if upgrade:
+                return emulator.upgrade(self.command, path, headers, port=port)
+            return emulator.proxy(self.command, path, headers, body.pieces(), port=port)
+
+        def answered(upstream: Any) -> None:
+            self._log_dispatch(host, limits, upstream.status, target)
+            if upgrade:
+                self._pass_upgrade(upstream, unmark=not target.runs_bound)
+            else:
+                self._relay(upstream, unmark=not target.runs_bound)
+
+        try:
+            self._run(target, headers, body, limits, send, answered)
+        except LimitExceeded as exceeded:
+            answer = exceeded_answer(host=original_host or host, accept=self.headers.get("Accept"))
+            extra = [(EXCEEDED_HEADER, exceeded.reason)] if host.endswith(".dispatch.localhost") else []
+            self._log_dispatch(host, limits, answer.status, target)
+            self._send(answer.status, answer.body, answer.content_type, answer.headers + extra)
+        except BodyTooLarge:
+            self._send(413, b"request body too large", "text/plain")
+        except ValueError:
+            self._send(400, b"malformed request body framing", "text/plain")
+        except (urllib3.exceptions.HTTPError, HandshakeFailed) as exc:
+            logger.warning("workerd did not answer for %s: %s", target.name, exc)
+            self._send(502, b"the emulator's workerd did not answer\n", "text/plain")
+        except (RuntimeError, TimeoutError) as exc:
+            logger.warning("workerd could not start for %s: %s", target.name, exc)
+            self._send(502, f"the emulator could not run {target.name}: {exc}\n".encode(), "text/plain")
+        finally:
+            if not body.finished:
+                # What the script did not read is still on the socket: the next request
+                # on it could not be told from it.
+                self.close_connection = True
+
+    def _run(
+        self,
+        target: WorkerTarget,
+        headers: HTTPHeaderDict,
+        body: RequestBody,
+        limits: str | None,
+        send: Callable[[int], Any],
+        answered: Callable[[Any], None],
+    ) -> None:
+        """Run one call in the script's own workerd: `send(port)` sends it there and returns
+        the answer, which is metered against the call's CPU limit until `answered` has relayed
+        it (a streamed answer, or a WebSocket session, keeps the script running).
+
+        Raises LimitExceeded when it ran past it before answering, RuntimeError when workerd
+        cannot start, urllib3's errors or HandshakeFailed when workerd does not answer.
+        """
+        emulator = self.server.emulator
+        limit_ms = call_cpu_ms(target.upload.limits, _parse_limits(limits), default=emulator.api.config.default_cpu_ms)
+        if not target.runs_bound:
+            headers[SECRET_HEADER] = emulator.scripts.secret
+            headers[LOADER_ID_HEADER] = f"{target.name}@{target.sha}"
+        # Its Dynamic Workers' limits are metered on the call (cfemulator.bound, METER_HEADER).
+        metered = target.runs_bound and has_worker_loader(target.upload)
+        # On Cloudflare a Dynamic Worker past its limit throws into its loader Worker, which
+        # answers the call itself, and the other Dynamic Workers never notice; here the whole
+        # process had to be stopped. So a call without a body is sent again, to the fresh
+        # process: the stopped Worker's entrypoint then throws Cloudflare's error at once (the
+        # loader Worker's own code answers), and a call that only shared the process runs again,
+        # as often as another call's runaway stops the process under it (up to MAX_REPLAYS).
+        replaying_stop = False
+        replays = 0
+        restarted = False
+        stopped_pid: int | None = None
+        deadline = 0.0
+        while True:
+            running = emulator.scripts.acquire(target.key, sha=target.sha, upload=target.upload)
+            pid = running.pid
+            if stopped_pid is not None and pid in (stopped_pid, None) and time.monotonic() < deadline:
+                time.sleep(0.02)  # the supervisor is replacing the stopped process
+                continue
+            if pid is None:  # stopped between its start and now: it is being started again
+                if not restarted:
+                    restarted = True
+                    continue
+                raise RuntimeError(f"workerd for {target.name} keeps stopping")
+            sent_at = time.time()
+            with (
+                emulator.meter.call(
+                    pid=pid, stop=running.stop_for_cpu, limit_ms=limit_ms, silent=running.silent
+                ) as ticket,
+                emulator.calls.tracked(ticket, pid=pid, replaying_stop=replaying_stop) as call,
+            ):
+                if metered:
+                    headers[CALL_HEADER] = call.id
+                try:
+                    upstream = send(running.port)
+                except (urllib3.exceptions.HTTPError, HandshakeFailed) as exc:
+                    replayable = metered and replays < MAX_REPLAYS and not body.chunked and not body.length
+                    # A replay to throw at once that was stopped before it threw still has to.
+                    replaying_stop = call.replaying_stop or ticket.dynamic_exceeded
+                    if ticket.exceeded:
+                        if replayable and ticket.stopped_by_dynamic:
+                            replays, stopped_pid = replays + 1, pid
+                            deadline = time.monotonic() + REPLACED_WITHIN_SECONDS
+                            continue
+                        raise LimitExceeded("cpu") from None
+                    reason = running.stopped_for(sent_at)
+                    if reason is not None:
+                        # Stopped for another call's Dynamic Worker (it reached the process as
+                        # the meter stopped it): on Cloudflare this call's isolate would not
+                        # have noticed, so a bodiless one runs again.
+                        if replayable:
+                            replays, stopped_pid = replays + 1, pid
+                            deadline = time.monotonic() + REPLACED_WITHIN_SECONDS
+                            continue
+                        raise LimitExceeded(reason) from None
+                    # Refused: the process was stopped (another call ran past a limit) before
+                    # this one reached it. Nothing ran (no body was read), so it goes to the
+                    # fresh one.
+                    refused = isinstance(exc, urllib3.exceptions.NewConnectionError) or getattr(exc, "refused", False)
+                    if not restarted and refused and not body.started:
+                        restarted = True
+                        continue
+                    raise
+                answered(upstream)
+                return
+
+    def _relay(self, upstream: urllib3.BaseHTTPResponse, *, unmark: bool = False) -> None:
+        """Send workerd's answer on as it arrives: each chunk as workerd writes it; `unmark`
+        takes off the headers the emulator's loader host added (a plain script's answer).
+
+        Once the status line is out, a failure can no longer be answered: the connection is
+        closed before the body's end, which the client sees as a truncated answer (as a
+        Worker that fails mid-stream is seen on Cloudflare).
+        """
+        headers = _unmarked(upstream.headers.items(), unmark=unmark)
+        complete = False
+        try:
+            pieces = (
+                upstream.read_chunked(decode_content=False)
+                if upstream.chunked
+                else upstream.stream(PIECE, decode_content=False)
+            )
+            self._send_streamed(upstream.status, headers, pieces)
+            complete = True
+        except urllib3.exceptions.HTTPError as exc:
+            logger.warning("workerd's answer broke off: %s", exc)
+        finally:
+            if complete:
+                upstream.release_conn()
+            else:
+                self.close_connection = True
+                upstream.close()
+
+    def _pass_upgrade(self, handshake: Handshake, *, unmark: bool = False) -> None:
+        """Answer a WebSocket upgrade as workerd did: a 101 is passed on with its own head, and
+        the connection becomes a byte relay until both sides hang up (`cfemulator.tunnel`);
+        any other answer is relayed as an ordinary one. `unmark` as for `_relay`."""
+        try:
+            if not handshake.upgraded:
+                try:
+                    self._send_streamed(
+                        handshake.status, _unmarked(handshake.headers(), unmark=unmark), handshake.pieces()
+                    )
+                except HandshakeFailed as exc:
+                    logger.warning("workerd's answer broke off: %s", exc)
+                    self.close_connection = True
+                return
+            self.close_connection = True  # the connection is the session's now
+            self.send_response(handshake.status)
+            for name, value in _unmarked(handshake.headers(), unmark=unmark):
+                if name.lower() not in OWN_HEADERS:
+                    self.send_header(name, value)
+            self.end_headers()
+            relay(self.connection, self.rfile, handshake)
+        finally:
+            handshake.close()
+
+    def _send_streamed(self, status: int, headers: list[tuple[str, str]], pieces: Iterable[bytes]) -> None:
+        """Send an answer whose body is `pieces`, each written as it comes: with the
+        Content-Length given in `headers`, else chunked. Raises what `pieces` raises."""
+        passed = [(name, value) for name, value in headers if name.lower() not in _NOT_PASSED]
+        length = next((value for name, value in headers if name.lower() == "content-length"), None)
+        content_type = next((value for name, value in headers if name.lower() == "content-type"), None)
+        bodiless = self.command == "HEAD" or status in (204, 304)
+        chunked = length is None and not bodiless
+        self.send_response(status)
+        if content_type:
+            self.send_header("Content-Type", content_type)
+        for name, value in passed:
+            self.send_header(name, value)
+        if chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        elif length is not None:
+            self.send_header("Content-Length", length)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if bodiless:
+            return
+        for piece in pieces:
+            if not piece:
+                continue
+            if chunked:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            else:
+                self.wfile.write(piece)
+            self.wfile.flush()
+        if chunked:
+            self.wfile.write(b"0\r\n\r\n")
+
+    def _log_dispatch(self, host: str, limits: str | None, status: int, target: WorkerTarget | None = None) -> None:
+        """Calls through a dispatch namespace binding are logged with the limits they asked for."""
+        if not host.endswith(".dispatch.localhost"):
+            return
+        parsed = _parse_limits(limits)
+        script, _, rest = host.partition(".")
+        namespace = target.namespace if target else rest.split(".", 1)[0]
+        self.server.emulator.api.record_dispatch(namespace=namespace, script=script, limits=parsed, status=status)
+
+
+def _unmarked(headers: Iterable[tuple[str, str]], *, unmark: bool) -> list[tuple[str, str]]:
+    """`headers`, less the loader host's marks when `unmark` (a plain script's answer)."""
+    return [(name, value) for name, value in headers if not (unmark and name.lower() in _LOADER_HOST_MARKS)]
+
+
+def _parse_limits(header: str | None) -> Any:
+    """A dispatch binding's limits as it sent them: JSON, else the raw text."""
+    try:
+        return json.loads(header) if header else None
+    except ValueError:
+        return header
