@@ -16,6 +16,7 @@ from capabilities.engine.calls import Served
 from capabilities.engine.offload import Offload
 from capabilities.engine.sending import forwarded_headers, limited_body
 from capabilities.engine.values import CallAnswer, CallRequest
+from capabilities.services.async_calls import async_call_accept
 from sigil.errors import InvalidRequest, TooLarge
 
 
@@ -35,8 +36,6 @@ class AsyncEntry:
     ) -> CallAnswer:
         """Keep the call and answer 202; refuses now what nobody could serve (NotFound),
         a body over SIGIL_ASYNC_MAX_BODY_BYTES (TooLarge), a body cut short (InvalidRequest)."""
-        from capabilities.services.async_calls import async_call_accept
-
         await self.admission.visible_route(served, full, principal.agent_name, route_raw)
         headers = forwarded_headers(request)
         callback_url = headers.pop("x-callback-url", None)

@@ -52,6 +52,7 @@ from capabilities.engine.values import CallAnswer, CallRequest
 from capabilities.engine.websocket import websocket_open
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import SERVED_VERSION_HEADER, Route
+from capabilities.services import capability_mark_missing
 from sigil import leases
 from sigil.errors import (
     REDIS_UNREACHABLE,
@@ -229,8 +230,6 @@ class Engine:
             # (only bodiless calls: a body cannot be sent twice).
             await upstream.drain()
             upstream.release()
-            from capabilities.services import capability_mark_missing
-
             await self.offload(capability_mark_missing, full=call.full, slot=route.slot, backend=route.backend)
             route, page_in_ms = await self.placer.page_in(call.full, principal, wait_seconds=wait)
             call.version = route.version

@@ -18,6 +18,7 @@ from agents.tokens import Principal
 from capabilities import routes
 from capabilities.engine.offload import Offload
 from capabilities.engine.shares import FairShares
+from capabilities.services.placement import PlacementUnderWay, capability_page_in, placement_lock_key
 from sigil.errors import NotFound, Timeout
 
 # How a call watches another call's (or process's) placement of its capability.
@@ -44,8 +45,6 @@ class Placer:
         """Place `full`, or wait for the placement under way (at most `wait_seconds`, then
         Timeout; None: the placement lock's own timeout); the route and the ms it took.
         NotFound when the capability was removed meanwhile."""
-        from capabilities.services.placement import PlacementUnderWay, placement_lock_key
-
         started = time.perf_counter()
         waited = wait_seconds or self.lock_seconds
         deadline = started + waited
@@ -88,7 +87,5 @@ class Placer:
                     break  # the placement ended without serving it: try it here
 
     async def place(self, full: str) -> routes.CachedRoute:
-        from capabilities.services.placement import capability_page_in
-
         route, _ = await self.offload(capability_page_in, full=full, wait_seconds=0)
         return route

@@ -29,6 +29,7 @@ from capabilities.engine.values import CallRequest
 from capabilities.runtimes import runtime_for
 from capabilities.runtimes.base import Route, Runtime
 from capabilities.runtimes.errors import RuntimeThrottled, RuntimeUnavailable
+from capabilities.services.placement import runtime_throttled
 from sigil.errors import CapabilityError, SigilError, Timeout, TooLarge, Unavailable, UpstreamError
 
 logger = logging.getLogger("capabilities.gateway")
@@ -72,8 +73,6 @@ class Sender:
                 # No I/O but on a runtime's first call (Cloudflare's account subdomain).
                 target = await self.offload(runtime.route, slot=route.slot, sha=route.sha, cpu_ms=route.cpu_ms)
             except RuntimeThrottled as exc:  # Cloudflare's lockout, while asked for the account's subdomain
-                from capabilities.services.placement import runtime_throttled
-
                 raise runtime_throttled(exc, doing=f"reach {route.slot}") from exc
             except RuntimeUnavailable as exc:
                 raise self.runtime_failed(
