@@ -42,25 +42,23 @@ def cached_reply(cached: degraded_cache.CachedAnswer, now: float) -> CallAnswer:
     return CallAnswer(cached.status, cached.reason, headers, cached.body)
 
 
-def call_headers(call: Call) -> list[tuple[str, str]]:
+def call_headers(call: Call, *, upstream_ms: float | None = None) -> list[tuple[str, str]]:
     """What Sigil adds to an answer of the capability's: the capability called, the version
-    that answered, and whether the call placed it."""
+    that answered, whether the call placed it and, given the capability's own time, Server-Timing
+    (Sigil's own time, the capability's, the page-in's)."""
+    page_in_ms = call.page_in_ms
     headers = [("X-Sigil-Capability", call.shown)]
     if call.version is not None:
         headers.append(("X-Sigil-Version", str(call.version)))
-    if call.page_in_ms is not None:
-        headers.append(("X-Sigil-Cold-Start", "1"))
-    return headers
-
-
-def sigil_headers(call: Call, *, upstream_ms: float) -> list[tuple[str, str]]:
-    """call_headers() and Server-Timing: Sigil's own time, the capability's, the page-in's."""
-    page_in_ms = call.page_in_ms
-    sigil_ms = (time.perf_counter() - call.started) * 1000 - upstream_ms - (page_in_ms or 0)
-    timing = f"sigil;dur={sigil_ms:.2f}, capability;dur={upstream_ms:.2f}"
     if page_in_ms is not None:
-        timing += f", page-in;dur={page_in_ms:.2f}"
-    return [*call_headers(call), ("Server-Timing", timing)]
+        headers.append(("X-Sigil-Cold-Start", "1"))
+    if upstream_ms is not None:
+        sigil_ms = (time.perf_counter() - call.started) * 1000 - upstream_ms - (page_in_ms or 0)
+        timing = f"sigil;dur={sigil_ms:.2f}, capability;dur={upstream_ms:.2f}"
+        if page_in_ms is not None:
+            timing += f", page-in;dur={page_in_ms:.2f}"
+        headers.append(("Server-Timing", timing))
+    return headers
 
 
 def cache_target(rest: str, query: str | None) -> str:

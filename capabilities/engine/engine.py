@@ -39,7 +39,7 @@ from agents.tokens import Principal
 from capabilities import breaker, degraded_cache, names, pager, routes
 from capabilities.engine.access_log import log_access
 from capabilities.engine.admission import Admission
-from capabilities.engine.answers import NOSNIFF, cache_target, cached_reply, error_answer, sigil_headers
+from capabilities.engine.answers import NOSNIFF, cache_target, cached_reply, call_headers, error_answer
 from capabilities.engine.async_entry import AsyncEntry, prefers_async
 from capabilities.engine.calls import Call, Served
 from capabilities.engine.offload import Offload
@@ -257,7 +257,7 @@ class Engine:
             for k, v in upstream.header_pairs()
             if k.lower() not in HOP_BY_HOP and not k.lower().startswith("x-sigil-")
         ]
-        headers.extend(sigil_headers(call, upstream_ms=upstream_ms))
+        headers.extend(call_headers(call, upstream_ms=upstream_ms))
         call.finished = True  # from here the answer's close() records the call
         body = AnswerBody(self.recorder, upstream, call, route, request)
         if route.cache_when_degraded and request.method == "GET" and 200 <= upstream.status < 300:
