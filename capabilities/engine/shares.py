@@ -58,10 +58,7 @@ class FairShares:
         The caller gives it back with give_call() however the call ends."""
         agent, limit = principal.agent_name, self.call_limit(principal)
         if self.calls[agent] >= limit:
-            raise RateLimited(
-                f"{agent} has {limit} calls in flight, its share of this server; retry when some have ended",
-                retry_after=1,
-            )
+            raise over_share(agent, limit, "calls in flight", "retry when some have ended")
         self.calls[agent] += 1
 
     def give_call(self, agent: str) -> None:
@@ -76,10 +73,7 @@ class FairShares:
         """Hold one of the agent's placements under way for the block; RateLimited over its cap."""
         agent, limit = principal.agent_name, self.placement_limit(principal)
         if self.placements[agent] >= limit:
-            raise RateLimited(
-                f"{agent} has {limit} placements under way, its share of this server; retry shortly",
-                retry_after=1,
-            )
+            raise over_share(agent, limit, "placements under way", "retry shortly")
         self.placements[agent] += 1
         try:
             yield
@@ -109,3 +103,8 @@ class FairShares:
             self.body_bytes[owner] = left
         else:
             self.body_bytes.pop(owner, None)
+
+
+def over_share(agent: str, limit: int, what: str, advice: str) -> RateLimited:
+    """The refusal of a call past its agent's share of this server."""
+    return RateLimited(f"{agent} has {limit} {what}, its share of this server; {advice}", retry_after=1)
