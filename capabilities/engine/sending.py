@@ -54,7 +54,7 @@ PROPAGATION_MAX_PAUSE_SECONDS = 1.0
 class Sender:
     """Sends the calls of one engine to their runtimes, one request each time."""
 
-    runtime: Runtime
+    runtime: Runtime  # the process's own: a route still on another is a switch under way
     upstream: UpstreamClient
     offload: Offload
     recorder: Recorder  # a call that timed out or was stopped at a limit is recorded as it fails
