@@ -53,6 +53,7 @@ from capabilities.engine.websocket import websocket_open
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import SERVED_VERSION_HEADER, Route
 from capabilities.services import capability_mark_missing
+from capabilities.services.observability import breaker_enter
 from sigil import leases
 from sigil.errors import (
     REDIS_UNREACHABLE,
@@ -176,7 +177,9 @@ class Engine:
         is_trial = False
         if breaker_raw is not None:  # not closed: open, half-open or forced
             try:
-                is_trial = await self.offload(self.breaker.enter, get_redis(), full=full, raw=breaker_raw, now=now)
+                is_trial = await self.offload(
+                    breaker_enter, self.breaker, get_redis(), full=full, raw=breaker_raw, now=now
+                )
             except Degraded:
                 cached = await admission.cached_answer(request, route, full, now)
                 if cached is None:

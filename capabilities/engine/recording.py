@@ -22,6 +22,7 @@ from capabilities.engine.shares import FairShares
 from capabilities.engine.upstream import UpstreamResponse, UpstreamTimeout, UpstreamUnreachable
 from capabilities.engine.values import CallRequest
 from capabilities.runtimes import runtime_for
+from capabilities.services.observability import breaker_changed
 from sigil.errors import REDIS_UNREACHABLE
 from sigil.redis_client import get_redis
 
@@ -79,7 +80,7 @@ class Recorder:
             ),
         )
         if change:
-            await self.offload(breaker.breaker_changed, full=call.full, change=change, at_epoch=now)
+            await self.offload(breaker_changed, full=call.full, change=change, at_epoch=now)
 
     def give_shares(self, call: Call) -> None:
         if call.holds_call_share:
@@ -158,7 +159,7 @@ class AnswerBody:
             logger.warning("%s failed while streaming its response: %s", self.call.full, exc)
             if isinstance(exc, UpstreamUnreachable):
                 runtime = runtime_for(self.route.backend)
-                stopped = runtime.call_stopped(slot=self.route.slot, sent_at=self.call.sent_at)
+                stopped = runtime.call_stopped(slot=self.route.slot, tenant=self.route.agent, sent_at=self.call.sent_at)
                 # Cut because another call ran its process past a limit: not this one's failure.
                 # Nor is a memory stop that came while this call was only sending its answer: the
                 # process cannot say which call grew it, and one that had answered is the least

@@ -71,7 +71,9 @@ class Sender:
             runtime = runtime_for(route.backend)
             try:
                 # No I/O but on a runtime's first call (Cloudflare's account subdomain).
-                target = await self.offload(runtime.route, slot=route.slot, sha=route.sha, cpu_ms=route.cpu_ms)
+                target = await self.offload(
+                    runtime.route, slot=route.slot, sha=route.sha, tenant=route.agent, cpu_ms=route.cpu_ms
+                )
             except RuntimeThrottled as exc:  # Cloudflare's lockout, while asked for the account's subdomain
                 raise runtime_throttled(exc, doing=f"reach {route.slot}") from exc
             except RuntimeUnavailable as exc:
@@ -118,7 +120,7 @@ class Sender:
             await self.recorder.finish(call, status=error.status, code=error.code, message=error.message)
             raise error from exc
         except UpstreamUnreachable as exc:
-            stopped = runtime_for(route.backend).call_stopped(slot=route.slot, sent_at=sent_at)
+            stopped = runtime_for(route.backend).call_stopped(slot=route.slot, tenant=route.agent, sent_at=sent_at)
             if stopped is None:
                 raise self.runtime_failed(route, f"the runtime could not be reached for {call.full}: {exc}") from exc
             if not stopped.culprit:

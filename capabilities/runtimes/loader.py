@@ -9,21 +9,25 @@ import threading
 import time
 
 import urllib3
+from django.conf import LazySettings
 
-from capabilities.call_logs import LogLimits
-from capabilities.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
+from capabilities.log_limits import LogLimits
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
+from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound
+from capabilities.runtimes.cloudflare.account import Finding, PlanProbe
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check, loader_host_store
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
+from capabilities.runtimes.tail_worker import kv_batches_take, kv_namespace_ensure, kv_namespace_find
 from capabilities.workerd.config import HOST_DIR
 
 HOST_MODULE = "host.js"
 HOST_SOURCE = (HOST_DIR / HOST_MODULE).read_text()
 CODE_PREFIX = "code:"
 SLOT_PREFIX = "slot:"
-# Batches of call records the host's tail leaves in the same namespace (host.js SigilTail).
-LOGS_PREFIX = "logs:"
+# Batches of call records the host's tail leaves in the same namespace (host.js SigilTail),
+# under tail_worker.LOGS_PREFIX.
 
 
 class LoaderRuntime(FrontedRuntime):
@@ -49,17 +53,36 @@ class LoaderRuntime(FrontedRuntime):
         from django.conf import settings
 
         return cls(
-            client=CloudflareClient.from_settings(),
+            **cls.account_settings(),
             worker=settings.SIGIL_LOADER_WORKER,
             kv_title=settings.SIGIL_LOADER_KV_TITLE,
-            secret=settings.SIGIL_INTERNAL_SECRET,
-            cpu_ms=settings.SIGIL_CPU_MS,
-            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
             propagation_wait_seconds=settings.SIGIL_INVOKE_TIMEOUT_SECONDS,
             log_limits=LogLimits.from_settings().for_host() if settings.SIGIL_LOGS_ENABLED else None,
         )
 
     marker_header = "x-sigil-host"
+
+    @classmethod
+    def front_name(cls, settings: LazySettings) -> str:
+        return settings.SIGIL_LOADER_WORKER
+
+    @classmethod
+    def plan_finding(cls, *, client: CloudflareClient, probe: PlanProbe, settings: LazySettings) -> Finding:
+        """A Worker Loader binding needs Workers Paid: the probe of the plan has found out."""
+        return probe.finding
+
+    @classmethod
+    def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
+        """Dynamic Workers, on Workers Paid: each call is two requests (the loader Worker and
+        the Dynamic Worker it calls), and each capability called on a day is one Dynamic Worker
+        that day."""
+        requests = 2 * usage.calls
+        items = prices.plan_lines("paid", requests=requests, cpu_ms=usage.duration_ms)
+        extra_workers = max(0.0, usage.dynamic_worker_days - prices.dynamic_included_workers)
+        items["dynamic_workers"] = extra_workers * prices.dynamic_worker_day_usd
+        plan = "Dynamic Workers (Workers Paid)"
+        return [RuntimeBill.of(runtime=cls.name, plan=plan, items=items, requests=requests, cpu_ms=usage.duration_ms)]
+
     # A Dynamic Worker's env holds plain values (reference §5.3): variables and secrets.
     binding_kinds = TEXT_BINDING_KINDS
 
@@ -97,27 +120,8 @@ class LoaderRuntime(FrontedRuntime):
         if self._kv_id is None:
             with self._lock:
                 if self._kv_id is None:
-                    self._kv_id = self._find_or_create_kv()
+                    self._kv_id = kv_namespace_ensure(self.client, self.kv_title)
         return self._kv_id
-
-    def _find_kv(self) -> str | None:
-        for namespace in self.client.kv_namespace_list():
-            if namespace.get("title") == self.kv_title:
-                return str(namespace["id"])
-        return None
-
-    def _find_or_create_kv(self) -> str:
-        found = self._find_kv()
-        if found is not None:
-            return found
-        try:
-            return str(self.client.kv_namespace_create(self.kv_title)["id"])
-        except CloudflareRejected:
-            # A concurrent provision created it meanwhile (10014, a taken title): use that one.
-            found = self._find_kv()
-            if found is None:
-                raise
-            return found
 
     @property
     def front(self) -> SigilWorker:
@@ -161,9 +165,9 @@ class LoaderRuntime(FrontedRuntime):
         done = []
         with self._lock:
             if self._kv_id is None:
-                found = self._find_kv()
+                found = kv_namespace_find(self.client, self.kv_title)
                 if found is None:
-                    found = self._find_or_create_kv()
+                    found = kv_namespace_ensure(self.client, self.kv_title)
                     done.append(f"created the KV namespace {self.kv_title} ({found})")
                 self._kv_id = found
         if self.worker.deploy():
@@ -176,7 +180,7 @@ class LoaderRuntime(FrontedRuntime):
     def slot_for(self, full_name: str, *, attempt: int = 0) -> str:
         return full_name  # full names are unique, and KV keys hold up to 512 bytes
 
-    def place(self, *, slot: str, bundle: CodeBundle) -> None:
+    def place(self, *, slot: str, bundle: CodeBundle, tenant: str) -> None:
         """Write the bundle under its sha, have the loader Worker start it, then point the
         slot at it: two KV writes, a KV read and one request to the loader Worker (after the
         first placement of the process; two more when the Worker did not see the bundle),
@@ -186,7 +190,7 @@ class LoaderRuntime(FrontedRuntime):
         # Its secrets are sealed for the loader Worker, whose SIGIL_SECRET opens them.
         stored = bundle.to_json(seal_key=self._secret)
         self.client.kv_put(self.kv_id, CODE_PREFIX + bundle.sha, stored)
-        route = self.route(slot=slot, sha=bundle.sha)
+        route = self.route(slot=slot, sha=bundle.sha, tenant=tenant)
         try:
             if not self._start_check(route):
                 # The host's location does not see the API's write yet, and will not while
@@ -244,27 +248,12 @@ class LoaderRuntime(FrontedRuntime):
             for key in self.client.kv_keys(self.kv_id, prefix=SLOT_PREFIX)
         }
 
-    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
+    def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
         return self._front_route([("X-Sigil-Secret", self._secret), ("X-Sigil-Loader-Id", f"{slot}@{sha}")], cpu_ms)
 
     def list_slots(self) -> list[str]:
         return sorted(self._pointers())
 
     def call_records_take(self, *, limit: int) -> list[dict]:
-        """The oldest `limit` batches the host's tail left under `logs:` (one listing, then a
-        read and a delete per batch). A batch that is not JSON is dropped and returned as
-        `{"records": None}`, so that it is counted as undelivered."""
-        keys = sorted(k["name"] for k in self.client.kv_keys(self.kv_id, prefix=LOGS_PREFIX))[:limit]
-        batches = []
-        for key in keys:
-            try:
-                raw = self.client.kv_get(self.kv_id, key)
-            except CloudflareNotFound:
-                continue  # another collector took it, or it expired meanwhile
-            self.client.kv_delete(self.kv_id, key)
-            try:
-                batch = json.loads(raw)
-            except ValueError:
-                batch = {"records": None}
-            batches.append(batch if isinstance(batch, dict) else {"records": None})
-        return batches
+        """The oldest `limit` batches the host's tail left under `logs:`."""
+        return kv_batches_take(self.client, self.kv_id, limit=limit)

@@ -11,9 +11,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import urllib3
+from django.conf import LazySettings
 
-from capabilities.cloudflare import CloudflareClient, CloudflareNotFound
-from capabilities.runtimes.base import Route, Runtime
+from capabilities.runtimes.base import Route
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound
+from capabilities.runtimes.cloudflare.account import CloudflareRuntime, Finding, PlanProbe, scripts_in_use
 from capabilities.runtimes.errors import RuntimeUnavailable, network_failure
 
 # The plain-text binding that carries the deployed source's version, and the header the
@@ -46,9 +48,11 @@ class SigilWorker:
         version_binding: str,
         compatibility_date: str = "2025-01-01",
         compatibility_flags: Sequence[str] = (),
+        tail_consumers: Sequence[Mapping[str, str]] = (),
         invoke_base: str = "",
     ) -> None:
         self.client = client
+        self.tail_consumers = [dict(c) for c in tail_consumers]
         self.name = name
         self.modules = dict(modules)
         self.main_module = main_module
@@ -62,6 +66,8 @@ class SigilWorker:
         stamp = [self.modules, self.main_module, self.bindings, compatibility_date, secrets]
         if self.compatibility_flags:  # so that a Worker without flags keeps the version it had
             stamp.append(self.compatibility_flags)
+        if self.tail_consumers:  # likewise
+            stamp.append(self.tail_consumers)
         stamp = json.dumps(stamp, sort_keys=True)
         self.version = hashlib.sha256(stamp.encode()).hexdigest()[:16]
         self._subdomain: str | None = None
@@ -104,6 +110,7 @@ class SigilWorker:
                 compatibility_flags=self.compatibility_flags,
                 bindings=[*self.bindings, *self.secret_bindings, version],
                 tags=[SYSTEM_TAG],
+                tail_consumers=self.tail_consumers,
             )
             self.client.script_subdomain_set(self.name, enabled=True)
             return True
@@ -142,7 +149,7 @@ class SigilWorker:
             )
 
 
-class FrontedRuntime(Runtime):
+class FrontedRuntime(CloudflareRuntime):
     """A runtime whose calls all enter through one Worker of Sigil's (the platform's dispatch
     Worker, the loader Worker), which `provision` deploys on a process's first placement.
 
@@ -163,6 +170,28 @@ class FrontedRuntime(Runtime):
     @abstractmethod
     def front(self) -> SigilWorker:
         """Sigil's Worker in front of the capabilities."""
+
+    @classmethod
+    @abstractmethod
+    def front_name(cls, settings: LazySettings) -> str:
+        """The name of Sigil's Worker in front, as `settings` give it."""
+
+    @classmethod
+    @abstractmethod
+    def plan_finding(cls, *, client: CloudflareClient, probe: PlanProbe, settings: LazySettings) -> Finding:
+        """Whether the account's plan has what this runtime needs (for `cfcheck`)."""
+
+    @classmethod
+    def account_findings(
+        cls, *, client: CloudflareClient, probe: PlanProbe, scripts: list[str], settings: LazySettings
+    ) -> list[Finding]:
+        """The plan's finding, and whether the account has room for Sigil's Worker in front."""
+        plan = cls.plan_finding(client=client, probe=probe, settings=settings)
+        front = cls.front_name(settings)
+        count = scripts_in_use(scripts, probe, settings=settings, front=front)
+        if len(scripts) >= count.limit and front not in scripts:
+            return [plan, Finding("scripts", False, f"{count.used}: no room left for Sigil's Worker {front}")]
+        return [plan, Finding("scripts", True, count.used)]
 
     def _ensure_provisioned(self) -> None:
         if self._provisioned:

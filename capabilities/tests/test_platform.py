@@ -3,9 +3,10 @@ dispatch namespace behind the repo's dispatch Worker."""
 
 from django.core.management import call_command
 
-from capabilities import names, services
+from capabilities import services
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
+from capabilities.runtimes.cloudflare.account import installation_tag
 from testsupport.capability_code import PONG
 
 
@@ -79,7 +80,7 @@ def test_reconcile_leaves_the_owners_scripts_in_the_namespace_alone_even_tagged_
         modules={"w.js": PONG},
         main_module="w.js",
         compatibility_date="2025-01-01",
-        tags=["sigil", names.installation_tag(settings.SIGIL_INTERNAL_SECRET)],
+        tags=["sigil", installation_tag(settings.SIGIL_INTERNAL_SECRET)],
     )
     assert services.capability_reconcile()["orphans_removed"] == 1
     assert sorted(s.id for s in cf_client.namespace_script_list(namespace)) == ["alice--ping", "owners-own"]

@@ -14,8 +14,9 @@ import pytest
 import requests
 
 from agents.models import AuditEvent
-from capabilities import names, pager
+from capabilities import pager
 from capabilities.models import Capability, CapabilityVersion
+from capabilities.runtimes.worker_pool import pool_script_name
 from capabilities.services import async_calls
 from capabilities.services.placement import placement_lock_key
 from capabilities.tests.test_work_ends import BOUND, LEASE, reap_until, uploads
@@ -95,7 +96,7 @@ def test_a_host_killed_mid_deploy_has_its_deploy_placed_by_the_survivor(hosts, w
     answer = alice.deploy(name="slow", code=answering("placed after all"))
     assert answer.status_code == 202, answer.text
     wait_for(
-        lambda: uploads(worker_pool, names.pool_script_name("alice--slow")),
+        lambda: uploads(worker_pool, pool_script_name("alice--slow")),
         timeout=30,
         message="host a's worker to upload the deploy",
     )

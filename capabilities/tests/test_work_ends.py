@@ -16,8 +16,9 @@ import time
 import pytest
 
 from agents.models import AuditEvent
-from capabilities import names, pager, services
+from capabilities import pager, services
 from capabilities.models import Capability, CapabilityVersion
+from capabilities.runtimes.worker_pool import pool_script_name
 from capabilities.services.deploy_task import DEPLOY_RESENDS
 from capabilities.services.placement import placement_lock, placement_lock_key
 from sigil import leases
@@ -69,7 +70,7 @@ def test_a_deploy_whose_workers_main_process_is_killed_is_placed_within_the_boun
         answer = alice.deploy(name="slow", code=code("placed after all"))
         assert answer.status_code == 202, answer.text
         wait_for(
-            lambda: uploads(worker_pool, names.pool_script_name("alice--slow")),
+            lambda: uploads(worker_pool, pool_script_name("alice--slow")),
             timeout=30,
             message="the deploy's upload to reach Cloudflare",
         )
@@ -104,7 +105,7 @@ def test_a_deploy_no_worker_takes_after_its_worker_died_is_failed_and_audited(wo
     try:
         assert alice.deploy(name="lost", code=code("never")).status_code == 202
         wait_for(
-            lambda: uploads(worker_pool, names.pool_script_name("alice--lost")),
+            lambda: uploads(worker_pool, pool_script_name("alice--lost")),
             timeout=30,
             message="the deploy's upload to reach Cloudflare",
         )
