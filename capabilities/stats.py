@@ -8,6 +8,7 @@ import bisect
 import json
 import uuid
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from agents import tokens
 from capabilities import breaker, failures, pager
@@ -190,57 +191,65 @@ return breaker_record(open, failures, trial, now, ok, ARGV[6] == '1', tonumber(A
 )
 
 
+class RecordedCall(Protocol):
+    """What a CallRecord reads of the call it records (the engine's Call)."""
+
+    full: str  # what was placed and called: a staged version's own name in a split
+    capability_type: str
+    token_hash: str
+    is_trial: bool
+    inflight_process: str | None  # the process whose in-flight count the call holds (pager_inflight_enter)
+    page_in_ms: float | None
+
+
 @dataclass(frozen=True, slots=True)
 class CallRecord:
     """What one call that reached the capability's code leaves behind, applied by RECORD_CALL
     in one round trip: its counters, access stamp, LRU stamp, in-flight release, breaker
     outcome, failure record (for a failure) and access-pattern entry."""
 
-    full: str  # what was placed and called: a staged version's own name in a split
-    capability_type: str
-    token_hash: str
+    call: RecordedCall
     at_epoch: float
     latency_ms: float
     status: int
     ok: bool
-    is_trial: bool
-    inflight_process: str | None  # the process whose in-flight count the call holds (pager_inflight_enter)
-    page_in_ms: float | None
     code: str | None = None  # Sigil's error code, when Sigil answered for the capability
     failure: str = ""  # failures.failure_encode() of a failure; "" for a success
 
     def keys(self) -> list[str]:
+        full = self.call.full
         return [
-            stats_key(self.full),
-            breaker.failures_key(self.full),
-            breaker.open_key(self.full),
-            breaker.trial_key(self.full),
+            stats_key(full),
+            breaker.failures_key(full),
+            breaker.open_key(full),
+            breaker.trial_key(full),
             DIRTY_KEY,
             TOKENS_USED_KEY,
-            pager.lru_key(self.capability_type),
-            pager.inflight_by_process_key(self.full),
-            failures.failures_key(self.full),
+            pager.lru_key(self.call.capability_type),
+            pager.inflight_by_process_key(full),
+            failures.failures_key(full),
             ACCESS_LOG_KEY,
         ]
 
     def args(self, *, rules: breaker.Breaker, failures_kept: int, access_log_length: int) -> list:
+        call = self.call
         return [
-            self.full,
-            self.token_hash,
+            call.full,
+            call.token_hash,
             f"{self.at_epoch:.6f}",
             f"{self.latency_ms:.3f}",
             int(self.ok),
-            int(self.is_trial),
+            int(call.is_trial),
             rules.threshold,
             rules.cooldown_seconds,
-            self.inflight_process or 0,
+            call.inflight_process or 0,
             bucket_field(self.latency_ms),
-            "" if self.page_in_ms is None else f"{self.page_in_ms:.3f}",
+            "" if call.page_in_ms is None else f"{call.page_in_ms:.3f}",
             status_field(self.status),
             code_field(self.code),
             self.failure,
             failures_kept,
-            self.capability_type,
+            call.capability_type,
             access_log_length,
         ]
 

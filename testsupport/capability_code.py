@@ -10,6 +10,13 @@ ECHO = """export default { async fetch(request) {
     headers: Object.fromEntries(request.headers), body: await request.text(),
   }, { status: 207, headers: { 'x-echo': 'yes', 'set-cookie': 'a=b' } });
 } }"""
+# Answers how many bytes its request body had, read as it streams in.
+COUNTS_BODY = """export default { async fetch(request) {
+  let total = 0;
+  const reader = request.body.getReader();
+  for (;;) { const { done, value } = await reader.read(); if (done) break; total += value.byteLength; }
+  return new Response(String(total));
+} }"""
 
 
 def answering(text: str) -> str:

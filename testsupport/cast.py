@@ -126,3 +126,17 @@ def deploy_answering(agent, name: str | None, text: str, **body) -> dict:
     response = agent.deploy(name=name, code=answering(text), **body)
     assert response.status_code in (200, 201), response.text
     return response.json()
+
+
+def echo_everything(agent) -> requests.Response:
+    """Deploy ECHO as `agent`'s `echo` and call it with a method, a deep quoted path, a query,
+    a body and headers (one posing as Sigil's own): what the capability saw comes back."""
+    from testsupport.capability_code import ECHO
+
+    agent.deploy(name="echo", code=ECHO)
+    return agent.call(
+        f"/{agent.name}/echo/deep/path%20x?q=1&r=two",
+        method="PUT",
+        data=b"payload-bytes",
+        headers={"X-Custom": "value", "Content-Type": "text/plain", "X-Sigil-Secret": "forged"},
+    )

@@ -32,7 +32,8 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from capabilities import names
-from capabilities.engine.engine import Engine, error_answer
+from capabilities.engine.answers import error_answer
+from capabilities.engine.engine import Engine
 from capabilities.engine.upstream import HOP_BY_HOP
 from capabilities.engine.values import CallRequest
 from capabilities.services import async_calls

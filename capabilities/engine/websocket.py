@@ -16,8 +16,13 @@ import time
 import aiohttp
 from django.conf import settings
 
+from capabilities.engine.answers import call_headers
+from capabilities.engine.calls import Call
+from capabilities.engine.recording import Recorder
+from capabilities.engine.sending import Sender
 from capabilities.engine.upstream import RefusedUpgrade, UpstreamTimeout, UpstreamUnreachable
-from capabilities.engine.values import CallAnswer
+from capabilities.engine.values import CallAnswer, CallRequest
+from capabilities.runtimes.base import Route
 from sigil.errors import Timeout, UpstreamError
 
 logger = logging.getLogger("capabilities.gateway")
@@ -27,10 +32,11 @@ HANDSHAKE_HEADERS = ("sec-websocket-key", "sec-websocket-version", "sec-websocke
 GOING_AWAY = 1001
 
 
-async def websocket_open(engine, request, call, route, target) -> CallAnswer:
+async def websocket_open(sender: Sender, request: CallRequest, call: Call, target: Route) -> CallAnswer:
     """Ask the capability at `target` to take a WebSocket; the answer carries the session to
     relay, or the capability's refusal. Raises Timeout or UpstreamError as a call would."""
-    url, headers = engine.upstream_request(request, target)
+    recorder = sender.recorder
+    url, headers = sender.upstream_request(request, target)
     for name in HANDSHAKE_HEADERS:
         headers.pop(name, None)
     protocols = tuple(
@@ -38,36 +44,31 @@ async def websocket_open(engine, request, call, route, target) -> CallAnswer:
     )
     call.sent_at = time.time()
     try:
-        upstream = await engine.upstream.websocket(url, headers=headers, protocols=protocols)
+        upstream = await sender.upstream.websocket(url, headers=headers, protocols=protocols)
     except RefusedUpgrade as refused:
         call.finished = True
         status = refused.status
 
         async def recorded(complete: bool) -> None:
-            await engine.finish(call, status=status)
+            await recorder.finish(call, status=status)
 
         return CallAnswer(status, "", [("Content-Length", "0")], b"", on_close=recorded)
     except UpstreamTimeout as exc:
-        error = Timeout(f"{call.full} did not answer within {engine.upstream.read_timeout:g} s")
-        await engine.finish(call, status=error.status, code=error.code, message=error.message)
+        error = Timeout(f"{call.full} did not answer within {sender.upstream.read_timeout:g} s")
+        await recorder.finish(call, status=error.status, code=error.code, message=error.message)
         raise error from exc
     except UpstreamUnreachable as exc:
         raise UpstreamError(f"the runtime could not be reached for {call.full}: {exc}") from exc
     call.finished = True
-    session = WebSocketSession(engine, upstream, call, settings.SIGIL_WEBSOCKET_MAX_SECONDS)
-    headers_out = [("X-Sigil-Capability", call.shown)]
-    if route.version is not None:
-        headers_out.append(("X-Sigil-Version", str(route.version)))
-    if call.page_in_ms is not None:
-        headers_out.append(("X-Sigil-Cold-Start", "1"))
-    return CallAnswer(101, "Switching Protocols", headers_out, b"", on_close=session.close, websocket=session)
+    session = WebSocketSession(recorder, upstream, call, settings.SIGIL_WEBSOCKET_MAX_SECONDS)
+    return CallAnswer(101, "Switching Protocols", call_headers(call), b"", on_close=session.close, websocket=session)
 
 
 class WebSocketSession:
     """The runtime's side of one relayed WebSocket."""
 
-    def __init__(self, engine, upstream: aiohttp.ClientWebSocketResponse, call, max_seconds: float) -> None:
-        self.engine = engine
+    def __init__(self, recorder: Recorder, upstream: aiohttp.ClientWebSocketResponse, call, max_seconds: float) -> None:
+        self.recorder = recorder
         self.upstream = upstream
         self.call = call
         self.max_seconds = max_seconds
@@ -132,4 +133,4 @@ class WebSocketSession:
         if not self.upstream.closed:
             with contextlib.suppress(Exception):
                 await self.upstream.close(code=GOING_AWAY)
-        await self.engine.finish(self.call, status=101, ok=self.ok)
+        await self.recorder.finish(self.call, status=101, ok=self.ok)

@@ -9,8 +9,8 @@ import pytest
 from capabilities import services
 from capabilities.models import Binding, Capability
 from capabilities.runtimes import get_runtime
-from testsupport.capability_code import ECHO, PONG, PONG2
-from testsupport.cast import grant, wait_for
+from testsupport.capability_code import PONG, PONG2
+from testsupport.cast import echo_everything, grant, wait_for
 
 BACKENDS = ["local", "worker-pool", "platform", "loader"]
 
@@ -63,13 +63,7 @@ def test_deploy_invoke_update_and_remove(backend, alice, celery_worker):
 
 
 def test_invoke_passes_method_path_query_headers_and_body_through(backend, alice):
-    alice.deploy(name="echo", code=ECHO)
-    response = alice.call(
-        "/alice/echo/deep/path%20x?q=1&r=two",
-        method="PUT",
-        data=b"payload-bytes",
-        headers={"X-Custom": "value", "Content-Type": "text/plain", "X-Sigil-Secret": "forged"},
-    )
+    response = echo_everything(alice)
     assert response.status_code == 207
     assert (response.headers["x-echo"], response.headers["set-cookie"]) == ("yes", "a=b")
     # Only Sigil's own headers start with X-Sigil-: the capability's forged one is dropped.

@@ -1,0 +1,195 @@
+"""How a call ends: recorded once it reached the capability's code (its counters, breaker
+outcome, failure record and access stamp, in one Redis round trip: stats.CallRecord), counted
+as a refusal when Sigil answered for it, or abandoned; and whatever way, its shares given back.
+AnswerBody streams the capability's answer and records the call once the caller has it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+import redis.asyncio as aioredis
+from django.conf import settings
+from redis.commands.core import AsyncScript
+
+from capabilities import breaker, degraded_cache, failures, pager, stats
+from capabilities.engine.access_log import log_access
+from capabilities.engine.calls import Call
+from capabilities.engine.offload import Offload
+from capabilities.engine.shares import FairShares
+from capabilities.engine.upstream import UpstreamResponse, UpstreamTimeout, UpstreamUnreachable
+from capabilities.engine.values import CallRequest
+from capabilities.runtimes import runtime_for
+from capabilities.services.observability import breaker_changed
+from sigil.errors import REDIS_UNREACHABLE
+from sigil.redis_client import get_redis
+
+logger = logging.getLogger("capabilities.gateway")
+
+
+@dataclass(slots=True, eq=False)
+class Recorder:
+    """Records, counts and abandons the calls of one engine."""
+
+    redis: aioredis.Redis
+    offload: Offload
+    shares: FairShares
+    breaker: breaker.Breaker
+    degraded_cache: degraded_cache.DegradedCache  # where AnswerBody keeps a last good answer
+    record_script: AsyncScript = field(init=False)
+    failures_kept: int = field(init=False)
+    access_log_length: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.record_script = self.redis.register_script(stats.RECORD_CALL)
+        self.failures_kept = settings.SIGIL_FAILURES_KEPT
+        self.access_log_length = settings.SIGIL_ACCESS_PATTERN_MAX_CALLS
+
+    async def finish(
+        self, call: Call, *, status: int, ok: bool | None = None, code: str | None = None, message: str = ""
+    ) -> None:
+        """Record a call that reached the capability, answered `status` (ok unless 5xx, or
+        as given), in one Redis round trip (stats.CallRecord); persist a breaker transition
+        through Celery; give back the call's shares."""
+        call.finished = True
+        call.recorded = True
+        self.give_shares(call)
+        ok = status < 500 if ok is None else ok
+        now = time.time()
+        latency_ms = (time.perf_counter() - call.started) * 1000
+        failure = ""
+        if not ok:
+            failure = failures.failure_encode(
+                status=status,
+                code=code,
+                message=message,
+                duration_ms=latency_ms,
+                request_id=call.request_id,
+                version=call.version,
+                at_epoch=now,
+            )
+        record = stats.CallRecord(
+            call, at_epoch=now, latency_ms=latency_ms, status=status, ok=ok, code=code, failure=failure
+        )
+        change = await self.record_script(
+            keys=record.keys(),
+            args=record.args(
+                rules=self.breaker, failures_kept=self.failures_kept, access_log_length=self.access_log_length
+            ),
+        )
+        if change:
+            await self.offload(breaker_changed, full=call.full, change=change, at_epoch=now)
+
+    def give_shares(self, call: Call) -> None:
+        if call.holds_call_share:
+            call.holds_call_share = False
+            self.shares.give_call(call.caller)
+        if call.body_size:
+            self.shares.give_body(call.owner, call.body_size)
+            call.body_size = 0
+
+    async def count_answer(self, full: str | None, status: int, code: str | None) -> None:
+        """Count an answer that was no call to the capability's code (see stats.answer_count)."""
+        try:
+            pipe = self.redis.pipeline(transaction=True)
+            stats.answer_count_queue(pipe, full=full, status=status, code=code)
+            await pipe.execute()
+        except REDIS_UNREACHABLE as exc:
+            # The caller has its answer (likely `503 unavailable` for this same reason).
+            logger.warning("Redis unreachable: a %s answer was not counted: %s", status, exc)
+
+    async def abandon(self, call: Call) -> None:
+        """A call that ended before the capability answered: give back what it holds."""
+        call.finished = True
+        self.give_shares(call)
+        if not (call.is_trial or call.inflight_process):
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        if call.is_trial:
+            pipe.delete(breaker.trial_key(call.full))
+        if call.inflight_process:
+            pager.pager_inflight_leave(call.full, process=call.inflight_process, pipe=pipe)
+        try:
+            await pipe.execute()
+        except REDIS_UNREACHABLE as exc:
+            logger.error("Redis unreachable: the call to %s left its counts: %s", call.full, exc)
+
+
+class AnswerBody:
+    """Streams the capability's body to the caller; records the call once it has been sent."""
+
+    def __init__(self, recorder: Recorder, upstream: UpstreamResponse, call: Call, route, request: CallRequest) -> None:
+        self.recorder = recorder
+        self.upstream = upstream
+        self.call = call
+        self.route = route
+        self.request = request
+        self.ok = upstream.status < 500
+        self.counts = True
+        self.message = ""  # for a failure record: the start of a 5xx body, or why it was cut
+        self.cache_target: str | None = None
+        self.cache_answer: degraded_cache.CachedAnswer | None = None
+        self.cache_chunks: list[bytes] = []
+        self.cache_complete = False  # the whole body was read (not cut)
+
+    def keep_for_cache(self, target: str, answer: degraded_cache.CachedAnswer) -> None:
+        """Keep the body as it streams, to store it as the last good answer to `target`
+        (capabilities that opted in: degraded_cache)."""
+        self.cache_target, self.cache_answer = target, answer
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        room = self.recorder.degraded_cache.max_body_bytes
+        try:
+            async for chunk in self.upstream.stream():
+                if not self.ok and not self.message:
+                    self.message = _first_line(chunk)
+                if self.cache_answer is not None:
+                    room -= len(chunk)
+                    if room < 0:
+                        self.cache_answer = None  # too large to keep: the call is not cached
+                    else:
+                        self.cache_chunks.append(chunk)
+                yield chunk
+            self.cache_complete = True
+        except (UpstreamTimeout, UpstreamUnreachable) as exc:
+            self.ok = False  # the capability stalled or broke mid-body; the caller sees a cut response
+            self.message = f"failed while streaming its response: {exc}"
+            logger.warning("%s failed while streaming its response: %s", self.call.full, exc)
+            if isinstance(exc, UpstreamUnreachable):
+                runtime = runtime_for(self.route.backend)
+                stopped = runtime.call_stopped(slot=self.route.slot, tenant=self.route.agent, sent_at=self.call.sent_at)
+                # Cut because another call ran its process past a limit: not this one's failure.
+                # Nor is a memory stop that came while this call was only sending its answer: the
+                # process cannot say which call grew it, and one that had answered is the least
+                # likely (its own growth would have stopped it before its answer began).
+                self.counts = stopped is None or (stopped.culprit and stopped.reason != "memory")
+
+    async def close(self, complete: bool) -> None:
+        """Called once the caller has the last byte (or went away), so this bookkeeping is off
+        the caller's latency."""
+        recorder, call = self.recorder, self.call
+        self.upstream.release()
+        try:
+            if self.counts:
+                await recorder.finish(call, status=self.upstream.status, ok=self.ok, message=self.message)
+            else:
+                await recorder.abandon(call)
+            if self.cache_answer is not None and self.cache_complete and complete and self.ok:
+                answer = replace(self.cache_answer, body=b"".join(self.cache_chunks), stored_epoch=time.time())
+                await recorder.offload(
+                    recorder.degraded_cache.store, get_redis(), full=call.full, target=self.cache_target, answer=answer
+                )
+        except REDIS_UNREACHABLE as exc:
+            # The caller has its answer; only this call's counters and breaker update are lost.
+            logger.error("Redis unreachable: the call to %s was not recorded: %s", call.full, exc)
+        finally:
+            log_access(
+                self.request, self.upstream.status, call.started, capability=call.full, page_in_ms=call.page_in_ms
+            )
+
+
+def _first_line(chunk: bytes) -> str:
+    lines = chunk[: failures.MESSAGE_MAX_CHARS].decode(errors="replace").strip().splitlines()
+    return lines[0] if lines else ""

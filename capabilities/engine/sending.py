@@ -1,0 +1,237 @@
+"""Sending a call to its runtime, and what its failures mean: where a slot answers, the
+request as the runtime gets it, a resend while Cloudflare propagates a script just placed, and
+the contract's answer to a call the runtime timed out, lost or stopped at a limit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+from urllib3.util import parse_url
+
+from capabilities import routes
+from capabilities.engine.calls import Call
+from capabilities.engine.offload import Offload
+from capabilities.engine.recording import Recorder
+from capabilities.engine.upstream import (
+    HOP_BY_HOP,
+    UpstreamClient,
+    UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
+from capabilities.engine.values import CallRequest
+from capabilities.runtimes import runtime_for
+from capabilities.runtimes.base import Route, Runtime
+from capabilities.runtimes.errors import RuntimeThrottled, RuntimeUnavailable
+from capabilities.services.placement import runtime_throttled
+from sigil.errors import CapabilityError, SigilError, Timeout, TooLarge, Unavailable, UpstreamError
+
+logger = logging.getLogger("capabilities.gateway")
+
+# What the engine drops from the caller's request besides hop-by-hop fields: the caller's
+# credentials, the length it writes itself, and (below) anything posing as Sigil's internal
+# headers. The caller's Host goes on (the capability's request.url names the host it was
+# called at), unless the route names the host its runtime needs.
+DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"authorization", "content-length"}
+# Cloudflare stopped the capability at its limits. Sigil's own Workers answer `exceeded-cpu`
+# (with "ran past its CPU limit of N ms") when they see it; an unmarked 1102, which does not
+# say whether CPU or memory ran out, is read as EXCEEDED_LIMITS (Runtime.stopped_at_limits).
+EXCEEDED_CPU = "exceeded-cpu"
+EXCEEDED_LIMITS = "exceeded-limits"
+# How a call to a script it has just placed waits for Cloudflare to propagate it: the first
+# pause, doubled after each "not found" up to the longest.
+PROPAGATION_FIRST_PAUSE_SECONDS = 0.05
+PROPAGATION_MAX_PAUSE_SECONDS = 1.0
+
+
+@dataclass(slots=True, eq=False)
+class Sender:
+    """Sends the calls of one engine to their runtimes, one request each time."""
+
+    runtime: Runtime  # the process's own: a route still on another is a switch under way
+    upstream: UpstreamClient
+    offload: Offload
+    recorder: Recorder  # a call that timed out or was stopped at a limit is recorded as it fails
+    max_body: int
+    route_memo: dict[tuple, Route] = field(default_factory=dict)  # where each placement answers
+
+    async def target(self, route: routes.CachedRoute) -> Route:
+        """Where the route's slot answers, resolved once per placement: the route's own
+        runtime (while `switchbackend` moves capabilities, some are still placed on the
+        previous one, and are served there until their move is recorded)."""
+        key = (route.backend, route.slot, route.sha, route.cpu_ms)
+        target = self.route_memo.get(key)
+        if target is None:
+            runtime = runtime_for(route.backend)
+            try:
+                # No I/O but on a runtime's first call (Cloudflare's account subdomain).
+                target = await self.offload(
+                    runtime.route, slot=route.slot, sha=route.sha, tenant=route.agent, cpu_ms=route.cpu_ms
+                )
+            except RuntimeThrottled as exc:  # Cloudflare's lockout, while asked for the account's subdomain
+                raise runtime_throttled(exc, doing=f"reach {route.slot}") from exc
+            except RuntimeUnavailable as exc:
+                raise self.runtime_failed(
+                    route, f"the runtime could not say where slot {route.slot} answers: {exc}"
+                ) from exc
+            if len(self.route_memo) > 10_000:
+                self.route_memo.clear()
+            self.route_memo[key] = target
+        return target
+
+    def upstream_request(self, request: CallRequest, target: Route) -> tuple[str, dict[str, str]]:
+        """The URL and headers of the call as the runtime gets it."""
+        headers = forwarded_headers(request)
+        headers["x-request-id"] = request.request_id  # Sigil's, never the caller's
+        headers.update(target.headers)
+        if target.host_header:
+            headers["host"] = target.host_header
+        # Normalised as a client library would: dot segments resolved, characters that may
+        # not appear in a request line percent-encoded.
+        url = target.base_url + request.rest + ("?" + request.query if request.query else "")
+        parsed = parse_url(url)
+        return f"{parsed.scheme}://{parsed.netloc}{parsed.request_uri}", headers
+
+    async def send(self, request: CallRequest, target: Route) -> UpstreamResponse:
+        url, headers = self.upstream_request(request, target)
+        body: AsyncIterator[bytes] | bytes | None = None
+        if request.length:
+            headers["content-length"] = str(request.length)
+            body = request.body
+        elif request.chunked:
+            body = limited_body(request.body, self.max_body)
+        return await self.upstream.request(request.method, url, headers=headers, body=body)
+
+    async def send_once(self, request: CallRequest, call: Call, route: routes.CachedRoute) -> UpstreamResponse:
+        """The runtime's answer to one sending of the call. A timeout, or a stop at a limit of
+        the call's own, is recorded as the call's failure and raised (Timeout, CapabilityError);
+        a runtime out of reach is UpstreamError, a call cut by another's stop Unavailable."""
+        call.sent_at = sent_at = time.time()
+        try:
+            return await self.send(request, await self.target(route))
+        except UpstreamTimeout as exc:
+            error = Timeout(f"{call.full} did not answer within {self.upstream.read_timeout:g} s")
+            await self.recorder.finish(call, status=error.status, code=error.code, message=error.message)
+            raise error from exc
+        except UpstreamUnreachable as exc:
+            stopped = runtime_for(route.backend).call_stopped(slot=route.slot, tenant=route.agent, sent_at=sent_at)
+            if stopped is None:
+                raise self.runtime_failed(route, f"the runtime could not be reached for {call.full}: {exc}") from exc
+            if not stopped.culprit:
+                # Its process exited, or it shared one with a call that ran past a limit, or found
+                # it restarting: not this capability's failure, so its breaker is left alone.
+                whose = "its runtime process" if stopped.reason == "exited" else "another call in its runtime process"
+                raise Unavailable(
+                    f"{call.full} was interrupted: {whose} {stopped.message}; a fresh process is starting",
+                    retry_after=1,
+                ) from exc
+            error = stopped_at_limit(call.full, stopped.message, cpu=stopped.reason == "cpu")
+            await self.recorder.finish(call, status=error.status, code=error.code, message=error.message)
+            raise error from exc
+
+    async def resend_while_propagating(self, request, call: Call, route, upstream: UpstreamResponse):
+        """Send a bodiless call again while the script this call just placed (or Sigil's own
+        Worker in front of it, deployed by that placement) still answers "not found": Cloudflare
+        serves a new Worker, and a workers.dev route just turned on, only once they have
+        propagated. Backs off, within the call's time (SIGIL_INVOKE_TIMEOUT_SECONDS); the last
+        answer is the caller's. Nothing ran the capability's code meanwhile, so resending is safe."""
+        runtime = runtime_for(route.backend)
+        deadline = call.started + self.upstream.read_timeout
+        pause = PROPAGATION_FIRST_PAUSE_SECONDS
+        while time.perf_counter() + pause < deadline:
+            await upstream.drain()
+            upstream.release()
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, PROPAGATION_MAX_PAUSE_SECONDS)
+            upstream = await self.send_once(request, call, route)
+            if not (upstream.status == 404 and runtime.is_missing(upstream)):
+                break
+        return upstream
+
+    def runtime_failed(self, route: routes.CachedRoute, message: str) -> UpstreamError:
+        """The 502 for a runtime that failed a call; a capability still placed on the runtime
+        used before SIGIL_BACKEND changed is told how it is moved."""
+        if route.backend and route.backend != self.runtime.name:
+            message += (
+                f" (it is still placed on the {route.backend} runtime, not {self.runtime.name}: "
+                "the owner moves it with `python manage.py switchbackend`)"
+            )
+        return UpstreamError(message)
+
+    async def runtime_failure(self, upstream: UpstreamResponse, failure: str, call: Call) -> NoReturn:
+        """Raise the contract's error for an answer the runtime marked as its own failure
+        (`x-sigil-error`, or a stop at the limits): the capability's own doing (it threw, or
+        ran past a limit) is recorded as its failure; anything else is the runtime's."""
+        message = (await upstream.read()).decode(errors="replace")[:2000]
+        upstream.release()
+        if failure == "exception":
+            thrown = _exception_text(message)
+            error: SigilError = CapabilityError(f"{call.full} threw: {thrown}")
+            await self.recorder.finish(call, status=error.status, code=error.code, message=thrown)
+        elif failure in (EXCEEDED_CPU, EXCEEDED_LIMITS):
+            # The capability's own doing: it counts toward its breaker, and no other's. Worded
+            # and classed as the local runtime's stops are: 504 for CPU, else 502.
+            if failure == EXCEEDED_CPU:
+                error = stopped_at_limit(call.full, _runtime_message(message, "ran past its CPU limit"), cpu=True)
+            else:
+                error = stopped_at_limit(call.full, "ran past its resource limits (CPU time or memory)", cpu=False)
+            await self.recorder.finish(call, status=error.status, code=error.code, message=error.message)
+        else:
+            logger.error("runtime refused a call to %s: %s %s", call.full, failure, message)
+            error = UpstreamError(f"the runtime failed to run {call.full} ({failure})")
+        raise error  # answered by Engine.call(), which logs and counts it with its code
+
+
+def forwarded_headers(request: CallRequest) -> dict[str, str]:
+    """The caller's headers the capability gets: not its credentials, nor hop-by-hop fields,
+    nor anything posing as Sigil's own (x-sigil-*)."""
+    return {
+        name: value
+        for name, value in request.headers.items()
+        if name not in DROPPED_REQUEST_HEADERS and not name.startswith("x-sigil-")
+    }
+
+
+def stopped_at_limit(full: str, what: str, *, cpu: bool) -> SigilError:
+    """The answer to a call its runtime stopped at a limit, alike on every runtime: 504 for
+    CPU time, 502 otherwise (memory, or a limit Cloudflare does not name)."""
+    message = f"{full} {what} and was stopped"
+    return Timeout(message) if cpu else CapabilityError(message)
+
+
+async def limited_body(body: AsyncIterator[bytes] | bytes, limit: int) -> AsyncIterator[bytes]:
+    """A chunked body passed on as it arrives, cut with TooLarge past `limit`."""
+    if isinstance(body, bytes):
+        body = _once(body)
+    size = 0
+    async for chunk in body:
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"the request body is over {limit} bytes")
+        yield chunk
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+def _runtime_message(body: str, fallback: str) -> str:
+    """The message of a refusal of Sigil's own Worker (`{"error": …, "message": …}`)."""
+    try:
+        message = json.loads(body)["message"]
+    except (ValueError, KeyError, TypeError):
+        return fallback
+    return message[:200] if isinstance(message, str) else fallback
+
+
+def _exception_text(host_message: str) -> str:
+    try:
+        return json.loads(host_message)["message"].splitlines()[0][:500]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return host_message[:500]
