@@ -23,6 +23,7 @@ from capabilities import stats
 from capabilities.models import Capability
 from capabilities.services import async_calls
 from sigil.redis_client import get_redis
+from testsupport.capability_code import COUNTS_BODY
 from testsupport.cast import deploy_answering, wait_for
 from testsupport.engine_calls import answers_together, call_request
 from testsupport.processes import resident_mb
@@ -33,12 +34,6 @@ FIRST_BYTES = """export default { async fetch(request) {
   const reader = request.body.getReader();
   const { value } = await reader.read();
   return new Response('first ' + value.length);
-} }"""
-COUNTS_BODY = """export default { async fetch(request) {
-  let size = 0;
-  const reader = request.body.getReader();
-  for (;;) { const { done, value } = await reader.read(); if (done) break; size += value.length; }
-  return new Response(String(size));
 } }"""
 ECHO_SOCKET = """export default { async fetch(request) {
   if (request.headers.get('upgrade') !== 'websocket') return new Response('send an upgrade', { status: 426 });

@@ -3,7 +3,8 @@
 import pytest
 
 from capabilities.models import CapabilityVersion
-from testsupport.capability_code import ECHO, PONG, PONG2
+from testsupport.capability_code import COUNTS_BODY, PONG, PONG2
+from testsupport.cast import call_echo_with_everything
 
 
 def test_deploy_then_invoke_then_new_version_then_invoke(alice):
@@ -37,13 +38,7 @@ def test_deploy_of_same_code_makes_no_new_version(alice):
 
 
 def test_method_path_query_headers_and_body_pass_through(alice):
-    alice.deploy(name="echo", code=ECHO)
-    response = alice.call(
-        "/alice/echo/deep/path%20x?q=1&r=two",
-        method="PUT",
-        data=b"payload-bytes",
-        headers={"X-Custom": "value", "Content-Type": "text/plain", "X-Sigil-Secret": "forged"},
-    )
+    response = call_echo_with_everything(alice)
     assert response.status_code == 207
     assert response.headers["x-echo"] == "yes"
     assert response.headers["set-cookie"] == "a=b"
@@ -80,13 +75,6 @@ STREAMS = """export default { async fetch() {
   return new Response(stream, { headers: { 'content-type': 'text/plain' } });
 } }"""
 
-COUNTS = """export default { async fetch(request) {
-  let total = 0;
-  const reader = request.body.getReader();
-  for (;;) { const { done, value } = await reader.read(); if (done) break; total += value.byteLength; }
-  return new Response(String(total));
-} }"""
-
 
 def test_response_body_streams_to_the_caller(alice):
     import time
@@ -102,7 +90,7 @@ def test_response_body_streams_to_the_caller(alice):
 
 
 def test_large_request_body_reaches_the_capability(alice):
-    alice.deploy(name="counts", code=COUNTS)
+    alice.deploy(name="counts", code=COUNTS_BODY)
     payload = b"x" * (8 * 1024 * 1024)
     response = alice.call("/alice/counts", method="POST", data=payload)
     assert response.status_code == 200 and response.text == str(len(payload))
@@ -110,7 +98,7 @@ def test_large_request_body_reaches_the_capability(alice):
 
 def test_request_body_over_the_invoke_limit_is_a_413(alice, settings):
     settings.SIGIL_INVOKE_MAX_BODY_BYTES = 1024
-    alice.deploy(name="counts", code=COUNTS)
+    alice.deploy(name="counts", code=COUNTS_BODY)
     response = alice.call("/alice/counts", method="POST", data=b"x" * 2048)
     assert response.status_code == 413 and response.json()["error"]["code"] == "too_large"
 
