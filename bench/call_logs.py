@@ -22,7 +22,6 @@ It stops everything it started, by pid.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import sys
@@ -48,13 +47,8 @@ def code(lines: int) -> str:
 
 def start_sigil(processes: harness.Processes, *, enabled: bool, lines: int) -> tuple[int, dict[str, str]]:
     """A Sigil of its own (its own var dir, Redis, workerd), with the capability deployed."""
-    var_dir = harness.fresh_var_dir(f"logs-{'on' if enabled else 'off'}")
-    env = harness.sigil_environment(
-        var_dir,
-        own_redis=True,
-        SIGIL_BACKEND="local",
-        SIGIL_WORKERD_PORT=str(free_port()),
-        SIGIL_LOGS_ENABLED="true" if enabled else "false",
+    var_dir, env = harness.local_sigil(
+        f"logs-{'on' if enabled else 'off'}", SIGIL_LOGS_ENABLED="true" if enabled else "false"
     )
     port = free_port()
     harness.manage("migrate", "--noinput", env=env)
@@ -99,12 +93,13 @@ def warm_throughput(port: int, invoke: dict[str, str], calls: int, connections: 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=300)
-    parser.add_argument("--lines", type=int, default=5, help="console lines each call writes")
-    parser.add_argument("--warm", type=int, default=2000, help="warm calls per measurement of the cost")
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
+    args = harness.options(
+        __doc__,
+        calls=300,
+        lines=(5, "console lines each call writes"),
+        warm=(2000, "warm calls per measurement of the cost"),
+        rounds=2,
+    )
     print(f"load average {harness.load_average()}")
 
     delays: list[float] = []

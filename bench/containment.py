@@ -21,7 +21,7 @@ Every figure is in ms; the incidents' durations are medians (and the slowest).
 
 from __future__ import annotations
 
-import argparse
+import functools
 import http.client
 import json
 import shutil
@@ -30,7 +30,19 @@ import sys
 import threading
 import time
 
-from harness import Processes, bearer, deploy, fresh_var_dir, manage, percentile, request, sigil_environment, wait_until
+from harness import (
+    Processes,
+    bearer,
+    deploy,
+    fresh_var_dir,
+    manage,
+    options,
+    percentile,
+    request,
+    serves,
+    sigil_environment,
+    wait_until,
+)
 
 from sigil.ports import free_port, free_port_block, port_is_open
 from testsupport.servers import server_command
@@ -41,11 +53,7 @@ OTHERS = ("amber", "basil", "cedar")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--incidents", type=int, default=3)
-    parser.add_argument("--callers", type=int, default=4)
-    parser.add_argument("--normal-seconds", type=float, default=5.0)
-    args = parser.parse_args()
+    args = options(__doc__, incidents=3, callers=4, normal_seconds=5.0)
 
     var_dir = fresh_var_dir("containment")
     env = sigil_environment(var_dir, own_redis=True, SIGIL_WORKERD_PORT=str(free_port_block()), PYTHONUNBUFFERED="1")
@@ -82,7 +90,8 @@ def main() -> int:
             if response.status != 504:
                 raise RuntimeError(f"the runaway call answered {response.status}, expected 504")
             answered.append(time.monotonic() - started)
-            wait_until(lambda: runtime_healthy(port, runaway_token), "the runtime was not healthy again", seconds=30)
+            back = functools.partial(serves, port, "/runaway/pong", runaway_token)
+            wait_until(back, "the runtime was not healthy again", seconds=30)
             healthy.append(time.monotonic() - started)
             load.mark("incident")
             time.sleep(1.0)  # calm before the next one
@@ -154,20 +163,6 @@ class Load:
 
     def failures(self, phase: str) -> int:
         return sum(1 for p, _, status in self.samples if p == phase and status != 200)
-
-
-def runtime_healthy(port: int, runaway_token: str) -> bool:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        health, body = request(connection, "GET", "/_health")
-        if health.status != 200 or json.loads(body)["status"] != "ok":
-            return False
-        response, _ = request(connection, "GET", "/runaway/pong", headers=bearer(runaway_token))
-        return response.status == 200
-    except OSError:
-        return False
-    finally:
-        connection.close()
 
 
 if __name__ == "__main__":

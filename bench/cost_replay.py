@@ -11,23 +11,20 @@ no database.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
 import time
 from pathlib import Path
 
+from harness import options
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=100_000)
-    parser.add_argument("--capabilities", type=int, default=300)
-    parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
+    args = options(__doc__, calls=100_000, capabilities=300, seed=1)
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sigil_site.settings")
     import django

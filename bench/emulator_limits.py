@@ -12,7 +12,6 @@ answered again.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
@@ -22,7 +21,7 @@ import tempfile
 import threading
 import time
 
-from harness import start_emulator
+from harness import options, start_emulator
 
 STEADY = "export default { async fetch() { return new Response('pong') } }"
 RUNAWAY = """export default { async fetch(request) {
@@ -32,11 +31,7 @@ RUNAWAY = """export default { async fetch(request) {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=400, help="steady calls in each phase")
-    parser.add_argument("--runaways", type=int, default=10, help="runaway calls in the incident")
-    parser.add_argument("--cpu-ms", type=int, default=100, help="the runaway script's CPU limit")
-    args = parser.parse_args()
+    args = options(__doc__, calls=400, runaways=10, cpu_ms=100)
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sigil_site.settings")
     os.environ.setdefault("SECRET_KEY", "bench")

@@ -23,7 +23,6 @@ whose version never got placed): the target is 0.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -34,19 +33,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from harness import (
-    MANAGE,
-    Processes,
-    bearer,
-    deploy,
-    fresh_var_dir,
-    load_average,
-    manage,
-    request,
-    sigil_environment,
-    wait_for_health,
-    wait_until,
-)
+import harness
 
 from capabilities.workerd.group import read_status
 from sigil.lifetime import PidFiles
@@ -90,8 +77,8 @@ class Traffic:
     ) -> tuple[int, bytes, http.client.HTTPConnection]:
         """One request, on a fresh connection when the last one broke: (status, body, connection)."""
         try:
-            response, body = request(
-                connection, method, path, headers={**bearer(token), **kwargs.pop("headers", {})}, **kwargs
+            response, body = harness.request(
+                connection, method, path, headers={**harness.bearer(token), **kwargs.pop("headers", {})}, **kwargs
             )
             return response.status, body, connection
         except (OSError, http.client.HTTPException):
@@ -154,20 +141,6 @@ def victim(fault: str, var_dir: Path) -> int:
     return pid
 
 
-def healed(port: int, token: str) -> bool:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        health, body = request(connection, "GET", "/_health")
-        if health.status != 200 or json.loads(body)["status"] != "ok":
-            return False
-        response, _ = request(connection, "GET", f"/{AGENT}/ping", headers=bearer(token))
-        return response.status == 200
-    except (OSError, http.client.HTTPException, ValueError):
-        return False
-    finally:
-        connection.close()
-
-
 def lost_work(port: int, traffic: Traffic) -> tuple[int, int]:
     """(async calls, deploys) accepted whose work never ended well, after waiting for it."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -203,26 +176,21 @@ def lost_work(port: int, traffic: Traffic) -> tuple[int, int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rate", type=float, default=20.0, help="warm calls a second")
-    parser.add_argument("--settle-seconds", type=float, default=3.0, help="calm after each heal")
-    args = parser.parse_args()
+    args = harness.options(__doc__, rate=(20.0, "warm calls a second"), settle_seconds=(3.0, "calm after each heal"))
 
-    var_dir = fresh_var_dir("faults")
+    var_dir, env = harness.local_sigil("faults")
     port = free_port()
-    env = sigil_environment(var_dir, own_redis=True, SIGIL_BACKEND="local", SIGIL_WORKERD_PORT=str(free_port()))
-    print(f"var dir {var_dir}; load average {load_average()}")
     rows = []
-    with Processes() as processes:
-        manage("migrate", "--noinput", env=env)
-        tokens = json.loads(manage("createagent", AGENT, "--json", env=env))
+    with harness.Processes() as processes:
+        harness.manage("migrate", "--noinput", env=env)
+        tokens = json.loads(harness.manage("createagent", AGENT, "--json", env=env))
         runsigil = processes.start(
-            [sys.executable, MANAGE, "runsigil", "--port", str(port)], env=env, log=var_dir / "runsigil.log"
+            [sys.executable, harness.MANAGE, "runsigil", "--port", str(port)], env=env, log=var_dir / "runsigil.log"
         )
-        wait_for_health(port, runsigil, seconds=120)
+        harness.wait_for_health(port, runsigil, seconds=120)
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        deploy(connection, tokens["deploy_token"], "ping", PING)
-        deploy(connection, tokens["deploy_token"], "slow", SLOW)
+        harness.deploy(connection, tokens["deploy_token"], "ping", PING)
+        harness.deploy(connection, tokens["deploy_token"], "slow", SLOW)
         connection.close()
         with Traffic(port, tokens, rate=args.rate) as traffic:
             time.sleep(args.settle_seconds)
@@ -231,15 +199,17 @@ def main() -> int:
                 killed_at = time.monotonic()
                 os.kill(pid, signal.SIGKILL)
                 time.sleep(0.2)  # the kill lands before the first probe
-                wait_until(
-                    lambda: healed(port, tokens["invoke_token"]), f"Sigil did not heal after {fault}", seconds=120
+                harness.wait_until(
+                    lambda: harness.serves(port, f"/{AGENT}/ping", tokens["invoke_token"]),
+                    f"Sigil did not heal after {fault}",
+                    seconds=120,
                 )
                 healed_at = time.monotonic()
                 rows.append((fault, traffic.answered_since(killed_at, healed_at), healed_at - killed_at))
                 time.sleep(args.settle_seconds)
         lost_calls, lost_deploys = lost_work(port, traffic)
 
-    print(f"load average {load_average()}; warm calls at {args.rate:g}/s")
+    print(f"load average {harness.load_average()}; warm calls at {args.rate:g}/s")
     print(f"{'killed':<8} {'ok':>5} {'failed, by status':<32} {'healed in':>10}")
     for fault, answered, seconds in rows:
         failed = ", ".join(

@@ -4,6 +4,7 @@ Cloudflare emulator, and the few HTTP steps every benchmark takes (health, deplo
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import http.client
 import json
@@ -20,6 +21,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MANAGE = str(ROOT / "manage.py")
+
+
+def options(doc: str, **defaults) -> argparse.Namespace:
+    """The benchmark's command line, its description the docstring's first line: each
+    `name=default` is an option `--name` (dashes for underscores) of the default's type, or
+    `name=(default, help)`; a default of None takes a string."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for name, spec in defaults.items():
+        default, help_text = spec if isinstance(spec, tuple) else (spec, None)
+        kind = str if default is None else type(default)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=help_text)
+    return parser.parse_args()
 
 
 def fresh_var_dir(name: str) -> Path:
@@ -47,6 +60,19 @@ def sigil_environment(var_dir: Path, *, own_redis: bool = False, **settings: str
         env.pop(name, None)
     env.update(settings)
     return env
+
+
+def local_sigil(name: str, **settings: str) -> tuple[Path, dict[str, str]]:
+    """A fresh var directory and the environment of a Sigil on the local runtime with its
+    own bundled Redis there (as `manage.py runsigil` starts it), said on the terminal."""
+    from sigil.ports import free_port_block
+
+    var_dir = fresh_var_dir(name)
+    env = sigil_environment(
+        var_dir, own_redis=True, SIGIL_BACKEND="local", SIGIL_WORKERD_PORT=str(free_port_block()), **settings
+    )
+    print(f"var dir {var_dir}; load average {load_average()}")
+    return var_dir, env
 
 
 def setup_django_here(var_dir: Path, **settings: str):
@@ -201,6 +227,21 @@ def wait_until(condition, what: str, *, seconds: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what} within {seconds:g} s")
         time.sleep(0.05)
+
+
+def serves(port: int, path: str, token: str) -> bool:
+    """Whether Sigil on `port` is healthy and answers a call to `path` with 200."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        health, body = request(connection, "GET", "/_health")
+        if health.status != 200 or json.loads(body)["status"] != "ok":
+            return False
+        response, _ = request(connection, "GET", path, headers=bearer(token))
+        return response.status == 200
+    except (OSError, http.client.HTTPException, ValueError):
+        return False
+    finally:
+        connection.close()
 
 
 def load_average() -> str:

@@ -10,21 +10,17 @@ calls it made. Also prints how many API calls one page-in costs, from the emulat
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
-from harness import fresh_var_dir, setup_django_here, start_emulator
+from harness import fresh_var_dir, options, setup_django_here, start_emulator
 
 TARGET_OVERHEAD_MS = 50.0
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--latency", type=float, default=0.05)
-    parser.add_argument("--rounds", type=int, default=30)
-    args = parser.parse_args()
+    args = options(__doc__, latency=0.05, rounds=30)
 
     from sigil.ports import free_port
 

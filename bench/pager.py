@@ -12,7 +12,6 @@ and last.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
@@ -21,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import options
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -28,10 +29,7 @@ TARGET_MS = 2.0
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1000,10000,100000")
-    parser.add_argument("--claims", type=int, default=500)
-    args = parser.parse_args()
+    args = options(__doc__, sizes="1000,10000,100000", claims=500)
 
     embedded = None
     if not os.environ.get("REDIS_URL"):

@@ -24,7 +24,6 @@ path twice (the dispatch Worker reaches the namespace through the emulator).
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import statistics
@@ -32,17 +31,14 @@ import subprocess
 import sys
 import time
 
-from harness import ROOT, fresh_var_dir, setup_django_here, start_emulator, wait_until, workerd_in_thread
+from harness import ROOT, fresh_var_dir, options, setup_django_here, start_emulator, wait_until, workerd_in_thread
 
 BACKENDS = ("local", "worker-pool", "platform", "loader")
 CODE = "export default { async fetch() { return new Response('pong') } }"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=25)
-    args = parser.parse_args()
+    args = options(__doc__, rounds=20, batch=25)
 
     from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN
     from sigil.ports import free_port, free_port_block, port_is_open

@@ -22,7 +22,6 @@ stops everything it started, by pid.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import http.client
 import json
@@ -33,7 +32,7 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-from harness import Processes, deploy, fresh_var_dir, load_average, manage, sigil_environment, wait_for_health
+from harness import Processes, deploy, fresh_var_dir, load_average, manage, options, sigil_environment, wait_for_health
 
 from sigil.ports import free_port, free_port_block
 from testsupport.servers import server_command
@@ -109,11 +108,7 @@ def phase(port, tokens, args, *, storm_size: int, web_pid: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--storm", type=int, default=1000, help="concurrent slow calls of the storming agent")
-    parser.add_argument("--wait-seconds", type=float, default=5.0, help="how long each slow call waits")
-    parser.add_argument("--quiet-calls", type=int, default=2000, help="the other agent's calls per phase")
-    args = parser.parse_args()
+    args = options(__doc__, storm=1000, wait_seconds=5.0, quiet_calls=2000)
 
     var_dir = fresh_var_dir("storm")
     env = sigil_environment(var_dir, SIGIL_WORKERD_PORT=str(free_port_block()))

@@ -13,7 +13,6 @@ Content-Length (no pool, no parsing beyond that: a floor, not a usable client).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+from harness import options
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sigil.ports import free_port
@@ -85,11 +85,7 @@ CLIENTS = {"aiohttp": with_aiohttp, "httpx": with_httpx, "asyncio streams (floor
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=20000)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = options(__doc__, calls=20000, concurrency=16, rounds=3)
     try:
         import uvloop
     except ImportError:

@@ -21,7 +21,6 @@ stops everything it started, by pid.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import shutil
@@ -33,11 +32,11 @@ from pathlib import Path
 from harness import (
     Processes,
     deploy,
-    fresh_var_dir,
     load_average,
+    local_sigil,
     manage,
+    options,
     request,
-    sigil_environment,
     wait_for_health,
 )
 from invoke import cpu_seconds
@@ -185,16 +184,10 @@ def many_capabilities(sigil: Sigil, count: int, code_dir: Path, *, first: int) -
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=16000, help="steady calls to one capability")
-    parser.add_argument("--versions", type=int, default=50, help="versions deployed of one capability")
-    parser.add_argument("--capabilities", type=int, default=20, help="capabilities deployed, called, removed")
-    args = parser.parse_args()
+    args = options(__doc__, calls=16000, versions=50, capabilities=20)
 
-    var_dir = fresh_var_dir("memory")
+    var_dir, env = local_sigil("memory")
     port = free_port()
-    env = sigil_environment(var_dir, own_redis=True, SIGIL_BACKEND="local", SIGIL_WORKERD_PORT=str(free_port()))
-    print(f"var dir {var_dir}; load average {load_average()}")
 
     with Processes() as processes:
         manage("migrate", "--noinput", env=env)

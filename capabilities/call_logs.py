@@ -235,29 +235,36 @@ def call_records_undelivered(*, count: int = 1) -> None:
 
 
 @dataclass(frozen=True)
+class RecordQuery:
+    """Which records of a capability to read, newest first: those of the call with `request_id`,
+    with a line at `level` or above (`error` also matches an uncaught exception or a failed
+    outcome), made at or after `since` (epoch), older than the cursor `before` or newer than
+    `after` (sequence numbers); at most `limit` of them."""
+
+    request_id: str | None = None
+    level: str | None = None
+    since: float | None = None
+    before: int | None = None
+    after: int | None = None
+    limit: int = 20
+
+
+@dataclass(frozen=True)
 class RecordPage:
     records: list[dict]
     next_before: int | None  # the cursor of the next (older) page; None on the last
 
 
 def call_records_list(
-    *,
-    full: str,
-    request_id: str | None = None,
-    level: str | None = None,
-    since: float | None = None,
-    before: int | None = None,
-    after: int | None = None,
-    limit: int = 20,
-    retention_seconds: int | None = None,
+    *, full: str, query: RecordQuery | None = None, retention_seconds: int | None = None
 ) -> RecordPage:
-    """The records of `full`, newest first, that match every filter given: the call's request
-    id, a line at `level` or above (`error` also matches an uncaught exception or a failed
-    outcome), made at or after `since` (epoch), older than the cursor `before` or newer than
-    `after` (sequence numbers). Records past the retention are never returned."""
+    """The records of `full`, newest first, that match every filter of `query` (without one: the
+    latest 20). Records past the retention are never returned."""
+    query = query or RecordQuery()
+    request_id, before, after, limit = query.request_id, query.before, query.after, query.limit
     retention = settings.SIGIL_LOGS_RETENTION_SECONDS if retention_seconds is None else retention_seconds
-    oldest = max(since or 0.0, time.time() - retention)
-    floor = LEVELS.index(level) if level in LEVELS else None
+    oldest = max(query.since or 0.0, time.time() - retention)
+    floor = LEVELS.index(query.level) if query.level in LEVELS else None
     matched = []
     more = False
     for raw in get_redis().lrange(records_key(full), 0, -1):
@@ -303,7 +310,9 @@ def call_records_follow(
     while time.monotonic() < deadline:
         # The list holds at most SIGIL_LOGS_RECORDS_PER_CAPABILITY: all of it newer than
         # `after` fits in one page.
-        page = call_records_list(full=full, after=after, limit=settings.SIGIL_LOGS_RECORDS_PER_CAPABILITY)
+        page = call_records_list(
+            full=full, query=RecordQuery(after=after, limit=settings.SIGIL_LOGS_RECORDS_PER_CAPABILITY)
+        )
         for record in reversed(page.records):
             after = record["seq"]
             quiet_since = time.monotonic()

@@ -1,19 +1,20 @@
 """The Redis copy of each capability's current contract, read by MCP on every tool call.
 
 `sigil:contract:{full}` holds the schemas of the capability's current version as a small
-JSON document, or a tombstone `-`. The deploy and rollback services write it after their
-transaction commits; a reader fills a missing entry from the database with SET NX, so a fill
-that raced a deploy can never hide the new contract (as routes.py does for routes). Who may
-call the capability is the route's to say, not this copy's.
+JSON document, or a tombstone `-`. The one publisher of the copies, `copies.copies_publish`,
+writes it after each write of the capability's row commits; a reader fills a missing entry
+from the database with SET NX, so a fill that raced a deploy can never hide the new contract
+(as routes.py does for routes). Who may call the capability is the route's to say, not this
+copy's.
 """
 
 from __future__ import annotations
 
 import json
 
+from capabilities import routes
 from capabilities.contracts import Contract
-from capabilities.models import Capability, CapabilityVersion, State
-from sigil.redis_client import get_redis
+from capabilities.models import CapabilityVersion
 
 TOMBSTONE = b"-"
 TTL_SECONDS = 3600
@@ -46,25 +47,9 @@ def decode(raw: bytes) -> Contract | None:
     return contract
 
 
-def contract_publish(capability: Capability) -> None:
-    """Make MCP see `capability`'s current contract (call after the commit)."""
-    get_redis().set(key(capability.full_name), encode(capability.current_version), ex=TTL_SECONDS)
-
-
 def contract_load(full: str) -> bytes:
     """Read the contract from the database and cache it unless a writer got there first."""
-    capability = (
-        Capability.objects.select_related("current_version")
-        .defer("current_version__code")
-        .exclude(state=State.REMOVED)
-        .filter(full_name=full)
-        .first()
-    )
+    capability = routes.route_row(full)
     if capability is None:
-        value, ttl = TOMBSTONE, NEGATIVE_TTL_SECONDS
-    else:
-        value, ttl = encode(capability.current_version), TTL_SECONDS
-    redis = get_redis()
-    if not redis.set(key(full), value, ex=ttl, nx=True):
-        value = redis.get(key(full)) or value
-    return value
+        return routes.fill(key(full), TOMBSTONE, ttl=NEGATIVE_TTL_SECONDS)
+    return routes.fill(key(full), encode(capability.current_version), ttl=TTL_SECONDS)

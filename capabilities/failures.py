@@ -5,7 +5,7 @@ SIGIL_FAILURES_KEPT: when, the status the caller got, Sigil's error code, the ca
 own message or exception line, how long the call took, the request id the caller saw
 (`X-Request-Id`) and the version number that answered. The gateway writes one for every
 failure it counts toward the breaker, inside the script that records the call
-(stats.RECORD_CALL), so it costs no round trip; other writers call failure_record().
+(stats.RECORD_CALL), so it costs no round trip: failure_encode() is the record's one shape.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
-
-from django.conf import settings
 
 from sigil.redis_client import get_redis
 
@@ -50,7 +48,7 @@ def failure_encode(
     version: int | None,
     at_epoch: float | None = None,
 ) -> str:
-    """One failure as the JSON the list holds (for a script that pushes it itself)."""
+    """One failure as the JSON the list holds (the script that records the call pushes it)."""
     return json.dumps(
         {
             "at": round(time.time() if at_epoch is None else at_epoch, 3),
@@ -63,34 +61,6 @@ def failure_encode(
         },
         separators=(",", ":"),
     )
-
-
-def failure_record(
-    *,
-    full: str,
-    status: int,
-    code: str | None,
-    message: str,
-    duration_ms: float,
-    request_id: str,
-    version: int | None,
-    at_epoch: float | None = None,
-) -> None:
-    """Keep one failure of `full`, dropping the oldest beyond SIGIL_FAILURES_KEPT. Not
-    idempotent: each call keeps one more record."""
-    record = failure_encode(
-        status=status,
-        code=code,
-        message=message,
-        duration_ms=duration_ms,
-        request_id=request_id,
-        version=version,
-        at_epoch=at_epoch,
-    )
-    pipe = get_redis().pipeline(transaction=True)
-    pipe.lpush(failures_key(full), record)
-    pipe.ltrim(failures_key(full), 0, settings.SIGIL_FAILURES_KEPT - 1)
-    pipe.execute()
 
 
 def failures_list(*, full: str, limit: int | None = None) -> list[Failure]:

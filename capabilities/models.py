@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
@@ -137,12 +139,49 @@ class VersionPlacement(models.TextChoices):
     SUPERSEDED = "superseded", "superseded"  # a newer deploy, or a removal, came first
 
 
+@dataclass(frozen=True)
+class DeployRequest:
+    """What a deploy or a rollback placed by the deploy task asked for besides the code,
+    applied to the capability once its version is placed: the request records it as the
+    version's `requested` JSON (`to_json`), the task reads it back (`from_json`).
+
+    `public` None keeps the capability's flag, `cache_when_degraded` None its setting;
+    `restores` is the version a rollback restores (None for a deploy)."""
+
+    bindings: list[str] = field(default_factory=list)
+    public: bool | None = None
+    actor: str = "system"
+    cache_when_degraded: bool | None = None
+    restores: int | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "bindings": list(self.bindings),
+            "public": self.public,
+            "actor": self.actor,
+            "cache_when_degraded": self.cache_when_degraded,
+            "restores": self.restores,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> DeployRequest:
+        """The request as stored, by any version of Sigil: a key it lacks takes its default."""
+        return cls(
+            bindings=list(data.get("bindings") or []),
+            public=data.get("public"),
+            actor=data.get("actor") or "system",
+            cache_when_degraded=data.get("cache_when_degraded"),
+            restores=data.get("restores"),
+        )
+
+
 class CapabilityVersion(models.Model):
     """One deployed code of a capability, numbered from 1: the seeds' `code:` backup.
 
     On the Cloudflare runtimes a version is recorded before it is placed (by a Celery task):
     `placement` follows it, and `requested` keeps what its deploy asked for besides the code
-    (bindings, public), applied to the capability once the version is placed.
+    (a DeployRequest: bindings, public, ...), applied to the capability once the version is
+    placed.
     """
 
     capability = models.ForeignKey(Capability, on_delete=models.CASCADE, related_name="versions")
@@ -166,6 +205,10 @@ class CapabilityVersion(models.Model):
 
     def __str__(self) -> str:
         return f"{self.capability.full_name} v{self.number}"
+
+    @property
+    def deploy_request(self) -> DeployRequest:
+        return DeployRequest.from_json(self.requested or {})
 
 
 class BindingKind(models.TextChoices):

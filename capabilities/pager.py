@@ -23,8 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
+from typing import NamedTuple
 
-from capabilities.models import Capability, CapabilityType, State
+from capabilities.models import CapabilityType, State
 from sigil import leases
 from sigil.redis_client import get_redis
 
@@ -174,6 +176,13 @@ local function evict_next(now)
   redis.call('INCR', evictions)
   return {victim, tostring(class), score, expires}
 end
+-- evict_next() `count` times; the victims' fields are appended to `result`, returned.
+local function evict(now, count, result)
+  for _ = 1, count do
+    for _, field in ipairs(evict_next(now)) do table.insert(result, field) end
+  end
+  return result
+end
 """
 
 # ARGV: full, now, slots, safety margin
@@ -203,11 +212,7 @@ local needed = math.max(0, used + 1 - slots)
 if needed > live_count() then return {'full', ''} end  -- the rest is being placed
 redis.call('ZREM', evicting, full)
 redis.call('ZADD', placing, now, full)
-local result = {was_evicting and 'rescued' or 'claimed', was_evicting or ''}
-for _ = 1, needed do
-  for _, field in ipairs(evict_next(now)) do table.insert(result, field) end
-end
-return result
+return evict(now, needed, {was_evicting and 'rescued' or 'claimed', was_evicting or ''})
 """
 )
 
@@ -217,12 +222,7 @@ SHED_EXCESS = (
     _LUA_COMMON
     + """
 local now, slots = tonumber(ARGV[1]), tonumber(ARGV[2])
-local count = math.min(live_count(), live_count() + redis.call('ZCARD', placing) - slots)
-local result = {}
-for _ = 1, count do
-  for _, field in ipairs(evict_next(now)) do table.insert(result, field) end
-end
-return result
+return evict(now, math.min(live_count(), live_count() + redis.call('ZCARD', placing) - slots), {})
 """
 )
 
@@ -296,8 +296,7 @@ def _epoch(value: float | None) -> str:
 def pager_claim_slot(*, full: str, now: float, slots: int, safety_margin: int) -> Claim:
     """Take a slot for `full` (which then sits in `placing`), choosing victims when the
     runtime is full. Atomic. Call with `full`'s placement lock held, and end the claim with
-    `pager_settle` or `pager_release`."""
-    pager_ensure_built()
+    `pager_settle` or `pager_release`. The sets must be built (`pager_ensure_built`)."""
     result = _run(CLAIM_SLOT, full, repr(float(now)), slots, safety_margin)
     outcome, previous = result[0].decode(), result[1].decode()
     return Claim(outcome, _victims(result[2:]), float(previous) if previous else None)
@@ -329,8 +328,8 @@ def pager_restore(victim: Candidate) -> bool:
 
 
 def pager_shed_excess(*, now: float, slots: int) -> tuple[Candidate, ...]:
-    """Move the capabilities over `slots` to the evicting set, least valuable first. Atomic."""
-    pager_ensure_built()
+    """Move the capabilities over `slots` to the evicting set, least valuable first. Atomic.
+    The sets must be built (`pager_ensure_built`)."""
     return _victims(_run(SHED_EXCESS, repr(float(now)), slots))
 
 
@@ -467,21 +466,33 @@ def pager_take_chosen(full: str) -> list[str]:
     return sorted(member.decode() for member in pipe.execute()[0])
 
 
-def pager_ensure_built() -> None:
-    """Rebuild the sets from the registry if Redis has lost them (restart, flush)."""
+class RegistryRow(NamedTuple):
+    """A live or evicting capability as the registry records it, handed to the pager by the
+    service that reads the registry (the pager reads no database)."""
+
+    type: str
+    state: str
+    last_access_at: datetime | None
+    updated_at: datetime
+    expires_at: datetime | None
+
+
+def pager_ensure_built(*, rows: Callable[[], Mapping[str, RegistryRow]]) -> None:
+    """Rebuild the sets from `rows()` (the registry's live and evicting rows, called only
+    then) if Redis has lost them (restart, flush)."""
     redis = get_redis()
     if redis.exists(BUILT_KEY):
         return
     with redis.lock("sigil:lock:lru-rebuild", timeout=60, blocking_timeout=60):
         if not redis.exists(BUILT_KEY):
-            pager_rebuild()
+            pager_rebuild(rows())
 
 
-def pager_rebuild() -> None:
-    """Make the sets again from the database: live rows by last access, evicting rows apart."""
+def pager_rebuild(rows: Mapping[str, RegistryRow]) -> None:
+    """Make the sets again from the registry's `rows`: live rows by last access, evicting rows apart."""
     pipe = get_redis().pipeline(transaction=True)
     pipe.delete(*LRU_KEYS, EXPIRY_KEY, PLACING_KEY, EVICTING_KEY)
-    for full, row in _registry_rows().items():
+    for full, row in rows.items():
         _place_as_recorded(pipe, full, row)
     pipe.set(BUILT_KEY, 1)
     pipe.execute()
@@ -510,7 +521,7 @@ def expected_place(capability_type: str, state: str) -> str | None:
     return None
 
 
-def pager_sync(*, is_placing: Callable[[str], bool]) -> list[str]:
+def pager_sync(*, rows: Mapping[str, RegistryRow], is_placing: Callable[[str], bool]) -> list[str]:
     """Make the sets agree with the registry, leaving capabilities being placed alone: a live
     row in its LRU set only, an evicting row in the evicting set only, anything else in
     none (a placing entry nobody holds the lock for is a dead placer's).
@@ -518,12 +529,11 @@ def pager_sync(*, is_placing: Callable[[str], bool]) -> list[str]:
     Used by reconcile: unlike a rebuild, it never drops a slot claimed by a page-in that has
     not reached the database yet. Returns the names it corrected.
     """
-    pager_ensure_built()
-    rows = _registry_rows()
+    pager_ensure_built(rows=lambda: rows)
     found = pager_locations()
     corrected = []
     for full in sorted(set(found) | set(rows)):
-        want = expected_place(rows[full][0], rows[full][1]) if full in rows else None
+        want = expected_place(rows[full].type, rows[full].state) if full in rows else None
         if found.get(full, set()) == ({want} if want else set()) or is_placing(full):
             continue
         pipe = get_redis().pipeline(transaction=True)
@@ -537,18 +547,7 @@ def pager_sync(*, is_placing: Callable[[str], bool]) -> list[str]:
     return corrected
 
 
-def _registry_rows() -> dict[str, tuple]:
-    from capabilities.runtimes import get_runtime
-
-    # Only placements on this runtime take its slots: during a switch of SIGIL_BACKEND the
-    # capabilities still on the previous runtime are not here yet.
-    rows = Capability.objects.filter(
-        state__in=(State.LIVE, State.EVICTING), backend__in=("", get_runtime().name)
-    ).values_list("full_name", "type", "state", "last_access_at", "updated_at", "expires_at")
-    return {row[0]: row[1:] for row in rows.iterator()}
-
-
-def _place_as_recorded(pipe, full: str, row: tuple) -> None:
+def _place_as_recorded(pipe, full: str, row: RegistryRow) -> None:
     capability_type, state, last_access_at, updated_at, expires_at = row
     stamp = (last_access_at or updated_at).timestamp()
     if state == State.EVICTING:

@@ -124,32 +124,30 @@ def _split(value: list) -> Split:
     return Split(variant, weight, header)
 
 
-def route_publish(capability: Capability) -> None:
-    """Make the gateway see `capability` as it is now (call after the commit)."""
-    if capability.state == State.REMOVED:
-        route_withdraw(capability.full_name)
-    else:
-        get_redis().set(key(capability.full_name), encode(capability), ex=TTL_SECONDS)
-
-
-def route_withdraw(full: str) -> None:
-    """Make the gateway answer 404 for `full` (call after the commit)."""
-    get_redis().set(key(full), TOMBSTONE, ex=NEGATIVE_TTL_SECONDS)
-
-
-def route_load(full: str) -> bytes:
-    """Read the route from the database and cache it unless a writer got there first."""
-    capability = (
+def route_row(full: str) -> Capability | None:
+    """The capability row behind `full`'s copies (its route and contract), or None when
+    there is none but removed ones."""
+    return (
         Capability.objects.select_related("agent", "current_version", "staged_version")
+        .defer("current_version__code", "staged_version__code")
         .exclude(state=State.REMOVED)
         .filter(full_name=full)
         .first()
     )
-    if capability is None:
-        value, ttl = TOMBSTONE, NEGATIVE_TTL_SECONDS
-    else:
-        value, ttl = encode(capability), TTL_SECONDS
+
+
+def fill(name: str, value: bytes, *, ttl: int) -> bytes:
+    """Cache `value` read from the database at `name` unless a writer got there first (SET
+    NX), and return what the key holds: a fill that raced a write never hides it."""
     redis = get_redis()
-    if not redis.set(key(full), value, ex=ttl, nx=True):
-        value = redis.get(key(full)) or value
+    if not redis.set(name, value, ex=ttl, nx=True):
+        value = redis.get(name) or value
     return value
+
+
+def route_load(full: str) -> bytes:
+    """Read the route from the database and cache it unless a writer got there first."""
+    capability = route_row(full)
+    if capability is None:
+        return fill(key(full), TOMBSTONE, ttl=NEGATIVE_TTL_SECONDS)
+    return fill(key(full), encode(capability), ttl=TTL_SECONDS)

@@ -79,22 +79,11 @@ def capability_get_own(*, principal: Principal, full: str) -> Capability:
     return capability
 
 
-def capability_call_records(
-    *,
-    principal: Principal,
-    full: str,
-    request_id: str | None = None,
-    level: str | None = None,
-    since: float | None = None,
-    before: int | None = None,
-    limit: int = 20,
-) -> call_logs.RecordPage:
+def capability_call_records(*, principal: Principal, full: str, query: call_logs.RecordQuery) -> call_logs.RecordPage:
     """The caller's own capability's call records, newest first, filtered (call_logs.call_records_list).
     Raises NotFound for any capability that is not the caller's."""
     capability = capability_get_own(principal=principal, full=full)
-    return call_logs.call_records_list(
-        full=capability.full_name, request_id=request_id, level=level, since=since, before=before, limit=limit
-    )
+    return call_logs.call_records_list(full=capability.full_name, query=query)
 
 
 def capability_call_records_follow(

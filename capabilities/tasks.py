@@ -124,13 +124,6 @@ def capability_page_out(self, *, full: str, wait_until: float | None = None) -> 
         raise Retry(exc=exc, when=PAGE_OUT_RECHECK_SECONDS, sig=again) from exc
 
 
-@shared_task(name="capabilities.capability_page_in", acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT)
-def capability_page_in(*, full: str) -> None:
-    from capabilities import services
-
-    services.capability_page_in(full=full)
-
-
 @shared_task(name="capabilities.capability_reconcile", acks_late=True, reject_on_worker_lost=True)
 def capability_reconcile() -> None:
     from capabilities import services

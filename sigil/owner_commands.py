@@ -1,10 +1,12 @@
-"""What the owner's shell commands share: `--json` output, and Sigil's errors as the
-command's error. Each command calls one service and prints what it returned."""
+"""What Sigil's shell commands share: help written as the class's docstring, arguments declared
+as data; and for the owner's commands, `--json` output and Sigil's errors as the command's
+error. Each command calls one service and prints what it returned."""
 
 from __future__ import annotations
 
 import json
 from datetime import datetime
+from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
@@ -13,12 +15,41 @@ from sigil.errors import SigilError
 #: the actor the audit trail records for what the owner does from a shell
 CLI_ACTOR = "owner:cli"
 
+#: one argument of a command: the names and the keywords `parser.add_argument` takes
+Argument = tuple[tuple[str, ...], dict[str, Any]]
 
-class OwnerCommand(BaseCommand):
+
+def argument(*names: str, **options: Any) -> Argument:
+    """One argument, as `parser.add_argument(*names, **options)` would declare it."""
+    return names, options
+
+
+#: a capability named by its full name, AGENT--NAME (the option `capability`)
+CAPABILITY = argument("capability", help="its full name, agent--name")
+
+
+class SigilCommand(BaseCommand):
+    """A command whose help is its class's docstring (as one line: argparse wraps it anyway) and
+    whose arguments are `arguments`, in that order."""
+
+    arguments: tuple[Argument, ...] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__module__ != __name__ and cls.__doc__ and "help" not in cls.__dict__:
+            cls.help = " ".join(cls.__doc__.split())
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        for names, options in self.arguments:
+            parser.add_argument(*names, **options)
+
+
+class OwnerCommand(SigilCommand):
     """Subclasses implement `act` (returns a JSON-able result) and `describe` (its text)."""
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--json", action="store_true", dest="as_json", help="print the result as JSON")
+        super().add_arguments(parser)
 
     def handle(self, *args, as_json: bool = False, **options) -> None:
         try:

@@ -107,10 +107,25 @@ def start_worker_process(settings, *, queue: str, **extra: str):
     """A Celery worker in a process of its own (solo pool: its main process runs the tasks),
     consuming `queue` (comma-separated), on the test's database, Redis and Cloudflare
     settings, in a session of its own so a test can kill it with os.killpg."""
+    worker = ["-m", "celery", "-A", "sigil_site", "worker", "-Q", queue, "--pool", "solo", "-l", "WARNING"]
+    return _process_on_test_settings(settings, worker, **extra)
+
+
+def start_service_process(settings, code: str):
+    """`code` (Python, after django.setup()) run in a process of its own, on the settings
+    start_worker_process gives, in a session of its own so a test can kill it mid-work."""
+    return _process_on_test_settings(settings, ["-c", f"import django\ndjango.setup()\n{code}"])
+
+
+def _process_on_test_settings(settings, args: list[str], **extra: str):
     return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "sigil_site", "worker", "-Q", queue, "--pool", "solo", "-l", "WARNING"],
+        [sys.executable, *args],
         env=process_environment(settings, **extra),
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+# For start_service_process: a page-in of alice--a, as the engine's cold path makes it.
+PAGE_IN_A = 'from capabilities import services\nservices.capability_page_in(full="alice--a")'

@@ -335,7 +335,9 @@ class CapabilityAdmin(ButtonsOnly, VersionsConsole, SplitsConsole, SelectionChec
         level = request.GET.get("logs_level") or None
         level = level if level in call_logs.LEVELS else None
         request_id = (request.GET.get("logs_request") or "").strip()[:64] or None
-        page = call_logs.call_records_list(full=capability.full_name, level=level, request_id=request_id, limit=20)
+        page = call_logs.call_records_list(
+            full=capability.full_name, query=call_logs.RecordQuery(level=level, request_id=request_id)
+        )
         return {
             "call_records": [(r, epoch_time(r["at"])) for r in page.records],
             "call_records_level": level or "",

@@ -20,7 +20,7 @@ from agents.models import Agent
 from agents.permissions import HasDeployScope
 from capabilities import contracts, selectors, services
 from capabilities.api.pages import PAGE_PARAMETERS, PagedApi
-from capabilities.api.schema import AUTHENTICATED, DEPLOY_EXAMPLES, DEPLOYING, NOT_FOUND, error_responses
+from capabilities.api.schema import AUTHENTICATED, DEPLOY_EXAMPLES, DEPLOYING, NOT_FOUND, error_responses, operation
 from capabilities.api.serializers import (
     AcceptedSerializer,
     CapabilityDetailSerializer,
@@ -357,11 +357,8 @@ class AgentA2aApi(APIView):
     def get_permissions(self):
         return [HasDeployScope()] if self.request.method == "PUT" else super().get_permissions()
 
-    @extend_schema(
-        operation_id="agentA2a",
-        tags=["Deploy"],
-        summary="Where this agent's alerts go as A2A messages",
-        responses={200: OutputSerializer, **error_responses(*AUTHENTICATED)},
+    @operation(
+        "agentA2a", "Deploy", "Where this agent's alerts go as A2A messages", {200: OutputSerializer}, AUTHENTICATED
     )
     def get(self, request):
         agent = Agent.objects.get(pk=request.user.agent_id)

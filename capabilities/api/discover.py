@@ -24,7 +24,7 @@ from rest_framework.views import APIView
 from agents.permissions import HasDeployScope
 from capabilities import call_logs, selectors, services
 from capabilities.api.pages import PAGE_PARAMETERS, PagedApi
-from capabilities.api.schema import AUTHENTICATED, NOT_FOUND, error_responses
+from capabilities.api.schema import AUTHENTICATED, NOT_FOUND, error_responses, operation
 from capabilities.api.serializers import (
     DEPLOY_STATE,
     CallAcceptedSerializer,
@@ -38,11 +38,12 @@ from capabilities.visibility import capability_own
 
 
 class CapabilityListApi(PagedApi):
-    @extend_schema(
-        operation_id="listCapabilities",
-        tags=["Discover"],
-        summary="List the capabilities this agent may call",
-        description="Its own and every public one, by full name, a page at a time.",
+    @operation(
+        "listCapabilities",
+        "Discover",
+        "List the capabilities this agent may call",
+        {200: CapabilitySerializer(many=True)},
+        AUTHENTICATED,
         parameters=[
             OpenApiParameter("type", str, enum=["persistent", "normal", "ephemeral"]),
             OpenApiParameter("state", str, enum=State.values),
@@ -55,9 +56,9 @@ class CapabilityListApi(PagedApi):
             ),
             *PAGE_PARAMETERS,
         ],
-        responses={200: CapabilitySerializer(many=True), **error_responses(*AUTHENTICATED)},
     )
     def get(self, request):
+        """Its own and every public one, by full name, a page at a time."""
         query = selectors.capability_list_visible(
             principal=request.user,
             type=request.query_params.get("type"),
@@ -74,25 +75,15 @@ class CapabilityDetailApi(APIView):
     def get_permissions(self):
         return [HasDeployScope()] if self.request.method == "DELETE" else super().get_permissions()
 
-    @extend_schema(
-        operation_id="inspectCapability",
-        tags=["Discover"],
-        summary="Inspect a capability",
-        description="Its owner also sees its code, its totals (`stats`) and its last 24 hours (`recent`).",
-        responses={200: CapabilityDetailSerializer, **error_responses(*NOT_FOUND)},
-    )
+    @operation("inspectCapability", "Discover", "Inspect a capability", {200: CapabilityDetailSerializer}, NOT_FOUND)
     def get(self, request, full: str):
+        """Its owner also sees its code, its totals (`stats`) and its last 24 hours (`recent`)."""
         capability = selectors.capability_get_visible(principal=request.user, full=full)
         return Response(CapabilityDetailSerializer(capability, context={"request": request}).data)
 
-    @extend_schema(
-        operation_id="removeCapability",
-        tags=["Deploy"],
-        summary="Remove a capability",
-        description="It stops serving at once; its script is deleted in the background. Needs a deploy token.",
-        responses={204: None, **error_responses(*NOT_FOUND)},
-    )
+    @operation("removeCapability", "Deploy", "Remove a capability", {204: None}, NOT_FOUND)
     def delete(self, request, full: str):
+        """It stops serving at once; its script is deleted in the background. Needs a deploy token."""
         services.capability_remove(principal=request.user, full=full)
         return Response(status=204)
 
@@ -137,7 +128,9 @@ class CapabilityLogsApi(APIView):
     def get(self, request, full: str):
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
-        page = selectors.capability_call_records(principal=request.user, full=full, **filters.validated_data)
+        page = selectors.capability_call_records(
+            principal=request.user, full=full, query=call_logs.RecordQuery(**filters.validated_data)
+        )
         next_url = None
         if page.next_before is not None:
             query = request.query_params.copy()

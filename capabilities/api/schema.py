@@ -4,7 +4,16 @@ deploy's examples."""
 
 from __future__ import annotations
 
-from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema_field, extend_schema_serializer
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_field,
+    extend_schema_serializer,
+)
 from rest_framework import serializers
 
 from sigil import errors
@@ -76,6 +85,26 @@ def error_responses(*kinds: type[errors.SigilError]) -> dict[int, OpenApiRespons
         )
         for status, group in by_status(kinds).items()
     }
+
+
+View = TypeVar("View", bound=Callable[..., Any])
+
+
+def operation(
+    operation_id: str, tag: str, summary: str, answers: dict, kinds: tuple[type[errors.SigilError], ...], **more: Any
+) -> Callable[[View], View]:
+    """`extend_schema` for one operation: its id, its group, its summary, what it answers when it
+    succeeds and the errors it can answer (as error_responses documents them); its description is
+    the method's docstring as one paragraph (without one, the view's, as drf-spectacular does)."""
+
+    def document(method: View) -> View:
+        description = " ".join(method.__doc__.split()) if method.__doc__ else None
+        responses = {**answers, **error_responses(*kinds)}
+        return extend_schema(
+            operation_id=operation_id, tags=[tag], summary=summary, description=description, responses=responses, **more
+        )(method)
+
+    return document
 
 
 # A deploy with its contract: the example of the schema, /llms.txt and docs/contract.md.

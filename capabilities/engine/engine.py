@@ -558,11 +558,11 @@ class Engine:
             if stopped is None:
                 raise self.runtime_failed(route, f"the runtime could not be reached for {call.full}: {exc}") from exc
             if not stopped.culprit:
-                # It shared a process with a call that ran past a limit, or found it restarting:
-                # not this capability's failure, so its breaker is left alone.
+                # Its process exited, or it shared one with a call that ran past a limit, or found
+                # it restarting: not this capability's failure, so its breaker is left alone.
+                whose = "its runtime process" if stopped.reason == "exited" else "another call in its runtime process"
                 raise Unavailable(
-                    f"{call.full} was interrupted: another call in its runtime process {stopped.message}; "
-                    "a fresh process is starting",
+                    f"{call.full} was interrupted: {whose} {stopped.message}; a fresh process is starting",
                     retry_after=1,
                 ) from exc
             error = stopped_at_limit(call.full, stopped.message, cpu=stopped.reason == "cpu")

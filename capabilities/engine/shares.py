@@ -57,36 +57,20 @@ class FairShares:
         """Count one more call of the principal's agent in flight; RateLimited over its cap.
         The caller gives it back with give_call() however the call ends."""
         agent, limit = principal.agent_name, self.call_limit(principal)
-        if self.calls[agent] >= limit:
-            raise RateLimited(
-                f"{agent} has {limit} calls in flight, its share of this server; retry when some have ended",
-                retry_after=1,
-            )
-        self.calls[agent] += 1
+        _take(self.calls, agent, limit, held="calls in flight", retry="retry when some have ended")
 
     def give_call(self, agent: str) -> None:
-        left = self.calls[agent] - 1
-        if left > 0:
-            self.calls[agent] = left
-        else:
-            self.calls.pop(agent, None)
+        _give(self.calls, agent, 1)
 
     @contextlib.contextmanager
     def placement(self, principal: Principal) -> Iterator[None]:
         """Hold one of the agent's placements under way for the block; RateLimited over its cap."""
         agent, limit = principal.agent_name, self.placement_limit(principal)
-        if self.placements[agent] >= limit:
-            raise RateLimited(
-                f"{agent} has {limit} placements under way, its share of this server; retry shortly",
-                retry_after=1,
-            )
-        self.placements[agent] += 1
+        _take(self.placements, agent, limit, held="placements under way", retry="retry shortly")
         try:
             yield
         finally:
-            self.placements[agent] -= 1
-            if not self.placements[agent]:
-                del self.placements[agent]
+            _give(self.placements, agent, 1)
 
     def take_body(self, owner: str, size: int) -> None:
         """Count `size` bytes of request body on their way to `owner`'s runtime process; a body
@@ -102,10 +86,21 @@ class FairShares:
         self.body_bytes[owner] += size
 
     def give_body(self, owner: str, size: int) -> None:
-        if not size:
-            return
-        left = self.body_bytes[owner] - size
-        if left > 0:
-            self.body_bytes[owner] = left
-        else:
-            self.body_bytes.pop(owner, None)
+        if size:
+            _give(self.body_bytes, owner, size)
+
+
+def _take(counts: defaultdict[str, int], agent: str, limit: int, *, held: str, retry: str) -> None:
+    """Count one more of `agent`'s in `counts`, or refuse it (429, Retry-After 1) at its share."""
+    if counts[agent] >= limit:
+        raise RateLimited(f"{agent} has {limit} {held}, its share of this server; {retry}", retry_after=1)
+    counts[agent] += 1
+
+
+def _give(counts: defaultdict[str, int], agent: str, amount: int) -> None:
+    """Give back `amount` of `agent`'s in `counts`, forgetting an agent that holds none."""
+    left = counts[agent] - amount
+    if left > 0:
+        counts[agent] = left
+    else:
+        counts.pop(agent, None)

@@ -406,15 +406,14 @@ class Toolbox:
                 )
                 answer = {**api.deploy_answer(caller, result), "tool": result.capability.full_name}
             elif name == "sigil.logs":
-                page = selectors.capability_call_records(
-                    principal=principal,
-                    full=arguments["capability"],
+                query = call_logs.RecordQuery(
                     request_id=arguments.get("request_id"),
                     level=arguments.get("level"),
                     since=arguments.get("since"),
                     before=arguments.get("before"),
                     limit=arguments.get("limit", 20),
                 )
+                page = selectors.capability_call_records(principal=principal, full=arguments["capability"], query=query)
                 answer = {
                     "capability": arguments["capability"],
                     "records": api.CallRecordSerializer(page.records, many=True).data,

@@ -166,11 +166,12 @@ class Route:
 
 @dataclass(frozen=True)
 class CallStopped:
-    """A call whose runtime process was stopped under it for running past a limit.
+    """A call whose runtime process stopped under it: stopped for running past a limit, or
+    exited on its own.
 
     `culprit` says whether this call can be the one that ran past it (else it merely
-    shared the process, or arrived while it restarted); `reason` is "cpu" or "memory";
-    `message` completes "{capability} ..." ("ran past its CPU limit of 1000 ms").
+    shared the process, or arrived while it restarted); `reason` is "cpu", "memory" or
+    "exited"; `message` completes "{capability} ..." ("ran past its CPU limit of 1000 ms").
     """
 
     culprit: bool

@@ -20,6 +20,7 @@ from capabilities.workerd.group import PortRegistry, WorkerdGroup, read_status
 from capabilities.workerd.host import WorkerdHost
 from capabilities.workerd.supervision import Kill, KillLog, Limits
 from sigil.files import write_atomically
+from sigil.lifetime import start_time
 
 # Time the watchdog grants past the CPU budget before it calls a process stalled: a loaded
 # machine can delay a probe's answer, and killing an innocent process costs its agent calls.
@@ -331,17 +332,19 @@ class LocalRuntime(Runtime):
         return sorted(p.name for p in self.slots_dir.iterdir() if p.is_file() and not p.name.startswith("."))
 
     def call_stopped(self, *, slot: str, sent_at: float) -> CallStopped | None:
-        """The watchdog's kill record of the slot's process, when it stopped the process after
-        the call was sent, or shortly before while the fresh one was not serving yet."""
+        """Why the slot's process stopped under a call sent at `sent_at`: the watchdog's kill
+        record, when it stopped the process after the call was sent (or shortly before, while
+        the fresh one was not serving yet); else the process's own exit, when the one that
+        took the call is gone."""
         name = self.processes.name_for(slot)
+        status = read_status(self.processes.status_path) or {"processes": {}}
+        entry = status["processes"].get(name)
         kill = self._kill_log.latest(name)
         if kill is None or kill.at < sent_at - RESTART_GRACE_SECONDS:
-            return None
+            return _exited_under(entry, sent_at)
         if kill.at < sent_at:
-            status = read_status(self.processes.status_path) or {"processes": {}}
-            entry = status["processes"].get(name)
             if entry is not None and entry["state"] == "serving" and kill.at <= entry["since"] <= sent_at:
-                return None  # a fresh process served when the call was sent: some other failure
+                return _exited_under(entry, sent_at)  # a fresh process served when the call was sent
             return CallStopped(culprit=False, reason=kill.reason, message=kill.describe())
         return CallStopped(culprit=kill.blames(sent_at), reason=kill.reason, message=kill.describe())
 
@@ -356,6 +359,15 @@ class LocalRuntime(Runtime):
                 kill = entry.get("last_kill")
                 why = f" after it {Kill(**kill).describe()}" if kill and entry["state"] == "restarting" else ""
                 raise RuntimeUnavailable(f"workerd for {name} is {entry['state']}{why}")
+
+
+def _exited_under(entry: dict | None, sent_at: float) -> CallStopped | None:
+    """The process's own exit under the call, when the one serving as it was sent is gone
+    (dead, or already replaced); None while it still serves: some other failure."""
+    if entry is None:
+        return None
+    serving = entry["state"] == "serving" and entry["since"] <= sent_at and start_time(entry["pid"]) is not None
+    return None if serving else CallStopped(culprit=False, reason="exited", message="exited")
 
 
 def _pointed_sha(pointer: Path) -> str | None:

@@ -15,6 +15,7 @@ from capabilities.services.controls import (
     capability_set_cpu_limit,
     capability_set_public,
 )
+from capabilities.services.deploy_task import capability_place_version
 from capabilities.services.lifecycle import capability_mark_inactive, capability_prewarm
 from capabilities.services.observability import (
     capability_apply_stats,
@@ -22,32 +23,25 @@ from capabilities.services.observability import (
     capability_prune_stats,
     capability_record_breaker,
 )
-from capabilities.services.placement import (
+from capabilities.services.page_outs import (
     StillInFlight,
-    capability_clear_slot,
     capability_evict,
     capability_mark_missing,
-    capability_page_in,
     capability_page_out,
-    capability_reconcile,
+    capability_shed_excess,
+)
+from capabilities.services.placement import (
+    capability_clear_slot,
+    capability_page_in,
     capability_refresh_bindings,
     capability_release_slot,
-    capability_shed_excess,
-    runtime_account_warning,
-    runtime_provision,
-    runtime_ready,
 )
 from capabilities.services.reaper import capability_reap
-from capabilities.services.registry import (
-    DeployResult,
-    capability_deploy,
-    capability_expire_ephemerals,
-    capability_place_version,
-    capability_remove,
-    capability_remove_as_owner,
-    capability_rollback,
-    capability_rollback_by_agent,
-)
+from capabilities.services.reconcile import capability_reconcile, runtime_provision, runtime_ready
+from capabilities.services.registry import capability_deploy
+from capabilities.services.removal import capability_expire_ephemerals, capability_remove, capability_remove_as_owner
+from capabilities.services.rollbacks import capability_rollback, capability_rollback_by_agent
+from capabilities.services.room import runtime_account_warning
 from capabilities.services.splits import (
     SplitGuard,
     capability_promote,
@@ -69,6 +63,7 @@ from capabilities.services.switching import (
     runtimes_left_behind,
     switch_plan,
 )
+from capabilities.services.versions import DeployResult
 
 __all__ = [
     "DeployResult",

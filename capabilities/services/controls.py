@@ -11,9 +11,10 @@ from django.db import transaction
 from django.utils import timezone
 
 from agents.services import audit_record
-from capabilities import breaker, routes
+from capabilities import breaker
 from capabilities.models import BreakerState, Capability, State
 from capabilities.services.observability import capability_record_breaker
+from capabilities.services.records import capability_written
 from sigil.errors import InvalidRequest, NotFound
 
 
@@ -38,7 +39,7 @@ def capability_set_cpu_limit(*, capability: Capability, cpu_ms: int | None, acto
     """
     if cpu_ms is not None and not 1 <= cpu_ms <= MAX_CPU_MS:
         raise InvalidRequest(f"a CPU limit is 1 to {MAX_CPU_MS} ms")
-    with transaction.atomic():
+    with capability_written(capability.full_name) as write:
         changed = (
             Capability.objects.exclude(state=State.REMOVED)
             .filter(pk=capability.pk)
@@ -46,6 +47,7 @@ def capability_set_cpu_limit(*, capability: Capability, cpu_ms: int | None, acto
             .update(cpu_ms=cpu_ms, updated_at=timezone.now())
         )
         if not changed:
+            write.unchanged()
             return
         audit_record(
             actor=actor,
@@ -55,19 +57,20 @@ def capability_set_cpu_limit(*, capability: Capability, cpu_ms: int | None, acto
             detail={"cpu_ms": cpu_ms},
         )
     capability.refresh_from_db()
-    routes.route_publish(capability)
 
 
 def capability_set_public(*, capability: Capability, is_public: bool, actor: str) -> bool:
     """Make a capability public (callable by every agent) or private (its agent's only), for
     the owner. Returns False when it already was. Raises NotFound when it was removed."""
-    with transaction.atomic():
+    with capability_written(capability.full_name) as write:
         if not Capability.objects.filter(pk=capability.pk).exclude(state=State.REMOVED).exists():
             raise NotFound(f"no capability {capability.full_name}")
         changed = Capability.objects.filter(pk=capability.pk, is_public=not is_public).update(
             is_public=is_public, updated_at=timezone.now()
         )
-        if changed:
+        if not changed:
+            write.unchanged()
+        else:
             audit_record(
                 actor=actor,
                 action="capability.updated",
@@ -76,8 +79,6 @@ def capability_set_public(*, capability: Capability, is_public: bool, actor: str
                 detail={"public": is_public},
             )
     capability.refresh_from_db()
-    if changed:
-        routes.route_publish(capability)
     return bool(changed)
 
 

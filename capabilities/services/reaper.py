@@ -12,11 +12,61 @@ after DEPLOY_RESENDS resends is failed one interval later each (about a minute).
 
 from __future__ import annotations
 
-from capabilities.services.placement import capability_reap_placements
-from capabilities.services.registry import capability_reap_deploys
+import time
+
+from agents.services import audit_record
+from capabilities import pager
+from capabilities.models import Capability, State
+from capabilities.services.deploy_task import capability_reap_deploys
+from capabilities.services.page_outs import PAGE_OUTS_DUE_KEY, page_out_later
+from capabilities.services.placement_lock import placement_in_progress, placement_lock_key
+from sigil import leases
+from sigil.redis_client import get_redis
 
 
 def capability_reap() -> dict[str, int]:
     """Send again, or end, the deploys, rollbacks and page-outs whose owner died, and free
     the `placing` entries of dead placers. Idempotent; returns the counts of each."""
     return {**capability_reap_deploys(), **capability_reap_placements()}
+
+
+def capability_reap_placements(*, now: float | None = None) -> dict[str, int]:
+    """End what a dead process left of its placements and page-outs, once its lease is over:
+    a `placing` entry whose placer's lock is gone gives its slot back (and the victims that
+    placement chose are paged out); a page-out due more than a lease ago whose capability is
+    still evicting, its lock free, is sent again. Each is audited. Idempotent; returns counts.
+    """
+    now = time.time() if now is None else now
+    freed = 0
+    for full in pager.pager_placing():
+        if not pager.pager_drop_unheld_placing(full, lock_key=placement_lock_key(full)):
+            continue
+        victims = pager.pager_take_chosen(full)
+        audit_record(
+            actor="system",
+            action="pager.placing_freed",
+            subject=full,
+            detail={"reason": "its placer died", "victims": victims},
+        )
+        for victim in victims:
+            page_out_later(victim)
+        freed += 1
+    resent = 0
+    redis = get_redis()
+    overdue = [m.decode() for m in redis.zrangebyscore(PAGE_OUTS_DUE_KEY, "-inf", now - leases.lease_seconds())]
+    evicting = set(
+        Capability.objects.filter(full_name__in=overdue, state=State.EVICTING).values_list("full_name", flat=True)
+    )
+    for full in overdue:
+        if full not in evicting:
+            redis.zrem(PAGE_OUTS_DUE_KEY, full)
+        elif not placement_in_progress(full):
+            audit_record(
+                actor="system",
+                action="capability.page_out_resent",
+                subject=full,
+                detail={"reason": "its worker was lost"},
+            )
+            page_out_later(full)
+            resent += 1
+    return {"placing_freed": freed, "page_outs_resent": resent}

@@ -16,14 +16,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from django.db import transaction
 from django.utils import timezone
 
 from agents.services import agent_notify, audit_record
-from capabilities import contract_copies, routes, selectors, stats
-from capabilities.models import Capability, CapabilityType, State
+from capabilities import routes, selectors, stats
+from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime
-from capabilities.services.placement import bundle_for, capability_page_in, placement_lock, placement_room
+from capabilities.services.placement import capability_page_in
+from capabilities.services.placement_lock import placement_lock
+from capabilities.services.records import capability_audit, capability_current, capability_written, record_live
+from capabilities.services.removal import capability_remove_as_owner
+from capabilities.services.room import bundle_for, room_for
 from sigil.errors import Conflict, InvalidRequest, NotFound
 
 # The guard's least number of calls to the staged version when the agent names none.
@@ -64,13 +67,8 @@ def _locked(full: str):
 
 
 def _current(capability: Capability) -> Capability:
-    current = (
-        Capability.objects.select_related("agent", "current_version", "staged_version")
-        .exclude(state=State.REMOVED)
-        .filter(pk=capability.pk)
-        .first()
-    )
-    if current is None:
+    current = capability_current(capability.full_name, "agent", "current_version", "staged_version")
+    if current is None or current.pk != capability.pk:
         raise NotFound(f"no capability {capability.full_name}")
     return current
 
@@ -96,7 +94,7 @@ def capability_split_set(
         starting = not current.has_split
         if starting:
             _place_variant(current)
-        with transaction.atomic():
+        with capability_written(current.full_name):
             locked = Capability.objects.select_for_update().get(pk=current.pk)
             locked.split_weight = weight
             locked.split_caller_header = caller_header
@@ -120,10 +118,12 @@ def capability_split_set(
                 },
             )
         current.refresh_from_db()
-        routes.route_publish(current)
     finally:
         lock.release()
     return current
+
+
+VARIANT_COPIES = ("agent", "name", "type", "is_public", "bindings", "cpu_ms")
 
 
 def _place_variant(capability: Capability) -> None:
@@ -132,17 +132,11 @@ def _place_variant(capability: Capability) -> None:
     full = routes.variant_name(capability)
     variant = Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).first()
     if variant is None:
+        # It runs as its capability does: the same agent, name, type, visibility, bindings, CPU.
+        same = {name: getattr(capability, name) for name in VARIANT_COPIES}
+        staged = capability.staged_version
         variant = Capability.objects.create(
-            agent=capability.agent,
-            name=capability.name,
-            full_name=full,
-            type=capability.type,
-            is_public=capability.is_public,
-            bindings=capability.bindings,
-            cpu_ms=capability.cpu_ms,
-            state=State.PAGED_OUT,
-            current_version=capability.staged_version,
-            variant_of=capability,
+            full_name=full, state=State.PAGED_OUT, current_version=staged, variant_of=capability, **same
         )
     try:
         capability_page_in(full=full, reason="split")
@@ -154,7 +148,7 @@ def _place_variant(capability: Capability) -> None:
 @contextmanager
 def _ending_split(capability: Capability, *, actor: str, doing: str) -> Iterator[Capability]:
     """Hold the capability's placement lock and give it, with its staged version, to the
-    block that records the split's end; then publish its route and retire the staged
+    block that records the split's end (inside `capability_written`); then retire the staged
     version's placement. Raises Conflict (nothing staged; a placement under way), NotFound."""
     lock = _locked(capability.full_name)
     try:
@@ -163,8 +157,6 @@ def _ending_split(capability: Capability, *, actor: str, doing: str) -> Iterator
             raise Conflict(f"{current.full_name} has no staged version to {doing}")
         yield current
         current.refresh_from_db()
-        routes.route_publish(current)
-        contract_copies.contract_publish(current)  # a promoted version's contract is the tool's now
     finally:
         lock.release()
     _retire_variants(current, actor=actor)
@@ -187,23 +179,16 @@ def capability_promote(*, capability: Capability, actor: str) -> Capability:
                 f"v{staged.number}'s code again to try it against v{previous.number}"
             )
         bundle = bundle_for(staged.code, current, get_runtime(), version=staged.number)
-        with placement_room(
-            full=current.full_name, capability_type=current.type, expires_at=current.expires_at
-        ) as room:
+        with room_for(current) as room:
             placement = room.place(bundle)
-            with transaction.atomic():
+            with capability_written(current.full_name):
                 locked = Capability.objects.select_for_update().get(pk=current.pk)
-                locked.current_version = staged
-                locked.state = State.LIVE
-                locked.slot = placement.slot
-                locked.placed_sha = bundle.sha
-                locked.backend = placement.backend
+                record_live(locked, placement, bundle_sha=bundle.sha, version=staged)
                 _end_split(locked)
-                audit_record(
+                capability_audit(
+                    current,
                     actor=actor,
                     action="capability.promoted",
-                    agent_name=current.agent.name,
-                    subject=current.full_name,
                     detail={"version": staged.number, "previous_version": previous.number if previous else None},
                 )
     return current
@@ -216,14 +201,13 @@ def capability_split_abort(*, capability: Capability, actor: str, reason: dict |
 
     Raises Conflict (nothing staged; a placement under way), NotFound.
     """
-    with _ending_split(capability, actor=actor, doing="abort") as current, transaction.atomic():
+    with _ending_split(capability, actor=actor, doing="abort") as current, capability_written(current.full_name):
         locked = Capability.objects.select_for_update().get(pk=current.pk)
         _end_split(locked)
-        audit_record(
+        capability_audit(
+            current,
             actor=actor,
             action="capability.split_aborted",
-            agent_name=current.agent.name,
-            subject=current.full_name,
             detail={"staged_version": current.staged_version.number, **(reason or {})},
         )
     return current
@@ -243,8 +227,6 @@ def _end_split(locked: Capability) -> None:
 def _retire_variants(capability: Capability, *, actor: str) -> None:
     """Remove the placements of versions no longer in traffic (their rows stay, with their
     stats, as any removed capability's do)."""
-    from capabilities.services.registry import capability_remove_as_owner
-
     for full in (
         Capability.objects.filter(variant_of=capability)
         .exclude(state=State.REMOVED)
@@ -338,10 +320,3 @@ def capability_split_guard() -> list[str]:
         )
         aborted.append(capability.full_name)
     return aborted
-
-
-def stage_allowed(capability_type: str) -> None:
-    """Raise InvalidRequest for a type that has no staged versions (ephemerals are their own
-    quick experiments)."""
-    if capability_type == CapabilityType.EPHEMERAL:
-        raise InvalidRequest("ephemeral capabilities have no staged versions: stage a persistent or normal one")

@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import transaction
 from django.db.models import Count, F, Q
 from django.utils import timezone
 
@@ -28,13 +28,9 @@ from capabilities import pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.errors import RuntimeFailure
-from capabilities.services.placement import (
-    bundle_for,
-    placement_in_progress,
-    placement_lock,
-    placement_room,
-    slot_for,
-)
+from capabilities.services.placement_lock import placement_in_progress, placement_lock
+from capabilities.services.records import capability_audit, capability_current, capability_written, record_live
+from capabilities.services.room import bundle_for, room_for, slot_for
 from sigil.errors import InvalidRequest, SigilError
 
 
@@ -73,12 +69,7 @@ def capability_switch_backend(*, full: str, actor: str) -> SwitchStep:
     """
     runtime = get_runtime()
     with placement_lock(full, blocking=True):
-        capability = (
-            Capability.objects.select_related("agent", "current_version")
-            .exclude(state=State.REMOVED)
-            .filter(full_name=full)
-            .first()
-        )
+        capability = capability_current(full, "agent", "current_version")
         if capability is None:
             return SwitchStep(full=full, outcome="gone")
         if capability.backend in ("", runtime.name):
@@ -93,34 +84,20 @@ def capability_switch_backend(*, full: str, actor: str) -> SwitchStep:
         if bundle is not None and runtime.total_slots is not None and pager.pager_usage().used >= runtime.total_slots:
             bundle = None
         if bundle is None:
-            slot, backend = slot_for(full, runtime), runtime.name
+            slot = slot_for(full, runtime)
             state = State.FAILED if capability.state == State.FAILED else State.PAGED_OUT
-            _record_switch(
-                capability,
-                actor=actor,
-                source=source,
-                old_slot=old_slot,
-                slot=slot,
-                backend=backend,
-                state=state,
-                placed_sha="",
-            )
-        else:
-            with placement_room(full=full, capability_type=capability.type, expires_at=capability.expires_at) as room:
-                placement = room.place(bundle)
-                slot, backend = placement.slot, placement.backend
-                _record_switch(
-                    capability,
-                    actor=actor,
-                    source=source,
-                    old_slot=old_slot,
-                    slot=slot,
-                    backend=backend,
-                    state=State.LIVE,
-                    placed_sha=bundle.sha,
+            with _switch_recorded(capability, actor=actor, source=source, old_slot=old_slot, slot=slot, placed=False):
+                Capability.objects.filter(pk=capability.pk).update(
+                    state=state, slot=slot, placed_sha="", backend=runtime.name, updated_at=timezone.now()
                 )
-        capability.refresh_from_db()
-        routes.route_publish(capability)
+        else:
+            with room_for(capability) as room:
+                placement = room.place(bundle)
+                slot = placement.slot
+                with _switch_recorded(
+                    capability, actor=actor, source=source, old_slot=old_slot, slot=slot, placed=True
+                ):
+                    record_live(capability, placement, bundle_sha=bundle.sha)
     return SwitchStep(
         full=full,
         outcome="moved" if bundle is not None else "reassigned",
@@ -130,34 +107,19 @@ def capability_switch_backend(*, full: str, actor: str) -> SwitchStep:
     )
 
 
-def _record_switch(
-    capability: Capability,
-    *,
-    actor: str,
-    source: str,
-    old_slot: str,
-    slot: str,
-    backend: str,
-    state: str,
-    placed_sha: str,
-) -> None:
-    full = capability.full_name
-    with transaction.atomic():
-        Capability.objects.filter(pk=capability.pk).update(
-            state=state, slot=slot, placed_sha=placed_sha, backend=backend, updated_at=timezone.now()
-        )
-        audit_record(
+@contextmanager
+def _switch_recorded(
+    capability: Capability, *, actor: str, source: str, old_slot: str, slot: str, placed: bool
+) -> Iterator[None]:
+    """Record the move of `capability` to the current runtime, its row written in the block."""
+    backend = get_runtime().name
+    with capability_written(capability.full_name):
+        yield
+        capability_audit(
+            capability,
             actor=actor,
             action="capability.switched",
-            agent_name=capability.agent.name,
-            subject=full,
-            detail={
-                "from": source,
-                "to": backend,
-                "from_slot": old_slot,
-                "to_slot": slot,
-                "placed": state == State.LIVE,
-            },
+            detail={"from": source, "to": backend, "from_slot": old_slot, "to_slot": slot, "placed": placed},
         )
 
 
@@ -166,11 +128,9 @@ def capability_adopt_backend(*, backend: str) -> int:
     runtimes (an empty `backend` field, and placed); return how many. Idempotent."""
     fulls = list(_unrecorded().values_list("full_name", flat=True))
     for full in fulls:
-        with transaction.atomic():
-            changed = _unrecorded().filter(full_name=full).update(backend=backend)
-        if changed:
-            capability = Capability.objects.select_related("agent").exclude(state=State.REMOVED).get(full_name=full)
-            routes.route_publish(capability)
+        with capability_written(full) as write:
+            if not _unrecorded().filter(full_name=full).update(backend=backend):
+                write.unchanged()
     return len(fulls)
 
 

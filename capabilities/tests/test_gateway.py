@@ -151,6 +151,35 @@ def test_ttl_expiry_runs_on_beat_and_a_worker(alice, settings, celery_worker, tm
         beat.wait(timeout=10)
 
 
+def test_a_call_whose_workerd_dies_on_its_own_is_a_503_to_retry_and_not_the_capabilitys_failure(
+    alice, redis_client, sigil
+):
+    import os
+    import signal
+    import threading
+
+    from capabilities.runtimes import get_runtime
+    from capabilities.workerd.group import read_status
+
+    alice.deploy(name="slow", code="export default { async fetch() { await new Promise(r => setTimeout(r, 3000)); "
+                 "return new Response('late') } }")  # fmt: skip
+    assert alice.call("/alice/ping").status_code == 404  # the agent's workerd runs
+    status_path = get_runtime().processes.status_path
+    pid = read_status(status_path)["processes"]["alice"]["pid"]
+    answers = []
+    caller = threading.Thread(target=lambda: answers.append(alice.call("/alice/slow")))
+    caller.start()
+    wait_for(lambda: sigil.app.engine and sigil.app.engine.shares.calls.get("alice"), message="the call in flight")
+    os.kill(pid, signal.SIGKILL)  # not the watchdog: it dies on its own
+    caller.join(30)
+    (answer,) = answers
+    assert_error(answer, 503, "unavailable")
+    assert answer.headers["Retry-After"] == "1"
+    assert "its runtime process exited" in answer.json()["error"]["message"]
+    assert redis_client.get(breaker.failures_key("alice--slow")) is None  # the breaker is not charged
+    wait_for(lambda: alice.call("/alice/slow").status_code == 200, timeout=30, message="a fresh workerd to serve")
+
+
 def test_an_unreachable_runtime_is_a_502_and_not_the_capabilitys_failure(alice, settings, redis_client, sigil):
     from capabilities.runtimes import runtimes_forget
     from sigil.ports import free_port

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from agents import tokens
-from capabilities import names, routes
+from capabilities import copies, names, routes
 from capabilities.models import Capability, State
 from capabilities.services.placement import placement_lock
 from sigil.embedded_redis import EmbeddedRedis
@@ -109,8 +109,7 @@ def test_a_page_in_lock_held_past_the_invoke_timeout_is_504_not_a_wait_for_the_l
     alice.deploy(name="ping", code=PONG)
     capability = Capability.objects.get(full_name="alice--ping")
     Capability.objects.filter(pk=capability.pk).update(state=State.PAGED_OUT)
-    capability.refresh_from_db()
-    routes.route_publish(capability)
+    copies.copies_publish(capability.full_name)
 
     lock = placement_lock("alice--ping", blocking=False)
     assert lock.acquire()  # another placement of this capability, taking its time

@@ -102,6 +102,25 @@ def route_state(full):
     return routes.decode(get_redis().get(routes.key(full))).state
 
 
+def test_a_write_of_a_victim_waiting_for_its_calls_keeps_new_calls_away_from_it(capped, alice, celery_worker):
+    for name in ("a", "b", "c"):
+        deploy(alice, name, name, type="normal")
+    get_redis().set(pager.inflight_key("alice--a"), 1)  # a call to it is in flight
+    assert deploy(alice, "d", "d", type="normal")["evicted"] == "alice--a"
+    wait_for(lambda: route_state("alice--a") == "paged_out", message="the route to turn away from it")
+
+    # The owner makes the victim public while its page-out waits: its copies are published
+    # again from its row (still evicting), and its route stays turned away.
+    victim = Capability.objects.get(full_name="alice--a")
+    assert services.capability_set_public(capability=victim, is_public=True, actor="owner:test")
+    route = routes.decode(get_redis().get(routes.key("alice--a")))
+    assert (state("alice--a"), route.state, route.is_public) == ("evicting", "paged_out", True)
+
+    get_redis().decr(pager.inflight_key("alice--a"))  # the call in flight ends
+    wait_for(lambda: state("alice--a") == "paged_out", message="a paged out")
+    assert alice.call("/alice/a").headers["X-Sigil-Cold-Start"] == "1"
+
+
 def test_a_burst_on_one_cold_capability_places_it_once(capped, alice, celery_worker):
     for name in ("a", "b", "c", "d"):
         deploy(alice, name, name, type="normal")
@@ -188,7 +207,11 @@ def test_reconcile_repairs_the_pagers_books(capped, alice, celery_worker, settin
     assert result == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 3, "shed": 0, **NOTHING_REAPED}
     corrected = AuditEvent.objects.filter(action="pager.corrected").values_list("subject", flat=True)
     assert sorted(corrected) == ["alice--a", "alice--ghost", "alice--gone"]
-    wait_for(lambda: state("alice--b") == "paged_out", message="the lost page-out, sent again")
+    # The page-out records the row, then drops its evicting mark from the books.
+    wait_for(
+        lambda: state("alice--b") == "paged_out" and "alice--b" not in pager.pager_locations(),
+        message="the lost page-out, sent again",
+    )
     assert pager.pager_locations() == {"alice--a": {pager.lru_key("normal")}, "alice--c": {pager.lru_key("normal")}}
     assert services.capability_reconcile() == {
         "orphans_removed": 0,

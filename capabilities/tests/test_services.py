@@ -168,7 +168,7 @@ def test_a_redeploy_whose_capability_was_removed_since_it_was_read_is_a_conflict
     from django.db import transaction
 
     from capabilities.contracts import Contract
-    from capabilities.services.registry import NewVersion
+    from capabilities.services.versions import NewVersion
     from sigil.errors import Conflict
 
     alice.deploy(name="ping", code=PONG)
@@ -190,3 +190,19 @@ def test_a_redeploy_whose_capability_was_removed_since_it_was_read_is_a_conflict
     Capability.objects.filter(pk=read.pk).delete()  # the row is gone altogether: the same
     with pytest.raises(Conflict, match="removed by a concurrent request"), transaction.atomic():
         new.capability_locked()
+
+
+def test_a_deploy_request_reads_back_what_earlier_deploys_and_rollbacks_stored():
+    """The deploy task reads the request back from the version's JSON, also as versions
+    recorded before the request had a type stored it."""
+    from capabilities.models import DeployRequest
+
+    deploy = {"bindings": ["KV:CACHE"], "public": True, "cache_when_degraded": None, "actor": "agent:alice"}
+    rollback = {"bindings": [], "public": False, "actor": "owner:test", "restores": 1}
+    assert DeployRequest.from_json(deploy) == DeployRequest(bindings=["KV:CACHE"], public=True, actor="agent:alice")
+    assert DeployRequest.from_json(rollback) == DeployRequest(public=False, actor="owner:test", restores=1)
+    assert DeployRequest.from_json({}) == DeployRequest()  # a version placed in its request records none
+
+    asked = DeployRequest(bindings=["KV:CACHE"], public=True, actor="agent:alice", cache_when_degraded=True)
+    assert DeployRequest.from_json(asked.to_json()) == asked
+    assert {key: asked.to_json()[key] for key in deploy} == {**deploy, "cache_when_degraded": True}

@@ -212,3 +212,21 @@ def test_a_rollback_records_the_runtime_that_placed_it(alice):
     assert rollback(alice, "alice--greet", {"version": 1}).status_code == 200
 
     assert Capability.objects.get(full_name="alice--greet").backend == "local"
+
+
+def test_a_rollback_in_the_request_during_a_switch_is_served_from_the_new_runtime(worker_pool, alice, sigil, settings):
+    """A capability still on the worker pool while SIGIL_BACKEND is now local (no switch has
+    moved it yet): the agent's rollback, placed in the request by the local runtime, records
+    it there, slot and runtime together, so its next call reaches the code it restored."""
+    from capabilities.tests.test_switch import switch_to
+
+    alice.deploy(name="greet", code=answering("one"))
+    alice.deploy(name="greet", code=answering("two"))
+    assert Capability.objects.get(full_name="alice--greet").backend == "worker-pool"
+    switch_to(settings, sigil, "local")
+
+    assert rollback(alice, "alice--greet", {"version": 1}).status_code == 200
+
+    capability = Capability.objects.get(full_name="alice--greet")
+    assert (capability.backend, capability.slot, capability.state) == ("local", "alice--greet", "live")
+    assert alice.call("/alice/greet").text == "one"

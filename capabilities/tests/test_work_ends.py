@@ -18,14 +18,14 @@ import pytest
 from agents.models import AuditEvent
 from capabilities import names, pager, services
 from capabilities.models import Capability, CapabilityVersion
+from capabilities.services.deploy_task import DEPLOY_RESENDS
 from capabilities.services.placement import placement_lock, placement_lock_key
-from capabilities.services.registry import DEPLOY_RESENDS
 from sigil import leases
 from sigil.redis_client import get_redis
 from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
 from testsupport.cast import wait_for
-from testsupport.celery_workers import start_worker_process
+from testsupport.celery_workers import PAGE_IN_A, start_service_process, start_worker_process
 
 LEASE = 2.0
 # What docs/architecture.md promises with the defaults (a 15 s lease, reaped every 15 s), scaled to
@@ -149,17 +149,14 @@ def test_a_deploy_no_worker_takes_after_its_worker_died_is_failed_and_audited(wo
 
 @pytest.mark.slow
 def test_a_page_in_whose_worker_died_is_taken_over_by_the_next_call_within_a_lease(worker_pool, alice, short_leases):
-    from capabilities.tasks import capability_page_in
-
     settings = short_leases
     for name in ("a", "b"):
         deploy(alice, name, name, type="normal")
     services.capability_evict(full="alice--a", actor="owner:test")
 
     worker_pool.configure(latency=4.0)
-    worker = start_worker_process(settings, queue="kill-me")
+    worker = start_service_process(settings, PAGE_IN_A)
     try:
-        capability_page_in.apply_async(kwargs={"full": "alice--a"}, queue="kill-me")
         wait_for(
             lambda: get_redis().exists(placement_lock_key("alice--a")),
             timeout=30,

@@ -16,7 +16,7 @@ from capabilities.runtimes import runtimes_forget
 from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
 from testsupport.cast import wait_for
-from testsupport.celery_workers import start_worker_process
+from testsupport.celery_workers import PAGE_IN_A, start_service_process, start_worker_process
 
 
 @pytest.fixture
@@ -240,8 +240,6 @@ def test_redirect_mode_answers_302_to_the_workers_dev_url(worker_pool, alice, se
 def test_a_worker_killed_during_a_page_in_converges_after_reconcile(
     worker_pool, alice, settings, scripts_on_cloudflare
 ):
-    from capabilities.tasks import capability_page_in
-
     settings.SIGIL_PLACEMENT_LOCK_SECONDS = 3
     for name in ("a", "b", "c", "d"):
         deploy(alice, name, name, type="normal")
@@ -249,9 +247,8 @@ def test_a_worker_killed_during_a_page_in_converges_after_reconcile(
     assert Capability.objects.get(full_name="alice--a").state == "paged_out"
 
     worker_pool.configure(latency=1.5)  # each API call takes 1.5 s: time to kill mid-page-in
-    worker = start_worker_process(settings, queue="kill-me")
+    worker = start_service_process(settings, PAGE_IN_A)
     try:
-        capability_page_in.apply_async(kwargs={"full": "alice--a"}, queue="kill-me")
         # Killed after the upload, while it turns the workers.dev URL on: Cloudflare holds a
         # script that the registry does not know is live.
         wait_for(

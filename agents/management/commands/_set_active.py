@@ -1,18 +1,13 @@
 """What `disableagent` and `enableagent` share (not a command itself: its name starts with _)."""
 
-from django.core.management.base import CommandParser
-
 from agents import services
 from agents.selectors import agent_named
-from sigil.owner_commands import CLI_ACTOR, OwnerCommand
+from sigil.owner_commands import CLI_ACTOR, OwnerCommand, argument
 
 
 class SetAgentActive(OwnerCommand):
     is_active: bool
-
-    def add_arguments(self, parser: CommandParser) -> None:
-        super().add_arguments(parser)
-        parser.add_argument("agent")
+    arguments = (argument("agent"),)
 
     def act(self, *, agent: str, **options) -> dict:
         changed = services.agent_set_active(agent=agent_named(agent), is_active=self.is_active, actor=CLI_ACTOR)

@@ -4,5 +4,6 @@ from agents.management.commands._set_active import SetAgentActive
 
 
 class Command(SetAgentActive):
-    help = "Disable an agent: all of its tokens stop working at once."
+    """Disable an agent: all of its tokens stop working at once."""
+
     is_active = False

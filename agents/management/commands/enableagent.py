@@ -4,5 +4,6 @@ from agents.management.commands._set_active import SetAgentActive
 
 
 class Command(SetAgentActive):
-    help = "Enable an agent again: its tokens that are neither revoked nor expired work again at once."
+    """Enable an agent again: its tokens that are neither revoked nor expired work again at once."""
+
     is_active = True

@@ -2,24 +2,23 @@
 
 from datetime import timedelta
 
-from django.core.management.base import CommandParser
 from django.utils import timezone
 
 from agents import services
 from agents.models import Scope
 from agents.selectors import agent_named
-from sigil.owner_commands import CLI_ACTOR, OwnerCommand, iso
+from sigil.owner_commands import CLI_ACTOR, OwnerCommand, argument, iso
 
 
 class Command(OwnerCommand):
-    help = "Issue a token to an agent; its secret is shown once."
+    """Issue a token to an agent; its secret is shown once."""
 
-    def add_arguments(self, parser: CommandParser) -> None:
-        super().add_arguments(parser)
-        parser.add_argument("agent")
-        parser.add_argument("--scope", required=True, choices=Scope.values)
-        parser.add_argument("--label", default="", help="a note to recognise the token by")
-        parser.add_argument("--expires-days", type=float, help="days until the token stops working (default never)")
+    arguments = (
+        argument("agent"),
+        argument("--scope", required=True, choices=Scope.values),
+        argument("--label", default="", help="a note to recognise the token by"),
+        argument("--expires-days", type=float, help="days until the token stops working (default never)"),
+    )
 
     def act(self, *, agent: str, scope: str, label: str, expires_days: float | None, **options) -> dict:
         expires_at = timezone.now() + timedelta(days=expires_days) if expires_days is not None else None

@@ -10,7 +10,7 @@ from sigil.owner_commands import OwnerCommand, iso, table
 
 
 class Command(OwnerCommand):
-    help = "List the agents: enabled or not, their tokens (revoked and expired ones marked), capabilities."
+    """List the agents: enabled or not, their tokens (revoked and expired ones marked), capabilities."""
 
     def act(self, **options) -> list[dict]:
         # Not removed, and no split's staged version (a row of its own, named `{full}--v{n}`).

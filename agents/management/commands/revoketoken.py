@@ -1,19 +1,15 @@
 """`python manage.py revoketoken TOKEN_OR_PREFIX [--json]`."""
 
-from django.core.management.base import CommandParser
-
 from agents import services, tokens
 from agents.models import Token
 from sigil.errors import InvalidRequest, NotFound
-from sigil.owner_commands import CLI_ACTOR, OwnerCommand
+from sigil.owner_commands import CLI_ACTOR, OwnerCommand, argument
 
 
 class Command(OwnerCommand):
-    help = "Revoke a token, named by its secret or by its prefix (as listagents and the admin show it)."
+    """Revoke a token, named by its secret or by its prefix (as listagents and the admin show it)."""
 
-    def add_arguments(self, parser: CommandParser) -> None:
-        super().add_arguments(parser)
-        parser.add_argument("token", help="the token itself, or its prefix")
+    arguments = (argument("token", help="the token itself, or its prefix"),)
 
     def act(self, *, token: str, **options) -> dict:
         found = list(Token.objects.select_related("agent").filter(secret_hash=tokens.hash_secret(token)))

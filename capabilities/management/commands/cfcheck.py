@@ -2,24 +2,20 @@
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError
 
 from capabilities.services.cfcheck import CLOUDFLARE_BACKENDS, cloudflare_check
+from sigil.owner_commands import SigilCommand, argument
 
 
-class Command(BaseCommand):
-    help = (
-        "Check the Cloudflare account (CF_ACCOUNT_ID, CF_API_TOKEN) before switching to a Cloudflare runtime: "
-        "the token, the account, its workers.dev subdomain, the plan's features and the script quota. "
-        "Exits non-zero when the runtime cannot work there."
+class Command(SigilCommand):
+    """Check the Cloudflare account (CF_ACCOUNT_ID, CF_API_TOKEN) before switching to a Cloudflare runtime:
+    the token, the account, its workers.dev subdomain, the plan's features and the script quota.
+    Exits non-zero when the runtime cannot work there."""
+
+    arguments = (
+        argument("--backend", choices=CLOUDFLARE_BACKENDS, help="The runtime to check for (default: SIGIL_BACKEND)."),
     )
-
-    def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument(
-            "--backend",
-            choices=CLOUDFLARE_BACKENDS,
-            help="The runtime to check for (default: SIGIL_BACKEND).",
-        )
 
     def handle(self, *args, backend: str | None, **options) -> None:
         backend = backend or settings.SIGIL_BACKEND

@@ -1,22 +1,18 @@
 """`python manage.py listcapabilities [--agent NAME] [--state STATE] [--json]`."""
 
-from django.core.management.base import CommandParser
-
 from agents.selectors import agent_named
 from capabilities.models import Capability, State
-from sigil.owner_commands import OwnerCommand, iso, table
+from sigil.owner_commands import OwnerCommand, argument, iso, table
 
 
 class Command(OwnerCommand):
-    help = (
-        "List the capabilities (removed ones only with --state removed), with their version (and staged one), "
-        "breaker and calls."
-    )
+    """List the capabilities (removed ones only with --state removed), with their version (and staged one),
+    breaker and calls."""
 
-    def add_arguments(self, parser: CommandParser) -> None:
-        super().add_arguments(parser)
-        parser.add_argument("--agent", help="only this agent's")
-        parser.add_argument("--state", choices=State.values, help="only those in this state")
+    arguments = (
+        argument("--agent", help="only this agent's"),
+        argument("--state", choices=State.values, help="only those in this state"),
+    )
 
     def act(self, *, agent: str | None, state: str | None, **options) -> list[dict]:
         # A split's staged version, placed as a row of its own, is shown on its capability's line.

@@ -8,27 +8,24 @@ import time
 from datetime import UTC, datetime
 
 from django.conf import settings
-from django.core.management.base import CommandParser
 
 from capabilities import call_logs
 from capabilities.selectors import capability_get
-from sigil.owner_commands import OwnerCommand
+from sigil.owner_commands import OwnerCommand, argument
 
 
 class Command(OwnerCommand):
-    help = (
-        "Print a capability's latest call records (console lines, uncaught exception, outcome), "
-        "oldest of them first; with --follow, then every new one as it is kept, until Ctrl-C."
-    )
+    """Print a capability's latest call records (console lines, uncaught exception, outcome),
+    oldest of them first; with --follow, then every new one as it is kept, until Ctrl-C."""
 
-    def add_arguments(self, parser: CommandParser) -> None:
-        super().add_arguments(parser)
-        parser.add_argument("full", metavar="AGENT--NAME")
-        parser.add_argument("--request-id", help="only the call with this X-Request-Id")
-        parser.add_argument("--level", choices=call_logs.LEVELS, help="only calls with a line at this level or above")
-        parser.add_argument("--limit", type=int, default=20, help="how many of the latest (20)")
-        parser.add_argument("--follow", action="store_true", help="then print new records as they are kept")
-        parser.add_argument("--for", type=float, dest="for_seconds", help="with --follow: stop after this many seconds")
+    arguments = (
+        argument("full", metavar="AGENT--NAME"),
+        argument("--request-id", help="only the call with this X-Request-Id"),
+        argument("--level", choices=call_logs.LEVELS, help="only calls with a line at this level or above"),
+        argument("--limit", type=int, default=20, help="how many of the latest (20)"),
+        argument("--follow", action="store_true", help="then print new records as they are kept"),
+        argument("--for", type=float, dest="for_seconds", help="with --follow: stop after this many seconds"),
+    )
 
     def act(
         self,
@@ -43,7 +40,8 @@ class Command(OwnerCommand):
     ):
         capability = capability_get(full=full)
         page = call_logs.call_records_list(
-            full=capability.full_name, request_id=request_id, level=level, limit=max(1, limit)
+            full=capability.full_name,
+            query=call_logs.RecordQuery(request_id=request_id, level=level, limit=max(1, limit)),
         )
         records = list(reversed(page.records))
         if not follow:

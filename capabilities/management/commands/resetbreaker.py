@@ -1,18 +1,14 @@
 """`python manage.py resetbreaker AGENT--NAME [--json]`."""
 
-from django.core.management.base import CommandParser
-
 from capabilities import services
 from capabilities.selectors import capability_get
-from sigil.owner_commands import CLI_ACTOR, OwnerCommand
+from sigil.owner_commands import CAPABILITY, CLI_ACTOR, OwnerCommand
 
 
 class Command(OwnerCommand):
-    help = "Close a capability's breaker now: calls reach it again (a forced degraded state ends too)."
+    """Close a capability's breaker now: calls reach it again (a forced degraded state ends too)."""
 
-    def add_arguments(self, parser: CommandParser) -> None:
-        super().add_arguments(parser)
-        parser.add_argument("capability", help="its full name, agent--name")
+    arguments = (CAPABILITY,)
 
     def act(self, *, capability: str, **options) -> dict:
         services.capability_reset_breaker(capability=capability_get(full=capability), actor=CLI_ACTOR)

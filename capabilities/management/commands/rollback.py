@@ -1,22 +1,15 @@
 """`python manage.py rollback AGENT--NAME VERSION [--json]`."""
 
-from django.core.management.base import CommandParser
-
 from capabilities import services
 from capabilities.selectors import capability_get
-from sigil.owner_commands import CLI_ACTOR, OwnerCommand
+from sigil.owner_commands import CAPABILITY, CLI_ACTOR, OwnerCommand, argument
 
 
 class Command(OwnerCommand):
-    help = (
-        "Serve an earlier version's code again, as a new version numbered after the latest "
-        "(bindings and the public flag stay as they are)."
-    )
+    """Serve an earlier version's code again, as a new version numbered after the latest
+    (bindings and the public flag stay as they are)."""
 
-    def add_arguments(self, parser: CommandParser) -> None:
-        super().add_arguments(parser)
-        parser.add_argument("capability", help="its full name, agent--name")
-        parser.add_argument("version", type=int, help="the version whose code to serve")
+    arguments = (CAPABILITY, argument("version", type=int, help="the version whose code to serve"))
 
     def act(self, *, capability: str, version: int, **options) -> dict:
         current = capability_get(full=capability)

@@ -5,36 +5,32 @@ SIGIL_BACKEND; run it again if it was interrupted."""
 import json
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError
 
 from capabilities.names import placement_label
 from capabilities.runtimes import RUNTIMES
 from capabilities.runtimes.errors import RuntimeFailure
 from capabilities.services import SwitchEvent, SwitchPlan, backend_switch, switch_plan
 from sigil.errors import SigilError
+from sigil.owner_commands import CLI_ACTOR, SigilCommand, argument
 
 
-class Command(BaseCommand):
-    help = (
-        "Move every capability placed on another runtime to SIGIL_BACKEND's: place it there, record it, then "
-        "delete the old placement after a grace period. Agents keep their URLs and tokens throughout. "
-        "Resumable: run it again after an interruption."
-    )
+class Command(SigilCommand):
+    """Move every capability placed on another runtime to SIGIL_BACKEND's: place it there, record it, then
+    delete the old placement after a grace period. Agents keep their URLs and tokens throughout.
+    Resumable: run it again after an interruption."""
 
-    def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument(
+    arguments = (
+        argument(
             "--from",
             dest="source",
             choices=list(RUNTIMES),
             help="move only capabilities on this runtime; also the runtime of capabilities placed before "
             "Sigil recorded runtimes",
-        )
-        parser.add_argument(
-            "--dry-run", action="store_true", help="only list what would move; change nothing, call no runtime"
-        )
-        parser.add_argument(
-            "--json", action="store_true", dest="as_json", help="with --dry-run: print the list as JSON"
-        )
+        ),
+        argument("--dry-run", action="store_true", help="only list what would move; change nothing, call no runtime"),
+        argument("--json", action="store_true", dest="as_json", help="with --dry-run: print the list as JSON"),
+    )
 
     def handle(self, *args, source: str | None = None, dry_run: bool = False, as_json: bool = False, **options) -> None:
         if as_json and not dry_run:
@@ -50,7 +46,7 @@ class Command(BaseCommand):
         counts = {"moved": 0, "reassigned": 0, "already": 0, "gone": 0, "skipped": 0, "failed": 0}
         try:
             for event in backend_switch(
-                source=source, actor="owner:cli", grace_seconds=settings.SIGIL_SWITCH_GRACE_SECONDS
+                source=source, actor=CLI_ACTOR, grace_seconds=settings.SIGIL_SWITCH_GRACE_SECONDS
             ):
                 self._show(event, target, counts)
         except (SigilError, RuntimeFailure) as exc:

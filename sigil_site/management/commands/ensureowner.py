@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
 
+from sigil.owner_commands import SigilCommand
 from sigil_site.owner import owner_ensure
 
 
-class Command(BaseCommand):
-    help = (
-        "Create the owner's admin account (user owner) when no superuser exists, with "
-        "SIGIL_OWNER_PASSWORD or a random password printed once; otherwise change nothing. "
-        "Run it after migrate on each release, as make run does."
-    )
+class Command(SigilCommand):
+    """Create the owner's admin account (user owner) when no superuser exists, with
+    SIGIL_OWNER_PASSWORD or a random password printed once; otherwise change nothing.
+    Run it after migrate on each release, as make run does."""
 
     def handle(self, *args, **options) -> None:
         owner = owner_ensure(password=settings.SIGIL_OWNER_PASSWORD)
