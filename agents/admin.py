@@ -18,7 +18,7 @@ from django.utils.http import urlencode
 
 from agents import egress, services
 from agents.models import Agent, AuditEvent, Token
-from capabilities.names import validate_agent_name
+from agents.names import validate_agent_name
 from sigil.console import (
     ButtonsOnly,
     OptionsFilter,

@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from agents import a2a, egress, tokens
 from agents.models import Agent, AuditEvent, Scope, Token
-from capabilities.names import validate_agent_name
+from agents.names import validate_agent_name
 from sigil.errors import Conflict, InvalidRequest, QuotaExceeded
 from sigil.redis_client import get_redis
 

@@ -96,7 +96,7 @@ def main() -> int:
             elif deployed.status != 201:
                 raise RuntimeError(f"deploy on {backend}: {deployed.status} {deployed.data[:300]!r}")
             capability = Capability.objects.get(full_name=f"bench--{name}")
-            route = build_runtime(backend).route(slot=capability.slot, sha=capability.placed_sha)
+            route = build_runtime(backend).route(slot=capability.slot, sha=capability.placed_sha, tenant="bench")
             upstream_headers = dict(route.headers) | ({"Host": route.host_header} if route.host_header else {})
             targets[backend] = {
                 "via Sigil": (f"http://127.0.0.1:{ports[backend]}/bench/{name}", auth),

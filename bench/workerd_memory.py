@@ -172,7 +172,7 @@ def many_capabilities(sigil: Sigil, count: int, code_dir: Path, *, first: int) -
     # Removal ends in a Celery task that takes the code off workerd.
     slots = code_dir / "slots"
     wait_until(
-        lambda: not any((slots / f"{AGENT}--{name}").exists() for name in names),
+        lambda: not any((slots / AGENT / f"{AGENT}--{name}").exists() for name in names),
         timeout=120,
         interval=0.5,
         what="the removed capabilities to leave the runtime",

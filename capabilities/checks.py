@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from django.conf import settings
-from django.core.checks import Error, register
+from django.core.checks import CheckMessage, Error, register
 
-from capabilities.runtimes import RUNTIMES
-from capabilities.runtimes.worker_pool import pool_slots
+from capabilities.runtimes import RUNTIMES, runtime_class
+from capabilities.runtimes.billing import prices_with
 
 
 @register()
-def check_backend(app_configs, **kwargs) -> list[Error]:
+def check_backend(app_configs, **kwargs) -> list[CheckMessage]:
+    """SIGIL_BACKEND names a runtime, and the settings suit it (the runtime's own checks)."""
     if settings.SIGIL_BACKEND not in RUNTIMES:
         return [
             Error(
@@ -19,64 +20,27 @@ def check_backend(app_configs, **kwargs) -> list[Error]:
                 id="sigil.E001",
             )
         ]
-    return []
+    return runtime_class(settings.SIGIL_BACKEND).settings_errors(settings)
 
 
 @register()
-def check_pool_slots(app_configs, **kwargs) -> list[Error]:
-    """The quota must leave slots once the reserved scripts and the margin are set aside."""
-    if settings.SIGIL_BACKEND != "worker-pool":
-        return []
-    slots = pool_slots(
-        total_quota=settings.SIGIL_POOL_TOTAL_QUOTA,
-        system_reserved=settings.SIGIL_POOL_SYSTEM_RESERVED,
-        user_reserved=settings.SIGIL_POOL_USER_RESERVED,
-        safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
-    )
-    if slots < 1:
-        return [
-            Error(
-                f"the worker pool has {slots} slots",
-                hint="SIGIL_POOL_TOTAL_QUOTA must exceed SYSTEM_RESERVED + USER_RESERVED + SAFETY_MARGIN.",
-                id="sigil.E002",
-            )
-        ]
-    return []
-
-
-@register()
-def check_cloudflare_credentials(app_configs, **kwargs) -> list[Error]:
-    if settings.SIGIL_ON_CLOUDFLARE and not settings.CF_ACCOUNT_ID:
-        return [Error("CF_ACCOUNT_ID is required with CF_API_TOKEN", id="sigil.E003")]
-    return []
-
-
-@register()
-def check_cpu_limit(app_configs, **kwargs) -> list[Error]:
-    """Cloudflare takes a CPU limit per call of at most 5 minutes (reference §7.3)."""
+def check_cpu_limit(app_configs, **kwargs) -> list[CheckMessage]:
+    """Cloudflare takes a CPU limit per call of at most 5 minutes (reference §7.3); the local
+    runtime reads the same limit as its watchdog's."""
     if not 0 <= settings.SIGIL_CPU_MS <= 300_000:
-        return [
-            Error(
-                f"SIGIL_CPU_MS is {settings.SIGIL_CPU_MS}",
-                hint="Use 1 to 300000 (ms), or 0 for Cloudflare's default.",
-                id="sigil.E004",
-            )
-        ]
+        hint = "Use 1 to 300000 (ms), or 0 for Cloudflare's default."
+        return [Error(f"SIGIL_CPU_MS is {settings.SIGIL_CPU_MS}", hint=hint, id="sigil.E004")]
     return []
 
 
 @register()
-def check_workerd_memory(app_configs, **kwargs) -> list[Error]:
-    """An idle workerd with the loader host already takes about 60 MB: a lower limit would
-    have the watchdog stop it as soon as it starts, again and again."""
-    if settings.SIGIL_WORKERD_MEMORY_MB < 128:
-        return [
-            Error(
-                f"SIGIL_WORKERD_MEMORY_MB is {settings.SIGIL_WORKERD_MEMORY_MB}",
-                hint="Use 128 (MB) or more.",
-                id="sigil.E011",
-            )
-        ]
+def check_prices(app_configs, **kwargs) -> list[CheckMessage]:
+    """The owner's prices for the cost estimate name prices of Cloudflare's table, as numbers."""
+    try:
+        prices_with(settings.SIGIL_CLOUDFLARE_PRICES)
+    except ValueError as exc:
+        hint = 'A JSON object of prices, e.g. {"paid_monthly_usd": 5.0}; empty: Cloudflare\'s table as Sigil read it.'
+        return [Error(f"SIGIL_CLOUDFLARE_PRICES: {exc}", hint=hint, id="sigil.E005")]
     return []
 
 
@@ -84,27 +48,16 @@ def check_workerd_memory(app_configs, **kwargs) -> list[Error]:
 def check_abuse_limits(app_configs, **kwargs) -> list[Error]:
     """A throttle or lock-out that is on needs a time to last; the JSON depth limit must
     stay below Python's recursion limit, so that a deep body meets Sigil's 400 first."""
-    errors = []
-    if settings.SIGIL_AUTH_FAILURE_LIMIT < 0 or (
-        settings.SIGIL_AUTH_FAILURE_LIMIT and settings.SIGIL_AUTH_FAILURE_WINDOW_SECONDS < 1
-    ):
-        errors.append(
-            Error(
-                "the failed-token throttle needs SIGIL_AUTH_FAILURE_LIMIT >= 0 and, when on, a window",
-                hint="Set SIGIL_AUTH_FAILURE_WINDOW_SECONDS to 1 or more, or SIGIL_AUTH_FAILURE_LIMIT to 0.",
-                id="sigil.E030",
-            )
-        )
-    if settings.SIGIL_ADMIN_LOGIN_FAILURE_LIMIT < 0 or (
-        settings.SIGIL_ADMIN_LOGIN_FAILURE_LIMIT and settings.SIGIL_ADMIN_LOCKOUT_SECONDS < 1
-    ):
-        errors.append(
-            Error(
-                "the admin's lock-out needs SIGIL_ADMIN_LOGIN_FAILURE_LIMIT >= 0 and, when on, a duration",
-                hint="Set SIGIL_ADMIN_LOCKOUT_SECONDS to 1 or more, or SIGIL_ADMIN_LOGIN_FAILURE_LIMIT to 0.",
-                id="sigil.E031",
-            )
-        )
+    errors = [
+        *_limit_with_duration(
+            "SIGIL_AUTH_FAILURE_LIMIT", "SIGIL_AUTH_FAILURE_WINDOW_SECONDS", what="the failed-token throttle",
+            needs="a window", id="sigil.E030",
+        ),
+        *_limit_with_duration(
+            "SIGIL_ADMIN_LOGIN_FAILURE_LIMIT", "SIGIL_ADMIN_LOCKOUT_SECONDS", what="the admin's lock-out",
+            needs="a duration", id="sigil.E031",
+        ),
+    ]  # fmt: skip
     if settings.SIGIL_TRUSTED_PROXY_COUNT < 0:
         errors.append(Error("SIGIL_TRUSTED_PROXY_COUNT cannot be negative", id="sigil.E032"))
     if not 1 <= settings.SIGIL_JSON_MAX_DEPTH <= 500:
@@ -116,3 +69,17 @@ def check_abuse_limits(app_configs, **kwargs) -> list[Error]:
             )
         )
     return errors
+
+
+def _limit_with_duration(limit: str, duration: str, *, what: str, needs: str, id: str) -> list[Error]:
+    """A limit that is on (above 0) needs its `duration` setting of 1 or more."""
+    value = getattr(settings, limit)
+    if value < 0 or (value and getattr(settings, duration) < 1):
+        return [
+            Error(
+                f"{what} needs {limit} >= 0 and, when on, {needs}",
+                hint=f"Set {duration} to 1 or more, or {limit} to 0.",
+                id=id,
+            )
+        ]
+    return []

@@ -3,7 +3,7 @@ copes with it: reads for the owner's cost page, `GET /_api/cost` and `manage.py 
 
 Sources, all recorded by Sigil: the per-minute windows the stats flush writes (calls, their
 duration, cold calls, which capabilities were called each day), the audit trail's page-ins,
-the Cloudflare API calls counted per hour (capabilities.cloudflare), and the access log of
+the Cloudflare API calls counted per hour (capabilities.runtimes.cloudflare), and the access log of
 the last calls (stats.ACCESS_LOG_KEY), which is replayed through the pager's own eviction
 policy to find the smallest slot count that would have kept cold calls under 1 %.
 
@@ -17,86 +17,22 @@ import heapq
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
 
 from agents.models import AuditEvent
 from capabilities import pager, stats
-from capabilities.cloudflare import api_calls_hour_key
 from capabilities.models import Capability, CapabilityStatsWindow, State
+from capabilities.runtimes import runtime_classes
+from capabilities.runtimes.billing import Prices, RuntimeBill, Usage, prices_with
+from capabilities.runtimes.cloudflare import api_calls_hour_key
 from sigil.redis_client import get_redis
 
 DAYS_PER_MONTH = 30
 # The share of calls that may be cold for a slot count to be enough.
 COLD_TARGET = 0.01
-
-
-@dataclass(frozen=True)
-class Prices:
-    """Cloudflare's published prices and included amounts, from settings (docs/configuration.md
-    gives the source and date of each)."""
-
-    free_requests_per_day: int
-    free_cpu_ms_per_call: int
-    free_scripts: int
-    paid_monthly_usd: float
-    paid_included_requests: int
-    paid_included_cpu_ms: int
-    requests_per_million_usd: float
-    cpu_per_million_ms_usd: float
-    platforms_monthly_usd: float
-    platforms_included_requests: int
-    platforms_included_cpu_ms: int
-    platforms_included_scripts: int
-    platforms_script_usd: float
-    dynamic_included_workers: int
-    dynamic_worker_day_usd: float
-
-    @classmethod
-    def from_settings(cls) -> Prices:
-        return cls(
-            free_requests_per_day=settings.SIGIL_PRICE_FREE_REQUESTS_PER_DAY,
-            free_cpu_ms_per_call=settings.SIGIL_PRICE_FREE_CPU_MS_PER_CALL,
-            free_scripts=settings.SIGIL_PRICE_FREE_SCRIPTS,
-            paid_monthly_usd=settings.SIGIL_PRICE_PAID_MONTHLY_USD,
-            paid_included_requests=settings.SIGIL_PRICE_PAID_INCLUDED_REQUESTS,
-            paid_included_cpu_ms=settings.SIGIL_PRICE_PAID_INCLUDED_CPU_MS,
-            requests_per_million_usd=settings.SIGIL_PRICE_REQUESTS_PER_MILLION_USD,
-            cpu_per_million_ms_usd=settings.SIGIL_PRICE_CPU_PER_MILLION_MS_USD,
-            platforms_monthly_usd=settings.SIGIL_PRICE_PLATFORMS_MONTHLY_USD,
-            platforms_included_requests=settings.SIGIL_PRICE_PLATFORMS_INCLUDED_REQUESTS,
-            platforms_included_cpu_ms=settings.SIGIL_PRICE_PLATFORMS_INCLUDED_CPU_MS,
-            platforms_included_scripts=settings.SIGIL_PRICE_PLATFORMS_INCLUDED_SCRIPTS,
-            platforms_script_usd=settings.SIGIL_PRICE_PLATFORMS_SCRIPT_USD,
-            dynamic_included_workers=settings.SIGIL_PRICE_DYNAMIC_INCLUDED_WORKERS,
-            dynamic_worker_day_usd=settings.SIGIL_PRICE_DYNAMIC_WORKER_DAY_USD,
-        )
-
-
-@dataclass(frozen=True)
-class Usage:
-    """A month of traffic, as the window's traffic scaled to DAYS_PER_MONTH."""
-
-    calls: float
-    duration_ms: float
-    busiest_day_calls: int
-    calls_over_free_cpu_share: float  # calls longer than the free plan's CPU limit (an upper bound)
-    capabilities: int  # registered now: one script each on Workers for Platforms
-    dynamic_worker_days: float  # (capability, day) pairs with a call: unique Dynamic Workers a day
-
-
-@dataclass(frozen=True)
-class RuntimeBill:
-    runtime: str
-    plan: str
-    monthly_usd: float
-    requests: float
-    cpu_ms: float
-    items: dict[str, float]  # the bill's lines, in USD
-    fits: bool = True
-    limits: list[str] = field(default_factory=list)  # what does not fit, in words
 
 
 @dataclass(frozen=True)
@@ -132,95 +68,6 @@ class CostEstimate:
         replayed = self.pool.replayed_since
         data["pool"]["replayed_since"] = replayed.isoformat() if replayed else None
         return data
-
-
-# --- the bill, as plain arithmetic ------------------------------------------------------------
-
-
-def _overage(used: float, included: float, per_million: float) -> float:
-    return max(0.0, used - included) / 1_000_000 * per_million
-
-
-def bill_workers_free(usage: Usage, prices: Prices, *, smallest_slots: int | None) -> RuntimeBill:
-    limits = []
-    if usage.busiest_day_calls > prices.free_requests_per_day:
-        limits.append(f"the busiest day had {usage.busiest_day_calls} calls, over {prices.free_requests_per_day} a day")
-    if usage.calls_over_free_cpu_share > 0:
-        limits.append(
-            f"{usage.calls_over_free_cpu_share:.1%} of calls took over {prices.free_cpu_ms_per_call} ms "
-            "(an upper bound of their CPU time)"
-        )
-    if smallest_slots is not None and smallest_slots > prices.free_scripts:
-        limits.append(f"cold calls stay under 1 % only with {smallest_slots} slots, over {prices.free_scripts} scripts")
-    return RuntimeBill(
-        runtime="worker-pool",
-        plan="Workers Free",
-        monthly_usd=0.0,
-        requests=usage.calls,
-        cpu_ms=usage.duration_ms,
-        items={},
-        fits=not limits,
-        limits=limits,
-    )
-
-
-def bill_workers_paid(usage: Usage, prices: Prices) -> RuntimeBill:
-    """The worker-pool runtime: one Worker request per call (the gateway runs outside)."""
-    items = {
-        "plan": prices.paid_monthly_usd,
-        "requests": _overage(usage.calls, prices.paid_included_requests, prices.requests_per_million_usd),
-        "cpu": _overage(usage.duration_ms, prices.paid_included_cpu_ms, prices.cpu_per_million_ms_usd),
-    }
-    return RuntimeBill(
-        runtime="worker-pool",
-        plan="Workers Paid",
-        monthly_usd=round(sum(items.values()), 4),
-        requests=usage.calls,
-        cpu_ms=usage.duration_ms,
-        items=items,
-    )
-
-
-def bill_workers_for_platforms(usage: Usage, prices: Prices) -> RuntimeBill:
-    """The platform runtime: the dispatch Worker and the capability's are billed as one
-    request; one script per registered capability."""
-    extra_scripts = max(0, usage.capabilities - prices.platforms_included_scripts)
-    items = {
-        "plan": prices.platforms_monthly_usd,
-        "requests": _overage(usage.calls, prices.platforms_included_requests, prices.requests_per_million_usd),
-        "cpu": _overage(usage.duration_ms, prices.platforms_included_cpu_ms, prices.cpu_per_million_ms_usd),
-        "scripts": extra_scripts * prices.platforms_script_usd,
-    }
-    return RuntimeBill(
-        runtime="platform",
-        plan="Workers for Platforms",
-        monthly_usd=round(sum(items.values()), 4),
-        requests=usage.calls,
-        cpu_ms=usage.duration_ms,
-        items=items,
-    )
-
-
-def bill_dynamic_workers(usage: Usage, prices: Prices) -> RuntimeBill:
-    """The loader runtime on Workers Paid: each call is two requests (the loader Worker and
-    the Dynamic Worker it calls), and each capability called on a day is one Dynamic Worker
-    that day."""
-    requests = 2 * usage.calls
-    extra_workers = max(0.0, usage.dynamic_worker_days - prices.dynamic_included_workers)
-    items = {
-        "plan": prices.paid_monthly_usd,
-        "requests": _overage(requests, prices.paid_included_requests, prices.requests_per_million_usd),
-        "cpu": _overage(usage.duration_ms, prices.paid_included_cpu_ms, prices.cpu_per_million_ms_usd),
-        "dynamic_workers": extra_workers * prices.dynamic_worker_day_usd,
-    }
-    return RuntimeBill(
-        runtime="loader",
-        plan="Dynamic Workers (Workers Paid)",
-        monthly_usd=round(sum(items.values()), 4),
-        requests=requests,
-        cpu_ms=usage.duration_ms,
-        items=items,
-    )
 
 
 # --- the slot replay, through the pager's own policy -------------------------------------------
@@ -303,12 +150,13 @@ def access_log_read() -> list[Access]:
 
 
 def cost_estimate(*, now: datetime, days: float = DAYS_PER_MONTH, prices: Prices | None = None) -> CostEstimate:
-    """The monthly bill of the last `days` of traffic on each runtime, and the pool's figures.
+    """The monthly bill of the last `days` of traffic on each runtime, and the pool's figures,
+    at `prices` (by default Cloudflare's table with SIGIL_CLOUDFLARE_PRICES over it).
 
     Reads the minute windows of the span once, the page-ins of the audit trail, one hour
     counter per hour of the span and the access log.
     """
-    prices = prices or Prices.from_settings()
+    prices = prices or prices_with(settings.SIGIL_CLOUDFLARE_PRICES)
     until = now
     since = now - timedelta(days=days)
     scale = DAYS_PER_MONTH / days
@@ -345,12 +193,8 @@ def cost_estimate(*, now: datetime, days: float = DAYS_PER_MONTH, prices: Prices
         until=until,
         days=days,
         usage=usage,
-        runtimes=[
-            bill_workers_free(usage, prices, smallest_slots=slots),
-            bill_workers_paid(usage, prices),
-            bill_workers_for_platforms(usage, prices),
-            bill_dynamic_workers(usage, prices),
-        ],
+        # Each runtime's own bills, in SIGIL_BACKEND's order (the local runtime has none).
+        runtimes=[bill for runtime in runtime_classes() for bill in runtime.bills(usage, prices, smallest_slots=slots)],
         pool=pool,
         prices=prices,
     )

@@ -13,9 +13,9 @@ from django.db.models import Count
 
 from agents.models import Agent, AuditEvent
 from capabilities import call_logs, stats
-from capabilities.cloudflare import API_CALLS_KEY, API_RATE_LIMITED_KEY
 from capabilities.models import BreakerState, Capability, State
 from capabilities.runtimes import get_runtime
+from capabilities.runtimes.cloudflare import API_CALLS_KEY, API_RATE_LIMITED_KEY
 from sigil.redis_client import get_redis
 
 

@@ -1,33 +1,18 @@
-"""Naming rules for agents, capabilities and pooled workers. Pure functions, no I/O."""
+"""Naming rules for capabilities, built on the agent-name rule (agents/names.py); what the
+runtimes call their scripts is theirs. Pure functions, no I/O."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import re
 import secrets
 
+from agents.names import SEPARATOR, validate_agent_name
 from sigil.errors import InvalidRequest
 
-AGENT_RULE = "^[a-z][a-z0-9-]{0,30}$ with no '--'"
 CAPABILITY_RULE = "^[a-z0-9][a-z0-9-]{0,40}$ with no '--'"
 
-_AGENT = re.compile(r"[a-z][a-z0-9-]{0,30}")
 _CAPABILITY = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")
 EPHEMERAL_PREFIX = "t-"
-SEPARATOR = "--"
-# Paths Sigil itself serves at the top level; an agent with one of these names could never
-# be reached through the gateway.
-RESERVED_AGENT_NAMES = frozenset({"admin", "static", "metrics"})
-
-
-def validate_agent_name(name: object) -> str:
-    """Return `name` if it is a valid agent name. Raises InvalidRequest naming the rule."""
-    if not isinstance(name, str) or not _AGENT.fullmatch(name) or SEPARATOR in name:
-        raise InvalidRequest(f"agent name {name!r} must match {AGENT_RULE}")
-    if name in RESERVED_AGENT_NAMES:
-        raise InvalidRequest(f"agent name {name!r} is reserved by Sigil")
-    return name
 
 
 def validate_capability_name(name: object, *, ephemeral: bool = False) -> str:
@@ -55,6 +40,12 @@ def placement_label(full: str) -> str:
     return full
 
 
+def agent_of(full: str) -> str:
+    """The agent whose capability, or staged version of one (`{full}--v{n}`), `full` names:
+    the tenant a runtime is given with its slot."""
+    return full.partition(SEPARATOR)[0]
+
+
 def split_full_name(full: str) -> tuple[str, str]:
     """`xiaoju--ping` → ("xiaoju", "ping"). Raises InvalidRequest for anything else."""
     agent, sep, name = full.partition(SEPARATOR)
@@ -68,20 +59,6 @@ def split_full_name(full: str) -> tuple[str, str]:
 def new_ephemeral_name() -> str:
     """A fresh `t-{hash6}` name; the caller retries on the rare collision."""
     return EPHEMERAL_PREFIX + secrets.token_hex(3)
-
-
-def pool_script_name(full: str, *, length: int = 6) -> str:
-    """The pooled worker's stable script name: `s-` + the first hex digits of sha256(full)."""
-    return "s-" + hashlib.sha256(full.encode()).hexdigest()[:length]
-
-
-def installation_tag(secret: str) -> str:
-    """The tag on every script this Sigil installation uploads to Cloudflare: unique to it
-    (derived from its SIGIL_INTERNAL_SECRET, which it never shows), so reconcile and a switch
-    touch only what this installation created, never the owner's own scripts, even ones
-    tagged `sigil` or named like Sigil's."""
-    digest = hmac.new(secret.encode(), b"sigil installation tag", hashlib.sha256).hexdigest()
-    return f"sigil-{digest[:16]}"
 
 
 _VARIANT_SUFFIX = re.compile(r"v[0-9]+")

@@ -21,24 +21,22 @@ def env_str(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
-def env_int(name: str, default: int) -> int:
+def env_number(name: str, default, kind: type, what: str):
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError as exc:
-        raise ImproperlyConfigured(f"{name} must be a whole number, not {raw!r}") from exc
+        raise ImproperlyConfigured(f"{name} must be {what}, not {raw!r}") from exc
+
+
+def env_int(name: str, default: int) -> int:
+    return env_number(name, default, int, "a whole number")
 
 
 def env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError as exc:
-        raise ImproperlyConfigured(f"{name} must be a number, not {raw!r}") from exc
+    return env_number(name, default, float, "a number")
 
 
 def env_bool(name: str, default: bool) -> bool:
@@ -441,28 +439,9 @@ SIGIL_DEGRADED_CACHE_MAX_BYTES = env_int("SIGIL_DEGRADED_CACHE_MAX_BYTES", 256 *
 # session of a staff account.
 SIGIL_OWNER_API_TOKEN = env_secret("SIGIL_OWNER_API_TOKEN")
 
-# --- Cost estimate: Cloudflare's published prices (docs/configuration.md gives each source)
-
-# Workers Free: requests a day, CPU ms per call, scripts per account.
-SIGIL_PRICE_FREE_REQUESTS_PER_DAY = env_int("SIGIL_PRICE_FREE_REQUESTS_PER_DAY", 100_000)
-SIGIL_PRICE_FREE_CPU_MS_PER_CALL = env_int("SIGIL_PRICE_FREE_CPU_MS_PER_CALL", 10)
-SIGIL_PRICE_FREE_SCRIPTS = env_int("SIGIL_PRICE_FREE_SCRIPTS", 100)
-# Workers Paid (also the plan Dynamic Workers need): the monthly fee and what it includes,
-# and the Standard usage rates every paid runtime bills beyond what is included.
-SIGIL_PRICE_PAID_MONTHLY_USD = env_float("SIGIL_PRICE_PAID_MONTHLY_USD", 5.0)
-SIGIL_PRICE_PAID_INCLUDED_REQUESTS = env_int("SIGIL_PRICE_PAID_INCLUDED_REQUESTS", 10_000_000)
-SIGIL_PRICE_PAID_INCLUDED_CPU_MS = env_int("SIGIL_PRICE_PAID_INCLUDED_CPU_MS", 30_000_000)
-SIGIL_PRICE_REQUESTS_PER_MILLION_USD = env_float("SIGIL_PRICE_REQUESTS_PER_MILLION_USD", 0.30)
-SIGIL_PRICE_CPU_PER_MILLION_MS_USD = env_float("SIGIL_PRICE_CPU_PER_MILLION_MS_USD", 0.02)
-# Workers for Platforms.
-SIGIL_PRICE_PLATFORMS_MONTHLY_USD = env_float("SIGIL_PRICE_PLATFORMS_MONTHLY_USD", 25.0)
-SIGIL_PRICE_PLATFORMS_INCLUDED_REQUESTS = env_int("SIGIL_PRICE_PLATFORMS_INCLUDED_REQUESTS", 20_000_000)
-SIGIL_PRICE_PLATFORMS_INCLUDED_CPU_MS = env_int("SIGIL_PRICE_PLATFORMS_INCLUDED_CPU_MS", 60_000_000)
-SIGIL_PRICE_PLATFORMS_INCLUDED_SCRIPTS = env_int("SIGIL_PRICE_PLATFORMS_INCLUDED_SCRIPTS", 1000)
-SIGIL_PRICE_PLATFORMS_SCRIPT_USD = env_float("SIGIL_PRICE_PLATFORMS_SCRIPT_USD", 0.02)
-# Dynamic Workers: unique Dynamic Workers a month included, then a price per Worker per day.
-SIGIL_PRICE_DYNAMIC_INCLUDED_WORKERS = env_int("SIGIL_PRICE_DYNAMIC_INCLUDED_WORKERS", 1000)
-SIGIL_PRICE_DYNAMIC_WORKER_DAY_USD = env_float("SIGIL_PRICE_DYNAMIC_WORKER_DAY_USD", 0.002)
+# Cloudflare's prices for the cost estimate: a JSON object naming those that differ from the
+# dated table in capabilities/runtimes/billing.py (Prices), e.g. {"paid_monthly_usd": 5.0}.
+SIGIL_CLOUDFLARE_PRICES = env_str("SIGIL_CLOUDFLARE_PRICES", "")
 
 # --- Abuse: failed authentication --------------------------------------------------------
 
@@ -553,11 +532,9 @@ SIGIL_CF_TIMEOUT_SECONDS = env_float("SIGIL_CF_TIMEOUT_SECONDS", 60.0)
 # Where `manage.py cfemulator` listens (always on 127.0.0.1). Unset: as SIGIL_WORKERD_PORT.
 CF_EMULATOR_PORT = env_int("CF_EMULATOR_PORT", sigil_ports.recorded(VAR_DIR).get("cfemulator", 8787))
 
-# A Cloudflare runtime without CF_API_TOKEN runs against the local emulator (started by
-# `manage.py runsigil`), never against Cloudflare.
-# Every runtime but the local one (capabilities.runtimes.RUNTIMES) runs on Cloudflare.
-SIGIL_ON_CLOUDFLARE = SIGIL_BACKEND != "local"
-SIGIL_CF_EMULATED = SIGIL_ON_CLOUDFLARE and not CF_API_TOKEN
+# Without CF_API_TOKEN the Cloudflare settings name the local emulator, which `manage.py
+# runsigil` starts for a runtime on Cloudflare: such a runtime never reaches Cloudflare then.
+SIGIL_CF_EMULATED = not CF_API_TOKEN
 if SIGIL_CF_EMULATED:
     CF_API_BASE = f"http://127.0.0.1:{CF_EMULATOR_PORT}/client/v4"
     CF_API_TOKEN = "sigil-emulator-dev-token"

@@ -9,7 +9,7 @@ from typing import Any
 
 import requests
 
-from capabilities.cloudflare import CloudflareClient
+from capabilities.runtimes.cloudflare import CloudflareClient
 from cfemulator.config import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
 from cfemulator.server import EmulatorServer
 from sigil.ports import free_port

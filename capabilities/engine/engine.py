@@ -554,7 +554,7 @@ class Engine:
             await self.finish(call, status=error.status, code=error.code, message=error.message)
             raise error from exc
         except UpstreamUnreachable as exc:
-            stopped = runtime_for(route.backend).call_stopped(slot=route.slot, sent_at=sent_at)
+            stopped = runtime_for(route.backend).call_stopped(slot=route.slot, tenant=route.agent, sent_at=sent_at)
             if stopped is None:
                 raise self.runtime_failed(route, f"the runtime could not be reached for {call.full}: {exc}") from exc
             if not stopped.culprit:
@@ -589,7 +589,9 @@ class Engine:
             runtime = runtime_for(route.backend)
             try:
                 # No I/O but on a runtime's first call (Cloudflare's account subdomain).
-                target = await self.offload(runtime.route, slot=route.slot, sha=route.sha, cpu_ms=route.cpu_ms)
+                target = await self.offload(
+                    runtime.route, slot=route.slot, sha=route.sha, tenant=route.agent, cpu_ms=route.cpu_ms
+                )
             except RuntimeThrottled as exc:  # Cloudflare's lockout, while asked for the account's subdomain
                 from capabilities.services.placement import runtime_throttled
 
@@ -837,7 +839,7 @@ class AnswerBody:
             logger.warning("%s failed while streaming its response: %s", self.call.full, exc)
             if isinstance(exc, UpstreamUnreachable):
                 runtime = runtime_for(self.route.backend)
-                stopped = runtime.call_stopped(slot=self.route.slot, sent_at=self.call.sent_at)
+                stopped = runtime.call_stopped(slot=self.route.slot, tenant=self.route.agent, sent_at=self.call.sent_at)
                 # Cut because another call ran its process past a limit: not this one's failure.
                 # Nor is a memory stop that came while this call was only sending its answer: the
                 # process cannot say which call grew it, and one that had answered is the least

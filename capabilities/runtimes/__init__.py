@@ -19,11 +19,23 @@ RUNTIMES = {
 }
 
 
-def build_runtime(backend: str) -> Runtime:
-    """Construct the runtime named `backend` from settings. Raises ValueError for unknown names."""
+def runtime_class(backend: str) -> type[Runtime]:
+    """The class of the runtime named `backend`, which states its facts (Runtime's class
+    methods: on Cloudflare or not, its checks, bills and processes) without being built.
+    Raises ValueError for unknown names."""
     if backend not in RUNTIMES:
         raise ValueError(f"unknown SIGIL_BACKEND {backend!r}")
-    return import_string(RUNTIMES[backend]).from_settings()
+    return import_string(RUNTIMES[backend])
+
+
+def runtime_classes() -> list[type[Runtime]]:
+    """Every runtime's class, in RUNTIMES' order."""
+    return [runtime_class(backend) for backend in RUNTIMES]
+
+
+def build_runtime(backend: str) -> Runtime:
+    """Construct the runtime named `backend` from settings. Raises ValueError for unknown names."""
+    return runtime_class(backend).from_settings()
 
 
 @functools.cache

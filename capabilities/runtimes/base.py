@@ -8,11 +8,16 @@ import hmac
 import json
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from django.conf import LazySettings
+from django.core.checks import CheckMessage
+
+from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 
 # The errors live in their own module; importers of them from here keep working.
 from capabilities.runtimes.errors import (  # noqa: F401
@@ -179,16 +184,64 @@ class CallStopped:
     message: str
 
 
+@dataclass(frozen=True)
+class Process:
+    """A program a runtime needs on this machine, which `manage.py runsigil` runs as
+    `manage.py {command}` and restarts when it dies. Each runs workerd (SIGIL_WORKERD_BIN)."""
+
+    name: str  # in runsigil's output, and on the program's log lines
+    command: str
+    port: int  # where it serves, which must be free before it starts
+    port_name: str  # the port in words, for the refusal when it is taken ("workerd's port")
+    port_hint: str  # what else the owner may do then ("set SIGIL_WORKERD_PORT")
+    description: str  # the line runsigil says about it when it starts
+    ready: Callable[[], bool] | None = None  # None: once its port answers
+
+
 class Runtime(ABC):
-    """One place where capability code runs. Subclasses read settings only in __init__."""
+    """One place where capability code runs. Subclasses read settings only in __init__.
+
+    The class states the runtime's facts without being built (its class methods, given the
+    settings): whether it is on Cloudflare, its system checks, what it would bill, and the
+    processes it needs on this machine; callers ask it rather than test its name.
+
+    `tenant`, given with a slot, is the agent the capability there belongs to: a runtime that
+    keeps agents apart (a process, or a tag, per agent) reads it there, never in the slot.
+    """
 
     #: the value of SIGIL_BACKEND that selects this runtime (its key in RUNTIMES)
     name: str = ""
+    #: whether it runs on a Cloudflare account (the CF_* settings, `manage.py cfcheck`)
+    on_cloudflare: bool = False
 
     @classmethod
     @abstractmethod
     def from_settings(cls) -> Runtime:
         """This runtime as Sigil's settings describe it: the one place a runtime reads them."""
+
+    @classmethod
+    def settings_errors(cls, settings: LazySettings) -> list[CheckMessage]:
+        """What is wrong with `settings` for this runtime, as Django's system checks report
+        it; asked at start of the runtime SIGIL_BACKEND names."""
+        return []
+
+    @classmethod
+    def processes(cls, settings: LazySettings) -> list[Process]:
+        """The programs this runtime needs on this machine beside Sigil's own (web, worker,
+        Redis), in the order they start."""
+        return []
+
+    @classmethod
+    def where(cls, settings: LazySettings) -> list[str]:
+        """Where this runtime's code runs, in words, for runsigil's first lines."""
+        return [process.description for process in cls.processes(settings)]
+
+    @classmethod
+    def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
+        """What a month of `usage` would cost on this runtime at `prices`: a bill for each
+        plan it can run on (`smallest_slots`: the fewest slots that kept cold calls under
+        1 %, None when unknown). None for a runtime that costs only its machine."""
+        return []
 
     @property
     def total_slots(self) -> int | None:
@@ -213,8 +266,8 @@ class Runtime(ABC):
         `attempt` gives another name, for when the first is taken."""
 
     @abstractmethod
-    def place(self, *, slot: str, bundle: CodeBundle) -> None:
-        """Make `bundle` the code served at `slot`.
+    def place(self, *, slot: str, bundle: CodeBundle, tenant: str) -> None:
+        """Make `bundle` the code served at `slot`, for `tenant`.
 
         Idempotent: placing the same bundle again changes nothing. Raises RuntimeUnavailable
         (transient), ScriptTooLarge, SlotsExhausted or RuntimeRejected.
@@ -222,11 +275,13 @@ class Runtime(ABC):
 
     @abstractmethod
     def remove(self, *, slot: str) -> None:
-        """Stop serving `slot` and free its room. Removing a missing slot is not an error."""
+        """Stop serving `slot` and free its room. Removing a missing slot is not an error. The
+        slot's tenant, where the runtime needs it, is in the runtime's own record of the slot
+        (a slot no capability holds any more is removed too)."""
 
     @abstractmethod
-    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
-        """Where the gateway sends requests for `slot` running code `sha`. No I/O.
+    def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
+        """Where the gateway sends requests for `tenant`'s `slot` running code `sha`. No I/O.
 
         `cpu_ms` is the capability's own CPU limit per call (None: the runtime's default);
         runtimes that cannot enforce one ignore it.
@@ -245,8 +300,8 @@ class Runtime(ABC):
         """
         return response.status == 404 and response.headers.get("x-sigil-error") == "missing-code"
 
-    def call_stopped(self, *, slot: str, sent_at: float) -> CallStopped | None:
-        """Why a call to `slot` sent at `sent_at` (epoch) lost its connection, when the
+    def call_stopped(self, *, slot: str, tenant: str, sent_at: float) -> CallStopped | None:
+        """Why a call to `tenant`'s `slot` sent at `sent_at` (epoch) lost its connection, when the
         runtime stopped its process for a limit; None when it did not (a plain failure).
 
         Asked only after a failed call, so it may read local state. Runtimes whose limits

@@ -9,10 +9,13 @@ import threading
 import time
 
 import urllib3
+from django.conf import LazySettings
 
 from capabilities.call_logs import LogLimits
-from capabilities.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
+from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
+from capabilities.runtimes.cloudflare.account import Finding, PlanProbe
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check, loader_host_store
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
@@ -49,17 +52,36 @@ class LoaderRuntime(FrontedRuntime):
         from django.conf import settings
 
         return cls(
-            client=CloudflareClient.from_settings(),
+            **cls.account_settings(),
             worker=settings.SIGIL_LOADER_WORKER,
             kv_title=settings.SIGIL_LOADER_KV_TITLE,
-            secret=settings.SIGIL_INTERNAL_SECRET,
-            cpu_ms=settings.SIGIL_CPU_MS,
-            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
             propagation_wait_seconds=settings.SIGIL_INVOKE_TIMEOUT_SECONDS,
             log_limits=LogLimits.from_settings().for_host() if settings.SIGIL_LOGS_ENABLED else None,
         )
 
     marker_header = "x-sigil-host"
+
+    @classmethod
+    def front_name(cls, settings: LazySettings) -> str:
+        return settings.SIGIL_LOADER_WORKER
+
+    @classmethod
+    def plan_finding(cls, *, client: CloudflareClient, probe: PlanProbe, settings: LazySettings) -> Finding:
+        """A Worker Loader binding needs Workers Paid: the probe of the plan has found out."""
+        return probe.finding
+
+    @classmethod
+    def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
+        """Dynamic Workers, on Workers Paid: each call is two requests (the loader Worker and
+        the Dynamic Worker it calls), and each capability called on a day is one Dynamic Worker
+        that day."""
+        requests = 2 * usage.calls
+        items = prices.plan_lines("paid", requests=requests, cpu_ms=usage.duration_ms)
+        extra_workers = max(0.0, usage.dynamic_worker_days - prices.dynamic_included_workers)
+        items["dynamic_workers"] = extra_workers * prices.dynamic_worker_day_usd
+        plan = "Dynamic Workers (Workers Paid)"
+        return [RuntimeBill.of(runtime=cls.name, plan=plan, items=items, requests=requests, cpu_ms=usage.duration_ms)]
+
     # A Dynamic Worker's env holds plain values (reference §5.3): variables and secrets.
     binding_kinds = TEXT_BINDING_KINDS
 
@@ -176,7 +198,7 @@ class LoaderRuntime(FrontedRuntime):
     def slot_for(self, full_name: str, *, attempt: int = 0) -> str:
         return full_name  # full names are unique, and KV keys hold up to 512 bytes
 
-    def place(self, *, slot: str, bundle: CodeBundle) -> None:
+    def place(self, *, slot: str, bundle: CodeBundle, tenant: str) -> None:
         """Write the bundle under its sha, have the loader Worker start it, then point the
         slot at it: two KV writes, a KV read and one request to the loader Worker (after the
         first placement of the process; two more when the Worker did not see the bundle),
@@ -186,7 +208,7 @@ class LoaderRuntime(FrontedRuntime):
         # Its secrets are sealed for the loader Worker, whose SIGIL_SECRET opens them.
         stored = bundle.to_json(seal_key=self._secret)
         self.client.kv_put(self.kv_id, CODE_PREFIX + bundle.sha, stored)
-        route = self.route(slot=slot, sha=bundle.sha)
+        route = self.route(slot=slot, sha=bundle.sha, tenant=tenant)
         try:
             if not self._start_check(route):
                 # The host's location does not see the API's write yet, and will not while
@@ -244,7 +266,7 @@ class LoaderRuntime(FrontedRuntime):
             for key in self.client.kv_keys(self.kv_id, prefix=SLOT_PREFIX)
         }
 
-    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
+    def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
         return self._front_route([("X-Sigil-Secret", self._secret), ("X-Sigil-Loader-Id", f"{slot}@{sha}")], cpu_ms)
 
     def list_slots(self) -> list[str]:

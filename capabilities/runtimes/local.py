@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import urllib3
+from django.conf import LazySettings
+from django.core.checks import CheckMessage, Error
 
 from capabilities.call_logs import LogLimits
 from capabilities.log_sink import LogSink
-from capabilities.names import SEPARATOR
-from capabilities.runtimes.base import TEXT_BINDING_KINDS, CallStopped, CodeBundle, Route, Runtime
+from capabilities.runtimes.base import TEXT_BINDING_KINDS, CallStopped, CodeBundle, Process, Route, Runtime
 from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
 from capabilities.runtimes.loader_host import loader_host_retire, loader_host_start_check
 from capabilities.workerd.group import PortRegistry, WorkerdGroup, read_status
@@ -32,6 +33,56 @@ DEFAULT_CPU_MS = 30_000
 RESTART_GRACE_SECONDS = 10.0
 # How long a placement waits for the supervisor to start a new agent's process.
 PROCESS_START_SECONDS = 15.0
+# An idle workerd with the loader host already takes about 60 MB: a lower limit would have
+# the watchdog stop it as soon as it starts, again and again.
+MIN_MEMORY_MB = 128
+
+
+@dataclass(frozen=True)
+class Placements:
+    """The local runtime's placements on disk: one pointer `{code_dir}/slots/{tenant}/{slot}`
+    per placed slot, holding its bundle's sha, filed under the agent (the tenant) whose
+    workerd serves it, so that the supervisor knows which agents have placements."""
+
+    code_dir: Path
+
+    @property
+    def root(self) -> Path:
+        return Path(self.code_dir) / "slots"
+
+    def pointer(self, *, slot: str, tenant: str) -> Path:
+        return self.root / tenant / slot
+
+    def pointers(self) -> list[Path]:
+        """Every pointer: a listing of `slots/`, and one per agent with a directory there."""
+        if not self.root.is_dir():
+            return []
+        return [
+            pointer
+            for tenant in self.root.iterdir()
+            if tenant.is_dir() and not tenant.name.startswith(".")
+            for pointer in tenant.iterdir()
+            if pointer.is_file() and not pointer.name.startswith(".")
+        ]
+
+    def find(self, slot: str) -> Path | None:
+        """The pointer of `slot`, under whichever agent it is filed; None when it is not placed."""
+        return next((pointer for pointer in self.root.glob(f"*/{slot}") if pointer.is_file()), None)
+
+    def tenants(self) -> set[str]:
+        """The agents with at least one placement."""
+        return {pointer.parent.name for pointer in self.pointers()}
+
+    def file_flat_pointers(self) -> None:
+        """File under their agent the pointers an older Sigil kept flat in `slots/`, named by
+        the capability's full name (`agent--name`), which names its agent. Idempotent."""
+        if not self.root.is_dir():
+            return
+        for pointer in self.root.iterdir():
+            if pointer.is_file() and not pointer.name.startswith("."):
+                filed = self.pointer(slot=pointer.name, tenant=pointer.name.partition("--")[0])
+                filed.parent.mkdir(parents=True, exist_ok=True)
+                pointer.replace(filed)
 
 
 @dataclass(frozen=True)
@@ -39,11 +90,12 @@ class LocalProcesses:
     """Where the local runtime's workerd processes are, as every process on the machine
     (web, Celery, runworkerd) sees them, through files under `state_dir`.
 
-    Each agent's capabilities run in a workerd of their own (the slot's owner prefix names
-    it), so a capability that spins or bloats stalls only its own agent's process. Ports
-    are `base_port` + an index the registry allocates on an agent's first placement and
-    keeps, so routes cached by the gateway stay valid across restarts. The supervisor
-    (runworkerd) writes a status file and, before it kills a process, a kill record.
+    Each agent's capabilities run in a workerd of their own (named by the agent, the tenant
+    the runtime is given with each slot), so a capability that spins or bloats stalls only
+    its own agent's process. Ports are `base_port` + an index the registry allocates on an
+    agent's first placement and keeps, so routes cached by the gateway stay valid across
+    restarts. The supervisor (runworkerd) writes a status file and, before it kills a
+    process, a kill record.
 
     An agent with nothing placed any more (its last capability removed, or the agent gone)
     has its process stopped once `idle_after_seconds` have passed since a placement last
@@ -66,10 +118,6 @@ class LocalProcesses:
     def status_path(self) -> Path:
         return self.state_dir / "supervisor.json"
 
-    @staticmethod
-    def name_for(slot: str) -> str:
-        return slot.partition(SEPARATOR)[0]
-
     def want(self, name: str) -> None:
         """A placement for `name` is under way: its process is needed (for idle_after_seconds
         at least, whatever is placed meanwhile)."""
@@ -80,11 +128,8 @@ class LocalProcesses:
     def idle(self, names: list[str], *, code_dir: Path, since: float = 0.0) -> set[str]:
         """Which of `names` have no placement under `code_dir` and were not wanted lately,
         counting from `since` (epoch; the supervisor's start: a process it just started is
-        not idle yet). One directory listing, and one stat per name without a placement."""
-        slots = Path(code_dir) / "slots"
-        placed = (
-            {self.name_for(p.name) for p in slots.iterdir() if not p.name.startswith(".")} if slots.is_dir() else set()
-        )
+        not idle yet). A directory listing per agent, and one stat per name without a placement."""
+        placed = Placements(code_dir).tenants()
         cutoff = time.time() - self.idle_after_seconds
         idle = set()
         for name in set(names) - placed:
@@ -110,11 +155,10 @@ class LocalProcesses:
         first takes in every agent with a placement (made before the registry existed, or
         while it was lost), so their calls find a process at once. With `log_sink`, every
         process's host posts the calls' records there, and the sink serves while the group runs."""
-        slots = Path(code_dir) / "slots"
-        if slots.is_dir():
-            for pointer in slots.iterdir():
-                if pointer.is_file() and not pointer.name.startswith("."):
-                    self.registry.port_for(self.name_for(pointer.name))
+        placements = Placements(code_dir)
+        placements.file_flat_pointers()
+        for tenant in sorted(placements.tenants()):
+            self.registry.port_for(tenant)
 
         def make_host(name: str, port: int) -> WorkerdHost:
             # A directory per process: each writes its config and copies the host module there.
@@ -177,8 +221,9 @@ class LocalRuntime(Runtime):
     """Code is stored content-addressed (`{code_dir}/{sha}.json`) and read by the host; its
     secrets are stored sealed for the host (CodeBundle.to_json), never in plain text.
 
-    A placement is a small pointer file `{code_dir}/slots/{full name}` holding the sha, so
-    that `list_slots` sees what is placed and `remove` knows which bundle may be freed.
+    A placement is a small pointer file `{code_dir}/slots/{tenant}/{full name}` holding the
+    sha (Placements), so that `list_slots` sees what is placed, `remove` knows which bundle
+    may be freed, and the supervisor which agents have placements.
     Calls go to the workerd of the capability's agent (LocalProcesses), which runworkerd
     starts once the agent's first placement registers it.
     """
@@ -186,6 +231,28 @@ class LocalRuntime(Runtime):
     name = "local"
     # workerd on this machine has no Cloudflare account behind it: only values can be given.
     binding_kinds = TEXT_BINDING_KINDS
+
+    @classmethod
+    def settings_errors(cls, settings: LazySettings) -> list[CheckMessage]:
+        if settings.SIGIL_WORKERD_MEMORY_MB < MIN_MEMORY_MB:
+            memory = f"SIGIL_WORKERD_MEMORY_MB is {settings.SIGIL_WORKERD_MEMORY_MB}"
+            return [Error(memory, hint=f"Use {MIN_MEMORY_MB} (MB) or more.", id="sigil.E011")]
+        return []
+
+    @classmethod
+    def processes(cls, settings: LazySettings) -> list[Process]:
+        """The workerd supervisor (`manage.py runworkerd`), ready once it writes its status."""
+        status_path = local_processes().status_path
+        supervisor = Process(
+            name="workerd",
+            command="runworkerd",
+            port=settings.SIGIL_WORKERD_PORT,
+            port_name="workerd's port",
+            port_hint="set SIGIL_WORKERD_PORT",
+            description=f"one workerd per agent on 127.0.0.1:{settings.SIGIL_WORKERD_PORT} and up",
+            ready=lambda: read_status(status_path) is not None,
+        )
+        return [supervisor]
 
     @classmethod
     def from_settings(cls) -> LocalRuntime:
@@ -211,7 +278,7 @@ class LocalRuntime(Runtime):
         self.max_slots = max_slots
         self.margin = safety_margin
         self.code_dir = Path(code_dir)
-        self.slots_dir = self.code_dir / "slots"
+        self.placements = Placements(self.code_dir)
         self.processes = processes
         self._registry = processes.registry
         self._kill_log = processes.kill_log
@@ -229,13 +296,14 @@ class LocalRuntime(Runtime):
     def slot_for(self, full_name: str, *, attempt: int = 0) -> str:
         return full_name  # full names are unique, so they never collide
 
-    def place(self, *, slot: str, bundle: CodeBundle) -> None:
+    def place(self, *, slot: str, bundle: CodeBundle, tenant: str) -> None:
         """Store the bundle (once per sha), have the host start it, and point the slot at it.
         Idempotent. Raises RuntimeRejected when the code does not start (or its top-level
         code runs past the CPU or memory limit), RuntimeUnavailable when the agent's workerd
         does not serve (runworkerd not running)."""
-        self.slots_dir.mkdir(parents=True, exist_ok=True)
-        self._wait_for_process(self.processes.name_for(slot))
+        pointer = self.placements.pointer(slot=slot, tenant=tenant)
+        pointer.parent.mkdir(parents=True, exist_ok=True)
+        self._wait_for_process(tenant)
         bundle_path = self.code_dir / f"{bundle.sha}.json"
         stored_now = not bundle_path.exists()
         # Sealed secrets are written again each time: a bundle sealed for an earlier
@@ -243,14 +311,13 @@ class LocalRuntime(Runtime):
         if stored_now or bundle.secrets:
             write_atomically(bundle_path, bundle.to_json(seal_key=self._secret))
         try:
-            started = self._start_check(slot, bundle.sha)
+            started = self._start_check(slot, bundle.sha, tenant)
             if not started:
                 raise RuntimeUnavailable(f"workerd does not find the code just stored in {bundle_path}")
         except RuntimeRejected:
             if stored_now:
                 bundle_path.unlink(missing_ok=True)
             raise
-        pointer = self.slots_dir / slot
         previous = _pointed_sha(pointer)
         write_atomically(pointer, bundle.sha.encode())
         if previous not in (None, bundle.sha):
@@ -259,41 +326,42 @@ class LocalRuntime(Runtime):
     def remove(self, *, slot: str) -> None:
         """Drop the slot's pointer, its bundle when no other slot uses it, and its isolate in
         workerd. Idempotent."""
-        pointer = self.slots_dir / slot
-        sha = _pointed_sha(pointer)
+        pointer = self.placements.find(slot)
+        sha = _pointed_sha(pointer) if pointer else None
         if sha is None:
             return
+        tenant = pointer.parent.name
         pointer.unlink(missing_ok=True)
         self._drop_if_unused(sha)
         # The host retires a replaced version by itself, but a removed slot is never called
         # again: without this, its isolate would stay until workerd restarts.
         try:
-            loader_host_retire(self._start_checks, self.route(slot=slot, sha=sha))
+            loader_host_retire(self._start_checks, self.route(slot=slot, sha=sha, tenant=tenant))
         except RuntimeUnavailable as exc:
             # The slot is gone all the same; a workerd that cannot be reached holds nothing
             # once it is restarted.
             logger.warning("workerd did not release %s@%s: %s", slot, sha, exc)
 
     def _drop_if_unused(self, sha: str) -> None:
-        if not any(_pointed_sha(p) == sha for p in self.slots_dir.iterdir() if not p.name.startswith(".")):
+        if not any(_pointed_sha(p) == sha for p in self.placements.pointers()):
             (self.code_dir / f"{sha}.json").unlink(missing_ok=True)
 
-    def _start_check(self, slot: str, sha: str) -> bool:
+    def _start_check(self, slot: str, sha: str, tenant: str) -> bool:
         """The loader host's start check, on the agent's process. Raises RuntimeRejected when
         the code's top-level code runs past a limit and has the process stopped."""
         for attempt in range(2):
             sent_at = time.time()
             try:
-                return loader_host_start_check(self._start_checks, self.route(slot=slot, sha=sha))
+                return loader_host_start_check(self._start_checks, self.route(slot=slot, sha=sha, tenant=tenant))
             except RuntimeUnavailable:
-                stopped = self.call_stopped(slot=slot, sent_at=sent_at)
+                stopped = self.call_stopped(slot=slot, tenant=tenant, sent_at=sent_at)
                 if stopped is None or attempt:
                     raise
                 if stopped.culprit:
                     raise RuntimeRejected(f"the code {stopped.message} while starting") from None
                 # The process was stopped for another call (or was restarting): the check
                 # runs no handler, so it is asked again of the fresh process.
-                self._wait_for_process(self.processes.name_for(slot), after=sent_at)
+                self._wait_for_process(tenant, after=sent_at)
         raise AssertionError("unreachable")
 
     def _wait_for_process(self, name: str, *, after: float = 0.0) -> None:
@@ -316,27 +384,26 @@ class LocalRuntime(Runtime):
                 raise RuntimeUnavailable(f"workerd for {name} is {state} after {PROCESS_START_SECONDS:g} s")
             time.sleep(0.05)
 
-    def url_for(self, slot: str) -> str:
-        """The base URL of the workerd that serves `slot` (reads the port registry once per agent)."""
-        return f"http://127.0.0.1:{self._registry.port_for(self.processes.name_for(slot))}"
+    def url_for(self, tenant: str) -> str:
+        """The base URL of the workerd that serves `tenant`'s slots (reads the port registry
+        once per agent)."""
+        return f"http://127.0.0.1:{self._registry.port_for(tenant)}"
 
-    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
+    def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
         return Route(
-            base_url=self.url_for(slot),
+            base_url=self.url_for(tenant),
             headers=(("X-Sigil-Secret", self._secret), ("X-Sigil-Loader-Id", f"{slot}@{sha}")),
         )
 
     def list_slots(self) -> list[str]:
-        if not self.slots_dir.exists():
-            return []
-        return sorted(p.name for p in self.slots_dir.iterdir() if p.is_file() and not p.name.startswith("."))
+        return sorted(pointer.name for pointer in self.placements.pointers())
 
-    def call_stopped(self, *, slot: str, sent_at: float) -> CallStopped | None:
+    def call_stopped(self, *, slot: str, tenant: str, sent_at: float) -> CallStopped | None:
         """Why the slot's process stopped under a call sent at `sent_at`: the watchdog's kill
         record, when it stopped the process after the call was sent (or shortly before, while
         the fresh one was not serving yet); else the process's own exit, when the one that
         took the call is gone."""
-        name = self.processes.name_for(slot)
+        name = tenant
         status = read_status(self.processes.status_path) or {"processes": {}}
         entry = status["processes"].get(name)
         kill = self._kill_log.latest(name)

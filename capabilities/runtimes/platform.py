@@ -8,16 +8,25 @@ import contextlib
 import hashlib
 from pathlib import Path
 
-from capabilities import names
-from capabilities.cloudflare import CloudflareClient, CloudflareError, CloudflareNotFound
+from django.conf import LazySettings
+
 from capabilities.runtimes.base import CodeBundle, Route
+from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
+from capabilities.runtimes.cloudflare import (
+    CloudflareClient,
+    CloudflareError,
+    CloudflareNotFound,
+    CloudflareRejected,
+    metadata_binding,
+)
+from capabilities.runtimes.cloudflare.account import Finding, PlanProbe, installation_tag
+from capabilities.runtimes.cloudflare.uploads import CAPABILITY_MODULE, SECRET_MODULE, sigil_modules
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
-from capabilities.runtimes.worker_pool import metadata_binding
 
 DISPATCHER_MODULE = "dispatcher.js"
 DISPATCHER_SOURCE = (Path(__file__).resolve().parent / "platform" / DISPATCHER_MODULE).read_text()
 # Tag of every capability script Sigil puts in the namespace: `list_slots` lists these. Only
-# those with this installation's tag as well (names.installation_tag) are `created_here`.
+# those with this installation's tag as well (account.installation_tag) are `created_here`.
 CAPABILITY_TAG = "sigil"
 # The entry module in front of a capability's own when its version is known (see the module).
 VERSION_MODULE = "sigil-served-version.js"
@@ -44,15 +53,44 @@ class PlatformRuntime(FrontedRuntime):
         from django.conf import settings
 
         return cls(
-            client=CloudflareClient.from_settings(),
+            **cls.account_settings(),
             namespace=settings.SIGIL_PLATFORM_NAMESPACE,
             dispatcher=settings.SIGIL_PLATFORM_DISPATCHER,
-            secret=settings.SIGIL_INTERNAL_SECRET,
-            cpu_ms=settings.SIGIL_CPU_MS,
-            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
         )
 
     marker_header = "x-sigil-dispatch"
+
+    @classmethod
+    def front_name(cls, settings: LazySettings) -> str:
+        return settings.SIGIL_PLATFORM_DISPATCHER
+
+    @classmethod
+    def plan_finding(cls, *, client: CloudflareClient, probe: PlanProbe, settings: LazySettings) -> Finding:
+        """Workers for Platforms is on when the account lists its dispatch namespaces. One API call."""
+        try:
+            namespaces = client.namespace_list()
+        except CloudflareRejected as exc:
+            return Finding(
+                "plan",
+                False,
+                f"Workers for Platforms is not enabled on the account, and the platform runtime needs its "
+                f"subscription (Workers for Platforms Paid) ({exc})",
+            )
+        listed = {str(namespace.get("namespace_name") or namespace.get("name") or "") for namespace in namespaces}
+        mine = settings.SIGIL_PLATFORM_NAMESPACE
+        where = "exists" if mine in listed else "is created when Sigil starts"
+        return Finding("plan", True, f"Workers for Platforms is enabled; the dispatch namespace {mine} {where}")
+
+    @classmethod
+    def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
+        """Workers for Platforms: the dispatch Worker and the capability's are billed as one
+        request; one script per registered capability."""
+        items = prices.plan_lines("platforms", requests=usage.calls, cpu_ms=usage.duration_ms)
+        items["scripts"] = max(0, usage.capabilities - prices.platforms_included_scripts) * prices.platforms_script_usd
+        plan = "Workers for Platforms"
+        return [
+            RuntimeBill.of(runtime=cls.name, plan=plan, items=items, requests=usage.calls, cpu_ms=usage.duration_ms)
+        ]
 
     def __init__(
         self,
@@ -68,11 +106,11 @@ class PlatformRuntime(FrontedRuntime):
         self.client = client
         self.namespace = namespace
         self._secret = secret
-        self.installation_tag = names.installation_tag(secret)
+        self.installation_tag = installation_tag(secret)
         self.dispatcher = SigilWorker(
             client=client,
             name=dispatcher,
-            modules={DISPATCHER_MODULE: DISPATCHER_SOURCE},
+            modules={DISPATCHER_MODULE: DISPATCHER_SOURCE, **sigil_modules(SECRET_MODULE)},
             main_module=DISPATCHER_MODULE,
             bindings=[{"type": "dispatch_namespace", "name": "DISPATCHER", "namespace": namespace}],
             secret_bindings=[{"type": "secret_text", "name": "SIGIL_DISPATCH_SECRET", "text": secret}],
@@ -108,17 +146,17 @@ class PlatformRuntime(FrontedRuntime):
         self._provisioned = True
         return done
 
-    def place(self, *, slot: str, bundle: CodeBundle) -> None:
-        """Upload the capability into the namespace, tagged with Sigil and its agent; with
+    def place(self, *, slot: str, bundle: CodeBundle, tenant: str) -> None:
+        """Upload the capability into the namespace, tagged with Sigil and its agent (`tenant`); with
         `bundle.version`, behind an entry module that names it in every answer
         (SERVED_VERSION_HEADER), since the upload replaces the script in place. One API call
         (after the first placement of the process). Idempotent."""
         self._ensure_provisioned()
-        agent = slot.partition(names.SEPARATOR)[0]
         modules, main_module = bundle.modules, bundle.main_module
         bindings = [metadata_binding(b) for b in bundle.bindings]
         if bundle.version is not None and bundle.main_module == "main.js":
-            modules, main_module = {VERSION_MODULE: VERSION_SOURCE, **bundle.modules}, VERSION_MODULE
+            entry = {VERSION_MODULE: VERSION_SOURCE, **sigil_modules(CAPABILITY_MODULE)}
+            modules, main_module = {**entry, **bundle.modules}, VERSION_MODULE
             bindings.append({"type": "plain_text", "name": VERSION_BINDING, "text": str(bundle.version)})
         self.client.namespace_script_upload(
             self.namespace,
@@ -127,14 +165,14 @@ class PlatformRuntime(FrontedRuntime):
             main_module=main_module,
             compatibility_date=bundle.compatibility_date,
             bindings=bindings,
-            tags=[CAPABILITY_TAG, self.installation_tag, f"agent-{agent}", f"sha-{bundle.sha[:16]}"],
+            tags=[CAPABILITY_TAG, self.installation_tag, f"agent-{tenant}", f"sha-{bundle.sha[:16]}"],
         )
 
     def remove(self, *, slot: str) -> None:
         with contextlib.suppress(CloudflareNotFound):
             self.client.namespace_script_delete(self.namespace, slot)
 
-    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
+    def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
         return self._front_route([("X-Sigil-Dispatch-Secret", self._secret), ("X-Sigil-Script", slot)], cpu_ms)
 
     def list_slots(self) -> list[str]:

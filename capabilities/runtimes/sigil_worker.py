@@ -11,9 +11,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import urllib3
+from django.conf import LazySettings
 
-from capabilities.cloudflare import CloudflareClient, CloudflareNotFound
-from capabilities.runtimes.base import Route, Runtime
+from capabilities.runtimes.base import Route
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound
+from capabilities.runtimes.cloudflare.account import CloudflareRuntime, Finding, PlanProbe, scripts_in_use
 from capabilities.runtimes.errors import RuntimeUnavailable, network_failure
 
 # The plain-text binding that carries the deployed source's version, and the header the
@@ -142,7 +144,7 @@ class SigilWorker:
             )
 
 
-class FrontedRuntime(Runtime):
+class FrontedRuntime(CloudflareRuntime):
     """A runtime whose calls all enter through one Worker of Sigil's (the platform's dispatch
     Worker, the loader Worker), which `provision` deploys on a process's first placement.
 
@@ -163,6 +165,28 @@ class FrontedRuntime(Runtime):
     @abstractmethod
     def front(self) -> SigilWorker:
         """Sigil's Worker in front of the capabilities."""
+
+    @classmethod
+    @abstractmethod
+    def front_name(cls, settings: LazySettings) -> str:
+        """The name of Sigil's Worker in front, as `settings` give it."""
+
+    @classmethod
+    @abstractmethod
+    def plan_finding(cls, *, client: CloudflareClient, probe: PlanProbe, settings: LazySettings) -> Finding:
+        """Whether the account's plan has what this runtime needs (for `cfcheck`)."""
+
+    @classmethod
+    def account_findings(
+        cls, *, client: CloudflareClient, probe: PlanProbe, scripts: list[str], settings: LazySettings
+    ) -> list[Finding]:
+        """The plan's finding, and whether the account has room for Sigil's Worker in front."""
+        plan = cls.plan_finding(client=client, probe=probe, settings=settings)
+        front = cls.front_name(settings)
+        count = scripts_in_use(scripts, probe, settings=settings, front=front)
+        if len(scripts) >= count.limit and front not in scripts:
+            return [plan, Finding("scripts", False, f"{count.used}: no room left for Sigil's Worker {front}")]
+        return [plan, Finding("scripts", True, count.used)]
 
     def _ensure_provisioned(self) -> None:
         if self._provisioned:

@@ -5,33 +5,36 @@ quota (sigil-backend-lru.md)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from pathlib import Path
 
-from capabilities import names
-from capabilities.cloudflare import CloudflareClient, CloudflareNotFound
-from capabilities.runtimes.base import CodeBundle, ResolvedBinding, Route, Runtime
+from django.conf import LazySettings
+from django.core.checks import CheckMessage, Error
+
+from capabilities.runtimes.base import CodeBundle, Route
+from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, metadata_binding
+from capabilities.runtimes.cloudflare.account import (
+    POOL_PREFIX,
+    CloudflareRuntime,
+    Finding,
+    PlanProbe,
+    installation_tag,
+    scripts_in_use,
+)
+from capabilities.runtimes.cloudflare.uploads import CAPABILITY_MODULE, SECRET_MODULE, sigil_modules
 
 GUARD_MODULE = "sigil-guard.js"
 GUARD_SOURCE = (Path(__file__).resolve().parent / "pool" / "guard.js").read_text()
 GUARD_SECRET_BINDING = "SIGIL_GUARD_SECRET"
 # A plain_text binding read by the guard, which names the version in SERVED_VERSION_HEADER.
 GUARD_VERSION_BINDING = "SIGIL_SERVED_VERSION"
-POOL_PREFIX = "s-"
 POOL_TAG = "sigil"  # for people reading the account; what marks Sigil's own is installation_tag
 
 
-def metadata_binding(binding: ResolvedBinding) -> dict:
-    """A declared binding as Cloudflare's upload metadata spells it (reference §1.3)."""
-    shapes = {
-        "VAR": {"type": "plain_text", "text": binding.value},
-        "SECRET": {"type": "secret_text", "text": binding.value},
-        "KV": {"type": "kv_namespace", "namespace_id": binding.value},
-        "D1": {"type": "d1", "id": binding.value},
-        "R2": {"type": "r2_bucket", "bucket_name": binding.value},
-        "SERVICE": {"type": "service", "service": binding.value, "environment": "production"},
-        "QUEUE": {"type": "queue", "queue_name": binding.value},
-    }
-    return {"name": binding.name, **shapes[binding.kind]}
+def pool_script_name(full: str, *, length: int = 6) -> str:
+    """The pooled worker's stable script name: `s-` + the first hex digits of sha256(full)."""
+    return POOL_PREFIX + hashlib.sha256(full.encode()).hexdigest()[:length]
 
 
 def pool_slots(*, total_quota: int, system_reserved: int, user_reserved: int, safety_margin: int) -> int:
@@ -40,7 +43,18 @@ def pool_slots(*, total_quota: int, system_reserved: int, user_reserved: int, sa
     return total_quota - system_reserved - user_reserved - safety_margin
 
 
-class WorkerPoolRuntime(Runtime):
+def settings_slots(settings: LazySettings, *, total_quota: int | None = None, user_reserved: int | None = None) -> int:
+    """The pool's slots as the SIGIL_POOL_* settings give them, or with the account's real
+    `total_quota` and the owner's real `user_reserved` instead."""
+    return pool_slots(
+        total_quota=settings.SIGIL_POOL_TOTAL_QUOTA if total_quota is None else total_quota,
+        system_reserved=settings.SIGIL_POOL_SYSTEM_RESERVED,
+        user_reserved=settings.SIGIL_POOL_USER_RESERVED if user_reserved is None else user_reserved,
+        safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
+    )
+
+
+class WorkerPoolRuntime(CloudflareRuntime):
     """Slots = total quota − system reserved − user reserved − safety margin.
 
     Only `s-` scripts are Sigil's: `list_slots` ignores the owner's own Workers, and Sigil
@@ -56,16 +70,85 @@ class WorkerPoolRuntime(Runtime):
         from django.conf import settings
 
         return cls(
-            client=CloudflareClient.from_settings(),
-            secret=settings.SIGIL_INTERNAL_SECRET,
+            **cls.account_settings(),
             total_quota=settings.SIGIL_POOL_TOTAL_QUOTA,
             system_reserved=settings.SIGIL_POOL_SYSTEM_RESERVED,
             user_reserved=settings.SIGIL_POOL_USER_RESERVED,
             safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
-            invoke_base=settings.SIGIL_CF_WORKERS_BASE,
             redirect=settings.SIGIL_POOL_REDIRECT,
-            cpu_ms=settings.SIGIL_CPU_MS,
         )
+
+    @classmethod
+    def settings_errors(cls, settings: LazySettings) -> list[CheckMessage]:
+        """The quota must leave slots once the reserved scripts and the margin are set aside."""
+        errors = super().settings_errors(settings)
+        slots = settings_slots(settings)
+        if slots < 1:
+            hint = "SIGIL_POOL_TOTAL_QUOTA must exceed SYSTEM_RESERVED + USER_RESERVED + SAFETY_MARGIN."
+            errors.append(Error(f"the worker pool has {slots} slots", hint=hint, id="sigil.E002"))
+        return errors
+
+    @classmethod
+    def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
+        """On Workers Free while the traffic fits its limits, and on Workers Paid: one Worker
+        request per call (the gateway runs outside Cloudflare)."""
+        limits = []
+        if usage.busiest_day_calls > prices.free_requests_per_day:
+            limits.append(
+                f"the busiest day had {usage.busiest_day_calls} calls, over {prices.free_requests_per_day} a day"
+            )
+        if usage.calls_over_free_cpu_share > 0:
+            limits.append(
+                f"{usage.calls_over_free_cpu_share:.1%} of calls took over {prices.free_cpu_ms_per_call} ms "
+                "(an upper bound of their CPU time)"
+            )
+        if smallest_slots is not None and smallest_slots > prices.free_scripts:
+            limits.append(
+                f"cold calls stay under 1 % only with {smallest_slots} slots, over {prices.free_scripts} scripts"
+            )
+        free = RuntimeBill(
+            runtime=cls.name,
+            plan="Workers Free",
+            monthly_usd=0.0,
+            requests=usage.calls,
+            cpu_ms=usage.duration_ms,
+            items={},
+            fits=not limits,
+            limits=limits,
+        )
+        paid = prices.plan_lines("paid", requests=usage.calls, cpu_ms=usage.duration_ms)
+        return [
+            free,
+            RuntimeBill.of(
+                runtime=cls.name, plan="Workers Paid", items=paid, requests=usage.calls, cpu_ms=usage.duration_ms
+            ),
+        ]
+
+    @classmethod
+    def account_findings(
+        cls, *, client: CloudflareClient, probe: PlanProbe, scripts: list[str], settings: LazySettings
+    ) -> list[Finding]:
+        """Workers alone suffice; the scripts say how many slots Sigil can really use: the
+        account's limit, less the scripts that are not Sigil's (or the owner's reserve, if
+        more), Sigil's own and the margin."""
+        plan = Finding("plan", True, "the worker-pool runtime needs nothing beyond Workers")
+        count = scripts_in_use(scripts, probe, settings=settings, front=None)
+        configured = settings_slots(settings)
+        usable = settings_slots(
+            settings, total_quota=count.limit, user_reserved=max(count.others, settings.SIGIL_POOL_USER_RESERVED)
+        )
+        really = max(0, min(configured, usable))
+        if really >= configured:
+            return [plan, Finding("scripts", True, f"{count.used}; Sigil can use its {configured} slots")]
+        detail = (
+            f"{count.used}; Sigil can really use {really} slots, not the {configured} its settings give "
+            f"(SIGIL_POOL_TOTAL_QUOTA {settings.SIGIL_POOL_TOTAL_QUOTA}, less SIGIL_POOL_SYSTEM_RESERVED, "
+            "SIGIL_POOL_USER_RESERVED and SIGIL_POOL_SAFETY_MARGIN): lower SIGIL_POOL_TOTAL_QUOTA"
+            f" to {count.limit}, or SIGIL_POOL_USER_RESERVED to at least {count.others}, or the pool pages out "
+            "on Cloudflare's refusals (10037)"
+        )
+        # A pool with no slot at all cannot work; one with fewer works, paging out more.
+        return [plan, Finding("scripts", False, detail, blocking=really < 1)]
 
     def __init__(
         self,
@@ -84,7 +167,7 @@ class WorkerPoolRuntime(Runtime):
         self.default_cpu_ms = cpu_ms
         self.redirects = redirect
         self._secret = secret
-        self.installation_tag = names.installation_tag(secret)
+        self.installation_tag = installation_tag(secret)
         self.slots = pool_slots(
             total_quota=total_quota,
             system_reserved=system_reserved,
@@ -107,9 +190,9 @@ class WorkerPoolRuntime(Runtime):
 
     def slot_for(self, full_name: str, *, attempt: int = 0) -> str:
         # s-{6 hex}; on a collision two more hex digits per attempt.
-        return names.pool_script_name(full_name, length=6 + 2 * attempt)
+        return pool_script_name(full_name, length=6 + 2 * attempt)
 
-    def place(self, *, slot: str, bundle: CodeBundle) -> None:
+    def place(self, *, slot: str, bundle: CodeBundle, tenant: str) -> None:
         """Upload the script behind Sigil's guard and turn its workers.dev URL on. The guard
         names `bundle.version` (when given) in every answer's SERVED_VERSION_HEADER.
 
@@ -125,7 +208,8 @@ class WorkerPoolRuntime(Runtime):
             # Callers are sent to the script itself, so it must answer them without Sigil.
             modules, main_module = bundle.modules, bundle.main_module
         else:
-            modules, main_module = {GUARD_MODULE: GUARD_SOURCE, **bundle.modules}, GUARD_MODULE
+            guard = {GUARD_MODULE: GUARD_SOURCE, **sigil_modules(CAPABILITY_MODULE, SECRET_MODULE)}
+            modules, main_module = {**guard, **bundle.modules}, GUARD_MODULE
             bindings.append({"type": "secret_text", "name": GUARD_SECRET_BINDING, "text": self._secret})
             if bundle.version is not None:
                 # The upload replaces the script in place: its every answer says which version it is.
@@ -145,7 +229,7 @@ class WorkerPoolRuntime(Runtime):
         with contextlib.suppress(CloudflareNotFound):
             self.client.script_delete(slot)
 
-    def route(self, *, slot: str, sha: str, cpu_ms: int | None = None) -> Route:
+    def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
         """Where the script answers. The account's subdomain is asked for once per process."""
         host = f"{slot}.{self.subdomain}.workers.dev"
         headers = (("X-Sigil-Pool-Secret", self._secret),)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
-from capabilities.cloudflare import (
+from capabilities.runtimes import RUNTIMES, runtime_class
+from capabilities.runtimes.cloudflare import (
     CloudflareAuthFailure,
     CloudflareClient,
     CloudflareError,
@@ -19,11 +20,10 @@ from capabilities.cloudflare import (
     CloudflareSlotsExhausted,
     CloudflareUnavailable,
 )
-from capabilities.runtimes import RUNTIMES
-from capabilities.runtimes.worker_pool import POOL_PREFIX, pool_slots
+from capabilities.runtimes.cloudflare.account import FREE_PLAN, PAID_PLAN, Finding, PlanProbe
 
 # The runtimes that run on a Cloudflare account.
-CLOUDFLARE_BACKENDS = tuple(name for name in RUNTIMES if name != "local")
+CLOUDFLARE_BACKENDS = tuple(name for name in RUNTIMES if runtime_class(name).on_cloudflare)
 # A throwaway Worker that asks the account whether its plan allows a worker_loader binding:
 # no read-only endpoint says so, and Cloudflare refuses such an upload on the free plan
 # (reference §5.1: 10021 "binding LOADER of type worker_loader is invalid", or 10195).
@@ -32,37 +32,8 @@ LOADER_PROBE_MODULE = "probe.js"
 LOADER_PROBE_SOURCE = 'export default { fetch() { return new Response("") } }\n'
 # Cloudflare's codes for a binding or feature the plan does not include (reference §7.1).
 PLAN_REFUSAL_CODES = frozenset({10021, 10075, 10195})
-# Worker scripts an account may hold, by plan (reference §7.3); over it, uploads are 10037.
-FREE_PLAN, PAID_PLAN = "Workers Free", "Workers Paid"
-PLAN_SCRIPT_LIMITS = {FREE_PLAN: 100, PAID_PLAN: 500}
 # Cloudflare's 10037 names the limit: "You have exceeded the limit of 500 Workers on your account."
 _LIMIT_IN_REFUSAL = re.compile(r"limit of (\d+) Workers")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One thing checked: `ok`, or what is missing in plain words. A missing thing that is not
-    `blocking` is worth knowing but does not stop the runtime from working."""
-
-    topic: str
-    ok: bool
-    detail: str
-    blocking: bool = True
-
-
-@dataclass(frozen=True)
-class PlanProbe:
-    """What the probe Worker learnt of the account: its plan (Workers Paid allows a Worker
-    Loader binding, Workers Free refuses it; None when it could not tell), the script limit a
-    10037 named, and the plan finding for the loader runtime."""
-
-    plan: str | None
-    finding: Finding
-    limit: int | None = None
-
-    @property
-    def script_limit(self) -> int | None:
-        return self.limit or PLAN_SCRIPT_LIMITS.get(self.plan or "")
 
 
 @dataclass(frozen=True)
@@ -104,8 +75,8 @@ def cloudflare_check(*, backend: str, client: CloudflareClient | None = None) ->
             return done()
         findings.append(_subdomain(client))
         probe = _plan_probe(client)
-        findings.append(_plan(client, backend, probe))
-        findings.append(_quota(backend, scripts, probe))
+        runtime = runtime_class(backend)
+        findings.extend(runtime.account_findings(client=client, probe=probe, scripts=scripts, settings=settings))
     except CloudflareUnavailable as exc:
         findings.append(Finding("Cloudflare", False, f"the API did not answer, so nothing more is known: {exc}"))
     return done()
@@ -150,26 +121,6 @@ def _subdomain(client: CloudflareClient) -> Finding:
     return Finding("workers.dev subdomain", True, f"{subdomain}.workers.dev")
 
 
-def _plan(client: CloudflareClient, backend: str, probe: PlanProbe) -> Finding:
-    if backend == "platform":
-        try:
-            namespaces = client.namespace_list()
-        except CloudflareRejected as exc:
-            return Finding(
-                "plan",
-                False,
-                f"Workers for Platforms is not enabled on the account, and the platform runtime needs its "
-                f"subscription (Workers for Platforms Paid) ({exc})",
-            )
-        names = {str(namespace.get("namespace_name") or namespace.get("name") or "") for namespace in namespaces}
-        mine = settings.SIGIL_PLATFORM_NAMESPACE
-        where = "exists" if mine in names else "is created when Sigil starts"
-        return Finding("plan", True, f"Workers for Platforms is enabled; the dispatch namespace {mine} {where}")
-    if backend == "loader":
-        return probe.finding
-    return Finding("plan", True, "the worker-pool runtime needs nothing beyond Workers")
-
-
 def _plan_probe(client: CloudflareClient) -> PlanProbe:
     """Which plan the account is on, which no read-only endpoint says: Sigil's loader Worker
     already runs with a Worker Loader binding, or the probe Worker is uploaded with one."""
@@ -199,47 +150,3 @@ def _plan_probe(client: CloudflareClient) -> PlanProbe:
     with contextlib.suppress(CloudflareError):
         client.script_delete(LOADER_PROBE_SCRIPT)
     return PlanProbe(PAID_PLAN, Finding("plan", True, allowed))
-
-
-def _quota(backend: str, scripts: list[str], probe: PlanProbe) -> Finding:
-    """The scripts in use against the account's real limit (its plan's, or the one a 10037
-    named), and on the worker pool how many slots Sigil can really use: the account's limit,
-    less the scripts that are not Sigil's (or the owner's reserve, if more), Sigil's own and
-    the margin."""
-    limit = probe.script_limit
-    if limit is None:  # the plan could not be told: take the owner's word
-        limit, source = settings.SIGIL_POOL_TOTAL_QUOTA, "as SIGIL_POOL_TOTAL_QUOTA states it"
-    else:
-        source = f"the {probe.plan} plan's" if probe.plan and not probe.limit else "as Cloudflare's refusal named it"
-    front = {"platform": settings.SIGIL_PLATFORM_DISPATCHER, "loader": settings.SIGIL_LOADER_WORKER}.get(backend)
-    sigils = {name for name in scripts if name.startswith(POOL_PREFIX) or name == front}
-    others = len(scripts) - len(sigils)
-    used = f"{len(scripts)} of the account's {limit} Worker scripts ({source}) are in use, {others} of them not Sigil's"
-    if backend != "worker-pool":
-        if len(scripts) >= limit and front not in scripts:
-            return Finding("scripts", False, f"{used}: no room left for Sigil's Worker {front}")
-        return Finding("scripts", True, used)
-    configured = pool_slots(
-        total_quota=settings.SIGIL_POOL_TOTAL_QUOTA,
-        system_reserved=settings.SIGIL_POOL_SYSTEM_RESERVED,
-        user_reserved=settings.SIGIL_POOL_USER_RESERVED,
-        safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
-    )
-    usable = pool_slots(
-        total_quota=limit,
-        system_reserved=settings.SIGIL_POOL_SYSTEM_RESERVED,
-        user_reserved=max(others, settings.SIGIL_POOL_USER_RESERVED),
-        safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
-    )
-    really = max(0, min(configured, usable))
-    if really >= configured:
-        return Finding("scripts", True, f"{used}; Sigil can use its {configured} slots")
-    detail = (
-        f"{used}; Sigil can really use {really} slots, not the {configured} its settings give "
-        f"(SIGIL_POOL_TOTAL_QUOTA {settings.SIGIL_POOL_TOTAL_QUOTA}, less SIGIL_POOL_SYSTEM_RESERVED, "
-        "SIGIL_POOL_USER_RESERVED and SIGIL_POOL_SAFETY_MARGIN): lower SIGIL_POOL_TOTAL_QUOTA"
-        f" to {limit}, or SIGIL_POOL_USER_RESERVED to at least {others}, or the pool pages out on Cloudflare's "
-        "refusals (10037)"
-    )
-    # A pool with no slot at all cannot work; one with fewer works, paging out more.
-    return Finding("scripts", False, detail, blocking=really < 1)

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from agents.services import audit_record
 from capabilities import bindings as binding_rules
-from capabilities import pager, routes
+from capabilities import names, pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import errors as runtime_errors
 from capabilities.runtimes import get_runtime
@@ -263,7 +263,7 @@ def slot_for(full: str, runtime: Runtime) -> str:
 def _place(full: str, slot: str, bundle: CodeBundle, runtime: Runtime) -> None:
     """Put `bundle` on `runtime` at `full`'s `slot`. Runtime errors become API errors."""
     try:
-        runtime.place(slot=slot, bundle=bundle)
+        runtime.place(slot=slot, bundle=bundle, tenant=names.agent_of(full))
     except runtime_errors.ScriptTooLarge as exc:
         raise TooLarge(f"the runtime refused the script as too large: {exc}") from exc
     except runtime_errors.SlotsExhausted:

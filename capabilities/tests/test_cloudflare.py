@@ -13,7 +13,7 @@ import pytest
 import requests
 from django.core.exceptions import ImproperlyConfigured
 
-from capabilities.cloudflare import (
+from capabilities.runtimes.cloudflare import (
     CloudflareAuthFailure,
     CloudflareClient,
     CloudflareNotFound,
@@ -268,7 +268,7 @@ def test_retry_after_beyond_the_allowed_wait_is_raised_as_rate_limited(cf_emulat
 # wait up to 20 s for room, and prints how long it waited before its call was answered.
 OTHER_PROCESS = """
 import sys, time, redis
-from capabilities.cloudflare import CloudflareClient
+from capabilities.runtimes.cloudflare import CloudflareClient
 base, account, token, redis_url = sys.argv[1:5]
 client = CloudflareClient(base_url=base, account_id=account, api_token=token,
                           redis=redis.Redis.from_url(redis_url), max_rate_wait_seconds=20.0)
@@ -469,7 +469,7 @@ def test_a_runtime_that_does_not_answer_is_said_in_words(redis_client, cf_emulat
     """The error names the address and the OS's reason, not urllib3's objects."""
     import socket
 
-    from capabilities.cloudflare.errors import CloudflareUnavailable
+    from capabilities.runtimes.cloudflare.errors import CloudflareUnavailable
 
     with socket.socket() as probe:  # a loopback port nothing listens on
         probe.bind(("127.0.0.1", 0))

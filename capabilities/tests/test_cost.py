@@ -11,9 +11,9 @@ from django.core.management import call_command
 
 from agents.models import AuditEvent
 from capabilities import cost, stats
-from capabilities.cloudflare import api_calls_hour_key
 from capabilities.cost import Access, replay_cold_calls, smallest_slots
 from capabilities.models import CapabilityStatsWindow
+from capabilities.runtimes.cloudflare import api_calls_hour_key
 from sigil.redis_client import get_redis
 from testsupport.cast import deploy_answering, wait_for
 
@@ -58,8 +58,8 @@ def bills(estimate) -> dict[str, float]:
 
 
 def test_the_estimate_of_a_recorded_month_is_the_bill_worked_out_by_hand(recorded, settings):
-    settings.SIGIL_PRICE_PLATFORMS_INCLUDED_SCRIPTS = 1  # so that the scripts line shows
-    settings.SIGIL_PRICE_DYNAMIC_INCLUDED_WORKERS = 1  # and the Dynamic Workers line
+    # One script and one Dynamic Worker included, so that the scripts and Dynamic Workers lines show.
+    settings.SIGIL_CLOUDFLARE_PRICES = '{"platforms_included_scripts": 1, "dynamic_included_workers": 1}'
     estimate = cost.cost_estimate(now=NOW, days=30)
 
     # 15 M calls, 70 M ms over 30 days: a month as it is.

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from agents import tokens
-from capabilities import copies, names, routes
+from capabilities import copies, routes
 from capabilities.models import Capability, State
+from capabilities.runtimes.worker_pool import pool_script_name
 from capabilities.services.placement import placement_lock
 from sigil.embedded_redis import EmbeddedRedis
 from sigil.redis_client import SOCKET_TIMEOUT_SECONDS, get_redis
@@ -132,7 +133,7 @@ def test_a_miss_whose_page_in_is_held_is_accepted_and_run_once_placed(
 ):
     settings.SIGIL_INVOKE_TIMEOUT_SECONDS = 1
     alice.deploy(name="ping", code=PONG)
-    cf_client.script_delete(names.pool_script_name("alice--ping"))  # gone behind Sigil's back
+    cf_client.script_delete(pool_script_name("alice--ping"))  # gone behind Sigil's back
 
     lock = placement_lock("alice--ping", blocking=False)
     assert lock.acquire()  # another call is already placing it again

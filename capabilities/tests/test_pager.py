@@ -165,7 +165,7 @@ def test_reconcile_removes_orphans_and_repairs_lost_placements(capped, alice):
     deploy(alice, "a", "a")
     deploy(alice, "b", "b")
     runtime = get_runtime()
-    runtime.place(slot="alice--ghost", bundle=CodeBundle.from_code(code("ghost")))  # nobody's
+    runtime.place(slot="alice--ghost", tenant="alice", bundle=CodeBundle.from_code(code("ghost")))  # nobody's
     runtime.remove(slot="alice--b")  # lost behind Sigil's back
 
     result = services.capability_reconcile()
@@ -227,7 +227,7 @@ def test_a_call_that_finds_its_script_gone_pages_in_and_retries(alice, workerd_g
     deploy(alice, "a", "never-called-before")
     capability = Capability.objects.get(full_name="alice--a")
     (get_runtime().code_dir / f"{capability.placed_sha}.json").unlink()
-    (get_runtime().code_dir / "slots" / "alice--a").unlink()
+    (get_runtime().code_dir / "slots" / "alice" / "alice--a").unlink()
     alice_workerd = workerd_group.get("alice")
     pid = alice_workerd.host.process.pid
     alice_workerd.restart()  # and its isolates with it, so that none hides the loss

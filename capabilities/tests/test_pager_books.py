@@ -19,10 +19,11 @@ import requests
 from django.utils import timezone
 
 from agents.models import AuditEvent
-from capabilities import names, pager, services, stats
-from capabilities.cloudflare import CloudflareNotFound, CloudflareSlotsExhausted, CloudflareUnavailable
+from capabilities import pager, services, stats
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime, runtimes_forget
+from capabilities.runtimes.cloudflare import CloudflareNotFound, CloudflareSlotsExhausted, CloudflareUnavailable
+from capabilities.runtimes.worker_pool import pool_script_name
 from capabilities.services.placement import PAGE_OUTS_DUE_KEY
 from capabilities.tasks import PAGE_OUT_RECHECK_SECONDS, RuntimeTask
 from sigil.errors import Conflict, Unavailable, UpstreamError
@@ -44,7 +45,7 @@ def state(full):
 
 
 def script(full):
-    return names.pool_script_name(full)
+    return pool_script_name(full)
 
 
 def book_problems(scripts_on_cloudflare) -> list[str]:

@@ -1,9 +1,11 @@
 """The platform runtime end to end: Sigil's REST API and gateway over HTTP, the emulator's
 dispatch namespace behind the repo's dispatch Worker."""
 
-from capabilities import names, services
+
+from capabilities import services
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
+from capabilities.runtimes.cloudflare.account import installation_tag
 from testsupport.capability_code import PONG
 from testsupport.emulator import namespace_upload
 
@@ -56,7 +58,7 @@ def test_reconcile_leaves_the_owners_scripts_in_the_namespace_alone_even_tagged_
     namespace = get_runtime().namespace
     namespace_upload(cf_client, namespace, "owners-own", code=PONG, tags=["sigil", "agent-owner"])
     # One this installation left behind (its placement's worker died before recording it).
-    left = ["sigil", names.installation_tag(settings.SIGIL_INTERNAL_SECRET)]
+    left = ["sigil", installation_tag(settings.SIGIL_INTERNAL_SECRET)]
     namespace_upload(cf_client, namespace, "alice--left", code=PONG, tags=left)
     assert services.capability_reconcile()["orphans_removed"] == 1
     assert sorted(s.id for s in cf_client.namespace_script_list(namespace)) == ["alice--ping", "owners-own"]

@@ -9,8 +9,9 @@ import pytest
 
 from agents import services as agent_services
 from agents.models import Agent, AuditEvent
-from capabilities import names, pager
+from capabilities import pager
 from capabilities.models import Capability
+from capabilities.runtimes.worker_pool import pool_script_name
 from capabilities.tests.test_lifecycle import subscribe, verify
 from capabilities.tests.test_pager_books import book_problems, settled
 from testsupport.capability_code import answering as code
@@ -110,7 +111,7 @@ def test_a_90_10_split_keeps_each_caller_on_one_version_and_follows_the_weight(r
     variant = Capability.objects.get(full_name=VARIANT)
     assert variant.state == "live" and variant.variant_of.full_name == "alice--ping"
     if runtime == "worker-pool":
-        assert variant.slot == names.pool_script_name(VARIANT)
+        assert variant.slot == pool_script_name(VARIANT)
         assert VARIANT in pager.pager_locations()
         assert alice.call("/_api/status").json()["used_slots"] == 2
     # Never listed to agents.
@@ -154,7 +155,7 @@ def test_promote_makes_the_staged_version_current_and_ends_the_split(runtime, al
     wait_for(lambda: Capability.objects.get(full_name=VARIANT).state == "removed", message="the variant retired")
     if runtime == "worker-pool":
         wait_for(settled, message="the pager to settle")
-        wait_for(lambda: names.pool_script_name(VARIANT) not in scripts_on_cloudflare(), message="its script gone")
+        wait_for(lambda: pool_script_name(VARIANT) not in scripts_on_cloudflare(), message="its script gone")
         assert book_problems(scripts_on_cloudflare) == []
     assert end(alice, "promote").status_code == 409  # nothing staged any more
     assert actions()[-3:] == ["capability.staged", "capability.split_started", "capability.promoted"]
@@ -455,7 +456,7 @@ def test_on_the_pool_a_staged_version_in_traffic_pages_out_and_in_like_any_capab
     for name in ("a", "b", "c"):  # three slots: ping, then the variant, are the least recently used
         deploy(alice, name, name, type="normal")
     wait_for(lambda: Capability.objects.get(full_name=VARIANT).state == "paged_out", message="the variant paged out")
-    assert names.pool_script_name(VARIANT) not in [s.id for s in cf_client.script_list()]
+    assert pool_script_name(VARIANT) not in [s.id for s in cf_client.script_list()]
 
     response = alice.call("/alice/ping")
     assert (response.text, response.headers["X-Sigil-Version"], response.headers["X-Sigil-Cold-Start"]) == (

@@ -201,8 +201,8 @@ def test_an_agent_with_nothing_placed_any_more_has_its_workerd_stopped_until_its
     runtime = LocalRuntime(code_dir=code_dir, processes=processes, secret=SECRET)
     try:
         wait_until(lambda: read_status(processes.status_path), timeout=10, what="the supervisor's status")
-        for slot in ("alice--kept", "bob--gone"):
-            runtime.place(slot=slot, bundle=CodeBundle.from_code(PONG))
+        for tenant, slot in (("alice", "alice--kept"), ("bob", "bob--gone")):
+            runtime.place(slot=slot, bundle=CodeBundle.from_code(PONG), tenant=tenant)
         bob_pid = group.get("bob").host.process.pid
         alice_pid = group.get("alice").host.process.pid
 
@@ -216,7 +216,7 @@ def test_an_agent_with_nothing_placed_any_more_has_its_workerd_stopped_until_its
         time.sleep(1.5)  # past the idle time and a check: alice's has a placement, it runs on
         assert is_alive(alice_pid) and group.get("alice").host.process.pid == alice_pid
 
-        runtime.place(slot="bob--back", bundle=CodeBundle.from_code(PONG))  # started again for it
+        runtime.place(slot="bob--back", tenant="bob", bundle=CodeBundle.from_code(PONG))  # started again for it
         assert group.get("bob").serving()
         assert runtime.list_slots() == ["alice--kept", "bob--back"]
     finally:

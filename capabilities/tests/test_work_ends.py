@@ -16,8 +16,9 @@ import time
 import pytest
 
 from agents.models import AuditEvent
-from capabilities import names, pager, services
+from capabilities import pager, services
 from capabilities.models import Capability, CapabilityVersion
+from capabilities.runtimes.worker_pool import pool_script_name
 from capabilities.services.deploy_task import DEPLOY_RESENDS
 from capabilities.services.placement import placement_lock, placement_lock_key
 from sigil import leases
@@ -55,7 +56,7 @@ def deploy_until_uploaded(worker_pool, agent, name: str, text: str) -> None:
     answer = agent.deploy(name=name, code=code(text))
     assert answer.status_code == 202, answer.text
     wait_for(
-        lambda: uploads(worker_pool, names.pool_script_name(f"{agent.name}--{name}")),
+        lambda: uploads(worker_pool, pool_script_name(f"{agent.name}--{name}")),
         timeout=30,
         message=f"the upload of {name} to reach Cloudflare",
     )

@@ -10,9 +10,11 @@ import pytest
 import requests
 
 from agents.models import AuditEvent
-from capabilities import names, services
+from capabilities import services
 from capabilities.models import Capability
 from capabilities.runtimes import runtimes_forget
+from capabilities.runtimes.cloudflare.account import installation_tag
+from capabilities.runtimes.worker_pool import pool_script_name
 from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
 from testsupport.cast import wait_for
@@ -51,7 +53,7 @@ def test_quota_fill_evicts_in_the_seed_order_and_never_exceeds_the_quota(
 
     scripts = [s for s in scripts_on_cloudflare() if s.startswith("s-")]
     assert len(scripts) <= 3 + 2
-    assert names.pool_script_name("alice--keep") in scripts
+    assert pool_script_name("alice--keep") in scripts
     status = alice.call("/_api/status").json()
     assert status == {**status, "backend": "worker-pool", "total_slots": 3, "lru_enabled": True, "eviction_count": 2}
 
@@ -60,7 +62,7 @@ def test_a_repaged_capability_keeps_its_script_name_and_url(worker_pool, alice, 
     for name in ("a", "b", "c", "d"):
         deploy(alice, name, name, type="normal")
     wait_for(lambda: Capability.objects.get(full_name="alice--a").state == "paged_out", message="a paged out")
-    script = names.pool_script_name("alice--a")
+    script = pool_script_name("alice--a")
     assert script not in scripts_on_cloudflare()
 
     response = alice.call("/alice/a")
@@ -74,7 +76,7 @@ def test_fifty_concurrent_calls_to_one_cold_capability_upload_it_once(worker_poo
     for name in ("a", "b", "c", "d"):
         deploy(alice, name, name, type="normal")
     wait_for(lambda: Capability.objects.get(full_name="alice--a").state == "paged_out", message="a paged out")
-    script = names.pool_script_name("alice--a")
+    script = pool_script_name("alice--a")
     before = len(uploads(worker_pool, script))
 
     with ThreadPoolExecutor(max_workers=25) as pool:
@@ -212,7 +214,7 @@ def test_reconcile_deletes_only_the_orphans_this_installation_created(
     # The owner's own Worker, named and tagged as Sigil's are: never Sigil's to delete.
     cf_client.script_upload("s-0ca5e1", modules={"main.js": code("mine")}, tags=["sigil"], **upload)
     # One this installation left behind (a placement whose worker died before recording it).
-    mine = names.installation_tag(settings.SIGIL_INTERNAL_SECRET)
+    mine = installation_tag(settings.SIGIL_INTERNAL_SECRET)
     cf_client.script_upload("s-1eft0f", modules={"main.js": code("left")}, tags=["sigil", mine], **upload)
     deploy(alice, "a", "a")
 
@@ -229,7 +231,7 @@ def test_redirect_mode_answers_302_to_the_workers_dev_url(worker_pool, alice, se
     settings.SIGIL_POOL_REDIRECT = True
     deploy(alice, "a", "a")
     response = alice.call("/alice/a/path?q=1", allow_redirects=False)
-    script = names.pool_script_name("alice--a")
+    script = pool_script_name("alice--a")
     assert response.status_code == 302
     assert response.headers["Location"] == f"https://{script}.{worker_pool.subdomain}.workers.dev/path?q=1"
     direct = worker_pool.worker_request(worker_pool.workers_dev_host(script), "/")
@@ -252,7 +254,7 @@ def test_a_worker_killed_during_a_page_in_converges_after_reconcile(
         # Killed after the upload, while it turns the workers.dev URL on: Cloudflare holds a
         # script that the registry does not know is live.
         wait_for(
-            lambda: uploads(worker_pool, names.pool_script_name("alice--a")),
+            lambda: uploads(worker_pool, pool_script_name("alice--a")),
             timeout=20,
             message="the page-in's upload to reach Cloudflare",
         )
@@ -272,7 +274,7 @@ def test_a_worker_killed_during_a_page_in_converges_after_reconcile(
 
 def test_a_script_cloudflare_lost_is_a_miss_paged_in_on_the_call(worker_pool, alice, cf_client):
     deploy(alice, "a", "a")
-    cf_client.script_delete(names.pool_script_name("alice--a"))  # gone behind Sigil's back
+    cf_client.script_delete(pool_script_name("alice--a"))  # gone behind Sigil's back
     response = alice.call("/alice/a")
     assert response.status_code == 200 and response.text == "a"
     assert response.headers["X-Sigil-Cold-Start"] == "1"
@@ -286,7 +288,7 @@ def test_a_chunked_call_to_a_lost_script_never_reaches_it_without_its_body(worke
     from testsupport.engine_calls import answers, call_request
 
     assert alice.deploy(name="echo", code=ECHO).status_code == 201
-    cf_client.script_delete(names.pool_script_name("alice--echo"))
+    cf_client.script_delete(pool_script_name("alice--echo"))
 
     async def body():
         yield b"the body"
@@ -389,7 +391,7 @@ def test_a_deploy_waits_for_a_celery_worker_and_is_placed_when_one_starts(
     )
     assert "being placed" not in versions_shown_to_the_owner(admin_client, "alice--later")
     assert AuditEvent.objects.filter(action="capability.created", subject="alice--later").count() == 1
-    gone = names.pool_script_name("alice--gone")
+    gone = pool_script_name("alice--gone")
     assert gone not in scripts_on_cloudflare() and uploads(worker_pool, gone) == []
 
 

@@ -191,8 +191,8 @@ def agent_process_mb(runtime, agent: str) -> float:
 def test_workerd_memory_levels_off_under_steady_calls(workerd_group):
     runtime = build_runtime("local")
     bundle = CodeBundle.from_code(HELLO)
-    runtime.place(slot="steady--hello", bundle=bundle)  # an agent, so a process, of its own
-    route = runtime.route(slot="steady--hello", sha=bundle.sha)
+    runtime.place(slot="steady--hello", tenant="steady", bundle=bundle)  # an agent, so a process, of its own
+    route = runtime.route(slot="steady--hello", tenant="steady", sha=bundle.sha)
     for _ in range(1500):  # the allocator's and the isolates' own start-up growth
         assert call(route).status == 200
     settled = agent_process_mb(runtime, "steady")
@@ -210,9 +210,9 @@ def test_workerd_memory_levels_off_as_new_versions_replace_old_ones(workerd_grou
 
     def deploy_and_call(version: int) -> None:
         bundle = CodeBundle.from_code(WITH_STATE % version)
-        runtime.place(slot=slot, bundle=bundle)
+        runtime.place(slot=slot, bundle=bundle, tenant="versioned")
         for _ in range(20):
-            assert call(runtime.route(slot=slot, sha=bundle.sha)).data == f"{version} 5000".encode()
+            assert call(runtime.route(slot=slot, sha=bundle.sha, tenant="versioned")).data == f"{version} 5000".encode()
 
     for version in range(5):
         deploy_and_call(version)

@@ -14,6 +14,8 @@
 // limit"); it is answered `exceeded-cpu`, naming the limit, so Sigil counts it against that
 // capability alone.
 
+import { sameSecret } from "./sigil-secret.js";
+
 const SECRET_HEADER = "x-sigil-dispatch-secret";
 const SCRIPT_HEADER = "x-sigil-script";
 const CPU_HEADER = "x-sigil-cpu-ms";
@@ -33,16 +35,6 @@ function refuse(env, status, kind, message) {
       [VERSION_HEADER]: env.SIGIL_DISPATCHER_VERSION || "",
     },
   });
-}
-
-function sameSecret(given, expected) {
-  const encoder = new TextEncoder();
-  const a = encoder.encode(given || "");
-  const b = encoder.encode(expected || "");
-  // timingSafeEqual needs equal lengths; comparing b with itself keeps the time constant.
-  return a.byteLength === b.byteLength && b.byteLength > 0
-    ? crypto.subtle.timingSafeEqual(a, b)
-    : (crypto.subtle.timingSafeEqual(b, b), false);
 }
 
 export default {

@@ -4,30 +4,13 @@
 // request, and marks every response it passes on, so the gateway can tell the capability's
 // own 404 from Cloudflare's "no such Worker", and with the capability version the script is
 // (a redeploy replaces it in place, so only the answering code knows which version it is).
-import * as main from "./main.js";
-
-// Code that is no capability is refused while the script starts (so its upload fails), in
-// the words the loader host uses, not on every call.
-const capability = main.default;
-const USAGE = "a capability is an ES module with export default { async fetch(request, env, ctx) { ... } }";
-if (capability === undefined) throw new Error(`the code has no default export: ${USAGE}`);
-if (capability === null || typeof capability !== "object" || typeof capability.fetch !== "function") {
-  throw new Error(`the code's default export has no fetch handler: ${USAGE}`);
-}
+import { capability } from "./sigil-capability.js";
+import { sameSecret } from "./sigil-secret.js";
 
 // Not x-sigil-secret: that one is the loader host's, and a host in front may consume it.
 const SECRET_HEADER = "x-sigil-pool-secret";
 const GUARD_HEADER = "x-sigil-guard";
 const VERSION_HEADER = "x-sigil-served-version";
-
-function sameSecret(given, expected) {
-  const encoder = new TextEncoder();
-  const a = encoder.encode(given || "");
-  const b = encoder.encode(expected || "");
-  return a.byteLength === b.byteLength && b.byteLength > 0
-    ? crypto.subtle.timingSafeEqual(a, b)
-    : (crypto.subtle.timingSafeEqual(b, b), false);
-}
 
 export default {
   async fetch(request, env, ctx) {

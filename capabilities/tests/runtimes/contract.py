@@ -91,26 +91,26 @@ class RuntimeContract:
     def test_forward_reaches_placed_code(self, runtime):
         bundle = CodeBundle.from_code(HELLO)
         slot = runtime.slot_for("alice--hello")
-        runtime.place(slot=slot, bundle=bundle)
-        response = call(runtime.route(slot=slot, sha=bundle.sha), "/some/path")
+        runtime.place(slot=slot, tenant="alice", bundle=bundle)
+        response = call(runtime.route(slot=slot, tenant="alice", sha=bundle.sha), "/some/path")
         assert response.status == 200
         assert response.data == b"hello /some/path"
 
     def test_new_code_gets_a_fresh_isolate_and_old_id_keeps_nothing(self, runtime):
         slot = runtime.slot_for("alice--versioned")
         first, second = CodeBundle.from_code(HELLO), CodeBundle.from_code(SECOND)
-        runtime.place(slot=slot, bundle=first)
-        assert call(runtime.route(slot=slot, sha=first.sha)).data == b"hello /"
-        runtime.place(slot=slot, bundle=second)
-        assert call(runtime.route(slot=slot, sha=second.sha)).data == b"second version"
+        runtime.place(slot=slot, tenant="alice", bundle=first)
+        assert call(runtime.route(slot=slot, tenant="alice", sha=first.sha)).data == b"hello /"
+        runtime.place(slot=slot, tenant="alice", bundle=second)
+        assert call(runtime.route(slot=slot, tenant="alice", sha=second.sha)).data == b"second version"
 
     def test_placing_the_same_code_twice_is_a_no_op(self, runtime):
         slot = runtime.slot_for("alice--twice")
         bundle = CodeBundle.from_code(HELLO)
-        runtime.place(slot=slot, bundle=bundle)
-        runtime.place(slot=slot, bundle=bundle)
+        runtime.place(slot=slot, tenant="alice", bundle=bundle)
+        runtime.place(slot=slot, tenant="alice", bundle=bundle)
         assert runtime.list_slots().count(slot) == 1
-        assert call(runtime.route(slot=slot, sha=bundle.sha)).status == 200
+        assert call(runtime.route(slot=slot, tenant="alice", sha=bundle.sha)).status == 200
 
     def test_every_answer_is_of_the_version_its_route_or_its_header_names_through_a_redeploy(self, runtime):
         """The gateway takes the version from SERVED_VERSION_HEADER when the answer carries it,
@@ -123,8 +123,8 @@ class RuntimeContract:
 
         slot = runtime.slot_for("alice--redeployed")
         first = CodeBundle.from_code(answering("one"), version=1)
-        runtime.place(slot=slot, bundle=first)
-        routes = {1: runtime.route(slot=slot, sha=first.sha)}
+        runtime.place(slot=slot, tenant="alice", bundle=first)
+        routes = {1: runtime.route(slot=slot, tenant="alice", sha=first.sha)}
         answers, stop = [], threading.Event()
 
         def poll():
@@ -140,9 +140,9 @@ class RuntimeContract:
         thread.start()
         try:
             second = CodeBundle.from_code(answering("two"), version=2)
-            runtime.place(slot=slot, bundle=second)
+            runtime.place(slot=slot, tenant="alice", bundle=second)
             threading.Event().wait(0.2)  # the gateway's route is updated a moment later
-            routes[2] = runtime.route(slot=slot, sha=second.sha)
+            routes[2] = runtime.route(slot=slot, tenant="alice", sha=second.sha)
             updated = len(answers)
             while len(answers) < updated + 10:
                 threading.Event().wait(0.01)
@@ -154,7 +154,7 @@ class RuntimeContract:
 
     def test_removed_slot_is_not_listed(self, runtime):
         slot = runtime.slot_for("alice--gone")
-        runtime.place(slot=slot, bundle=CodeBundle.from_code(HELLO))
+        runtime.place(slot=slot, tenant="alice", bundle=CodeBundle.from_code(HELLO))
         assert slot in runtime.list_slots()
         runtime.remove(slot=slot)
         assert slot not in runtime.list_slots()
@@ -165,16 +165,16 @@ class RuntimeContract:
     def test_internal_headers_do_not_reach_the_capability(self, runtime):
         slot = runtime.slot_for("alice--headers")
         bundle = CodeBundle.from_code(ECHO_HEADERS)
-        runtime.place(slot=slot, bundle=bundle)
-        seen = call(runtime.route(slot=slot, sha=bundle.sha), headers={"X-Custom": "kept"}).json()
+        runtime.place(slot=slot, tenant="alice", bundle=bundle)
+        seen = call(runtime.route(slot=slot, tenant="alice", sha=bundle.sha), headers={"X-Custom": "kept"}).json()
         assert seen["x-custom"] == "kept"
         assert not [name for name in seen if name.startswith("x-sigil")]
 
     def test_a_websocket_session_echoes_text_and_binary_both_ways(self, runtime):
         slot = runtime.slot_for("alice--echo")
         bundle = CodeBundle.from_code(WEBSOCKET_ECHO)
-        runtime.place(slot=slot, bundle=bundle)
-        route = runtime.route(slot=slot, sha=bundle.sha)
+        runtime.place(slot=slot, tenant="alice", bundle=bundle)
+        route = runtime.route(slot=slot, tenant="alice", sha=bundle.sha)
         with open_websocket(route, "/room/1?who=alice", subprotocols=["sigil.echo", "other"]) as ws:
             assert ws.response.status_code == 101
             assert ws.response.headers["x-seen"] == "/room/1?who=alice"
@@ -195,8 +195,8 @@ class RuntimeContract:
     def test_the_code_can_end_a_websocket_session(self, runtime):
         slot = runtime.slot_for("alice--echo-ends")
         bundle = CodeBundle.from_code(WEBSOCKET_ECHO)
-        runtime.place(slot=slot, bundle=bundle)
-        with open_websocket(runtime.route(slot=slot, sha=bundle.sha)) as ws:
+        runtime.place(slot=slot, tenant="alice", bundle=bundle)
+        with open_websocket(runtime.route(slot=slot, tenant="alice", sha=bundle.sha)) as ws:
             ws.send("close please")
             with pytest.raises(ConnectionClosed):
                 ws.recv(timeout=10)
@@ -205,9 +205,11 @@ class RuntimeContract:
     def test_an_upgrade_reaches_the_code_with_its_headers_and_without_sigils(self, runtime):
         slot = runtime.slot_for("alice--upgrade-headers")
         bundle = CodeBundle.from_code(ECHO_HEADERS)  # answers the upgrade with a plain 200
-        runtime.place(slot=slot, bundle=bundle)
+        runtime.place(slot=slot, tenant="alice", bundle=bundle)
         with pytest.raises(InvalidStatus) as refused:
-            open_websocket(runtime.route(slot=slot, sha=bundle.sha), headers={"Sec-WebSocket-Protocol": "chat"})
+            open_websocket(
+                runtime.route(slot=slot, tenant="alice", sha=bundle.sha), headers={"Sec-WebSocket-Protocol": "chat"}
+            )
         answer = refused.value.response
         assert answer.status_code == 200
         seen = json.loads(answer.body)
@@ -219,9 +221,9 @@ class RuntimeContract:
         assert not [name for name in seen if name.startswith("x-sigil")]
 
     def test_an_upgrade_to_code_that_is_not_there_is_a_miss(self, runtime):
-        runtime.place(slot=runtime.slot_for("alice--present"), bundle=CodeBundle.from_code(HELLO))
+        runtime.place(slot=runtime.slot_for("alice--present"), tenant="alice", bundle=CodeBundle.from_code(HELLO))
         with pytest.raises(InvalidStatus) as refused:
-            open_websocket(runtime.route(slot=runtime.slot_for("alice--absent"), sha="0" * 64))
+            open_websocket(runtime.route(slot=runtime.slot_for("alice--absent"), tenant="alice", sha="0" * 64))
         answer = refused.value.response
         assert runtime.is_missing(_Answer(answer.status_code, answer.headers))
 
@@ -237,7 +239,7 @@ class RuntimeContract:
     def test_code_that_does_not_start_is_refused_and_placed_nowhere(self, runtime, code, words):
         slot = runtime.slot_for("alice--broken")
         with pytest.raises(RuntimeRejected, match=words):
-            runtime.place(slot=slot, bundle=CodeBundle.from_code(code))
+            runtime.place(slot=slot, tenant="alice", bundle=CodeBundle.from_code(code))
         assert slot not in runtime.list_slots()
 
     def test_check_passes_when_the_runtime_serves(self, runtime):

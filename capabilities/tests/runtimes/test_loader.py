@@ -5,8 +5,8 @@ emulator's KV store."""
 import pytest
 import urllib3
 
-from capabilities.cloudflare import CloudflarePlanRequired
 from capabilities.runtimes.base import CodeBundle, ResolvedBinding
+from capabilities.runtimes.cloudflare import CloudflarePlanRequired
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader import LoaderRuntime
 from capabilities.tests.runtimes.contract import HELLO, ProvisionedRuntimeContract, call
@@ -30,15 +30,15 @@ class TestLoaderRuntime(ProvisionedRuntimeContract):
 
 def test_code_is_content_addressed_in_kv_and_the_slot_points_at_it(runtime, cf_client, settings):
     bundle = CodeBundle.from_code(HELLO)
-    runtime.place(slot="alice--one", bundle=bundle)
-    runtime.place(slot="bob--two", bundle=bundle)
+    runtime.place(slot="alice--one", tenant="alice", bundle=bundle)
+    runtime.place(slot="bob--two", tenant="bob", bundle=bundle)
     keys = {k["name"]: k.get("metadata") for k in cf_client.kv_keys(runtime.kv_id)}
     pointer = {"sha": bundle.sha}
     assert keys == {f"code:{bundle.sha}": None, "slot:alice--one": pointer, "slot:bob--two": pointer}
     stored = bundle.to_json(seal_key=settings.SIGIL_INTERNAL_SECRET)  # no secrets: the same each time
     assert cf_client.kv_get(runtime.kv_id, f"code:{bundle.sha}") == stored
     runtime.remove(slot="alice--one")
-    assert call(runtime.route(slot="bob--two", sha=bundle.sha)).data == b"hello /"
+    assert call(runtime.route(slot="bob--two", tenant="bob", sha=bundle.sha)).data == b"hello /"
     runtime.remove(slot="bob--two")
     assert cf_client.kv_keys(runtime.kv_id) == []
     assert [s.id for s in cf_client.script_list()] == ["sigil-loader"]
@@ -46,22 +46,22 @@ def test_code_is_content_addressed_in_kv_and_the_slot_points_at_it(runtime, cf_c
 
 def test_the_loader_id_is_the_full_name_at_the_sha(runtime):
     bundle = CodeBundle.from_code(HELLO)
-    route = runtime.route(slot="alice--hello", sha=bundle.sha)
+    route = runtime.route(slot="alice--hello", tenant="alice", sha=bundle.sha)
     assert dict(route.headers)["X-Sigil-Loader-Id"] == f"alice--hello@{bundle.sha}"
 
 
 def test_text_bindings_reach_env_and_nothing_else_does(runtime):
     code = "export default { fetch(r, env) { return Response.json(Object.keys(env).sort()) } }"
     bundle = CodeBundle.from_code(code, bindings=[ResolvedBinding("VAR", "GREETING", "hi")])
-    runtime.place(slot="alice--env", bundle=bundle)
-    assert call(runtime.route(slot="alice--env", sha=bundle.sha)).json() == ["GREETING"]
+    runtime.place(slot="alice--env", tenant="alice", bundle=bundle)
+    assert call(runtime.route(slot="alice--env", tenant="alice", sha=bundle.sha)).json() == ["GREETING"]
     assert runtime.binding_kinds == {"VAR", "SECRET"}
 
 
 def test_code_missing_from_kv_is_a_miss(runtime, cf_client):
     runtime.provision()
     never_stored = CodeBundle.from_code(HELLO)
-    response = call(runtime.route(slot="alice--lost", sha=never_stored.sha))
+    response = call(runtime.route(slot="alice--lost", tenant="alice", sha=never_stored.sha))
     assert response.status == 404 and runtime.is_missing(response)
 
 
@@ -72,9 +72,9 @@ def test_a_placement_survives_the_miss_workers_kv_cached_where_the_host_runs(run
     assert cf_emulator_fresh.config()["kv_miss_cache_seconds"] == 60
     runtime.provision()
     bundle = CodeBundle.from_code(HELLO)
-    route = runtime.route(slot="alice--raced", sha=bundle.sha)
+    route = runtime.route(slot="alice--raced", tenant="alice", sha=bundle.sha)
     assert runtime.is_missing(call(route))  # the miss is cached now
-    runtime.place(slot="alice--raced", bundle=bundle)
+    runtime.place(slot="alice--raced", tenant="alice", bundle=bundle)
     assert call(route).data == b"hello /"
     stores = [c for c in cf_emulator_fresh.api_calls(method="PUT") if "/values/code" in c["path"]]
     assert len(stores) == 1  # the API's write: the host's own went through its binding
@@ -82,14 +82,14 @@ def test_a_placement_survives_the_miss_workers_kv_cached_where_the_host_runs(run
 
 def test_code_that_does_not_start_leaves_no_bundle_in_kv(runtime, cf_client):
     with pytest.raises(RuntimeRejected):
-        runtime.place(slot="alice--broken", bundle=CodeBundle.from_code("export default {"))
+        runtime.place(slot="alice--broken", tenant="alice", bundle=CodeBundle.from_code("export default {"))
     assert [key["name"] for key in cf_client.kv_keys(runtime.kv_id, prefix="code:")] == []
 
 
 def test_the_loader_worker_refuses_calls_without_sigils_secret(runtime):
     bundle = CodeBundle.from_code(HELLO)
-    runtime.place(slot="alice--guarded", bundle=bundle)
-    route = runtime.route(slot="alice--guarded", sha=bundle.sha)
+    runtime.place(slot="alice--guarded", tenant="alice", bundle=bundle)
+    route = runtime.route(slot="alice--guarded", tenant="alice", sha=bundle.sha)
     headers = {"Host": route.host_header, "X-Sigil-Loader-Id": f"alice--guarded@{bundle.sha}"}
     response = urllib3.request("GET", route.base_url + "/", headers=headers)
     assert response.status == 403 and response.headers["x-sigil-error"] == "forbidden"
@@ -116,13 +116,13 @@ def test_new_code_frees_the_bundle_it_replaces_unless_another_slot_uses_it(runti
         return {key["name"] for key in cf_client.kv_keys(runtime.kv_id, prefix="code:")}
 
     first, second = CodeBundle.from_code(HELLO.replace("hello", "first")), CodeBundle.from_code(HELLO)
-    runtime.place(slot="alice--one", bundle=first)
-    runtime.place(slot="bob--two", bundle=first)
-    runtime.place(slot="alice--one", bundle=second)
+    runtime.place(slot="alice--one", tenant="alice", bundle=first)
+    runtime.place(slot="bob--two", tenant="bob", bundle=first)
+    runtime.place(slot="alice--one", tenant="alice", bundle=second)
     assert stored() == {f"code:{first.sha}", f"code:{second.sha}"}  # bob--two still runs the first
-    runtime.place(slot="bob--two", bundle=second)
+    runtime.place(slot="bob--two", tenant="bob", bundle=second)
     assert stored() == {f"code:{second.sha}"}
-    assert call(runtime.route(slot="bob--two", sha=second.sha)).data == b"hello /"
+    assert call(runtime.route(slot="bob--two", tenant="bob", sha=second.sha)).data == b"hello /"
 
 
 def test_a_runaway_dynamic_worker_is_stopped_at_its_cpu_limit_not_its_loader_workers(runtime):
@@ -132,12 +132,12 @@ def test_a_runaway_dynamic_worker_is_stopped_at_its_cpu_limit_not_its_loader_wor
     runtime.provision()
     spin = CodeBundle.from_code("export default { async fetch() { while (true) {} } }")
     hello = CodeBundle.from_code(HELLO)
-    runtime.place(slot="alice--spin", bundle=spin)
-    runtime.place(slot="bob--hello", bundle=hello)
+    runtime.place(slot="alice--spin", tenant="alice", bundle=spin)
+    runtime.place(slot="bob--hello", tenant="bob", bundle=hello)
     started = time.monotonic()
-    stopped = call(runtime.route(slot="alice--spin", sha=spin.sha))
+    stopped = call(runtime.route(slot="alice--spin", tenant="alice", sha=spin.sha))
     assert time.monotonic() - started < 3
     # As on Cloudflare, the Dynamic Worker's limit throws into the loader Worker, which says so.
     assert (stopped.status, stopped.headers.get("x-sigil-error")) == (500, "exceeded-cpu"), stopped.data
     assert b"ran past its CPU limit of 50 ms" in stopped.data
-    assert call(runtime.route(slot="bob--hello", sha=hello.sha)).data == b"hello /"
+    assert call(runtime.route(slot="bob--hello", tenant="bob", sha=hello.sha)).data == b"hello /"

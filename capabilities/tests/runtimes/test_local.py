@@ -18,8 +18,8 @@ class TestLocalRuntime(RuntimeContract):
 def test_workerd_refuses_requests_without_the_secret(runtime):
     slot = "alice--guarded"
     bundle = CodeBundle.from_code(HELLO)
-    runtime.place(slot=slot, bundle=bundle)
-    route = runtime.route(slot=slot, sha=bundle.sha)
+    runtime.place(slot=slot, tenant="alice", bundle=bundle)
+    route = runtime.route(slot=slot, tenant="alice", sha=bundle.sha)
     response = urllib3.request("GET", route.base_url + "/", headers={"X-Sigil-Loader-Id": f"{slot}@{bundle.sha}"})
     assert response.status == 403
     assert response.headers["x-sigil-error"] == "forbidden"
@@ -27,33 +27,31 @@ def test_workerd_refuses_requests_without_the_secret(runtime):
 
 def test_two_slots_with_the_same_code_share_one_bundle(runtime):
     bundle = CodeBundle.from_code(HELLO.replace("hello", "shared"))
-    runtime.place(slot="alice--one", bundle=bundle)
-    runtime.place(slot="bob--two", bundle=bundle)
+    runtime.place(slot="alice--one", tenant="alice", bundle=bundle)
+    runtime.place(slot="bob--two", tenant="bob", bundle=bundle)
     runtime.remove(slot="alice--one")
-    assert call(runtime.route(slot="bob--two", sha=bundle.sha)).data == b"shared /"
+    assert call(runtime.route(slot="bob--two", tenant="bob", sha=bundle.sha)).data == b"shared /"
     runtime.remove(slot="bob--two")
     assert not (runtime.code_dir / f"{bundle.sha}.json").exists()
 
 
 def test_new_code_frees_the_bundle_it_replaces_unless_another_slot_uses_it(runtime):
     first, second = CodeBundle.from_code(HELLO.replace("hello", "first")), CodeBundle.from_code(HELLO)
-    runtime.place(slot="alice--one", bundle=first)
-    runtime.place(slot="bob--two", bundle=first)
-    runtime.place(slot="alice--one", bundle=second)
+    runtime.place(slot="alice--one", tenant="alice", bundle=first)
+    runtime.place(slot="bob--two", tenant="bob", bundle=first)
+    runtime.place(slot="alice--one", tenant="alice", bundle=second)
     assert (runtime.code_dir / f"{first.sha}.json").exists()  # bob--two still runs it
-    runtime.place(slot="bob--two", bundle=second)
+    runtime.place(slot="bob--two", tenant="bob", bundle=second)
     assert not (runtime.code_dir / f"{first.sha}.json").exists()
-    assert call(runtime.route(slot="bob--two", sha=second.sha)).data == b"hello /"
+    assert call(runtime.route(slot="bob--two", tenant="bob", sha=second.sha)).data == b"hello /"
 
 
-def test_the_supervisor_takes_in_every_agent_with_a_placement(tmp_path):
+def supervisor_started(tmp_path):
+    """The local runtime's processes under `tmp_path`, once the supervisor's group is made
+    (which takes in the agents with placements in `tmp_path / "code"`)."""
     from capabilities.runtimes.local import LocalProcesses, local_limits
 
-    (tmp_path / "code" / "slots").mkdir(parents=True)
-    for slot in ("alice--one", "alice--two", "bob--three"):
-        (tmp_path / "code" / "slots" / slot).write_text("0" * 64)
     processes = LocalProcesses(state_dir=tmp_path / "workerd", base_port=9000)
-
     processes.group(
         code_dir=tmp_path / "code",
         binary="workerd",
@@ -61,8 +59,30 @@ def test_the_supervisor_takes_in_every_agent_with_a_placement(tmp_path):
         limits=local_limits(cpu_ms=1000, memory_mb=512),
         own_session=True,
     )
+    return processes
+
+
+def test_the_supervisor_takes_in_every_agent_with_a_placement(tmp_path):
+    (tmp_path / "code" / "slots").mkdir(parents=True)
+    for slot in ("alice--one", "alice--two", "bob--three"):
+        (tmp_path / "code" / "slots" / slot).write_text("0" * 64)
+    processes = supervisor_started(tmp_path)
 
     assert processes.registry.names() == ["alice", "bob"]
+
+
+def test_placements_are_filed_under_the_tenant_they_are_given_not_read_from_the_slot(tmp_path):
+    from capabilities.runtimes.local import Placements
+
+    placements = Placements(tmp_path / "code")
+    pointer = placements.pointer(slot="alice--borrowed", tenant="carol")  # no slot names carol
+    pointer.parent.mkdir(parents=True)
+    pointer.write_text("0" * 64)
+    processes = supervisor_started(tmp_path)
+
+    assert processes.registry.names() == ["carol"]
+    assert placements.find("alice--borrowed") == pointer
+    assert processes.idle(["alice", "carol"], code_dir=tmp_path / "code") == {"alice"}
 
 
 # Counts its calls in module state, which lives as long as its isolate does.
@@ -72,29 +92,29 @@ COUNTER = "let calls = 0; export default { async fetch() { return new Response('
 def test_workerd_keeps_a_slots_two_latest_versions_loaded_and_releases_older_ones(runtime):
     slot = "alice--counted"
     one, two, three = (CodeBundle.from_code(COUNTER % version) for version in ("one", "two", "three"))
-    runtime.place(slot=slot, bundle=one)
-    assert call(runtime.route(slot=slot, sha=one.sha)).data == b"one 1"
-    runtime.place(slot=slot, bundle=two)
-    assert call(runtime.route(slot=slot, sha=two.sha)).data == b"two 1"
-    runtime.place(slot=slot, bundle=three)  # its start check loads it: a third version
+    runtime.place(slot=slot, tenant="alice", bundle=one)
+    assert call(runtime.route(slot=slot, tenant="alice", sha=one.sha)).data == b"one 1"
+    runtime.place(slot=slot, tenant="alice", bundle=two)
+    assert call(runtime.route(slot=slot, tenant="alice", sha=two.sha)).data == b"two 1"
+    runtime.place(slot=slot, tenant="alice", bundle=three)  # its start check loads it: a third version
 
     # The previous version still answers calls routed to it before the switch, from the
     # isolate it ran in (its bundle is already deleted)...
     assert not (runtime.code_dir / f"{two.sha}.json").exists()
-    assert call(runtime.route(slot=slot, sha=two.sha)).data == b"two 2"
+    assert call(runtime.route(slot=slot, tenant="alice", sha=two.sha)).data == b"two 2"
     # ...while the one before it was released: nothing answers for it any more.
-    gone = call(runtime.route(slot=slot, sha=one.sha))
+    gone = call(runtime.route(slot=slot, tenant="alice", sha=one.sha))
     assert (gone.status, gone.headers["x-sigil-error"]) == (404, "missing-code")
-    assert call(runtime.route(slot=slot, sha=three.sha)).data == b"three 1"
+    assert call(runtime.route(slot=slot, tenant="alice", sha=three.sha)).data == b"three 1"
 
 
 def test_removing_a_slot_releases_its_isolate(runtime):
     slot, bundle = "alice--released", CodeBundle.from_code(COUNTER % "released")
-    runtime.place(slot=slot, bundle=bundle)
-    route = runtime.route(slot=slot, sha=bundle.sha)
+    runtime.place(slot=slot, tenant="alice", bundle=bundle)
+    route = runtime.route(slot=slot, tenant="alice", sha=bundle.sha)
     assert [call(route).data for _ in range(2)] == [b"released 1", b"released 2"]
     runtime.remove(slot=slot)
-    runtime.place(slot=slot, bundle=bundle)
+    runtime.place(slot=slot, tenant="alice", bundle=bundle)
     assert call(route).data == b"released 1"  # a fresh isolate: the old one was let go
 
 
@@ -102,9 +122,9 @@ def test_a_slot_removed_and_placed_again_with_the_same_code_serves_it_every_time
     """A released isolate, or a load that failed while the code was gone, is never what the
     same code placed again reaches: it loads afresh each time."""
     slot, bundle = "alice--again", CodeBundle.from_code(COUNTER % "again")
-    route = runtime.route(slot=slot, sha=bundle.sha)
+    route = runtime.route(slot=slot, tenant="alice", sha=bundle.sha)
     for _ in range(3):
-        runtime.place(slot=slot, bundle=bundle)
+        runtime.place(slot=slot, tenant="alice", bundle=bundle)
         assert call(route).data == b"again 1"
         runtime.remove(slot=slot)
         gone = call(route)  # the code is gone with the slot: a miss, for Sigil to place it again
@@ -118,9 +138,9 @@ export default class extends WorkerEntrypoint { async fetch() { return new Respo
 export const SigilRetire = { async fetch() { return new Response('taken') } };
 globalThis.n = 0;"""
     bundle = CodeBundle.from_code(code)
-    runtime.place(slot=slot, bundle=bundle)
-    route = runtime.route(slot=slot, sha=bundle.sha)
+    runtime.place(slot=slot, tenant="alice", bundle=bundle)
+    route = runtime.route(slot=slot, tenant="alice", sha=bundle.sha)
     assert call(route).data == b"class 1"
     runtime.remove(slot=slot)  # the host's SigilRetire ran, not the capability's
-    runtime.place(slot=slot, bundle=bundle)
+    runtime.place(slot=slot, tenant="alice", bundle=bundle)
     assert call(route).data == b"class 1"

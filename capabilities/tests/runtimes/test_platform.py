@@ -4,8 +4,8 @@
 import pytest
 import urllib3
 
-from capabilities.cloudflare import CloudflarePlanRequired
 from capabilities.runtimes.base import CodeBundle
+from capabilities.runtimes.cloudflare import CloudflarePlanRequired
 from capabilities.runtimes.platform import PlatformRuntime
 from capabilities.tests.runtimes.contract import HELLO, ProvisionedRuntimeContract, call
 
@@ -28,7 +28,7 @@ class TestPlatformRuntime(ProvisionedRuntimeContract):
 
 
 def test_capabilities_are_namespace_scripts_named_by_full_name_and_tagged(runtime, cf_client):
-    runtime.place(slot=runtime.slot_for("alice--hello"), bundle=CodeBundle.from_code(HELLO))
+    runtime.place(slot=runtime.slot_for("alice--hello"), tenant="alice", bundle=CodeBundle.from_code(HELLO))
     assert runtime.slot_for("alice--hello") == "alice--hello"
     assert [s.id for s in cf_client.namespace_script_list("sigil-test", tags=["agent-alice:yes"])] == ["alice--hello"]
     assert cf_client.namespace_get("sigil-test")["script_count"] == 1
@@ -51,7 +51,7 @@ def test_a_fresh_account_gets_its_namespace_whatever_code_says_it_is_missing(run
     # No source gives the code of a missing namespace: provisioning reads any 404 as missing.
     cf_emulator_fresh.configure(namespace_not_found_code=10090)
     assert runtime.provision()[0] == "created the dispatch namespace sigil-test"
-    runtime.place(slot="alice--hello", bundle=CodeBundle.from_code(HELLO))
+    runtime.place(slot="alice--hello", tenant="alice", bundle=CodeBundle.from_code(HELLO))
     assert runtime.list_slots() == ["alice--hello"]  # the name Cloudflare nests in script.id
 
 
@@ -64,7 +64,7 @@ def test_an_account_without_workers_for_platforms_is_told_so(runtime, cf_emulato
 
 def test_a_missing_script_in_the_namespace_is_a_404_sigil_reads_as_a_miss(runtime):
     runtime.provision()
-    response = call(runtime.route(slot="alice--never-placed", sha="0" * 64))
+    response = call(runtime.route(slot="alice--never-placed", tenant="alice", sha="0" * 64))
     assert response.status == 404
     assert response.headers["x-sigil-error"] == "missing-code"
     assert runtime.is_missing(response)
@@ -72,15 +72,15 @@ def test_a_missing_script_in_the_namespace_is_a_404_sigil_reads_as_a_miss(runtim
 
 def test_the_capabilitys_own_404_is_not_a_miss(runtime):
     bundle = CodeBundle.from_code("export default { fetch() { return new Response('nope', { status: 404 }) } }")
-    runtime.place(slot="alice--own404", bundle=bundle)
-    response = call(runtime.route(slot="alice--own404", sha=bundle.sha))
+    runtime.place(slot="alice--own404", tenant="alice", bundle=bundle)
+    response = call(runtime.route(slot="alice--own404", tenant="alice", sha=bundle.sha))
     assert (response.status, response.data) == (404, b"nope")
     assert not runtime.is_missing(response)
 
 
 def test_the_dispatch_worker_refuses_calls_without_sigils_secret(runtime, cf_emulator_fresh):
-    runtime.place(slot="alice--guarded", bundle=CodeBundle.from_code(HELLO))
-    route = runtime.route(slot="alice--guarded", sha="")
+    runtime.place(slot="alice--guarded", tenant="alice", bundle=CodeBundle.from_code(HELLO))
+    route = runtime.route(slot="alice--guarded", tenant="alice", sha="")
     headers = {"Host": route.host_header, "X-Sigil-Script": "alice--guarded"}
     for secret in (None, "wrong"):
         sent = {**headers, **({"X-Sigil-Dispatch-Secret": secret} if secret else {})}
@@ -91,9 +91,9 @@ def test_the_dispatch_worker_refuses_calls_without_sigils_secret(runtime, cf_emu
 
 def test_the_cpu_limit_reaches_the_dispatch_namespace_binding(runtime, cf_emulator_fresh):
     bundle = CodeBundle.from_code(HELLO)
-    runtime.place(slot="alice--limited", bundle=bundle)
-    call(runtime.route(slot="alice--limited", sha=bundle.sha))
-    call(runtime.route(slot="alice--limited", sha=bundle.sha, cpu_ms=7))
+    runtime.place(slot="alice--limited", tenant="alice", bundle=bundle)
+    call(runtime.route(slot="alice--limited", tenant="alice", sha=bundle.sha))
+    call(runtime.route(slot="alice--limited", tenant="alice", sha=bundle.sha, cpu_ms=7))
     assert [d["limits"] for d in cf_emulator_fresh.dispatches()] == [{"cpuMs": 50}, {"cpuMs": 7}]
 
 
@@ -115,8 +115,8 @@ def test_long_full_names_get_a_hashed_script_name_within_one_dns_label(runtime):
     slot = runtime.slot_for(full)
     assert len(slot) <= 63 and slot != runtime.slot_for(full, attempt=1)
     bundle = CodeBundle.from_code(HELLO)
-    runtime.place(slot=slot, bundle=bundle)
-    assert call(runtime.route(slot=slot, sha=bundle.sha)).data == b"hello /"
+    runtime.place(slot=slot, tenant="a" * 31, bundle=bundle)
+    assert call(runtime.route(slot=slot, tenant="a" * 31, sha=bundle.sha)).data == b"hello /"
 
 
 def test_a_rotated_secret_deploys_the_dispatch_worker_again(runtime, cf_client, settings):
@@ -125,6 +125,6 @@ def test_a_rotated_secret_deploys_the_dispatch_worker_again(runtime, cf_client, 
     assert rotated.dispatcher.version != runtime.dispatcher.version
     assert rotated.provision() == [f"deployed the dispatch Worker sigil-dispatcher ({rotated.dispatcher.version})"]
     bundle = CodeBundle.from_code(HELLO)
-    rotated.place(slot="alice--rotated", bundle=bundle)
-    assert call(rotated.route(slot="alice--rotated", sha=bundle.sha)).data == b"hello /"
-    assert call(runtime.route(slot="alice--rotated", sha=bundle.sha)).status == 403
+    rotated.place(slot="alice--rotated", tenant="alice", bundle=bundle)
+    assert call(rotated.route(slot="alice--rotated", tenant="alice", sha=bundle.sha)).data == b"hello /"
+    assert call(runtime.route(slot="alice--rotated", tenant="alice", sha=bundle.sha)).status == 403

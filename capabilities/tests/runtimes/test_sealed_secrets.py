@@ -66,23 +66,23 @@ def host_for(settings, tmp_path):
 def test_the_code_store_holds_the_secret_sealed_and_the_host_opens_it(host_for):
     runtime = host_for("first-host-secret")
     bundle = bundle_with("token-value-for-the-host")
-    runtime.place(slot="alice--token", bundle=bundle)
+    runtime.place(slot="alice--token", tenant="alice", bundle=bundle)
     stored = (runtime.code_dir / f"{bundle.sha}.json").read_bytes()
     assert b"token-value-for-the-host" not in stored
     assert json.loads(stored)["env"] == {"GREETING": "hi"} and "sealed" in json.loads(stored)
-    route = runtime.route(slot="alice--token", sha=bundle.sha)
+    route = runtime.route(slot="alice--token", tenant="alice", sha=bundle.sha)
     assert call(route).json() == {"token": "token-value-for-the-host", "greeting": "hi"}
 
 
 def test_a_bundle_sealed_for_another_host_secret_is_missing_until_placed_again(host_for):
     bundle = bundle_with("token-value-across-a-rotation")
-    host_for("secret-before-rotation").place(slot="alice--token", bundle=bundle)
+    host_for("secret-before-rotation").place(slot="alice--token", tenant="alice", bundle=bundle)
     rotated = host_for("secret-after-rotation")  # same code store, another internal secret
-    route = rotated.route(slot="alice--token", sha=bundle.sha)
+    route = rotated.route(slot="alice--token", tenant="alice", sha=bundle.sha)
     missing = call(route)
     assert (missing.status, missing.headers["x-sigil-error"]) == (404, "missing-code")
     assert b"token-value" not in missing.data
-    rotated.place(slot="alice--token", bundle=bundle)  # what the gateway does on a miss
+    rotated.place(slot="alice--token", tenant="alice", bundle=bundle)  # what the gateway does on a miss
     assert call(route).json()["token"] == "token-value-across-a-rotation"
 
 

@@ -19,8 +19,9 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from capabilities.runtimes.local import local_processes
-from capabilities.workerd.group import read_status
+from capabilities.runtimes import runtime_class
+from capabilities.runtimes.base import Process
+from capabilities.runtimes.cloudflare.account import runs_on_local_emulator
 from sigil import ports as sigil_ports
 from sigil.embedded_redis import EmbeddedRedis
 from sigil.lifetime import PidFiles, supervise_until_signalled
@@ -120,16 +121,13 @@ class Command(BaseCommand):
             raise CommandError(f"a Redis server already answers on {settings.REDIS_URL}: is Sigil running already?")
 
     def _check_can_start(self) -> None:
-        if runs_workerd() and port_is_open(settings.SIGIL_WORKERD_PORT):
-            raise CommandError(
-                f"workerd's port {settings.SIGIL_WORKERD_PORT} is in use: stop what holds it, or set SIGIL_WORKERD_PORT"
-            )
-        if runs_emulator() and port_is_open(settings.CF_EMULATOR_PORT):
-            raise CommandError(
-                f"the Cloudflare emulator's port {settings.CF_EMULATOR_PORT} is in use: stop what holds it, "
-                "or set CF_EMULATOR_PORT and CF_API_BASE"
-            )
-        if (runs_workerd() or runs_emulator()) and not Path(settings.SIGIL_WORKERD_BIN).exists():
+        processes = runtime_processes()
+        for process in processes:
+            if port_is_open(process.port):
+                raise CommandError(
+                    f"{process.port_name} {process.port} is in use: stop what holds it, or {process.port_hint}"
+                )
+        if processes and not Path(settings.SIGIL_WORKERD_BIN).exists():  # each runs workerd
             raise CommandError(f"workerd not found at {settings.SIGIL_WORKERD_BIN}: run `make install`")
         connection = connections[DEFAULT_DB_ALIAS]
         executor = MigrationExecutor(connection)
@@ -150,7 +148,9 @@ def settle_ports(web: int) -> None:
     # Set in the environment, not by default (settings cannot tell these apart).
     workerd_fixed = settings.SIGIL_WORKERD_PORT if os.environ.get("SIGIL_WORKERD_PORT") else None
     # CF_API_BASE set to an emulator on this machine names its port too.
-    emulator_set = os.environ.get("CF_EMULATOR_PORT") or (runs_emulator() and not settings.SIGIL_CF_EMULATED)
+    emulator_set = os.environ.get("CF_EMULATOR_PORT") or (
+        runs_on_local_emulator(settings) and not settings.SIGIL_CF_EMULATED
+    )
     chosen = sigil_ports.ports_choose(
         web=web,
         var_dir=settings.VAR_DIR,
@@ -171,15 +171,9 @@ def embedded_redis() -> EmbeddedRedis:
     return EmbeddedRedis(settings.VAR_DIR / "redis", socket_path=Path(urlsplit(settings.REDIS_URL).path))
 
 
-def runs_workerd() -> bool:
-    """Only the local runtime uses this workerd (the emulator runs one of its own)."""
-    return settings.SIGIL_BACKEND == "local"
-
-
-def runs_emulator() -> bool:
-    """Whether CF_API_BASE points at the local Cloudflare emulator, so it must run too."""
-    api = urlsplit(settings.CF_API_BASE)
-    return api.hostname in ("127.0.0.1", "localhost") and api.port == settings.CF_EMULATOR_PORT
+def runtime_processes() -> list[Process]:
+    """What the runtime SIGIL_BACKEND names needs on this machine (workerd, the emulator)."""
+    return runtime_class(settings.SIGIL_BACKEND).processes(settings)
 
 
 def sigil_programs(*, port: int, dev: bool = False) -> tuple[list[Program], str]:
@@ -193,24 +187,10 @@ def sigil_programs(*, port: int, dev: bool = False) -> tuple[list[Program], str]
         # that explicit and independent of their settings.
         env["REDIS_URL"] = redis.url
         programs.append(Program("redis", redis.command(), ready=redis.ping, needed_by_others=True))
-    if runs_workerd():
-        programs.append(
-            Program(
-                "workerd",
-                [sys.executable, MANAGE, "runworkerd"],
-                ready=lambda: read_status(local_processes().status_path) is not None,
-                env=named(env, "workerd"),
-            )
-        )
-    if runs_emulator():
-        programs.append(
-            Program(
-                "cfemulator",
-                [sys.executable, MANAGE, "cfemulator"],
-                ready=lambda: port_is_open(settings.CF_EMULATOR_PORT),
-                env=named(env, "cfemulator"),
-            )
-        )
+    for process in runtime_processes():
+        ready = process.ready or (lambda port=process.port: port_is_open(port))
+        command = [sys.executable, MANAGE, process.command]
+        programs.append(Program(process.name, command, ready=ready, env=named(env, process.name)))
     node = f"sigil-{os.getpid()}@{socket.gethostname()}"
     celery = [
         # --quiet: no banner; Celery logs through Sigil's configuration (sigil_site/celery.py).
@@ -278,14 +258,7 @@ Press Ctrl-C to stop.
 
 
 def describe_backend() -> str:
-    parts = [settings.SIGIL_BACKEND]
-    if runs_workerd():
-        parts.append(f"one workerd per agent on 127.0.0.1:{settings.SIGIL_WORKERD_PORT} and up")
-    if runs_emulator():
-        parts.append(f"Cloudflare emulator at {settings.CF_API_BASE}")
-    elif settings.SIGIL_BACKEND != "local":
-        parts.append(f"Cloudflare API at {settings.CF_API_BASE}")
-    return ", ".join(parts)
+    return ", ".join([settings.SIGIL_BACKEND, *runtime_class(settings.SIGIL_BACKEND).where(settings)])
 
 
 def describe_database() -> str:

@@ -11,20 +11,19 @@ part of an exception message (messages echoed from the server are redacted too) 
 a repr.
 
 One module per concern: `errors` (Cloudflare's codes and the error types), `budget` (the rate
-budget), `client` (the client and how it builds requests). Callers import from here.
+budget), `client` (the client), `uploads` (a script upload's parts), `account` (what the
+runtimes on an account share). Callers import from here.
 """
 
-from capabilities.cloudflare.budget import RateBudget
-from capabilities.cloudflare.client import (
+from capabilities.runtimes.cloudflare.budget import RateBudget
+from capabilities.runtimes.cloudflare.client import (
     API_CALLS_KEY,
     API_RATE_LIMITED_KEY,
     CloudflareClient,
     ScriptInfo,
     api_calls_hour_key,
-    module_content_type,
-    upload_parts,
 )
-from capabilities.cloudflare.errors import (
+from capabilities.runtimes.cloudflare.errors import (
     CloudflareAuthFailure,
     CloudflareError,
     CloudflareNotFound,
@@ -35,6 +34,7 @@ from capabilities.cloudflare.errors import (
     CloudflareSlotsExhausted,
     CloudflareUnavailable,
 )
+from capabilities.runtimes.cloudflare.uploads import metadata_binding, module_content_type, upload_parts
 
 __all__ = [
     "API_CALLS_KEY",
@@ -52,6 +52,7 @@ __all__ = [
     "RateBudget",
     "ScriptInfo",
     "api_calls_hour_key",
+    "metadata_binding",
     "module_content_type",
     "upload_parts",
 ]

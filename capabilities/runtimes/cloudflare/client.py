@@ -16,45 +16,20 @@ import redis
 import requests
 from requests.adapters import HTTPAdapter
 
-from capabilities.cloudflare.budget import RateBudget
-from capabilities.cloudflare.errors import (
-    _AUTH_CODES,
-    _NOT_FOUND_CODES,
-    _PLAN_CODES,
-    _RETRY_STATUSES,
-    _ROUTE_CODES,
-    _TRANSIENT_CODES,
-    CODE_KV_BINDING_INVALID,
-    CODE_LOADER_PAID_PLAN,
-    CODE_RATE_LIMITED,
-    CODE_SCRIPT_TOO_LARGE,
-    CODE_TOO_MANY_SCRIPTS,
-    CODE_VALIDATION,
+from capabilities.runtimes.cloudflare.budget import RateBudget
+from capabilities.runtimes.cloudflare.errors import (
     CloudflareAuthFailure,
     CloudflareError,
     CloudflareNotFound,
-    CloudflarePlanRequired,
     CloudflareRateLimited,
     CloudflareRejected,
-    CloudflareScriptTooLarge,
-    CloudflareSlotsExhausted,
     CloudflareUnavailable,
+    error_for,
 )
+from capabilities.runtimes.cloudflare.uploads import upload_parts
 from capabilities.runtimes.errors import network_failure
 
 logger = logging.getLogger(__name__)
-
-# Content types of module parts, by file extension (Wrangler's mapping, reference §1.1).
-_MODULE_TYPES = {
-    ".js": "application/javascript+module",
-    ".mjs": "application/javascript+module",
-    ".cjs": "application/javascript",
-    ".wasm": "application/wasm",
-    ".map": "application/source-map",
-    ".txt": "text/plain",
-    ".html": "text/plain",
-    ".json": "text/plain",
-}
 
 # Wrangler sends this header on the per-script subdomain toggle (reference §3.2).
 _SCRIPT_API_DATE = ("Cloudflare-Workers-Script-Api-Date", "2025-08-01")
@@ -64,6 +39,16 @@ API_RATE_LIMITED_KEY = "sigil:cf:rate_limited"
 # API calls per hour, for the cost estimate's Cloudflare budget (capabilities/cost.py): one
 # counter per hour since the epoch, kept a little longer than the statistics' 30 days.
 API_CALLS_HOURS_KEPT = 32 * 24
+
+
+# The client's tuning, each argument from its setting (sigil_site/settings.py says why each default).
+TUNING_SETTINGS = {
+    "rate_limit": "SIGIL_CF_RATE_LIMIT",
+    "rate_window_seconds": "SIGIL_CF_RATE_WINDOW_SECONDS",
+    "max_rate_wait_seconds": "SIGIL_CF_MAX_RATE_WAIT_SECONDS",
+    "max_retries": "SIGIL_CF_MAX_RETRIES",
+    "timeout_seconds": "SIGIL_CF_TIMEOUT_SECONDS",
+}
 
 
 def api_calls_hour_key(hour: int) -> str:
@@ -99,6 +84,18 @@ class ScriptInfo:
 # --- the client ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Retries:
+    """How the client tries a call again: at most `max_retries` more times, after a backoff
+    of half to all of `backoff_base_seconds` * 2^attempt (capped at `backoff_max_seconds`),
+    each attempt answered within `timeout_seconds`."""
+
+    max_retries: int
+    timeout_seconds: float
+    backoff_base_seconds: float
+    backoff_max_seconds: float
+
+
 class CloudflareClient:
     """Calls the Cloudflare REST API for one account, on behalf of every runtime.
 
@@ -128,10 +125,7 @@ class CloudflareClient:
             raise ValueError("the Cloudflare client needs an account id and an API token")
         self.base_url = base_url.rstrip("/")
         self.account_id = account_id
-        self.max_retries = max_retries
-        self.timeout_seconds = timeout_seconds
-        self.backoff_base_seconds = backoff_base_seconds
-        self.backoff_max_seconds = backoff_max_seconds
+        self.retries = Retries(max_retries, timeout_seconds, backoff_base_seconds, backoff_max_seconds)
         self.redis = redis
         self.budget = RateBudget(
             redis=redis,
@@ -162,16 +156,13 @@ class CloudflareClient:
 
         if not settings.CF_ACCOUNT_ID or not settings.CF_API_TOKEN:
             raise ImproperlyConfigured("CF_ACCOUNT_ID and CF_API_TOKEN (or CF_API_TOKEN_FILE) are required")
+        tuning = {argument: getattr(settings, name) for argument, name in TUNING_SETTINGS.items()}
         return cls(
             base_url=settings.CF_API_BASE,
             account_id=settings.CF_ACCOUNT_ID,
             api_token=settings.CF_API_TOKEN,
             redis=get_redis(),  # the process's one pool
-            rate_limit=settings.SIGIL_CF_RATE_LIMIT,
-            rate_window_seconds=settings.SIGIL_CF_RATE_WINDOW_SECONDS,
-            max_rate_wait_seconds=settings.SIGIL_CF_MAX_RATE_WAIT_SECONDS,
-            max_retries=settings.SIGIL_CF_MAX_RETRIES,
-            timeout_seconds=settings.SIGIL_CF_TIMEOUT_SECONDS,
+            **tuning,
         )
 
     def __repr__(self) -> str:
@@ -392,7 +383,7 @@ class CloudflareClient:
                     data=data,
                     files=files,
                     headers=headers,
-                    timeout=(min(10.0, self.timeout_seconds), self.timeout_seconds),
+                    timeout=(min(10.0, self.retries.timeout_seconds), self.retries.timeout_seconds),
                 )
             except (requests.ConnectionError, requests.Timeout) as exc:
                 self.budget.settle(ticket)
@@ -411,7 +402,7 @@ class CloudflareClient:
                 retry = self._should_retry(response, error)
                 if isinstance(error, CloudflareNotFound) and attempt < not_found_retries:
                     retry = True
-            if not retry or attempt >= self.max_retries:
+            if not retry or attempt >= self.retries.max_retries:
                 raise error
             delay = self._backoff(attempt)
             if isinstance(error, CloudflareRateLimited) and error.retry_after is not None:
@@ -428,7 +419,7 @@ class CloudflareClient:
                 path,
                 error,
                 attempt + 1,
-                self.max_retries + 1,
+                self.retries.max_retries + 1,
                 delay,
             )
             if delay:
@@ -486,36 +477,8 @@ class CloudflareClient:
     def _error_from_envelope(
         self, status: int, envelope: Any, method: str, path: str, retry_after: float | None
     ) -> CloudflareError:
-        errors = envelope.get("errors") if isinstance(envelope, dict) else None
-        first = errors[0] if isinstance(errors, list) and errors and isinstance(errors[0], dict) else {}
-        code = first.get("code") if isinstance(first.get("code"), int) else None
-        detail = str(first.get("message") or "no error message")
         where = f"{method} {path}: " if method else ""
-        message = self._redact(
-            f"{where}Cloudflare answered {status}" + (f", code {code}: {detail}" if code else f": {detail}")
-        )
-        kwargs = {"status": status, "code": code, "retry_after": retry_after}
-        if code in _AUTH_CODES or status == 401:
-            return CloudflareAuthFailure(message, **kwargs)
-        if code == CODE_RATE_LIMITED or status == 429:
-            return CloudflareRateLimited(message, **kwargs)
-        if code == CODE_SCRIPT_TOO_LARGE:
-            return CloudflareScriptTooLarge(message, **kwargs)
-        if code == CODE_TOO_MANY_SCRIPTS:
-            return CloudflareSlotsExhausted(message, **kwargs)
-        if code in _PLAN_CODES or (code == CODE_VALIDATION and "of type worker_loader is invalid" in detail):
-            return CloudflarePlanRequired(self._redact(where + _plan_message(path, detail, code)), **kwargs)
-        if code == CODE_KV_BINDING_INVALID:
-            return CloudflareRejected(
-                self._redact(f"{where}a KV binding names a KV namespace the account lacks (code {code}: {detail})"),
-                **kwargs,
-            )
-        # A 404 without Cloudflare's envelope comes from something else (a proxy, a wrong API base).
-        if code in _NOT_FOUND_CODES or (status == 404 and code not in _ROUTE_CODES and isinstance(envelope, dict)):
-            return CloudflareNotFound(message, **kwargs)
-        if code in _TRANSIENT_CODES or status >= 500 or status in _RETRY_STATUSES:
-            return CloudflareUnavailable(message, **kwargs)
-        return CloudflareRejected(message, **kwargs)
+        return error_for(status, envelope, where=where, path=path, retry_after=retry_after, redact=self._redact)
 
     @staticmethod
     def _should_retry(response: requests.Response, error: CloudflareError) -> bool:
@@ -527,7 +490,8 @@ class CloudflareClient:
 
     def _backoff(self, attempt: int) -> float:
         """Exponential backoff with jitter: half to all of base * 2^attempt, capped."""
-        ceiling = min(self.backoff_max_seconds, self.backoff_base_seconds * (2**attempt))
+        retries = self.retries
+        ceiling = min(retries.backoff_max_seconds, retries.backoff_base_seconds * (2**attempt))
         return ceiling * random.uniform(0.5, 1.0)
 
     def _redact(self, text: str) -> str:
@@ -535,59 +499,7 @@ class CloudflareClient:
         return text.replace(self._token, "[redacted]") if self._token else text
 
 
-# --- request building ---------------------------------------------------------------------
-
-
-def module_content_type(name: str) -> str:
-    """The content type of a module part, chosen by the module's file extension."""
-    dot = name.rfind(".")
-    return _MODULE_TYPES.get(name[dot:].lower() if dot >= 0 else "", "application/octet-stream")
-
-
-def upload_parts(
-    *,
-    modules: Mapping[str, str | bytes],
-    main_module: str,
-    compatibility_date: str,
-    compatibility_flags: Sequence[str] = (),
-    bindings: Sequence[Mapping[str, Any]] = (),
-    tags: Sequence[str] = (),
-    limits: Mapping[str, int] | None = None,
-) -> list[tuple[str, tuple]]:
-    """The multipart parts of a script upload, laid out as Wrangler sends them (reference §1.1).
-
-    `metadata` is a plain form field (no filename, no content type); each module is a part
-    whose name and filename are the module's name. Raises ValueError when `main_module` is
-    not among `modules`.
-    """
-    if main_module not in modules:
-        raise ValueError(f"main module {main_module!r} is not among the modules")
-    metadata: dict[str, Any] = {
-        "main_module": main_module,
-        "compatibility_date": compatibility_date,
-        "bindings": [dict(binding) for binding in bindings],
-        "tags": list(tags),
-    }
-    if compatibility_flags:
-        metadata["compatibility_flags"] = list(compatibility_flags)
-    if limits:
-        metadata["limits"] = dict(limits)
-    parts: list[tuple[str, tuple]] = [("metadata", (None, json.dumps(metadata)))]
-    for name, source in modules.items():
-        body = source.encode() if isinstance(source, str) else source
-        parts.append((name, (name, body, module_content_type(name))))
-    return parts
-
-
-def _plan_message(path: str, detail: str, code: int | None) -> str:
-    """Plain words for a plan refusal, with Cloudflare's own answer after them."""
-    if "/workers/dispatch/" in path:
-        need = "dispatch namespaces need a Workers for Platforms subscription on the account"
-    elif "worker_loader" in detail or code == CODE_LOADER_PAID_PLAN:
-        need = "a Worker Loader binding (the loader runtime) needs the Workers Paid plan"
-    else:
-        need = "the account's plan does not include this feature"
-    return f"{need} (Cloudflare answered code {code}: {detail})"
+# --- request paths and answers ----------------------------------------------------------------
 
 
 def _segment(value: str) -> str:

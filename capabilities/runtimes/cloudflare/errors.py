@@ -4,14 +4,10 @@ those)."""
 
 from __future__ import annotations
 
-from capabilities.runtimes.errors import (
-    RuntimeFailure,
-    RuntimeRejected,
-    RuntimeThrottled,
-    RuntimeUnavailable,
-    ScriptTooLarge,
-    SlotsExhausted,
-)
+from collections.abc import Callable
+from typing import Any
+
+from capabilities.runtimes import errors as runtime_errors
 
 # Cloudflare's error codes (reference §7.1) that the client treats specially.
 CODE_RATE_LIMITED = 971
@@ -50,7 +46,7 @@ _RETRY_STATUSES = frozenset({408, 429})
 # --- errors -----------------------------------------------------------------------------
 
 
-class CloudflareError(RuntimeFailure):
+class CloudflareError(runtime_errors.RuntimeFailure):
     """An answer (or the lack of one) from the Cloudflare API that is not a success.
 
     `status` is the HTTP status (None when no answer came), `code` the first Cloudflare
@@ -66,18 +62,18 @@ class CloudflareError(RuntimeFailure):
         self.retry_after = retry_after
 
 
-class CloudflareUnavailable(CloudflareError, RuntimeUnavailable):
+class CloudflareUnavailable(CloudflareError, runtime_errors.RuntimeUnavailable):
     """Transient: a connection error, a timeout, a 5xx or a concurrent change. Retry later."""
 
 
-class CloudflareRateLimited(CloudflareUnavailable, RuntimeThrottled):
+class CloudflareRateLimited(CloudflareUnavailable, runtime_errors.RuntimeThrottled):
     """The rate budget (Sigil's shared one, or Cloudflare's, code 971) has no room.
 
     `retry_after` says in how many seconds to try again.
     """
 
 
-class CloudflareRejected(CloudflareError, RuntimeRejected):
+class CloudflareRejected(CloudflareError, runtime_errors.RuntimeRejected):
     """Cloudflare refused the request for good (validation, bad name, no route, ...)."""
 
 
@@ -95,9 +91,57 @@ class CloudflareAuthFailure(CloudflareRejected):
     """The API token is invalid, expired or lacks a permission (10000, 10023)."""
 
 
-class CloudflareScriptTooLarge(CloudflareRejected, ScriptTooLarge):
+class CloudflareScriptTooLarge(CloudflareRejected, runtime_errors.ScriptTooLarge):
     """The script is over the account's size limit (10027)."""
 
 
-class CloudflareSlotsExhausted(CloudflareRejected, SlotsExhausted):
+class CloudflareSlotsExhausted(CloudflareRejected, runtime_errors.SlotsExhausted):
     """The account holds as many Workers as its plan allows (10037)."""
+
+
+# --- Cloudflare's answer, read ----------------------------------------------------------------
+
+
+def error_for(
+    status: int, envelope: Any, *, where: str, path: str, retry_after: float | None, redact: Callable[[str], str]
+) -> CloudflareError:
+    """The error a failed answer stands for: its status and the first error of its envelope
+    (`envelope` is None when the body was not JSON), said after `where` (the call, or "") and
+    passed through `redact` so that no echoed secret is kept."""
+    errors = envelope.get("errors") if isinstance(envelope, dict) else None
+    first = errors[0] if isinstance(errors, list) and errors and isinstance(errors[0], dict) else {}
+    code = first.get("code") if isinstance(first.get("code"), int) else None
+    detail = str(first.get("message") or "no error message")
+    message = redact(f"{where}Cloudflare answered {status}" + (f", code {code}: {detail}" if code else f": {detail}"))
+    kwargs = {"status": status, "code": code, "retry_after": retry_after}
+    if code in _AUTH_CODES or status == 401:
+        return CloudflareAuthFailure(message, **kwargs)
+    if code == CODE_RATE_LIMITED or status == 429:
+        return CloudflareRateLimited(message, **kwargs)
+    if code == CODE_SCRIPT_TOO_LARGE:
+        return CloudflareScriptTooLarge(message, **kwargs)
+    if code == CODE_TOO_MANY_SCRIPTS:
+        return CloudflareSlotsExhausted(message, **kwargs)
+    if code in _PLAN_CODES or (code == CODE_VALIDATION and "of type worker_loader is invalid" in detail):
+        return CloudflarePlanRequired(redact(where + _plan_message(path, detail, code)), **kwargs)
+    if code == CODE_KV_BINDING_INVALID:
+        return CloudflareRejected(
+            redact(f"{where}a KV binding names a KV namespace the account lacks (code {code}: {detail})"), **kwargs
+        )
+    # A 404 without Cloudflare's envelope comes from something else (a proxy, a wrong API base).
+    if code in _NOT_FOUND_CODES or (status == 404 and code not in _ROUTE_CODES and isinstance(envelope, dict)):
+        return CloudflareNotFound(message, **kwargs)
+    if code in _TRANSIENT_CODES or status >= 500 or status in _RETRY_STATUSES:
+        return CloudflareUnavailable(message, **kwargs)
+    return CloudflareRejected(message, **kwargs)
+
+
+def _plan_message(path: str, detail: str, code: int | None) -> str:
+    """Plain words for a plan refusal, with Cloudflare's own answer after them."""
+    if "/workers/dispatch/" in path:
+        need = "dispatch namespaces need a Workers for Platforms subscription on the account"
+    elif "worker_loader" in detail or code == CODE_LOADER_PAID_PLAN:
+        need = "a Worker Loader binding (the loader runtime) needs the Workers Paid plan"
+    else:
+        need = "the account's plan does not include this feature"
+    return f"{need} (Cloudflare answered code {code}: {detail})"

@@ -9,7 +9,7 @@ import uuid
 
 import redis
 
-from capabilities.cloudflare.errors import CloudflareRateLimited, CloudflareUnavailable
+from capabilities.runtimes.cloudflare.errors import CloudflareRateLimited, CloudflareUnavailable
 
 logger = logging.getLogger(__name__)
 
