@@ -14,7 +14,7 @@ def workerd_group():
     agent's first placement and kept for the rest of the session."""
     import threading
 
-    from capabilities.runtimes.local import local_workerd_group
+    from capabilities.log_sink import local_workerd_group
     from capabilities.workerd.group import read_status
     from testsupport.processes import wait_until
 
@@ -320,7 +320,10 @@ def worker_pool(cf_settings, cf_emulator_fresh, celery_deploy_worker):
     cf_settings.SIGIL_POOL_SYSTEM_RESERVED = 1
     cf_settings.SIGIL_POOL_USER_RESERVED = 2
     cf_settings.SIGIL_POOL_SAFETY_MARGIN = 2
-    cf_emulator_fresh.configure(script_limit=8 - 1)  # the system script lives elsewhere
+    # The system script (Sigil's Tail Worker) lives elsewhere: call records are off here, and
+    # capabilities/tests/test_call_logs_runtimes.py turns them on with the account's full quota.
+    cf_settings.SIGIL_LOGS_ENABLED = False
+    cf_emulator_fresh.configure(script_limit=8 - 1)
     return cf_emulator_fresh
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -16,9 +17,10 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.http import urlencode
 
-from agents import egress, services
+from agents import egress, services, tokens
 from agents.models import Agent, AuditEvent, Token
 from agents.names import validate_agent_name
+from agents.tokens import TokenState
 from sigil.console import (
     ButtonsOnly,
     OptionsFilter,
@@ -273,17 +275,14 @@ class TokenStateFilter(OptionsFilter):
     title = "state"
     parameter_name = "state"
     options = {
-        "usable": ("usable", lambda: Q(revoked_at__isnull=True) & ~Q(expires_at__lte=timezone.now())),
+        "usable": ("usable", lambda: tokens.state_filter(TokenState.USABLE, timezone.now())),
         "expiring": (
             "expiring within 7 days",
-            lambda: Q(
-                revoked_at__isnull=True,
-                expires_at__gt=timezone.now(),
-                expires_at__lte=timezone.now() + timedelta(days=7),
-            ),
+            lambda: tokens.state_filter(TokenState.USABLE, timezone.now())
+            & Q(expires_at__lte=timezone.now() + timedelta(days=7)),
         ),
-        "revoked": ("revoked", lambda: Q(revoked_at__isnull=False)),
-        "expired": ("expired", lambda: Q(revoked_at__isnull=True, expires_at__lte=timezone.now())),
+        "revoked": ("revoked", lambda: tokens.state_filter(TokenState.REVOKED, timezone.now())),
+        "expired": ("expired", lambda: tokens.state_filter(TokenState.EXPIRED, timezone.now())),
     }
 
 
@@ -299,11 +298,7 @@ class TokenAdmin(ButtonsOnly, SelectionChecked, RefusalsAsMessages, admin.ModelA
 
     @admin.display(description="state")
     def state(self, token: Token) -> str:
-        if token.revoked_at is not None:
-            return "revoked"
-        if token.expires_at is not None and token.expires_at <= timezone.now():
-            return "expired"
-        return "usable"
+        return token.state(time.time())
 
     def get_form(self, request, obj=None, **kwargs):
         if obj is None:

@@ -6,6 +6,7 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
+from agents import tokens
 from sigil.encryption import secret_decrypt, secret_encrypt
 
 
@@ -83,8 +84,10 @@ class Token(models.Model):
     def __str__(self) -> str:
         return f"{self.prefix}… ({self.agent.name}, {self.scope})"
 
-    def is_usable(self, now) -> bool:
-        return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
+    def state(self, now_epoch: float) -> tokens.TokenState:
+        """Usable, revoked or expired at `now_epoch` (the rule: agents.tokens.token_state)."""
+        expires = self.expires_at.timestamp() if self.expires_at else None
+        return tokens.token_state(revoked=self.revoked_at is not None, expires_epoch=expires, now_epoch=now_epoch)
 
 
 class AuditEvent(models.Model):

@@ -39,27 +39,25 @@ def token_authenticate_hash(token_hash: str, *, cached: bytes | None = None) -> 
 
 def _fill_cache(token_hash: str) -> bytes:
     token = Token.objects.select_related("agent").filter(secret_hash=token_hash).first()
-    now = time.time()
-    if token is None or token.revoked_at is not None:
+    state = token.state(time.time()) if token is not None else tokens.TokenState.REVOKED
+    if state == tokens.TokenState.REVOKED:  # or unknown
         value, ttl = tokens.TOMBSTONE, tokens.NEGATIVE_TTL_SECONDS
     elif not token.agent.is_active:
         value, ttl = tokens.DISABLED, tokens.NEGATIVE_TTL_SECONDS
+    elif state == tokens.TokenState.EXPIRED:
+        value, ttl = tokens.TOMBSTONE, tokens.NEGATIVE_TTL_SECONDS
     else:
-        expires = token.expires_at.timestamp() if token.expires_at else None
-        if expires is not None and expires <= now:
-            value, ttl = tokens.TOMBSTONE, tokens.NEGATIVE_TTL_SECONDS
-        else:
-            value, ttl = (
-                tokens.encode(
-                    token.agent_id,
-                    token.agent.name,
-                    token.scope,
-                    expires,
-                    calls_in_flight=token.agent.max_calls_in_flight,
-                    placements_in_flight=token.agent.max_placements_in_flight,
-                ),
-                tokens.POSITIVE_TTL_SECONDS,
-            )
+        value, ttl = (
+            tokens.encode(
+                token.agent_id,
+                token.agent.name,
+                token.scope,
+                token.expires_at.timestamp() if token.expires_at else None,
+                calls_in_flight=token.agent.max_calls_in_flight,
+                placements_in_flight=token.agent.max_placements_in_flight,
+            ),
+            tokens.POSITIVE_TTL_SECONDS,
+        )
     key = tokens.cache_key(token_hash)
     redis = get_redis()
     if not redis.set(key, value, ex=ttl, nx=True):

@@ -17,7 +17,7 @@ from django.core.validators import URLValidator
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from agents import a2a, egress, tokens
+from agents import a2a, egress, jobs, tokens
 from agents.models import Agent, AuditEvent, Scope, Token
 from agents.names import validate_agent_name
 from sigil.errors import Conflict, InvalidRequest, QuotaExceeded
@@ -35,6 +35,11 @@ def audit_record(
     )
 
 
+def _agent_event(agent_name: str, *, actor: str, action: str, detail: dict | None = None) -> None:
+    """Audit an event whose subject is the agent itself."""
+    audit_record(actor=actor, action=action, agent_name=agent_name, subject=agent_name, detail=detail)
+
+
 def agent_create(*, name: str, actor: str) -> Agent:
     """Register an agent. Raises InvalidRequest (name), QuotaExceeded (too many), Conflict (taken)."""
     validate_agent_name(name)
@@ -46,7 +51,7 @@ def agent_create(*, name: str, actor: str) -> Agent:
                 agent = Agent.objects.create(name=name)
         except IntegrityError as exc:
             raise Conflict(f"agent {name!r} already exists") from exc
-        audit_record(actor=actor, action="agent.created", agent_name=name, subject=name)
+        _agent_event(name, actor=actor, action="agent.created")
     return agent
 
 
@@ -96,12 +101,7 @@ def agent_set_active(*, agent: Agent, is_active: bool, actor: str) -> bool:
     with transaction.atomic():
         changed = Agent.objects.filter(pk=agent.pk, is_active=not is_active).update(is_active=is_active)
         if changed:
-            audit_record(
-                actor=actor,
-                action="agent.enabled" if is_active else "agent.disabled",
-                agent_name=agent.name,
-                subject=agent.name,
-            )
+            _agent_event(agent.name, actor=actor, action="agent.enabled" if is_active else "agent.disabled")
     agent.refresh_from_db()
     # Both directions invalidate: disabling must refuse, enabling must stop refusing. A live
     # token of a disabled agent is refused saying so; a revoked one stays plainly revoked.
@@ -130,13 +130,8 @@ def agent_set_shares(
             .update(max_calls_in_flight=calls_in_flight, max_placements_in_flight=placements_in_flight)
         )
         if changed:
-            audit_record(
-                actor=actor,
-                action="agent.shares_changed",
-                agent_name=agent.name,
-                subject=agent.name,
-                detail={"calls_in_flight": calls_in_flight, "placements_in_flight": placements_in_flight},
-            )
+            shares = {"calls_in_flight": calls_in_flight, "placements_in_flight": placements_in_flight}
+            _agent_event(agent.name, actor=actor, action="agent.shares_changed", detail=shares)
     agent.refresh_from_db()
     # The caps ride in the tokens' cached entries: dropped, they are read again with the new ones.
     _write_tombstones(list(agent.tokens.values_list("secret_hash", flat=True)), delete=True)
@@ -161,13 +156,8 @@ def agent_set_webhook(*, agent: Agent, url: str, secret: str | None, actor: str)
         if secret is not None:
             current.webhook_secret = secret
         current.save(update_fields=["webhook_url", "webhook_secret_encrypted"])
-        audit_record(
-            actor=actor,
-            action="agent.webhook_changed",
-            agent_name=agent.name,
-            subject=agent.name,
-            detail={"url": url, "secret_changed": secret_changed},
-        )
+        detail = {"url": url, "secret_changed": secret_changed}
+        _agent_event(agent.name, actor=actor, action="agent.webhook_changed", detail=detail)
     agent.refresh_from_db()
     return True
 
@@ -191,9 +181,7 @@ def agent_set_a2a(*, agent: Agent, url: str, actor: str) -> bool:
             return False
         current.a2a_card_url = url
         current.save(update_fields=["a2a_card_url"])
-        audit_record(
-            actor=actor, action="agent.a2a_changed", agent_name=agent.name, subject=agent.name, detail={"url": url}
-        )
+        _agent_event(agent.name, actor=actor, action="agent.a2a_changed", detail={"url": url})
     agent.refresh_from_db()
     return True
 
@@ -237,9 +225,6 @@ def agent_notify(*, agent_name: str, event: str, payload: dict) -> bool:
     agent = Agent.objects.filter(name=agent_name).first()
     if agent is None or not (agent.webhook_url or agent.a2a_card_url):
         return False
-    from agents.tasks import agent_a2a_deliver as agent_a2a_deliver_task
-    from agents.tasks import agent_webhook_deliver as agent_webhook_deliver_task
-
     delivery = {
         "id": str(uuid.uuid4()),
         "event": event,
@@ -248,9 +233,9 @@ def agent_notify(*, agent_name: str, event: str, payload: dict) -> bool:
         **payload,
     }
     if agent.webhook_url:
-        agent_webhook_deliver_task.delay_on_commit(agent_id=agent.pk, delivery=delivery)
+        jobs.agent_webhook_deliver.delay_on_commit(agent_id=agent.pk, delivery=delivery)
     if agent.a2a_card_url:
-        agent_a2a_deliver_task.delay_on_commit(agent_id=agent.pk, delivery=delivery)
+        jobs.agent_a2a_deliver.delay_on_commit(agent_id=agent.pk, delivery=delivery)
     return True
 
 
@@ -307,18 +292,6 @@ def agent_a2a_deliver(*, agent_id: int, delivery: dict) -> None:
     )
 
 
-def agent_a2a_failed(*, agent_id: int, delivery: dict, reason: str) -> None:
-    """Record an A2A delivery given up after its last retry, so the owner sees it in the trail."""
-    agent = Agent.objects.filter(pk=agent_id).first()
-    audit_record(
-        actor="system",
-        action="a2a.failed",
-        agent_name=agent.name if agent else "",
-        subject=delivery.get("capability", ""),
-        detail={"event": delivery.get("event"), "delivery": delivery.get("id"), "reason": reason},
-    )
-
-
 def agent_webhook_deliver(*, agent_id: int, delivery: dict, url: str = "") -> None:
     """POST one delivery to `url` (a call's callback), else to the agent's webhook, signed
     with the agent's webhook secret. Raises WebhookUnavailable when a retry may succeed; a
@@ -348,7 +321,7 @@ def agent_webhook_deliver(*, agent_id: int, delivery: dict, url: str = "") -> No
     except InvalidRequest as exc:
         # SIGIL_SECRETS_KEY changed: a delivery unsigned, or signed with another key, would mislead.
         reason = f"{exc.message}; set the webhook secret again"
-        agent_webhook_failed(agent_id=agent.pk, delivery=delivery, reason=reason)
+        agent_delivery_failed(agent_id=agent.pk, delivery=delivery, reason=reason)
         return
     if secret:
         headers["X-Sigil-Signature"] = webhook_signature(secret, body)
@@ -383,12 +356,14 @@ def _callback_refused(agent: Agent, delivery: dict, reason: str) -> None:
     )
 
 
-def agent_webhook_failed(*, agent_id: int, delivery: dict, reason: str) -> None:
-    """Record a delivery given up after its last retry, so the owner sees it in the trail."""
+def agent_delivery_failed(*, agent_id: int, delivery: dict, reason: str, channel: str = "webhook") -> None:
+    """Record a delivery given up (after its last retry, or as one that cannot be signed), so
+    the owner sees it in the trail as `{channel}.failed`: `webhook` (a webhook or a call's
+    callback) or `a2a`."""
     agent = Agent.objects.filter(pk=agent_id).first()
     audit_record(
         actor="system",
-        action="webhook.failed",
+        action=f"{channel}.failed",
         agent_name=agent.name if agent else "",
         subject=delivery.get("capability", ""),
         detail={"event": delivery.get("event"), "delivery": delivery.get("id"), "reason": reason},

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import redis
 from django.conf import settings
 
 from agents.selectors import token_authenticate
 from agents.tokens import Principal, stamp_used
+from sigil.configured import FromSettings, setting
 from sigil.errors import RateLimited, Unauthenticated
 
 
@@ -44,21 +46,13 @@ def request_client_address(request) -> str:
     return client_address(request.META, proxies=settings.SIGIL_TRUSTED_PROXY_COUNT)
 
 
-class FailedAuthThrottle:
+@dataclass(frozen=True, kw_only=True)
+class FailedAuthThrottle(FromSettings):
     """The failure count of client addresses, read with the caller's own Redis reads."""
 
-    def __init__(self, *, limit: int, window_seconds: int, proxies: int) -> None:
-        self.limit = limit
-        self.window_seconds = window_seconds
-        self.proxies = proxies
-
-    @classmethod
-    def from_settings(cls) -> FailedAuthThrottle:
-        return cls(
-            limit=settings.SIGIL_AUTH_FAILURE_LIMIT,
-            window_seconds=settings.SIGIL_AUTH_FAILURE_WINDOW_SECONDS,
-            proxies=settings.SIGIL_TRUSTED_PROXY_COUNT,
-        )
+    limit: int = setting("SIGIL_AUTH_FAILURE_LIMIT")
+    window_seconds: int = setting("SIGIL_AUTH_FAILURE_WINDOW_SECONDS")
+    proxies: int = setting("SIGIL_TRUSTED_PROXY_COUNT")
 
     def address(self, meta: Mapping[str, str]) -> str:
         return client_address(meta, proxies=self.proxies)

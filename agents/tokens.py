@@ -11,11 +11,14 @@ SET NX, so a late fill can never resurrect a revoked token.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import time
 from dataclasses import dataclass
+from datetime import datetime
 
 import redis
+from django.db.models import Q
 
 TOKEN_PREFIX = "sgl_"
 TOMBSTONE = b"-"
@@ -33,6 +36,33 @@ USED_KEY = "sigil:tokens:used"
 # A process stamps a token at most this often: "last used" is for an owner pruning unused
 # tokens, to the minute; a stamp per request would cost the API one more Redis round trip.
 STAMP_INTERVAL_SECONDS = 60
+
+
+class TokenState(enum.StrEnum):
+    USABLE = "usable"
+    REVOKED = "revoked"
+    EXPIRED = "expired"
+
+
+def token_state(*, revoked: bool, expires_epoch: float | None, now_epoch: float) -> TokenState:
+    """The one rule of a token's usability: usable until it is revoked, and until it expires
+    (a token whose expiry is now has expired). Rows (Token.state), the cached entries (decode)
+    and the owner's filters (state_filter) all read it here."""
+    if revoked:
+        return TokenState.REVOKED
+    if expires_epoch is not None and expires_epoch <= now_epoch:
+        return TokenState.EXPIRED
+    return TokenState.USABLE
+
+
+def state_filter(state: TokenState, now: datetime) -> Q:
+    """token_state() as a query on tokens' rows: those in `state` at `now`."""
+    expired = Q(expires_at__lte=now)
+    return {
+        TokenState.USABLE: Q(revoked_at__isnull=True) & ~expired,
+        TokenState.REVOKED: Q(revoked_at__isnull=False),
+        TokenState.EXPIRED: Q(revoked_at__isnull=True) & expired,
+    }[state]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +109,9 @@ def decode(token_hash: str, raw: bytes, now_epoch: float) -> Principal | None:
     if raw in REFUSALS:
         return None
     agent_id, agent_name, scope, expires, *shares = raw.decode().split("|")
-    if expires and float(expires) <= now_epoch:
+    # Only a token not revoked has an entry; it may have expired since.
+    state = token_state(revoked=False, expires_epoch=float(expires) if expires else None, now_epoch=now_epoch)
+    if state != TokenState.USABLE:
         return None
     calls, placements = (int(share or 0) for share in shares) if len(shares) == 2 else (0, 0)
     return Principal(int(agent_id), agent_name, scope, token_hash, calls, placements)

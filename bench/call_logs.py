@@ -17,11 +17,18 @@ directory, on 127.0.0.1 only; creates an agent and deploys a capability that wri
    SIGIL_LOGS_ENABLED=false, off; `--rounds` times each, alternating, so that other work on
    the machine slows both alike.
 
+With `--emulator 1` it measures instead, on the worker-pool and platform runtimes against the
+Cloudflare emulator (which runs Tail Workers as Cloudflare does), the time from a call's
+answer to its record being readable: the capability's Tail Worker leaves it in Workers KV,
+and a collector here does what the beat's task does every SIGIL_LOGS_COLLECT_INTERVAL_SECONDS
+(`--collect-every`), so that interval bounds the figure.
+
 It stops everything it started, by pid.
 """
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import sys
@@ -92,6 +99,131 @@ def warm_throughput(port: int, invoke: dict[str, str], calls: int, connections: 
     return (calls // connections * connections) / (time.perf_counter() - started)
 
 
+def readable_after(
+    port: int, invoke: dict[str, str], path: str, full: str, calls: int, *, patience: float = 30
+) -> list[float]:
+    """ms from each call's answer to its record being readable, after 5 calls that warm the
+    isolate, the connections and the sink; a record not readable within `patience` s fails."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    reads = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    delays = []
+    for i in range(calls + 5):
+        response, _ = harness.request(connection, "GET", path, headers=invoke)
+        ended = time.perf_counter()
+        if response.status != 200:
+            raise RuntimeError(f"call {i} answered {response.status}")
+        request_id = response.getheader("X-Request-Id")
+        while True:
+            answer, body = harness.request(
+                reads, "GET", f"/_api/capabilities/{full}/logs?request_id={request_id}", headers=invoke
+            )
+            if answer.status == 200 and json.loads(body)["records"]:
+                break
+            if time.perf_counter() - ended > patience:
+                raise RuntimeError(f"the record of {request_id} was not readable within {patience:g} s")
+            time.sleep(POLL_SECONDS)
+        if i >= 5:
+            delays.append((time.perf_counter() - ended) * 1000)
+    connection.close()
+    reads.close()
+    return delays
+
+
+def on_the_emulator(args: argparse.Namespace) -> int:
+    """End of call to readable record on the worker-pool and platform runtimes, emulated."""
+    import os
+    import signal
+    import subprocess
+
+    from cfemulator.api import DEV_ACCOUNT_ID, DEV_TOKEN
+    from sigil.ports import free_port_block, port_is_open
+
+    var_dir = harness.fresh_var_dir("logs-emulator")
+    emulator_port = free_port()
+    embedded = harness.setup_django_here(
+        var_dir,
+        SIGIL_WORKERD_PORT=str(free_port_block()),
+        CF_API_BASE=f"http://127.0.0.1:{emulator_port}/client/v4",
+        CF_API_TOKEN=DEV_TOKEN,
+        CF_ACCOUNT_ID=DEV_ACCOUNT_ID,
+        SIGIL_CF_WORKERS_BASE=f"http://127.0.0.1:{emulator_port}",
+        SIGIL_DEPLOY_WAIT_SECONDS="0",  # placed here (place_queued), with no Celery worker
+    )
+    from runtimes import place_queued
+
+    from agents import services as agent_services
+    from capabilities import services
+    from capabilities.runtimes import build_runtime
+    from testsupport.servers import server_command
+
+    emulator = harness.start_emulator(var_dir, port=emulator_port)
+    servers: list[subprocess.Popen] = []
+    done = threading.Event()
+    results = {}
+    try:
+        agent = agent_services.agent_create(name=AGENT, actor="owner:bench")
+        _, deploy = agent_services.token_issue(agent=agent, scope="deploy", actor="owner:bench")
+        _, invoke = agent_services.token_issue(agent=agent, scope="invoke", actor="owner:bench")
+        for backend in ("worker-pool", "platform"):
+            port = free_port()
+            servers.append(
+                subprocess.Popen(
+                    server_command("uvicorn", port=port, workers=1),
+                    cwd=harness.ROOT,
+                    env={**os.environ, "SIGIL_BACKEND": backend},
+                    start_new_session=True,
+                )
+            )
+            harness.wait_until(lambda port=port: port_is_open(port), "the Sigil server did not listen")
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            name = f"chatty-{backend}"
+            answer, body = harness.request(
+                connection,
+                "POST",
+                "/_api/deploy",
+                headers={**harness.bearer(deploy), "Content-Type": "application/json"},
+                body=json.dumps({"name": name, "code": code(args.lines)}),
+            )
+            if answer.status == 202:
+                place_queued(backend, full=f"{AGENT}--{name}")
+            elif answer.status != 201:
+                raise RuntimeError(f"deploy on {backend}: {answer.status} {body[:300]!r}")
+            connection.close()
+            runtime = build_runtime(backend)
+            done.clear()
+
+            def collect(runtime=runtime) -> None:  # the beat's task
+                while not done.wait(args.collect_every):
+                    try:
+                        services.call_records_collect(runtime=runtime)
+                    except Exception as exc:  # the next round tries again, as the beat does
+                        print(f"collecting failed: {exc!r}", file=sys.stderr)
+
+            collector = threading.Thread(target=collect, daemon=True)
+            collector.start()
+            results[backend] = readable_after(
+                port, harness.bearer(invoke), f"/{AGENT}/{name}/call", f"{AGENT}--{name}", args.calls
+            )
+            done.set()
+            collector.join()
+    finally:
+        done.set()
+        for process in servers:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=10)
+        emulator.stop()
+        embedded.stop()
+    print(f"load average {harness.load_average()}")
+    for backend, delays in results.items():
+        print(
+            f"{backend} on the emulator, end of call to readable record, {len(delays)} calls of {args.lines} "
+            f"lines, collected every {args.collect_every:g} s: p50 {harness.percentile(delays, 0.5):.1f} ms, "
+            f"p99 {harness.percentile(delays, 0.99):.1f} ms, worst {max(delays):.1f} ms"
+        )
+    return 0
+
+
 def main() -> int:
     args = harness.options(
         __doc__,
@@ -99,33 +231,17 @@ def main() -> int:
         lines=(5, "console lines each call writes"),
         warm=(2000, "warm calls per measurement of the cost"),
         rounds=2,
+        emulator=(0, "1: measure on the emulator's Cloudflare runtimes instead"),
+        collect_every=(2.0, "seconds between collections, with --emulator 1"),
     )
     print(f"load average {harness.load_average()}")
+    if args.emulator:
+        return on_the_emulator(args)
 
-    delays: list[float] = []
     with harness.Processes() as processes:
         port, invoke = start_sigil(processes, enabled=True, lines=args.lines)
         off_port, off_invoke = start_sigil(processes, enabled=False, lines=args.lines)
-        calls = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        reads = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        for i in range(args.calls + 5):
-            response, _ = harness.request(calls, "GET", "/bench/chatty/call", headers=invoke)
-            ended = time.perf_counter()
-            if response.status != 200:
-                raise RuntimeError(f"call {i} answered {response.status}")
-            request_id = response.getheader("X-Request-Id")
-            path = f"/_api/capabilities/bench--chatty/logs?request_id={request_id}"
-            while True:
-                answer, body = harness.request(reads, "GET", path, headers=invoke)
-                if answer.status == 200 and json.loads(body)["records"]:
-                    break
-                if time.perf_counter() - ended > 10:
-                    raise RuntimeError(f"the record of {request_id} was not readable within 10 s")
-                time.sleep(POLL_SECONDS)
-            if i >= 5:  # the first calls warm the isolate, the connections and the sink
-                delays.append((time.perf_counter() - ended) * 1000)
-        calls.close()
-        reads.close()
+        delays = readable_after(port, invoke, "/bench/chatty/call", f"{AGENT}--chatty", args.calls, patience=10)
 
         figures: dict[str, dict[str, list[float]]] = {"on": {}, "off": {}}
         warm_latency(off_port, off_invoke, 50)  # its isolate loaded, its connections open

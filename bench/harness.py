@@ -109,7 +109,7 @@ def workerd_in_thread():
     has reported; returns what stops them."""
     import threading
 
-    from capabilities.runtimes.local import local_workerd_group
+    from capabilities.log_sink import local_workerd_group
     from capabilities.workerd.group import read_status
 
     group = local_workerd_group()

@@ -11,8 +11,9 @@
 
 The gateway reads the open key in the MGET it sends before every call, and records a call's
 outcome inside stats.RECORD_CALL (which includes RECORD_OUTCOME_LUA), so the breaker costs no
-round trip of its own. Transitions to and from open are persisted on the capability's row by
-the capability_record_breaker task, for the admin and the agent's webhook.
+round trip of its own. The breaker only decides and reports: what follows a refusal or a
+transition (the database's copy of the state, the split guard) is the services' to send
+(capabilities/services/observability.py: breaker_enter, breaker_changed).
 """
 
 from __future__ import annotations
@@ -22,38 +23,25 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from django.conf import settings
-
-from capabilities import failures, names
+from capabilities import failures
 from capabilities.models import BreakerState
-from capabilities.tasks import capability_record_breaker as capability_record_breaker_task
-from capabilities.tasks import capability_split_guard as capability_split_guard_task
+from sigil.configured import FromSettings, setting
 from sigil.errors import Degraded
-from sigil.redis_client import get_redis
+from sigil.redis_client import get_redis, key_family
 
 # The open key's value when the owner forced the breaker; otherwise it holds the epoch
 # (seconds) the cool-down ends at.
 FORCED = b"forced"
 
 
-def open_key(full: str) -> str:
-    """Absent: closed. FORCED: forced open. Otherwise: open until this epoch, half-open after."""
-    return f"sigil:breaker:open:{full}"
-
-
-def failures_key(full: str) -> str:
-    """Failures in a row since the last success."""
-    return f"sigil:breaker:failures:{full}"
-
-
-def trial_key(full: str) -> str:
-    """Held by the one trial call of a half-open breaker (expires after a cool-down)."""
-    return f"sigil:breaker:trial:{full}"
-
-
-def forced_by_key(full: str) -> str:
-    """Who forced the breaker open and when (JSON), while it is forced."""
-    return f"sigil:breaker:forced-by:{full}"
+# A capability's breaker keys, by its full name. `open`: absent while closed, FORCED while
+# forced, else the epoch its cool-down ends at (half-open after). `failures`: failures in a row
+# since the last success. `trial`: held by a half-open breaker's one trial call (expiring after
+# a cool-down). `forced-by`: who forced it open and when (JSON), while it is forced.
+open_key = key_family("sigil:breaker:open")
+failures_key = key_family("sigil:breaker:failures")
+trial_key = key_family("sigil:breaker:trial")
+forced_by_key = key_family("sigil:breaker:forced-by")
 
 
 class Status(enum.StrEnum):
@@ -72,7 +60,7 @@ def status_of(raw: bytes | None, *, now: float) -> Status:
     return Status.OPEN if now < float(raw) else Status.HALF_OPEN
 
 
-# A Lua function for scripts that record a call's outcome (stats.RECORD_CALL, COUNT_FAILURE).
+# A Lua function for the script that records a call's outcome (stats.RECORD_CALL).
 # breaker_record(open, failures, trial: keys; now: epoch s; ok, is_trial: booleans; threshold;
 # cooldown: s) returns 'opened' or 'closed' when the breaker changed, '' otherwise.
 RECORD_OUTCOME_LUA = """
@@ -96,25 +84,20 @@ local function breaker_record(open, failures, trial, now, ok, is_trial, threshol
 end
 """
 
-# KEYS: open, failures, trial. ARGV: now (epoch s), threshold, cool-down seconds.
-COUNT_FAILURE = (
-    RECORD_OUTCOME_LUA
-    + """
-return breaker_record(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]), false, false, tonumber(ARGV[2]), tonumber(ARGV[3]))
-"""
-)
+
+def transition(change: bytes | str | None) -> BreakerState | None:
+    """The state a breaker script's answer ('opened', 'closed'; '' for none) moved to, or None."""
+    if not change:
+        return None
+    return BreakerState.OPEN if change in (b"opened", "opened") else BreakerState.CLOSED
 
 
 @dataclass(frozen=True)
-class Breaker:
+class Breaker(FromSettings):
     """The breaker rules with their settings; one per gateway, or built where needed."""
 
-    threshold: int
-    cooldown_seconds: float
-
-    @classmethod
-    def from_settings(cls) -> Breaker:
-        return cls(threshold=settings.SIGIL_BREAKER_THRESHOLD, cooldown_seconds=settings.SIGIL_BREAKER_COOLDOWN_SECONDS)
+    threshold: int = setting("SIGIL_BREAKER_THRESHOLD")
+    cooldown_seconds: float = setting("SIGIL_BREAKER_COOLDOWN_SECONDS")
 
     def enter(self, redis, *, full: str, raw: bytes, now: float) -> bool:
         """Admit a call to a capability whose open key holds `raw`; return True when the call
@@ -125,55 +108,13 @@ class Breaker:
         status = status_of(raw, now=now)
         if status == Status.FORCED:
             # No end to announce: ask the caller to look again after one cool-down.
-            self._refused(redis, full)
             raise Degraded(f"{full} was made degraded by Sigil's owner", retry_after=self.cooldown_seconds)
         if status == Status.OPEN:
-            self._refused(redis, full)
             raise Degraded(f"{full} is degraded after repeated failures", retry_after=float(raw) - now)
         ttl_ms = int(self.cooldown_seconds * 1000) or 1000
         if not redis.set(trial_key(full), 1, nx=True, px=ttl_ms):
-            self._refused(redis, full)
             raise Degraded(f"{full} is degraded; a trial call is in progress", retry_after=1)
         return True
-
-    @staticmethod
-    def _refused(redis, full: str) -> None:
-        """A staged version in a split, refused by its breaker: the split's guard decides on
-        this answer too (one more round trip, and only for staged versions)."""
-        if not names.is_variant(full):
-            return
-        from capabilities import stats
-
-        if stats.split_refusal_count(redis, variant=full):
-            capability_split_guard_task.delay()
-
-    def count_failure(self, *, full: str, now: float | None = None) -> bool:
-        """Count one failure of `full` that no call's outcome recorded (for example the
-        runtime stopping it for exceeding a limit); return whether it opened the breaker,
-        whose transition is then persisted. Not idempotent: each call counts one failure.
-        Forced breakers do not move."""
-        now = time.time() if now is None else now
-        keys = [open_key(full), failures_key(full), trial_key(full)]
-        change = get_redis().eval(COUNT_FAILURE, len(keys), *keys, f"{now:.6f}", self.threshold, self.cooldown_seconds)
-        breaker_changed(full=full, change=change, at_epoch=now)
-        return change == b"opened"
-
-
-def breaker_count_failure(*, full: str) -> bool:
-    """Count one failure toward `full`'s breaker with the configured threshold and cool-down;
-    return whether it opened. See Breaker.count_failure."""
-    return Breaker.from_settings().count_failure(full=full)
-
-
-def breaker_changed(*, full: str, change: bytes | str | None, at_epoch: float) -> None:
-    """Persist a transition a breaker script reported ('opened', 'closed'; '' is none)."""
-    if not change:
-        return
-    opened = change in (b"opened", "opened")
-    state = BreakerState.OPEN if opened else BreakerState.CLOSED
-    capability_record_breaker_task.delay(full=full, state=state, at_epoch=at_epoch)
-    if opened and names.is_variant(full):
-        capability_split_guard_task.delay()  # a staged version failing: its guard looks at once
 
 
 def breaker_reset(*, full: str) -> None:

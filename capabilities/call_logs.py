@@ -5,8 +5,9 @@ The records come from the runtime's own tail events, after the call is over: the
 host's SigilTail entrypoint (capabilities/runtimes/host/host.js) is each capability's tail,
 shapes the events into records (lines per call and bytes per line cut there, secret values
 replaced by their binding's name there, so they never leave workerd), and posts them to the
-log sink (capabilities/log_sink.py), which calls call_records_keep(). Nothing on the call's
-path waits for them or touches these keys.
+log sink (capabilities/log_sink.py), which calls call_records_keep(); on Cloudflare the tails
+leave them in Workers KV, and capabilities.services.call_records collects them. Nothing on the
+call's path waits for them or touches these keys.
 
 Keys:
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from capabilities import names, routes
+from capabilities.log_limits import LogLimits
 from sigil.errors import InvalidRequest
 from sigil.redis_client import get_redis
 
@@ -90,31 +92,6 @@ redis.call('HINCRBY', bytes, full, size)
 while redis.call('LLEN', list) > max_records do drop_oldest() end
 return seq
 """
-
-
-@dataclass(frozen=True)
-class LogLimits:
-    """The bounds on what is kept, from settings."""
-
-    lines_per_call: int
-    line_bytes: int
-    records_per_capability: int
-    retention_seconds: int
-    agent_bytes: int
-
-    @classmethod
-    def from_settings(cls) -> LogLimits:
-        return cls(
-            lines_per_call=settings.SIGIL_LOGS_LINES_PER_CALL,
-            line_bytes=settings.SIGIL_LOGS_LINE_BYTES,
-            records_per_capability=settings.SIGIL_LOGS_RECORDS_PER_CAPABILITY,
-            retention_seconds=settings.SIGIL_LOGS_RETENTION_SECONDS,
-            agent_bytes=settings.SIGIL_LOGS_AGENT_BYTES,
-        )
-
-    def for_host(self) -> dict:
-        """The per-call bounds as the loader host's tail reads them (LOG_LIMITS)."""
-        return {"lines": self.lines_per_call, "lineBytes": self.line_bytes}
 
 
 class RecordRefused(ValueError):
@@ -208,24 +185,6 @@ def call_records_keep(*, records: list, limits: LogLimits | None = None) -> int:
             args=[full, encoded, limits.records_per_capability, limits.agent_bytes, now, limits.retention_seconds],
         )
         kept += bool(seq)
-    return kept
-
-
-def call_records_collect(*, runtime, limit: int = 100) -> int:
-    """Keep the batches of call records `runtime` left to be collected (the Cloudflare
-    runtimes' tails leave them in Workers KV); returns how many records were kept. A batch
-    that cannot be read is counted as undelivered. Each batch is taken once: running this
-    twice keeps nothing twice. Raises RuntimeUnavailable."""
-    kept = 0
-    for batch in runtime.call_records_take(limit=limit):
-        records = batch.get("records")
-        if not isinstance(records, list):
-            call_records_undelivered()
-            continue
-        kept += call_records_keep(records=records)
-        dropped = batch.get("dropped")
-        if isinstance(dropped, int) and not isinstance(dropped, bool) and dropped > 0:
-            call_records_undelivered(count=dropped)  # the tail's queue was full
     return kept
 
 

@@ -14,18 +14,26 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from django.conf import settings
+from sigil.configured import FromSettings, setting
+from sigil.redis_client import key_family
 
 # Marks an answer served from this cache; its value says why.
 CACHE_HEADER = ("X-Sigil-Cache", "degraded")
 
 
-def entries_key(full: str) -> str:
-    return f"sigil:degraded-cache:{full}"
+entries_key = key_family("sigil:degraded-cache")
+index_key = key_family("sigil:degraded-cache-index")
 
 
-def index_key(full: str) -> str:
-    return f"sigil:degraded-cache-index:{full}"
+@dataclass(frozen=True)
+class CachedAnswer:
+    """A good answer as kept, to be served again while the breaker is open."""
+
+    status: int
+    reason: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    stored_epoch: float
 
 
 # KEYS: entries, index. ARGV: path and query, the answer (JSON), now (epoch s), most entries,
@@ -46,29 +54,12 @@ return 1
 
 
 @dataclass(frozen=True)
-class CachedAnswer:
-    status: int
-    reason: str
-    headers: list[tuple[str, str]]
-    body: bytes
-    stored_epoch: float
-
-
-@dataclass(frozen=True)
-class DegradedCache:
+class DegradedCache(FromSettings):
     """The cache's bounds, from settings; one per gateway."""
 
-    max_entries: int
-    max_age_seconds: int
-    max_body_bytes: int
-
-    @classmethod
-    def from_settings(cls) -> DegradedCache:
-        return cls(
-            max_entries=settings.SIGIL_DEGRADED_CACHE_MAX_ENTRIES,
-            max_age_seconds=settings.SIGIL_DEGRADED_CACHE_MAX_AGE_SECONDS,
-            max_body_bytes=settings.SIGIL_DEGRADED_CACHE_MAX_BYTES,
-        )
+    max_entries: int = setting("SIGIL_DEGRADED_CACHE_MAX_ENTRIES")
+    max_age_seconds: int = setting("SIGIL_DEGRADED_CACHE_MAX_AGE_SECONDS")
+    max_body_bytes: int = setting("SIGIL_DEGRADED_CACHE_MAX_BYTES")
 
     def store(self, redis, *, full: str, target: str, answer: CachedAnswer) -> None:
         """Keep `answer` as the last good one for `target` (path and query). Idempotent."""

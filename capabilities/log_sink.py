@@ -17,7 +17,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import redis
 
-from capabilities.call_logs import LogLimits, call_records_keep, call_records_undelivered
+from capabilities.call_logs import call_records_keep, call_records_undelivered
+from capabilities.log_limits import LogLimits
+from capabilities.runtimes.local import local_limits, local_processes
+from capabilities.workerd.group import WorkerdGroup
 
 logger = logging.getLogger(__name__)
 
@@ -108,3 +111,21 @@ def _handler_for(sink: LogSink) -> type[BaseHTTPRequestHandler]:
             pass  # one line per batch would drown the supervisor's log
 
     return Handler
+
+
+def local_workerd_group(*, own_session: bool = True) -> WorkerdGroup:
+    """The local runtime's supervised workerd processes, as Sigil's settings describe them,
+    with this sink beside them when call records are on (what runworkerd runs).
+    `own_session=False` keeps them in the caller's process group."""
+    from django.conf import settings
+
+    return local_processes().group(
+        code_dir=settings.SIGIL_CODE_DIR,
+        binary=settings.SIGIL_WORKERD_BIN,
+        secret=settings.SIGIL_INTERNAL_SECRET,
+        limits=local_limits(cpu_ms=settings.SIGIL_CPU_MS, memory_mb=settings.SIGIL_WORKERD_MEMORY_MB),
+        own_session=own_session,
+        log_sink=LogSink(secret=settings.SIGIL_INTERNAL_SECRET, limits=LogLimits.from_settings())
+        if settings.SIGIL_LOGS_ENABLED
+        else None,
+    )

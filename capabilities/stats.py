@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from agents import tokens
 from capabilities import breaker, failures, pager
-from sigil.redis_client import get_redis
+from sigil.redis_client import get_redis, key_family
 
 # Upper bounds (ms) of the latency histogram's buckets; one more bucket holds the rest.
 LATENCY_BUCKETS_MS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
@@ -32,8 +32,7 @@ UNROUTED_TOTALS_KEY = "sigil:stats:unrouted-totals"
 ACCESS_LOG_KEY = "sigil:access:log"
 
 
-def stats_key(full: str) -> str:
-    return f"sigil:stats:{full}"
+stats_key = key_family("sigil:stats")
 
 
 def bucket_field(latency_ms: float) -> str:
@@ -56,12 +55,10 @@ def code_field(code: str | None) -> str:
     return f"e:{code}" if code else ""
 
 
-def split_refused_key(variant: str) -> str:
-    return f"sigil:split:refused:{variant}"
-
-
-def split_guard_due_key(variant: str) -> str:
-    return f"sigil:split:guard-due:{variant}"
+# By a split's staged version: the calls its breaker refused, and whether a guard run was
+# asked for lately.
+split_refused_key = key_family("sigil:split:refused")
+split_guard_due_key = key_family("sigil:split:guard-due")
 
 
 # At most one guard run is asked for per staged version in this long, however many of its

@@ -1,26 +1,22 @@
-"""Celery tasks: thin wrappers that load by id or name and call the service of the same name."""
+"""Celery tasks: thin wrappers that call the service of the same name with the task's
+arguments (ids and names, never rows).
+
+Each is declared with sigil.work.task (the one policy: late acknowledgement, given back when
+its worker is lost) for a job of capabilities/jobs.py, which is what the services send; the
+queue each goes to is CELERY_TASK_ROUTES' (settings).
+"""
 
 from __future__ import annotations
 
-import random
-
-from celery import shared_task
 from celery.contrib.django.task import DjangoTask
 from celery.exceptions import Retry
+from django.conf import settings
 
+from capabilities import jobs, services
+from capabilities.jobs import PAGE_OUT_RECHECK_SECONDS
+from capabilities.runtimes import get_runtime
 from capabilities.runtimes.errors import RuntimeUnavailable
-
-# A retry waits at most this long: the worker holds the retried task, unacknowledged, while
-# it waits, and the broker's visibility timeout (settings) must cover the wait and the run.
-MAX_COUNTDOWN_SECONDS = 60
-
-
-def retry_countdown(*, retries: int, retry_after: float | None) -> float:
-    """How long before retry number `retries` + 1: the runtime's Retry-After when it gave one
-    (Cloudflare's 429), else jittered exponential backoff; at most MAX_COUNTDOWN_SECONDS."""
-    if retry_after is not None:
-        return min(MAX_COUNTDOWN_SECONDS, retry_after)
-    return min(MAX_COUNTDOWN_SECONDS, 2 * 2**retries) * random.uniform(0.5, 1.0)
+from sigil.work import Job, retry_countdown, task
 
 
 class RuntimeTask(DjangoTask):
@@ -36,18 +32,37 @@ class RuntimeTask(DjangoTask):
             raise self.retry(exc=exc, countdown=countdown) from exc
 
 
-RETRY_TRANSIENT = {"base": RuntimeTask}
+def service_task(job: Job, **options):
+    """The task of `job` that calls the service of the same name (`capabilities.services`),
+    passing its keyword arguments on; `options` as for sigil.work.task."""
+    service = job.name.rpartition(".")[2]
+
+    def run(**kwargs) -> None:
+        getattr(services, service)(**kwargs)
+
+    run.__name__ = run.__qualname__ = service
+    return task(job, **options)(run)
 
 
-# Sent to the deploy queue. Its outcome is recorded on the version and handed to the waiting
-# request by the service, so no result backend is needed. A transient failure is retried
-# (the service says when, and keeps the version owned meanwhile); the last try records it.
-@shared_task(name="capabilities.capability_place_version", bind=True, acks_late=True, reject_on_worker_lost=True)
+capability_release_slot = service_task(jobs.capability_release_slot, base=RuntimeTask)
+capability_clear_slot = service_task(jobs.capability_clear_slot, base=RuntimeTask)
+capability_prewarm = service_task(jobs.capability_prewarm, base=RuntimeTask)
+capability_refresh_bindings = service_task(jobs.capability_refresh_bindings, base=RuntimeTask)
+capability_expire_ephemerals = service_task(jobs.capability_expire_ephemerals)
+capability_flush_stats = service_task(jobs.capability_flush_stats)
+capability_split_guard = service_task(jobs.capability_split_guard)
+capability_record_breaker = service_task(jobs.capability_record_breaker)
+capability_reconcile = service_task(jobs.capability_reconcile)
+capability_reap = service_task(jobs.capability_reap)
+capability_mark_inactive = service_task(jobs.capability_mark_inactive)
+capability_prune_stats = service_task(jobs.capability_prune_stats)
+
+
+# Its outcome is recorded on the version and handed to the waiting request by the service, so
+# no result backend is needed. A transient failure is retried (the service says when, and
+# keeps the version owned meanwhile); the last try records it.
+@task(jobs.capability_place_version, bind=True)
 def capability_place_version(self, *, version_id: int) -> None:
-    from django.conf import settings
-
-    from capabilities import services
-
     retries = settings.SIGIL_DEPLOY_RETRIES
     try:
         services.capability_place_version(version_id=version_id, retries=self.request.retries, max_retries=retries)
@@ -55,61 +70,11 @@ def capability_place_version(self, *, version_id: int) -> None:
         raise self.retry(exc=exc, countdown=exc.retry_after, max_retries=retries) from exc
 
 
-@shared_task(name="capabilities.capability_release_slot", acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT)
-def capability_release_slot(*, capability_id: int) -> None:
-    from capabilities import services
-
-    services.capability_release_slot(capability_id=capability_id)
-
-
-@shared_task(name="capabilities.capability_clear_slot", acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT)
-def capability_clear_slot(*, full: str, slot: str) -> None:
-    from capabilities import services
-
-    services.capability_clear_slot(full=full, slot=slot)
-
-
-@shared_task(name="capabilities.capability_expire_ephemerals", acks_late=True, reject_on_worker_lost=True)
-def capability_expire_ephemerals() -> None:
-    from capabilities import services
-
-    services.capability_expire_ephemerals()
-
-
-@shared_task(name="capabilities.capability_flush_stats", acks_late=True, reject_on_worker_lost=True)
-def capability_flush_stats() -> None:
-    from capabilities import services
-
-    services.capability_flush_stats()
-
-
-@shared_task(name="capabilities.capability_split_guard", acks_late=True, reject_on_worker_lost=True)
-def capability_split_guard() -> None:
-    from capabilities import services
-
-    services.capability_split_guard()
-
-
-@shared_task(name="capabilities.capability_record_breaker", acks_late=True, reject_on_worker_lost=True)
-def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None:
-    from capabilities import services
-
-    services.capability_record_breaker(full=full, state=state, at_epoch=at_epoch)
-
-
-# How often a page-out checks again whether its victim's calls in flight have ended.
-PAGE_OUT_RECHECK_SECONDS = 0.25
-
-
-@shared_task(
-    name="capabilities.capability_page_out", bind=True, acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT
-)
+@task(jobs.capability_page_out, bind=True, base=RuntimeTask)
 def capability_page_out(self, *, full: str, wait_until: float | None = None) -> None:
     """Two budgets: the wait for calls in flight is bounded in time (the service sets the
     deadline on its first check), runtime failures by RuntimeTask's retries, which the
     waiting does not use up."""
-    from capabilities import services
-
     try:
         services.capability_page_out(full=full, wait_until=wait_until)
     except services.StillInFlight as exc:
@@ -124,55 +89,8 @@ def capability_page_out(self, *, full: str, wait_until: float | None = None) -> 
         raise Retry(exc=exc, when=PAGE_OUT_RECHECK_SECONDS, sig=again) from exc
 
 
-@shared_task(name="capabilities.capability_reconcile", acks_late=True, reject_on_worker_lost=True)
-def capability_reconcile() -> None:
-    from capabilities import services
-
-    services.capability_reconcile()
-
-
-@shared_task(name="capabilities.capability_reap", acks_late=True, reject_on_worker_lost=True)
-def capability_reap() -> None:
-    from capabilities import services
-
-    services.capability_reap()
-
-
-@shared_task(name="capabilities.capability_mark_inactive", acks_late=True, reject_on_worker_lost=True)
-def capability_mark_inactive() -> None:
-    from capabilities import services
-
-    services.capability_mark_inactive()
-
-
-@shared_task(name="capabilities.capability_prewarm", acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT)
-def capability_prewarm() -> None:
-    from capabilities import services
-
-    services.capability_prewarm()
-
-
-@shared_task(name="capabilities.capability_prune_stats", acks_late=True, reject_on_worker_lost=True)
-def capability_prune_stats() -> None:
-    from capabilities import services
-
-    services.capability_prune_stats()
-
-
-@shared_task(
-    name="capabilities.capability_refresh_bindings", acks_late=True, reject_on_worker_lost=True, **RETRY_TRANSIENT
-)
-def capability_refresh_bindings(*, full: str) -> None:
-    from capabilities import services
-
-    services.capability_refresh_bindings(full=full)
-
-
-@shared_task(name="capabilities.call_records_collect", acks_late=True, reject_on_worker_lost=True)
+@task(jobs.call_records_collect)
 def call_records_collect() -> None:
     # No retry: the next beat comes within SIGIL_LOGS_COLLECT_INTERVAL_SECONDS, and a batch
     # not yet taken waits for it where the tail left it.
-    from capabilities import call_logs
-    from capabilities.runtimes import get_runtime
-
-    call_logs.call_records_collect(runtime=get_runtime())
+    services.call_records_collect(runtime=get_runtime())

@@ -76,11 +76,13 @@ class WorkerTarget:
     sha: str
     upload: ScriptUpload
     namespace: str | None = None
+    #: "produce" when Tail Workers receive its events (cfemulator.tails), else ""
+    tails: str = ""
 
     @property
     def runs_bound(self) -> bool:
-        """Whether it needs a workerd config of its own for its bindings (see cfemulator.bound)."""
-        return needs_own_workerd(self.upload)
+        """Whether it needs a workerd config of its own for its bindings or its tail (see cfemulator.bound)."""
+        return needs_own_workerd(self.upload) or bool(self.tails)
 
 
 class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore):
@@ -220,7 +222,10 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
                         and script.serves(now)
                         and now >= script.route_live_at
                     ):
-                        return WorkerTarget(f"script:{script.name}", script.name, script.sha, script.upload)
+                        tails = "produce" if script.upload.tail_consumers else ""
+                        return WorkerTarget(
+                            f"script:{script.name}", script.name, script.sha, script.upload, tails=tails
+                        )
                     return None
             match = re.fullmatch(rf"({_LABEL})\.([^.]+)\.dispatch\.localhost", name)
             if match:
@@ -228,8 +233,45 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
                 script = namespace.scripts.get(match.group(1)) if namespace else None
                 if script is not None and script.serves(time.time()):
                     key = f"ns:{namespace.name}:{script.name}"
-                    return WorkerTarget(key, script.name, script.sha, script.upload, namespace=namespace.name)
+                    tails = "produce" if self._dispatch_tail_consumers_locked(namespace.name) else ""
+                    return WorkerTarget(
+                        key, script.name, script.sha, script.upload, namespace=namespace.name, tails=tails
+                    )
         return None
+
+    def tail_consumers_of(self, key: str) -> tuple[str, str | None, list[Script]]:
+        """For the process `key` ("script:{name}" or "ns:{namespace}:{name}"): the producer's
+        script name, its dispatch namespace, and the scripts that consume its tail events. A
+        namespace script's events go to the Tail Workers of the Worker binding its namespace
+        (Cloudflare's dispatch Worker). A consumer that does not exist receives nothing."""
+        kind, _, rest = key.partition(":")
+        with self._lock:
+            if kind == "ns":
+                namespace, _, name = rest.partition(":")
+                wanted = self._dispatch_tail_consumers_locked(namespace)
+            else:
+                namespace, name = None, rest
+                script = self.scripts.get(name)
+                wanted = list(script.upload.tail_consumers) if script is not None else []
+            consumers = []
+            for consumer in wanted:
+                home = self.namespaces.get(consumer["namespace"]) if consumer.get("namespace") else None
+                scripts = home.scripts if home is not None else self.scripts
+                found = scripts.get(consumer["service"])
+                if found is not None and all(found is not kept for kept in consumers):
+                    consumers.append(found)
+        return name, namespace, consumers
+
+    def _dispatch_tail_consumers_locked(self, namespace: str) -> list[dict[str, str]]:
+        return [
+            consumer
+            for script in self.scripts.values()
+            if any(
+                b.get("type") == "dispatch_namespace" and b.get("namespace") == namespace
+                for b in script.upload.bindings
+            )
+            for consumer in script.upload.tail_consumers
+        ]
 
     def record_dispatch(self, *, namespace: str, script: str, limits: Any, status: int) -> None:
         """Log one call made through a dispatch namespace binding, with the limits it asked for."""

@@ -108,7 +108,7 @@ def _settings(script: Script) -> dict[str, Any]:
         "limits": script.upload.limits,
         "logpush": False,
         "tags": script.upload.tags,
-        "tail_consumers": [],
+        "tail_consumers": [dict(consumer) for consumer in script.upload.tail_consumers],
         "usage_model": "standard",
     }
 

@@ -65,6 +65,32 @@ LOADER_BINDING_PREFIX = "__CFEMULATOR_LOADER_"
 SHIM_MODULE = "__cfemulator_entry.js"
 EMULATOR_BINDING = "__CFEMULATOR"
 DISPATCH_HOST_SUFFIX = "dispatch.localhost"
+# Tail Workers (a script's `tail_consumers`; for a dispatch namespace's scripts, those of the
+# Worker that binds the namespace). workerd produces the tail events itself: a tailed script's
+# config names a small Worker of the emulator's as its `tails`, which posts the events (its
+# process key in TAIL_HEADER) to the emulator, which hands them to each consumer's `tail()`
+# (cfemulator.tails). A consumer runs in a process of its own for that, behind _TAIL_ENTRY.
+TAIL_HEADER = "x-cfemulator-tail"
+TAIL_FORWARDER = "cfemulator-tail"
+_TAIL_FORWARD = """export default {{
+  async tail(events, env) {{
+    await env.EMULATOR.fetch("http://cfemulator/", {{
+      method: "POST", headers: {{ {header}: {key} }}, body: JSON.stringify(events),
+    }});
+  }},
+}};
+"""
+_TAIL_ENTRY = """import * as uploaded from {main};
+export * from {main};
+const worker = uploaded.default;
+export default {{
+  async fetch(request, env, ctx) {{
+    const events = await request.json();
+    if (worker && typeof worker.tail === "function") await worker.tail(events, env, ctx);
+    return new Response(null, {{ status: 204 }});
+  }},
+}};
+"""
 
 # The dispatch namespace binding, as Cloudflare's runtime shapes it (reference §4.3), and the
 # Worker Loader binding with the CPU meter around its entrypoints (see METER_HEADER).
@@ -253,6 +279,10 @@ class BoundHost(WorkerdHost):
     sha: str = ""
     emulator_port: int = 0
     script_port: int = 0
+    #: the process key its tail events are posted with; None: its events go nowhere
+    tail_key: str | None = None
+    #: whether the process serves only the deliveries of events to the script's `tail()`
+    tail_entry: bool = False
     _environment: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     def write_config(self) -> Path:
@@ -263,6 +293,8 @@ class BoundHost(WorkerdHost):
             port=self.script_port,
             probe_port=self.port,
             emulator_port=self.emulator_port,
+            tail_key=self.tail_key,
+            tail_entry=self.tail_entry,
         )
         self.config_path.write_text(config)
         return self.config_path
@@ -272,11 +304,19 @@ class BoundHost(WorkerdHost):
 
 
 def bound_config(
-    directory: Path, upload: ScriptUpload, *, port: int, probe_port: int, emulator_port: int
+    directory: Path,
+    upload: ScriptUpload,
+    *,
+    port: int,
+    probe_port: int,
+    emulator_port: int,
+    tail_key: str | None = None,
+    tail_entry: bool = False,
 ) -> tuple[str, dict[str, str]]:
     """The capnp config of one bound script listening on `port`, with a liveness probe on
     `probe_port` (its modules are written to `directory`), and the environment holding its
-    text bindings."""
+    text bindings. With `tail_key`, its tail events are posted to the emulator under that key;
+    with `tail_entry`, each request to it is a batch of events for the script's `tail()`."""
     modules = []
     for index, (name, kind) in enumerate(upload.module_types.items()):
         if kind == SOURCE_MAP_TYPE:
@@ -349,9 +389,29 @@ def bound_config(
         (directory / "shim.js").write_text(shim)
         modules.insert(0, f'(name = {_capnp(SHIM_MODULE)}, esModule = embed "shim.js")')
         main_module = SHIM_MODULE
+    elif tail_entry:
+        (directory / "tail-entry.js").write_text(_TAIL_ENTRY.format(main=json.dumps("./" + main_module)))
+        modules.insert(0, f'(name = {_capnp(SHIM_MODULE)}, esModule = embed "tail-entry.js")')
+        main_module = SHIM_MODULE
     else:
         index = next(i for i, m in enumerate(modules) if m.startswith(f"(name = {_capnp(main_module)},"))
         modules.insert(0, modules.pop(index))  # workerd's entry point is the first module
+    tails, forwarder = "", ""
+    if tail_key is not None:
+        (directory / "tail-forward.js").write_text(
+            _TAIL_FORWARD.format(header=json.dumps(TAIL_HEADER), key=json.dumps(tail_key))
+        )
+        services.append(f"(name = {_capnp(TAIL_FORWARDER)}, worker = .tailForward)")
+        if not (namespaces or loaders):
+            services.append(f'(name = "cfemulator", external = (address = {_capnp(emulator_address)}, http = ()))')
+        tails = f"\n  tails = [{_capnp(TAIL_FORWARDER)}],"
+        forwarder = """
+const tailForward :Workerd.Worker = (
+  modules = [(name = "tail-forward.js", esModule = embed "tail-forward.js")],
+  compatibilityDate = "2025-01-01",
+  bindings = [(name = "EMULATOR", service = "cfemulator")],
+);
+"""
 
     config = f"""using Workerd = import "/workerd/workerd.capnp";
 
@@ -372,9 +432,9 @@ const main :Workerd.Worker = (
   modules = {_list(modules)},
   compatibilityDate = {_capnp(upload.compatibility_date)},
   compatibilityFlags = {_list([_capnp(flag) for flag in flags])},
-  bindings = {_list(bindings)},
+  bindings = {_list(bindings)},{tails}
 );
-"""
+{forwarder}"""
     return config, environment
 
 

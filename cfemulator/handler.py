@@ -16,7 +16,7 @@ from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from cfemulator.api_common import ApiRequest
 from cfemulator.bodies import BodyTooLarge, RequestBody
-from cfemulator.bound import CALL_HEADER, KV_HEADER, METER_CPU_HEADER, METER_HEADER
+from cfemulator.bound import CALL_HEADER, KV_HEADER, METER_CPU_HEADER, METER_HEADER, TAIL_HEADER
 from cfemulator.proxy import WorkerProxy
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,10 @@ class RequestHandler(WorkerProxy, BaseHTTPRequestHandler):
             return
         kv_namespace = self.headers.get(KV_HEADER)
         meter = self.headers.get(METER_HEADER)
-        if meter is not None:
+        tailed = self.headers.get(TAIL_HEADER)
+        if tailed is not None:
+            self._send(emulator.tails.received(tailed, body), b"", None)
+        elif meter is not None:
             try:
                 cpu_ms = int(self.headers.get(METER_CPU_HEADER) or 0)
             except ValueError:

@@ -181,7 +181,7 @@ class WorkerProxy:
         stopped_pid: int | None = None
         deadline = 0.0
         while True:
-            running = emulator.scripts.acquire(target.key, sha=target.sha, upload=target.upload)
+            running = emulator.scripts.acquire(target.key, sha=target.sha, upload=target.upload, tails=target.tails)
             pid = running.pid
             if stopped_pid is not None and pid in (stopped_pid, None) and time.monotonic() < deadline:
                 time.sleep(0.02)  # the supervisor is replacing the stopped process

@@ -117,21 +117,23 @@ class ScriptProcesses:
         self.secret = secret
         self.emulator_port = 0  # set once the emulator's socket is bound
         self._lock = threading.Lock()
-        self._uploads: dict[str, tuple[str, ScriptUpload | None]] = {}
+        self._uploads: dict[str, tuple[str, ScriptUpload | None, str]] = {}
         self._ports = _Ports()
         self._group = self._new_group()
 
-    def acquire(self, key: str, *, sha: str, upload: ScriptUpload | None = None) -> ScriptProcess:
+    def acquire(self, key: str, *, sha: str, upload: ScriptUpload | None = None, tails: str = "") -> ScriptProcess:
         """`key`'s process, started, or restarted for a bound script's new `sha`, as needed.
-        Without an upload, a loader host that runs any bundle of the code directory.
+        Without an upload, a loader host that runs any bundle of the code directory. `tails`:
+        "produce" when Tail Workers receive the script's events (it then runs from a config of
+        its own), "consume" for the process that hands events to the script's `tail()`.
 
         Raises TimeoutError when it does not serve within 15 s.
         """
-        bound = upload is not None and needs_own_workerd(upload)
+        bound = upload is not None and (needs_own_workerd(upload) or bool(tails))
         # A script that gains or loses such a binding changes process, as its host differs.
         name = f"{key}:bound" if bound else key
         with self._lock:
-            self._uploads[name] = (sha, upload)
+            self._uploads[name] = (sha, upload, tails)
             group = self._group
             supervised = group.get(name)
             replaced = None
@@ -160,9 +162,9 @@ class ScriptProcesses:
         return WorkerdGroup(self._make_host, LIMITS, self._ports)
 
     def _make_host(self, name: str, port: int) -> WorkerdHost:
-        sha, upload = self._uploads[name]
+        sha, upload, tails = self._uploads[name]
         directory = self.state_dir / name.replace(":", "-")
-        if upload is None or not needs_own_workerd(upload):
+        if upload is None or not (needs_own_workerd(upload) or tails):
             return WorkerdHost(
                 binary=self.binary, port=port, code_dir=self.code_dir, state_dir=directory, secret=self.secret
             )
@@ -176,4 +178,6 @@ class ScriptProcesses:
             sha=sha,
             emulator_port=self.emulator_port,
             script_port=self._ports.port_for(f"{name}:script"),
+            tail_key=name.removesuffix(":bound") if tails == "produce" else None,
+            tail_entry=tails == "consume",
         )

@@ -45,6 +45,7 @@ from cfemulator.envelope import ApiError
 from cfemulator.handler import HttpServer
 from cfemulator.hostcode import HostUnanswered, start_problem
 from cfemulator.scripts import ScriptProcesses
+from cfemulator.tails import TailRelay
 from cfemulator.tunnel import Handshake, open_upgrade
 
 LISTEN_ADDRESS = "127.0.0.1"
@@ -77,6 +78,7 @@ class EmulatorServer:
         )
         self.meter = CpuMeter(grace_ms=lambda: self.api.config.cpu_grace_ms)
         self.calls = DynamicCalls()
+        self.tails = TailRelay(api=api, scripts=self.scripts)
         self._requested_port = port
         self._http: HttpServer | None = None
         self._thread: threading.Thread | None = None

@@ -90,6 +90,10 @@ class ScriptUpload:
     size_compressed: int = 0
     # Binding types the previous upload's bindings are kept of (metadata.keep_bindings).
     keep_bindings: tuple[str, ...] = ()
+    # The Tail Workers that receive this script's events (metadata.tail_consumers), each
+    # `{"service": name}` with an optional `environment` and `namespace`, as the SDKs'
+    # ConsumerScriptParam types it.
+    tail_consumers: tuple[dict[str, str], ...] = ()
 
 
 def parse_form(content_type: str, body: bytes) -> list[FormPart]:
@@ -228,6 +232,7 @@ def parse_upload(content_type: str, body: bytes, *, max_compressed_bytes: int) -
         text_bindings=text_bindings,
         size_compressed=size,
         keep_bindings=_keep_bindings(metadata),
+        tail_consumers=_check_tail_consumers(metadata.get("tail_consumers")),
     )
 
 
@@ -294,6 +299,24 @@ def _keep_bindings(metadata: dict[str, Any]) -> tuple[str, ...]:
     # upload"); whether Cloudflare refuses a type it does not know is in no source, so one
     # simply keeps nothing.
     return tuple(_string_list(metadata, "keep_bindings"))
+
+
+def _check_tail_consumers(raw: Any) -> tuple[dict[str, str], ...]:
+    # ConsumerScriptParam: `service` is required, `environment` and `namespace` optional strings.
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ApiError(400, 10021, "metadata.tail_consumers must be a list")
+    consumers = []
+    for consumer in raw:
+        if not isinstance(consumer, dict) or not isinstance(consumer.get("service"), str) or not consumer["service"]:
+            raise ApiError(400, 10021, 'each tail consumer names its Worker: {"service": name}')
+        if not set(consumer) <= {"service", "environment", "namespace"} or not all(
+            isinstance(value, str) for value in consumer.values()
+        ):
+            raise ApiError(400, 10021, "a tail consumer holds only the strings service, environment and namespace")
+        consumers.append(dict(consumer))
+    return tuple(consumers)
 
 
 def _check_limits(raw: Any) -> dict[str, int]:

@@ -227,7 +227,7 @@ CACHES = {
 CELERY_BROKER_URL = "redis+socket://" + REDIS_URL[len("unix://") :] if REDIS_URL.startswith("unix://") else REDIS_URL
 # A task a worker took is given to another worker if not acknowledged this long after it was
 # taken (a main process killed with -9 acknowledges nothing). It fits the longest task: a
-# retry's countdown, spent held by the worker (at most 60 s, capabilities/tasks.py), then the
+# retry's countdown, spent held by the worker (at most 60 s, sigil/work.py), then the
 # hard time limit (CELERY_TASK_TIME_LIMIT, 180 s), plus a minute; shorter would run a task
 # still under way twice.
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 300}
@@ -243,11 +243,27 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 # Any number of beats may run (one per host); the one holding a lease in Redis sends.
 CELERY_BEAT_SCHEDULER = "sigil_site.beat_leader:LeasedScheduler"
 # Deploys have a queue of their own, so that a request waiting on its deploy's placement is
-# never held behind a backlog of page-outs and other background work (capability_deploy sends them there).
+# never held behind a backlog of page-outs and other background work.
 SIGIL_DEPLOY_QUEUE = env_str("SIGIL_DEPLOY_QUEUE", "deploys")
 # What a worker consumes unless told otherwise (celery -Q): the default queue and deploys.
 # Each bound by its own name: a message sent to the default exchange's key never lands in both.
 CELERY_TASK_QUEUES = (Queue("celery", routing_key="celery"), Queue(SIGIL_DEPLOY_QUEUE, routing_key=SIGIL_DEPLOY_QUEUE))
+
+
+def _task_route(name: str, args, kwargs, options, task=None, **rest) -> dict | None:
+    """Where a task is sent: deploys to SIGIL_DEPLOY_QUEUE, a call's result to its callback URL
+    to SIGIL_ASYNC_QUEUE, every other task to the default queue ("celery"). Read as each task
+    is sent, so that a queue follows its setting (a test's too)."""
+    from django.conf import settings
+
+    queue = {
+        "capabilities.capability_place_version": settings.SIGIL_DEPLOY_QUEUE,
+        "agents.agent_callback_deliver": settings.SIGIL_ASYNC_QUEUE,
+    }.get(name)
+    return {"queue": queue} if queue else None
+
+
+CELERY_TASK_ROUTES = (_task_route,)
 
 SIGIL_TTL_EXPIRY_INTERVAL_SECONDS = env_float("SIGIL_TTL_EXPIRY_INTERVAL_SECONDS", 60.0)
 SIGIL_STATS_FLUSH_INTERVAL_SECONDS = env_float("SIGIL_STATS_FLUSH_INTERVAL_SECONDS", 10.0)

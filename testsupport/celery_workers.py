@@ -99,6 +99,7 @@ def process_environment(settings, **extra: str) -> dict[str, str]:
         "SIGIL_LEASE_SECONDS": str(settings.SIGIL_LEASE_SECONDS),
         "SIGIL_INTERNAL_SECRET": settings.SIGIL_INTERNAL_SECRET,
         "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0",
+        "SIGIL_LOGS_ENABLED": "true" if settings.SIGIL_LOGS_ENABLED else "false",
         **extra,
     }
 

@@ -52,6 +52,7 @@ from capabilities.engine.values import CallAnswer, CallRequest, Prefetched
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import SERVED_VERSION_HEADER, Route
 from capabilities.runtimes.errors import RuntimeThrottled, RuntimeUnavailable
+from capabilities.services.observability import breaker_changed, breaker_enter
 from sigil import leases
 from sigil.errors import (
     REDIS_UNREACHABLE,
@@ -333,7 +334,9 @@ class Engine:
         is_trial = False
         if breaker_raw is not None:  # not closed: open, half-open or forced
             try:
-                is_trial = await self.offload(self.breaker.enter, get_redis(), full=full, raw=breaker_raw, now=now)
+                is_trial = await self.offload(
+                    breaker_enter, self.breaker, get_redis(), full=full, raw=breaker_raw, now=now
+                )
             except Degraded:
                 cached = await self.cached_answer(request, route, full, now)
                 if cached is None:
@@ -671,7 +674,7 @@ class Engine:
             ),
         )
         if change:
-            await self.offload(breaker.breaker_changed, full=call.full, change=change, at_epoch=now)
+            await self.offload(breaker_changed, full=call.full, change=change, at_epoch=now)
 
     def give_shares(self, call: Call) -> None:
         if call.holds_call_share:

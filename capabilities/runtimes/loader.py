@@ -11,22 +11,23 @@ import time
 import urllib3
 from django.conf import LazySettings
 
-from capabilities.call_logs import LogLimits
+from capabilities.log_limits import LogLimits
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
-from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound
 from capabilities.runtimes.cloudflare.account import Finding, PlanProbe
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check, loader_host_store
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
+from capabilities.runtimes.tail_worker import kv_batches_take, kv_namespace_ensure, kv_namespace_find
 from capabilities.workerd.config import HOST_DIR
 
 HOST_MODULE = "host.js"
 HOST_SOURCE = (HOST_DIR / HOST_MODULE).read_text()
 CODE_PREFIX = "code:"
 SLOT_PREFIX = "slot:"
-# Batches of call records the host's tail leaves in the same namespace (host.js SigilTail).
-LOGS_PREFIX = "logs:"
+# Batches of call records the host's tail leaves in the same namespace (host.js SigilTail),
+# under tail_worker.LOGS_PREFIX.
 
 
 class LoaderRuntime(FrontedRuntime):
@@ -119,27 +120,8 @@ class LoaderRuntime(FrontedRuntime):
         if self._kv_id is None:
             with self._lock:
                 if self._kv_id is None:
-                    self._kv_id = self._find_or_create_kv()
+                    self._kv_id = kv_namespace_ensure(self.client, self.kv_title)
         return self._kv_id
-
-    def _find_kv(self) -> str | None:
-        for namespace in self.client.kv_namespace_list():
-            if namespace.get("title") == self.kv_title:
-                return str(namespace["id"])
-        return None
-
-    def _find_or_create_kv(self) -> str:
-        found = self._find_kv()
-        if found is not None:
-            return found
-        try:
-            return str(self.client.kv_namespace_create(self.kv_title)["id"])
-        except CloudflareRejected:
-            # A concurrent provision created it meanwhile (10014, a taken title): use that one.
-            found = self._find_kv()
-            if found is None:
-                raise
-            return found
 
     @property
     def front(self) -> SigilWorker:
@@ -183,9 +165,9 @@ class LoaderRuntime(FrontedRuntime):
         done = []
         with self._lock:
             if self._kv_id is None:
-                found = self._find_kv()
+                found = kv_namespace_find(self.client, self.kv_title)
                 if found is None:
-                    found = self._find_or_create_kv()
+                    found = kv_namespace_ensure(self.client, self.kv_title)
                     done.append(f"created the KV namespace {self.kv_title} ({found})")
                 self._kv_id = found
         if self.worker.deploy():
@@ -273,20 +255,5 @@ class LoaderRuntime(FrontedRuntime):
         return sorted(self._pointers())
 
     def call_records_take(self, *, limit: int) -> list[dict]:
-        """The oldest `limit` batches the host's tail left under `logs:` (one listing, then a
-        read and a delete per batch). A batch that is not JSON is dropped and returned as
-        `{"records": None}`, so that it is counted as undelivered."""
-        keys = sorted(k["name"] for k in self.client.kv_keys(self.kv_id, prefix=LOGS_PREFIX))[:limit]
-        batches = []
-        for key in keys:
-            try:
-                raw = self.client.kv_get(self.kv_id, key)
-            except CloudflareNotFound:
-                continue  # another collector took it, or it expired meanwhile
-            self.client.kv_delete(self.kv_id, key)
-            try:
-                batch = json.loads(raw)
-            except ValueError:
-                batch = {"records": None}
-            batches.append(batch if isinstance(batch, dict) else {"records": None})
-        return batches
+        """The oldest `limit` batches the host's tail left under `logs:`."""
+        return kv_batches_take(self.client, self.kv_id, limit=limit)

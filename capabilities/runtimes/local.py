@@ -7,17 +7,17 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import urllib3
 from django.conf import LazySettings
 from django.core.checks import CheckMessage, Error
 
-from capabilities.call_logs import LogLimits
-from capabilities.log_sink import LogSink
+from capabilities.log_limits import LogLimits
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CallStopped, CodeBundle, Process, Route, Runtime
 from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable
 from capabilities.runtimes.loader_host import loader_host_retire, loader_host_start_check
-from capabilities.workerd.group import PortRegistry, WorkerdGroup, read_status
+from capabilities.workerd.group import Companion, PortRegistry, WorkerdGroup, read_status
 from capabilities.workerd.host import WorkerdHost
 from capabilities.workerd.supervision import Kill, KillLog, Limits
 from sigil.files import write_atomically
@@ -36,6 +36,14 @@ PROCESS_START_SECONDS = 15.0
 # An idle workerd with the loader host already takes about 60 MB: a lower limit would have
 # the watchdog stop it as soon as it starts, again and again.
 MIN_MEMORY_MB = 128
+
+
+class CallRecordSink(Companion, Protocol):
+    """Where the hosts post their calls' records (capabilities/log_sink.py), served beside the
+    group: its port, and the per-call bounds the hosts apply."""
+
+    port: int
+    limits: LogLimits
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,7 @@ class LocalProcesses:
         secret: str,
         limits: Limits,
         own_session: bool,
-        log_sink: LogSink | None = None,
+        log_sink: CallRecordSink | None = None,
     ) -> WorkerdGroup:
         """The supervisor's side: one supervised workerd per agent in the registry, which
         first takes in every agent with a placement (made before the registry existed, or
@@ -195,23 +203,6 @@ def local_processes() -> LocalProcesses:
     from django.conf import settings
 
     return LocalProcesses(state_dir=settings.VAR_DIR / "workerd", base_port=settings.SIGIL_WORKERD_PORT)
-
-
-def local_workerd_group(*, own_session: bool = True) -> WorkerdGroup:
-    """The local runtime's supervised workerd processes, as Sigil's settings describe them
-    (what runworkerd runs). `own_session=False` keeps them in the caller's process group."""
-    from django.conf import settings
-
-    return local_processes().group(
-        code_dir=settings.SIGIL_CODE_DIR,
-        binary=settings.SIGIL_WORKERD_BIN,
-        secret=settings.SIGIL_INTERNAL_SECRET,
-        limits=local_limits(cpu_ms=settings.SIGIL_CPU_MS, memory_mb=settings.SIGIL_WORKERD_MEMORY_MB),
-        own_session=own_session,
-        log_sink=LogSink(secret=settings.SIGIL_INTERNAL_SECRET, limits=LogLimits.from_settings())
-        if settings.SIGIL_LOGS_ENABLED
-        else None,
-    )
 
 
 logger = logging.getLogger(__name__)

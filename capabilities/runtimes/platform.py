@@ -10,6 +10,7 @@ from pathlib import Path
 
 from django.conf import LazySettings
 
+from capabilities.call_logs import LogLimits
 from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import (
@@ -22,6 +23,7 @@ from capabilities.runtimes.cloudflare import (
 from capabilities.runtimes.cloudflare.account import Finding, PlanProbe, installation_tag
 from capabilities.runtimes.cloudflare.uploads import CAPABILITY_MODULE, SECRET_MODULE, sigil_modules
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
+from capabilities.runtimes.tail_worker import TailMailbox
 
 DISPATCHER_MODULE = "dispatcher.js"
 DISPATCHER_SOURCE = (Path(__file__).resolve().parent / "platform" / DISPATCHER_MODULE).read_text()
@@ -56,6 +58,7 @@ class PlatformRuntime(FrontedRuntime):
             **cls.account_settings(),
             namespace=settings.SIGIL_PLATFORM_NAMESPACE,
             dispatcher=settings.SIGIL_PLATFORM_DISPATCHER,
+            log_limits=LogLimits.from_settings().for_host() if settings.SIGIL_LOGS_ENABLED else None,
         )
 
     marker_header = "x-sigil-dispatch"
@@ -101,8 +104,16 @@ class PlatformRuntime(FrontedRuntime):
         secret: str,
         cpu_ms: int,
         invoke_base: str = "",
+        log_limits: dict | None = None,
     ) -> None:
         super().__init__(cpu_ms=cpu_ms)
+        # Sigil's Tail Worker, the dispatch Worker's tail consumer: it receives the user
+        # Workers' events too, and skips the dispatch Worker's own. None: call records are off.
+        self.tails = (
+            TailMailbox(client=client, limits=log_limits, skip=(dispatcher,), invoke_base=invoke_base)
+            if log_limits
+            else None
+        )
         self.client = client
         self.namespace = namespace
         self._secret = secret
@@ -115,6 +126,7 @@ class PlatformRuntime(FrontedRuntime):
             bindings=[{"type": "dispatch_namespace", "name": "DISPATCHER", "namespace": namespace}],
             secret_bindings=[{"type": "secret_text", "name": "SIGIL_DISPATCH_SECRET", "text": secret}],
             version_binding="SIGIL_DISPATCHER_VERSION",
+            tail_consumers=self.tails.consumers if self.tails is not None else (),
             invoke_base=invoke_base,
         )
 
@@ -141,6 +153,8 @@ class PlatformRuntime(FrontedRuntime):
             except CloudflareError:
                 # Created by a concurrent provision meanwhile? Then this finds it; else it raises.
                 self.client.namespace_get(self.namespace)
+        if self.tails is not None:
+            done += self.tails.provision()
         if self.dispatcher.deploy():
             done.append(f"deployed the dispatch Worker {self.dispatcher.name} ({self.dispatcher.version})")
         self._provisioned = True
@@ -174,6 +188,9 @@ class PlatformRuntime(FrontedRuntime):
 
     def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
         return self._front_route([("X-Sigil-Dispatch-Secret", self._secret), ("X-Sigil-Script", slot)], cpu_ms)
+
+    def call_records_take(self, *, limit: int) -> list[dict]:
+        return self.tails.take(limit=limit) if self.tails is not None else []
 
     def list_slots(self) -> list[str]:
         return sorted(s.id for s in self.client.namespace_script_list(self.namespace, tags=[f"{CAPABILITY_TAG}:yes"]))

@@ -48,9 +48,11 @@ class SigilWorker:
         version_binding: str,
         compatibility_date: str = "2025-01-01",
         compatibility_flags: Sequence[str] = (),
+        tail_consumers: Sequence[Mapping[str, str]] = (),
         invoke_base: str = "",
     ) -> None:
         self.client = client
+        self.tail_consumers = [dict(c) for c in tail_consumers]
         self.name = name
         self.modules = dict(modules)
         self.main_module = main_module
@@ -64,6 +66,8 @@ class SigilWorker:
         stamp = [self.modules, self.main_module, self.bindings, compatibility_date, secrets]
         if self.compatibility_flags:  # so that a Worker without flags keeps the version it had
             stamp.append(self.compatibility_flags)
+        if self.tail_consumers:  # likewise
+            stamp.append(self.tail_consumers)
         stamp = json.dumps(stamp, sort_keys=True)
         self.version = hashlib.sha256(stamp.encode()).hexdigest()[:16]
         self._subdomain: str | None = None
@@ -106,6 +110,7 @@ class SigilWorker:
                 compatibility_flags=self.compatibility_flags,
                 bindings=[*self.bindings, *self.secret_bindings, version],
                 tags=[SYSTEM_TAG],
+                tail_consumers=self.tail_consumers,
             )
             self.client.script_subdomain_set(self.name, enabled=True)
             return True

@@ -11,6 +11,7 @@ from pathlib import Path
 from django.conf import LazySettings
 from django.core.checks import CheckMessage, Error
 
+from capabilities.call_logs import LogLimits
 from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, metadata_binding
@@ -23,6 +24,7 @@ from capabilities.runtimes.cloudflare.account import (
     scripts_in_use,
 )
 from capabilities.runtimes.cloudflare.uploads import CAPABILITY_MODULE, SECRET_MODULE, sigil_modules
+from capabilities.runtimes.tail_worker import TailMailbox
 
 GUARD_MODULE = "sigil-guard.js"
 GUARD_SOURCE = (Path(__file__).resolve().parent / "pool" / "guard.js").read_text()
@@ -76,6 +78,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
             user_reserved=settings.SIGIL_POOL_USER_RESERVED,
             safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
             redirect=settings.SIGIL_POOL_REDIRECT,
+            log_limits=LogLimits.from_settings().for_host() if settings.SIGIL_LOGS_ENABLED else None,
         )
 
     @classmethod
@@ -162,8 +165,13 @@ class WorkerPoolRuntime(CloudflareRuntime):
         invoke_base: str = "",
         redirect: bool = False,
         cpu_ms: int = 0,
+        log_limits: dict | None = None,
     ) -> None:
         self.client = client
+        # Sigil's Tail Worker, named in every script's tail_consumers (one of the account's
+        # scripts: SIGIL_POOL_SYSTEM_RESERVED counts it); None when call records are off.
+        self.tails = TailMailbox(client=client, limits=log_limits, invoke_base=invoke_base) if log_limits else None
+        self._tails_deployed = False
         self.default_cpu_ms = cpu_ms
         self.redirects = redirect
         self._secret = secret
@@ -214,6 +222,8 @@ class WorkerPoolRuntime(CloudflareRuntime):
             if bundle.version is not None:
                 # The upload replaces the script in place: its every answer says which version it is.
                 bindings.append({"type": "plain_text", "name": GUARD_VERSION_BINDING, "text": str(bundle.version)})
+        if self.tails is not None and not self._tails_deployed:
+            self.provision()
         self.client.script_upload(
             slot,
             modules=modules,
@@ -222,6 +232,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
             bindings=bindings,
             tags=[POOL_TAG, self.installation_tag, f"sha-{bundle.sha[:16]}"],
             limits={"cpu_ms": cpu_ms} if (cpu_ms := bundle.cpu_ms or self.default_cpu_ms) else None,
+            tail_consumers=self.tails.consumers if self.tails is not None else (),
         )
         self.client.script_subdomain_set(slot, enabled=True)
 
@@ -268,3 +279,15 @@ class WorkerPoolRuntime(CloudflareRuntime):
 
     def check(self) -> None:
         self._subdomain = self.client.subdomain_get()
+
+    def provision(self) -> list[str]:
+        """Deploy Sigil's Tail Worker if it is missing or stale (the first placement of each
+        process does it too). Idempotent."""
+        if self.tails is None:
+            return []
+        done = self.tails.provision()
+        self._tails_deployed = True
+        return done
+
+    def call_records_take(self, *, limit: int) -> list[dict]:
+        return self.tails.take(limit=limit) if self.tails is not None else []

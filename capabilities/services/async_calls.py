@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.utils import timezone
 
-from agents import egress
+from agents import egress, jobs
 from agents.models import Agent
 from agents.tokens import Principal
 from sigil.errors import InvalidRequest, NotFound, RateLimited
-from sigil.redis_client import get_redis
+from sigil.redis_client import get_redis, key_family
 
 ACCEPTED, RUNNING, DONE = "accepted", "running", "done"
 CALLBACK_EVENT = "call.completed"
@@ -35,27 +35,18 @@ QUEUE_KEY = "sigil:async:queue"
 ETA_SECONDS = 1
 
 
-def runner_key(runner_id: str) -> str:
-    """The calls one runner has taken and not yet finished."""
-    return f"sigil:async:taken:{runner_id}"
-
-
-def runner_lease_key(runner_id: str) -> str:
-    """Present while the runner lives: it renews it; once it lapses, its calls are put back."""
-    return f"sigil:async:runner:{runner_id}"
-
-
-def record_key(call_id: str) -> str:
-    return f"sigil:async:{call_id}"
+# By runner id: `taken`, the calls one runner has taken and not yet finished; `runner`,
+# present while the runner lives (it renews it; once it lapses, its calls are put back).
+runner_key = key_family("sigil:async:taken")
+runner_lease_key = key_family("sigil:async:runner")
+# By call id: the call's execution record.
+record_key = key_family("sigil:async")
+# By agent name: the agent's calls accepted and not yet run (call id → when it was accepted).
+pending_key = key_family("sigil:async:pending")
 
 
 def status_url(call_id: str) -> str:
     return f"/_api/calls/{call_id}"
-
-
-def pending_key(agent_name: str) -> str:
-    """The agent's calls accepted and not yet run: call id → when it was accepted."""
-    return f"sigil:async:pending:{agent_name}"
 
 
 # KEYS: the agent's pending set. ARGV: call id, now, the oldest acceptance still counted (a
@@ -233,11 +224,7 @@ def _queue_callback(call_id: str) -> None:
         "capability": call.capability,
         "result": call.result.as_json(),
     }
-    from agents.tasks import agent_webhook_deliver as agent_webhook_deliver_task
-
     # Queued, then marked: a worker lost in between queues it again (at least once; the
     # delivery id lets the receiver drop a repeat), never not at all.
-    agent_webhook_deliver_task.apply_async(
-        kwargs={"agent_id": agent.pk, "delivery": delivery, "url": callback}, queue=settings.SIGIL_ASYNC_QUEUE
-    )
+    jobs.agent_callback_deliver.delay(agent_id=agent.pk, delivery=delivery, url=callback)
     redis.hset(key, "callback_queued", 1)

@@ -9,8 +9,8 @@ from django.utils import timezone
 from agents.models import Agent
 from agents.services import audit_record
 from capabilities import selectors
+from capabilities.jobs import capability_refresh_bindings as capability_refresh_bindings_task
 from capabilities.models import Binding, BindingGrant, State
-from capabilities.tasks import capability_refresh_bindings as capability_refresh_bindings_task
 from sigil.encryption import secret_encrypt
 from sigil.errors import Conflict
 

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 
 from django.db import transaction
 from django.utils import timezone
@@ -39,45 +38,35 @@ def capability_set_cpu_limit(*, capability: Capability, cpu_ms: int | None, acto
     """
     if cpu_ms is not None and not 1 <= cpu_ms <= MAX_CPU_MS:
         raise InvalidRequest(f"a CPU limit is 1 to {MAX_CPU_MS} ms")
-    with capability_written(capability.full_name) as write:
-        changed = (
-            Capability.objects.exclude(state=State.REMOVED)
-            .filter(pk=capability.pk)
-            .exclude(cpu_ms=cpu_ms)
-            .update(cpu_ms=cpu_ms, updated_at=timezone.now())
-        )
-        if not changed:
-            write.unchanged()
-            return
-        audit_record(
-            actor=actor,
-            action="capability.cpu_limit_set",
-            agent_name=capability.agent.name,
-            subject=capability.full_name,
-            detail={"cpu_ms": cpu_ms},
-        )
-    capability.refresh_from_db()
+    detail = {"cpu_ms": cpu_ms}
+    _owner_update(capability=capability, actor=actor, action="capability.cpu_limit_set", detail=detail, cpu_ms=cpu_ms)
 
 
 def capability_set_public(*, capability: Capability, is_public: bool, actor: str) -> bool:
     """Make a capability public (callable by every agent) or private (its agent's only), for
     the owner. Returns False when it already was. Raises NotFound when it was removed."""
+    if not Capability.objects.filter(pk=capability.pk).exclude(state=State.REMOVED).exists():
+        raise NotFound(f"no capability {capability.full_name}")
+    action, detail = "capability.updated", {"public": is_public}
+    return _owner_update(capability=capability, actor=actor, action=action, detail=detail, is_public=is_public)
+
+
+def _owner_update(*, capability: Capability, actor: str, action: str, detail: dict, **values) -> bool:
+    """Set `values` on a capability not removed; when that changed it, audit `action` with
+    `detail` (its Redis copies are published again by capability_written). Returns whether it
+    changed."""
     with capability_written(capability.full_name) as write:
-        if not Capability.objects.filter(pk=capability.pk).exclude(state=State.REMOVED).exists():
-            raise NotFound(f"no capability {capability.full_name}")
-        changed = Capability.objects.filter(pk=capability.pk, is_public=not is_public).update(
-            is_public=is_public, updated_at=timezone.now()
+        changed = (
+            Capability.objects.exclude(state=State.REMOVED)
+            .filter(pk=capability.pk)
+            .exclude(**values)
+            .update(**values, updated_at=timezone.now())
         )
         if not changed:
             write.unchanged()
         else:
-            audit_record(
-                actor=actor,
-                action="capability.updated",
-                agent_name=capability.agent.name,
-                subject=capability.full_name,
-                detail={"public": is_public},
-            )
+            agent_name = capability.agent.name
+            audit_record(actor=actor, action=action, agent_name=agent_name, subject=capability.full_name, detail=detail)
     capability.refresh_from_db()
     return bool(changed)
 
@@ -95,8 +84,6 @@ def capability_force_degraded(*, capability: Capability, actor: str) -> None:
     now = time.time()
     breaker.breaker_force(full=full, actor=actor, now=now)
     with transaction.atomic():
-        Capability.objects.filter(pk=capability.pk, breaker_state=BreakerState.CLOSED).update(
-            breaker_state=BreakerState.OPEN, breaker_opened_at=datetime.fromtimestamp(now, tz=UTC)
-        )
+        capability_record_breaker(full=full, state=BreakerState.OPEN, at_epoch=now, announce=False)
         audit_record(actor=actor, action="capability.forced_degraded", agent_name=capability.agent.name, subject=full)
     capability.refresh_from_db()

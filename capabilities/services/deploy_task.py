@@ -18,7 +18,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from capabilities import bindings as binding_rules
-from capabilities import tasks
+from capabilities.jobs import capability_place_version as capability_place_version_task
 from capabilities.models import Capability, CapabilityVersion, DeployRequest, State, VersionPlacement
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import CodeBundle
@@ -27,7 +27,6 @@ from capabilities.services.placement_lock import placement_lock_key, placement_l
 from capabilities.services.records import Placement, capability_audit, capability_written, record_live
 from capabilities.services.room import room_for
 from capabilities.services.versions import DeployResult, NewVersion, cooldown_give_back
-from capabilities.tasks import capability_place_version as capability_place_version_task
 from sigil import leases
 from sigil.errors import (
     InvalidRequest,
@@ -39,6 +38,7 @@ from sigil.errors import (
     error_from_code,
 )
 from sigil.redis_client import get_redis
+from sigil.work import retry_countdown
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def deploy_in_background(new: NewVersion, request: DeployRequest) -> Queued:
         if new.existing is not None:
             write.unchanged()  # only a version is added: the row serves as it did
     capability.agent = new.owner
-    capability_place_version_task.apply_async(kwargs={"version_id": version.pk}, queue=settings.SIGIL_DEPLOY_QUEUE)
+    capability_place_version_task.delay(version_id=version.pk)
     return Queued(new, capability, version)
 
 
@@ -173,7 +173,7 @@ def capability_place_version(*, version_id: int, retries: int = 0, max_retries: 
             outcome = _place_version(version_id, last_try=last_try)
     except TRANSIENT_DEPLOY_FAILURES as exc:
         if not last_try:
-            countdown = tasks.retry_countdown(retries=retries, retry_after=None)
+            countdown = retry_countdown(retries=retries)
             # The worker holds the retry, unacknowledged, for its countdown.
             redis.set(deploy_retry_key(version_id), 1, px=int((countdown + leases.lease_seconds()) * 1000))
             logger.warning(
@@ -230,7 +230,7 @@ def capability_reap_deploys() -> dict[str, int]:
             action="capability.deploy_resent",
             detail={"version": version.number, "resend": sends, "reason": "no worker owns its placement"},
         )
-        capability_place_version_task.apply_async(kwargs={"version_id": version.pk}, queue=settings.SIGIL_DEPLOY_QUEUE)
+        capability_place_version_task.delay(version_id=version.pk)
         resent += 1
     return {"deploys_resent": resent, "deploys_failed": failed}
 

@@ -12,8 +12,9 @@ from django.utils import timezone
 
 from agents.models import Token
 from agents.services import agent_notify, audit_record
-from capabilities import call_logs, names, stats
+from capabilities import breaker, call_logs, jobs, names, stats
 from capabilities.models import BreakerState, Capability, CapabilityStatsWindow, State, StatsFlush
+from sigil.errors import Degraded
 from sigil.redis_client import get_redis
 
 # Leftover batches one flush retries before claiming its own: bounded, so that a batch the
@@ -67,50 +68,50 @@ def capability_apply_stats(*, batch: stats.StatsBatch) -> bool:
             continue
         capability = Capability.objects.select_for_update().exclude(state=State.REMOVED).filter(full_name=full).first()
         if capability is not None:
-            capability.calls_total += taken.calls
-            capability.errors_total += taken.errors
-            capability.latency_ms_total += taken.latency_ms
-            capability.cold_calls_total += taken.cold_calls
-            capability.page_in_ms_total += taken.page_in_ms
-            capability.latency_buckets_total = stats.add_buckets(capability.latency_buckets_total, taken.buckets)
-            capability.refused_total += taken.refused
-            capability.statuses_total = stats.add_counts(capability.statuses_total, taken.statuses)
-            capability.codes_total = stats.add_counts(capability.codes_total, taken.codes)
+            _add_counters(capability, taken, {counter: total for counter, (total, _) in SUMMED.items()})
             if taken.last_access_epoch is not None:
                 capability.last_access_at = datetime.fromtimestamp(taken.last_access_epoch, tz=UTC)
                 capability.inactive_at = None  # called again: active
-            capability.save(
-                update_fields=[
-                    "calls_total",
-                    "errors_total",
-                    "latency_ms_total",
-                    "cold_calls_total",
-                    "page_in_ms_total",
-                    "latency_buckets_total",
-                    "refused_total",
-                    "statuses_total",
-                    "codes_total",
-                    "last_access_at",
-                    "inactive_at",
-                ]
-            )
+            totals = [total for total, _ in SUMMED.values()]
+            capability.save(update_fields=[*totals, "last_access_at", "inactive_at"])
         window, _ = CapabilityStatsWindow.objects.select_for_update().get_or_create(
             full_name=full,
             window_start=window_start,
             defaults={"agent_name": full.split(names.SEPARATOR, 1)[0]},
         )
-        window.calls += taken.calls
-        window.errors += taken.errors
-        window.cold_calls += taken.cold_calls
-        window.latency_ms_sum += taken.latency_ms
-        window.page_in_ms_sum += taken.page_in_ms
-        window.latency_buckets = stats.add_buckets(window.latency_buckets, taken.buckets)
-        window.refused += taken.refused
-        window.statuses = stats.add_counts(window.statuses, taken.statuses)
-        window.codes = stats.add_counts(window.codes, taken.codes)
+        _add_counters(window, taken, {counter: window_sum for counter, (_, window_sum) in SUMMED.items()})
         window.save()
         _alert_on_error_rate(window)
     return True
+
+
+# Each counter of a claimed batch (stats.CallStats) and the fields it is added to: the
+# capability's total, and its minute window's sum.
+SUMMED = {
+    "calls": ("calls_total", "calls"),
+    "errors": ("errors_total", "errors"),
+    "latency_ms": ("latency_ms_total", "latency_ms_sum"),
+    "cold_calls": ("cold_calls_total", "cold_calls"),
+    "page_in_ms": ("page_in_ms_total", "page_in_ms_sum"),
+    "buckets": ("latency_buckets_total", "latency_buckets"),
+    "refused": ("refused_total", "refused"),
+    "statuses": ("statuses_total", "statuses"),
+    "codes": ("codes_total", "codes"),
+}
+
+
+def _add_counters(row, taken: stats.CallStats, fields: dict[str, str]) -> None:
+    """Add `taken`'s counters to `row`'s fields (counter → field name): histograms bucket by
+    bucket, counts by status class or code key by key, the rest as numbers."""
+    for counter, name in fields.items():
+        value, more = getattr(row, name), getattr(taken, counter)
+        if isinstance(more, list):
+            value = stats.add_buckets(value, more)
+        elif isinstance(more, dict):
+            value = stats.add_counts(value, more)
+        else:
+            value += more
+        setattr(row, name, value)
 
 
 def _alert_on_error_rate(window: CapabilityStatsWindow) -> None:
@@ -158,16 +159,47 @@ def _flush_token_use() -> None:
     stats.tokens_used_forget(used)
 
 
-def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None:
-    """Persist a breaker transition seen by the gateway, with an audit event. Idempotent."""
+def breaker_enter(rules: breaker.Breaker, redis, *, full: str, raw: bytes, now: float) -> bool:
+    """Admit a call past `full`'s breaker (breaker.Breaker.enter: True for the half-open
+    breaker's one trial). Raises Degraded when it refuses; a staged version refused counts
+    toward its split's guard (stats.split_refusal_count), which is asked to look when due. No
+    SQL: the gateway calls it on the hot path, one more round trip for staged versions only."""
+    try:
+        return rules.enter(redis, full=full, raw=raw, now=now)
+    except Degraded:
+        if names.is_variant(full) and stats.split_refusal_count(redis, variant=full):
+            jobs.capability_split_guard.delay()
+        raise
+
+
+def breaker_changed(*, full: str, change: bytes | str | None, at_epoch: float) -> None:
+    """Act on what a breaker script reported ('opened', 'closed'; '' is none): the transition
+    is persisted by the record task (capability_record_breaker), and a staged version whose
+    breaker opened has its split's guard look at once. No SQL: it only sends tasks."""
+    state = breaker.transition(change)
+    if state is None:
+        return
+    jobs.capability_record_breaker.delay(full=full, state=state, at_epoch=at_epoch)
+    if state == BreakerState.OPEN and names.is_variant(full):
+        jobs.capability_split_guard.delay()
+
+
+def capability_record_breaker(*, full: str, state: str, at_epoch: float, announce: bool = True) -> bool:
+    """Persist a breaker transition on the capability's row: the one writer of the breaker's
+    database copy (breaker_state, breaker_opened_at), which the admin and the API read. With
+    `announce`, a change is audited (capability.degraded, capability.recovered) and an opening
+    sent to the agent's webhook; the owner's force announces itself instead. Returns whether
+    the row changed. Idempotent."""
     opened_at = datetime.fromtimestamp(at_epoch, tz=UTC) if state == BreakerState.OPEN else None
     with transaction.atomic():
         capability = Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).first()
         if capability is None or capability.breaker_state == state:
-            return
+            return False
         capability.breaker_state = state
         capability.breaker_opened_at = opened_at
         capability.save(update_fields=["breaker_state", "breaker_opened_at"])
+        if not announce:
+            return True
         action = "capability.degraded" if state == BreakerState.OPEN else "capability.recovered"
         audit_record(actor="system", action=action, agent_name=capability.agent.name, subject=full)
         if state == BreakerState.OPEN:
@@ -180,6 +212,7 @@ def capability_record_breaker(*, full: str, state: str, at_epoch: float) -> None
                     **call_logs.call_records_alert_fields(full=full),
                 },
             )
+    return True
 
 
 def capability_prune_stats(*, now: datetime | None = None, batch_size: int = 10_000) -> int:

@@ -13,15 +13,16 @@ from django.utils import timezone
 
 from agents.services import audit_record
 from capabilities import copies, pager, routes
+from capabilities.jobs import PAGE_OUT_RECHECK_SECONDS
+from capabilities.jobs import capability_page_out as capability_page_out_task
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import Runtime
 from capabilities.runtimes.errors import RuntimeUnavailable
 from capabilities.services.placement_lock import placement_lock
 from capabilities.services.records import capability_audit, capability_written
-from capabilities.tasks import MAX_COUNTDOWN_SECONDS, PAGE_OUT_RECHECK_SECONDS
-from capabilities.tasks import capability_page_out as capability_page_out_task
 from sigil.redis_client import get_redis
+from sigil.work import MAX_COUNTDOWN_SECONDS
 
 # A victim's delete waits for its calls in flight up to the invoke timeout after new calls
 # were turned away from it, plus this: no call still within its timeout is cut.

@@ -9,12 +9,12 @@ from django.utils import timezone
 from agents.services import audit_record
 from agents.tokens import Principal
 from capabilities import call_logs, failures, names, pager
+from capabilities.jobs import capability_release_slot as capability_release_slot_task
 from capabilities.models import Capability, CapabilityType, State
 from capabilities.runtimes import get_runtime
 from capabilities.services.placement_lock import placement_lock
 from capabilities.services.records import capability_written
 from capabilities.services.versions import actor_of
-from capabilities.tasks import capability_release_slot as capability_release_slot_task
 from sigil.errors import Forbidden, NotFound
 
 

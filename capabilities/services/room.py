@@ -16,6 +16,7 @@ from django.utils import timezone
 from agents.services import audit_record
 from capabilities import bindings as binding_rules
 from capabilities import names, pager, routes
+from capabilities.jobs import capability_clear_slot as capability_clear_slot_task
 from capabilities.models import Capability, State
 from capabilities.runtimes import errors as runtime_errors
 from capabilities.runtimes import get_runtime
@@ -30,7 +31,6 @@ from capabilities.services.page_outs import (
     same_runtime,
 )
 from capabilities.services.records import Placement
-from capabilities.tasks import capability_clear_slot as capability_clear_slot_task
 from sigil.errors import Conflict, InvalidRequest, TooLarge, Unavailable, UpstreamError
 from sigil.redis_client import get_redis
 

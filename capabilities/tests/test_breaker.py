@@ -1,15 +1,13 @@
-"""The circuit breaker's states and transitions, on a real Redis (its Lua included), and a
-failure counted outside a call (a capability stopped for exceeding a limit)."""
+"""The circuit breaker's states and transitions, on a real Redis, through the script the
+gateway records each call's outcome with (stats.RECORD_CALL, which holds the breaker's Lua)."""
 
 import time
 
 import pytest
 
-from capabilities import breaker
-from capabilities.models import Capability
+from capabilities import breaker, stats
+from capabilities.models import BreakerState
 from sigil.errors import Degraded
-from testsupport.capability_code import PONG
-from testsupport.cast import wait_for
 
 NOW = 1_800_000_000.0
 
@@ -32,17 +30,39 @@ def read(redis_client, full="alice--x"):
     return breaker.status_of(redis_client.get(breaker.open_key(full)), now=time.time())
 
 
+def record(redis_client, rules, *, ok=False, full="alice--x", now=None) -> bool:
+    """One call's outcome, recorded as the gateway records it; whether it opened the breaker."""
+    now = time.time() if now is None else now
+    call = stats.CallRecord(
+        full=full,
+        capability_type="persistent",
+        token_hash="token",
+        at_epoch=now,
+        latency_ms=1.0,
+        status=200 if ok else 500,
+        ok=ok,
+        is_trial=False,
+        inflight_process=None,
+        page_in_ms=None,
+    )
+    keys = call.keys()
+    change = redis_client.eval(
+        stats.RECORD_CALL, len(keys), *keys, *call.args(rules=rules, failures_kept=10, access_log_length=0)
+    )
+    return breaker.transition(change) == BreakerState.OPEN
+
+
 def test_failures_in_a_row_open_it_and_a_success_between_them_starts_again(redis_client):
     rules = breaker.Breaker(threshold=3, cooldown_seconds=30)
-    assert not rules.count_failure(full="alice--x")
-    assert not rules.count_failure(full="alice--x")
-    redis_client.delete(breaker.failures_key("alice--x"))  # what a success does (stats.RECORD_CALL)
-    assert not rules.count_failure(full="alice--x")
-    assert not rules.count_failure(full="alice--x")
+    assert not record(redis_client, rules)
+    assert not record(redis_client, rules)
+    record(redis_client, rules, ok=True)  # a success between them
+    assert not record(redis_client, rules)
+    assert not record(redis_client, rules)
     assert read(redis_client) == breaker.Status.CLOSED
-    assert rules.count_failure(full="alice--x")  # the third in a row: a transition, reported once
+    assert record(redis_client, rules)  # the third in a row: a transition, reported once
     assert read(redis_client) == breaker.Status.OPEN
-    assert not rules.count_failure(full="alice--x")  # already open: no new transition
+    assert not record(redis_client, rules)  # already open: no new transition
     with pytest.raises(Degraded) as refused:
         rules.enter(redis_client, full="alice--x", raw=redis_client.get(breaker.open_key("alice--x")), now=time.time())
     assert 29 < refused.value.retry_after <= 30
@@ -50,7 +70,7 @@ def test_failures_in_a_row_open_it_and_a_success_between_them_starts_again(redis
 
 def test_half_open_lets_exactly_one_trial_through(redis_client):
     rules = breaker.Breaker(threshold=1, cooldown_seconds=30)
-    rules.count_failure(full="alice--x", now=time.time() - 31)  # opened a cool-down ago
+    record(redis_client, rules, now=time.time() - 31)  # opened a cool-down ago
     raw = redis_client.get(breaker.open_key("alice--x"))
     assert read(redis_client) == breaker.Status.HALF_OPEN
     assert rules.enter(redis_client, full="alice--x", raw=raw, now=time.time()) is True
@@ -62,7 +82,7 @@ def test_forced_is_a_flag_that_failures_do_not_move_and_only_reset_clears(redis_
     rules = breaker.Breaker(threshold=1, cooldown_seconds=30)
     breaker.breaker_force(full="alice--x")
     assert redis_client.get(breaker.open_key("alice--x")) == breaker.FORCED
-    assert not rules.count_failure(full="alice--x")
+    assert not record(redis_client, rules)
     assert read(redis_client) == breaker.Status.FORCED
     with pytest.raises(Degraded, match="owner") as refused:
         rules.enter(redis_client, full="alice--x", raw=breaker.FORCED, now=time.time())
@@ -71,21 +91,3 @@ def test_forced_is_a_flag_that_failures_do_not_move_and_only_reset_clears(redis_
     breaker.breaker_reset(full="alice--x")
     assert read(redis_client) == breaker.Status.CLOSED
     assert redis_client.get(breaker.failures_key("alice--x")) is None
-
-
-def test_a_failure_counted_outside_a_call_moves_only_that_capabilitys_breaker(alice, settings, celery_worker):
-    settings.SIGIL_BREAKER_THRESHOLD = 2
-    alice.deploy(name="runaway", code=PONG)
-    alice.deploy(name="neighbour", code=PONG)
-
-    assert not breaker.breaker_count_failure(full="alice--runaway")
-    assert breaker.breaker_count_failure(full="alice--runaway")  # e.g. stopped twice for its CPU limit
-
-    refused = alice.call("/alice/runaway")
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "degraded"
-    assert alice.call("/alice/neighbour").text == "pong"
-    wait_for(
-        lambda: Capability.objects.get(full_name="alice--runaway").breaker_state == "open",
-        message="the transition persisted",
-    )
-    assert Capability.objects.get(full_name="alice--neighbour").breaker_state == "closed"

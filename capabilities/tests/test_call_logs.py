@@ -7,6 +7,7 @@ import pytest
 
 from capabilities import call_logs
 from capabilities.models import Binding
+from capabilities.services.call_records import call_records_collect
 from sigil.encryption import secret_encrypt
 from testsupport.cast import grant, wait_for
 
@@ -19,6 +20,15 @@ CHATTY = """export default { async fetch(request, env) {
   if (new URL(request.url).pathname.endsWith('/boom')) throw new TypeError('exploded here');
   return new Response('fine');
 } }"""
+
+# What CHATTY writes on /ok, as its record holds it.
+CHATTY_LINES = [
+    ("debug", "debugging 1"),
+    ("info", 'starting {"path":"/ok"}'),
+    ("log", "plain"),
+    ("warn", "careful"),
+    ("error", "it went wrong"),
+]
 
 LEAKS = """export default { async fetch(request, env) {
   console.log('the token is', env.TOKEN, 'and again:' + env.TOKEN);
@@ -57,13 +67,7 @@ def test_a_capability_that_logs_and_throws_has_both_calls_recorded_by_request_id
     assert fine.status_code == 200 and boom.status_code == 502
 
     ok = record_of(alice, "alice--chatty-once", fine.headers["X-Request-Id"])
-    assert [(line["level"], line["text"]) for line in ok["logs"]] == [
-        ("debug", "debugging 1"),
-        ("info", 'starting {"path":"/ok"}'),
-        ("log", "plain"),
-        ("warn", "careful"),
-        ("error", "it went wrong"),
-    ]
+    assert [(line["level"], line["text"]) for line in ok["logs"]] == CHATTY_LINES
     assert (ok["outcome"], ok["status"], ok["exception"], ok["version"]) == ("ok", 200, None, 1)
     # A name no other test deploys: its isolate is new in the agent's workerd.
     assert ok["cold"] is True and ok["wall_ms"] is not None
@@ -303,7 +307,7 @@ def collected(agent, full, request_id):
     from capabilities.runtimes import get_runtime
 
     def found():
-        call_logs.call_records_collect(runtime=get_runtime())
+        call_records_collect(runtime=get_runtime())
         return logs(agent, full, request_id=request_id).json()["records"]
 
     [record] = wait_for(found, timeout=20, interval=0.2, message=f"the collected record of {request_id}")
@@ -333,4 +337,4 @@ def test_on_the_loader_runtime_the_dynamic_workers_tail_leaves_records_for_sigil
     from capabilities.runtimes import get_runtime
 
     assert not cf_client.kv_keys(get_runtime().kv_id, prefix="logs:")
-    assert call_logs.call_records_collect(runtime=get_runtime()) == 0
+    assert call_records_collect(runtime=get_runtime()) == 0

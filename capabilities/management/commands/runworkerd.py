@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from django.core.management.base import CommandError
 
-from capabilities.runtimes.local import local_workerd_group
+from capabilities.log_sink import local_workerd_group
 from capabilities.workerd.host import WorkerdMissing
 from sigil.lifetime import supervise_until_signalled
 from sigil.owner_commands import SigilCommand

@@ -52,6 +52,7 @@ def upload_parts(
     bindings: Sequence[Mapping[str, Any]] = (),
     tags: Sequence[str] = (),
     limits: Mapping[str, int] | None = None,
+    tail_consumers: Sequence[Mapping[str, str]] = (),
 ) -> list[tuple[str, tuple]]:
     """The multipart parts of a script upload, laid out as Wrangler sends them (reference §1.1).
 
@@ -71,6 +72,9 @@ def upload_parts(
         metadata["compatibility_flags"] = list(compatibility_flags)
     if limits:
         metadata["limits"] = dict(limits)
+    if tail_consumers:
+        # The Tail Workers that receive the script's events: `{"service": name}` each.
+        metadata["tail_consumers"] = [dict(consumer) for consumer in tail_consumers]
     parts: list[tuple[str, tuple]] = [("metadata", (None, json.dumps(metadata)))]
     for name, source in modules.items():
         body = source.encode() if isinstance(source, str) else source

@@ -254,8 +254,9 @@ function cut(text, maxBytes) {
 }
 
 // One tail event as a call's record, or null for the host's own calls into the isolate (the
-// start check, a retire), which carry no request id.
-function callRecord(event, props, limits) {
+// start check, a retire), which carry no request id. `props`: the slot, the code's sha, the
+// loader cache id (whose first event is the cold call; none: not known) and the secrets.
+export function callRecord(event, props, limits) {
   const request = event.event && event.event.request;
   const requestId = request && request.headers && request.headers["x-request-id"];
   if (!requestId) return null;
@@ -281,8 +282,8 @@ function callRecord(event, props, limits) {
       stack: cut(masked(thrown.stack, secrets), limits.lineBytes * 4)[0],
     };
   }
-  const cold = !tailed.has(props.cacheId);
-  tailed.add(props.cacheId);
+  const cold = props.cacheId ? !tailed.has(props.cacheId) : null;
+  if (props.cacheId) tailed.add(props.cacheId);
   const response = event.event.response;
   return {
     capability: props.slot,
@@ -332,7 +333,9 @@ async function flush(env) {
     while (pending.length || dropped) {
       const records = pending.splice(0, BATCH_RECORDS);
       for (const record of records) pendingBytes -= sizeOf(record);
-      const batch = { records, dropped };
+      // LOG_SLOTS (Sigil's Tail Worker on Cloudflare): the records name the runtime's slot,
+      // and Sigil masks their secrets as it collects them (capabilities/services/call_records.py).
+      const batch = env.LOG_SLOTS ? { records, dropped, slots: true } : { records, dropped };
       dropped = 0;
       try {
         await send(env, batch);
@@ -350,9 +353,11 @@ async function flush(env) {
 
 async function send(env, batch) {
   if (!env.LOG_SINK) {
-    // Kept for a day at most if Sigil collects nothing meanwhile (KV's own expiry).
+    // Kept as long as Sigil keeps records (SIGIL_LOGS_RETENTION_SECONDS) if it collects
+    // nothing meanwhile (KV's own expiry): a batch that expires held only records past it.
+    const keep = JSON.parse(env.LOG_LIMITS || "{}").retentionSeconds || 86400;
     const key = `logs:${String(Date.now()).padStart(15, "0")}:${crypto.randomUUID()}`;
-    await env.LOG_KV.put(key, JSON.stringify(batch), { expirationTtl: 86400 });
+    await env.LOG_KV.put(key, JSON.stringify(batch), { expirationTtl: Math.max(60, keep) });
     return;
   }
   const response = await env.LOG_SINK.fetch("http://sink/records", {
@@ -363,24 +368,30 @@ async function send(env, batch) {
   if (!response.ok) throw new Error(`the log sink answered ${response.status}`);
 }
 
+// The tail events of calls, as records queued for the next batch (see flush). `propsOf(event)`
+// gives each event's props (callRecord).
+export async function tailEvents(events, env, propsOf) {
+  const limits = JSON.parse(env.LOG_LIMITS || "{}");
+  limits.lines = limits.lines ?? 200;
+  limits.lineBytes = limits.lineBytes ?? 2048;
+  for (const event of events) {
+    const record = callRecord(event, propsOf(event), limits);
+    if (!record) continue;
+    const size = sizeOf(record);
+    if (pendingBytes + size > MAX_PENDING_BYTES) {
+      dropped += 1;
+      continue;
+    }
+    pending.push(record);
+    pendingBytes += size;
+  }
+  if (pending.length && !flushing) await flush(env);
+}
+
 export class SigilTail extends WorkerEntrypoint {
   async tail(events) {
     const props = this.ctx.props || {};
-    const limits = JSON.parse(this.env.LOG_LIMITS || "{}");
-    limits.lines = limits.lines ?? 200;
-    limits.lineBytes = limits.lineBytes ?? 2048;
-    for (const event of events) {
-      const record = callRecord(event, props, limits);
-      if (!record) continue;
-      const size = sizeOf(record);
-      if (pendingBytes + size > MAX_PENDING_BYTES) {
-        dropped += 1;
-        continue;
-      }
-      pending.push(record);
-      pendingBytes += size;
-    }
-    if (pending.length && !flushing) await flush(this.env);
+    await tailEvents(events, this.env, () => props);
   }
 }
 

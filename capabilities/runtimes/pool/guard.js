@@ -11,6 +11,7 @@ import { sameSecret } from "./sigil-secret.js";
 const SECRET_HEADER = "x-sigil-pool-secret";
 const GUARD_HEADER = "x-sigil-guard";
 const VERSION_HEADER = "x-sigil-served-version";
+const EXCEPTION_MARK = "[sigil:exception]";
 
 export default {
   async fetch(request, env, ctx) {
@@ -27,6 +28,13 @@ export default {
     try {
       response = await capability.fetch(new Request(request, { headers }), capabilityEnv, ctx);
     } catch (error) {
+      // The guard answers for the capability, so the call's TraceItem shows no exception:
+      // this line carries it to Sigil's Tail Worker (host/tail.js, EXCEPTION_MARK).
+      console.error(EXCEPTION_MARK, {
+        name: String((error && error.name) || "Error"),
+        message: String((error && error.message) || error),
+        stack: String((error && error.stack) || ""),
+      });
       return new Response(JSON.stringify({ error: "exception", message: String((error && error.stack) || error) }), {
         status: 500,
         headers: { "content-type": "application/json", "x-sigil-error": "exception", [GUARD_HEADER]: "ok", ...version },

@@ -1,0 +1,73 @@
+"""Tail Workers, as Cloudflare runs them: once a call to a script is over, each Worker named in
+its `tail_consumers` (for a script in a dispatch namespace: in those of the Worker binding the
+namespace, Workers for Platforms' dispatch Worker) receives the call's TraceItems in its
+`tail(events, env, ctx)` handler, off the call's path.
+
+workerd produces the events (cfemulator.bound, TAIL_HEADER): a tailed script's process posts
+them here under its process key; the emulator names the producer (`scriptName`, and
+`dispatchNamespace` for a namespace script, which open-source workerd leaves empty) and
+hands them to each consumer's own process. Two differences from Cloudflare, both on the side
+of less: a dispatch Worker's own events and its user Worker's reach the Tail Worker in two
+`tail()` calls rather than one of two items, and events no consumer takes in time are dropped
+with a warning in the emulator's log, as Cloudflare gives no guarantee of delivery either.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import urllib3
+
+logger = logging.getLogger(__name__)
+
+_SEND = urllib3.PoolManager(timeout=urllib3.Timeout(connect=5.0, read=30.0), retries=False)
+
+
+class TailRelay:
+    """Takes the events a tailed script's process posts and delivers them, two at a time."""
+
+    def __init__(self, *, api: Any, scripts: Any) -> None:
+        self.api = api
+        self.scripts = scripts
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cfemulator-tail")
+
+    def received(self, key: str, body: bytes) -> int:
+        """Queue the events of `key`'s process for its consumers; the status to answer."""
+        try:
+            events = json.loads(body)
+        except ValueError:
+            return 400
+        if not isinstance(events, list):
+            return 400
+        self._pool.submit(self._deliver, key, events)
+        return 204
+
+    def _deliver(self, key: str, events: list[dict[str, Any]]) -> None:
+        name, namespace, consumers = self.api.tail_consumers_of(key)
+        for event in events:
+            if isinstance(event, dict):
+                event["scriptName"] = name
+                if namespace is not None:
+                    event["dispatchNamespace"] = namespace
+        body = json.dumps(events).encode()
+        for consumer in consumers:
+            try:
+                running = self.scripts.acquire(
+                    f"tail:{consumer.name}", sha=consumer.sha, upload=consumer.upload, tails="consume"
+                )
+                answer = _SEND.request(
+                    "POST",
+                    f"http://127.0.0.1:{running.port}/",
+                    body=body,
+                    headers={"Content-Type": "application/json"},
+                )
+                if answer.status >= 400:
+                    logger.warning("tail consumer %s answered %s to %s's events", consumer.name, answer.status, name)
+            except Exception as exc:  # one consumer's failure is no other's
+                logger.warning("tail consumer %s did not take %s's events: %s", consumer.name, name, exc)
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
