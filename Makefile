@@ -49,19 +49,21 @@ dev: install
 	$(PY) manage.py ensureowner
 	exec $(PY) manage.py runsigil --dev --port $(PORT)
 
-test: install $(CHROMIUM)
+test: lint $(CHROMIUM)
 	$(PY) -m pytest -n $(TEST_WORKERS)
 
+# Style, and the layering (the import contracts in pyproject.toml).
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
 # The figures in docs/benchmarks.md: warm-call overhead and throughput against bare workerd (needs
-# wrk), paging costs, the runtimes side by side, and workerd's memory.
+# wrk), paging costs, the runtimes side by side, workerd's memory, and what each process's death costs.
 bench: install
 	$(PY) bench/invoke.py
 	$(PY) bench/pagein.py
@@ -71,3 +73,4 @@ bench: install
 	$(PY) bench/cost_replay.py
 	$(PY) bench/emulator_limits.py
 	$(PY) bench/workerd_memory.py
+	$(PY) bench/faults.py

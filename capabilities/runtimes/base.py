@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -329,6 +330,12 @@ class Runtime(ABC):
     @abstractmethod
     def check(self) -> None:
         """Raise RuntimeUnavailable when the runtime cannot serve; for health checks."""
+
+    def api_waits_shared(self) -> contextlib.AbstractContextManager:
+        """The block's calls to the runtime's API wait for their rate budget within one
+        allowance in all (a page-in makes several), not one each. Runtimes whose API has no
+        budget keep this default: nothing to share."""
+        return contextlib.nullcontext()
 
     def call_records_take(self, *, limit: int) -> list[dict]:
         """Up to `limit` batches of call records the runtime's tail left for Sigil to collect,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from django.conf import LazySettings
 
-from capabilities.call_logs import LogLimits
+from capabilities.log_limits import LogLimits
 from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import (

@@ -11,7 +11,7 @@ from pathlib import Path
 from django.conf import LazySettings
 from django.core.checks import CheckMessage, Error
 
-from capabilities.call_logs import LogLimits
+from capabilities.log_limits import LogLimits
 from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, metadata_binding

@@ -65,8 +65,11 @@ def capability_page_in(
         else:
             started = time.perf_counter()
             current = capability.current_version
-            bundle = bundle_for(current.code, capability, get_runtime(), version=current.number)
-            with room_for(capability, page_out_for_account=reason != "prewarm") as room:
+            runtime = get_runtime()
+            bundle = bundle_for(current.code, capability, runtime, version=current.number)
+            # Its API calls wait for the rate budget within one allowance in all, so that a
+            # spent budget never holds the caller past the call's own wait.
+            with room_for(capability, page_out_for_account=reason != "prewarm") as room, runtime.api_waits_shared():
                 placement = room.place(bundle)
                 with capability_written(full):
                     record_live(capability, placement, bundle_sha=bundle.sha)

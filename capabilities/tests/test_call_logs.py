@@ -6,6 +6,7 @@ import json
 import pytest
 
 from capabilities import call_logs
+from capabilities.log_limits import LogLimits
 from capabilities.models import Binding
 from capabilities.services.call_records import call_records_collect
 from sigil.encryption import secret_encrypt
@@ -118,7 +119,7 @@ def test_lines_past_the_bounds_are_cut_and_the_record_says_so(alice):
 
 @pytest.fixture
 def small():
-    return call_logs.LogLimits(
+    return LogLimits(
         lines_per_call=3, line_bytes=10, records_per_capability=3, retention_seconds=3600, agent_bytes=2000
     )
 
@@ -161,7 +162,7 @@ def test_one_capability_filling_its_agents_bytes_drops_its_own_records_never_a_s
     assert held <= small.agent_bytes
 
     # A record that cannot fit at all is lost, and counted.
-    tiny = call_logs.LogLimits(**{**small.__dict__, "agent_bytes": 50})
+    tiny = LogLimits(**{**small.__dict__, "agent_bytes": 50})
     assert call_logs.call_records_keep(records=[raw_record("bob--big", "b1")], limits=tiny) == 0
     assert call_logs.call_records_lost(full="bob--big") == 1
     assert call_logs.call_records_keep(records=[{"capability": "no name"}, "junk"], limits=small) == 0
@@ -172,7 +173,7 @@ def test_records_not_kept_are_counted_in_metrics(sigil, settings, small, redis_c
     import requests
 
     settings.SIGIL_METRICS_TOKEN = "scrape"
-    tiny = call_logs.LogLimits(**{**small.__dict__, "agent_bytes": 50})
+    tiny = LogLimits(**{**small.__dict__, "agent_bytes": 50})
     call_logs.call_records_keep(records=[raw_record("bob--big", "b1"), "junk"], limits=tiny)
     text = requests.get(f"{sigil.url}/metrics", headers={"Authorization": "Bearer scrape"}).text
     assert 'sigil_call_records_lost_total{why="not_kept"} 1' in text

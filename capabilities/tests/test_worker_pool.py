@@ -110,6 +110,44 @@ def test_ten_cold_capabilities_at_once_under_a_tight_rate_limit_all_succeed(work
     assert len([c for c in burst if c["method"] == "POST" and c["path"].endswith("/subdomain")]) == 10
 
 
+@pytest.mark.parametrize("window", [45, 20], ids=["room-past-the-wait", "room-within-the-wait"])
+def test_a_cold_call_under_a_spent_budget_answers_within_the_calls_timeout(worker_pool, alice, settings, window):
+    # Sigil's own budget is spent, and room comes back within `window` s; a page-in needs two
+    # API calls. Past the longest wait the call is refused at once (503, Retry-After); within
+    # it, the page-in waits for room, but never makes the caller wait past the call's timeout.
+    from capabilities.runtimes.cloudflare.client import CloudflareClient
+    from capabilities.runtimes.cloudflare.errors import CloudflareRateLimited
+
+    settings.SIGIL_INVOKE_TIMEOUT_SECONDS = 30
+    settings.SIGIL_CF_RATE_LIMIT = 12  # room for the set-up below, no more
+    settings.SIGIL_CF_RATE_WINDOW_SECONDS = window
+    runtimes_forget()
+    for name in ("a", "b", "c", "d"):  # three slots: `a` is paged out
+        deploy(alice, name, name, type="normal")
+    wait_for(lambda: Capability.objects.get(full_name="alice--a").state == "paged_out", message="a paged out")
+    assert alice.call("/alice/b").text == "b"
+    waits = settings.SIGIL_CF_MAX_RATE_WAIT_SECONDS
+    settings.SIGIL_CF_MAX_RATE_WAIT_SECONDS = 0  # a client of the same budget that never waits
+    spender = CloudflareClient.from_settings()
+    settings.SIGIL_CF_MAX_RATE_WAIT_SECONDS = waits
+    with pytest.raises(CloudflareRateLimited):
+        spend(spender, settings.SIGIL_CF_RATE_LIMIT)  # what is left of the window
+    started = time.monotonic()
+    answer = alice.call("/alice/a")
+    took = time.monotonic() - started
+    assert took < settings.SIGIL_INVOKE_TIMEOUT_SECONDS + 2, f"the caller waited {took:.1f} s"
+    if answer.status_code != 200:
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "unavailable", answer.text
+        assert int(answer.headers["Retry-After"]) >= 1
+    if window > settings.SIGIL_CF_MAX_RATE_WAIT_SECONDS + 10:
+        assert answer.status_code == 503 and took < 5  # refused at once, not after waiting
+
+
+def spend(client, calls: int) -> None:
+    for _ in range(calls):
+        client.script_list()
+
+
 def spend_elsewhere(emulator, calls: int) -> None:
     """API calls on Sigil's token from outside Sigil (the owner's dashboard or scripts)."""
     url = f"{emulator.api_base}/accounts/{emulator.account_id}/workers/scripts"

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 from abc import abstractmethod
@@ -14,6 +15,7 @@ from django.conf import LazySettings
 from django.core.checks import CheckMessage, Error
 
 from capabilities.runtimes.base import Process, Runtime
+from capabilities.runtimes.cloudflare.budget import waits_within
 from capabilities.runtimes.cloudflare.client import CloudflareClient
 
 # Every pooled worker's script name starts so (worker_pool.pool_script_name): the account's
@@ -109,6 +111,9 @@ class CloudflareRuntime(Runtime):
             "cpu_ms": settings.SIGIL_CPU_MS,
             "invoke_base": settings.SIGIL_CF_WORKERS_BASE,
         }
+
+    def api_waits_shared(self) -> contextlib.AbstractContextManager:
+        return waits_within(self.client.budget.max_wait_seconds)
 
     @classmethod
     def settings_errors(cls, settings: LazySettings) -> list[CheckMessage]:

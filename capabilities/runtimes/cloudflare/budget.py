@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import random
 import time
 import uuid
+from collections.abc import Iterator
 
 import redis
 
@@ -50,6 +53,24 @@ return 0
 """
 
 
+# The latest moment (monotonic) a wait for room may reach in this context: set around a piece of
+# work made of several API calls (a page-in: the upload, the toggle, the victims' deletes), so
+# that their waits together stay within one allowance instead of one each.
+_WAIT_UNTIL: contextvars.ContextVar[float | None] = contextvars.ContextVar("budget_wait_until", default=None)
+
+
+@contextlib.contextmanager
+def waits_within(seconds: float) -> Iterator[None]:
+    """Every wait for room in the block ends `seconds` from now at the latest, in all."""
+    until = time.monotonic() + seconds
+    outer = _WAIT_UNTIL.get()
+    token = _WAIT_UNTIL.set(until if outer is None else min(outer, until))
+    try:
+        yield
+    finally:
+        _WAIT_UNTIL.reset(token)
+
+
 class RateBudget:
     """`limit` requests per `window_seconds`, shared by every process using the same Redis.
 
@@ -78,7 +99,8 @@ class RateBudget:
         Raises CloudflareRateLimited when no room comes within the allowed wait.
         """
         ticket = uuid.uuid4().hex
-        deadline = time.monotonic() + self.max_wait_seconds
+        started = time.monotonic()
+        deadline = min(started + self.max_wait_seconds, _WAIT_UNTIL.get() or float("inf"))
         while True:
             try:
                 wait_ms = int(
@@ -95,7 +117,7 @@ class RateBudget:
                 # Room will not come within the allowed wait: fail now rather than sleep in vain.
                 raise CloudflareRateLimited(
                     f"the Cloudflare API budget ({self.limit} requests per {self.window_ms / 1000:g} s) "
-                    f"has no room for {wait:.1f} s, more than the {self.max_wait_seconds:g} s a call may wait",
+                    f"has no room for {wait:.1f} s, more than the {deadline - started:.1f} s this call may wait",
                     retry_after=wait,
                 )
             # A little jitter so that waiters woken by the same expiry do not stampede.
