@@ -1,7 +1,6 @@
 """The platform runtime end to end: Sigil's REST API and gateway over HTTP, the emulator's
 dispatch namespace behind the repo's dispatch Worker."""
 
-
 from capabilities import services
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
