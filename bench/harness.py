@@ -10,7 +10,6 @@ import http.client
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
@@ -174,17 +173,10 @@ class Processes:
 
 
 def stop(process: subprocess.Popen) -> None:
-    """SIGTERM the process (a server's master stops its own workers), then SIGKILL its group."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    # Workers that outlived their master are still in the session the benchmark created.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+    """SIGTERM the process (a server's master stops its own workers), then SIGKILL its session."""
+    from testsupport.processes import stop_session
+
+    stop_session(process, timeout=10)
 
 
 def manage(*args: str, env: dict[str, str]) -> str:

@@ -10,12 +10,17 @@ ECHO = """export default { async fetch(request) {
     headers: Object.fromEntries(request.headers), body: await request.text(),
   }, { status: 207, headers: { 'x-echo': 'yes', 'set-cookie': 'a=b' } });
 } }"""
-# Answers how many bytes its request body had, read as it streams in.
+# Fails with 500 "broken" when called with ?fail, answers "fine" otherwise.
+FLAKY = """export default { async fetch(request) {
+  if (new URL(request.url).searchParams.has('fail')) return new Response('broken', { status: 500 });
+  return new Response('fine');
+} }"""
+# Answers how many bytes its request body had, read as they come.
 COUNTS_BODY = """export default { async fetch(request) {
-  let total = 0;
+  let size = 0;
   const reader = request.body.getReader();
-  for (;;) { const { done, value } = await reader.read(); if (done) break; total += value.byteLength; }
-  return new Response(String(total));
+  for (;;) { const { done, value } = await reader.read(); if (done) break; size += value.length; }
+  return new Response(String(size));
 } }"""
 
 

@@ -128,9 +128,9 @@ def deploy_answering(agent, name: str | None, text: str, **body) -> dict:
     return response.json()
 
 
-def echo_everything(agent) -> requests.Response:
-    """Deploy ECHO as `agent`'s `echo` and call it with a method, a deep quoted path, a query,
-    a body and headers (one posing as Sigil's own): what the capability saw comes back."""
+def call_echo_with_everything(agent) -> requests.Response:
+    """Deploy, as `agent`, ECHO as `echo` and call it with a method, a deep path, a query,
+    headers (one a forged X-Sigil- header) and a body, for what passes through to see."""
     from testsupport.capability_code import ECHO
 
     agent.deploy(name="echo", code=ECHO)
@@ -140,3 +140,16 @@ def echo_everything(agent) -> requests.Response:
         data=b"payload-bytes",
         headers={"X-Custom": "value", "Content-Type": "text/plain", "X-Sigil-Secret": "forged"},
     )
+
+
+def fail_flaky(agent, settings, *, threshold: int) -> None:
+    """Deploy, as `agent`, FLAKY as `flaky` under a breaker of `threshold` failures and a 1 s
+    cool-down, and fail it `threshold` times in a row, each failure passed through unchanged."""
+    from testsupport.capability_code import FLAKY
+
+    settings.SIGIL_BREAKER_THRESHOLD = threshold
+    settings.SIGIL_BREAKER_COOLDOWN_SECONDS = 1
+    agent.deploy(name="flaky", code=FLAKY)
+    for _ in range(threshold):
+        failed = agent.call(f"/{agent.name}/flaky?fail=1")
+        assert (failed.status_code, failed.text) == (500, "broken")

@@ -104,3 +104,11 @@ def cloudflare_client(emulator: EmulatorControl, redis: Any, **tuning: Any) -> C
     return CloudflareClient(
         base_url=emulator.api_base, account_id=emulator.account_id, api_token=emulator.token, redis=redis, **tuning
     )
+
+
+def namespace_upload(client: CloudflareClient, namespace: str, script: str, *, code: str, tags: list[str]) -> None:
+    """`code` uploaded as the one module of `script` in dispatch `namespace` through `client`,
+    as the account's owner (or a Sigil) puts a script there."""
+    client.namespace_script_upload(
+        namespace, script, modules={"w.js": code}, main_module="w.js", compatibility_date="2025-01-01", tags=tags
+    )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +24,21 @@ def wait_until(condition: Callable[[], T], *, timeout: float, interval: float = 
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
         time.sleep(interval)
+
+
+def stop_session(process: subprocess.Popen, *, timeout: float = 10) -> None:
+    """SIGTERM `process` (a server's master stops its own workers), SIGKILL it after `timeout`,
+    then SIGKILL its session: workers that outlived their master are still in it (the process
+    is started with `start_new_session=True`)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def _stat_fields(pid: int) -> list[str] | None:

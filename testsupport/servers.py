@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from urllib.parse import quote
 import requests
 
 from testsupport.capability_code import ECHO
-from testsupport.processes import wait_until
+from testsupport.processes import stop_session, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS = ("granian", "uvicorn")
@@ -23,16 +22,12 @@ SERVERS = ("granian", "uvicorn")
 def server_command(server: str, *, port: int, workers: int) -> list[str]:
     """How each ASGI server docs/operations.md names runs Sigil's application (the engine in front of Django)."""
     bin_dir = Path(sys.executable).parent
+    bind = ["--workers", str(workers), "--host", "127.0.0.1", "--port", str(port)]
     if server == "uvicorn":
         return [
             str(bin_dir / "uvicorn"),
             "sigil_site.asgi:application",
-            "--workers",
-            str(workers),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+            *bind,
             "--timeout-keep-alive",
             "75",
             "--log-level",
@@ -46,12 +41,7 @@ def server_command(server: str, *, port: int, workers: int) -> list[str]:
             "asgi",
             "--loop",
             "uvloop",
-            "--workers",
-            str(workers),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+            *bind,
             "--http",
             "1",
             "--backpressure",
@@ -107,15 +97,7 @@ def served(server: str, *, port: int, environment: dict[str, str], log: Path):
         wait_until(healthy, timeout=60, interval=0.2, what=f"Sigil under {server} to answer")
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        # Workers that outlived their master are in the session started for it.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+        stop_session(process, timeout=15)
 
 
 def chunks(data: bytes, size: int = 7):

@@ -10,14 +10,10 @@ from capabilities import services
 from capabilities.models import Binding, Capability
 from capabilities.runtimes import get_runtime
 from testsupport.capability_code import PONG, PONG2
-from testsupport.cast import echo_everything, grant, wait_for
+from testsupport.cast import call_echo_with_everything, fail_flaky, grant, wait_for
 
 BACKENDS = ["local", "worker-pool", "platform", "loader"]
 
-FLAKY = """export default { async fetch(request) {
-  if (new URL(request.url).searchParams.has('fail')) return new Response('broken', { status: 500 });
-  return new Response('fine');
-} }"""
 READS_ENV = """export default { async fetch(request, env) {
   return Response.json({ names: Object.keys(env).sort(), greeting: env.GREETING ?? null, key: env.API_KEY ?? null });
 } }"""
@@ -63,7 +59,7 @@ def test_deploy_invoke_update_and_remove(backend, alice, celery_worker):
 
 
 def test_invoke_passes_method_path_query_headers_and_body_through(backend, alice):
-    response = echo_everything(alice)
+    response = call_echo_with_everything(alice)
     assert response.status_code == 207
     assert (response.headers["x-echo"], response.headers["set-cookie"]) == ("yes", "a=b")
     # Only Sigil's own headers start with X-Sigil-: the capability's forged one is dropped.
@@ -101,12 +97,7 @@ def test_an_ephemeral_expires(backend, alice, celery_worker):
 
 
 def test_the_breaker_opens_and_closes(backend, alice, settings):
-    settings.SIGIL_BREAKER_THRESHOLD = 3
-    settings.SIGIL_BREAKER_COOLDOWN_SECONDS = 1
-    alice.deploy(name="flaky", code=FLAKY)
-    for _ in range(3):
-        failed = alice.call("/alice/flaky?fail=1")
-        assert (failed.status_code, failed.text) == (500, "broken")
+    fail_flaky(alice, settings, threshold=3)
     assert_error(alice.call("/alice/flaky"), 503, "degraded")
     time.sleep(1.1)
     assert alice.call("/alice/flaky").text == "fine"

@@ -27,6 +27,7 @@ from capabilities.runtimes.cloudflare import (
 )
 from capabilities.runtimes.errors import RuntimeRejected, RuntimeUnavailable, ScriptTooLarge, SlotsExhausted
 from sigil.ports import free_port
+from testsupport.emulator import namespace_upload
 
 HELLO = "export default { async fetch(request) { return new Response('hello ' + new URL(request.url).pathname) } }"
 
@@ -357,22 +358,8 @@ def test_dispatch_namespace_scripts_round_trip(cf_client, cf_emulator_fresh):
     created = cf_client.namespace_create("sigil-ns")
     assert created["namespace_name"] == "sigil-ns"
     assert [ns["namespace_name"] for ns in cf_client.namespace_list()] == ["sigil-ns"]
-    cf_client.namespace_script_upload(
-        "sigil-ns",
-        "alice--ping",
-        modules={"w.js": HELLO},
-        main_module="w.js",
-        compatibility_date="2025-01-01",
-        tags=["agent-alice"],
-    )
-    cf_client.namespace_script_upload(
-        "sigil-ns",
-        "bob--pong",
-        modules={"w.js": HELLO},
-        main_module="w.js",
-        compatibility_date="2025-01-01",
-        tags=["agent-bob"],
-    )
+    namespace_upload(cf_client, "sigil-ns", "alice--ping", code=HELLO, tags=["agent-alice"])
+    namespace_upload(cf_client, "sigil-ns", "bob--pong", code=HELLO, tags=["agent-bob"])
     assert cf_client.namespace_get("sigil-ns")["script_count"] == 2
     assert [s.id for s in cf_client.namespace_script_list("sigil-ns", tags=["agent-alice:yes"])] == ["alice--ping"]
     served = cf_emulator_fresh.worker_request(cf_emulator_fresh.dispatch_host("sigil-ns", "alice--ping"), "/a")

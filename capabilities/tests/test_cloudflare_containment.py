@@ -3,7 +3,6 @@ stopped at its CPU limit, counted against it alone, unnoticed by every other age
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -11,6 +10,7 @@ import requests
 
 from capabilities import breaker
 from testsupport.capability_code import PONG
+from testsupport.steady import SteadyCalls
 
 SPIN = "export default { async fetch() { while (true) {} } }"
 HOG = "export default { async fetch() { const kept = []; while (true) kept.push(new Array(1e6).fill(1)) } }"
@@ -20,29 +20,9 @@ CPU_MS = 100
 STOPPED_WITHIN_SECONDS = 3 * (CPU_MS + 100) / 1000 + 1.5
 
 
-class Caller:
-    """Calls a capability over and over in a thread, keeping every status and body."""
-
-    def __init__(self, agent, path: str) -> None:
-        self.agent, self.path = agent, path
-        self.answers: list[tuple[int, str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        session = requests.Session()
-        headers = {"Authorization": f"Bearer {self.agent.invoke_token}"}
-        while not self._stop.is_set():
-            response = session.get(f"{self.agent.base_url}{self.path}", headers=headers, timeout=30)
-            self.answers.append((response.status_code, response.text))
-
-    def __enter__(self) -> Caller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
+def caller(agent, path: str) -> SteadyCalls:
+    """Calls `path` as `agent` over and over in a thread, keeping every status and body."""
+    return SteadyCalls(f"{agent.base_url}{path}", headers={"Authorization": f"Bearer {agent.invoke_token}"})
 
 
 def incident(alice, bob, *, runaway_calls: int = 3, code: str = SPIN):
@@ -53,7 +33,7 @@ def incident(alice, bob, *, runaway_calls: int = 3, code: str = SPIN):
     assert bob.deploy(name="pong", code=PONG).status_code == 201
     assert bob.call("/bob/ping").text == "pong" and bob.call("/bob/pong").text == "pong"
     stopped = []
-    with Caller(bob, "/bob/ping") as ping, Caller(bob, "/bob/pong") as pong:
+    with caller(bob, "/bob/ping") as ping, caller(bob, "/bob/pong") as pong:
         time.sleep(0.3)
         for _ in range(runaway_calls):
             started = time.monotonic()
@@ -91,6 +71,22 @@ def assert_contained(
         assert redis_client.get(breaker.open_key(innocent)) is None
 
 
+def spin_stopped_at_its_cpu_limit(alice, bob, settings, redis_client) -> None:
+    """alice's `spin`, under a CPU limit of CPU_MS, answers 504 `timeout` each time and nobody
+    else notices; then Sigil is healthy again without anyone acting."""
+    settings.SIGIL_CPU_MS = CPU_MS
+    stopped, others = incident(alice, bob)
+    assert_contained(
+        stopped,
+        others,
+        redis_client,
+        status=504,
+        code="timeout",
+        message=f"alice--spin ran past its CPU limit of {CPU_MS} ms and was stopped",
+    )
+    assert wait_healthy(alice.base_url)["checks"]["runtime"] == "ok"
+
+
 def wait_healthy(base_url: str) -> dict:
     deadline = time.monotonic() + 5
     while (health := requests.get(f"{base_url}/_health", timeout=10)).status_code != 200:
@@ -103,18 +99,8 @@ def wait_healthy(base_url: str) -> dict:
 def test_a_runaway_capability_on_the_platform_runtime_is_stopped_at_its_cpu_limit_unnoticed(
     platform, alice, bob, settings, redis_client
 ):
-    settings.SIGIL_CPU_MS = CPU_MS
-    stopped, others = incident(alice, bob)
-    assert_contained(
-        stopped,
-        others,
-        redis_client,
-        status=504,
-        code="timeout",
-        message=f"alice--spin ran past its CPU limit of {CPU_MS} ms and was stopped",
-    )
-    # Sigil is healthy again without anyone acting; the emulator says why it stopped the calls.
-    assert wait_healthy(alice.base_url)["checks"]["runtime"] == "ok"
+    spin_stopped_at_its_cpu_limit(alice, bob, settings, redis_client)
+    # The emulator says why it stopped the calls.
     assert [d["status"] for d in platform.dispatches() if d["script"] == "alice--spin"] == [503] * 3
 
 
@@ -124,17 +110,7 @@ def test_a_runaway_capability_on_the_loader_runtime_is_stopped_at_its_cpu_limit_
 ):
     # Every Dynamic Worker runs in the loader Worker's one process on the emulator; its limit
     # (not the loader Worker's 30 s) stops it, and the others' calls are not lost.
-    settings.SIGIL_CPU_MS = CPU_MS
-    stopped, others = incident(alice, bob)
-    assert_contained(
-        stopped,
-        others,
-        redis_client,
-        status=504,
-        code="timeout",
-        message=f"alice--spin ran past its CPU limit of {CPU_MS} ms and was stopped",
-    )
-    assert wait_healthy(alice.base_url)["checks"]["runtime"] == "ok"
+    spin_stopped_at_its_cpu_limit(alice, bob, settings, redis_client)
 
 
 @pytest.mark.slow

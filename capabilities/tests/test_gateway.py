@@ -11,13 +11,9 @@ import requests
 from agents.models import AuditEvent
 from capabilities import breaker
 from capabilities.models import Capability
-from testsupport.capability_code import PONG
-from testsupport.cast import wait_for
+from testsupport.capability_code import FLAKY, PONG
+from testsupport.cast import fail_flaky, wait_for
 
-FLAKY = """export default { async fetch(request) {
-  if (new URL(request.url).searchParams.has('fail')) return new Response('broken', { status: 500 });
-  return new Response('fine');
-} }"""
 HANGS = "export default { async fetch() { await new Promise(r => setTimeout(r, 60000)); return new Response('late') } }"
 
 
@@ -38,13 +34,7 @@ def test_a_hung_capability_answers_504_and_counts_as_a_failure(alice, settings, 
 
 
 def test_breaker_opens_after_consecutive_failures_then_half_opens_and_closes(alice, settings, celery_worker):
-    settings.SIGIL_BREAKER_THRESHOLD = 5
-    settings.SIGIL_BREAKER_COOLDOWN_SECONDS = 1
-    alice.deploy(name="flaky", code=FLAKY)
-
-    for _ in range(5):
-        response = alice.call("/alice/flaky?fail=1")
-        assert response.status_code == 500 and response.text == "broken"  # passed through unchanged
+    fail_flaky(alice, settings, threshold=5)  # each failure passed through unchanged
     refused = alice.call("/alice/flaky")
     assert_error(refused, 503, "degraded")
     assert int(refused.headers["Retry-After"]) >= 1

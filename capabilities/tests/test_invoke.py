@@ -4,7 +4,7 @@ import pytest
 
 from capabilities.models import CapabilityVersion
 from testsupport.capability_code import COUNTS_BODY, PONG, PONG2
-from testsupport.cast import echo_everything
+from testsupport.cast import call_echo_with_everything
 
 
 def test_deploy_then_invoke_then_new_version_then_invoke(alice):
@@ -38,7 +38,7 @@ def test_deploy_of_same_code_makes_no_new_version(alice):
 
 
 def test_method_path_query_headers_and_body_pass_through(alice):
-    response = echo_everything(alice)
+    response = call_echo_with_everything(alice)
     assert response.status_code == 207
     assert response.headers["x-echo"] == "yes"
     assert response.headers["set-cookie"] == "a=b"

@@ -12,13 +12,9 @@ from agents.models import Agent, AuditEvent
 from capabilities import services
 from capabilities.models import Capability
 from sigil.encryption import secret_encrypt
+from testsupport.capability_code import FLAKY
 from testsupport.capability_code import answering as code
 from testsupport.cast import flush_stats_when_recorded, wait_for
-
-FLAKY = """export default { async fetch(request) {
-  if (new URL(request.url).searchParams.has('fail')) return new Response('broken', { status: 500 });
-  return new Response('fine');
-} }"""
 
 
 def subscribe(agent_name: str, url: str, secret: str = "shared-with-the-agent") -> str:

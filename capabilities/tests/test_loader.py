@@ -1,8 +1,6 @@
 """The loader runtime end to end: Sigil over HTTP, code in the emulator's Workers KV, run by
 the repo's loader host deployed as a Worker with a Worker Loader."""
 
-from django.core.management import call_command
-
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
 from testsupport.capability_code import PONG
@@ -16,11 +14,3 @@ def test_a_deploy_writes_the_bundle_to_kv_and_the_loader_worker_runs_it(loader, 
     assert keys == {f"code:{capability.placed_sha}", "slot:alice--ping"}
     assert alice.call("/alice/ping").text == "pong"
     assert [s.id for s in cf_client.script_list()] == ["sigil-loader"]
-
-
-def test_deployruntime_deploys_the_loader_worker_once_and_checks_it(loader, db, capsys):
-    call_command("deployruntime")
-    first = capsys.readouterr().out
-    assert "created the KV namespace sigil-code" in first and "deployed the loader Worker sigil-loader" in first
-    call_command("deployruntime")
-    assert capsys.readouterr().out.strip() == "loader: up to date"

@@ -1,13 +1,12 @@
 """The platform runtime end to end: Sigil's REST API and gateway over HTTP, the emulator's
 dispatch namespace behind the repo's dispatch Worker."""
 
-from django.core.management import call_command
-
 from capabilities import services
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.cloudflare.account import installation_tag
 from testsupport.capability_code import PONG
+from testsupport.emulator import namespace_upload
 
 
 def test_each_capability_gets_its_cpu_limit_through_the_dispatch_worker(platform, alice, settings):
@@ -33,15 +32,6 @@ def test_a_cpu_limit_out_of_cloudflares_range_is_refused(platform, alice):
         )
 
 
-def test_deployruntime_deploys_the_dispatch_worker_once_and_checks_it(platform, db, capsys):
-    call_command("deployruntime")
-    first = capsys.readouterr().out
-    assert "created the dispatch namespace sigil" in first and "deployed the dispatch Worker sigil-dispatcher" in first
-    call_command("deployruntime")
-    assert capsys.readouterr().out.strip() == "platform: up to date"
-    get_runtime().check()
-
-
 def test_processes_starting_together_deploy_the_dispatch_worker_once(platform, db):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -65,23 +55,10 @@ def test_reconcile_leaves_the_owners_scripts_in_the_namespace_alone_even_tagged_
 ):
     alice.deploy(name="ping", code=PONG)
     namespace = get_runtime().namespace
-    cf_client.namespace_script_upload(
-        namespace,
-        "owners-own",
-        modules={"w.js": PONG},
-        main_module="w.js",
-        compatibility_date="2025-01-01",
-        tags=["sigil", "agent-owner"],
-    )
+    namespace_upload(cf_client, namespace, "owners-own", code=PONG, tags=["sigil", "agent-owner"])
     # One this installation left behind (its placement's worker died before recording it).
-    cf_client.namespace_script_upload(
-        namespace,
-        "alice--left",
-        modules={"w.js": PONG},
-        main_module="w.js",
-        compatibility_date="2025-01-01",
-        tags=["sigil", installation_tag(settings.SIGIL_INTERNAL_SECRET)],
-    )
+    left = ["sigil", installation_tag(settings.SIGIL_INTERNAL_SECRET)]
+    namespace_upload(cf_client, namespace, "alice--left", code=PONG, tags=left)
     assert services.capability_reconcile()["orphans_removed"] == 1
     assert sorted(s.id for s in cf_client.namespace_script_list(namespace)) == ["alice--ping", "owners-own"]
     assert services.capability_reconcile()["orphans_removed"] == 0

@@ -15,11 +15,10 @@ import requests
 
 from agents.models import AuditEvent
 from capabilities import pager
-from capabilities.models import Capability, CapabilityVersion
-from capabilities.runtimes.worker_pool import pool_script_name
+from capabilities.models import Capability
 from capabilities.services import async_calls
 from capabilities.services.placement import placement_lock_key
-from capabilities.tests.test_work_ends import BOUND, LEASE, reap_until, uploads
+from capabilities.tests.test_work_ends import BOUND, LEASE, deploy_until_uploaded, reap_the_stranded_deploy
 from sigil.redis_client import get_redis
 from testsupport.capability_code import answering
 from testsupport.cast import AgentClient, make_agent, wait_for
@@ -93,27 +92,12 @@ def test_a_host_killed_mid_deploy_has_its_deploy_placed_by_the_survivor(hosts, w
     a, b = hosts("a", SIGIL_DEPLOY_WAIT_SECONDS="0.5"), hosts("b")
     alice = make_agent("alice", a.url)
     worker_pool.configure(latency=1.5)
-    answer = alice.deploy(name="slow", code=answering("placed after all"))
-    assert answer.status_code == 202, answer.text
-    wait_for(
-        lambda: uploads(worker_pool, pool_script_name("alice--slow")),
-        timeout=30,
-        message="host a's worker to upload the deploy",
-    )
+    deploy_until_uploaded(worker_pool, alice, "slow", "placed after all")  # by host a's worker
     a.kill()
     killed_at = time.monotonic()
     worker_pool.configure(latency=0)
-    version = CapabilityVersion.objects.get(capability__full_name="alice--slow", number=1)
-    assert version.placement == "placing"  # the kill came mid-placement
-
     settings.SIGIL_DEPLOY_QUEUE = "deploys-b"  # beat on the survivor sends work to its worker
-    reap_until(
-        lambda: CapabilityVersion.objects.get(pk=version.pk).placement != "placing",
-        seconds=BOUND,
-        message="the stranded deploy to end",
-    )
-    assert time.monotonic() - killed_at < BOUND
-    assert CapabilityVersion.objects.get(pk=version.pk).placement == "placed"
+    reap_the_stranded_deploy("alice--slow", killed_at=killed_at)
     assert AuditEvent.objects.filter(subject="alice--slow", action="capability.deploy_resent").exists()
     assert through(alice, b).call("/alice/slow").text == "placed after all"
     wait_for(lambda: books_are_right("alice--slow"), timeout=LEASE + 5, message="the pager's books to be right")

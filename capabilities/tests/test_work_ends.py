@@ -50,6 +50,59 @@ def kill(worker) -> float:
     return time.monotonic()
 
 
+def deploy_until_uploaded(worker_pool, agent, name: str, text: str) -> None:
+    """Deploy `name`, answering `text`, as `agent`: accepted to be placed in the background
+    (202), and in flight until its script's upload reaches the emulator."""
+    answer = agent.deploy(name=name, code=code(text))
+    assert answer.status_code == 202, answer.text
+    wait_for(
+        lambda: uploads(worker_pool, pool_script_name(f"{agent.name}--{name}")),
+        timeout=30,
+        message=f"the upload of {name} to reach Cloudflare",
+    )
+
+
+def kill_mid_deploy(worker_pool, agent, settings, name: str, text: str) -> float:
+    """Deploy `name` through a Celery worker of its own (queue "kill-me") while each API call
+    takes 1.5 s, and kill the worker's main process once the upload is in flight; returns when
+    it was killed, the API back to full speed."""
+    settings.SIGIL_DEPLOY_WAIT_SECONDS = 0.5
+    settings.SIGIL_DEPLOY_QUEUE = "kill-me"
+    worker_pool.configure(latency=1.5)  # each API call takes 1.5 s: the deploy is in flight
+    worker = start_worker_process(settings, queue="kill-me")
+    try:
+        deploy_until_uploaded(worker_pool, agent, name, text)
+    finally:
+        killed_at = kill(worker)
+    worker_pool.configure(latency=0)
+    return killed_at
+
+
+def reap_the_stranded_deploy(full: str, *, killed_at: float) -> None:
+    """The first version of `full`, whose placer was killed mid-placement, is placed by the
+    reaper within the bound of the kill."""
+    version = CapabilityVersion.objects.get(capability__full_name=full, number=1)
+    assert version.placement == "placing"  # the kill came mid-placement
+    reap_until(
+        lambda: CapabilityVersion.objects.get(pk=version.pk).placement != "placing",
+        seconds=BOUND,
+        message="the stranded deploy to end",
+    )
+    assert time.monotonic() - killed_at < BOUND
+    assert CapabilityVersion.objects.get(pk=version.pk).placement == "placed"
+
+
+def start_holder(script: str) -> subprocess.Popen:
+    """`script` run by another Python process with Django set up and this test's lease, in a
+    session of its own (so that `kill` ends it outright)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script],
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "sigil_site.settings", "SIGIL_LEASE_SECONDS": str(LEASE)},
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
 def reap_until(condition, *, seconds: float, message: str) -> None:
     """Run the reaper as beat would (here every half second) until `condition` holds."""
     deadline = time.monotonic() + seconds
@@ -62,32 +115,9 @@ def reap_until(condition, *, seconds: float, message: str) -> None:
 @pytest.mark.slow
 def test_a_deploy_whose_workers_main_process_is_killed_is_placed_within_the_bound(worker_pool, alice, short_leases):
     settings = short_leases
-    settings.SIGIL_DEPLOY_WAIT_SECONDS = 0.5
-    settings.SIGIL_DEPLOY_QUEUE = "kill-me"
-    worker_pool.configure(latency=1.5)  # each API call takes 1.5 s: the deploy is in flight
-    worker = start_worker_process(settings, queue="kill-me")
-    try:
-        answer = alice.deploy(name="slow", code=code("placed after all"))
-        assert answer.status_code == 202, answer.text
-        wait_for(
-            lambda: uploads(worker_pool, pool_script_name("alice--slow")),
-            timeout=30,
-            message="the deploy's upload to reach Cloudflare",
-        )
-    finally:
-        killed_at = kill(worker)
-    worker_pool.configure(latency=0)
+    killed_at = kill_mid_deploy(worker_pool, alice, settings, "slow", "placed after all")
     settings.SIGIL_DEPLOY_QUEUE = "deploys"  # the surviving workers' queue
-    version = CapabilityVersion.objects.get(capability__full_name="alice--slow", number=1)
-    assert version.placement == "placing"  # the kill came mid-placement
-
-    reap_until(
-        lambda: CapabilityVersion.objects.get(pk=version.pk).placement != "placing",
-        seconds=BOUND,
-        message="the stranded deploy to end",
-    )
-    assert time.monotonic() - killed_at < BOUND
-    assert CapabilityVersion.objects.get(pk=version.pk).placement == "placed"
+    reap_the_stranded_deploy("alice--slow", killed_at=killed_at)
     trail = list(AuditEvent.objects.filter(subject="alice--slow").values_list("action", flat=True))
     assert "capability.deploy_resent" in trail and "capability.created" in trail
     assert alice.call("/alice/slow").text == "placed after all"
@@ -98,20 +128,7 @@ def test_a_deploy_whose_workers_main_process_is_killed_is_placed_within_the_boun
 @pytest.mark.slow
 def test_a_deploy_no_worker_takes_after_its_worker_died_is_failed_and_audited(worker_pool, alice, short_leases):
     settings = short_leases
-    settings.SIGIL_DEPLOY_WAIT_SECONDS = 0.5
-    settings.SIGIL_DEPLOY_QUEUE = "kill-me"
-    worker_pool.configure(latency=1.5)
-    worker = start_worker_process(settings, queue="kill-me")
-    try:
-        assert alice.deploy(name="lost", code=code("never")).status_code == 202
-        wait_for(
-            lambda: uploads(worker_pool, pool_script_name("alice--lost")),
-            timeout=30,
-            message="the deploy's upload to reach Cloudflare",
-        )
-    finally:
-        killed_at = kill(worker)
-    worker_pool.configure(latency=0)
+    killed_at = kill_mid_deploy(worker_pool, alice, settings, "lost", "never")
     version = CapabilityVersion.objects.get(capability__full_name="alice--lost", number=1)
 
     # Nothing consumes "kill-me" any more: every resend is lost too, and then it is ended.
@@ -162,12 +179,7 @@ def test_a_page_in_whose_worker_died_is_taken_over_by_the_next_call_within_a_lea
 
 
 def test_a_placement_lock_is_renewed_while_held_and_freed_a_lease_after_its_holders_death(short_leases):
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_THE_LOCK],
-        env={**os.environ, "DJANGO_SETTINGS_MODULE": "sigil_site.settings", "SIGIL_LEASE_SECONDS": str(LEASE)},
-        stdout=subprocess.PIPE,
-        start_new_session=True,
-    )
+    holder = start_holder(HOLD_THE_LOCK)
     try:
         assert holder.stdout.readline().strip() == b"held"
         lock = placement_lock("alice--x", blocking=True, wait_seconds=2 * LEASE)
@@ -195,12 +207,7 @@ time.sleep(600)
 
 
 def test_in_flight_counts_of_a_dead_process_stop_counting_a_lease_after_its_death(short_leases):
-    counter = subprocess.Popen(
-        [sys.executable, "-c", COUNT_A_CALL],
-        env={**os.environ, "DJANGO_SETTINGS_MODULE": "sigil_site.settings", "SIGIL_LEASE_SECONDS": str(LEASE)},
-        stdout=subprocess.PIPE,
-        start_new_session=True,
-    )
+    counter = start_holder(COUNT_A_CALL)
     try:
         assert counter.stdout.readline().strip() == b"counted"
         process = pager.pager_inflight_enter("alice--a")  # one call in flight here too

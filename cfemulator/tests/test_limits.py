@@ -4,14 +4,13 @@ other script keeps answering; over real HTTP, with real workerd."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
-import requests
 
 from cfemulator.limits import DEFAULT_CPU_MS, call_cpu_ms, exceeded_answer, negotiate
 from cfemulator.tests.test_api import HELLO, Api, first_error
+from testsupport.steady import SteadyCalls
 
 # Spins on /spin; answers at once anywhere else.
 SPINNER = """export default { async fetch(request) {
@@ -44,28 +43,9 @@ def api(cf_emulator_fresh):
     return Api(cf_emulator_fresh)
 
 
-class Steady:
+def calling_steady(emulator, host: str) -> SteadyCalls:
     """Calls a well-behaved Worker over and over in a thread, keeping every answer."""
-
-    def __init__(self, emulator, host: str) -> None:
-        self.emulator, self.host = emulator, host
-        self.answers: list[tuple[int, str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        session = requests.Session()  # the emulator control's own is the test thread's
-        while not self._stop.is_set():
-            response = session.get(self.emulator.url + "/steady", headers={"Host": self.host}, timeout=30)
-            self.answers.append((response.status_code, response.text))
-
-    def __enter__(self) -> Steady:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
+    return SteadyCalls(emulator.url + "/steady", headers={"Host": host}, join_timeout=30)
 
 
 def test_a_script_past_its_cpu_limit_gets_1102_while_other_scripts_keep_answering(api, cf_emulator_fresh):
@@ -75,7 +55,7 @@ def test_a_script_past_its_cpu_limit_gets_1102_while_other_scripts_keep_answerin
     api.enable("steady")
     spinner = cf_emulator_fresh.workers_dev_host("spinner")
 
-    with Steady(cf_emulator_fresh, cf_emulator_fresh.workers_dev_host("steady")) as steady:
+    with calling_steady(cf_emulator_fresh, cf_emulator_fresh.workers_dev_host("steady")) as steady:
         time.sleep(0.2)
         started = time.monotonic()
         stopped = cf_emulator_fresh.worker_request(spinner, "/spin")
@@ -116,7 +96,7 @@ def test_a_dispatch_namespace_script_past_its_limit_makes_the_fetcher_throw(api,
     api.enable("dispatcher")
     host = cf_emulator_fresh.workers_dev_host("dispatcher")
 
-    with Steady(cf_emulator_fresh, host) as steady:
+    with calling_steady(cf_emulator_fresh, host) as steady:
         started = time.monotonic()
         stopped = cf_emulator_fresh.worker_request(host, "/runaway/spin")
         took = time.monotonic() - started
@@ -137,7 +117,7 @@ def test_a_script_past_the_memory_limit_gets_1102_too(api, cf_emulator_fresh):
     api.upload("steady", HELLO)
     api.enable("hog")
     api.enable("steady")
-    with Steady(cf_emulator_fresh, cf_emulator_fresh.workers_dev_host("steady")) as steady:
+    with calling_steady(cf_emulator_fresh, cf_emulator_fresh.workers_dev_host("steady")) as steady:
         stopped = cf_emulator_fresh.worker_request(
             cf_emulator_fresh.workers_dev_host("hog"), headers={"Accept": "application/json"}
         )
@@ -149,7 +129,7 @@ def test_a_script_past_the_memory_limit_gets_1102_too(api, cf_emulator_fresh):
 def test_an_upload_whose_top_level_never_ends_is_10021_and_the_account_keeps_serving(api, cf_emulator_fresh):
     api.upload("steady", HELLO)
     api.enable("steady")
-    with Steady(cf_emulator_fresh, cf_emulator_fresh.workers_dev_host("steady")) as steady:
+    with calling_steady(cf_emulator_fresh, cf_emulator_fresh.workers_dev_host("steady")) as steady:
         started = time.monotonic()
         refused = api.upload("stuck", "while (true) {}\nexport default { fetch() { return new Response('never') } }")
         took = time.monotonic() - started

@@ -17,7 +17,7 @@ from django.conf import settings
 
 from sigil import ports
 from sigil.ports import free_port_block, port_is_open
-from sigil_site.tests.test_runsigil import Output
+from sigil_site.tests.test_runsigil import Output, launch_runsigil
 from testsupport.capability_code import PONG
 from testsupport.processes import descendants, is_alive, wait_until
 
@@ -48,14 +48,7 @@ def test_two_sigils_with_different_ports_run_side_by_side():
     try:
         for env, web in zip(envs, webs, strict=True):
             manage(env, "migrate", "--verbosity", "0")
-            process = subprocess.Popen(
-                [sys.executable, MANAGE, "runsigil", "--port", str(web)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            started.append((process, Output(process)))
+            started.append(launch_runsigil(env, web))
         for process, output in started:
             wait_until(lambda p=process, o=output: o.has("Press Ctrl-C to stop.") or p.poll() is not None, timeout=90)
             assert process.poll() is None, str(output)

@@ -16,7 +16,7 @@ from sigil.embedded_redis import EmbeddedRedis
 from sigil.lifetime import PidFiles, group_members
 from sigil.ports import free_port, port_is_open
 from sigil_site.tests import test_runsigil
-from sigil_site.tests.test_runsigil import MANAGE, http_status, start_runsigil
+from sigil_site.tests.test_runsigil import MANAGE, http_status, runsigil_refused, start_runsigil
 from testsupport.capability_code import PONG
 from testsupport.cast import AgentClient
 from testsupport.processes import command_line, descendants, is_alive, wait_until
@@ -133,13 +133,7 @@ def test_a_second_runsigil_on_the_same_var_directory_is_refused_not_let_kill_the
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         PidFiles(var_dir / "run").record("runsigil", holder.pid)
-        result = subprocess.run(
-            [sys.executable, MANAGE, "runsigil", "--port", str(free_port())],
-            env=embedded_env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        result = runsigil_refused(embedded_env, free_port())
         assert result.returncode == 1
         assert f"Sigil already runs on {var_dir} (pid {holder.pid})" in result.stderr
         assert holder.poll() is None

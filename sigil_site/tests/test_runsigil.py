@@ -109,15 +109,43 @@ def start_runsigil(env: dict[str, str], web_port: int, *, migrate: bool = True) 
         )
         (var_dir / "workerd").mkdir()
         (var_dir / "workerd" / "ports.json").write_text(json.dumps({"alice": 0}))
+    return launch_runsigil(env, web_port, preexec_fn=shell_umask)
+
+
+def launch_runsigil(env: dict[str, str], web_port: int, **popen) -> tuple[subprocess.Popen, Output]:
+    """`manage.py runsigil` on `web_port` in a session of its own, its output collected."""
     process = subprocess.Popen(
         [sys.executable, MANAGE, "runsigil", "--port", str(web_port)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=shell_umask,
+        **popen,
     )
     return process, Output(process)
+
+
+def runsigil_refused(env: dict[str, str], port: int) -> subprocess.CompletedProcess:
+    """`manage.py runsigil` on `port`, run to its end (a refusal ends it at once)."""
+    return subprocess.run(
+        [sys.executable, MANAGE, "runsigil", "--port", str(port)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def stop_with_ctrl_c(process: subprocess.Popen, output: Output) -> None:
+    """Ctrl-C, as an owner stops `make run`: the supervisor stops everything and exits 0."""
+    process.send_signal(signal.SIGINT)
+    assert process.wait(60) == 0, str(output)
+
+
+def kill_if_running(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
 
 
 @pytest.mark.slow
@@ -170,12 +198,9 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
         wait_until(lambda: port_is_open(workerd_port), timeout=15, what="workerd again")
         children |= descendants(process.pid)
 
-        process.send_signal(signal.SIGINT)
-        assert process.wait(60) == 0, str(output)
+        stop_with_ctrl_c(process, output)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        kill_if_running(process)
         # What the supervisor killed last may take a moment to die.
         with contextlib.suppress(AssertionError):
             wait_until(lambda: not any(is_alive(pid) for pid in children), timeout=3)
@@ -204,12 +229,9 @@ def test_with_a_json_log_every_line_of_every_process_is_one_json_record(embedded
         assert http_status(web_port, "/alice/nothing") == 401
         wait_until(lambda: output.has('"sigil.access"'), timeout=10, what="the access line")
         time.sleep(2)  # a few flushes
-        process.send_signal(signal.SIGINT)
-        assert process.wait(60) == 0, str(output)
+        stop_with_ctrl_c(process, output)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        kill_if_running(process)
     output.thread.join(5)
 
     records = [json.loads(line) for line in output.lines]  # every line, or this fails
@@ -233,13 +255,7 @@ def test_with_a_json_log_every_line_of_every_process_is_one_json_record(embedded
 
 def test_runsigil_refuses_to_start_on_a_port_in_use(embedded_env):
     with listening_socket() as port:
-        result = subprocess.run(
-            [sys.executable, MANAGE, "runsigil", "--port", str(port)],
-            env=embedded_env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        result = runsigil_refused(embedded_env, port)
     assert result.returncode == 1
     assert f"port {port} is in use" in result.stderr
 

@@ -244,3 +244,14 @@ class RuntimeContract:
 
     def test_check_passes_when_the_runtime_serves(self, runtime):
         runtime.check()
+
+
+class ProvisionedRuntimeContract(RuntimeContract):
+    """The contract for a runtime with an account Worker of its own (the loader's host, the
+    platform's dispatcher)."""
+
+    @pytest.fixture
+    def runtime(self, runtime):
+        """Deployed as `manage.py deployruntime` does, so that `check` finds its Worker."""
+        runtime.provision()
+        return runtime

@@ -9,7 +9,7 @@ from capabilities.runtimes.base import CodeBundle, ResolvedBinding
 from capabilities.runtimes.cloudflare import CloudflarePlanRequired
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader import LoaderRuntime
-from capabilities.tests.runtimes.contract import HELLO, RuntimeContract, call
+from capabilities.tests.runtimes.contract import HELLO, ProvisionedRuntimeContract, call
 
 
 @pytest.fixture
@@ -24,12 +24,8 @@ def runtime(cf_client, cf_emulator_fresh, settings):
     )
 
 
-class TestLoaderRuntime(RuntimeContract):
-    @pytest.fixture
-    def runtime(self, runtime):
-        """Deployed as `manage.py deployruntime` does, so that `check` finds its loader Worker."""
-        runtime.provision()
-        return runtime
+class TestLoaderRuntime(ProvisionedRuntimeContract):
+    pass
 
 
 def test_code_is_content_addressed_in_kv_and_the_slot_points_at_it(runtime, cf_client, settings):

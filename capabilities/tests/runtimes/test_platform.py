@@ -7,27 +7,24 @@ import urllib3
 from capabilities.runtimes.base import CodeBundle
 from capabilities.runtimes.cloudflare import CloudflarePlanRequired
 from capabilities.runtimes.platform import PlatformRuntime
-from capabilities.tests.runtimes.contract import HELLO, RuntimeContract, call
+from capabilities.tests.runtimes.contract import HELLO, ProvisionedRuntimeContract, call
 
 
 @pytest.fixture
 def runtime(cf_client, cf_emulator_fresh, settings):
+    return platform_runtime(cf_client, secret=settings.SIGIL_INTERNAL_SECRET, base=cf_emulator_fresh.url)
+
+
+def platform_runtime(client, *, secret: str, base: str) -> PlatformRuntime:
+    """The runtime on the emulator's `sigil-test` namespace behind `sigil-dispatcher`, as a
+    Sigil whose secret is `secret` builds it."""
     return PlatformRuntime(
-        client=cf_client,
-        namespace="sigil-test",
-        dispatcher="sigil-dispatcher",
-        secret=settings.SIGIL_INTERNAL_SECRET,
-        cpu_ms=50,
-        invoke_base=cf_emulator_fresh.url,
+        client=client, namespace="sigil-test", dispatcher="sigil-dispatcher", secret=secret, cpu_ms=50, invoke_base=base
     )
 
 
-class TestPlatformRuntime(RuntimeContract):
-    @pytest.fixture
-    def runtime(self, runtime):
-        """Deployed as `manage.py deployruntime` does, so that `check` finds its dispatch Worker."""
-        runtime.provision()
-        return runtime
+class TestPlatformRuntime(ProvisionedRuntimeContract):
+    pass
 
 
 def test_capabilities_are_namespace_scripts_named_by_full_name_and_tagged(runtime, cf_client):
@@ -107,14 +104,7 @@ def test_check_fails_until_the_dispatch_worker_is_deployed_and_current(runtime, 
         runtime.check()
     runtime.provision()
     runtime.check()
-    stale = PlatformRuntime(
-        client=cf_client,
-        namespace="sigil-test",
-        dispatcher="sigil-dispatcher",
-        secret="another-secret",
-        cpu_ms=50,
-        invoke_base=runtime.dispatcher.invoke_base,
-    )
+    stale = platform_runtime(cf_client, secret="another-secret", base=runtime.dispatcher.invoke_base)
     stale.dispatcher.version = "0" * 16
     with pytest.raises(RuntimeUnavailable, match="runs version"):
         stale.check()
@@ -131,14 +121,7 @@ def test_long_full_names_get_a_hashed_script_name_within_one_dns_label(runtime):
 
 def test_a_rotated_secret_deploys_the_dispatch_worker_again(runtime, cf_client, settings):
     runtime.provision()
-    rotated = PlatformRuntime(
-        client=cf_client,
-        namespace="sigil-test",
-        dispatcher="sigil-dispatcher",
-        secret="rotated-secret",
-        cpu_ms=50,
-        invoke_base=runtime.dispatcher.invoke_base,
-    )
+    rotated = platform_runtime(cf_client, secret="rotated-secret", base=runtime.dispatcher.invoke_base)
     assert rotated.dispatcher.version != runtime.dispatcher.version
     assert rotated.provision() == [f"deployed the dispatch Worker sigil-dispatcher ({rotated.dispatcher.version})"]
     bundle = CodeBundle.from_code(HELLO)
