@@ -180,12 +180,12 @@ def _left_idle(queues: list[str]):
     PostgreSQL's TRUNCATE must wait for (and may deadlock on), and a retry scheduled for later
     would run against the next test's rows.
     """
+    import os
     import time
 
     import redis
     from celery.signals import task_received
     from celery.worker import state as worker_state
-    from django.conf import settings
 
     from testsupport.inflight import SERVER_REQUESTS
 
@@ -196,7 +196,9 @@ def _left_idle(queues: list[str]):
 
     task_received.connect(remember, weak=False)
     yield
-    broker = redis.Redis.from_url(settings.REDIS_URL)
+    # The session's Redis, where the workers take their tasks (testsupport/environment.py),
+    # whatever Redis the test pointed Sigil at meanwhile.
+    broker = redis.Redis.from_url(os.environ["REDIS_URL"])
     deadline = time.monotonic() + 30
     try:
         # A response still closing may queue a task yet (a breaker change).

@@ -80,6 +80,31 @@ _TAIL_FORWARD = """export default {{
   }},
 }};
 """
+# A dispatch namespace's script, run in a process of its own (its tail): Cloudflare hands the
+# exception it throws to the dispatch Worker that called it, where `fetch()` throws it again.
+# Over HTTP the emulator carries it back in EXCEPTION_HEADER (the binding's Fetcher rethrows
+# it), and leaves it in the trace under EXCEPTION_MARK, which the tail relay turns back into
+# the event's outcome and exception, as Cloudflare's trace shows them (cfemulator.tails).
+EXCEPTION_HEADER = "x-cfemulator-exception"
+EXCEPTION_MARK = "[cfemulator:exception]"
+_HANDS_BACK = """import * as uploaded from {main};
+export * from {main};
+const worker = uploaded.default;
+export default {{
+  async fetch(request, env, ctx) {{
+    try {{
+      return await worker.fetch(request, env, ctx);
+    }} catch (error) {{
+      const message = String((error && error.message) || error);
+      const name = String((error && error.name) || "Error");
+      console.error({mark}, JSON.stringify({{ name, message, stack: String((error && error.stack) || "") }}));
+      return new Response(String((error && error.stack) || error), {{
+        status: 500, headers: {{ {header}: encodeURIComponent(message) }},
+      }});
+    }}
+  }},
+}};
+"""
 _TAIL_ENTRY = """import * as uploaded from {main};
 export * from {main};
 const worker = uploaded.default;
@@ -121,6 +146,12 @@ function dispatchNamespace(emulator, namespace) {{
             method: request.method, headers, body: request.body, redirect: "manual",
           }});
           if (response.headers.has({not_found_header})) throw new Error("Worker not found.");
+          const thrown = response.headers.get({exception_header});
+          if (thrown !== null) {{
+            const error = new Error(decodeURIComponent(thrown));
+            error.stack = await response.text();
+            throw error;
+          }}
           const exceeded = response.headers.get({exceeded_header});
           if (exceeded) throw new Error(exceeded === "memory" ? {memory_message} : {cpu_message});
           return response;
@@ -283,6 +314,8 @@ class BoundHost(WorkerdHost):
     tail_key: str | None = None
     #: whether the process serves only the deliveries of events to the script's `tail()`
     tail_entry: bool = False
+    #: whether the script is a dispatch namespace's, whose exceptions go back to its caller
+    hands_back: bool = False
     _environment: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     def write_config(self) -> Path:
@@ -295,6 +328,7 @@ class BoundHost(WorkerdHost):
             emulator_port=self.emulator_port,
             tail_key=self.tail_key,
             tail_entry=self.tail_entry,
+            hands_back=self.hands_back,
         )
         self.config_path.write_text(config)
         return self.config_path
@@ -312,11 +346,13 @@ def bound_config(
     emulator_port: int,
     tail_key: str | None = None,
     tail_entry: bool = False,
+    hands_back: bool = False,
 ) -> tuple[str, dict[str, str]]:
     """The capnp config of one bound script listening on `port`, with a liveness probe on
     `probe_port` (its modules are written to `directory`), and the environment holding its
     text bindings. With `tail_key`, its tail events are posted to the emulator under that key;
-    with `tail_entry`, each request to it is a batch of events for the script's `tail()`."""
+    with `tail_entry`, each request to it is a batch of events for the script's `tail()`; with
+    `hands_back`, an exception it throws goes back to its caller (a dispatch namespace's script)."""
     modules = []
     for index, (name, kind) in enumerate(upload.module_types.items()):
         if kind == SOURCE_MAP_TYPE:
@@ -379,6 +415,7 @@ def bound_config(
             limits_header=json.dumps(LIMITS_HEADER),
             original_host_header=json.dumps(ORIGINAL_HOST_HEADER),
             not_found_header=json.dumps(NOT_FOUND_HEADER),
+            exception_header=json.dumps(EXCEPTION_HEADER),
             exceeded_header=json.dumps(EXCEEDED_HEADER),
             cpu_message=json.dumps(CPU_EXCEEDED_MESSAGE),
             memory_message=json.dumps(MEMORY_EXCEEDED_MESSAGE),
@@ -388,6 +425,13 @@ def bound_config(
         )
         (directory / "shim.js").write_text(shim)
         modules.insert(0, f'(name = {_capnp(SHIM_MODULE)}, esModule = embed "shim.js")')
+        main_module = SHIM_MODULE
+    elif hands_back:
+        wrapper = _HANDS_BACK.format(
+            main=json.dumps("./" + main_module), header=json.dumps(EXCEPTION_HEADER), mark=json.dumps(EXCEPTION_MARK)
+        )
+        (directory / "hands-back.js").write_text(wrapper)
+        modules.insert(0, f'(name = {_capnp(SHIM_MODULE)}, esModule = embed "hands-back.js")')
         main_module = SHIM_MODULE
     elif tail_entry:
         (directory / "tail-entry.js").write_text(_TAIL_ENTRY.format(main=json.dumps("./" + main_module)))

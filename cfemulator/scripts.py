@@ -180,4 +180,5 @@ class ScriptProcesses:
             script_port=self._ports.port_for(f"{name}:script"),
             tail_key=name.removesuffix(":bound") if tails == "produce" else None,
             tail_entry=tails == "consume",
+            hands_back=name.startswith("ns:") and tails == "produce",
         )

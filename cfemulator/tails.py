@@ -21,6 +21,8 @@ from typing import Any
 
 import urllib3
 
+from cfemulator.bound import EXCEPTION_MARK
+
 logger = logging.getLogger(__name__)
 
 _SEND = urllib3.PoolManager(timeout=urllib3.Timeout(connect=5.0, read=30.0), retries=False)
@@ -52,6 +54,7 @@ class TailRelay:
                 event["scriptName"] = name
                 if namespace is not None:
                     event["dispatchNamespace"] = namespace
+                _thrown_back(event)
         body = json.dumps(events).encode()
         for consumer in consumers:
             try:
@@ -71,3 +74,18 @@ class TailRelay:
 
     def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _thrown_back(event: dict[str, Any]) -> None:
+    """The event of a namespace script whose exception went back to its caller, as Cloudflare's
+    trace shows it: outcome "exception", the exception in `exceptions`, not in the logs."""
+    logs = event.get("logs") if isinstance(event.get("logs"), list) else []
+    marked = [log for log in logs if isinstance(log, dict) and (log.get("message") or [None])[0] == EXCEPTION_MARK]
+    for log in marked:
+        logs.remove(log)
+        try:
+            thrown = json.loads(log["message"][1])
+        except (IndexError, TypeError, ValueError):
+            continue
+        event["outcome"] = "exception"
+        event.setdefault("exceptions", []).append({**thrown, "timestamp": log.get("timestamp")})

@@ -9,6 +9,7 @@ import pytest
 from capabilities import services
 from capabilities.models import Binding, Capability
 from capabilities.runtimes import get_runtime
+from capabilities.runtimes.tail_worker import TAIL_WORKER
 from testsupport.capability_code import PONG, PONG2
 from testsupport.cast import call_echo_with_everything, fail_flaky, grant, wait_for
 
@@ -153,7 +154,8 @@ def test_sigils_own_worker_lost_on_cloudflare_is_deployed_again_by_the_next_call
 ):
     request.getfixturevalue(runtime_fixture)
     alice.deploy(name="ping", code=PONG)
-    (worker,) = [s.id for s in cf_client.script_list()]  # Sigil's dispatch or loader Worker
+    # Sigil's dispatch or loader Worker (beside it, on platform, its Tail Worker).
+    (worker,) = [s.id for s in cf_client.script_list() if s.id != TAIL_WORKER]
     cf_client.script_delete(worker)
     response = alice.call("/alice/ping")
     assert (response.status_code, response.text) == (200, "pong")

@@ -10,7 +10,7 @@ import pytest
 
 from cfemulator.limits import CPU_EXCEEDED_MESSAGE
 from cfemulator.tests.test_api import Api, first_error, kv_binding
-from cfemulator.tests.test_limits import Steady, stopped_within
+from cfemulator.tests.test_limits import calling_steady, stopped_within
 
 KV_WORKER = """export default { async fetch(request, env) {
   const url = new URL(request.url);
@@ -128,7 +128,7 @@ def test_a_dynamic_worker_past_its_limit_throws_into_its_loader_worker_and_the_o
     # They all run in the loader Worker's one process, which the emulator stops for the runaway.
     host = serve(api, cf_emulator_fresh, "loads", LOADS_SPINNER, [{"type": "worker_loader", "name": "LOADER"}])
     assert cf_emulator_fresh.worker_request(host, "/steady").text == "still here"
-    with Steady(cf_emulator_fresh, host) as one, Steady(cf_emulator_fresh, host) as two:
+    with calling_steady(cf_emulator_fresh, host) as one, calling_steady(cf_emulator_fresh, host) as two:
         time.sleep(0.3)
         for _ in range(3):
             started = time.monotonic()
