@@ -2,6 +2,7 @@
 gateway records each call's outcome with (stats.RECORD_CALL, which holds the breaker's Lua)."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -33,18 +34,15 @@ def read(redis_client, full="alice--x"):
 def record(redis_client, rules, *, ok=False, full="alice--x", now=None) -> bool:
     """One call's outcome, recorded as the gateway records it; whether it opened the breaker."""
     now = time.time() if now is None else now
-    call = stats.CallRecord(
+    called = SimpleNamespace(  # what stats.RecordedCall reads of the engine's call
         full=full,
         capability_type="persistent",
         token_hash="token",
-        at_epoch=now,
-        latency_ms=1.0,
-        status=200 if ok else 500,
-        ok=ok,
         is_trial=False,
         inflight_process=None,
         page_in_ms=None,
     )
+    call = stats.CallRecord(call=called, at_epoch=now, latency_ms=1.0, status=200 if ok else 500, ok=ok)
     keys = call.keys()
     change = redis_client.eval(
         stats.RECORD_CALL, len(keys), *keys, *call.args(rules=rules, failures_kept=10, access_log_length=0)
