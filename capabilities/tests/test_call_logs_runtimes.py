@@ -4,13 +4,16 @@ Cloudflare does) the loader host's tail, or Sigil's Tail Worker (the worker-pool
 `tail_consumers`, the platform dispatch Worker's), leaves it in Workers KV for Sigil to
 collect."""
 
+import io
 import json
 import threading
 
 import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
 
 from capabilities import call_logs
-from capabilities.models import Binding
+from capabilities.models import Binding, Capability
 from capabilities.runtimes import get_runtime
 from capabilities.services.call_records import call_records_collect
 from capabilities.tests.test_call_logs import CHATTY, CHATTY_LINES, LEAKS, logs
@@ -49,7 +52,7 @@ def record_of(agent, full, request_id):
     return record
 
 
-def test_a_capability_that_logs_and_throws_has_both_calls_recorded_on_every_runtime(on_runtime, alice, bob):
+def test_a_capability_that_logs_and_throws_has_both_calls_recorded_on_every_runtime(on_runtime, alice, bob, client):
     alice.deploy(name="chatty", code=CHATTY, public=True)
     fine = alice.call("/alice/chatty/ok")
     boom = alice.call("/alice/chatty/boom")
@@ -70,6 +73,15 @@ def test_a_capability_that_logs_and_throws_has_both_calls_recorded_on_every_runt
     assert sorted(kept) == sorted([boom.headers["X-Request-Id"], fine.headers["X-Request-Id"]])
     assert every["lost"] == 0
     assert logs(bob, "alice--chatty").status_code == 404
+
+    # The owner reads the same records with `manage.py logs` and on the capability's page.
+    out = io.StringIO()
+    call_command("logs", "alice--chatty", stdout=out)
+    assert boom.headers["X-Request-Id"] in out.getvalue() and "! TypeError: exploded here" in out.getvalue()
+    client.force_login(User.objects.create_superuser("owner", password="x"))
+    capability = Capability.objects.get(full_name="alice--chatty")
+    page = client.get(f"/admin/capabilities/capability/{capability.pk}/change/").content.decode()
+    assert f'id="record-{boom.headers["X-Request-Id"]}"' in page and "exploded here" in page
 
 
 def test_a_bound_secret_logged_or_thrown_is_kept_as_its_name_on_every_runtime(on_runtime, alice, redis_client):
