@@ -33,3 +33,9 @@ class LogLimits:
         """The per-call bounds as the loader host's tail reads them (LOG_LIMITS), and how long
         a batch left in Workers KV for Sigil waits to be collected (the records' retention)."""
         return {"lines": self.lines_per_call, "lineBytes": self.line_bytes, "retentionSeconds": self.retention_seconds}
+
+
+def host_log_limits() -> dict | None:
+    """The per-call bounds a runtime's tail applies (LogLimits.for_host), from settings; None
+    while call records are off (SIGIL_LOGS_ENABLED)."""
+    return LogLimits.from_settings().for_host() if settings.SIGIL_LOGS_ENABLED else None

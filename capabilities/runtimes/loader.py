@@ -11,7 +11,7 @@ import time
 import urllib3
 from django.conf import LazySettings
 
-from capabilities.log_limits import LogLimits
+from capabilities.log_limits import host_log_limits
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound
@@ -57,7 +57,7 @@ class LoaderRuntime(FrontedRuntime):
             worker=settings.SIGIL_LOADER_WORKER,
             kv_title=settings.SIGIL_LOADER_KV_TITLE,
             propagation_wait_seconds=settings.SIGIL_INVOKE_TIMEOUT_SECONDS,
-            log_limits=LogLimits.from_settings().for_host() if settings.SIGIL_LOGS_ENABLED else None,
+            log_limits=host_log_limits(),
         )
 
     marker_header = "x-sigil-host"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from django.conf import LazySettings
 
-from capabilities.log_limits import LogLimits
+from capabilities.log_limits import host_log_limits
 from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import (
@@ -58,7 +58,7 @@ class PlatformRuntime(FrontedRuntime):
             **cls.account_settings(),
             namespace=settings.SIGIL_PLATFORM_NAMESPACE,
             dispatcher=settings.SIGIL_PLATFORM_DISPATCHER,
-            log_limits=LogLimits.from_settings().for_host() if settings.SIGIL_LOGS_ENABLED else None,
+            log_limits=host_log_limits(),
         )
 
     marker_header = "x-sigil-dispatch"

@@ -11,7 +11,7 @@ from pathlib import Path
 from django.conf import LazySettings
 from django.core.checks import CheckMessage, Error
 
-from capabilities.log_limits import LogLimits
+from capabilities.log_limits import host_log_limits
 from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, metadata_binding
@@ -78,7 +78,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
             user_reserved=settings.SIGIL_POOL_USER_RESERVED,
             safety_margin=settings.SIGIL_POOL_SAFETY_MARGIN,
             redirect=settings.SIGIL_POOL_REDIRECT,
-            log_limits=LogLimits.from_settings().for_host() if settings.SIGIL_LOGS_ENABLED else None,
+            log_limits=host_log_limits(),
         )
 
     @classmethod
