@@ -23,6 +23,7 @@ from capabilities.engine.calls import Served
 from capabilities.engine.offload import Offload
 from capabilities.engine.values import CallRequest, Prefetched
 from sigil.errors import NotFound
+from sigil.pipelined_redis import PipelinedRedis
 from sigil.redis_client import get_redis
 
 
@@ -36,6 +37,7 @@ class Admission:
     """Admits the calls of one engine."""
 
     redis: aioredis.Redis
+    warm_redis: PipelinedRedis  # the warm call's own MGET
     offload: Offload
     auth_throttle: FailedAuthThrottle
     degraded_cache: degraded_cache.DegradedCache
@@ -46,11 +48,11 @@ class Admission:
             return request.prefetched
         keys = call_keys(token_hash, full, self.auth_throttle.key(request.address))
         try:
-            return Prefetched(*await self.redis.mget(keys))
+            return Prefetched(*await self.warm_redis.mget(keys))
         except redis.ConnectionError:
-            # The held connection was closed (Redis restarted, or dropped an idle client);
-            # redis-py has discarded it, so this reconnects.
-            return Prefetched(*await self.redis.mget(keys))
+            # The held connection was closed (Redis restarted, or dropped an idle client):
+            # this connects again.
+            return Prefetched(*await self.warm_redis.mget(keys))
 
     async def authenticate(self, request: CallRequest, secret: str, token_hash: str, values: Prefetched) -> Principal:
         """The caller's principal. A usable cached token answers at once (no I/O); anything else

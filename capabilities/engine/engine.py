@@ -65,6 +65,7 @@ from sigil.errors import (
     TooLarge,
     error_for_unexpected,
 )
+from sigil.pipelined_redis import PipelinedRedis
 from sigil.redis_client import SOCKET_TIMEOUT_SECONDS, get_redis
 
 logger = logging.getLogger("capabilities.gateway")
@@ -81,6 +82,7 @@ class Engine:
             socket_connect_timeout=SOCKET_TIMEOUT_SECONDS,
             health_check_interval=30,
         )
+        self.warm_redis = PipelinedRedis(settings.REDIS_URL, timeout=SOCKET_TIMEOUT_SECONDS)
         self.runtime = get_runtime()
         self.max_body = settings.SIGIL_INVOKE_MAX_BODY_BYTES
         self.degraded_cache = degraded_cache.DegradedCache.from_settings()
@@ -92,15 +94,18 @@ class Engine:
         self.auth_throttle = FailedAuthThrottle.from_settings()
         self.shares = FairShares.from_settings()
         self.offload = Offload(settings.SIGIL_ENGINE_SYNC_THREADS)
-        self.admission = Admission(self.redis, self.offload, self.auth_throttle, self.degraded_cache)
+        self.admission = Admission(self.redis, self.warm_redis, self.offload, self.auth_throttle, self.degraded_cache)
         self.placer = Placer(self.redis, self.offload, self.shares)
-        self.recorder = Recorder(self.redis, self.offload, self.shares, self.breaker, self.degraded_cache)
+        self.recorder = Recorder(
+            self.redis, self.warm_redis, self.offload, self.shares, self.breaker, self.degraded_cache
+        )
         self.sender = Sender(self.runtime, self.upstream, self.offload, self.recorder, self.max_body)
         self.async_entry = AsyncEntry(self.admission, self.offload)
 
     async def aclose(self) -> None:
         await self.upstream.close()
         await self.redis.aclose()
+        await self.warm_redis.aclose()
         self.offload.shutdown()
 
     # The edge.

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 
 import redis.asyncio as aioredis
 from django.conf import settings
-from redis.commands.core import AsyncScript
 
 from capabilities import breaker, degraded_cache, failures, pager, stats
 from capabilities.engine.access_log import log_access
@@ -24,6 +23,7 @@ from capabilities.engine.values import CallRequest
 from capabilities.runtimes import runtime_for
 from capabilities.services.observability import breaker_changed
 from sigil.errors import REDIS_UNREACHABLE
+from sigil.pipelined_redis import PipelinedRedis
 from sigil.redis_client import get_redis
 
 logger = logging.getLogger("capabilities.gateway")
@@ -34,16 +34,15 @@ class Recorder:
     """Records, counts and abandons the calls of one engine."""
 
     redis: aioredis.Redis
+    warm_redis: PipelinedRedis  # the call's record, one script call
     offload: Offload
     shares: FairShares
     breaker: breaker.Breaker
     degraded_cache: degraded_cache.DegradedCache  # where AnswerBody keeps a last good answer
-    record_script: AsyncScript = field(init=False)
     failures_kept: int = field(init=False)
     access_log_length: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.record_script = self.redis.register_script(stats.RECORD_CALL)
         self.failures_kept = settings.SIGIL_FAILURES_KEPT
         self.access_log_length = settings.SIGIL_ACCESS_PATTERN_MAX_CALLS
 
@@ -73,11 +72,10 @@ class Recorder:
         record = stats.CallRecord(
             call, at_epoch=now, latency_ms=latency_ms, status=status, ok=ok, code=code, failure=failure
         )
-        change = await self.record_script(
-            keys=record.keys(),
-            args=record.args(
-                rules=self.breaker, failures_kept=self.failures_kept, access_log_length=self.access_log_length
-            ),
+        change = await self.warm_redis.run_script(
+            stats.RECORD_CALL,
+            record.keys(),
+            record.args(rules=self.breaker, failures_kept=self.failures_kept, access_log_length=self.access_log_length),
         )
         if change:
             await self.offload(breaker_changed, full=call.full, change=change, at_epoch=now)
