@@ -6,7 +6,8 @@ The engine's upstream calls are plain keep-alive HTTP/1.1 requests to a runtime 
 This starts a small HTTP server in a process of its own (uvicorn with a bare ASGI app that
 answers 23 bytes, so its cost is not the client's), then for each client makes `--calls`
 GETs, `--concurrency` at a time over keep-alive connections, and prints the client process's
-CPU time per call and its calls per second: aiohttp (the engine's), httpx (on httpcore), and a
+CPU time per call and its calls per second: the engine's own (capabilities/engine/http1.py,
+through UpstreamClient as the engine calls it), aiohttp, httpx (on httpcore), and a
 bare client on asyncio streams that writes the request and reads the answer by its
 Content-Length (no pool, no parsing beyond that: a floor, not a usable client).
 """
@@ -27,6 +28,7 @@ import httpx
 from harness import options
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from capabilities.engine.upstream import UpstreamClient
 from sigil.ports import free_port
 
 APP = textwrap.dedent(
@@ -39,6 +41,19 @@ APP = textwrap.dedent(
         await send({"type": "http.response.body", "body": b"hello from a capability"})
     """
 )
+
+
+async def with_engine_client(url: str, calls: int, concurrency: int) -> None:
+    client = UpstreamClient(connect_timeout=5.0, read_timeout=30.0)
+
+    async def worker(n: int) -> None:
+        for _ in range(n):
+            response = await client.request("GET", url, headers={}, body=None)
+            await response.read()
+            response.release()
+
+    await asyncio.gather(*(worker(calls // concurrency) for _ in range(concurrency)))
+    await client.close()
 
 
 async def with_aiohttp(url: str, calls: int, concurrency: int) -> None:
@@ -81,7 +96,12 @@ async def with_streams(url: str, calls: int, concurrency: int) -> None:
     await asyncio.gather(*(worker(calls // concurrency) for _ in range(concurrency)))
 
 
-CLIENTS = {"aiohttp": with_aiohttp, "httpx": with_httpx, "asyncio streams (floor)": with_streams}
+CLIENTS = {
+    "sigil http1 (the engine's)": with_engine_client,
+    "aiohttp": with_aiohttp,
+    "httpx": with_httpx,
+    "asyncio streams (floor)": with_streams,
+}
 
 
 def main() -> int:

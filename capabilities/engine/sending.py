@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"authorization", "content-length"}
 # say whether CPU or memory ran out, is read as EXCEEDED_LIMITS (Runtime.stopped_at_limits).
 EXCEEDED_CPU = "exceeded-cpu"
 EXCEEDED_LIMITS = "exceeded-limits"
+# A path already as a request line may carry it: nothing to normalise.
+SENDABLE_PATH = re.compile(r"[A-Za-z0-9/:@!$&'()*+,;=._~%-]*")
 # How a call to a script it has just placed waits for Cloudflare to propagate it: the first
 # pause, doubled after each "not found" up to the longest.
 PROPAGATION_FIRST_PAUSE_SECONDS = 0.05
@@ -95,8 +98,10 @@ class Sender:
         # Normalised as a client library would: dot segments resolved, characters that may
         # not appear in a request line percent-encoded.
         url = target.base_url + request.rest + ("?" + request.query if request.query else "")
-        parsed = parse_url(url)
-        return f"{parsed.scheme}://{parsed.netloc}{parsed.request_uri}", headers
+        if request.query or "/." in request.rest or not SENDABLE_PATH.fullmatch(request.rest):
+            parsed = parse_url(url)
+            url = f"{parsed.scheme}://{parsed.netloc}{parsed.request_uri}"
+        return url, headers
 
     async def send(self, request: CallRequest, target: Route) -> UpstreamResponse:
         url, headers = self.upstream_request(request, target)

@@ -1,10 +1,10 @@
-"""Keep-alive HTTP/1.1 connections from the engine to the runtimes, on aiohttp's client.
+"""The engine's calls to the runtimes: requests over keep-alive HTTP/1.1 (http1), WebSockets
+over aiohttp, and what their failures are to the engine (UpstreamUnreachable, UpstreamTimeout).
 
-The engine's upstream calls are plain: no redirects, no retries, no cookies, no decoding, no
-headers of the client's own. aiohttp was chosen by measurement (bench/upstream_clients.py:
-the CPU per warm call of aiohttp, httpx and a bare asyncio client against one workerd); it
-streams a request body as it arrives and reads an answer only as fast as it is consumed (its
-buffer pauses the socket past 64 KiB), and it speaks WebSocket to the same upstreams.
+The client was chosen by measurement (bench/upstream_clients.py: the CPU per warm call of
+aiohttp, httpx and Sigil's own http1 against one local server): http1 spends a fraction of
+aiohttp's CPU on the engine's plain requests and streams both ways with backpressure as aiohttp
+did; aiohttp stays for the WebSocket handshake and frames, which http1 does not speak.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import aiohttp
-from multidict import CIMultiDictProxy
+from multidict import CIMultiDict
 from yarl import URL
+
+from capabilities.engine.http1 import Connection, ConnectionFailed, Http1Pool, ReadTimedOut
 
 # RFC 9110 §7.6.1 connection-specific fields, never forwarded by a proxy in either direction.
 HOP_BY_HOP = frozenset(
@@ -28,11 +30,6 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-
-# The most bytes read from the runtime ahead of the caller: what the engine holds per call.
-READ_CHUNK = 64 * 1024
-# Idle connections kept per origin; a burst beyond it opens (and then closes) extra ones.
-MAX_IDLE = 64
 
 
 class UpstreamUnreachable(Exception):
@@ -52,33 +49,29 @@ class UpstreamClient:
     def __init__(self, *, connect_timeout: float, read_timeout: float) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        self.pool = Http1Pool(connect_timeout=connect_timeout, read_timeout=read_timeout)
         self._session: aiohttp.ClientSession | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        # Built on first use, inside the event loop that will run it.
+        """aiohttp's client, for WebSockets only; built on first use, inside the event loop
+        that will run it."""
         if self._session is None:
-            connector = aiohttp.TCPConnector(
-                limit=0, limit_per_host=0, keepalive_timeout=60, enable_cleanup_closed=True, ttl_dns_cache=300
-            )
             self._session = aiohttp.ClientSession(
-                connector=connector,
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True),
                 cookie_jar=aiohttp.DummyCookieJar(),
-                auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout
                 ),
-                read_bufsize=READ_CHUNK,
-                max_line_size=16 * 1024,
-                max_field_size=16 * 1024,
             )
         return self._session
 
     async def request(
         self, method: str, url: str, *, headers: dict[str, str], body: AsyncIterator[bytes] | bytes | None
     ) -> UpstreamResponse:
-        """Send one request (never retried) and return once the response head is read.
+        """Send one request (never retried, but for a kept connection found closed) and
+        return once the response head is read.
 
         `url` is already quoted as it must be sent; `body` is None, bytes, or a stream whose
         length `headers` states (or none: it is sent chunked). Raises UpstreamTimeout or
@@ -86,20 +79,12 @@ class UpstreamClient:
         if body is None and "content-length" not in headers and method.upper() not in self.METHODS_WITHOUT_BODY:
             headers["content-length"] = "0"
         try:
-            response = await self.session.request(
-                method,
-                URL(url, encoded=True),
-                headers=headers,
-                data=body,
-                allow_redirects=False,
-                compress=None,
-                chunked=None,
-            )
-        except aiohttp.ServerTimeoutError as exc:
+            connection = await self.pool.request(method, url, headers, body)
+        except ReadTimedOut as exc:
             raise UpstreamTimeout(f"{url}: read timed out") from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamUnreachable(f"{_origin(url)}: connection failed ({exc.__class__.__name__})") from exc
-        return UpstreamResponse(response)
+        except ConnectionFailed as exc:
+            raise UpstreamUnreachable(f"{_origin(url)}: {exc}") from exc
+        return UpstreamResponse(self, connection)
 
     async def websocket(self, url: str, *, headers: dict[str, str], protocols: tuple[str, ...]):
         """Open a WebSocket to `url` (an http(s) URL: the upgrade is asked for on it). Returns
@@ -124,6 +109,7 @@ class UpstreamClient:
             raise UpstreamUnreachable(f"{_origin(url)}: connection failed ({exc.__class__.__name__})") from exc
 
     async def close(self) -> None:
+        self.pool.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -141,32 +127,34 @@ class RefusedUpgrade(Exception):
 class UpstreamResponse:
     """The runtime's answer; its connection goes back to the pool once the body is read."""
 
-    __slots__ = ("headers", "reason", "response", "status")
+    __slots__ = ("client", "connection", "headers", "reason", "status")
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self.response = response
-        self.status = response.status
-        self.reason = response.reason or ""
-        self.headers: CIMultiDictProxy[str] = response.headers
+    def __init__(self, client: UpstreamClient, connection: Connection) -> None:
+        self.client = client
+        self.connection = connection
+        self.status = connection.status
+        self.reason = connection.reason
+        self.headers = CIMultiDict(self.header_pairs())
 
     def header_pairs(self) -> list[tuple[str, str]]:
         """The answer's headers as sent, repeated fields kept apart (Set-Cookie)."""
-        return [(name.decode("latin-1"), value.decode("latin-1")) for name, value in self.response.raw_headers]
+        return [(name.decode("latin-1"), value.decode("latin-1")) for name, value in self.connection.raw_headers]
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.stream()])
 
     async def stream(self) -> AsyncIterator[bytes]:
-        """The body as it arrives, at most READ_CHUNK at a time. Raises UpstreamTimeout or
+        """The body as it arrives, at most about READ_CHUNK at a time. Raises UpstreamTimeout or
         UpstreamUnreachable when it stalls or breaks."""
-        content = self.response.content
+        connection, timeout = self.connection, self.client.read_timeout
         try:
-            while chunk := await content.readany():
+            while chunk := await connection.read_chunk(timeout):
                 yield chunk
-        except aiohttp.ServerTimeoutError as exc:
+        except ReadTimedOut as exc:
+            connection.close()
             raise UpstreamTimeout("the response body: read timed out") from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamUnreachable(f"the response body: connection failed ({exc.__class__.__name__})") from exc
+        except ConnectionFailed as exc:
+            raise UpstreamUnreachable(f"the response body: {exc}") from exc
 
     async def drain(self) -> None:
         """Read the rest of the body, so the connection can serve another request."""
@@ -175,10 +163,7 @@ class UpstreamResponse:
 
     def release(self) -> None:
         """Keep the connection if the body was read to its end; close it otherwise."""
-        if self.response.content.at_eof():
-            self.response.release()
-        else:
-            self.response.close()
+        self.client.pool.release(self.connection)
 
 
 def _origin(url: str) -> str:
