@@ -126,7 +126,8 @@ def test_an_async_call_waits_out_a_placement_longer_than_a_call_would(worker_poo
         deploy_answering(alice, name, name, type="normal")
     wait_for(lambda: Capability.objects.get(full_name="alice--a").state == "paged_out", message="a paged out")
     placing = placement_lock("alice--a", blocking=False)  # a slow placement of `a` under way elsewhere
-    assert placing.acquire()
+    # The page-out that marked `a` paged out lets go of its lock just after.
+    wait_for(placing.acquire, message="the page-out of a to release its lock")
     try:
         status_url = accepted(alice.call("/alice/a", headers=ASYNC))
         direct = alice.call("/alice/a")  # a caller waits as long as a call may, then gives up
