@@ -84,9 +84,24 @@ def encode(capability: Capability) -> bytes:
     ).encode()
 
 
+# Routes decoded in this process, by their cached bytes: a warm call finds its route here
+# instead of parsing it again. Any change to a route changes its bytes; bounded by clearing.
+_decoded: dict[bytes, CachedRoute] = {}
+DECODED_KEPT = 4096
+
+
 def decode(raw: bytes) -> CachedRoute | None:
     if raw == TOMBSTONE:
         return None
+    route = _decoded.get(raw)
+    if route is None:
+        if len(_decoded) >= DECODED_KEPT:
+            _decoded.clear()
+        route = _decoded[raw] = _decode(raw)
+    return route
+
+
+def _decode(raw: bytes) -> CachedRoute:
     data = json.loads(raw)
     return CachedRoute(
         data["id"],

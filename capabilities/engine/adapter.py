@@ -106,9 +106,12 @@ async def serve_http(engine: Engine, scope, receive, send, *, request_id: str, p
         else:
             if body.done:  # nothing more to read from the caller: what comes now is its leaving
                 watcher = asyncio.create_task(_cancel_when_gone(receive, asyncio.current_task()))
+            ended = False
             async for chunk in stream:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
+                ended = answer.body_ended is not None and answer.body_ended()
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+            if not ended:
+                await send({"type": "http.response.body", "body": b""})
         complete = True
     except asyncio.CancelledError:
         if watcher is None or not watcher.done():

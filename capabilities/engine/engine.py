@@ -279,7 +279,9 @@ class Engine:
                     stored_epoch=0.0,
                 ),
             )
-        return CallAnswer(upstream.status, upstream.reason, headers, body.stream(), on_close=body.close)
+        return CallAnswer(
+            upstream.status, upstream.reason, headers, body.stream(), on_close=body.close, body_ended=upstream.ended
+        )
 
     def reply_redirect(self, call: Call, target: Route, request: CallRequest, page_in_ms) -> CallAnswer:
         """SIGIL_POOL_REDIRECT: send the caller to the script's own URL (the seed's 302)."""

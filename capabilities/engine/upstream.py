@@ -156,6 +156,10 @@ class UpstreamResponse:
         except ConnectionFailed as exc:
             raise UpstreamUnreachable(f"the response body: {exc}") from exc
 
+    def ended(self) -> bool:
+        """Whether the body has been read to its end."""
+        return self.connection.complete and not self.connection.chunks
+
     async def drain(self) -> None:
         """Read the rest of the body, so the connection can serve another request."""
         async for _ in self.stream():

@@ -61,6 +61,9 @@ class CallAnswer:
     # Set for a WebSocket the runtime accepted: the adapter relays frames through it.
     websocket: object | None = None
     code: str | None = None  # Sigil's error code, for an answer Sigil wrote as an error
+    # For a streamed body: whether the chunk just taken was its last, so the adapter sends
+    # it as the end of the answer (one message fewer) without waiting for the stream to end.
+    body_ended: Callable[[], bool] | None = None
     closed: bool = field(default=False, repr=False)
 
     async def chunks(self) -> AsyncIterator[bytes]:
