@@ -67,6 +67,7 @@ CAPABILITY = "hello"
 REPLY = "hello from a capability"
 CODE = "export default { async fetch() { return new Response(%s) } }"
 THROUGHPUT_CONNECTIONS = 16
+PACED_CONNECTIONS = (1, 2, 4)
 
 # The targets for a warm call through Sigil, and for the first call after a deploy.
 MAX_ADDED_P50_MS = 0.7
@@ -309,6 +310,10 @@ def main() -> int:
             for name, load in interleaved_throughput(targets, seconds=args.seconds).items():
                 throughput[name].append(load)
 
+        # workerd's CPU per call depends on its rate (fewer calls per wakeup cost more each):
+        # bare workerd again over fewer connections, at rates like those it serves behind Sigil.
+        paced = {n: wrk(targets["workerd"], connections=n, seconds=args.seconds) for n in PACED_CONNECTIONS}
+
         cold = {}
         for server, port in ports.items():
             print(f"cold: {args.cold_runs} deploys through {SERVER_LABELS[server]}", flush=True)
@@ -316,6 +321,7 @@ def main() -> int:
 
     print(f"load average {load_average()} (other work on the machine shows up in the figures)")
     report(servers, targets, latency, throughput, cold, args)
+    report_paced(servers, throughput, paced)
     if args.json:
         raw = {
             "latency": {name: [vars(load) for load in loads] for name, loads in latency.items()},
@@ -400,6 +406,24 @@ def report(servers, targets, latency, throughput, cold, args) -> None:
         }
         verdict = ", ".join(f"{name} {'ok' if passed else 'MISSED'}" for name, passed in checks.items())
         print(f"{SERVER_LABELS[server]:18} {verdict}")
+
+
+def report_paced(servers, throughput, paced) -> None:
+    print()
+    print("workerd alone over fewer connections (its CPU per call at a lower rate), against behind Sigil:")
+    for connections, load in paced.items():
+        print(
+            f"  alone, {connections} connection(s): {load.rps:6.0f} req/s, "
+            f"workerd {load.cpu_us['workerd']:4.0f} µs/call"
+        )
+    for server in servers:
+        rps = statistics.median(load.rps for load in throughput[server])
+        cpu = statistics.median(load.cpu_us["workerd"] for load in throughput[server])
+        nearest = min(paced.values(), key=lambda load: abs(load.rps - rps))
+        print(
+            f"  behind {SERVER_LABELS[server]}: {rps:6.0f} req/s, workerd {cpu:4.0f} µs/call, "
+            f"{cpu / nearest.cpu_us['workerd']:.2f}x alone at the nearest rate ({nearest.rps:.0f} req/s)"
+        )
 
 
 if __name__ == "__main__":
