@@ -63,7 +63,8 @@ format: install
 	$(VENV)/bin/ruff format .
 
 # The figures in docs/benchmarks.md: warm-call overhead and throughput against bare workerd (needs
-# wrk), the engine's HTTP and Redis clients, one agent's storm beside another, paging costs, the runtimes side by side, workerd's memory, and what each process's death costs.
+# wrk), the engine's HTTP and Redis clients, one agent's storm beside another, paging costs, the
+# runtimes side by side, workerd's memory, and what each process's death costs.
 bench: install
 	$(PY) bench/invoke.py
 	$(PY) bench/upstream_clients.py

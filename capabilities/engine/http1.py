@@ -28,6 +28,8 @@ MAX_IDLE = 64
 # An idle connection older than this is closed rather than reused: the runtime may have
 # dropped it meanwhile, and a request written into a dropped connection is lost.
 IDLE_SECONDS = 30.0
+# RFC 9110 §9.2.2: the methods a request may be sent twice with.
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 
 
 class ConnectionFailed(Exception):
@@ -50,9 +52,11 @@ class Http1Pool:
     async def request(
         self, method: str, url: str, headers: dict[str, str], body: AsyncIterator[bytes] | bytes | None
     ) -> Connection:
-        """Send one request; return its connection once the answer's head is read. A request
-        that finds a kept connection closed under it is sent once more on a new one, when its
-        body can be sent again and no byte of an answer came (the origin never took it)."""
+        """Send one request; return its connection once the answer's head is read. An
+        idempotent request that finds a kept connection closed under it is sent once more on a
+        new one, when its body can be sent again and no byte of an answer came: the origin
+        most likely dropped the idle connection as the request went out, and if it did take
+        it, taking it twice is what idempotent means."""
         scheme, _, rest = url.partition("://")
         netloc, _, path = rest.partition("/")
         host, port = _host_port(netloc, scheme)
@@ -64,7 +68,7 @@ class Http1Pool:
         try:
             await connection.exchange(method, head, body, self.read_timeout, chunked=chunked)
         except ConnectionFailed:
-            if not connection.reused or connection.answer_started or streamed:
+            if not connection.reused or connection.answer_started or streamed or method not in IDEMPOTENT:
                 raise
             connection = await self._connection(origin)
             await connection.exchange(method, head, body, self.read_timeout, chunked=chunked)
@@ -226,8 +230,12 @@ class Connection(asyncio.Protocol):
         self.close()
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(error)
+        self._stop_writing()
+
+    def _stop_writing(self) -> None:
+        # The body's writer, if it waits for room, stops: the exchange's error is the reader's.
         if self.writable is not None and not self.writable.done():
-            self.writable.set_exception(error)
+            self.writable.cancel()
 
     async def _write_body(self, body: AsyncIterator[bytes], *, chunked: bool) -> None:
         """Write the request body as it is read; what it raises (the caller went away, or sent
@@ -269,8 +277,8 @@ class Connection(asyncio.Protocol):
             self._wake()
         if not self.complete:
             self._fail(ConnectionFailed(f"connection closed ({exc.__class__.__name__ if exc else 'end of stream'})"))
-        elif self.writable is not None and not self.writable.done():
-            self.writable.set_exception(ConnectionFailed("connection closed"))
+        else:
+            self._stop_writing()
 
     def pause_writing(self) -> None:
         if self.writable is None or self.writable.done():
