@@ -127,18 +127,19 @@ class RefusedUpgrade(Exception):
 class UpstreamResponse:
     """The runtime's answer; its connection goes back to the pool once the body is read."""
 
-    __slots__ = ("client", "connection", "headers", "reason", "status")
+    __slots__ = ("client", "connection", "headers", "pairs", "reason", "status")
 
     def __init__(self, client: UpstreamClient, connection: Connection) -> None:
         self.client = client
         self.connection = connection
         self.status = connection.status
         self.reason = connection.reason
-        self.headers = CIMultiDict(self.header_pairs())
+        self.pairs = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in connection.raw_headers]
+        self.headers = CIMultiDict(self.pairs)
 
     def header_pairs(self) -> list[tuple[str, str]]:
         """The answer's headers as sent, repeated fields kept apart (Set-Cookie)."""
-        return [(name.decode("latin-1"), value.decode("latin-1")) for name, value in self.connection.raw_headers]
+        return self.pairs
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.stream()])
