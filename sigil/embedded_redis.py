@@ -4,7 +4,9 @@ Used when REDIS_URL is unset: `make run` and the local test suite start one on a
 unix socket. `make run`'s keeps what it was told in an append-only file under its directory,
 written before each answer and synced to disk every second, so a restart (or a kill -9 of
 Redis) loses no accepted call, queued task, MCP session, breaker or counter, and a crash of
-the machine at most the last second of them.
+the machine at most the last second of them. One exception, Redis's own: while the previous
+second's sync is still running (a disk too slow for it), Redis holds back writing the file for
+up to 2 s and answers meanwhile, so a kill -9 in that window loses those writes too.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class EmbeddedRedis:
             "--save", "",
             "--appendonly", "yes" if self.durable else "no",
             # Each write reaches the file before Redis answers it (so a dead Redis loses
-            # nothing it acknowledged); the file reaches the disk within a second.
+            # nothing it acknowledged, unless a slow sync held the write back: see above);
+            # the file reaches the disk within a second.
             "--appendfsync", "everysec",
             "--logfile", str(self.log_path),
         ]

@@ -16,6 +16,7 @@ import redis
 from django.conf import settings
 
 from sigil.embedded_redis import EmbeddedRedis
+from testsupport.cast import wait_for
 
 MANAGE = str(settings.BASE_DIR / "manage.py")
 
@@ -91,9 +92,17 @@ def client(server: EmbeddedRedis) -> redis.Redis:
 def write_some(server: EmbeddedRedis, prefix: str) -> dict[bytes, bytes]:
     keys = {f"{prefix}:{i}".encode(): f"value {i}".encode() for i in range(200)}
     connection = client(server)
-    connection.mset(keys)
-    connection.rpush(f"{prefix}:queue".encode(), b"a task")
-    connection.incrby(f"{prefix}:counter".encode(), 7)
+    # While a sync of the file is still running on a slow disk, Redis holds back its next
+    # writes to the file (up to 2 s) and answers meanwhile (sigil/embedded_redis.py): the
+    # writes are made once no sync is running, in one transaction, so they go out together.
+    wait_for(
+        lambda: connection.info("persistence")["aof_pending_bio_fsync"] == 0, message="no sync of the file running"
+    )
+    with connection.pipeline(transaction=True) as batch:
+        batch.mset(keys)
+        batch.rpush(f"{prefix}:queue".encode(), b"a task")
+        batch.incrby(f"{prefix}:counter".encode(), 7)
+        batch.execute()
     connection.close()
     return keys
 
