@@ -5,6 +5,7 @@ AnswerBody streams the capability's answer and records the call once the caller 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -156,8 +157,7 @@ class AnswerBody:
             self.message = f"failed while streaming its response: {exc}"
             logger.warning("%s failed while streaming its response: %s", self.call.full, exc)
             if isinstance(exc, UpstreamUnreachable):
-                runtime = runtime_for(self.route.backend)
-                stopped = runtime.call_stopped(slot=self.route.slot, tenant=self.route.agent, sent_at=self.call.sent_at)
+                stopped = await stop_under(self.route, self.call.sent_at)
                 # Cut because another call ran its process past a limit: not this one's failure.
                 # Nor is a memory stop that came while this call was only sending its answer: the
                 # process cannot say which call grew it, and one that had answered is the least
@@ -186,6 +186,22 @@ class AnswerBody:
             log_access(
                 self.request, self.upstream.status, call.started, capability=call.full, page_in_ms=call.page_in_ms
             )
+
+
+# A process that dies closes its connections a moment before the kernel shows it gone: a
+# broken connection the runtime cannot yet explain is asked about again after these pauses.
+STOP_RECHECK_PAUSES = (0.02, 0.05, 0.1)
+
+
+async def stop_under(route, sent_at: float):
+    """Why the runtime stopped the process that had the call sent at `sent_at` (its
+    CallStopped), or None: the runtime failed some other way."""
+    runtime = runtime_for(route.backend)
+    for pause in (*STOP_RECHECK_PAUSES, None):
+        stopped = runtime.call_stopped(slot=route.slot, tenant=route.agent, sent_at=sent_at)
+        if stopped is not None or pause is None:
+            return stopped
+        await asyncio.sleep(pause)
 
 
 def _first_line(chunk: bytes) -> str:

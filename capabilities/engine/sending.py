@@ -18,7 +18,7 @@ from urllib3.util import parse_url
 from capabilities import routes
 from capabilities.engine.calls import Call
 from capabilities.engine.offload import Offload
-from capabilities.engine.recording import Recorder
+from capabilities.engine.recording import Recorder, stop_under
 from capabilities.engine.upstream import (
     HOP_BY_HOP,
     UpstreamClient,
@@ -125,7 +125,7 @@ class Sender:
             await self.recorder.finish(call, status=error.status, code=error.code, message=error.message)
             raise error from exc
         except UpstreamUnreachable as exc:
-            stopped = runtime_for(route.backend).call_stopped(slot=route.slot, tenant=route.agent, sent_at=sent_at)
+            stopped = await stop_under(route, sent_at)
             if stopped is None:
                 raise self.runtime_failed(route, f"the runtime could not be reached for {call.full}: {exc}") from exc
             if not stopped.culprit:
