@@ -15,11 +15,10 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
 
 import redis.asyncio as aioredis
 import uvloop
-from harness import fresh_var_dir, options
+from harness import client_cost, fresh_var_dir, options
 
 from sigil.embedded_redis import EmbeddedRedis
 from sigil.pipelined_redis import PipelinedRedis
@@ -68,14 +67,13 @@ def main() -> int:
     try:
         print(f"{args.calls} MGET + script pairs, {args.concurrency} at a time, {args.rounds} rounds; {url}")
         print(f"{'client':32} {'CPU µs/pair':>12} {'pairs/s':>10}")
+
+        def run(client) -> None:
+            uvloop.run(client(url, args.calls, args.concurrency))
+
         for name, client in CLIENTS.items():
-            cpu, rate = [], []
-            for _ in range(args.rounds):
-                started, cpu_started = time.perf_counter(), time.process_time()
-                uvloop.run(client(url, args.calls, args.concurrency))
-                cpu.append((time.process_time() - cpu_started) / args.calls * 1e6)
-                rate.append(args.calls / (time.perf_counter() - started))
-            print(f"{name:32} {min(cpu):12.0f} {max(rate):10.0f}")
+            cpu, rate = client_cost(run, client, calls=args.calls, rounds=args.rounds)
+            print(f"{name:32} {cpu:12.0f} {rate:10.0f}")
     finally:
         if embedded is not None:
             embedded.stop()

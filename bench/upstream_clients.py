@@ -25,7 +25,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
-from harness import options
+from harness import client_cost, options
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from capabilities.engine.upstream import UpstreamClient
@@ -141,15 +141,14 @@ def main() -> int:
                 time.sleep(0.1)
         print(f"{args.calls} calls, {args.concurrency} at a time, {args.rounds} rounds; load {os.getloadavg()[0]:.2f}")
         print(f"{'client':26} {'CPU µs/call':>12} {'calls/s':>10}")
+        runner = uvloop.run if uvloop else asyncio.run
+
+        def run(client) -> None:
+            runner(client(url, args.calls, args.concurrency))
+
         for name, client in CLIENTS.items():
-            cpu, rate = [], []
-            for _ in range(args.rounds):
-                started, cpu_started = time.perf_counter(), time.process_time()
-                runner = uvloop.run if uvloop else asyncio.run
-                runner(client(url, args.calls, args.concurrency))
-                cpu.append((time.process_time() - cpu_started) / args.calls * 1e6)
-                rate.append(args.calls / (time.perf_counter() - started))
-            print(f"{name:26} {min(cpu):12.0f} {max(rate):10.0f}")
+            cpu, rate = client_cost(run, client, calls=args.calls, rounds=args.rounds)
+            print(f"{name:26} {cpu:12.0f} {rate:10.0f}")
     finally:
         server.terminate()
         server.wait(timeout=10)
