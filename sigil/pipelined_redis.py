@@ -149,7 +149,7 @@ class _Connection(asyncio.Protocol):
             raise ConnectionError("Connection closed by server")
         future = asyncio.get_running_loop().create_future()
         self.waiting.append(future)
-        self.transport.write(_pack(args))
+        self.transport.write(hiredis.pack_command(args))
         return self._within(future, timeout)
 
     async def _within(self, future: asyncio.Future, timeout: float):
@@ -172,18 +172,6 @@ class _Connection(asyncio.Protocol):
             future = self.waiting.popleft()
             if not future.done():
                 future.set_exception(error)
-
-
-def _pack(args: tuple) -> bytes:
-    """A command in RESP: an array of bulk strings."""
-    parts = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        if isinstance(arg, str):
-            arg = arg.encode()
-        elif not isinstance(arg, bytes):
-            arg = str(arg).encode()
-        parts.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
-    return b"".join(parts)
 
 
 def _reply_error(reply: ResponseError) -> ResponseError:
