@@ -145,7 +145,9 @@ class _Connection(asyncio.Protocol):
         self.close(ConnectionError(f"Connection closed by server: {exc or 'end of stream'}"))
 
     def send(self, args: tuple, timeout: float) -> asyncio.Future:
-        if self.closed:
+        # The peer may have closed the socket before connection_lost() has run; uvloop then
+        # refuses the write (RuntimeError) rather than dropping it.
+        if self.closed or self.transport.is_closing():
             raise ConnectionError("Connection closed by server")
         future = asyncio.get_running_loop().create_future()
         self.waiting.append(future)

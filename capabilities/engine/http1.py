@@ -158,6 +158,11 @@ class Connection(asyncio.Protocol):
         if self.reused:
             self._reset()
         self.no_body = method == "HEAD"
+        # The peer may have closed a kept connection before connection_lost() has run; uvloop
+        # then refuses the write (RuntimeError) rather than dropping it.
+        if self.transport.is_closing():
+            self.closed = True
+            raise ConnectionFailed("connection closed (before the request was sent)")
         if body is None or isinstance(body, bytes):
             self.transport.write(head + body if body else head)
         else:
@@ -244,12 +249,12 @@ class Connection(asyncio.Protocol):
             async for chunk in body:
                 if not chunk:
                     continue
-                if self.closed:
+                if self.closed or self.transport.is_closing():
                     return
                 self.transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
                 if self.writable is not None:
                     await self.writable
-            if chunked and not self.closed:
+            if chunked and not (self.closed or self.transport.is_closing()):
                 self.transport.write(b"0\r\n\r\n")
         except asyncio.CancelledError:
             raise
