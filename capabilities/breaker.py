@@ -10,7 +10,7 @@
   reset closes it, and a call in flight when it was forced neither closes nor shortens it.
 
 The gateway reads the open key in the MGET it sends before every call, and records a call's
-outcome inside stats.RECORD_CALL (which includes RECORD_OUTCOME_LUA), so the breaker costs no
+outcome inside stats.RECORD_CALLS (which includes RECORD_OUTCOME_LUA), so the breaker costs no
 round trip of its own. The breaker only decides and reports: what follows a refusal or a
 transition (the database's copy of the state, the split guard) is the services' to send
 (capabilities/services/observability.py: breaker_enter, breaker_changed).
@@ -60,7 +60,7 @@ def status_of(raw: bytes | None, *, now: float) -> Status:
     return Status.OPEN if now < float(raw) else Status.HALF_OPEN
 
 
-# A Lua function for the script that records a call's outcome (stats.RECORD_CALL).
+# A Lua function for the script that records a call's outcome (stats.RECORD_CALLS).
 # breaker_record(open, failures, trial: keys; now: epoch s; ok, is_trial: booleans; threshold;
 # cooldown: s) returns 'opened' or 'closed' when the breaker changed, '' otherwise.
 RECORD_OUTCOME_LUA = """

@@ -5,7 +5,7 @@ SIGIL_FAILURES_KEPT: when, the status the caller got, Sigil's error code, the ca
 own message or exception line, how long the call took, the request id the caller saw
 (`X-Request-Id`) and the version number that answered. The gateway writes one for every
 failure it counts toward the breaker, inside the script that records the call
-(stats.RECORD_CALL), so it costs no round trip: failure_encode() is the record's one shape.
+(stats.RECORD_CALLS), so it costs no round trip: failure_encode() is the record's one shape.
 """
 
 from __future__ import annotations

@@ -380,7 +380,7 @@ def pager_usage() -> Usage:
 def pager_inflight_enter(full: str, *, client=None) -> str:
     """A call to `full` is in flight in this process (one round trip: the count, and the
     process's liveness renewed with it). Returns the process's id:
-    what `pager_inflight_leave`, or the stats' RECORD_CALL as its in-flight argument, takes
+    what `pager_inflight_leave`, or the stats' RECORD_CALLS as its in-flight argument, takes
     back. A count stops counting once its process is no longer live (leases.this_process)."""
     pipe = (client or get_redis()).pipeline(transaction=False)
     process = leases.mark_live(pipe)

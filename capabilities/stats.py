@@ -139,20 +139,27 @@ def add_counts(a: dict[str, int] | None, b: dict[str, int] | None) -> dict[str, 
     return total
 
 
-# KEYS: stats, the breaker's failures, open and trial keys, dirty set, tokens-used hash, the
+# Applies CallRecords in the order given, each as RECORD_KEYS keys and RECORD_ARGS arguments
+# (CallRecord.keys() and .args(), concatenated):
+# keys: stats, the breaker's failures, open and trial keys, dirty set, tokens-used hash, the
 #       pager's LRU set for the capability's type, its in-flight count (pager.inflight_key, or
 #       pager.inflight_by_process_key when the count is per process), its failure records,
 #       the access log
-# ARGV: full name, token hash, now (epoch s), latency ms, ok (1/0), is trial (1/0),
+# args: full name, token hash, now (epoch s), latency ms, ok (1/0), is trial (1/0),
 #       threshold, cool-down seconds, the in-flight count held (0: none, 1: the single count,
 #       else the process id pager.pager_inflight_enter returned), histogram bucket field,
 #       page-in ms ('' for a warm call), status class field, error code field (''),
 #       failure record ('' for a success), failure records kept, the capability's type,
 #       the access log's length (0: off)
-# Returns "opened" or "closed" when the breaker changed, "" otherwise.
-RECORD_CALL = (
+# Returns, for each record, "opened" or "closed" when it changed the breaker, "" otherwise.
+RECORD_KEYS = 10
+RECORD_ARGS = 17
+# One record is record_call(KEYS, ARGV): its parameters shadow the script's own, so its body
+# reads as a script applying one record.
+RECORD_CALLS = (
     breaker.RECORD_OUTCOME_LUA
     + """
+local function record_call(KEYS, ARGV)
 local stats, failures, open, trial, dirty, used = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local lru, inflight = KEYS[7], KEYS[8]
 local full, token, now, latency = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
@@ -187,6 +194,18 @@ if log_length > 0 then
   redis.call('LTRIM', KEYS[10], -log_length, -1)
 end
 return breaker_record(open, failures, trial, now, ok, ARGV[6] == '1', tonumber(ARGV[7]), tonumber(ARGV[8]))
+end
+"""
+    + f"local per_key, per_arg = {RECORD_KEYS}, {RECORD_ARGS}"
+    + """
+local changes = {}
+for i = 0, #KEYS / per_key - 1 do
+  local keys, args = {}, {}
+  for j = 1, per_key do keys[j] = KEYS[i * per_key + j] end
+  for j = 1, per_arg do args[j] = ARGV[i * per_arg + j] end
+  changes[i + 1] = record_call(keys, args)
+end
+return changes
 """
 )
 
@@ -204,9 +223,10 @@ class RecordedCall(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class CallRecord:
-    """What one call that reached the capability's code leaves behind, applied by RECORD_CALL
-    in one round trip: its counters, access stamp, LRU stamp, in-flight release, breaker
-    outcome, failure record (for a failure) and access-pattern entry."""
+    """What one call that reached the capability's code leaves behind, applied by RECORD_CALLS
+    (with the records of other calls that ended meanwhile, in one round trip): its counters,
+    access stamp, LRU stamp, in-flight release, breaker outcome, failure record (for a
+    failure) and access-pattern entry."""
 
     call: RecordedCall
     at_epoch: float
@@ -304,7 +324,7 @@ class CallStats:
 
     @classmethod
     def from_fields(cls, values: dict[str, str]) -> CallStats:
-        """From a stats hash's fields, as RECORD_CALL and answer_count write them."""
+        """From a stats hash's fields, as RECORD_CALLS and answer_count write them."""
         statuses, codes = _split_answers(values)
         return cls(
             refused=int(values.get("refused", 0)),

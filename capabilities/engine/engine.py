@@ -3,7 +3,8 @@
 A call holds no thread while it waits: on its capability, on a page-in, on another process's
 placement lock, on Cloudflare. On a warm call it does no SQL and two Redis round trips: one
 MGET before (the token, the route, the breaker and the caller's failed-token count:
-admission.call_keys()), one script call after the answer was sent (recording: stats.CallRecord).
+admission.call_keys()), and after its answer was sent, its share of one script call that
+records it with the calls that ended about when it did (recording: stats.CallRecord).
 An answer the capability's code did not give (a refusal: 401, 404, 429, 503 degraded, ...) is
 counted in one more round trip. What blocks by nature (the ORM on the cold path, a placement,
 the Cloudflare client, a Celery enqueue) runs in a bounded pool of threads (offload), never on
@@ -103,6 +104,7 @@ class Engine:
         self.async_entry = AsyncEntry(self.admission, self.offload)
 
     async def aclose(self) -> None:
+        await self.recorder.close()
         await self.upstream.close()
         await self.redis.aclose()
         await self.warm_redis.aclose()
@@ -280,7 +282,12 @@ class Engine:
                 ),
             )
         return CallAnswer(
-            upstream.status, upstream.reason, headers, body.stream(), on_close=body.close, body_ended=upstream.ended
+            upstream.status,
+            upstream.reason,
+            headers,
+            body.stream(),
+            on_close=body.close,
+            body_ended=upstream.ended,
         )
 
     def reply_redirect(self, call: Call, target: Route, request: CallRequest, page_in_ms) -> CallAnswer:

@@ -1,7 +1,12 @@
 """How a call ends: recorded once it reached the capability's code (its counters, breaker
-outcome, failure record and access stamp, in one Redis round trip: stats.CallRecord), counted
-as a refusal when Sigil answered for it, or abandoned; and whatever way, its shares given back.
-AnswerBody streams the capability's answer and records the call once the caller has it."""
+outcome, failure record and access stamp: stats.CallRecord), counted as a refusal when Sigil
+answered for it, or abandoned; and whatever way, its shares given back. AnswerBody streams the
+capability's answer and records the call once the caller has it.
+
+Records share script calls: a success waits up to RECORD_BATCH_SECONDS for the calls that end
+meanwhile, and they are applied together, in the order they ended, in one round trip. A failure
+is applied at once, with the records before it, before its caller has its answer: the breaker a
+next call reads has seen it."""
 
 from __future__ import annotations
 
@@ -29,6 +34,11 @@ from sigil.redis_client import get_redis
 
 logger = logging.getLogger("capabilities.gateway")
 
+# How long a success's record may wait for others to share its script call (its counters are
+# that much later in Redis), and how many records one call applies at most.
+RECORD_BATCH_SECONDS = 0.005
+RECORD_BATCH_MAX = 64
+
 
 @dataclass(slots=True, eq=False)
 class Recorder:
@@ -42,6 +52,9 @@ class Recorder:
     degraded_cache: degraded_cache.DegradedCache  # where AnswerBody keeps a last good answer
     failures_kept: int = field(init=False)
     access_log_length: int = field(init=False)
+    waiting: list[stats.CallRecord] = field(init=False, default_factory=list)  # for their script call
+    batch_timer: asyncio.TimerHandle | None = field(init=False, default=None)
+    batches: set[asyncio.Task] = field(init=False, default_factory=set)  # script calls under way
 
     def __post_init__(self) -> None:
         self.failures_kept = settings.SIGIL_FAILURES_KEPT
@@ -51,8 +64,9 @@ class Recorder:
         self, call: Call, *, status: int, ok: bool | None = None, code: str | None = None, message: str = ""
     ) -> None:
         """Record a call that reached the capability, answered `status` (ok unless 5xx, or
-        as given), in one Redis round trip (stats.CallRecord); persist a breaker transition
-        through Celery; give back the call's shares."""
+        as given), and give back its shares. A success's record joins the next batch; a
+        failure's, or a half-open breaker's trial, is applied before this returns (with those
+        waiting before it), and raises what an unreachable Redis raises."""
         call.finished = True
         call.recorded = True
         self.give_shares(call)
@@ -73,13 +87,53 @@ class Recorder:
         record = stats.CallRecord(
             call, at_epoch=now, latency_ms=latency_ms, status=status, ok=ok, code=code, failure=failure
         )
-        change = await self.warm_redis.run_script(
-            stats.RECORD_CALL,
-            record.keys(),
-            record.args(rules=self.breaker, failures_kept=self.failures_kept, access_log_length=self.access_log_length),
-        )
-        if change:
-            await self.offload(breaker_changed, full=call.full, change=change, at_epoch=now)
+        self.waiting.append(record)
+        if not ok or call.is_trial:
+            await self.apply_waiting()
+        elif len(self.waiting) >= RECORD_BATCH_MAX:
+            self._apply_in_background()
+        elif self.batch_timer is None:
+            self.batch_timer = asyncio.get_running_loop().call_later(RECORD_BATCH_SECONDS, self._apply_in_background)
+
+    async def apply_waiting(self) -> None:
+        """Apply the records waiting, in one script call (stats.RECORD_CALLS); persist the
+        breaker transitions they made through Celery."""
+        if self.batch_timer is not None:
+            self.batch_timer.cancel()
+            self.batch_timer = None
+        if not self.waiting:
+            return
+        # Built here rather than as each call ends: off the time of the call that ended last.
+        waiting, self.waiting = self.waiting, []
+        keys, args = [], []
+        for record in waiting:
+            keys += record.keys()
+            args += record.args(
+                rules=self.breaker, failures_kept=self.failures_kept, access_log_length=self.access_log_length
+            )
+        changes = await self.warm_redis.run_script(stats.RECORD_CALLS, keys, args)
+        for record, change in zip(waiting, changes, strict=True):
+            if change:
+                await self.offload(breaker_changed, full=record.call.full, change=change, at_epoch=record.at_epoch)
+
+    def _apply_in_background(self) -> None:
+        task = asyncio.ensure_future(self._apply_logged())
+        self.batches.add(task)
+        task.add_done_callback(self.batches.discard)
+
+    async def _apply_logged(self) -> None:
+        calls = len(self.waiting)
+        try:
+            await self.apply_waiting()
+        except REDIS_UNREACHABLE as exc:
+            # Their callers have their answers; only these calls' counters are lost.
+            logger.error("Redis unreachable: %d calls were not recorded: %s", calls, exc)
+
+    async def close(self) -> None:
+        """Apply what is waiting, and wait for the script calls under way (the engine stops)."""
+        await self._apply_logged()
+        if self.batches:
+            await asyncio.gather(*self.batches, return_exceptions=True)
 
     def give_shares(self, call: Call) -> None:
         if call.holds_call_share:

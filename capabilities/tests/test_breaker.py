@@ -1,5 +1,5 @@
 """The circuit breaker's states and transitions, on a real Redis, through the script the
-gateway records each call's outcome with (stats.RECORD_CALL, which holds the breaker's Lua)."""
+gateway records each call's outcome with (stats.RECORD_CALLS, which holds the breaker's Lua)."""
 
 import time
 from types import SimpleNamespace
@@ -33,6 +33,13 @@ def read(redis_client, full="alice--x"):
 
 def record(redis_client, rules, *, ok=False, full="alice--x", now=None) -> bool:
     """One call's outcome, recorded as the gateway records it; whether it opened the breaker."""
+    [change] = record_together(redis_client, rules, [ok], full=full, now=now)
+    return breaker.transition(change) == BreakerState.OPEN
+
+
+def record_together(redis_client, rules, oks: list[bool], *, full="alice--x", now=None) -> list:
+    """Calls' outcomes recorded in one script call, as the gateway records the calls that
+    ended together; each one's breaker change."""
     now = time.time() if now is None else now
     called = SimpleNamespace(  # what stats.RecordedCall reads of the engine's call
         full=full,
@@ -42,12 +49,23 @@ def record(redis_client, rules, *, ok=False, full="alice--x", now=None) -> bool:
         inflight_process=None,
         page_in_ms=None,
     )
-    call = stats.CallRecord(call=called, at_epoch=now, latency_ms=1.0, status=200 if ok else 500, ok=ok)
-    keys = call.keys()
-    change = redis_client.eval(
-        stats.RECORD_CALL, len(keys), *keys, *call.args(rules=rules, failures_kept=10, access_log_length=0)
-    )
-    return breaker.transition(change) == BreakerState.OPEN
+    keys, args = [], []
+    for ok in oks:
+        call = stats.CallRecord(call=called, at_epoch=now, latency_ms=1.0, status=200 if ok else 500, ok=ok)
+        keys += call.keys()
+        args += call.args(rules=rules, failures_kept=10, access_log_length=0)
+    return redis_client.eval(stats.RECORD_CALLS, len(keys), *keys, *args)
+
+
+def test_records_applied_together_count_in_the_order_their_calls_ended(redis_client):
+    rules = breaker.Breaker(threshold=2, cooldown_seconds=30)
+    # A success between two failures starts the count again...
+    assert record_together(redis_client, rules, [False, True, False]) == [b"", b"", b""]
+    assert read(redis_client) == breaker.Status.CLOSED
+    # ... and the failure after them is the second in a row.
+    assert record_together(redis_client, rules, [False, True]) == [b"opened", b"closed"]
+    assert int(redis_client.hget(stats.stats_key("alice--x"), "calls")) == 5
+    assert int(redis_client.hget(stats.stats_key("alice--x"), "errors")) == 3
 
 
 def test_failures_in_a_row_open_it_and_a_success_between_them_starts_again(redis_client):

@@ -108,6 +108,18 @@ def test_a_warm_call_runs_no_sql(alice):
     assert queries == [], queries
 
 
+def test_the_records_waiting_for_their_batch_are_applied_when_the_engine_stops(alice):
+    from capabilities import stats
+    from sigil.redis_client import get_redis
+    from testsupport.engine_calls import answers, call_request
+
+    alice.deploy(name="ping", code=PONG)
+    [results] = answers([call_request(alice, "/alice/ping") for _ in range(5)])
+    assert [status for status, _, _ in results] == [200] * 5
+    # The engine stopped at once after the last answer, before its batch was due.
+    assert int(get_redis().hget(stats.stats_key("alice--ping"), "calls")) == 5
+
+
 @pytest.mark.slow
 def test_ttl_expiry_runs_on_beat_and_a_worker(alice, settings, celery_worker, tmp_path):
     import os

@@ -249,12 +249,12 @@ def test_a_deploy_that_fails_transiently_is_retried_before_its_outcome_is_kept(w
 
 
 def test_the_stats_script_gives_back_a_count_kept_per_process():
-    """The gateway's one script call after a call takes back its in-flight count, whether it
-    held the single count or one kept per process."""
+    """The gateway's record of a call takes back its in-flight count, whether it held the
+    single count or one kept per process."""
     from capabilities import stats
 
     redis = get_redis()
-    record_call = redis.register_script(stats.RECORD_CALL)
+    record_call = redis.register_script(stats.RECORD_CALLS)
 
     def record(inflight_key: str, held: str) -> None:
         keys = ["stats", "failures", "open", "trial", "dirty", "used", pager.lru_key("normal"), inflight_key]
