@@ -104,7 +104,8 @@ async def serve_http(engine: Engine, scope, receive, send, *, request_id: str, p
         if isinstance(stream, bytes):
             await send({"type": "http.response.body", "body": stream})
         else:
-            if body.done:  # nothing more to read from the caller: what comes now is its leaving
+            arrived = answer.body_arrived is not None and answer.body_arrived()
+            if body.done and not arrived:  # nothing more to read from the caller: what comes now is its leaving
                 watcher = asyncio.create_task(_cancel_when_gone(receive, asyncio.current_task()))
             ended = False
             async for chunk in stream:

@@ -288,6 +288,7 @@ class Engine:
             body.stream(),
             on_close=body.close,
             body_ended=upstream.ended,
+            body_arrived=upstream.arrived,
         )
 
     def reply_redirect(self, call: Call, target: Route, request: CallRequest, page_in_ms) -> CallAnswer:

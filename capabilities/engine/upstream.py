@@ -161,6 +161,10 @@ class UpstreamResponse:
         """Whether the body has been read to its end."""
         return self.connection.complete and not self.connection.chunks
 
+    def arrived(self) -> bool:
+        """Whether the whole body has come from the runtime (read or not yet)."""
+        return self.connection.complete
+
     async def drain(self) -> None:
         """Read the rest of the body, so the connection can serve another request."""
         async for _ in self.stream():

@@ -64,6 +64,9 @@ class CallAnswer:
     # For a streamed body: whether the chunk just taken was its last, so the adapter sends
     # it as the end of the answer (one message fewer) without waiting for the stream to end.
     body_ended: Callable[[], bool] | None = None
+    # For a streamed body: whether all of it has come from the runtime already, so its sending
+    # waits on nothing but the caller (the adapter need not watch for the caller leaving).
+    body_arrived: Callable[[], bool] | None = None
     closed: bool = field(default=False, repr=False)
 
     async def chunks(self) -> AsyncIterator[bytes]:
