@@ -46,6 +46,14 @@ class CallRecordSink(Companion, Protocol):
     limits: LogLimits
 
 
+def _listing(directory: Path) -> list[Path]:
+    """The entries of `directory`; none when it does not exist (or no longer does)."""
+    try:
+        return list(directory.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 @dataclass(frozen=True)
 class Placements:
     """The local runtime's placements on disk: one pointer `{code_dir}/slots/{tenant}/{slot}`
@@ -62,14 +70,14 @@ class Placements:
         return self.root / tenant / slot
 
     def pointers(self) -> list[Path]:
-        """Every pointer: a listing of `slots/`, and one per agent with a directory there."""
-        if not self.root.is_dir():
-            return []
+        """Every pointer: a listing of `slots/`, and one per agent with a directory there. A
+        directory removed while it is listed holds none (the supervisor lists them every
+        second, and must not stop every process because one went away)."""
         return [
             pointer
-            for tenant in self.root.iterdir()
+            for tenant in _listing(self.root)
             if tenant.is_dir() and not tenant.name.startswith(".")
-            for pointer in tenant.iterdir()
+            for pointer in _listing(tenant)
             if pointer.is_file() and not pointer.name.startswith(".")
         ]
 

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 import urllib3
 
@@ -83,6 +85,38 @@ def test_placements_are_filed_under_the_tenant_they_are_given_not_read_from_the_
     assert processes.registry.names() == ["carol"]
     assert placements.find("alice--borrowed") == pointer
     assert processes.idle(["alice", "carol"], code_dir=tmp_path / "code") == {"alice"}
+
+
+def test_placements_removed_while_they_are_listed_are_no_error(tmp_path):
+    """The supervisor lists the placements every second; an agent's directory removed in the
+    middle of a listing must not raise (it would end the supervisor and every process)."""
+    import shutil
+    import threading
+
+    from capabilities.runtimes.local import Placements
+
+    placements = Placements(tmp_path / "code")
+    stop = threading.Event()
+
+    def place_and_remove_all():
+        while not stop.is_set():
+            for index in range(20):
+                pointer = placements.pointer(slot=f"agent{index}--one", tenant=f"agent{index}")
+                pointer.parent.mkdir(parents=True, exist_ok=True)
+                pointer.write_text("0" * 64)
+            shutil.rmtree(placements.root, ignore_errors=True)
+
+    churn = threading.Thread(target=place_and_remove_all)
+    churn.start()
+    try:
+        seen = set()
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:  # tens of these listings race a removal each second
+            seen |= placements.tenants()
+    finally:
+        stop.set()
+        churn.join()
+    assert seen <= {f"agent{index}" for index in range(20)} and seen  # it did list some
 
 
 # Counts its calls in module state, which lives as long as its isolate does.
