@@ -188,7 +188,10 @@ def test_what_a_failed_placement_left_is_deleted_later_if_cloudflare_fails_again
 ):
     settings.SIGIL_CF_MAX_RETRIES = 0
     settings.SIGIL_DEPLOY_RETRIES = 0  # the failure is kept, not tried again
-    worker_pool.configure(fail_next=2)  # the upload, then the delete of what it may have left
+    # The upload fails, then the delete of what it may have left. Every API call takes half a
+    # second, so the background delete, queued before the deploy answers, is still under way
+    # when the books are read below.
+    worker_pool.configure(fail_next=2, latency=0.5)
     failed = alice.deploy(name="a", code=code("a"), type="normal")
     assert failed.status_code == 502
     # Until its delete is done, the failed placement holds margin rather than a slot.
