@@ -275,7 +275,7 @@ def test_a_call_survives_its_runner_being_killed_mid_call(alice, settings, webho
         # Completed once: one result, one callback, one call recorded as answered.
         assert len(webhook_receiver.received) == 1
         assert json.loads(webhook_receiver.received[0][1])["result"]["body"] == "slow ?n=1"
-        assert int(get_redis().hget(stats.stats_key("alice--slow"), "calls")) == 1
+        wait_for(lambda: get_redis().hget(stats.stats_key("alice--slow"), "calls") == b"1", message="one call counted")
     finally:
         if runner.poll() is None:
             runner.kill()
