@@ -92,6 +92,11 @@ class Sender:
             self.route_memo[key] = target
         return target
 
+    def forget(self, route: routes.CachedRoute) -> None:
+        """Resolve where the route's slot answers afresh on its next call: the runtime said it
+        is not there (the runtime may have learnt since that the account's address changed)."""
+        self.route_memo.pop((route.backend, route.slot, route.sha, route.cpu_ms), None)
+
     def upstream_request(self, request: CallRequest, target: Route) -> tuple[str, dict[str, str]]:
         """The URL and headers of the call as the runtime gets it."""
         headers = forwarded_headers(request)
