@@ -75,9 +75,10 @@ class LoaderRuntime(FrontedRuntime):
     def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
         """Dynamic Workers, on Workers Paid: each call is two requests (the loader Worker and
         the Dynamic Worker it calls), and each capability called on a day is one Dynamic Worker
-        that day."""
+        that day; Workers KV's operations (the bundles, the call records)."""
         requests = 2 * usage.calls
         items = prices.plan_lines("paid", requests=requests, cpu_ms=usage.duration_ms)
+        items["kv"] = prices.kv_line(usage)
         extra_workers = max(0.0, usage.dynamic_worker_days - prices.dynamic_included_workers)
         items["dynamic_workers"] = extra_workers * prices.dynamic_worker_day_usd
         plan = "Dynamic Workers (Workers Paid)"

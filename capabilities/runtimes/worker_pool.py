@@ -95,7 +95,9 @@ class WorkerPoolRuntime(CloudflareRuntime):
     @classmethod
     def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
         """On Workers Free while the traffic fits its limits, and on Workers Paid: one Worker
-        request per call (the gateway runs outside Cloudflare)."""
+        request per call (the gateway runs outside Cloudflare), and Workers KV's operations (the
+        collection of call records). The Tail Worker that hands the call records over runs once
+        a call, billed by its CPU time alone (which Sigil cannot see), and only on Workers Paid."""
         limits = []
         if usage.busiest_day_calls > prices.free_requests_per_day:
             limits.append(
@@ -110,6 +112,9 @@ class WorkerPoolRuntime(CloudflareRuntime):
             limits.append(
                 f"cold calls stay under 1 % only with {smallest_slots} slots, over {prices.free_scripts} scripts"
             )
+        limits += prices.kv_over_free(usage)
+        if usage.tail_worker:
+            limits.append("call records come through a Tail Worker, which Workers Free does not offer")
         free = RuntimeBill(
             runtime=cls.name,
             plan="Workers Free",
@@ -121,6 +126,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
             limits=limits,
         )
         paid = prices.plan_lines("paid", requests=usage.calls, cpu_ms=usage.duration_ms)
+        paid["kv"] = prices.kv_line(usage)
         return [
             free,
             RuntimeBill.of(
