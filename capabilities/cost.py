@@ -3,7 +3,8 @@ copes with it: reads for the owner's cost page, `GET /_api/cost` and `manage.py 
 
 Sources, all recorded by Sigil: the per-minute windows the stats flush writes (calls, their
 duration, cold calls, which capabilities were called each day), the audit trail's page-ins,
-the Cloudflare API calls counted per hour (capabilities.runtimes.cloudflare), and the access log of
+the Cloudflare API calls counted per hour, in all, by class of work and by operation
+(capabilities.runtimes.cloudflare: the KV operations among them are billed), and the access log of
 the last calls (stats.ACCESS_LOG_KEY), which is replayed through the pager's own eviction
 policy to find the smallest slot count that would have kept cold calls under 1 %.
 
@@ -13,10 +14,11 @@ Sigil cannot see the CPU time Cloudflare bills: it bills each call's recorded du
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 
@@ -27,7 +29,11 @@ from capabilities import pager, stats
 from capabilities.models import Capability, CapabilityStatsWindow, State
 from capabilities.runtimes import runtime_classes
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage, prices_with
-from capabilities.runtimes.cloudflare import api_calls_hour_key
+from capabilities.runtimes.cloudflare import (
+    api_calls_hour_by_class_key,
+    api_calls_hour_by_operation_key,
+    api_calls_hour_key,
+)
 from sigil.redis_client import get_redis
 
 DAYS_PER_MONTH = 30
@@ -44,6 +50,9 @@ class PoolReport:
     cloudflare_api_calls_per_hour: float
     peak_cloudflare_api_calls_per_hour: int
     cloudflare_api_budget_per_hour: float
+    # What spent the budget: the calls by the class of work they were made for, and by operation.
+    cloudflare_api_calls_by_class: dict[str, int]
+    cloudflare_api_calls_by_operation: dict[str, int]
     calls: int
     cold_calls: int
     cold_share: float | None
@@ -183,11 +192,13 @@ def cost_estimate(*, now: datetime, days: float = DAYS_PER_MONTH, prices: Prices
         calls_over_free_cpu_share=(calls - within_free_cpu) / calls if calls else 0.0,
         capabilities=Capability.objects.exclude(state=State.REMOVED).count(),
         dynamic_worker_days=len(called_days) * scale,
+        tail_worker=settings.SIGIL_LOGS_ENABLED,
     )
 
     accesses = [a for a in access_log_read() if since.timestamp() <= a.at < until.timestamp()]
     slots = _smallest_slots_kept(accesses, days=days)
     pool = _pool_report(since=since, until=until, calls=calls, cold=cold, accesses=accesses, slots=slots)
+    usage = dataclasses.replace(usage, **kv_usage(pool.cloudflare_api_calls_by_operation, scale=scale))
     return CostEstimate(
         since=since,
         until=until,
@@ -198,6 +209,21 @@ def cost_estimate(*, now: datetime, days: float = DAYS_PER_MONTH, prices: Prices
         pool=pool,
         prices=prices,
     )
+
+
+def kv_usage(by_operation: dict[str, int], *, scale: float) -> dict[str, float]:
+    """The Workers KV operations a month of Sigil's API calls `by_operation` (scaled by `scale`)
+    makes Cloudflare bill: each read, write and delete of a value and each page of keys listed
+    through the API, and the tails' writes of the batches of call records Sigil collects. A
+    batch is read once as it is collected, so they are at most as many as the reads (a loader
+    placement reads a pointer too)."""
+    reads = by_operation.get("kv-read", 0)
+    return {
+        "kv_reads": reads * scale,
+        "kv_writes": (by_operation.get("kv-write", 0) + reads) * scale,
+        "kv_deletes": by_operation.get("kv-delete", 0) * scale,
+        "kv_lists": by_operation.get("kv-list", 0) * scale,
+    }
 
 
 # The replay takes seconds on a full log: its result is kept this long, since a figure over
@@ -230,7 +256,8 @@ def _pool_report(
     for at in page_ins.values_list("created_at", flat=True).iterator():
         page_in_hours[int(at.timestamp() // 3600)] += 1
     first_hour = int(since.timestamp() // 3600)
-    hour_counts = _hourly_api_calls(range(first_hour, first_hour + hours + 1))
+    span = range(first_hour, first_hour + hours + 1)
+    hour_counts = _hourly_api_calls(span)
     api_calls = sum(hour_counts)
     budget_per_hour = settings.SIGIL_CF_RATE_LIMIT * 3600 / settings.SIGIL_CF_RATE_WINDOW_SECONDS
     return PoolReport(
@@ -241,6 +268,8 @@ def _pool_report(
         cloudflare_api_calls_per_hour=round(api_calls / hours, 3),
         peak_cloudflare_api_calls_per_hour=max(hour_counts, default=0),
         cloudflare_api_budget_per_hour=budget_per_hour,
+        cloudflare_api_calls_by_class=_hourly_api_calls_by(api_calls_hour_by_class_key, span),
+        cloudflare_api_calls_by_operation=_hourly_api_calls_by(api_calls_hour_by_operation_key, span),
         calls=calls,
         cold_calls=cold,
         cold_share=cold / calls if calls else None,
@@ -253,3 +282,16 @@ def _pool_report(
 def _hourly_api_calls(hours: Iterable[int]) -> list[int]:
     keys = [api_calls_hour_key(hour) for hour in hours]
     return [int(value or 0) for value in get_redis().mget(keys)] if keys else []
+
+
+def _hourly_api_calls_by(key_of: Callable[[int], str], hours: Iterable[int]) -> dict[str, int]:
+    """The API calls of `hours` summed by the field of their hourly hashes (`key_of(hour)`),
+    most first."""
+    pipe = get_redis().pipeline(transaction=False)
+    for hour in hours:
+        pipe.hgetall(key_of(hour))
+    totals: dict[str, int] = defaultdict(int)
+    for counts in pipe.execute():
+        for field, count in counts.items():
+            totals[field.decode()] += int(count)
+    return dict(sorted(totals.items(), key=lambda item: (-item[1], item[0])))

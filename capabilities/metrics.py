@@ -15,7 +15,14 @@ from agents.models import Agent, AuditEvent
 from capabilities import call_logs, stats
 from capabilities.models import BreakerState, Capability, State
 from capabilities.runtimes import get_runtime
-from capabilities.runtimes.cloudflare import API_CALLS_KEY, API_RATE_LIMITED_KEY
+from capabilities.runtimes.api_work import ApiClass
+from capabilities.runtimes.cloudflare import (
+    API_CALLS_BY_CLASS_KEY,
+    API_CALLS_BY_OPERATION_KEY,
+    API_CALLS_KEY,
+    API_RATE_LIMITED_KEY,
+    OPERATIONS,
+)
 from sigil.redis_client import get_redis
 
 
@@ -120,9 +127,34 @@ def metrics_render() -> str:
     lines.append(f"sigil_evictions_total {events.get('capability.evicted', 0)}")
     lines.extend(_family("sigil_page_ins_total", "counter", "Capabilities paged in on demand."))
     lines.append(f"sigil_page_ins_total {events.get('capability.paged_in', 0)}")
-    api_calls, rate_limited = get_redis().mget(API_CALLS_KEY, API_RATE_LIMITED_KEY)
+    redis = get_redis()
+    api_calls, rate_limited = redis.mget(API_CALLS_KEY, API_RATE_LIMITED_KEY)
     lines.extend(_family("sigil_cloudflare_api_calls_total", "counter", "Cloudflare API calls, retries included."))
     lines.append(f"sigil_cloudflare_api_calls_total {int(api_calls or 0)}")
+    # What spends the budget: by the class of the work the calls were made for (the order the
+    # budget serves them in) and by operation, each a fixed set of labels.
+    by_class = {key.decode(): int(value) for key, value in redis.hgetall(API_CALLS_BY_CLASS_KEY).items()}
+    lines.extend(
+        _family(
+            "sigil_cloudflare_api_calls_by_class_total",
+            "counter",
+            "Cloudflare API calls by the class of work they were made for (page-in, deploy, page-out, housekeeping).",
+        )
+    )
+    for api_class in ApiClass:
+        count = by_class.get(api_class.value, 0)
+        lines.append(f'sigil_cloudflare_api_calls_by_class_total{{class="{api_class.value}"}} {count}')
+    by_operation = {key.decode(): int(value) for key, value in redis.hgetall(API_CALLS_BY_OPERATION_KEY).items()}
+    lines.extend(
+        _family(
+            "sigil_cloudflare_api_calls_by_operation_total",
+            "counter",
+            "Cloudflare API calls by operation (upload, delete, subdomain-toggle, list, kv-read, kv-write, ...).",
+        )
+    )
+    for operation in OPERATIONS:
+        count = by_operation.get(operation, 0)
+        lines.append(f'sigil_cloudflare_api_calls_by_operation_total{{operation="{operation}"}} {count}')
     lines.extend(_family("sigil_cloudflare_rate_limited_total", "counter", "Cloudflare API calls answered 429."))
     lines.append(f"sigil_cloudflare_rate_limited_total {int(rate_limited or 0)}")
     lines.extend(_family("sigil_call_records_lost_total", "counter", "Call records (console lines, outcome) not kept."))

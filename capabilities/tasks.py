@@ -8,6 +8,9 @@ queue each goes to is CELERY_TASK_ROUTES' (settings).
 
 from __future__ import annotations
 
+import logging
+import random
+
 from celery.contrib.django.task import DjangoTask
 from celery.exceptions import Retry
 from django.conf import settings
@@ -15,18 +18,68 @@ from django.conf import settings
 from capabilities import jobs, services
 from capabilities.jobs import PAGE_OUT_RECHECK_SECONDS
 from capabilities.runtimes import get_runtime
-from capabilities.runtimes.errors import RuntimeUnavailable
-from sigil.work import Job, retry_countdown, task
+from capabilities.runtimes.api_work import ApiClass, api_work
+from capabilities.runtimes.errors import RuntimeThrottled, RuntimeUnavailable
+from sigil.work import MAX_COUNTDOWN_SECONDS, Job, retry_countdown, task
+
+logger = logging.getLogger(__name__)
+
+# The class of API work each task does (capabilities/runtimes/api_work.py): what the runtime's
+# API budget serves first. Every task of this module is here (a test holds it so).
+API_CLASS_OF_TASK = {
+    jobs.capability_place_version: ApiClass.DEPLOY,
+    # A binding's new value (a rotated secret) placed again: the owner's change, as a deploy.
+    jobs.capability_refresh_bindings: ApiClass.DEPLOY,
+    jobs.capability_page_out: ApiClass.PAGE_OUT,
+    jobs.capability_release_slot: ApiClass.PAGE_OUT,
+    jobs.capability_clear_slot: ApiClass.PAGE_OUT,
+    jobs.capability_reconcile: ApiClass.HOUSEKEEPING,
+    jobs.capability_prewarm: ApiClass.HOUSEKEEPING,
+    jobs.capability_expire_ephemerals: ApiClass.HOUSEKEEPING,
+    jobs.capability_flush_stats: ApiClass.HOUSEKEEPING,
+    jobs.capability_prune_stats: ApiClass.HOUSEKEEPING,
+    jobs.capability_split_guard: ApiClass.HOUSEKEEPING,
+    jobs.capability_record_breaker: ApiClass.HOUSEKEEPING,
+    jobs.capability_reap: ApiClass.HOUSEKEEPING,
+    jobs.capability_mark_inactive: ApiClass.HOUSEKEEPING,
+    jobs.call_records_collect: ApiClass.HOUSEKEEPING,
+}
+_CLASS_BY_NAME = {job.name: api_class for job, api_class in API_CLASS_OF_TASK.items()}
 
 
-class RuntimeTask(DjangoTask):
-    """A task that talks to the runtime: a transient failure is retried (`retry_countdown`)."""
+class CapabilityTask(DjangoTask):
+    """A task of this module: its API calls are its class's (API_CLASS_OF_TASK). Housekeeping
+    that finds no room in the runtime's API budget is skipped, not retried: its next beat runs
+    it again, and a retry would only wait for room the work above it needs."""
+
+    def __call__(self, *args, **kwargs):
+        api_class = _CLASS_BY_NAME[self.name]
+        with api_work(api_class):
+            try:
+                return super().__call__(*args, **kwargs)
+            except RuntimeThrottled as exc:
+                if api_class.waits:
+                    raise
+                logger.info("%s skipped until its next run: %s", self.name, exc.why or exc)
+                return None
+
+
+class RuntimeTask(CapabilityTask):
+    """A task that talks to the runtime: a transient failure is retried (`retry_countdown`); a
+    spent API budget when it has room for this task's class again (its `retry_after`, spread a
+    little so that the tasks it held back do not take the room back all at once), as far as a
+    countdown may reach (MAX_COUNTDOWN_SECONDS): never sooner."""
 
     max_retries = 8
 
     def __call__(self, *args, **kwargs):
         try:
             return super().__call__(*args, **kwargs)
+        except RuntimeThrottled as exc:
+            countdown = retry_countdown(retries=self.request.retries, retry_after=exc.retry_after)
+            if exc.retry_after is not None:
+                countdown = min(MAX_COUNTDOWN_SECONDS, countdown + random.uniform(0, min(5.0, countdown / 10)))
+            raise self.retry(exc=exc, countdown=countdown) from exc
         except RuntimeUnavailable as exc:
             countdown = retry_countdown(retries=self.request.retries, retry_after=exc.retry_after)
             raise self.retry(exc=exc, countdown=countdown) from exc
@@ -34,7 +87,9 @@ class RuntimeTask(DjangoTask):
 
 def service_task(job: Job, **options):
     """The task of `job` that calls the service of the same name (`capabilities.services`),
-    passing its keyword arguments on; `options` as for sigil.work.task."""
+    passing its keyword arguments on; `options` as for sigil.work.task (its base by default
+    CapabilityTask)."""
+    options.setdefault("base", CapabilityTask)
     service = job.name.rpartition(".")[2]
 
     def run(**kwargs) -> None:
@@ -61,7 +116,7 @@ capability_prune_stats = service_task(jobs.capability_prune_stats)
 # Its outcome is recorded on the version and handed to the waiting request by the service, so
 # no result backend is needed. A transient failure is retried (the service says when, and
 # keeps the version owned meanwhile); the last try records it.
-@task(jobs.capability_place_version, bind=True)
+@task(jobs.capability_place_version, bind=True, base=CapabilityTask)
 def capability_place_version(self, *, version_id: int) -> None:
     retries = settings.SIGIL_DEPLOY_RETRIES
     try:
@@ -89,7 +144,7 @@ def capability_page_out(self, *, full: str, wait_until: float | None = None) -> 
         raise Retry(exc=exc, when=PAGE_OUT_RECHECK_SECONDS, sig=again) from exc
 
 
-@task(jobs.call_records_collect)
+@task(jobs.call_records_collect, base=CapabilityTask)
 def call_records_collect() -> None:
     # No retry: the next beat comes within SIGIL_LOGS_COLLECT_INTERVAL_SECONDS, and a batch
     # not yet taken waits for it where the tail left it.

@@ -542,6 +542,11 @@ SIGIL_CF_RATE_LIMIT = env_int("SIGIL_CF_RATE_LIMIT", 1000)
 SIGIL_CF_RATE_WINDOW_SECONDS = env_float("SIGIL_CF_RATE_WINDOW_SECONDS", 300.0)
 # How long a call may wait for room in that budget before it fails as rate limited.
 SIGIL_CF_MAX_RATE_WAIT_SECONDS = env_float("SIGIL_CF_MAX_RATE_WAIT_SECONDS", 30.0)
+# The budget serves page-ins first, then deploys, page-outs and last housekeeping (reconcile,
+# prewarm, expiry, the collection of call records...), which never waits for room and may take
+# at most this share of the window with its own requests (and none once the window is 60 %
+# full): 200 of the default 1000 per 5 minutes.
+SIGIL_CF_HOUSEKEEPING_SHARE = env_float("SIGIL_CF_HOUSEKEEPING_SHARE", 0.2)
 # Retries of one call on 429, 5xx and connection errors, with exponential backoff.
 SIGIL_CF_MAX_RETRIES = env_int("SIGIL_CF_MAX_RETRIES", 4)
 SIGIL_CF_TIMEOUT_SECONDS = env_float("SIGIL_CF_TIMEOUT_SECONDS", 60.0)

@@ -240,6 +240,7 @@ class Engine:
             # (only bodiless calls: a body cannot be sent twice).
             await upstream.drain()
             upstream.release()
+            sender.forget(route)
             await self.offload(capability_mark_missing, full=call.full, slot=route.slot, backend=route.backend)
             route, page_in_ms = await self.placer.page_in(call.full, principal, wait_seconds=wait)
             call.version = route.version

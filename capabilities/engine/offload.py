@@ -1,9 +1,13 @@
 """The bounded pool of threads in which the engine runs what blocks: the ORM on the cold path,
-a placement, the Cloudflare client, a Celery enqueue. Never the event loop."""
+a placement, the Cloudflare client, a Celery enqueue. Never the event loop.
+
+Each job runs in a copy of its caller's context, so what travels with the work in context
+variables (the class of its API calls, capabilities/runtimes/api_work.py) reaches the thread."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,7 +23,8 @@ class Offload:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sigil-offload")
 
     async def __call__(self, function: Callable, /, *args, **kwargs) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, _job, function, args, kwargs)
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self.pool, context.run, _job, function, args, kwargs)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -18,6 +18,7 @@ from agents.tokens import Principal
 from capabilities import routes
 from capabilities.engine.offload import Offload
 from capabilities.engine.shares import FairShares
+from capabilities.runtimes.api_work import ApiClass, api_work
 from capabilities.services.placement import PlacementUnderWay, capability_page_in, placement_lock_key
 from sigil.errors import NotFound, Timeout
 
@@ -58,7 +59,7 @@ class Placer:
                 placing = self.placing.get(full)
                 if placing is None and not locked:
                     with self.shares.placement(principal):
-                        placing = self.placing[full] = asyncio.ensure_future(self.place(full))
+                        placing = self.placing[full] = asyncio.ensure_future(self.place(full, deadline))
                         try:
                             route = await asyncio.wait_for(asyncio.shield(placing), deadline - time.perf_counter())
                         finally:
@@ -86,6 +87,10 @@ class Placer:
                 if locked is None:
                     break  # the placement ended without serving it: try it here
 
-    async def place(self, full: str) -> routes.CachedRoute:
-        route, _ = await self.offload(capability_page_in, full=full, wait_seconds=0)
+    async def place(self, full: str, deadline: float) -> routes.CachedRoute:
+        """Page `full` in for a caller who waits until `deadline` (perf_counter): its API calls
+        are a page-in's, first in the budget's order, and wait for room no longer than the
+        caller would (a spent budget answers at once, with the time until room)."""
+        with api_work(ApiClass.PAGE_IN, wait_seconds=max(0.0, deadline - time.perf_counter())):
+            route, _ = await self.offload(capability_page_in, full=full, wait_seconds=0)
         return route

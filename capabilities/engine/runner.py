@@ -8,7 +8,7 @@ at once, at most SIGIL_ASYNC_RUNNERS_PER_AGENT of one agent's (the rest of that 
 their turn while other agents' calls run), and a call that runs past
 SIGIL_ASYNC_CALL_MAX_SECONDS ends with a `504 timeout` result, never `running` for good. A
 transient failure in Sigil's own hands (a `503 unavailable` it answered) is tried again
-within that time before a result is kept.
+within that time, no sooner than its Retry-After, before a result is kept.
 
 A runner holds a lease in Redis while it lives; the calls it took wait in a list of its own,
 and a runner that finds another's lease lapsed (its process died) puts that one's calls back
@@ -44,7 +44,8 @@ from sigil.request_id import new_request_id, set_request_id
 
 logger = logging.getLogger(__name__)
 
-# A transient failure of Sigil's own is tried again this many times, this far apart.
+# A transient failure of Sigil's own is tried again this many times, this far apart (or as far
+# as its Retry-After asks).
 TRANSIENT_TRIES = 3
 TRANSIENT_PAUSE_SECONDS = 1.0
 
@@ -214,9 +215,12 @@ async def run_within_time(engine: Engine, record: dict[str, bytes]) -> async_cal
         for attempt in range(TRANSIENT_TRIES):
             result = await asyncio.wait_for(run_call(engine, record, request_id), timeout=deadline - time.monotonic())
             transient = result.status == 503 and _sigil_code(result) == "unavailable"
-            if not transient or attempt + 1 == TRANSIENT_TRIES or time.monotonic() + TRANSIENT_PAUSE_SECONDS > deadline:
+            # Not before Sigil said there would be room (a spent API budget says when): sooner,
+            # the call would only be refused again.
+            pause = max(TRANSIENT_PAUSE_SECONDS, _retry_after(result))
+            if not transient or attempt + 1 == TRANSIENT_TRIES or time.monotonic() + pause > deadline:
                 return result
-            await asyncio.sleep(TRANSIENT_PAUSE_SECONDS)
+            await asyncio.sleep(pause)
     except TimeoutError:
         full = record["full"].decode()
         answer = error_answer(
@@ -276,6 +280,14 @@ def run_now(*, call_id: str) -> None:
 
 def _kept_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() != "content-length"]
+
+
+def _retry_after(result: async_calls.CallResult) -> float:
+    """The seconds Sigil's refusal asked to wait (its Retry-After), 0 when it named none."""
+    for name, value in result.headers:
+        if name.lower() == "retry-after" and value.isdigit():
+            return float(value)
+    return 0.0
 
 
 def _sigil_code(result: async_calls.CallResult) -> str | None:

@@ -28,6 +28,7 @@ from capabilities.engine.upstream import (
 )
 from capabilities.engine.values import CallRequest
 from capabilities.runtimes import runtime_for
+from capabilities.runtimes.api_work import ApiClass, api_work
 from capabilities.runtimes.base import Route, Runtime
 from capabilities.runtimes.errors import RuntimeThrottled, RuntimeUnavailable
 from capabilities.services.placement import runtime_throttled
@@ -73,11 +74,14 @@ class Sender:
         if target is None:
             runtime = runtime_for(route.backend)
             try:
-                # No I/O but on a runtime's first call (Cloudflare's account subdomain).
-                target = await self.offload(
-                    runtime.route, slot=route.slot, sha=route.sha, tenant=route.agent, cpu_ms=route.cpu_ms
-                )
-            except RuntimeThrottled as exc:  # Cloudflare's lockout, while asked for the account's subdomain
+                # No I/O but on a runtime's first call in a process (a Redis read of the account's
+                # facts), or the first of every process (Cloudflare's account subdomain): a call
+                # waiting on it, as on a page-in.
+                with api_work(ApiClass.PAGE_IN, wait_seconds=self.upstream.read_timeout):
+                    target = await self.offload(
+                        runtime.route, slot=route.slot, sha=route.sha, tenant=route.agent, cpu_ms=route.cpu_ms
+                    )
+            except RuntimeThrottled as exc:  # no room in the API budget, while asked for the account's subdomain
                 raise runtime_throttled(exc, doing=f"reach {route.slot}") from exc
             except RuntimeUnavailable as exc:
                 raise self.runtime_failed(
@@ -87,6 +91,11 @@ class Sender:
                 self.route_memo.clear()
             self.route_memo[key] = target
         return target
+
+    def forget(self, route: routes.CachedRoute) -> None:
+        """Resolve where the route's slot answers afresh on its next call: the runtime said it
+        is not there (the runtime may have learnt since that the account's address changed)."""
+        self.route_memo.pop((route.backend, route.slot, route.sha, route.cpu_ms), None)
 
     def upstream_request(self, request: CallRequest, target: Route) -> tuple[str, dict[str, str]]:
         """The URL and headers of the call as the runtime gets it."""

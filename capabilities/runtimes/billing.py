@@ -21,6 +21,9 @@ PRICE_SOURCES = {
     "platforms": "https://developers.cloudflare.com/cloudflare-for-platforms/workers-for-platforms/reference/pricing/"
     " (last updated 2026-04-21)",
     "dynamic": "https://developers.cloudflare.com/dynamic-workers/pricing/ (announced ahead of billing)",
+    "kv": "https://developers.cloudflare.com/kv/platform/pricing/ (operations through the REST API are billed too)",
+    "tail": "https://developers.cloudflare.com/workers/observability/logs/tail-workers/ (Workers Paid and "
+    "Enterprise only; billed by CPU time, not by the number of requests)",
 }
 
 
@@ -48,6 +51,21 @@ class Prices:
     # Dynamic Workers ("dynamic"): unique Dynamic Workers included a month, then each a day.
     dynamic_included_workers: int = 1000
     dynamic_worker_day_usd: float = 0.002
+    # Workers KV ("kv"): on Workers Free, operations a day (past them, operations fail); on
+    # Workers Paid, included a month, then a price a million. Each key read, written or deleted,
+    # and each list request, counts, through a binding or the REST API alike.
+    free_kv_reads_per_day: int = 100_000
+    free_kv_writes_per_day: int = 1000
+    free_kv_deletes_per_day: int = 1000
+    free_kv_lists_per_day: int = 1000
+    kv_included_reads: int = 10_000_000
+    kv_reads_per_million_usd: float = 0.50
+    kv_included_writes: int = 1_000_000
+    kv_writes_per_million_usd: float = 5.00
+    kv_included_deletes: int = 1_000_000
+    kv_deletes_per_million_usd: float = 5.00
+    kv_included_lists: int = 1_000_000
+    kv_lists_per_million_usd: float = 5.00
 
     def plan_lines(self, plan: str, *, requests: float, cpu_ms: float) -> dict[str, float]:
         """The lines of a month on `plan` ("paid" or "platforms"): its fee, then the requests
@@ -57,6 +75,33 @@ class Prices:
             "requests": overage(requests, getattr(self, f"{plan}_included_requests"), self.requests_per_million_usd),
             "cpu": overage(cpu_ms, getattr(self, f"{plan}_included_cpu_ms"), self.cpu_per_million_ms_usd),
         }
+
+    def kv_line(self, usage: Usage) -> float:
+        """A month of `usage`'s KV operations on Workers Paid, beyond what it includes."""
+        return sum(
+            overage(
+                getattr(usage, f"kv_{kind}"),
+                getattr(self, f"kv_included_{kind}"),
+                getattr(self, f"kv_{kind}_per_million_usd"),
+            )
+            for kind in KV_OPERATIONS
+        )
+
+    def kv_over_free(self, usage: Usage, *, days: float = 30) -> list[str]:
+        """What of `usage`'s KV operations is over Workers Free's daily limits, in words
+        (a day as the month's mean, so a busier day may be over when none is said)."""
+        over = []
+        for kind in KV_OPERATIONS:
+            per_day = getattr(usage, f"kv_{kind}") / days
+            limit = getattr(self, f"free_kv_{kind}_per_day")
+            if per_day > limit:
+                over.append(f"about {per_day:,.0f} KV {KV_WORDS[kind]} a day, over {limit:,} a day")
+        return over
+
+
+# Workers KV's billed operations, as Usage and Prices name them, and in words.
+KV_OPERATIONS = ("reads", "writes", "deletes", "lists")
+KV_WORDS = {"reads": "reads", "writes": "writes", "deletes": "deletes", "lists": "list requests"}
 
 
 def prices_with(override: str) -> Prices:
@@ -95,6 +140,17 @@ class Usage:
     calls_over_free_cpu_share: float  # calls longer than the free plan's CPU limit (an upper bound)
     capabilities: int  # registered now: one script each on Workers for Platforms
     dynamic_worker_days: float  # (capability, day) pairs with a call: unique Dynamic Workers a day
+    # Workers KV operations a month, billed on every plan whatever makes them: Sigil's own
+    # through the API (measured: the loader runtime's bundles, the collection of call records)
+    # and the tails' writes of the batches of call records it collects.
+    kv_reads: float = 0.0
+    kv_writes: float = 0.0
+    kv_deletes: float = 0.0
+    kv_lists: float = 0.0
+    # Call records reach Sigil through a Tail Worker of its own (worker-pool, platform), which
+    # runs once per call: billed by its CPU time, which Sigil does not see, and not offered on
+    # Workers Free.
+    tail_worker: bool = False
 
 
 @dataclass(frozen=True)

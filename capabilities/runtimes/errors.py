@@ -21,7 +21,10 @@ class RuntimeUnavailable(RuntimeFailure):
 class RuntimeThrottled(RuntimeUnavailable):
     """The runtime's provider refuses every call for a while (Cloudflare's rate-limit lockout,
     or Sigil's shared budget for it having no room); `retry_after` says for how long, in
-    seconds, as the provider answered."""
+    seconds, as the provider answered. `why`, when set, is that in one sentence of Sigil's
+    own, fit for the caller (the message may hold the provider's words, kept for the log)."""
+
+    why: str | None = None
 
 
 class RuntimeRejected(RuntimeFailure):

@@ -5,7 +5,6 @@ reading bundles from Workers KV (reference §5, §6)."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import urllib3
@@ -16,6 +15,7 @@ from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound
 from capabilities.runtimes.cloudflare.account import Finding, PlanProbe
+from capabilities.runtimes.cloudflare.facts import AccountFacts, kv_namespace_fact
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check, loader_host_store
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
@@ -75,9 +75,10 @@ class LoaderRuntime(FrontedRuntime):
     def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
         """Dynamic Workers, on Workers Paid: each call is two requests (the loader Worker and
         the Dynamic Worker it calls), and each capability called on a day is one Dynamic Worker
-        that day."""
+        that day; Workers KV's operations (the bundles, the call records)."""
         requests = 2 * usage.calls
         items = prices.plan_lines("paid", requests=requests, cpu_ms=usage.duration_ms)
+        items["kv"] = prices.kv_line(usage)
         extra_workers = max(0.0, usage.dynamic_worker_days - prices.dynamic_included_workers)
         items["dynamic_workers"] = extra_workers * prices.dynamic_worker_day_usd
         plan = "Dynamic Workers (Workers Paid)"
@@ -107,21 +108,36 @@ class LoaderRuntime(FrontedRuntime):
         self.worker_name = worker
         self.invoke_base = invoke_base
         self._secret = secret
-        self._kv_id: str | None = None
+        self.facts = AccountFacts(client)
         self._worker: SigilWorker | None = None
-        self._lock = threading.Lock()
         self._start_checks = urllib3.PoolManager(timeout=urllib3.Timeout(connect=3.0, read=30.0), retries=False)
 
     # --- Sigil's loader Worker and its KV namespace --------------------------------------------
 
     @property
     def kv_id(self) -> str:
-        """The id of the KV namespace titled `kv_title`, created if missing. Asked once per process."""
-        if self._kv_id is None:
-            with self._lock:
-                if self._kv_id is None:
-                    self._kv_id = kv_namespace_ensure(self.client, self.kv_title)
-        return self._kv_id
+        """The id of the KV namespace titled `kv_title`, created if missing. No API request once
+        any process has learnt it (AccountFacts): the loader Worker's route needs it."""
+        return self._kv_id_ensured([])
+
+    def _kv_id_ensured(self, done: list[str]) -> str:
+        """`kv_id`, saying in `done` when it created the namespace."""
+
+        def ensure() -> str:
+            found = kv_namespace_find(self.client, self.kv_title)
+            if found is None:
+                found = kv_namespace_ensure(self.client, self.kv_title)
+                done.append(f"created the KV namespace {self.kv_title} ({found})")
+            return found
+
+        return self.facts.get(kv_namespace_fact(self.kv_title), ensure)
+
+    def _namespace_gone(self) -> None:
+        """Cloudflare says the kept namespace id names no namespace: learn it again, and bind the
+        loader Worker (deployed again by the next provision) to the one found or created."""
+        self.facts.forget(kv_namespace_fact(self.kv_title))
+        self._worker = None
+        self._provisioned = False
 
     @property
     def front(self) -> SigilWorker:
@@ -162,14 +178,8 @@ class LoaderRuntime(FrontedRuntime):
     def provision(self) -> list[str]:
         """Create the KV namespace if it is missing, and deploy the loader Worker if it is
         missing or runs other code. Idempotent."""
-        done = []
-        with self._lock:
-            if self._kv_id is None:
-                found = kv_namespace_find(self.client, self.kv_title)
-                if found is None:
-                    found = kv_namespace_ensure(self.client, self.kv_title)
-                    done.append(f"created the KV namespace {self.kv_title} ({found})")
-                self._kv_id = found
+        done: list[str] = []
+        self._kv_id_ensured(done)
         if self.worker.deploy():
             done.append(f"deployed the loader Worker {self.worker.name} ({self.worker.version})")
         self._provisioned = True
@@ -189,7 +199,13 @@ class LoaderRuntime(FrontedRuntime):
         self._ensure_provisioned()
         # Its secrets are sealed for the loader Worker, whose SIGIL_SECRET opens them.
         stored = bundle.to_json(seal_key=self._secret)
-        self.client.kv_put(self.kv_id, CODE_PREFIX + bundle.sha, stored)
+        try:
+            self.client.kv_put(self.kv_id, CODE_PREFIX + bundle.sha, stored)
+        except CloudflareNotFound:
+            # A write never misses its key: the namespace itself is gone.
+            self._namespace_gone()
+            self._ensure_provisioned()
+            self.client.kv_put(self.kv_id, CODE_PREFIX + bundle.sha, stored)
         route = self.route(slot=slot, sha=bundle.sha, tenant=tenant)
         try:
             if not self._start_check(route):

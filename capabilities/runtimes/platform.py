@@ -87,8 +87,10 @@ class PlatformRuntime(FrontedRuntime):
     @classmethod
     def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
         """Workers for Platforms: the dispatch Worker and the capability's are billed as one
-        request; one script per registered capability."""
+        request; one script per registered capability; Workers KV's operations (the collection of
+        call records, whose Tail Worker is billed by its CPU time alone)."""
         items = prices.plan_lines("platforms", requests=usage.calls, cpu_ms=usage.duration_ms)
+        items["kv"] = prices.kv_line(usage)
         items["scripts"] = max(0, usage.capabilities - prices.platforms_included_scripts) * prices.platforms_script_usd
         plan = "Workers for Platforms"
         return [

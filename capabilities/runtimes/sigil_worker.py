@@ -16,6 +16,7 @@ from django.conf import LazySettings
 from capabilities.runtimes.base import Route
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound
 from capabilities.runtimes.cloudflare.account import CloudflareRuntime, Finding, PlanProbe, scripts_in_use
+from capabilities.runtimes.cloudflare.facts import SUBDOMAIN, AccountFacts
 from capabilities.runtimes.errors import RuntimeUnavailable, network_failure
 
 # The plain-text binding that carries the deployed source's version, and the header the
@@ -70,7 +71,7 @@ class SigilWorker:
             stamp.append(self.tail_consumers)
         stamp = json.dumps(stamp, sort_keys=True)
         self.version = hashlib.sha256(stamp.encode()).hexdigest()[:16]
-        self._subdomain: str | None = None
+        self.facts = AccountFacts(client)
         self._probe = urllib3.PoolManager(timeout=urllib3.Timeout(connect=3.0, read=10.0), retries=False)
 
     def deployed_version(self) -> str | None:
@@ -119,10 +120,9 @@ class SigilWorker:
 
     @property
     def subdomain(self) -> str:
-        """The account's workers.dev subdomain, asked for once per process."""
-        if self._subdomain is None:
-            self._subdomain = self.client.subdomain_get()
-        return self._subdomain
+        """The account's workers.dev subdomain, as every process keeps it (AccountFacts): no API
+        request once any process has learnt it."""
+        return self.facts.subdomain()
 
     def route(self, headers: tuple[tuple[str, str], ...]) -> Route:
         host = f"{self.name}.{self.subdomain}.workers.dev"
@@ -164,6 +164,10 @@ class FrontedRuntime(CloudflareRuntime):
     def __init__(self, *, cpu_ms: int) -> None:
         self.default_cpu_ms = cpu_ms
         self._provisioned = False
+        # Set when a call met a 404 that did not come through Sigil's Worker: the Worker is gone,
+        # or the workers.dev subdomain kept for the account is no longer its own. The placement
+        # that follows provisions again, and asks for the subdomain again.
+        self._front_doubted = False
         self._provision_lock = threading.Lock()
 
     @property
@@ -197,6 +201,9 @@ class FrontedRuntime(CloudflareRuntime):
         if self._provisioned:
             return
         with self._provision_lock:
+            if self._front_doubted:
+                self._front_doubted = False
+                self.front.facts.forget(SUBDOMAIN)
             if not self._provisioned:
                 self.provision()
 
@@ -213,6 +220,7 @@ class FrontedRuntime(CloudflareRuntime):
             return True
         if self.marker_header not in response.headers:
             self._provisioned = False
+            self._front_doubted = True
             return True
         return False
 

@@ -23,6 +23,7 @@ from capabilities.runtimes.cloudflare.account import (
     installation_tag,
     scripts_in_use,
 )
+from capabilities.runtimes.cloudflare.facts import SUBDOMAIN, AccountFacts
 from capabilities.runtimes.cloudflare.uploads import CAPABILITY_MODULE, SECRET_MODULE, sigil_modules
 from capabilities.runtimes.tail_worker import TailMailbox
 
@@ -94,7 +95,9 @@ class WorkerPoolRuntime(CloudflareRuntime):
     @classmethod
     def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
         """On Workers Free while the traffic fits its limits, and on Workers Paid: one Worker
-        request per call (the gateway runs outside Cloudflare)."""
+        request per call (the gateway runs outside Cloudflare), and Workers KV's operations (the
+        collection of call records). The Tail Worker that hands the call records over runs once
+        a call, billed by its CPU time alone (which Sigil cannot see), and only on Workers Paid."""
         limits = []
         if usage.busiest_day_calls > prices.free_requests_per_day:
             limits.append(
@@ -109,6 +112,9 @@ class WorkerPoolRuntime(CloudflareRuntime):
             limits.append(
                 f"cold calls stay under 1 % only with {smallest_slots} slots, over {prices.free_scripts} scripts"
             )
+        limits += prices.kv_over_free(usage)
+        if usage.tail_worker:
+            limits.append("call records come through a Tail Worker, which Workers Free does not offer")
         free = RuntimeBill(
             runtime=cls.name,
             plan="Workers Free",
@@ -120,6 +126,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
             limits=limits,
         )
         paid = prices.plan_lines("paid", requests=usage.calls, cpu_ms=usage.duration_ms)
+        paid["kv"] = prices.kv_line(usage)
         return [
             free,
             RuntimeBill.of(
@@ -186,7 +193,10 @@ class WorkerPoolRuntime(CloudflareRuntime):
         # Empty: call https://{script}.{subdomain}.workers.dev. Set (the emulator): call this
         # base URL with the workers.dev name in the Host header.
         self.invoke_base = invoke_base.rstrip("/")
-        self._subdomain: str | None = None
+        self.facts = AccountFacts(client)
+        # Set when a call met Cloudflare's own 404 (no script there, or a workers.dev subdomain
+        # that is no longer the account's): the page-in that follows asks for the subdomain again.
+        self._subdomain_doubted = False
 
     @property
     def total_slots(self) -> int:
@@ -222,6 +232,9 @@ class WorkerPoolRuntime(CloudflareRuntime):
             if bundle.version is not None:
                 # The upload replaces the script in place: its every answer says which version it is.
                 bindings.append({"type": "plain_text", "name": GUARD_VERSION_BINDING, "text": str(bundle.version)})
+        if self._subdomain_doubted:
+            self._subdomain_doubted = False
+            self.facts.forget(SUBDOMAIN)
         if self.tails is not None and not self._tails_deployed:
             self.provision()
         self.client.script_upload(
@@ -241,7 +254,8 @@ class WorkerPoolRuntime(CloudflareRuntime):
             self.client.script_delete(slot)
 
     def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
-        """Where the script answers. The account's subdomain is asked for once per process."""
+        """Where the script answers. No API request once any process has learnt the account's
+        subdomain (AccountFacts)."""
         host = f"{slot}.{self.subdomain}.workers.dev"
         headers = (("X-Sigil-Pool-Secret", self._secret),)
         if self.redirects:
@@ -252,14 +266,15 @@ class WorkerPoolRuntime(CloudflareRuntime):
 
     @property
     def subdomain(self) -> str:
-        if self._subdomain is None:
-            self._subdomain = self.client.subdomain_get()
-        return self._subdomain
+        return self.facts.subdomain()
 
     def is_missing(self, response) -> bool:
         # Every answer of a live script passes the guard, which marks it; Cloudflare's own
         # "no such Worker" does not.
-        return response.status == 404 and "x-sigil-guard" not in response.headers
+        missing = response.status == 404 and "x-sigil-guard" not in response.headers
+        if missing:
+            self._subdomain_doubted = True
+        return missing
 
     def stopped_at_limits(self, response) -> bool:
         # Cloudflare's 1102 for a Worker past its CPU or memory limit is a 503 the guard,
@@ -278,7 +293,9 @@ class WorkerPoolRuntime(CloudflareRuntime):
         return self.installation_tag in tags
 
     def check(self) -> None:
-        self._subdomain = self.client.subdomain_get()
+        """No API request per probe: the account's subdomain as kept (asked once if no process
+        knows it yet). Raises RuntimeUnavailable when it cannot be learnt."""
+        self.facts.subdomain()
 
     def provision(self) -> list[str]:
         """Deploy Sigil's Tail Worker if it is missing or stale (the first placement of each

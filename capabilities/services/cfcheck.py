@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from capabilities.runtimes import RUNTIMES, runtime_class
+from capabilities.runtimes.api_work import ApiClass, api_work
 from capabilities.runtimes.cloudflare import (
     CloudflareAuthFailure,
     CloudflareClient,
     CloudflareError,
     CloudflareNotFound,
+    CloudflareRateLimited,
     CloudflareRejected,
     CloudflareSlotsExhausted,
     CloudflareUnavailable,
@@ -65,6 +67,12 @@ def cloudflare_check(*, backend: str, client: CloudflareClient | None = None) ->
     def done() -> CloudflareCheck:
         return CloudflareCheck(backend=backend, findings=tuple(findings))
 
+    # Housekeeping in the API budget's order: it never takes room calls and deploys wait for.
+    with api_work(ApiClass.HOUSEKEEPING):
+        return _checked(client, backend, findings, done)
+
+
+def _checked(client: CloudflareClient, backend: str, findings: list[Finding], done) -> CloudflareCheck:
     try:
         findings.append(_token(client))
         if not findings[-1].ok:
@@ -77,6 +85,9 @@ def cloudflare_check(*, backend: str, client: CloudflareClient | None = None) ->
         probe = _plan_probe(client)
         runtime = runtime_class(backend)
         findings.extend(runtime.account_findings(client=client, probe=probe, scripts=scripts, settings=settings))
+    except CloudflareRateLimited as exc:
+        detail = f"no API request could be made, so nothing more is known: {exc.why or exc}; run it again then"
+        findings.append(Finding("Cloudflare", False, detail))
     except CloudflareUnavailable as exc:
         findings.append(Finding("Cloudflare", False, f"the API did not answer, so nothing more is known: {exc}"))
     return done()

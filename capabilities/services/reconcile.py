@@ -15,6 +15,7 @@ from agents.services import audit_record
 from capabilities import pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime
+from capabilities.runtimes.api_work import ApiClass, api_work
 from capabilities.runtimes.errors import RuntimeFailure
 from capabilities.services.page_outs import capability_shed_excess, page_out_later, pager_rows, same_runtime
 from capabilities.services.placement_lock import placement_in_progress
@@ -42,11 +43,13 @@ def runtime_ready(*, actor: str) -> list[str]:
     a start without a separate `deployruntime`.
 
     Never raises a runtime failure: a process must start even while Cloudflare is down or
-    misconfigured; the failure is logged, `/_health` reports it, and the first placement
-    provisions again. Returns what was done.
+    misconfigured, or its API budget spent; the failure is logged, `/_health` reports it, and
+    the first placement provisions again. Its API calls are housekeeping: they never wait for
+    room, so a process started while the budget is spent starts at once. Returns what was done.
     """
     try:
-        return runtime_provision(actor=actor)
+        with api_work(ApiClass.HOUSEKEEPING):
+            return runtime_provision(actor=actor)
     except RuntimeFailure as exc:
         logger.warning("%s runtime not ready at start: %s", settings.SIGIL_BACKEND, exc)
         return []

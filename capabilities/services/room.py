@@ -278,11 +278,12 @@ def _place(full: str, slot: str, bundle: CodeBundle, runtime: Runtime) -> None:
 
 def runtime_throttled(exc: runtime_errors.RuntimeThrottled, *, doing: str) -> Unavailable:
     """`503 unavailable` for a runtime whose provider refuses calls for a while (Cloudflare's
-    rate-limit lockout), with Retry-After as the provider answered it. The message is Sigil's:
-    the provider's own words (its error codes, its limits) stay in the log."""
+    rate-limit lockout, or Sigil's budget for its API having no room for longer than the work
+    may wait), with Retry-After the time until there is room. The message is Sigil's and says
+    one thing: the provider's own words (its error codes, its limits) stay in the log."""
     logger.warning("the runtime is throttled and could not %s: %s", doing, exc)
     seconds = max(1, math.ceil(exc.retry_after)) if exc.retry_after is not None else None
-    wait = f"try again in {seconds} s" if seconds is not None else "try again later"
-    return Unavailable(
-        f"the runtime's API is rate-limited for now, so Sigil could not {doing}; {wait}", retry_after=seconds
+    why = exc.why or (
+        f"the runtime's API is rate-limited for {seconds} s" if seconds else "the runtime's API is rate-limited for now"
     )
+    return Unavailable(f"Sigil could not {doing}: {why}", retry_after=seconds)

@@ -13,7 +13,11 @@ from agents.models import AuditEvent
 from capabilities import cost, stats
 from capabilities.cost import Access, replay_cold_calls, smallest_slots
 from capabilities.models import CapabilityStatsWindow
-from capabilities.runtimes.cloudflare import api_calls_hour_key
+from capabilities.runtimes.cloudflare import (
+    api_calls_hour_by_class_key,
+    api_calls_hour_by_operation_key,
+    api_calls_hour_key,
+)
 from sigil.redis_client import get_redis
 from testsupport.cast import deploy_answering, wait_for
 
@@ -87,6 +91,47 @@ def test_the_estimate_of_a_recorded_month_is_the_bill_worked_out_by_hand(recorde
     assert (pool.cloudflare_api_calls, pool.peak_cloudflare_api_calls_per_hour) == (12, 7)
     assert pool.cloudflare_api_budget_per_hour == 1000 * 3600 / 300
     assert pool.cold_calls == 600 and pool.cold_share == 600 / 15_000_000
+
+
+def test_what_spent_the_api_budget_is_shown_and_its_kv_operations_billed(recorded, redis_client, settings):
+    # Two hours of API calls by class and operation, as the client counts them: the collection
+    # of call records listed keys 1.5 M times, read and deleted 400,000 batches (each written
+    # by a tail: 400,000 writes more); a loader placement wrote 600,000 values.
+    hour = int((NOW - timedelta(days=2)).timestamp() // 3600)
+    redis_client.hset(api_calls_hour_by_class_key(hour), mapping={"housekeeping": 2_300_000, "page-in": 600_000})
+    redis_client.hset(
+        api_calls_hour_by_operation_key(hour),
+        mapping={"kv-list": 1_000_000, "kv-read": 400_000, "kv-delete": 400_000, "kv-write": 600_000},
+    )
+    redis_client.hset(api_calls_hour_by_operation_key(hour + 1), mapping={"kv-list": 500_000, "upload": 2})
+    settings.SIGIL_LOGS_ENABLED = True
+    estimate = cost.cost_estimate(now=NOW, days=30)
+
+    pool = estimate.pool
+    assert pool.cloudflare_api_calls_by_class == {"housekeeping": 2_300_000, "page-in": 600_000}
+    assert list(pool.cloudflare_api_calls_by_operation) == ["kv-list", "kv-write", "kv-delete", "kv-read", "upload"]
+    usage = estimate.usage
+    assert (usage.kv_reads, usage.kv_writes, usage.kv_deletes, usage.kv_lists) == (
+        400_000,
+        1_000_000,
+        400_000,
+        1_500_000,
+    )
+    # Workers Paid includes 10 M reads, 1 M writes, 1 M deletes, 1 M lists a month: 0.5 M lists
+    # over, at $5.00 a million.
+    paid = {bill.plan: bill for bill in estimate.runtimes}
+    assert paid["Workers Paid"].items["kv"] == pytest.approx(2.50)
+    assert paid["Workers Paid"].monthly_usd == pytest.approx(5 + 1.50 + 0.80 + 2.50)
+    assert paid["Dynamic Workers (Workers Paid)"].items["kv"] == pytest.approx(2.50)
+    assert paid["Workers for Platforms"].items["kv"] == pytest.approx(2.50)
+    # Workers Free allows 1,000 writes, deletes and list requests a day, and no Tail Worker.
+    free = paid["Workers Free"]
+    assert "about 33,333 KV writes a day, over 1,000 a day" in free.limits
+    assert "about 50,000 KV list requests a day, over 1,000 a day" in free.limits
+    assert "call records come through a Tail Worker, which Workers Free does not offer" in free.limits
+    printed = io.StringIO()
+    call_command("cost", "--days", "30", stdout=printed)
+    assert "Cloudflare API calls by class of work: housekeeping 2300000, page-in 600000" in printed.getvalue()
 
 
 def test_a_shorter_window_is_scaled_to_a_month(recorded):

@@ -65,6 +65,14 @@ def test_metrics_count_cloudflare_api_calls_and_429s(sigil, worker_pool, alice, 
     assert found[("sigil_cloudflare_api_calls_total", ())] == made
     assert found[("sigil_cloudflare_rate_limited_total", ())] == 0
     assert found[("sigil_slots_total", ())] == 3
+    # What spent them: the deploy's task, an upload and the workers.dev toggle.
+    by_class = {labels[0][1]: value for (name, labels), value in found.items() if name.endswith("by_class_total")}
+    assert by_class == {"page-in": 0, "deploy": made, "page-out": 0, "housekeeping": 0}
+    by_operation = {
+        labels[0][1]: value for (name, labels), value in found.items() if name.endswith("by_operation_total")
+    }
+    assert by_operation["upload"] == 1 and by_operation["subdomain-toggle"] == 1
+    assert sum(by_operation.values()) == made
 
 
 def test_metrics_count_refusals_by_class_and_code_and_gauge_degraded_capabilities(sigil, alice, settings):

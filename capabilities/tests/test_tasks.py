@@ -42,3 +42,11 @@ def test_each_task_goes_to_the_queue_its_setting_names_when_it_is_sent(settings)
     assert queue_of("capabilities.capability_place_version") == "deploys-elsewhere"
     assert queue_of("agents.agent_callback_deliver") == "callbacks"
     assert queue_of("agents.agent_webhook_deliver") == "celery"
+
+
+def test_every_capabilities_task_names_the_class_of_its_api_work(sigil_tasks):
+    from capabilities.tasks import API_CLASS_OF_TASK, CapabilityTask
+
+    mine = {name: task for name, task in sigil_tasks.items() if name.startswith("capabilities.")}
+    assert {job.name for job in API_CLASS_OF_TASK} == set(mine)
+    assert all(isinstance(task, CapabilityTask) for task in mine.values())

@@ -41,3 +41,10 @@ class Command(BaseCommand):
             f"cold calls {cold}; fewest slots for under 1 % cold: {pool.smallest_slots_under_1pct or '–'} "
             f"(replaying {pool.replayed_calls} calls)"
         )
+        for what, counts in (
+            ("class of work", pool.cloudflare_api_calls_by_class),
+            ("operation", pool.cloudflare_api_calls_by_operation),
+        ):
+            if counts:
+                spent = ", ".join(f"{name} {count}" for name, count in counts.items())
+                self.stdout.write(f"Cloudflare API calls by {what}: {spent}")

@@ -11,16 +11,22 @@ part of an exception message (messages echoed from the server are redacted too) 
 a repr.
 
 One module per concern: `errors` (Cloudflare's codes and the error types), `budget` (the rate
-budget), `client` (the client), `uploads` (a script upload's parts), `account` (what the
-runtimes on an account share). Callers import from here.
+budget, served by class of work), `client` (the client), `uploads` (a script upload's parts),
+`account` (what the runtimes on an account share), `facts` (what routes need to know of the
+account, kept in Redis). Callers import from here.
 """
 
 from capabilities.runtimes.cloudflare.budget import RateBudget
 from capabilities.runtimes.cloudflare.client import (
+    API_CALLS_BY_CLASS_KEY,
+    API_CALLS_BY_OPERATION_KEY,
     API_CALLS_KEY,
     API_RATE_LIMITED_KEY,
+    OPERATIONS,
     CloudflareClient,
     ScriptInfo,
+    api_calls_hour_by_class_key,
+    api_calls_hour_by_operation_key,
     api_calls_hour_key,
 )
 from capabilities.runtimes.cloudflare.errors import (
@@ -37,8 +43,11 @@ from capabilities.runtimes.cloudflare.errors import (
 from capabilities.runtimes.cloudflare.uploads import metadata_binding, module_content_type, upload_parts
 
 __all__ = [
+    "API_CALLS_BY_CLASS_KEY",
+    "API_CALLS_BY_OPERATION_KEY",
     "API_CALLS_KEY",
     "API_RATE_LIMITED_KEY",
+    "OPERATIONS",
     "CloudflareAuthFailure",
     "CloudflareClient",
     "CloudflareError",
@@ -51,6 +60,8 @@ __all__ = [
     "CloudflareUnavailable",
     "RateBudget",
     "ScriptInfo",
+    "api_calls_hour_by_class_key",
+    "api_calls_hour_by_operation_key",
     "api_calls_hour_key",
     "metadata_binding",
     "module_content_type",

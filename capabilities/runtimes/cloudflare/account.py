@@ -14,8 +14,9 @@ from urllib.parse import urlsplit
 from django.conf import LazySettings
 from django.core.checks import CheckMessage, Error
 
+from capabilities.runtimes.api_work import ApiClass, waits_within
 from capabilities.runtimes.base import Process, Runtime
-from capabilities.runtimes.cloudflare.budget import waits_within
+from capabilities.runtimes.cloudflare.budget import CEILINGS
 from capabilities.runtimes.cloudflare.client import CloudflareClient
 
 # Every pooled worker's script name starts so (worker_pool.pool_script_name): the account's
@@ -117,9 +118,19 @@ class CloudflareRuntime(Runtime):
 
     @classmethod
     def settings_errors(cls, settings: LazySettings) -> list[CheckMessage]:
+        errors = []
         if not settings.CF_ACCOUNT_ID:
-            return [Error("CF_ACCOUNT_ID is required with CF_API_TOKEN", id="sigil.E003")]
-        return []
+            errors.append(Error("CF_ACCOUNT_ID is required with CF_API_TOKEN", id="sigil.E003"))
+        most = CEILINGS[ApiClass.HOUSEKEEPING]
+        if not 0 < settings.SIGIL_CF_HOUSEKEEPING_SHARE <= most:
+            errors.append(
+                Error(
+                    f"SIGIL_CF_HOUSEKEEPING_SHARE is {settings.SIGIL_CF_HOUSEKEEPING_SHARE}",
+                    hint=f"Use a share over 0 and at most {most}: housekeeping never takes more of the window.",
+                    id="sigil.E006",
+                )
+            )
+        return errors
 
     @classmethod
     def processes(cls, settings: LazySettings) -> list[Process]:

@@ -16,6 +16,7 @@ import redis
 import requests
 from requests.adapters import HTTPAdapter
 
+from capabilities.runtimes.api_work import ApiClass, current_api_class
 from capabilities.runtimes.cloudflare.budget import RateBudget
 from capabilities.runtimes.cloudflare.errors import (
     CloudflareAuthFailure,
@@ -33,12 +34,33 @@ logger = logging.getLogger(__name__)
 
 # Wrangler sends this header on the per-script subdomain toggle (reference §3.2).
 _SCRIPT_API_DATE = ("Cloudflare-Workers-Script-Api-Date", "2025-08-01")
-# Counters of every API call and every 429 answer, read by GET /metrics.
+# Counters of every API call and every 429 answer, read by GET /metrics; and of the calls by
+# the class of the work they were made for (api_work.ApiClass) and by operation (OPERATIONS),
+# two hashes, so that the owner sees what spends the budget.
 API_CALLS_KEY = "sigil:cf:calls"
 API_RATE_LIMITED_KEY = "sigil:cf:rate_limited"
+API_CALLS_BY_CLASS_KEY = "sigil:cf:calls:by_class"
+API_CALLS_BY_OPERATION_KEY = "sigil:cf:calls:by_operation"
 # API calls per hour, for the cost estimate's Cloudflare budget (capabilities/cost.py): one
-# counter per hour since the epoch, kept a little longer than the statistics' 30 days.
+# counter per hour since the epoch (and a hash of them by class, one by operation), kept a
+# little longer than the statistics' 30 days.
 API_CALLS_HOURS_KEPT = 32 * 24
+# What the client's calls are counted as: each method names its operation.
+OPERATIONS = (
+    "upload",  # a script uploaded (the account's, or a namespace's)
+    "delete",  # a script deleted
+    "subdomain-toggle",  # a script's workers.dev URL turned on or off
+    "account-subdomain",  # the account's workers.dev subdomain read
+    "settings",  # a script's settings read
+    "list",  # scripts or dispatch namespaces listed
+    "namespace",  # a dispatch namespace read, created or deleted
+    "kv-namespace",  # KV namespaces listed or created
+    "kv-read",  # a KV value read
+    "kv-write",  # a KV value written
+    "kv-delete",  # a KV value deleted
+    "kv-list",  # KV keys listed (a page)
+    "token",  # the API token verified
+)
 
 
 # The client's tuning, each argument from its setting (sigil_site/settings.py says why each default).
@@ -46,6 +68,7 @@ TUNING_SETTINGS = {
     "rate_limit": "SIGIL_CF_RATE_LIMIT",
     "rate_window_seconds": "SIGIL_CF_RATE_WINDOW_SECONDS",
     "max_rate_wait_seconds": "SIGIL_CF_MAX_RATE_WAIT_SECONDS",
+    "housekeeping_share": "SIGIL_CF_HOUSEKEEPING_SHARE",
     "max_retries": "SIGIL_CF_MAX_RETRIES",
     "timeout_seconds": "SIGIL_CF_TIMEOUT_SECONDS",
 }
@@ -53,6 +76,14 @@ TUNING_SETTINGS = {
 
 def api_calls_hour_key(hour: int) -> str:
     return f"sigil:cf:calls:hour:{hour}"
+
+
+def api_calls_hour_by_class_key(hour: int) -> str:
+    return f"sigil:cf:calls:hour:{hour}:by_class"
+
+
+def api_calls_hour_by_operation_key(hour: int) -> str:
+    return f"sigil:cf:calls:hour:{hour}:by_operation"
 
 
 # --- results ----------------------------------------------------------------------------
@@ -115,6 +146,7 @@ class CloudflareClient:
         rate_limit: int = 1000,
         rate_window_seconds: float = 300.0,
         max_rate_wait_seconds: float = 30.0,
+        housekeeping_share: float = 0.2,
         max_retries: int = 4,
         timeout_seconds: float = 60.0,
         backoff_base_seconds: float = 0.5,
@@ -133,6 +165,7 @@ class CloudflareClient:
             limit=rate_limit,
             window_seconds=rate_window_seconds,
             max_wait_seconds=max_rate_wait_seconds,
+            housekeeping_share=housekeeping_share,
         )
         self._token = api_token
         self._session = requests.Session()
@@ -180,9 +213,9 @@ class CloudflareClient:
         since Cloudflare has both kinds. Raises CloudflareAuthFailure when neither knows it.
         """
         try:
-            return self._request("GET", "/user/tokens/verify", on_account=False)
+            return self._request("GET", "/user/tokens/verify", op="token", on_account=False)
         except CloudflareAuthFailure:
-            return self._request("GET", "/tokens/verify")
+            return self._request("GET", "/tokens/verify", op="token")
 
     # --- Worker scripts ------------------------------------------------------------------
 
@@ -196,7 +229,7 @@ class CloudflareClient:
         return self._put_script(f"/workers/scripts/{_segment(name)}", script)
 
     def _put_script(self, path: str, script: Mapping[str, Any]) -> ScriptInfo:
-        result = self._request("PUT", path, files=upload_parts(**script))
+        result = self._request("PUT", path, op="upload", files=upload_parts(**script))
         return ScriptInfo.from_result(result or {})
 
     def script_delete(self, name: str) -> None:
@@ -205,15 +238,15 @@ class CloudflareClient:
         Raises CloudflareNotFound when there is no such script (callers that remove
         idempotently treat that as done), CloudflareUnavailable.
         """
-        self._request("DELETE", f"/workers/scripts/{_segment(name)}", params={"force": "true"})
+        self._request("DELETE", f"/workers/scripts/{_segment(name)}", op="delete", params={"force": "true"})
 
     def script_list(self) -> list[ScriptInfo]:
         """Every Worker script of the account (one page; the API does not paginate it)."""
-        return [ScriptInfo.from_result(item) for item in self._request("GET", "/workers/scripts") or []]
+        return [ScriptInfo.from_result(item) for item in self._request("GET", "/workers/scripts", op="list") or []]
 
     def script_settings_get(self, name: str) -> dict[str, Any]:
         """The script's settings: bindings (secret values omitted), tags, limits, dates."""
-        return self._request("GET", f"/workers/scripts/{_segment(name)}/settings")
+        return self._request("GET", f"/workers/scripts/{_segment(name)}/settings", op="settings")
 
     def script_subdomain_set(
         self, name: str, *, enabled: bool = True, previews_enabled: bool = False
@@ -226,6 +259,7 @@ class CloudflareClient:
         return self._request(
             "POST",
             f"/workers/scripts/{_segment(name)}/subdomain",
+            op="subdomain-toggle",
             json_body={"enabled": enabled, "previews_enabled": previews_enabled},
             headers=dict([_SCRIPT_API_DATE]),
             not_found_retries=2,
@@ -236,24 +270,24 @@ class CloudflareClient:
 
         Raises CloudflareNotFound when the account has never registered one.
         """
-        return str(self._request("GET", "/workers/subdomain")["subdomain"])
+        return str(self._request("GET", "/workers/subdomain", op="account-subdomain")["subdomain"])
 
     # --- Workers for Platforms: dispatch namespaces ---------------------------------------
 
     def namespace_create(self, name: str) -> dict[str, Any]:
         """Create the dispatch namespace `name`; returns Cloudflare's namespace object."""
-        return self._request("POST", "/workers/dispatch/namespaces", json_body={"name": name})
+        return self._request("POST", "/workers/dispatch/namespaces", op="namespace", json_body={"name": name})
 
     def namespace_get(self, name: str) -> dict[str, Any]:
         """The namespace object (`namespace_id`, `namespace_name`, `script_count`, ...)."""
-        return self._request("GET", f"/workers/dispatch/namespaces/{_segment(name)}")
+        return self._request("GET", f"/workers/dispatch/namespaces/{_segment(name)}", op="namespace")
 
     def namespace_list(self) -> list[dict[str, Any]]:
-        return list(self._request("GET", "/workers/dispatch/namespaces") or [])
+        return list(self._request("GET", "/workers/dispatch/namespaces", op="list") or [])
 
     def namespace_delete(self, name: str) -> None:
         """Delete the namespace and every script in it. Raises CloudflareNotFound if absent."""
-        self._request("DELETE", f"/workers/dispatch/namespaces/{_segment(name)}")
+        self._request("DELETE", f"/workers/dispatch/namespaces/{_segment(name)}", op="namespace")
 
     def namespace_script_upload(self, namespace: str, name: str, **script: Any) -> ScriptInfo:
         """Create or replace a user Worker in a dispatch namespace (as script_upload)."""
@@ -264,6 +298,7 @@ class CloudflareClient:
         self._request(
             "DELETE",
             f"/workers/dispatch/namespaces/{_segment(namespace)}/scripts/{_segment(name)}",
+            op="delete",
             params={"force": "true"},
         )
 
@@ -278,7 +313,7 @@ class CloudflareClient:
             params["tags"] = ",".join(tags)
         scripts: list[ScriptInfo] = []
         while True:
-            envelope = self._request("GET", path, params=params, whole_envelope=True)
+            envelope = self._request("GET", path, op="list", params=params, whole_envelope=True)
             scripts.extend(ScriptInfo.from_result(item) for item in envelope.get("result") or [])
             cursor = (envelope.get("result_info") or {}).get("cursor")
             if not cursor:
@@ -289,7 +324,7 @@ class CloudflareClient:
 
     def kv_namespace_create(self, title: str) -> dict[str, Any]:
         """Create a KV namespace; returns `{id, title, ...}`. A taken title is CloudflareRejected."""
-        return self._request("POST", "/storage/kv/namespaces", json_body={"title": title})
+        return self._request("POST", "/storage/kv/namespaces", op="kv-namespace", json_body={"title": title})
 
     def kv_namespace_list(self) -> list[dict[str, Any]]:
         """Every KV namespace of the account, all pages."""
@@ -297,7 +332,11 @@ class CloudflareClient:
         page = 1
         while True:
             envelope = self._request(
-                "GET", "/storage/kv/namespaces", params={"page": str(page), "per_page": "100"}, whole_envelope=True
+                "GET",
+                "/storage/kv/namespaces",
+                op="kv-namespace",
+                params={"page": str(page), "per_page": "100"},
+                whole_envelope=True,
             )
             batch = envelope.get("result") or []
             namespaces.extend(batch)
@@ -320,11 +359,18 @@ class CloudflareClient:
         params = {"expiration_ttl": str(expiration_ttl)} if expiration_ttl is not None else None
         path = f"/storage/kv/namespaces/{_segment(namespace_id)}/values/{_segment(key)}"
         if metadata is None:
-            self._request("PUT", path, data=value, params=params, headers={"Content-Type": "application/octet-stream"})
+            self._request(
+                "PUT",
+                path,
+                op="kv-write",
+                data=value,
+                params=params,
+                headers={"Content-Type": "application/octet-stream"},
+            )
             return
         # With metadata the body is multipart: `value` and `metadata` parts (reference §6).
         files = [("value", ("value", value, "application/octet-stream")), ("metadata", (None, json.dumps(metadata)))]
-        self._request("PUT", path, files=files, params=params)
+        self._request("PUT", path, op="kv-write", files=files, params=params)
 
     def kv_keys(self, namespace_id: str, *, prefix: str = "") -> list[dict[str, Any]]:
         """Every key under `prefix`, as `{name, expiration?, metadata?}`; follows the cursor."""
@@ -332,7 +378,7 @@ class CloudflareClient:
         params: dict[str, str] = {"prefix": prefix, "limit": "1000"}
         keys: list[dict[str, Any]] = []
         while True:
-            envelope = self._request("GET", path, params=params, whole_envelope=True)
+            envelope = self._request("GET", path, op="kv-list", params=params, whole_envelope=True)
             keys.extend(envelope.get("result") or [])
             cursor = (envelope.get("result_info") or {}).get("cursor")
             if not cursor:
@@ -341,11 +387,15 @@ class CloudflareClient:
 
     def kv_get(self, namespace_id: str, key: str) -> bytes:
         """The raw value under `key`. Raises CloudflareNotFound (10009) when there is none."""
-        return self._request("GET", f"/storage/kv/namespaces/{_segment(namespace_id)}/values/{_segment(key)}", raw=True)
+        return self._request(
+            "GET", f"/storage/kv/namespaces/{_segment(namespace_id)}/values/{_segment(key)}", op="kv-read", raw=True
+        )
 
     def kv_delete(self, namespace_id: str, key: str) -> None:
         """Delete `key`; deleting a missing key succeeds, as on Cloudflare."""
-        self._request("DELETE", f"/storage/kv/namespaces/{_segment(namespace_id)}/values/{_segment(key)}")
+        self._request(
+            "DELETE", f"/storage/kv/namespaces/{_segment(namespace_id)}/values/{_segment(key)}", op="kv-delete"
+        )
 
     # --- the request loop -------------------------------------------------------------------
 
@@ -354,6 +404,7 @@ class CloudflareClient:
         method: str,
         path: str,
         *,
+        op: str,
         params: Mapping[str, str] | None = None,
         json_body: Any = None,
         data: bytes | None = None,
@@ -366,14 +417,17 @@ class CloudflareClient:
     ) -> Any:
         """Send one API call, retrying what is transient; return the envelope's `result`.
 
-        `path` is under the account, or under the API's root when `on_account` is false.
+        `op` names the operation (OPERATIONS) the request is counted under, beside the class
+        of the work it is made for (api_work). `path` is under the account, or under the API's
+        root when `on_account` is false.
         `raw` returns the body bytes of a successful answer (KV reads are not enveloped);
         `whole_envelope` returns the parsed envelope (for `result_info`).
         """
         url = f"{self.base_url}/accounts/{_segment(self.account_id)}{path}" if on_account else self.base_url + path
+        api_class = current_api_class()
         attempt = 0
         while True:
-            ticket = self.budget.acquire()
+            ticket = self.budget.acquire(api_class)
             try:
                 response = self._session.request(
                     method,
@@ -387,14 +441,14 @@ class CloudflareClient:
                 )
             except (requests.ConnectionError, requests.Timeout) as exc:
                 self.budget.settle(ticket)
-                self._count(None)
+                self._count(None, api_class=api_class, op=op)
                 error: CloudflareError = CloudflareUnavailable(
                     self._redact(f"{method} {path}: {type(exc).__name__}: {network_failure(exc)}")
                 )
                 retry = True
             else:
                 self.budget.settle(ticket)
-                self._count(response.status_code)
+                self._count(response.status_code, api_class=api_class, op=op)
                 self._observe_rate_limit(response)
                 if response.ok:
                     return self._success(response, method=method, raw=raw, whole_envelope=whole_envelope)
@@ -409,7 +463,7 @@ class CloudflareClient:
                 # Cloudflare locks the whole token out: every process waits, not only this one,
                 # even when this call gives up rather than wait that long itself.
                 self.budget.pause(error.retry_after)
-                if error.retry_after > self.budget.max_wait_seconds:
+                if error.retry_after > self.budget.allowed_wait(api_class):
                     raise error
                 delay = 0.0
             attempt += 1
@@ -425,17 +479,29 @@ class CloudflareClient:
             if delay:
                 time.sleep(delay)
 
-    def _count(self, status: int | None) -> None:
+    def _count(self, status: int | None, *, api_class: ApiClass, op: str) -> None:
         """Count the call (and a 429) for /metrics, and in its hour for the cost estimate,
-        across every process."""
+        across every process: in all, by the class of the work it was made for, and by
+        operation."""
+        hour = int(time.time() // 3600)
+        kept = API_CALLS_HOURS_KEPT * 3600
         pipe = self.redis.pipeline(transaction=False)
         pipe.incr(API_CALLS_KEY)
-        hour_key = api_calls_hour_key(int(time.time() // 3600))
-        pipe.incr(hour_key)
-        pipe.expire(hour_key, API_CALLS_HOURS_KEPT * 3600)
+        pipe.hincrby(API_CALLS_BY_CLASS_KEY, api_class.value, 1)
+        pipe.hincrby(API_CALLS_BY_OPERATION_KEY, op, 1)
+        pipe.incr(api_calls_hour_key(hour))
+        pipe.expire(api_calls_hour_key(hour), kept)
+        pipe.hincrby(api_calls_hour_by_class_key(hour), api_class.value, 1)
+        pipe.expire(api_calls_hour_by_class_key(hour), kept)
+        pipe.hincrby(api_calls_hour_by_operation_key(hour), op, 1)
+        pipe.expire(api_calls_hour_by_operation_key(hour), kept)
         if status == 429:
             pipe.incr(API_RATE_LIMITED_KEY)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            # The call itself is done; failing it now would only make it run again.
+            logger.warning("could not count a Cloudflare API call in Redis: %s", exc)
 
     def _observe_rate_limit(self, response: requests.Response) -> None:
         """Take Cloudflare's own count into the shared budget (reference §7.2): `Ratelimit`'s

@@ -69,8 +69,13 @@ class CloudflareUnavailable(CloudflareError, runtime_errors.RuntimeUnavailable):
 class CloudflareRateLimited(CloudflareUnavailable, runtime_errors.RuntimeThrottled):
     """The rate budget (Sigil's shared one, or Cloudflare's, code 971) has no room.
 
-    `retry_after` says in how many seconds to try again.
+    `retry_after` says in how many seconds to try again; `why` says so in Sigil's words when
+    Sigil's own budget refused (Cloudflare's 429 has none: its words stay in the log).
     """
+
+    def __init__(self, message: str, *, why: str | None = None, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.why = why
 
 
 class CloudflareRejected(CloudflareError, runtime_errors.RuntimeRejected):
