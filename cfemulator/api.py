@@ -121,6 +121,8 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
         if state_file is not None:
             self._restore(state_file)
             self._state_file = state_file
+            with self._lock:
+                self._save_locked()  # as this version keeps it (an older file's secrets sealed)
 
     # --- control (/__emulator/...) ------------------------------------------------------------
 
