@@ -8,6 +8,7 @@ is answered with Cloudflare's error 1102 (`cfemulator.limits`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -29,6 +30,7 @@ from cfemulator.bound import (
 )
 from cfemulator.hostcode import LOADER_ID_HEADER, SECRET_HEADER
 from cfemulator.limits import call_cpu_ms, exceeded_answer
+from cfemulator.scripts import ScriptProcess
 from cfemulator.tunnel import UPGRADE_HEADERS, Handshake, HandshakeFailed, is_websocket_upgrade, relay
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,9 @@ class WorkerProxy:
 
     def _serve_worker(self, host: str, split: Any) -> None:
         emulator = self.server.emulator
+        # The call is in flight on each process it reaches until its answer is relayed (a
+        # WebSocket session's, until it ends): a replaced version drains before it is stopped.
+        self._calls_held = contextlib.ExitStack()
         target = emulator.api.resolve_host(host)
         limits = self.headers.get(LIMITS_HEADER)
         if target is None:
@@ -141,6 +146,7 @@ class WorkerProxy:
             logger.warning("workerd could not start for %s: %s", target.name, exc)
             self._send(502, f"the emulator could not run {target.name}: {exc}\n".encode(), "text/plain")
         finally:
+            self._calls_held.close()
             if not body.finished:
                 # What the script did not read is still on the socket: the next request
                 # on it could not be told from it.
@@ -181,7 +187,7 @@ class WorkerProxy:
         stopped_pid: int | None = None
         deadline = 0.0
         while True:
-            running = emulator.scripts.acquire(target.key, sha=target.sha, upload=target.upload, tails=target.tails)
+            running = self._hold_process(target)
             pid = running.pid
             if stopped_pid is not None and pid in (stopped_pid, None) and time.monotonic() < deadline:
                 time.sleep(0.02)  # the supervisor is replacing the stopped process
@@ -232,6 +238,19 @@ class WorkerProxy:
                     raise
                 answered(upstream)
                 return
+
+    def _hold_process(self, target: WorkerTarget) -> ScriptProcess:
+        """The process that runs `target`, with this call in flight on it until the call's
+        answer is relayed; a call sent again (to a fresh process) holds only the last."""
+        held = contextlib.ExitStack()
+        running = held.enter_context(
+            self.server.emulator.scripts.calling(
+                target.key, sha=target.sha, upload=target.upload, tails=target.tails, generation=target.generation
+            )
+        )
+        self._calls_held.close()
+        self._calls_held = held
+        return running
 
     def _relay(self, upstream: urllib3.BaseHTTPResponse, *, unmark: bool = False) -> None:
         """Send workerd's answer on as it arrives: each chunk as workerd writes it; `unmark`

@@ -53,6 +53,9 @@ class Script:
     route_live_at: float = 0.0
     # The deployment the last upload made (a fresh id per upload, as Cloudflare's).
     deployment_id: str = ""
+    # Where the last upload stands among all the account's uploads (a later one is higher):
+    # a call for a version older than the one served goes to the one served.
+    generation: int = 0
 
     def serves(self, now: float) -> bool:
         """Whether the Workers runtime runs it at `now` (its workers.dev URL aside)."""

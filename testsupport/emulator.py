@@ -82,6 +82,12 @@ class EmulatorControl:
         namespace, script, the limits the dispatch Worker asked for, status."""
         return self._call("GET", "/__emulator/dispatches")["dispatches"]
 
+    def processes(self, key_suffix: str = "") -> list[dict[str, Any]]:
+        """The scripts' workerd processes (`key`, `name`, `generation`, `pid`, `state`, `calls`
+        in flight, `replaced`), those whose key ends with `key_suffix` (a script's name)."""
+        processes = self._call("GET", "/__emulator/processes")["processes"]
+        return [process for process in processes if process["key"].endswith(key_suffix)]
+
     def worker_request(self, host: str, path: str = "/", method: str = "GET", **kwargs: Any) -> requests.Response:
         """One request to a Worker served by the emulator, addressed by Host header."""
         headers = {**kwargs.pop("headers", {}), "Host": host}
