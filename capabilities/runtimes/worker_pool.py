@@ -256,15 +256,14 @@ class WorkerPoolRuntime(CloudflareRuntime):
             self._subdomain = self.client.subdomain_get()
         return self._subdomain
 
-    def is_missing(self, response) -> bool:
-        # Every answer of a live script passes the guard, which marks it; Cloudflare's own
-        # "no such Worker" does not.
-        return response.status == 404 and "x-sigil-guard" not in response.headers
+    def passed_on(self, response) -> bool:
+        # Every answer of a live script passes the guard, which marks it (its own refusals too);
+        # the guard stopped with the capability (1102) marks nothing.
+        return "x-sigil-guard" in response.headers
 
-    def stopped_at_limits(self, response) -> bool:
-        # Cloudflare's 1102 for a Worker past its CPU or memory limit is a 503 the guard,
-        # stopped with the capability, never marked.
-        return response.status == 503 and "x-sigil-guard" not in response.headers
+    def is_missing(self, response) -> bool:
+        # Cloudflare's own "no such Worker" passed no guard.
+        return response.status == 404 and not self.passed_on(response)
 
     def list_slots(self) -> list[str]:
         return sorted(s.id for s in self.client.script_list() if s.id.startswith(POOL_PREFIX))
