@@ -73,7 +73,7 @@ def files_holding(directory, value: str) -> list[str]:
     return [str(path) for path in directory.rglob("*") if path.is_file() and value.encode() in path.read_bytes()]
 
 
-@pytest.mark.parametrize("backend", ["worker-pool", "platform"])
+@pytest.mark.parametrize("backend", ["worker-pool", "platform", "loader"])
 def test_secrets_are_sealed_in_every_file_the_emulator_keeps_and_opened_again_at_start(
     emulator, backend, alice, settings
 ):
@@ -82,8 +82,9 @@ def test_secrets_are_sealed_in_every_file_the_emulator_keeps_and_opened_again_at
     grant(token, "alice")
     assert alice.deploy(name="shows", code=SHOWS_TOKEN, bindings=["SECRET:TOKEN"]).status_code == 201
     assert alice.call("/alice/shows").text == PLANTED
-    # The capability's secret, and Sigil's own (its Workers' SIGIL_GUARD_SECRET or
-    # SIGIL_DISPATCH_SECRET), are in no file: neither while the emulator serves nor once stopped.
+    # The capability's secret, and Sigil's own (its Workers' SIGIL_GUARD_SECRET,
+    # SIGIL_DISPATCH_SECRET or SIGIL_SECRET), are in no file: neither while the emulator serves
+    # nor once stopped.
     for value in (PLANTED, settings.SIGIL_INTERNAL_SECRET):
         assert files_holding(emulator.state_dir, value) == []
     emulator.server.stop()
