@@ -418,3 +418,15 @@ def access_log(caplog):
     caplog.set_level(logging.INFO, logger="sigil.access")
     as_json = SigilFormatter(kind="json")
     return lambda: [json.loads(as_json.format(r)) for r in caplog.records if r.name == "sigil.access"]
+
+
+@pytest.fixture
+def workerd_output(caplog):
+    """The lines workerd processes have printed so far (a script's console.log among them),
+    as they are relayed to Sigil's log."""
+    import logging
+
+    from capabilities.workerd.host import output_logger
+
+    caplog.set_level(logging.INFO, logger=output_logger.name)
+    return lambda: [record.getMessage() for record in caplog.records if record.name == output_logger.name]

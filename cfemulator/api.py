@@ -78,6 +78,8 @@ class WorkerTarget:
     namespace: str | None = None
     #: "produce" when Tail Workers receive its events (cfemulator.tails), else ""
     tails: str = ""
+    #: the upload's place among the account's uploads (Script.generation)
+    generation: int = 0
 
     @property
     def runs_bound(self) -> bool:
@@ -116,11 +118,15 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
         self._initial_config = config
         self._lock = threading.RLock()
         self._routes = self._route_table()
+        # Uploads made so far, a reset's included: each upload's Script.generation.
+        self._generation = 0
         self._state_file: Path | None = None  # not saved while the start state is set up
         self._reset_locked()
         if state_file is not None:
             self._restore(state_file)
             self._state_file = state_file
+            with self._lock:
+                self._save_locked()  # as this version keeps it (an older file's secrets sealed)
 
     # --- control (/__emulator/...) ------------------------------------------------------------
 
@@ -168,6 +174,7 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
                 *(s for ns in self.namespaces.values() for s in ns.scripts.values()),
             ]:
                 script.sha = self._write_bundle(script.upload)
+                self._generation = max(self._generation, script.generation)
 
     def _save_locked(self) -> None:
         """Save the account's state, when it is kept on disk (after each change, lock held)."""
@@ -224,7 +231,12 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
                     ):
                         tails = "produce" if script.upload.tail_consumers else ""
                         return WorkerTarget(
-                            f"script:{script.name}", script.name, script.sha, script.upload, tails=tails
+                            f"script:{script.name}",
+                            script.name,
+                            script.sha,
+                            script.upload,
+                            tails=tails,
+                            generation=script.generation,
                         )
                     return None
             match = re.fullmatch(rf"({_LABEL})\.([^.]+)\.dispatch\.localhost", name)
@@ -235,7 +247,13 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
                     key = f"ns:{namespace.name}:{script.name}"
                     tails = "produce" if self._dispatch_tail_consumers_locked(namespace.name) else ""
                     return WorkerTarget(
-                        key, script.name, script.sha, script.upload, namespace=namespace.name, tails=tails
+                        key,
+                        script.name,
+                        script.sha,
+                        script.upload,
+                        namespace=namespace.name,
+                        tails=tails,
+                        generation=script.generation,
                     )
         return None
 

@@ -15,8 +15,9 @@ with real bindings:
   the uploaded entry module with a small shim that puts an object with Cloudflare's
   `get(name, args, options)` in `env`; its Fetcher asks the emulator for the namespace
   script (`{name}.{namespace}.dispatch.localhost`) and throws "Worker not found" from
-  `fetch`, as Cloudflare does, when there is none, and "Worker exceeded CPU time limit."
-  when the script ran past its limit. The uploaded code itself runs unchanged.
+  `fetch`, as Cloudflare does, when there is none, "Worker exceeded CPU time limit."
+  when the script ran past its limit, and "internal error; reference = …" when the emulator
+  failed to run it (its own 500). The uploaded code itself runs unchanged.
 
 The shim (for a dispatch namespace or a Worker Loader) re-exports the uploaded entry module's
 named exports, so they stay the Worker's top-level exports, as on Cloudflare: `ctx.exports`
@@ -49,6 +50,10 @@ ORIGINAL_HOST_HEADER = "x-cfemulator-original-host"
 NOT_FOUND_HEADER = "x-cfemulator-worker-not-found"
 # On the emulator's 1102 for a namespace script: the binding's Fetcher throws instead (§4.3).
 EXCEEDED_HEADER = "x-cfemulator-exceeded-limits"
+# On the emulator's own failure (its 500) for a namespace script: the binding's Fetcher throws
+# what workerd throws into JavaScript for a failure of the runtime itself, "internal error;
+# reference = …" (the reference is the answer's ray id).
+INTERNAL_ERROR_HEADER = "x-cfemulator-internal-error"
 # The CPU meter around a Worker Loader's entrypoints. Open-source workerd does not enforce a
 # Dynamic Worker's `limits` (reference §5.3), and it runs in its loader Worker's process; so the
 # emulator gives each call to a script with a Worker Loader an id (CALL_HEADER, taken off
@@ -154,6 +159,9 @@ function dispatchNamespace(emulator, namespace) {{
           }}
           const exceeded = response.headers.get({exceeded_header});
           if (exceeded) throw new Error(exceeded === "memory" ? {memory_message} : {cpu_message});
+          if (response.headers.has({internal_error_header})) {{
+            throw new Error(`internal error; reference = ${{(response.headers.get("cf-ray") || "").split("-")[0]}}`);
+          }}
           return response;
         }},
       }};
@@ -417,6 +425,7 @@ def bound_config(
             not_found_header=json.dumps(NOT_FOUND_HEADER),
             exception_header=json.dumps(EXCEPTION_HEADER),
             exceeded_header=json.dumps(EXCEEDED_HEADER),
+            internal_error_header=json.dumps(INTERNAL_ERROR_HEADER),
             cpu_message=json.dumps(CPU_EXCEEDED_MESSAGE),
             memory_message=json.dumps(MEMORY_EXCEEDED_MESSAGE),
             yield_ms=YIELD_MS,

@@ -68,6 +68,7 @@ class CodeStore:
         sha = self._write_bundle(upload)
         stamp = _now()
         deployment = str(uuid.uuid4())
+        self._generation += 1
         if existing is None:
             live_at = time.time() + (self._config.propagation_delay if propagates else 0.0)
             return Script(
@@ -78,10 +79,11 @@ class CodeStore:
                 modified_on=stamp,
                 live_at=live_at,
                 deployment_id=deployment,
+                generation=self._generation,
             )
         old_sha = existing.sha
         existing.sha, existing.upload, existing.modified_on = sha, upload, stamp
-        existing.deployment_id = deployment
+        existing.deployment_id, existing.generation = deployment, self._generation
         if old_sha != sha:
             self._release(old_sha)
         return existing

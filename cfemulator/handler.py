@@ -136,6 +136,8 @@ class RequestHandler(WorkerProxy, BaseHTTPRequestHandler):
             self._send_json(200, {"requests": api.request_log()})
         elif path == "/__emulator/dispatches" and self.command == "GET":
             self._send_json(200, {"dispatches": api.dispatch_log()})
+        elif path == "/__emulator/processes" and self.command == "GET":
+            self._send_json(200, {"processes": self.server.emulator.scripts.describe()})
         elif path == "/__emulator/reset" and self.command == "POST":
             self.server.emulator.reset()
             self._send_json(200, {"config": api.config.to_json()})

@@ -2,12 +2,14 @@
 
 The request handler's (`cfemulator.handler`) half for the hosts `{script}.{sub}.workers.dev`
 and `{script}.{namespace}.dispatch.localhost`: the body streams both ways, a WebSocket upgrade
-becomes a byte relay (`cfemulator.tunnel`), and a call that runs past its CPU or memory limit
-is answered with Cloudflare's error 1102 (`cfemulator.limits`).
+becomes a byte relay (`cfemulator.tunnel`), a call that runs past its CPU or memory limit
+is answered with Cloudflare's error 1102 (`cfemulator.limits`), and one the emulator itself
+fails with Cloudflare's own 500 (`cfemulator.errorpages`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -22,13 +24,16 @@ from cfemulator.bodies import PIECE, BodyTooLarge, RequestBody
 from cfemulator.bound import (
     CALL_HEADER,
     EXCEEDED_HEADER,
+    INTERNAL_ERROR_HEADER,
     LIMITS_HEADER,
     NOT_FOUND_HEADER,
     ORIGINAL_HOST_HEADER,
     has_worker_loader,
 )
+from cfemulator.errorpages import INTERNAL_ERROR, ErrorAnswer, error_answer
 from cfemulator.hostcode import LOADER_ID_HEADER, SECRET_HEADER
 from cfemulator.limits import call_cpu_ms, exceeded_answer
+from cfemulator.scripts import ScriptProcess
 from cfemulator.tunnel import UPGRADE_HEADERS, Handshake, HandshakeFailed, is_websocket_upgrade, relay
 
 logger = logging.getLogger(__name__)
@@ -70,6 +75,9 @@ class WorkerProxy:
 
     def _serve_worker(self, host: str, split: Any) -> None:
         emulator = self.server.emulator
+        # The call is in flight on each process it reaches until its answer is relayed (a
+        # WebSocket session's, until it ends): a replaced version drains before it is stopped.
+        self._calls_held = contextlib.ExitStack()
         target = emulator.api.resolve_host(host)
         limits = self.headers.get(LIMITS_HEADER)
         if target is None:
@@ -123,24 +131,30 @@ class WorkerProxy:
             else:
                 self._relay(upstream, unmark=not target.runs_bound)
 
+        dispatched = host.endswith(".dispatch.localhost")
+
+        def answer_for_cloudflare(answer: ErrorAnswer, mark: tuple[str, str]) -> None:
+            # The dispatch namespace binding reads its mark and throws instead (cfemulator.bound).
+            self._log_dispatch(host, limits, answer.status, target)
+            self._send(answer.status, answer.body, answer.content_type, answer.headers + ([mark] if dispatched else []))
+
         try:
             self._run(target, headers, body, limits, send, answered)
         except LimitExceeded as exceeded:
             answer = exceeded_answer(host=original_host or host, accept=self.headers.get("Accept"))
-            extra = [(EXCEEDED_HEADER, exceeded.reason)] if host.endswith(".dispatch.localhost") else []
-            self._log_dispatch(host, limits, answer.status, target)
-            self._send(answer.status, answer.body, answer.content_type, answer.headers + extra)
+            answer_for_cloudflare(answer, (EXCEEDED_HEADER, exceeded.reason))
         except BodyTooLarge:
             self._send(413, b"request body too large", "text/plain")
         except ValueError:
             self._send(400, b"malformed request body framing", "text/plain")
-        except (urllib3.exceptions.HTTPError, HandshakeFailed) as exc:
-            logger.warning("workerd did not answer for %s: %s", target.name, exc)
-            self._send(502, b"the emulator's workerd did not answer\n", "text/plain")
-        except (RuntimeError, TimeoutError) as exc:
-            logger.warning("workerd could not start for %s: %s", target.name, exc)
-            self._send(502, f"the emulator could not run {target.name}: {exc}\n".encode(), "text/plain")
+        except (urllib3.exceptions.HTTPError, HandshakeFailed, RuntimeError, TimeoutError) as exc:
+            # The emulator's own failure (the script's workerd died under the call, or could
+            # not be started): Cloudflare's side failing, which it answers with its 500.
+            logger.warning("workerd failed a call to %s: %s", target.name, exc)
+            answer = error_answer(INTERNAL_ERROR, host=original_host or host, accept=self.headers.get("Accept"))
+            answer_for_cloudflare(answer, (INTERNAL_ERROR_HEADER, "1"))
         finally:
+            self._calls_held.close()
             if not body.finished:
                 # What the script did not read is still on the socket: the next request
                 # on it could not be told from it.
@@ -181,7 +195,7 @@ class WorkerProxy:
         stopped_pid: int | None = None
         deadline = 0.0
         while True:
-            running = emulator.scripts.acquire(target.key, sha=target.sha, upload=target.upload, tails=target.tails)
+            running = self._hold_process(target)
             pid = running.pid
             if stopped_pid is not None and pid in (stopped_pid, None) and time.monotonic() < deadline:
                 time.sleep(0.02)  # the supervisor is replacing the stopped process
@@ -232,6 +246,19 @@ class WorkerProxy:
                     raise
                 answered(upstream)
                 return
+
+    def _hold_process(self, target: WorkerTarget) -> ScriptProcess:
+        """The process that runs `target`, with this call in flight on it until the call's
+        answer is relayed; a call sent again (to a fresh process) holds only the last."""
+        held = contextlib.ExitStack()
+        running = held.enter_context(
+            self.server.emulator.scripts.calling(
+                target.key, sha=target.sha, upload=target.upload, tails=target.tails, generation=target.generation
+            )
+        )
+        self._calls_held.close()
+        self._calls_held = held
+        return running
 
     def _relay(self, upstream: urllib3.BaseHTTPResponse, *, unmark: bool = False) -> None:
         """Send workerd's answer on as it arrives: each chunk as workerd writes it; `unmark`

@@ -10,18 +10,28 @@ limit, and starts a fresh one at once.
 
 A plain script runs as a Dynamic Worker of the loader host (`capabilities/runtimes/host`),
 which reads its bundle from the emulator's code directory and runs any version by its
-loader id; a script with bindings only a workerd of its own can give runs from a config
-generated from its upload (`cfemulator.bound.BoundHost`), restarted when that changes.
-Processes of deleted scripts idle until the next reset.
+loader id, each call the version it was sent for: a new version takes nothing from the calls
+the old one serves. A script with bindings only a workerd of its own can give runs from a
+config generated from its upload (`cfemulator.bound.BoundHost`), one process per version:
+as on Cloudflare, a new version does not cut the calls the old one is serving. Its process
+starts (on a port of its own) with the first call that asks for it, new calls go there once
+it serves, and the old process stays until the calls it serves have ended (calls in flight
+are counted per process, a WebSocket session for as long as it lasts), then is stopped; at
+the latest DRAIN_SECONDS after it was replaced, which cuts what still runs there. Processes
+of deleted scripts idle until the next reset.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from capabilities.workerd.group import WorkerdGroup
 from capabilities.workerd.host import WorkerdHost
@@ -31,6 +41,8 @@ from cfemulator.limits import MAX_CPU_MS
 from cfemulator.uploads import ScriptUpload
 from sigil.ports import free_port_block, port_is_open
 
+logger = logging.getLogger(__name__)
+
 # Cloudflare allows 128 MB per isolate; workerd itself is about 50 MB resident, and the
 # loader runtime's Worker holds every capability's isolate in one process: a backstop against
 # a runaway allocation rather than the per-isolate limit, which one process cannot measure.
@@ -39,7 +51,12 @@ MEMORY_MB = 512
 # stall limit is only a backstop beyond it; the meter stops calls at their own limits. The
 # probe interval bounds how soon the supervisor acts on the meter's kill.
 LIMITS = Limits(stall_ms=MAX_CPU_MS + 1000, memory_mb=MEMORY_MB, probe_interval_ms=200)
-_RESTART_SECONDS = 5.0
+# How long a bound script's replaced version may go on serving the calls it had: Cloudflare
+# lets the processes of a previous version drain their requests and connections for up to 20
+# minutes before it cuts them (changelog 2026-10-12, on its runtime updates; 30 s before),
+# and each call is held to its own CPU limit meanwhile (the meter). No source gives a figure
+# for a new deployment of a Worker: the emulator applies the same bound.
+DRAIN_SECONDS = 20 * 60
 
 
 class _Ports:
@@ -66,6 +83,13 @@ class _Ports:
                 if not port_is_open(port):
                     self._ports[name] = port
             return self._ports[name]
+
+    def release(self, name: str) -> None:
+        """Give `name`'s port back, for a later name (its process is stopped)."""
+        with self._lock:
+            port = self._ports.pop(name, None)
+            if port is not None:
+                self._free.append(port)
 
     def names(self) -> list[str]:
         return []  # processes start on a call, never ahead of one
@@ -103,8 +127,29 @@ class ScriptProcess:
         return kill.reason if kill is not None and kill.at >= sent_at and kill.blames(sent_at) else None
 
 
+@dataclass(eq=False)
+class _Process:
+    """One process of the group: the version it runs, and the calls it serves now."""
+
+    name: str  # its name in the group: the key, or for a bound script the key and version
+    key: str
+    sha: str
+    upload: ScriptUpload | None
+    tails: str
+    generation: int
+    calls: int = 0
+    #: monotonic time it was replaced by a newer version; None while it is the one served
+    replaced_at: float | None = None
+    drained: threading.Timer | None = None
+
+    @property
+    def bound(self) -> bool:
+        return self.upload is not None and (needs_own_workerd(self.upload) or bool(self.tails))
+
+
 class ScriptProcesses:
-    """The supervised workerd of each script, by key (`script:{name}`, `ns:{namespace}:{name}`).
+    """The supervised workerd of each script, by key (`script:{name}`, `ns:{namespace}:{name}`,
+    `tail:{name}`); a bound script's has one per version.
 
     Thread-safe. `stop_all` stops every process; the next call starts afresh.
     """
@@ -117,54 +162,174 @@ class ScriptProcesses:
         self.secret = secret
         self.emulator_port = 0  # set once the emulator's socket is bound
         self._lock = threading.Lock()
-        self._uploads: dict[str, tuple[str, ScriptUpload | None, str]] = {}
+        self._processes: dict[str, _Process] = {}  # by name
+        self._served: dict[str, str] = {}  # a bound script's key -> the name of the version new calls get
         self._ports = _Ports()
         self._group = self._new_group()
 
-    def acquire(self, key: str, *, sha: str, upload: ScriptUpload | None = None, tails: str = "") -> ScriptProcess:
-        """`key`'s process, started, or restarted for a bound script's new `sha`, as needed.
-        Without an upload, a loader host that runs any bundle of the code directory. `tails`:
-        "produce" when Tail Workers receive the script's events (it then runs from a config of
-        its own), "consume" for the process that hands events to the script's `tail()`.
+    @contextlib.contextmanager
+    def calling(
+        self, key: str, *, sha: str, upload: ScriptUpload | None = None, tails: str = "", generation: int = 0
+    ) -> Iterator[ScriptProcess]:
+        """`key`'s process, started as needed, with one more call in flight on it until the
+        block ends. Without an upload, a loader host that runs any bundle of the code
+        directory. `tails`: "produce" when Tail Workers receive the script's events (it then
+        runs from a config of its own), "consume" for the process that hands events to the
+        script's `tail()`. `generation` orders the uploads (`Script.generation`): a call for a
+        version older than the one served goes to the one served (it was replaced before
+        the call reached it), one for a newer version starts that version's process, which
+        new calls get once it serves; the process it replaces is stopped once its last call
+        has ended.
 
         Raises TimeoutError when it does not serve within 15 s.
         """
-        bound = upload is not None and (needs_own_workerd(upload) or bool(tails))
-        # A script that gains or loses such a binding changes process, as its host differs.
-        name = f"{key}:bound" if bound else key
-        with self._lock:
-            self._uploads[name] = (sha, upload, tails)
+        process = self._enter(key, sha=sha, upload=upload, tails=tails, generation=generation)
+        try:
             group = self._group
-            supervised = group.get(name)
-            replaced = None
-            if bound and supervised is not None and supervised.host.sha != sha:
-                supervised.host.upload, supervised.host.sha = upload, sha
-                replaced = supervised.host.process
-                supervised.restart()
-        if replaced is not None:
-            # Only once the old process is gone does `ensure` wait for the new one.
-            deadline = time.monotonic() + _RESTART_SECONDS
-            while supervised.host.process is replaced and time.monotonic() < deadline:
-                time.sleep(0.01)
-        group.ensure(name)
-        return ScriptProcess(group.get(name))
+            group.ensure(process.name)
+            self._serve(process)
+            yield ScriptProcess(group.get(process.name))
+        finally:
+            self._leave(process)
+
+    def acquire(self, key: str, *, sha: str, upload: ScriptUpload | None = None, tails: str = "") -> ScriptProcess:
+        """`key`'s process, as `calling` finds it, for a use that is no call of the script's
+        (a start check). Raises TimeoutError when it does not serve within 15 s."""
+        with self.calling(key, sha=sha, upload=upload, tails=tails) as running:
+            return running
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Every process, as the emulator's controls show it: its key, version, pid, state and
+        the calls in flight on it, and whether it was replaced (it only drains)."""
+        with self._lock:
+            processes = list(self._processes.values())
+            group = self._group
+        described = []
+        for process in processes:
+            supervised = group.get(process.name)
+            snapshot = supervised.snapshot() if supervised is not None else {"pid": None, "state": "starting"}
+            described.append(
+                {
+                    "key": process.key,
+                    "name": process.name,
+                    "sha": process.sha,
+                    "generation": process.generation,
+                    "pid": snapshot["pid"],
+                    "state": snapshot["state"],
+                    "calls": process.calls,
+                    "replaced": process.replaced_at is not None,
+                }
+            )
+        return described
 
     def stop_all(self) -> None:
         """Stop every process, together; later calls start new ones."""
         with self._lock:
             group, self._group = self._group, self._new_group()
-            self._uploads.clear()
+            for process in self._processes.values():
+                if process.drained is not None:
+                    process.drained.cancel()
+            self._processes.clear()
+            self._served.clear()
         group.stop()
         for directory in self.state_dir.glob("*"):
             shutil.rmtree(directory, ignore_errors=True)
+
+    def _enter(self, key: str, *, sha: str, upload: ScriptUpload | None, tails: str, generation: int) -> _Process:
+        """The process a call for `key`'s version `generation` goes to, with the call counted
+        on it (so that no drain stops it under the call)."""
+        wanted = _Process(name=key, key=key, sha=sha, upload=upload, tails=tails, generation=generation)
+        with self._lock:
+            if wanted.bound:
+                served = self._processes.get(self._served.get(key, ""))
+                if served is not None and (
+                    generation <= served.generation or (served.sha, served.upload) == (sha, upload)
+                ):
+                    # An older version's call, or the same code uploaded again: the one served.
+                    served.generation = max(served.generation, generation)
+                    wanted = served
+                else:
+                    wanted.name = f"{key}:bound@{generation}"
+            process = self._processes.setdefault(wanted.name, wanted)
+            if not process.bound:
+                process.sha, process.upload, process.tails = sha, upload, tails
+            process.calls += 1
+            return process
+
+    def _serve(self, process: _Process) -> None:
+        """`process` serves: new calls for its script go to it if it runs its newest version,
+        and the version it replaces drains; if a newer one is served already, it drains."""
+        if not process.bound:
+            return
+        with self._lock:
+            served = self._processes.get(self._served.get(process.key, ""))
+            if served is process or process.replaced_at is not None:
+                return
+            if served is None or served.generation < process.generation:
+                self._served[process.key] = process.name
+                replaced = served
+            else:
+                replaced = process
+            if replaced is not None:
+                logger.info(
+                    "%s: a newer version serves; the process of version %s drains", replaced.key, replaced.generation
+                )
+                self._drain_locked(replaced)
+
+    def _leave(self, process: _Process) -> None:
+        with self._lock:
+            process.calls -= 1
+            if process.replaced_at is not None and process.calls == 0:
+                self._retire_locked(process, why="its last call ended")
+
+    def _drain_locked(self, process: _Process) -> None:
+        process.replaced_at = time.monotonic()
+        if process.calls == 0:
+            self._retire_locked(process, why="it served no call")
+            return
+        process.drained = threading.Timer(
+            DRAIN_SECONDS, self._drain_ended, args=(process,), kwargs={"group": self._group}
+        )
+        process.drained.daemon = True
+        process.drained.start()
+
+    def _drain_ended(self, process: _Process, *, group: WorkerdGroup) -> None:
+        with self._lock:
+            if self._processes.get(process.name) is process and self._group is group:
+                self._retire_locked(process, why=f"its calls ran past {DRAIN_SECONDS} s, and were cut")
+
+    def _retire_locked(self, process: _Process, *, why: str) -> None:
+        """Forget `process` and stop it in the background (its stop waits for workerd to exit)."""
+        if self._processes.get(process.name) is not process:
+            return
+        del self._processes[process.name]
+        if process.drained is not None:
+            process.drained.cancel()
+        group = self._group
+        logger.info("stopping %s, replaced by a newer version: %s", process.name, why)
+        threading.Thread(
+            target=self._stop_retired, args=(group, process.name), name=f"retire-{process.name}", daemon=True
+        ).start()
+
+    def _stop_retired(self, group: WorkerdGroup, name: str) -> None:
+        group.retire(name)
+        self._ports.release(name)
+        self._ports.release(f"{name}:script")
+        shutil.rmtree(self._directory(name), ignore_errors=True)
+
+    def _directory(self, name: str) -> Path:
+        return self.state_dir / name.replace(":", "-")
 
     def _new_group(self) -> WorkerdGroup:
         return WorkerdGroup(self._make_host, LIMITS, self._ports)
 
     def _make_host(self, name: str, port: int) -> WorkerdHost:
-        sha, upload, tails = self._uploads[name]
-        directory = self.state_dir / name.replace(":", "-")
-        if upload is None or not (needs_own_workerd(upload) or tails):
+        with self._lock:
+            process = self._processes.get(name)
+        if process is None:  # every process was stopped (a reset) since the call asked for it
+            raise RuntimeError(f"the emulator was reset while {name} was started")
+        directory = self._directory(name)
+        if not process.bound:
             return WorkerdHost(
                 binary=self.binary, port=port, code_dir=self.code_dir, state_dir=directory, secret=self.secret
             )
@@ -174,11 +339,11 @@ class ScriptProcesses:
             code_dir=self.code_dir,
             state_dir=directory,
             secret=self.secret,
-            upload=upload,
-            sha=sha,
+            upload=process.upload,
+            sha=process.sha,
             emulator_port=self.emulator_port,
             script_port=self._ports.port_for(f"{name}:script"),
-            tail_key=name.removesuffix(":bound") if tails == "produce" else None,
-            tail_entry=tails == "consume",
-            hands_back=name.startswith("ns:") and tails == "produce",
+            tail_key=process.key if process.tails == "produce" else None,
+            tail_entry=process.tails == "consume",
+            hands_back=process.key.startswith("ns:") and process.tails == "produce",
         )

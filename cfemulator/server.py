@@ -14,6 +14,8 @@ processes, the CPU meter, the start check of uploads and the connections to work
 - header `x-cfemulator-kv`       a KV binding's read or write, from a bound script
 - `GET  /__emulator/requests`    the API calls received: method, path, status, code, time
 - `GET  /__emulator/dispatches`  the calls made through dispatch namespace bindings
+- `GET  /__emulator/processes`   the scripts' workerd processes: key, version, pid, state,
+                                 calls in flight, and whether a newer version replaced it
 - `POST /__emulator/reset`       forget scripts, namespaces, KV, counters and the log
 - `GET|POST /__emulator/config`  read or change script_limit, latency, fault_rate,
                                  fault_seed, fail_next, rate_limit ("N/S"),

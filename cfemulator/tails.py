@@ -58,15 +58,19 @@ class TailRelay:
         body = json.dumps(events).encode()
         for consumer in consumers:
             try:
-                running = self.scripts.acquire(
-                    f"tail:{consumer.name}", sha=consumer.sha, upload=consumer.upload, tails="consume"
-                )
-                answer = _SEND.request(
-                    "POST",
-                    f"http://127.0.0.1:{running.port}/",
-                    body=body,
-                    headers={"Content-Type": "application/json"},
-                )
+                with self.scripts.calling(
+                    f"tail:{consumer.name}",
+                    sha=consumer.sha,
+                    upload=consumer.upload,
+                    tails="consume",
+                    generation=consumer.generation,
+                ) as running:
+                    answer = _SEND.request(
+                        "POST",
+                        f"http://127.0.0.1:{running.port}/",
+                        body=body,
+                        headers={"Content-Type": "application/json"},
+                    )
                 if answer.status >= 400:
                     logger.warning("tail consumer %s answered %s to %s's events", consumer.name, answer.status, name)
             except Exception as exc:  # one consumer's failure is no other's

@@ -141,7 +141,7 @@ class QuotaExceeded(SigilError):
 
 class UpstreamError(SigilError):
     status, code = 502, "upstream_error"
-    meaning = "the runtime failed"
+    meaning = "the runtime failed (on its own side, when it does not say when to try again)"
     example = "the runtime could not place xiaoju--ping: Cloudflare answered 500"
 
 
@@ -161,7 +161,10 @@ class Unavailable(RetryLater):
     """Sigil cannot serve this now (Redis unreachable, a runtime process restarting); try again shortly."""
 
     status, code = 503, "unavailable"
-    meaning = "a dependency is down (Redis unreachable, a runtime restarting, no room on the account)"
+    meaning = (
+        "a dependency is down (Redis unreachable, a runtime restarting or failing on its own side, "
+        "no room on the account)"
+    )
     example = "Sigil's Redis is unreachable; try again shortly"
 
 

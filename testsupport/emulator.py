@@ -3,6 +3,10 @@ credentials and /__emulator/ controls, all over HTTP), and Sigil's Cloudflare cl
 
 from __future__ import annotations
 
+import os
+import signal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +17,7 @@ from capabilities.runtimes.cloudflare import CloudflareClient
 from cfemulator.config import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig
 from cfemulator.server import EmulatorServer
 from sigil.ports import free_port
+from testsupport.processes import wait_until
 
 
 def emulator_server(*, workerd_binary: str, state_dir: Path, port: int = 0) -> EmulatorServer:
@@ -82,6 +87,12 @@ class EmulatorControl:
         namespace, script, the limits the dispatch Worker asked for, status."""
         return self._call("GET", "/__emulator/dispatches")["dispatches"]
 
+    def processes(self, key_suffix: str = "") -> list[dict[str, Any]]:
+        """The scripts' workerd processes (`key`, `name`, `generation`, `pid`, `state`, `calls`
+        in flight, `replaced`), those whose key ends with `key_suffix` (a script's name)."""
+        processes = self._call("GET", "/__emulator/processes")["processes"]
+        return [process for process in processes if process["key"].endswith(key_suffix)]
+
     def worker_request(self, host: str, path: str = "/", method: str = "GET", **kwargs: Any) -> requests.Response:
         """One request to a Worker served by the emulator, addressed by Host header."""
         headers = {**kwargs.pop("headers", {}), "Host": host}
@@ -112,3 +123,16 @@ def namespace_upload(client: CloudflareClient, namespace: str, script: str, *, c
     client.namespace_script_upload(
         namespace, script, modules={"w.js": code}, main_module="w.js", compatibility_date="2025-01-01", tags=tags
     )
+
+
+def killed_under_a_call(
+    emulator: EmulatorControl, key_suffix: str, call: Callable[[], Any], *, runs: Callable[[], bool]
+):
+    """`call()`'s answer, the workerd of the script whose key ends with `key_suffix` killed by
+    pid (not by the emulator) once `runs()` says the call runs there."""
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(call)
+        wait_until(runs, timeout=15, what="the call to run in its script's process")
+        [process] = [p for p in emulator.processes(key_suffix) if p["calls"]]
+        os.kill(process["pid"], signal.SIGKILL)
+        return answer.result()

@@ -46,7 +46,7 @@ from capabilities.engine.calls import Call, Served
 from capabilities.engine.offload import Offload
 from capabilities.engine.placing import Placer
 from capabilities.engine.recording import AnswerBody, Recorder
-from capabilities.engine.sending import EXCEEDED_LIMITS, Sender
+from capabilities.engine.sending import EXCEEDED_LIMITS, INTERNAL_ERROR, Sender
 from capabilities.engine.shares import FairShares
 from capabilities.engine.upstream import HOP_BY_HOP, UpstreamClient
 from capabilities.engine.values import CallAnswer, CallRequest
@@ -228,7 +228,7 @@ class Engine:
             call.inflight_process = process
         if request.websocket:  # the answer carries the runtime's side for the adapter to relay
             call.page_in_ms = page_in_ms
-            return await websocket_open(sender, request, call, target)
+            return await websocket_open(sender, request, call, target, runtime_for(route.backend))
 
         upstream_started = time.perf_counter()
         upstream = await sender.send_once(request, call, route)
@@ -258,8 +258,14 @@ class Engine:
         if served is not None and served.isdigit():
             call.version = int(served)
         failure = upstream.headers.get("x-sigil-error")
-        if failure is None and upstream.status == 503 and runtime_for(route.backend).stopped_at_limits(upstream):
-            failure = EXCEEDED_LIMITS
+        if failure is None and upstream.status >= 500:
+            # An unmarked 5xx is the runtime's own: its stop at the capability's limits (1102),
+            # or its own side failing; both are told apart by the runtime.
+            runtime = runtime_for(route.backend)
+            if runtime.stopped_at_limits(upstream):
+                failure = EXCEEDED_LIMITS
+            elif runtime.failed_itself(upstream):
+                failure = INTERNAL_ERROR
         if failure is not None:
             await sender.runtime_failure(upstream, failure, call)
 

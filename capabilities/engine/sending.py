@@ -1,6 +1,6 @@
 """Sending a call to its runtime, and what its failures mean: where a slot answers, the
 request as the runtime gets it, a resend while Cloudflare propagates a script just placed, and
-the contract's answer to a call the runtime timed out, lost or stopped at a limit."""
+the contract's answer to a call the runtime timed out, lost, stopped at a limit or failed itself."""
 
 from __future__ import annotations
 
@@ -46,6 +46,13 @@ DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"authorization", "content-length"}
 # say whether CPU or memory ran out, is read as EXCEEDED_LIMITS (Runtime.stopped_at_limits).
 EXCEEDED_CPU = "exceeded-cpu"
 EXCEEDED_LIMITS = "exceeded-limits"
+# The runtime failed on its own side, not the capability: Cloudflare's error page for it (an
+# unmarked 5xx other than 1102: Runtime.failed_itself), or its "internal error" as Sigil's
+# dispatch Worker met it. It counts toward no capability's breaker.
+INTERNAL_ERROR = "internal-error"
+# The longest wait a runtime's Retry-After is passed on with: beyond it, the caller is better
+# told to come back soon and meet whatever the runtime says then.
+MAX_RUNTIME_RETRY_AFTER_SECONDS = 300
 # A path already as a request line may carry it: nothing to normalise.
 SENDABLE_PATH = re.compile(r"[A-Za-z0-9/:@!$&'()*+,;=._~%-]*")
 # How a call to a script it has just placed waits for Cloudflare to propagate it: the first
@@ -180,11 +187,15 @@ class Sender:
 
     async def runtime_failure(self, upstream: UpstreamResponse, failure: str, call: Call) -> NoReturn:
         """Raise the contract's error for an answer the runtime marked as its own failure
-        (`x-sigil-error`, or a stop at the limits): the capability's own doing (it threw, or
-        ran past a limit) is recorded as its failure; anything else is the runtime's."""
+        (`x-sigil-error`, a stop at the limits, or its own side failing): the capability's own
+        doing (it threw, or ran past a limit) is recorded as its failure; anything else is the
+        runtime's, recorded as no capability's."""
         message = (await upstream.read()).decode(errors="replace")[:2000]
         upstream.release()
-        if failure == "exception":
+        if failure == INTERNAL_ERROR:
+            logger.warning("the runtime failed a call to %s itself: %s %s", call.full, upstream.status, message[:300])
+            error = runtime_failed_itself(call.full, upstream.status, upstream.headers.get("retry-after"))
+        elif failure == "exception":
             thrown = _exception_text(message)
             error: SigilError = CapabilityError(f"{call.full} threw: {thrown}")
             await self.recorder.finish(call, status=error.status, code=error.code, message=thrown)
@@ -210,6 +221,20 @@ def forwarded_headers(request: CallRequest) -> dict[str, str]:
         for name, value in request.headers.items()
         if name not in DROPPED_REQUEST_HEADERS and not name.startswith("x-sigil-")
     }
+
+
+def runtime_failed_itself(full: str, status: int, retry_after: str | None) -> SigilError:
+    """The answer to a call the runtime failed on its own side: `503 unavailable` when it said
+    when to try again (Cloudflare's Retry-After, on the 5xx it deems retryable), else
+    `502 upstream_error`. Neither is the capability's failure."""
+    seconds = int(retry_after) if retry_after is not None and retry_after.strip().isdigit() else None
+    if seconds is not None:
+        seconds = min(max(seconds, 1), MAX_RUNTIME_RETRY_AFTER_SECONDS)
+        return Unavailable(
+            f"the runtime failed to run {full} on its own side ({status}); try again in {seconds} s",
+            retry_after=seconds,
+        )
+    return UpstreamError(f"the runtime failed to run {full} on its own side ({status})")
 
 
 def stopped_at_limit(full: str, what: str, *, cpu: bool) -> SigilError:

@@ -19,10 +19,10 @@ from django.conf import settings
 from capabilities.engine.answers import call_headers
 from capabilities.engine.calls import Call
 from capabilities.engine.recording import Recorder
-from capabilities.engine.sending import Sender
+from capabilities.engine.sending import Sender, runtime_failed_itself
 from capabilities.engine.upstream import RefusedUpgrade, UpstreamTimeout, UpstreamUnreachable
 from capabilities.engine.values import CallAnswer, CallRequest
-from capabilities.runtimes.base import Route
+from capabilities.runtimes.base import Route, Runtime
 from sigil.errors import Timeout, UpstreamError
 
 logger = logging.getLogger("capabilities.gateway")
@@ -32,9 +32,12 @@ HANDSHAKE_HEADERS = ("sec-websocket-key", "sec-websocket-version", "sec-websocke
 GOING_AWAY = 1001
 
 
-async def websocket_open(sender: Sender, request: CallRequest, call: Call, target: Route) -> CallAnswer:
-    """Ask the capability at `target` to take a WebSocket; the answer carries the session to
-    relay, or the capability's refusal. Raises Timeout or UpstreamError as a call would."""
+async def websocket_open(
+    sender: Sender, request: CallRequest, call: Call, target: Route, runtime: Runtime
+) -> CallAnswer:
+    """Ask the capability at `target` (placed on `runtime`) to take a WebSocket; the answer
+    carries the session to relay, or the capability's refusal. Raises Timeout, UpstreamError
+    or Unavailable as a call would (the runtime's own failure is no refusal of the capability's)."""
     recorder = sender.recorder
     url, headers = sender.upstream_request(request, target)
     for name in HANDSHAKE_HEADERS:
@@ -46,6 +49,8 @@ async def websocket_open(sender: Sender, request: CallRequest, call: Call, targe
     try:
         upstream = await sender.upstream.websocket(url, headers=headers, protocols=protocols)
     except RefusedUpgrade as refused:
+        if runtime.failed_itself(refused):
+            raise runtime_failed_itself(call.full, refused.status, refused.headers.get("retry-after")) from None
         call.finished = True
         status = refused.status
 

@@ -316,6 +316,13 @@ class Runtime(ABC):
         marks every answer it passes on can tell; the others say no."""
         return False
 
+    def failed_itself(self, response) -> bool:
+        """Whether a 5xx is the runtime's own failure (Cloudflare's error page for its own
+        side failing), neither the capability's answer nor its stop at its limits
+        (`stopped_at_limits`): it is then the runtime's failure, never the capability's. Only
+        runtimes whose Worker marks every answer it passes on can tell; the others say no."""
+        return False
+
     @abstractmethod
     def list_slots(self) -> list[str]:
         """The slots this runtime holds that Sigil manages. Raises RuntimeUnavailable."""

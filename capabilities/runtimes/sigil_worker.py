@@ -224,14 +224,9 @@ class FrontedRuntime(CloudflareRuntime):
             return True
         return False
 
-    def stopped_at_limits(self, response) -> bool:
-        # Sigil's Worker marks what it passes on and names its own refusals; an unmarked
-        # 503 is Cloudflare's 1102, for the code it was running.
-        return (
-            response.status == 503
-            and self.marker_header not in response.headers
-            and "x-sigil-error" not in response.headers
-        )
+    def passed_on(self, response) -> bool:
+        # Sigil's Worker marks what it passes on and names its own refusals.
+        return self.marker_header in response.headers or "x-sigil-error" in response.headers
 
     def check(self) -> None:
         self.front.probe()

@@ -268,18 +268,18 @@ class WorkerPoolRuntime(CloudflareRuntime):
     def subdomain(self) -> str:
         return self.facts.subdomain()
 
+    def passed_on(self, response) -> bool:
+        # Every answer of a live script passes the guard, which marks it (its own refusals too);
+        # the guard stopped with the capability (1102) marks nothing.
+        return "x-sigil-guard" in response.headers
+
     def is_missing(self, response) -> bool:
-        # Every answer of a live script passes the guard, which marks it; Cloudflare's own
-        # "no such Worker" does not.
-        missing = response.status == 404 and "x-sigil-guard" not in response.headers
+        # Cloudflare's own "no such Worker" passed no guard; it may also mean the account's
+        # subdomain changed, so the next route asks for it again (AccountFacts).
+        missing = response.status == 404 and not self.passed_on(response)
         if missing:
             self._subdomain_doubted = True
         return missing
-
-    def stopped_at_limits(self, response) -> bool:
-        # Cloudflare's 1102 for a Worker past its CPU or memory limit is a 503 the guard,
-        # stopped with the capability, never marked.
-        return response.status == 503 and "x-sigil-guard" not in response.headers
 
     def list_slots(self) -> list[str]:
         return sorted(s.id for s in self.client.script_list() if s.id.startswith(POOL_PREFIX))

@@ -190,11 +190,17 @@ class WorkerdHost:
 
     def supervise(self, stop_event: threading.Event, *, poll_seconds: float = 0.1) -> None:
         """Keep workerd running until `stop_event` is set, restarting it when it dies (as
-        sigil.restarts says when); then stop it. Raises WorkerdMissing at once: no restart
-        can fix it. Call it from a thread other than the one handling signals;
+        sigil.restarts says when); then stop it. A workerd already running (started by
+        `start()`, so that a caller learns at once that it cannot start) is watched, not
+        started a second time beside itself. Raises WorkerdMissing at once: no restart can
+        fix it. Call it from a thread other than the one handling signals;
         `stop_event.set()` from a signal handler can deadlock with an `Event.wait()` on the
         same thread.
         """
+
+        def start() -> None:
+            if not self.is_running():
+                self.start()
 
         def watch() -> bool:
             while self.is_running() and not stop_event.wait(poll_seconds):
@@ -209,8 +215,6 @@ class WorkerdHost:
             self.process = None
 
         try:
-            keep_running(
-                stop_event, what="workerd", start=self.start, watch=watch, on_failed_start=failed, on_exit=exited
-            )
+            keep_running(stop_event, what="workerd", start=start, watch=watch, on_failed_start=failed, on_exit=exited)
         finally:
             self.stop()

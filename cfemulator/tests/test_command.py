@@ -13,6 +13,7 @@ import requests
 from django.conf import settings
 
 from sigil.ports import free_port, port_is_open
+from testsupport.processes import command_line, descendants, wait_until
 
 MANAGE = Path(settings.BASE_DIR) / "manage.py"
 
@@ -82,3 +83,57 @@ def test_command_serves_with_its_options_and_stops_workerd_on_sigterm(tmp_path):
     assert f"http://127.0.0.1:{port}/client/v4" in output
     assert "command-test-token" not in output
     assert not port_is_open(workerd_port)
+
+
+def _workerd_of(command: subprocess.Popen, workerd_port: int) -> int | None:
+    """The pid of the emulator's own workerd (the one on `workerd_port`), when it runs."""
+    config = f"workerd-{workerd_port}.capnp"
+    return next((pid for pid in descendants(command.pid) if config in command_line(pid)), None)
+
+
+def _served(workerd_port: int) -> bool:
+    try:
+        # The loader host answers anything, with its 403 to a call without Sigil's secret.
+        return requests.get(f"http://127.0.0.1:{workerd_port}/", timeout=2).status_code == 403
+    except requests.ConnectionError:
+        return False
+
+
+def test_the_emulators_workerd_killed_by_pid_is_served_again_and_started_once(tmp_path):
+    port, workerd_port = free_port(), free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(MANAGE),
+            "cfemulator",
+            "--port",
+            str(port),
+            "--workerd-port",
+            str(workerd_port),
+            "--state-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    killed: list[int] = []
+    try:
+        wait_until(lambda: port_is_open(port) and _served(workerd_port), timeout=20, what="the emulator to serve")
+        for _ in range(2):  # supervised for good, not only once
+            killed.append(wait_until(lambda: _workerd_of(process, workerd_port), timeout=5, what="its workerd"))
+            os.kill(killed[-1], signal.SIGKILL)
+            wait_until(
+                lambda: _workerd_of(process, workerd_port) not in (None, *killed) and _served(workerd_port),
+                timeout=10,
+                what="its workerd to be started again",
+            )
+            assert process.poll() is None
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=15)[0].decode()
+    assert process.returncode == 0, output
+    # Its supervisor saw each death (it watched the process it started) and never started a
+    # second one beside the first.
+    for pid in killed:
+        assert output.count(f"workerd (pid {pid}) exited with -9") == 1, output
+    assert "did not start" not in output and "held by another process" not in output, output

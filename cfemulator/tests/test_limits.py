@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from cfemulator.limits import DEFAULT_CPU_MS, call_cpu_ms, exceeded_answer, negotiate
+from cfemulator.errorpages import negotiate
+from cfemulator.limits import DEFAULT_CPU_MS, call_cpu_ms, exceeded_answer
 from cfemulator.tests.test_api import HELLO, Api, first_error
 from testsupport.steady import SteadyCalls
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from capabilities.models import Binding
 from cfemulator.server import EmulatorServer
 from cfemulator.tests.test_api import Api, kv_binding
+from sigil.encryption import secret_encrypt
 from sigil.ports import free_port
 from testsupport.capability_code import PONG
+from testsupport.cast import grant
 from testsupport.emulator import EmulatorControl, emulator_server
 
 KV_AND_SECRET = """export default { async fetch(request, env) {
@@ -59,6 +62,39 @@ def test_a_capability_deployed_before_a_restart_answers_after_it(emulator, backe
     response = alice.call("/alice/ping")
     assert (response.status_code, response.text) == (200, "pong")
     assert "X-Sigil-Cold-Start" not in response.headers  # found where it was, not placed again
+
+
+SHOWS_TOKEN = "export default { async fetch(request, env) { return new Response(env.TOKEN) } }"
+PLANTED = "planted-secret-4f9c2e7a1b"
+
+
+def files_holding(directory, value: str) -> list[str]:
+    """Every file under `directory` whose bytes contain `value`."""
+    return [str(path) for path in directory.rglob("*") if path.is_file() and value.encode() in path.read_bytes()]
+
+
+@pytest.mark.parametrize("backend", ["worker-pool", "platform", "loader"])
+def test_secrets_are_sealed_in_every_file_the_emulator_keeps_and_opened_again_at_start(
+    emulator, backend, alice, settings
+):
+    settings.SIGIL_BACKEND = backend
+    token = Binding.objects.create(kind="SECRET", name="TOKEN", secret_encrypted=secret_encrypt(PLANTED))
+    grant(token, "alice")
+    assert alice.deploy(name="shows", code=SHOWS_TOKEN, bindings=["SECRET:TOKEN"]).status_code == 201
+    assert alice.call("/alice/shows").text == PLANTED
+    # The capability's secret, and Sigil's own (its Workers' SIGIL_GUARD_SECRET,
+    # SIGIL_DISPATCH_SECRET or SIGIL_SECRET), are in no file: neither while the emulator serves
+    # nor once stopped.
+    for value in (PLANTED, settings.SIGIL_INTERNAL_SECRET):
+        assert files_holding(emulator.state_dir, value) == []
+    emulator.server.stop()
+    for value in (PLANTED, settings.SIGIL_INTERNAL_SECRET):
+        assert files_holding(emulator.state_dir, value) == []
+
+    emulator.start()
+    response = alice.call("/alice/shows")
+    assert (response.status_code, response.text) == (200, PLANTED)
+    assert "X-Sigil-Cold-Start" not in response.headers  # its own upload, opened again
 
 
 def test_kv_values_secrets_and_workers_dev_routes_survive_a_restart(emulator):

@@ -15,7 +15,7 @@ import pytest
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
 from websockets.sync.client import connect
 
-from cfemulator.tests.test_api import Api
+from cfemulator.tests.test_api import Api, kv_binding
 from cfemulator.tests.test_limits import stopped_within
 from testsupport.processes import wait_until
 
@@ -129,3 +129,39 @@ def test_an_upgrade_to_a_host_without_a_worker_is_a_plain_404(cf_emulator_fresh)
     with pytest.raises(InvalidStatus) as refused:
         _session(cf_emulator_fresh, cf_emulator_fresh.workers_dev_host("nobody"))
     assert refused.value.response.status_code == 404
+
+
+# Greets with its version, then echoes; with a KV binding it runs from a config of its own.
+VERSIONED = """export default { async fetch(request, env) {
+  if (request.headers.get("upgrade") !== "websocket") return new Response("plain %s");
+  const [client, server] = Object.values(new WebSocketPair());
+  server.accept();
+  server.send("welcome %s");
+  server.addEventListener("message", (event) => server.send(event.data));
+  server.addEventListener("close", (event) => server.close(event.code, event.reason));
+  return new Response(null, { status: 101, webSocket: client });
+} }"""
+
+
+def test_a_session_outlasts_a_new_version_and_the_old_process_stops_once_it_ends(cf_emulator_fresh):
+    api = Api(cf_emulator_fresh)
+    bound = {"bindings": [kv_binding(api.kv_namespace())]}
+    assert api.upload("versioned", VERSIONED % ("v1", "v1"), metadata=bound).status_code == 200
+    api.enable("versioned")
+    host = cf_emulator_fresh.workers_dev_host("versioned")
+    with _session(cf_emulator_fresh, host) as ws:
+        assert ws.recv(timeout=10) == "welcome v1"
+        assert api.upload("versioned", VERSIONED % ("v2", "v2"), metadata=bound).status_code == 200
+        # New calls reach the new version; the session goes on with the old one.
+        assert cf_emulator_fresh.worker_request(host).text == "plain v2"
+        ws.send("still there")
+        assert ws.recv(timeout=10) == "still there"
+        old, new = sorted(cf_emulator_fresh.processes(":versioned"), key=lambda p: p["generation"])
+        assert (old["replaced"], old["calls"], new["replaced"]) == (True, 1, False)
+    wait_until(
+        lambda: [p["name"] for p in cf_emulator_fresh.processes(":versioned")] == [new["name"]],
+        timeout=10,
+        what="the old version's process to stop once its session ended",
+    )
+    with _session(cf_emulator_fresh, host) as ws:
+        assert ws.recv(timeout=10) == "welcome v2"

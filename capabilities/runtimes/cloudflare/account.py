@@ -116,6 +116,21 @@ class CloudflareRuntime(Runtime):
     def api_waits_shared(self) -> contextlib.AbstractContextManager:
         return waits_within(self.client.budget.max_wait_seconds)
 
+    @abstractmethod
+    def passed_on(self, response) -> bool:
+        """Whether Sigil's Worker passed `response` on, or made it: every answer of the
+        capability's code passes one (which marks it), so an answer without that mark is
+        Cloudflare's own."""
+
+    def stopped_at_limits(self, response) -> bool:
+        # Cloudflare's 1102, for the code Sigil's Worker was running, which never marked it.
+        return response.status == 503 and not self.passed_on(response)
+
+    def failed_itself(self, response) -> bool:
+        # Any other 5xx of Cloudflare's own: its error page for its own side failing (a 500 of
+        # category "cloudflare", a 502), which no code of the capability's answered.
+        return response.status >= 500 and response.status != 503 and not self.passed_on(response)
+
     @classmethod
     def settings_errors(cls, settings: LazySettings) -> list[CheckMessage]:
         errors = []

@@ -12,7 +12,9 @@
 // Sigil pages the capability in again. A capability that runs past its CPU limit makes the
 // Fetcher throw "Worker exceeded CPU time limit." (spotted as the docs do, by "CPU time
 // limit"); it is answered `exceeded-cpu`, naming the limit, so Sigil counts it against that
-// capability alone.
+// capability alone. A failure of Cloudflare's runtime itself reaches the Fetcher as workerd's
+// "internal error; reference = …": it is answered `internal-error`, so Sigil counts it against
+// no capability (the runtime failed, not the code).
 
 import { sameSecret } from "./sigil-secret.js";
 
@@ -62,6 +64,9 @@ export default {
       const message = String((error && error.message) || error);
       if (message.startsWith("Worker not found")) {
         return refuse(env, 404, "missing-code", `no script ${name} in the namespace`);
+      }
+      if (message.startsWith("internal error")) {
+        return refuse(env, 502, "internal-error", message);
       }
       if (message.includes("CPU time limit")) {
         const limit = options.limits ? `its CPU limit of ${cpuMs} ms` : "its CPU limit";

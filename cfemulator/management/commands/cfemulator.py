@@ -81,6 +81,8 @@ class Command(BaseCommand):
             workerd_port=options["workerd_port"] or free_port(),
         )
         try:
+            # Started here, so that a missing binary is the command's error; the supervisor
+            # then watches this very process and starts another only once it has died.
             server.workerd.start()
         except WorkerdMissing as exc:
             raise CommandError(str(exc)) from exc
