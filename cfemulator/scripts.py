@@ -12,7 +12,8 @@ A plain script runs as a Dynamic Worker of the loader host (`capabilities/runtim
 which reads its bundle from the emulator's code directory and runs any version by its
 loader id; a script with bindings only a workerd of its own can give runs from a config
 generated from its upload (`cfemulator.bound.BoundHost`), restarted when that changes.
-Processes of deleted scripts idle until the next reset.
+Processes of deleted scripts idle until the next reset. A Worker Loader's Dynamic Workers run
+in processes of this group too, runners named `dynamic:{n}` (`cfemulator.dynamic`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from capabilities.workerd.group import WorkerdGroup
 from capabilities.workerd.host import WorkerdHost
 from capabilities.workerd.supervision import Limits, SupervisedWorkerd
 from cfemulator.bound import BoundHost, needs_own_workerd
+from cfemulator.dynamic_host import DynamicHost
 from cfemulator.limits import MAX_CPU_MS
 from cfemulator.uploads import ScriptUpload
 from sigil.ports import free_port_block, port_is_open
@@ -40,6 +42,8 @@ MEMORY_MB = 512
 # probe interval bounds how soon the supervisor acts on the meter's kill.
 LIMITS = Limits(stall_ms=MAX_CPU_MS + 1000, memory_mb=MEMORY_MB, probe_interval_ms=200)
 _RESTART_SECONDS = 5.0
+# The names of the processes that run Dynamic Workers (cfemulator.dynamic).
+RUNNER_PREFIX = "dynamic:"
 
 
 class _Ports:
@@ -149,6 +153,27 @@ class ScriptProcesses:
         group.ensure(name)
         return ScriptProcess(group.get(name))
 
+    def acquire_runner(self, name: str) -> ScriptProcess:
+        """The Dynamic Worker runner `name` (`RUNNER_PREFIX`…), started as needed.
+
+        Raises TimeoutError when it does not serve within 15 s."""
+        with self._lock:
+            group = self._group
+        group.ensure(name)
+        return ScriptProcess(group.get(name))
+
+    def running(self, name: str) -> ScriptProcess | None:
+        """The process `name` while it serves; None otherwise. Starts nothing."""
+        with self._lock:
+            supervised = self._group.get(name)
+        return ScriptProcess(supervised) if supervised is not None and supervised.serving() else None
+
+    def retire(self, name: str) -> None:
+        """Stop the process `name` and forget it; the next `acquire` of it starts a fresh one."""
+        with self._lock:
+            group = self._group
+        group.retire(name)
+
     def stop_all(self) -> None:
         """Stop every process, together; later calls start new ones."""
         with self._lock:
@@ -162,8 +187,17 @@ class ScriptProcesses:
         return WorkerdGroup(self._make_host, LIMITS, self._ports)
 
     def _make_host(self, name: str, port: int) -> WorkerdHost:
-        sha, upload, tails = self._uploads[name]
         directory = self.state_dir / name.replace(":", "-")
+        if name.startswith(RUNNER_PREFIX):
+            return DynamicHost(
+                binary=self.binary,
+                port=port,
+                code_dir=self.code_dir,
+                state_dir=directory,
+                secret=self.secret,
+                emulator_port=self.emulator_port,
+            )
+        sha, upload, tails = self._uploads[name]
         if upload is None or not (needs_own_workerd(upload) or tails):
             return WorkerdHost(
                 binary=self.binary, port=port, code_dir=self.code_dir, state_dir=directory, secret=self.secret
@@ -181,4 +215,5 @@ class ScriptProcesses:
             tail_key=name.removesuffix(":bound") if tails == "produce" else None,
             tail_entry=tails == "consume",
             hands_back=name.startswith("ns:") and tails == "produce",
+            owner=name,
         )
