@@ -55,12 +55,11 @@ EXCEEDED_HEADER = "x-cfemulator-exceeded-limits"
 # A Worker Loader's Dynamic Workers (cfemulator.dynamic, cfemulator.dynamic_host): the binding
 # hands a Dynamic Worker's code to the emulator (DYNAMIC_REGISTER_HEADER, naming the process of
 # the loader Worker) and gets the emulator's key for it; each call names that key
-# (DYNAMIC_CALL_HEADER) and the entrypoint (DYNAMIC_ENTRYPOINT_HEADER); the runner asks for the
-# code by key (DYNAMIC_CODE_HEADER); tail events travel by key (DYNAMIC_TAIL_HEADER).
+# (DYNAMIC_CALL_HEADER) and the entrypoint (DYNAMIC_ENTRYPOINT_HEADER); tail events travel by
+# key (DYNAMIC_TAIL_HEADER).
 DYNAMIC_REGISTER_HEADER = "x-cfemulator-dynamic-register"
 DYNAMIC_CALL_HEADER = "x-cfemulator-dynamic-call"
 DYNAMIC_ENTRYPOINT_HEADER = "x-cfemulator-dynamic-entrypoint"
-DYNAMIC_CODE_HEADER = "x-cfemulator-dynamic-code"
 DYNAMIC_TAIL_HEADER = "x-cfemulator-dynamic-tail"
 # Every header of the Dynamic Workers' traffic starts so: a caller's own never reach a script.
 DYNAMIC_HEADER_PREFIX = "x-cfemulator-dynamic-"

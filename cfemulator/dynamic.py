@@ -13,10 +13,11 @@ limit, that process alone is stopped, and the loader Worker's `fetch()` throws C
 
 Each Dynamic Worker is known by a key: a digest of its loader Worker's process, binding, id and
 code, since Cloudflare identifies a Dynamic Worker by its id and its code (reference §5.1); a
-`load()` (an id of null) is a new one each time. Its code is kept until the next reset; its
-process is started at its first call and stopped once no call has reached it for
-`idle_seconds` (a process is about 10 MB), and started again by the next call, which loads the
-code afresh, as a cold isolate on Cloudflare would. So that a first call does not wait for a
+`load()` (an id of null) is a new one each time. Its code is kept until the next reset, in a
+directory every runner reads through a disk service (so a load takes no round trip through
+the emulator). Its process is started at its first call and stopped once no call has reached
+it for `idle_seconds` (a process is about 10 MB), and started again by the next call, which
+loads the code afresh, as a cold isolate on Cloudflare would. So that a first call does not wait for a
 workerd to start, one spare runner, started as soon as a loader Worker is called and again
 each time one is taken, waits for the next new Dynamic Worker.
 """
@@ -28,6 +29,7 @@ import hashlib
 import json
 import logging
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +41,7 @@ import urllib3
 from cfemulator.dynamic_host import WARM_UP_HEADER
 from cfemulator.limits import dynamic_cpu_ms
 from cfemulator.scripts import RUNNER_PREFIX, ScriptProcess, ScriptProcesses
+from sigil.files import write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +63,6 @@ class DynamicWorker:
     owner: str
     binding: str
     id: str | None
-    #: its WorkerCode, as the runner reads it (cfemulator.dynamic_host)
-    code: bytes
     #: its code's own `limits`, which the entrypoint's may lower
     limits: Any = None
     #: the runner it runs in while it has one
@@ -97,10 +98,12 @@ class DynamicWorkers:
 
     Thread-safe. `start()` runs the thread that stops idle processes; `reset()` forgets every
     Dynamic Worker (their processes are stopped with the scripts', `ScriptProcesses.stop_all`).
+    Their code is written to `scripts.dynamic_code_dir`, `{key}.json`, as the runners read it.
     """
 
     def __init__(self, *, scripts: ScriptProcesses, idle_seconds: Callable[[], float]) -> None:
         self.scripts = scripts
+        self.code_dir = scripts.dynamic_code_dir
         self._idle_seconds = idle_seconds
         self._workers: dict[str, DynamicWorker] = {}
         self._lock = threading.Lock()
@@ -129,18 +132,16 @@ class DynamicWorkers:
         else:
             identity = json.dumps([owner, binding, worker_id], separators=(",", ":")).encode() + b"\n" + encoded
             key = hashlib.sha256(identity).hexdigest()[:32]
+        path = self.code_dir / f"{key}.json"
+        if not path.exists():
+            self.code_dir.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, encoded)
         with self._lock:
             if key not in self._workers:
                 self._workers[key] = DynamicWorker(
-                    key=key, owner=owner, binding=binding, id=worker_id, code=encoded, limits=code.get("limits")
+                    key=key, owner=owner, binding=binding, id=worker_id, limits=code.get("limits")
                 )
         return key
-
-    def code(self, key: str) -> bytes | None:
-        """The code of the Dynamic Worker `key`, as its runner loads it; None when unknown."""
-        with self._lock:
-            worker = self._workers.get(key)
-        return worker.code if worker is not None else None
 
     def owner_of(self, key: str) -> str | None:
         """The process name of the loader Worker that handed over `key`; None when unknown."""
@@ -257,6 +258,7 @@ class DynamicWorkers:
     # --- lifetime -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        shutil.rmtree(self.code_dir, ignore_errors=True)  # a previous run's, which nothing names
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="cfemulator-dynamic", daemon=True)
         self._thread.start()
@@ -282,6 +284,7 @@ class DynamicWorkers:
             self._named = 0
             self._spare, self._spare_starting = None, False
             self._generation += 1
+        shutil.rmtree(self.code_dir, ignore_errors=True)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Each Dynamic Worker: its loader Worker's process, binding, id, and its process's name

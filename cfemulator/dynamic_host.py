@@ -5,8 +5,8 @@ its CPU limit and no other notices. One workerd runs all its isolates on one eve
 the emulator runs each Dynamic Worker (`cfemulator.dynamic`) in a process of its own: a small
 Worker of the emulator's, the runner, with a real Worker Loader binding. Each call names the
 Dynamic Worker by the emulator's key for it (DYNAMIC_CALL_HEADER); the runner loads it through
-its binding under that key, its code fetched from the emulator (DYNAMIC_CODE_HEADER) only
-when workerd has no warm isolate for it, and calls the entrypoint the loader Worker asked for
+its binding under that key, its code read from the emulator's directory of them (`{key}.json`,
+a disk service) only when workerd has no warm isolate for it, and calls the entrypoint the loader Worker asked for
 (DYNAMIC_ENTRYPOINT_HEADER: its name, props and limits, and the request's own URL). What
 workerd's loader does (start the code, refuse code that does not start, `abortIsolate()`,
 the entrypoints' names) is therefore workerd's own.
@@ -31,7 +31,6 @@ from capabilities.workerd.config import V8_FLAGS
 from capabilities.workerd.host import WorkerdHost
 from cfemulator.bound import (
     DYNAMIC_CALL_HEADER,
-    DYNAMIC_CODE_HEADER,
     DYNAMIC_ENTRYPOINT_HEADER,
     DYNAMIC_TAIL_HEADER,
     EXCEPTION_HEADER,
@@ -46,7 +45,6 @@ _RUNNER = """import {{ WorkerEntrypoint }} from "cloudflare:workers";
 
 const CALL = {call_header};
 const ENTRYPOINT = {entrypoint_header};
-const CODE = {code_header};
 const TAIL = {tail_header};
 const WARM_UP = {warm_up_header};
 const NOTHING = {{
@@ -103,7 +101,7 @@ export default {{
     if (key === null) return new Response(null, {{ status: 204 }});
     const asked = JSON.parse(decodeURIComponent(request.headers.get(ENTRYPOINT) || "%7B%7D"));
     const worker = env.LOADER.get(key, async () => {{
-      const answer = await env.EMULATOR.fetch("http://cfemulator/", {{ headers: {{ [CODE]: key }} }});
+      const answer = await env.CODE.fetch(`http://code/${{key}}.json`);
       if (!answer.ok) throw new Error(`the emulator holds no code for the Dynamic Worker ${{key}}`);
       return decoded(await answer.json(), key, ctx);
     }});
@@ -131,7 +129,6 @@ def runner_source() -> str:
     return _RUNNER.format(
         call_header=json.dumps(DYNAMIC_CALL_HEADER),
         entrypoint_header=json.dumps(DYNAMIC_ENTRYPOINT_HEADER),
-        code_header=json.dumps(DYNAMIC_CODE_HEADER),
         tail_header=json.dumps(DYNAMIC_TAIL_HEADER),
         warm_up_header=json.dumps(WARM_UP_HEADER),
         exception_header=json.dumps(EXCEPTION_HEADER),
@@ -143,9 +140,10 @@ def _capnp(value: str) -> str:
     return json.dumps(value)  # a JSON string is a valid Cap'n Proto text literal
 
 
-def runner_config(*, port: int, emulator_port: int) -> str:
+def runner_config(*, port: int, emulator_port: int, code_dir: Path) -> str:
     """The capnp config of a runner listening on 127.0.0.1:`port` (its module, runner.js,
-    beside the config), whose Worker Loader loads code from the emulator on `emulator_port`."""
+    beside the config), whose Worker Loader loads the code kept in `code_dir`, and whose tail
+    posts to the emulator on `emulator_port`."""
     return f"""using Workerd = import "/workerd/workerd.capnp";
 
 const config :Workerd.Config = (
@@ -155,6 +153,7 @@ const config :Workerd.Config = (
   services = [
     (name = "runner", worker = .runner),
     (name = "cfemulator", external = (address = "127.0.0.1:{emulator_port}", http = ())),
+    (name = "code", disk = (path = {_capnp(str(code_dir.resolve()))}, writable = false)),
   ],
   sockets = [(name = "http", address = "127.0.0.1:{port}", http = (), service = "runner")],
 );
@@ -168,6 +167,7 @@ const runner :Workerd.Worker = (
   bindings = [
     (name = "LOADER", workerLoader = ()),
     (name = "EMULATOR", service = "cfemulator"),
+    (name = "CODE", service = "code"),
   ],
 );
 """
@@ -179,11 +179,15 @@ class DynamicHost(WorkerdHost):
     request without a Dynamic Worker's key answers the liveness probe."""
 
     emulator_port: int = 0
+    #: where the Dynamic Workers' code is kept (cfemulator.dynamic)
+    dynamic_code_dir: Path = Path()
 
     def write_config(self) -> Path:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.dynamic_code_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "runner.js").write_text(runner_source())
-        self.config_path.write_text(runner_config(port=self.port, emulator_port=self.emulator_port))
+        config = runner_config(port=self.port, emulator_port=self.emulator_port, code_dir=self.dynamic_code_dir)
+        self.config_path.write_text(config)
         return self.config_path
 
     def environment(self) -> dict[str, str]:

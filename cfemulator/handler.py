@@ -1,7 +1,7 @@
 """The emulator's HTTP front: one thread per connection (keep-alive is honoured), routing
 each request to the API, a script (`cfemulator.proxy`), a KV binding, a Worker Loader's Dynamic
-Workers (their code, their calls, their tail events: `cfemulator.dynamic`) or the /__emulator/
-controls."""
+Workers (their hand-over, their calls, their tail events: `cfemulator.dynamic`) or the
+/__emulator/ controls."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from cfemulator.api_common import ApiRequest
 from cfemulator.bodies import BodyTooLarge, RequestBody
 from cfemulator.bound import (
     DYNAMIC_CALL_HEADER,
-    DYNAMIC_CODE_HEADER,
     DYNAMIC_REGISTER_HEADER,
     DYNAMIC_TAIL_HEADER,
     KV_HEADER,
@@ -111,9 +110,6 @@ class RequestHandler(WorkerProxy, BaseHTTPRequestHandler):
             self._send(emulator.tails.received_dynamic(dynamic_tailed, body), b"", None)
         elif self.headers.get(DYNAMIC_REGISTER_HEADER) is not None:
             self._register_dynamic(self.headers[DYNAMIC_REGISTER_HEADER], body)
-        elif self.headers.get(DYNAMIC_CODE_HEADER) is not None:
-            code = emulator.dynamic.code(self.headers[DYNAMIC_CODE_HEADER])
-            self._send(200 if code is not None else 404, code or b"", "application/json" if code else None)
         elif kv_namespace is not None:
             response = emulator.api.kv_binding(self._api_request(split, body), kv_namespace)
             self._send(response.status, response.body, response.content_type, response.headers)

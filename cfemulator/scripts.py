@@ -117,6 +117,8 @@ class ScriptProcesses:
         self.binary = binary
         self.state_dir = Path(state_dir)
         self.code_dir = Path(code_dir)
+        #: where the Dynamic Workers' code is kept, for their runners to read (cfemulator.dynamic)
+        self.dynamic_code_dir = self.state_dir.parent / "dynamic-code"
         #: the loader host's shared secret, sent with every call to a plain script
         self.secret = secret
         self.emulator_port = 0  # set once the emulator's socket is bound
@@ -196,6 +198,7 @@ class ScriptProcesses:
                 state_dir=directory,
                 secret=self.secret,
                 emulator_port=self.emulator_port,
+                dynamic_code_dir=self.dynamic_code_dir,
             )
         sha, upload, tails = self._uploads[name]
         if upload is None or not (needs_own_workerd(upload) or tails):
