@@ -73,8 +73,8 @@ class DynamicWorker:
 
 
 def _code_of(body: bytes) -> tuple[str, str | None, dict[str, Any]]:
-    """The binding, id and WorkerCode of a hand-over. Raises ValueError for what workerd's
-    loader could not take."""
+    """The binding, id and WorkerCode of a hand-over. Raises ValueError when it is none; what
+    the code itself lacks is for workerd's loader to say, in its own words, when it loads it."""
     try:
         handed = json.loads(body)
     except ValueError as exc:
@@ -85,11 +85,7 @@ def _code_of(body: bytes) -> tuple[str, str | None, dict[str, Any]]:
     if not isinstance(binding, str) or not (worker_id is None or isinstance(worker_id, str)):
         raise ValueError("a Dynamic Worker is handed over with its binding's name and its id")
     if not isinstance(code, dict) or not isinstance(code.get("modules"), dict):
-        raise ValueError("a Dynamic Worker's code needs `modules`")
-    if not isinstance(code.get("mainModule"), str) or code["mainModule"] not in code["modules"]:
-        raise ValueError("a Dynamic Worker's `mainModule` must name one of its `modules`")
-    if not isinstance(code.get("compatibilityDate"), str):
-        raise ValueError("a Dynamic Worker's code needs its `compatibilityDate`")
+        raise ValueError("a Dynamic Worker's code is an object with its `modules`")
     return binding, worker_id, code
 
 

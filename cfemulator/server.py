@@ -12,6 +12,9 @@ processes, the CPU meter, the start check of uploads and the connections to work
 - Host `{script}.{ns}.dispatch.localhost` a script of a dispatch namespace, as a dispatch
                                  namespace binding reaches it
 - header `x-cfemulator-kv`       a KV binding's read or write, from a bound script
+- headers `x-cfemulator-dynamic-*` a Worker Loader binding's Dynamic Workers: the hand-over
+                                 of their code, their calls and their tail events
+                                 (`cfemulator.dynamic`)
 - `GET  /__emulator/requests`    the API calls received: method, path, status, code, time
 - `GET  /__emulator/dispatches`  the calls made through dispatch namespace bindings
 - `GET  /__emulator/dynamic-workers` the Dynamic Workers handed over by Worker Loader
