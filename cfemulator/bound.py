@@ -6,9 +6,11 @@ a KV namespace, a Worker Loader or a dispatch namespace (Sigil's loader and disp
 Workers, or a capability declaring KV) instead gets a config generated from its upload,
 with real bindings:
 
-- `worker_loader`: workerd's own `workerLoader` binding, wrapped so that the emulator meters
-  each Dynamic Worker's CPU against the `limits` its entrypoint was given (the CPU meter:
-  `cfemulator.cpumeter`, METER_HEADER);
+- `worker_loader`: an object with Cloudflare's `get(id, getCode)` and `load(code)` in `env`,
+  which runs each Dynamic Worker in a workerd process of its own (`cfemulator.dynamic`), so
+  that one that spins is stopped at its own limits and no other notices, as on Cloudflare:
+  the code `getCode` returns is handed to the emulator once per id, and each call of an
+  entrypoint's `fetch` goes to that process through the emulator, which meters it;
 - `kv_namespace`: workerd's own `kvNamespace` binding, whose requests come back to the
   emulator (`x-cfemulator-kv: {namespace id}`) and are served from its KV store;
 - `dispatch_namespace`: open-source workerd has none (reference §4.3), so the emulator wraps
@@ -22,7 +24,8 @@ with real bindings:
 The shim (for a dispatch namespace or a Worker Loader) re-exports the uploaded entry module's
 named exports, so they stay the Worker's top-level exports, as on Cloudflare: `ctx.exports`
 holds a binding for each (the loader host hands its SigilTail entrypoint to every Dynamic
-Worker as its tail that way).
+Worker as its tail that way). A Dynamic Worker's tail events come back to its loader Worker's
+process (DYNAMIC_TAIL_HEADER), where the shim hands them to the tails its code named.
 
 Text bindings reach the process through its environment, never its config file.
 """
@@ -54,19 +57,17 @@ EXCEEDED_HEADER = "x-cfemulator-exceeded-limits"
 # what workerd throws into JavaScript for a failure of the runtime itself, "internal error;
 # reference = …" (the reference is the answer's ray id).
 INTERNAL_ERROR_HEADER = "x-cfemulator-internal-error"
-# The CPU meter around a Worker Loader's entrypoints. Open-source workerd does not enforce a
-# Dynamic Worker's `limits` (reference §5.3), and it runs in its loader Worker's process; so the
-# emulator gives each call to a script with a Worker Loader an id (CALL_HEADER, taken off
-# before the script sees the request), and the binding's entrypoints tell the emulator when the
-# call runs a Dynamic Worker and with what limit (METER_HEADER "begin" / "end", with
-# METER_CPU_HEADER): the meter then stops the process once the call spent that limit.
-CALL_HEADER = "x-cfemulator-call"
-METER_HEADER = "x-cfemulator-meter"
-METER_CPU_HEADER = "x-cfemulator-cpu-ms"
-# How long after its start a Dynamic Worker that has not answered is taken to await (the timer
-# fired, so it gave the event loop back): long enough for workerd to enter its handler.
-YIELD_MS = 5
-LOADER_BINDING_PREFIX = "__CFEMULATOR_LOADER_"
+# A Worker Loader's Dynamic Workers (cfemulator.dynamic, cfemulator.dynamic_host): the binding
+# hands a Dynamic Worker's code to the emulator (DYNAMIC_REGISTER_HEADER, naming the process of
+# the loader Worker) and gets the emulator's key for it; each call names that key
+# (DYNAMIC_CALL_HEADER) and the entrypoint (DYNAMIC_ENTRYPOINT_HEADER); tail events travel by
+# key (DYNAMIC_TAIL_HEADER).
+DYNAMIC_REGISTER_HEADER = "x-cfemulator-dynamic-register"
+DYNAMIC_CALL_HEADER = "x-cfemulator-dynamic-call"
+DYNAMIC_ENTRYPOINT_HEADER = "x-cfemulator-dynamic-entrypoint"
+DYNAMIC_TAIL_HEADER = "x-cfemulator-dynamic-tail"
+# Every header of the Dynamic Workers' traffic starts so: a caller's own never reach a script.
+DYNAMIC_HEADER_PREFIX = "x-cfemulator-dynamic-"
 SHIM_MODULE = "__cfemulator_entry.js"
 EMULATOR_BINDING = "__CFEMULATOR"
 DISPATCH_HOST_SUFFIX = "dispatch.localhost"
@@ -91,6 +92,8 @@ _TAIL_FORWARD = """export default {{
 # it), and leaves it in the trace under EXCEPTION_MARK, which the tail relay turns back into
 # the event's outcome and exception, as Cloudflare's trace shows them (cfemulator.tails).
 EXCEPTION_HEADER = "x-cfemulator-exception"
+# The name of the exception a Dynamic Worker threw, beside its message in EXCEPTION_HEADER.
+EXCEPTION_NAME_HEADER = "x-cfemulator-exception-name"
 EXCEPTION_MARK = "[cfemulator:exception]"
 _HANDS_BACK = """import * as uploaded from {main};
 export * from {main};
@@ -123,16 +126,17 @@ export default {{
 """
 
 # The dispatch namespace binding, as Cloudflare's runtime shapes it (reference §4.3), and the
-# Worker Loader binding with the CPU meter around its entrypoints (see METER_HEADER).
+# Worker Loader binding whose Dynamic Workers run in processes of their own (cfemulator.dynamic).
 _SHIM = """\
 import * as uploaded from {main};
 // The uploaded module's named exports stay the Worker's top-level exports: its entrypoints and
 // Durable Object classes, which ctx.exports and other Workers' bindings name.
 export * from {main};
-{calls}
 
 const NAMESPACES = {namespaces};
 const LOADERS = {loaders};
+// This process's name at the emulator: its Dynamic Workers' tail events are delivered here.
+const OWNER = {owner};
 
 function dispatchNamespace(emulator, namespace) {{
   return {{
@@ -169,129 +173,260 @@ function dispatchNamespace(emulator, namespace) {{
   }};
 }}
 
-// Tell the emulator that the call `call` now runs a Dynamic Worker limited to `cpuMs` ("begin"),
-// that the Worker gave the event loop back ("yield"), or that it no longer runs ("end"): it stops
-// the call's process once that limit is spent. A begin is answered once no other Dynamic Worker
-// of the process holds the event loop, so the emulator knows which one spins.
-// Returns true for the replay of a call whose Dynamic Worker the emulator stopped (a 429):
-// that Worker is to throw Cloudflare's error at once.
-async function meter(emulator, call, phase, cpuMs) {{
-  const answer = await emulator.fetch("http://cfemulator/", {{
-    method: "POST",
-    headers: {{ {meter_header}: phase, {call_header}: call, {meter_cpu_header}: String(cpuMs || 0) }},
-  }});
-  return answer.status === 429;
-}}
-
+// A method of `target`, bound to it. Not through `value.bind`: an RPC stub's method would take
+// `bind` for one more remote method.
 function bound(target, prop) {{
   const value = target[prop];
-  return typeof value === "function" ? value.bind(target) : value;
+  return typeof value === "function" ? Function.prototype.bind.call(value, target) : value;
 }}
 
-function meteredEntrypoint(entrypoint, emulator, cpuMs, loaded) {{
-  return new Proxy(entrypoint, {{
-    get(target, prop) {{
-      if (prop !== "fetch") return bound(target, prop);
-      return async (input, init) => {{
-        const call = calls.getStore();
-        const limit = cpuMs();
-        if (!call || !limit) return target.fetch(input, init);
-        // Its code is loaded first, so that what holds the event loop from the begin on is the
-        // Worker's handler, not a read of its code (and a load this call left unfinished, when
-        // it throws at once, would fail the next).
-        await loaded();
-        if (await meter(emulator, call, "begin", limit)) throw new Error({cpu_message});
-        try {{
-          const answer = target.fetch(input, init);
-          // The Worker gave the event loop back once it answered, or once a timer could fire
-          // (none can while it runs without awaiting).
-          let settled = false;
-          let timer;
-          await new Promise((resolve) => {{
-            answer.then(() => {{ settled = true; resolve(); }}, () => {{ settled = true; resolve(); }});
-            timer = setTimeout(resolve, {yield_ms});
-          }});
-          clearTimeout(timer);
-          if (!settled) await meter(emulator, call, "yield", 0);
-          return await answer;
-        }} finally {{
-          await meter(emulator, call, "end", 0);
-        }}
-      }};
+// --- the Worker Loader binding ---------------------------------------------------------------
+//
+// Each Dynamic Worker runs in a workerd process of its own, as each has an isolate of its own
+// on Cloudflare: its code is handed to the emulator once per id (DYNAMIC_REGISTER_HEADER), and
+// each call of an entrypoint's fetch() goes to its process through the emulator, which meters
+// it against the Dynamic Worker's own limits and stops that process alone.
+
+// A stub from ctx.exports serves only the request that made it, and a Dynamic Worker's tails
+// take the events of every later call too: so each stub made from ctx.exports is noted with how
+// it was made, and made again in the request that delivers the events.
+const madeFrom = new WeakMap();
+
+function notingExports(exports) {{
+  return new Proxy(exports, {{
+    get(target, name) {{
+      const entrypoint = target[name];
+      if (typeof entrypoint !== "function" || typeof name !== "string") return entrypoint;
+      const noted = new Proxy(entrypoint, {{
+        apply(make, self, args) {{
+          const stub = Reflect.apply(make, target, args);
+          madeFrom.set(stub, {{ name, options: args[0] }});
+          return stub;
+        }},
+        get: (make, prop) => bound(make, prop),
+      }});
+      madeFrom.set(noted, {{ name }});
+      return noted;
     }},
   }});
 }}
 
-function workerLoader(loader, emulator) {{
-  const codeLimits = new Map();  // id -> WorkerCode.limits.cpuMs, once its code was loaded
-  const stub = (worker, id) => new Proxy(worker, {{
-    get(target, prop) {{
-      if (prop !== "getEntrypoint") return bound(target, prop);
-      return (name, options) => {{
-        const asked = options && options.limits && options.limits.cpuMs;
-        // The lower of the two limits wins (reference §5.3); 0: none set.
-        const cpuMs = () => {{
-          const given = [asked, codeLimits.get(id)].filter((ms) => ms > 0);
-          return given.length ? Math.min(...given) : 0;
-        }};
-        // Asking for an entrypoint no Worker has loads the code without calling its handlers.
-        const loaded = () => target.getEntrypoint("CfemulatorLoaded").fetch("http://loaded/").catch(() => null);
-        return meteredEntrypoint(target.getEntrypoint(name, options), emulator, cpuMs, loaded);
+function notingContext(ctx) {{
+  return new Proxy(ctx, {{
+    get: (target, prop) => (prop === "exports" && target.exports ? notingExports(target.exports) : bound(target, prop)),
+  }});
+}}
+
+// The tails each Dynamic Worker's code named, by the emulator's key for it.
+const tailsByKey = new Map();
+// The emulator's key of each Dynamic Worker by binding and id, once asked for: a promise, so
+// that calls made while its code loads wait for it, and a getCode that failed stays failed, as
+// workerd keeps a load that failed.
+const keys = new Map();
+
+class EmulatorUnanswered extends Error {{}}
+
+function plainValue(value, path) {{
+  if (value === null || value === undefined || ["string", "number", "boolean"].includes(typeof value)) return;
+  if (Array.isArray(value)) {{
+    value.forEach((item, index) => plainValue(item, `${{path}}[${{index}}]`));
+    return;
+  }}
+  if (typeof value === "object" && Object.getPrototypeOf(value) === Object.prototype) {{
+    for (const [name, item] of Object.entries(value)) plainValue(item, `${{path}}.${{name}}`);
+    return;
+  }}
+  throw new TypeError(`the emulator hands a Dynamic Worker only plain values in its env: ${{path}} is not one`);
+}}
+
+function base64(data) {{
+  const view = ArrayBuffer.isView(data)
+    ? new Uint8Array(data.buffer, data.byteOffset, data.byteLength)
+    : new Uint8Array(data);
+  let text = "";
+  for (let at = 0; at < view.length; at += 0x8000) text += String.fromCharCode(...view.subarray(at, at + 0x8000));
+  return btoa(text);
+}}
+
+// The WorkerCode as JSON, for the Dynamic Worker's process (cfemulator.dynamic_host decodes it).
+// Throws a TypeError for what cannot cross to another process.
+function encodedCode(code) {{
+  if (!code || typeof code !== "object") throw new TypeError("getCode() must return a WorkerCode object");
+  const modules = {{}};
+  for (const [name, module] of Object.entries(code.modules || {{}})) {{
+    const object = module && typeof module === "object" && !(module instanceof WebAssembly.Module);
+    const kind = object ? Object.keys(module)[0] : null;
+    const bytes = kind && (module[kind] instanceof ArrayBuffer || ArrayBuffer.isView(module[kind]));
+    if (typeof module === "string") {{
+      modules[name] = module;
+    }} else if ((kind === "data" || kind === "wasm") && bytes) {{
+      modules[name] = {{ kind, base64: base64(module[kind]) }};
+    }} else if (kind) {{
+      modules[name] = module;
+    }} else {{
+      throw new TypeError(
+        `the emulator cannot hand the module ${{name}} to a Dynamic Worker's process: `
+          + "give a WebAssembly module as {{ wasm: bytes }}",
+      );
+    }}
+  }}
+  plainValue(code.env, "env");
+  if (code.globalOutbound) {{
+    throw new TypeError("the emulator does not run a Dynamic Worker behind a globalOutbound Fetcher");
+  }}
+  if (code.streamingTails && code.streamingTails.length) {{
+    throw new TypeError("the emulator does not give Dynamic Workers streamingTails");
+  }}
+  const encoded = {{ ...code, modules, tails: (code.tails || []).length }};
+  delete encoded.streamingTails;
+  delete encoded.globalOutbound;
+  if (code.globalOutbound === null) encoded.globalOutbound = null;
+  return encoded;
+}}
+
+async function handOver(emulator, binding, id, getCode) {{
+  const code = await getCode();
+  const body = JSON.stringify({{ binding, id, code: encodedCode(code) }});
+  let answer;
+  try {{
+    answer = await emulator.fetch("http://cfemulator/", {{
+      method: "POST", headers: {{ {register_header}: OWNER }}, body,
+    }});
+  }} catch (error) {{
+    throw new EmulatorUnanswered(`the emulator did not take the Dynamic Worker's code: ${{error}}`);
+  }}
+  if (answer.status >= 500) throw new EmulatorUnanswered(await answer.text());
+  if (!answer.ok) throw new Error(await answer.text());
+  const {{ key }} = await answer.json();
+  tailsByKey.set(key, [...(code.tails || [])]);
+  return key;
+}}
+
+function keyOf(emulator, binding, id, getCode) {{
+  if (id === null) return handOver(emulator, binding, id, getCode);  // never cached (reference §5.3)
+  const cached = `${{binding}}\\n${{id}}`;
+  let key = keys.get(cached);
+  if (key === undefined) {{
+    key = handOver(emulator, binding, id, getCode);
+    keys.set(cached, key);
+    // The emulator not answering is no failure of the code: a later call hands it over again.
+    key.catch((error) => {{
+      if (error instanceof EmulatorUnanswered && keys.get(cached) === key) keys.delete(cached);
+    }});
+  }}
+  return key;
+}}
+
+function entrypoint(emulator, key, forget, name, options) {{
+  const fetcher = {{
+    async fetch(input, init) {{
+      const request = new Request(input, init);
+      const asked = {{
+        name: name ?? null, props: options && options.props, limits: options && options.limits, url: request.url,
       }};
+      const headers = new Headers(request.headers);
+      headers.set({call_header}, await key());
+      headers.set({entrypoint_header}, encodeURIComponent(JSON.stringify(asked)));
+      const url = new URL(request.url);
+      const answer = await emulator.fetch(`http://cfemulator${{url.pathname}}${{url.search}}`, {{
+        method: request.method, headers, body: request.body, redirect: "manual",
+      }});
+      if (answer.headers.has({not_found_header})) {{
+        forget();  // the emulator was reset since: the next call hands the code over again
+        throw new Error("the emulator no longer holds this Dynamic Worker (it was reset)");
+      }}
+      const thrown = answer.headers.get({exception_header});
+      if (thrown !== null) {{
+        const error = new Error(decodeURIComponent(thrown));
+        error.name = decodeURIComponent(answer.headers.get({exception_name_header}) || "Error");
+        error.stack = await answer.text();
+        throw error;
+      }}
+      const exceeded = answer.headers.get({exceeded_header});
+      if (exceeded) {{
+        await answer.arrayBuffer();
+        throw new Error(exceeded === "memory" ? {memory_message} : {cpu_message});
+      }}
+      if (answer.headers.has({internal_error_header})) {{
+        await answer.arrayBuffer();
+        throw new Error(`internal error; reference = ${{(answer.headers.get("cf-ray") || "").split("-")[0]}}`);
+      }}
+      return answer;
+    }},
+  }};
+  return new Proxy(fetcher, {{
+    get(target, prop) {{
+      if (prop in target || typeof prop !== "string" || prop === "then") return target[prop];
+      throw new TypeError(`the emulator reaches a Dynamic Worker's entrypoint through fetch() only, not ${{prop}}()`);
     }},
   }});
-  const noting = (id, getCode) => async () => {{
-    const code = await getCode();
-    codeLimits.set(id, code && code.limits && code.limits.cpuMs);
-    return code;
+}}
+
+function workerLoader(emulator, binding) {{
+  const stub = (id, getCode) => {{
+    let key;  // asked for at the first call, as workerd loads the code once a request needs it
+    const keyed = () => (key ??= keyOf(emulator, binding, id, getCode));
+    const forget = () => {{
+      const cached = `${{binding}}\\n${{id}}`;
+      if (id !== null && keys.get(cached) === key) keys.delete(cached);
+      key = undefined;
+    }};
+    return {{
+      getEntrypoint: (name, options) => entrypoint(emulator, keyed, forget, name, options),
+      getDurableObjectClass() {{
+        throw new TypeError("the emulator does not give Dynamic Workers Durable Object classes");
+      }},
+    }};
   }};
   return {{
-    get: (id, getCode) => stub(loader.get(id, noting(id, getCode)), id),
-    load: (code) => {{
-      const id = Symbol("load");
-      codeLimits.set(id, code && code.limits && code.limits.cpuMs);
-      return stub(loader.load(code), id);
-    }},
+    get: (id, getCode) => stub(id === null || id === undefined ? null : String(id), getCode),
+    load: (code) => stub(null, () => code),
   }};
+}}
+
+// A batch of a Dynamic Worker's tail events (DYNAMIC_TAIL_HEADER), for the tails its code named.
+async function deliverTails(key, request, ctx) {{
+  const events = await request.json();
+  const failed = [];
+  for (const tail of tailsByKey.get(key) || []) {{
+    const made = madeFrom.get(tail);
+    try {{
+      let target = tail;
+      if (made !== undefined) {{
+        target = made.options === undefined ? ctx.exports[made.name] : ctx.exports[made.name](made.options);
+      }}
+      await target.tail(events);
+    }} catch (error) {{
+      failed.push(String((error && error.stack) || error));
+    }}
+  }}
+  return new Response(failed.join("\\n") || null, {{ status: failed.length ? 500 : 204 }});
 }}
 
 function withBindings(env) {{
   const {{ {emulator}: emulator, ...rest }} = env;
   for (const [binding, namespace] of Object.entries(NAMESPACES)) rest[binding] = dispatchNamespace(emulator, namespace);
-  for (const [binding, real] of Object.entries(LOADERS)) {{
-    rest[binding] = workerLoader(env[real], emulator);
-    delete rest[real];
-  }}
+  for (const binding of LOADERS) rest[binding] = workerLoader(emulator, binding);
   return rest;
 }}
 
 const worker = uploaded.default;
 export default {{
   fetch(request, env, ctx) {{
-    const call = request.headers.get({call_header});
-    if (call !== null) {{
-      const headers = new Headers(request.headers);
-      headers.delete({call_header});
-      request = new Request(request, {{ headers }});
-    }}
-    return calls.run(call, () => worker.fetch(request, withBindings(env), ctx));
+    if (LOADERS.length === 0) return worker.fetch(request, withBindings(env), ctx);
+    const tailed = request.headers.get({tail_header});
+    if (tailed !== null) return deliverTails(tailed, request, ctx);
+    return worker.fetch(request, withBindings(env), notingContext(ctx));
   }},
 }};
 """
-
-
-# The emulator's id of the call a Worker with a Worker Loader serves, for the CPU meter (an
-# AsyncLocalStorage needs the nodejs_als flag, so a script without a loader does without).
-_CALLS = """import { AsyncLocalStorage } from "node:async_hooks";
-const calls = new AsyncLocalStorage();"""
-_NO_CALLS = "const calls = { run: (_, run) => run(), getStore: () => null };"
 
 # Answers the supervisor's liveness probe: any answer shows the process's event loop turns.
 _PROBE = "export default { fetch() { return new Response(null, { status: 204 }) } }"
 
 
 def has_worker_loader(upload: ScriptUpload) -> bool:
-    """Whether the script binds a Worker Loader, whose Dynamic Workers the emulator meters."""
+    """Whether the script binds a Worker Loader, whose Dynamic Workers run in processes of their own."""
     return any(binding.get("type") == "worker_loader" for binding in upload.bindings)
 
 
@@ -324,6 +459,8 @@ class BoundHost(WorkerdHost):
     tail_entry: bool = False
     #: whether the script is a dispatch namespace's, whose exceptions go back to its caller
     hands_back: bool = False
+    #: the process's name at the emulator, to which its Dynamic Workers' tail events come back
+    owner: str = ""
     _environment: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     def write_config(self) -> Path:
@@ -337,6 +474,7 @@ class BoundHost(WorkerdHost):
             tail_key=self.tail_key,
             tail_entry=self.tail_entry,
             hands_back=self.hands_back,
+            owner=self.owner,
         )
         self.config_path.write_text(config)
         return self.config_path
@@ -355,12 +493,15 @@ def bound_config(
     tail_key: str | None = None,
     tail_entry: bool = False,
     hands_back: bool = False,
+    owner: str = "",
 ) -> tuple[str, dict[str, str]]:
     """The capnp config of one bound script listening on `port`, with a liveness probe on
     `probe_port` (its modules are written to `directory`), and the environment holding its
     text bindings. With `tail_key`, its tail events are posted to the emulator under that key;
     with `tail_entry`, each request to it is a batch of events for the script's `tail()`; with
-    `hands_back`, an exception it throws goes back to its caller (a dispatch namespace's script)."""
+    `hands_back`, an exception it throws goes back to its caller (a dispatch namespace's script).
+    `owner` is the process's name at the emulator, which its Worker Loader bindings hand over
+    their Dynamic Workers' code with."""
     modules = []
     for index, (name, kind) in enumerate(upload.module_types.items()):
         if kind == SOURCE_MAP_TYPE:
@@ -377,7 +518,7 @@ def bound_config(
     bindings: list[str] = []
     environment: dict[str, str] = {}
     namespaces: dict[str, str] = {}
-    loaders: dict[str, str] = {}  # binding name -> the real binding's name, behind the meter
+    loaders: list[str] = []  # the Worker Loader bindings' names
     for index, binding in enumerate(upload.bindings):
         name, kind = binding["name"], binding["type"]
         if kind in ("plain_text", "secret_text"):
@@ -395,31 +536,26 @@ def bound_config(
             )
             bindings.append(f"(name = {_capnp(name)}, kvNamespace = {_capnp(service)})")
         elif kind == "worker_loader":
-            loaders[name] = LOADER_BINDING_PREFIX + name
-            bindings.append(f"(name = {_capnp(loaders[name])}, workerLoader = ())")
+            loaders.append(name)  # the shim's, whose Dynamic Workers run in processes of their own
         elif kind == "dispatch_namespace":
             namespaces[name] = binding["namespace"]
         # Other kinds (D1, R2, queues, services, ...) are not emulated: the script runs without them.
 
     main_module = upload.main_module
     flags = list(upload.compatibility_flags)
-    if loaders and "experimental" not in flags:
-        # workerd runs a Worker Loader only under the experimental flag (reference §5.2).
-        flags.append("experimental")
     if namespaces or loaders:
-        # The shim keeps the call's id in an AsyncLocalStorage.
-        if loaders and not {"nodejs_als", "nodejs_compat"} & set(flags):
-            flags.append("nodejs_als")
         services.append(f'(name = "cfemulator", external = (address = {_capnp(emulator_address)}, http = ()))')
         bindings.append(f'(name = {_capnp(EMULATOR_BINDING)}, service = "cfemulator")')
         shim = _SHIM.format(
             main=json.dumps("./" + main_module),
             namespaces=json.dumps(namespaces),
             loaders=json.dumps(loaders),
-            calls=_CALLS if loaders else _NO_CALLS,
-            meter_header=json.dumps(METER_HEADER),
-            call_header=json.dumps(CALL_HEADER),
-            meter_cpu_header=json.dumps(METER_CPU_HEADER),
+            owner=json.dumps(owner),
+            register_header=json.dumps(DYNAMIC_REGISTER_HEADER),
+            call_header=json.dumps(DYNAMIC_CALL_HEADER),
+            entrypoint_header=json.dumps(DYNAMIC_ENTRYPOINT_HEADER),
+            tail_header=json.dumps(DYNAMIC_TAIL_HEADER),
+            exception_name_header=json.dumps(EXCEPTION_NAME_HEADER),
             limits_header=json.dumps(LIMITS_HEADER),
             original_host_header=json.dumps(ORIGINAL_HOST_HEADER),
             not_found_header=json.dumps(NOT_FOUND_HEADER),
@@ -428,7 +564,6 @@ def bound_config(
             internal_error_header=json.dumps(INTERNAL_ERROR_HEADER),
             cpu_message=json.dumps(CPU_EXCEEDED_MESSAGE),
             memory_message=json.dumps(MEMORY_EXCEEDED_MESSAGE),
-            yield_ms=YIELD_MS,
             suffix=DISPATCH_HOST_SUFFIX,
             emulator=EMULATOR_BINDING,
         )

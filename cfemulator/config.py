@@ -59,6 +59,9 @@ class EmulatorConfig:
     # endpoints are documented to ("This call has no response body on a successful delete"),
     # instead of the envelope with a null result.
     empty_delete_answers: bool = False
+    # Seconds after its last call a Dynamic Worker's process is stopped (cfemulator.dynamic);
+    # its next call starts one again and loads its code afresh, as a cold isolate would.
+    dynamic_idle_seconds: float = 60.0
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -84,7 +87,7 @@ class EmulatorConfig:
                 if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_CPU_MS:
                     raise ValueError(f"default_cpu_ms is a whole number of ms, 1 to {MAX_CPU_MS}")
                 values[key] = value
-            elif key in ("latency", "fault_rate", "propagation_delay", "kv_miss_cache_seconds"):
+            elif key in ("latency", "fault_rate", "propagation_delay", "kv_miss_cache_seconds", "dynamic_idle_seconds"):
                 if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
                     raise ValueError(f"{key} must be a number, at least 0")
                 if key == "fault_rate" and value > 1:

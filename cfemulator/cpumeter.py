@@ -50,48 +50,15 @@ def process_cpu_ms(pid: int) -> float | None:
 
 @dataclass(eq=False)
 class Ticket:
-    """One call in flight: its limit, the CPU charged to it so far, whether it was stopped.
-
-    While the call runs a Dynamic Worker (`run_dynamic`), that Worker's own limit applies as
-    well, to the CPU charged from its start (cfemulator.bound: the meter around a Worker
-    Loader's entrypoints).
-    """
+    """One call in flight: its limit, the CPU charged to it so far, whether it was stopped."""
 
     limit_ms: int
     used_ms: float = 0.0
     exceeded: bool = False
-    dynamic_limit_ms: int | None = None
-    dynamic_from_ms: float = 0.0
-    dynamic_began_at: float = 0.0
-    # Whether its own Dynamic Worker's limit stopped it, or another call's Dynamic Worker
-    # stopped the process it shared (`stopped_by_dynamic`, for the other calls in flight).
-    dynamic_exceeded: bool = False
-    stopped_by_dynamic: bool = False
-    # Whether its Dynamic Worker was let start and has not yet given its process's event loop
-    # back (`cfemulator.dynamic_calls.DynamicCalls.mark`); at most one call on a process holds it.
-    holds_loop: bool = False
-
-    def run_dynamic(self, limit_ms: int | None) -> None:
-        """The call now runs a Dynamic Worker limited to `limit_ms`, which holds the event loop
-        until `gave_back_loop()` (None: no longer runs one)."""
-        self.dynamic_limit_ms, self.dynamic_from_ms = limit_ms, self.used_ms
-        self.dynamic_began_at = time.monotonic()
-        self.holds_loop = limit_ms is not None
-
-    def gave_back_loop(self) -> None:
-        """Its Dynamic Worker gave the event loop back: it awaits, so the others may run."""
-        self.holds_loop = False
 
     def over_ms(self) -> float:
-        """How far past its tightest limit the call is now (negative: within it)."""
-        over = self.used_ms - self.limit_ms
-        if self.dynamic_limit_ms is not None:
-            over = max(over, self.used_ms - self.dynamic_from_ms - self.dynamic_limit_ms)
-        return over
-
-    @property
-    def limit_in_force_ms(self) -> int:
-        return self.dynamic_limit_ms if self.dynamic_limit_ms is not None else self.limit_ms
+        """How far past its limit the call is now (negative: within it)."""
+        return self.used_ms - self.limit_ms
 
 
 def _reniced(pid: int) -> bool:
@@ -185,31 +152,17 @@ class CpuMeter:
                     ticket.used_ms += share
                 worst = max(metered.tickets, key=Ticket.over_ms)
                 if worst.over_ms() > grace:
-                    by_dynamic = worst.dynamic_limit_ms is not None and (
-                        worst.used_ms - worst.dynamic_from_ms - worst.dynamic_limit_ms > grace
-                    )
-                    if by_dynamic:
-                        # The calls share the CPU equally, so the one charged most is not
-                        # known to be the one spinning. The one whose Dynamic Worker holds the
-                        # event loop is (the emulator lets one hold it at a time); else (the
-                        # spinner gave it back once, and spins since it resumed) the Dynamic
-                        # Worker started last, as one that holds the loop keeps any other from
-                        # starting.
-                        running = [t for t in metered.tickets if t.dynamic_limit_ms is not None]
-                        holding = [t for t in running if t.holds_loop]
-                        worst = max(holding or running, key=lambda t: t.dynamic_began_at)
-                        worst.dynamic_exceeded = True
+                    # They shared the process that is stopped, as calls sharing an isolate do.
                     for ticket in metered.tickets:
                         ticket.exceeded = True
-                        ticket.stopped_by_dynamic = by_dynamic
                     stopping.append((metered, worst))
             for metered, _ in stopping:
                 del self._processes[metered.pid]
         for metered, worst in stopping:
             logger.warning(
                 "a call used %.0f ms of CPU against its limit of %s ms: stopping workerd (pid %s)",
-                worst.used_ms - (worst.dynamic_from_ms if worst.dynamic_exceeded else 0),
-                worst.limit_in_force_ms,
+                worst.used_ms,
+                worst.limit_ms,
                 metered.pid,
             )
             metered.stop()

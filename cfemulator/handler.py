@@ -1,6 +1,7 @@
 """The emulator's HTTP front: one thread per connection (keep-alive is honoured), routing
-each request to the API, a script (`cfemulator.proxy`), a KV binding, the CPU meter's marks
-or the /__emulator/ controls."""
+each request to the API, a script (`cfemulator.proxy`), a KV binding, a Worker Loader's Dynamic
+Workers (their hand-over, their calls, their tail events: `cfemulator.dynamic`) or the
+/__emulator/ controls."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from cfemulator.api_common import ApiRequest
 from cfemulator.bodies import BodyTooLarge, RequestBody
-from cfemulator.bound import CALL_HEADER, KV_HEADER, METER_CPU_HEADER, METER_HEADER, TAIL_HEADER
+from cfemulator.bound import (
+    DYNAMIC_CALL_HEADER,
+    DYNAMIC_REGISTER_HEADER,
+    DYNAMIC_TAIL_HEADER,
+    KV_HEADER,
+    TAIL_HEADER,
+)
 from cfemulator.proxy import WorkerProxy
 
 logger = logging.getLogger(__name__)
@@ -86,22 +93,23 @@ class RequestHandler(WorkerProxy, BaseHTTPRequestHandler):
             # A script's call streams both ways, as on Cloudflare: its body is not read here.
             self._serve_worker(host, split)
             return
+        if self.headers.get(DYNAMIC_CALL_HEADER) is not None:
+            self._serve_dynamic(split)  # streams both ways, as a script's call does
+            return
         try:
             body = RequestBody(self).whole()
         except (BodyTooLarge, ValueError) as exc:
             self._refuse_body(exc)
             return
         kv_namespace = self.headers.get(KV_HEADER)
-        meter = self.headers.get(METER_HEADER)
         tailed = self.headers.get(TAIL_HEADER)
+        dynamic_tailed = self.headers.get(DYNAMIC_TAIL_HEADER)
         if tailed is not None:
             self._send(emulator.tails.received(tailed, body), b"", None)
-        elif meter is not None:
-            try:
-                cpu_ms = int(self.headers.get(METER_CPU_HEADER) or 0)
-            except ValueError:
-                cpu_ms = 0
-            self._send(emulator.calls.mark(self.headers.get(CALL_HEADER) or "", meter, cpu_ms), b"", None)
+        elif dynamic_tailed is not None:
+            self._send(emulator.tails.received_dynamic(dynamic_tailed, body), b"", None)
+        elif self.headers.get(DYNAMIC_REGISTER_HEADER) is not None:
+            self._register_dynamic(self.headers[DYNAMIC_REGISTER_HEADER], body)
         elif kv_namespace is not None:
             response = emulator.api.kv_binding(self._api_request(split, body), kv_namespace)
             self._send(response.status, response.body, response.content_type, response.headers)
@@ -112,6 +120,15 @@ class RequestHandler(WorkerProxy, BaseHTTPRequestHandler):
             self._send(response.status, response.body, response.content_type, response.headers)
 
     do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_request
+
+    def _register_dynamic(self, owner: str, body: bytes) -> None:
+        """A Worker Loader binding hands over a Dynamic Worker's code: its key, or why not (400)."""
+        try:
+            key = self.server.emulator.dynamic.register(owner=owner, body=body)
+        except ValueError as exc:
+            self._send(400, str(exc).encode(), "text/plain; charset=utf-8")
+            return
+        self._send_json(200, {"key": key})
 
     def _refuse_body(self, exc: Exception) -> None:
         """A body over the limit (413), or whose Content-Length or chunk size is not a number
@@ -138,6 +155,8 @@ class RequestHandler(WorkerProxy, BaseHTTPRequestHandler):
             self._send_json(200, {"dispatches": api.dispatch_log()})
         elif path == "/__emulator/processes" and self.command == "GET":
             self._send_json(200, {"processes": self.server.emulator.scripts.describe()})
+        elif path == "/__emulator/dynamic-workers" and self.command == "GET":
+            self._send_json(200, {"dynamic_workers": self.server.emulator.dynamic.snapshot()})
         elif path == "/__emulator/reset" and self.command == "POST":
             self.server.emulator.reset()
             self._send_json(200, {"config": api.config.to_json()})

@@ -6,6 +6,9 @@ The limit of one call (docs: Workers limits, "CPU time"; Workers for Platforms c
 - for a call through a dispatch namespace binding, `limits.cpuMs` of `get(name, args,
   {limits})`; when the script has its own too, the lower wins, as the docs state for a
   Dynamic Worker's two limits (reference §5.3; for dispatch it is UNCERTAIN);
+- for a call to a Dynamic Worker, the lower of its code's `limits.cpuMs` and that of the
+  entrypoint it is called through (`getEntrypoint(name, {limits})`), as the docs state
+  (reference §5.3); with neither, the plan's default, as for any Worker;
 - otherwise the plan's default: 30 s of CPU on the Paid plan (changelog 2025-03-25, "Run
   Workers for up to 5 minutes of CPU-time": "By default, Workers are still limited to 30
   seconds"), up to `MAX_CPU_MS` when a script asks; 10 ms on the Free plan.
@@ -53,6 +56,14 @@ def call_cpu_ms(script_limits: dict[str, int], dispatch_limits: Any = None, *, d
         candidates.append(dispatch_limits.get("cpuMs"))
     given = [value for value in candidates if isinstance(value, int) and not isinstance(value, bool) and value > 0]
     return min(given) if given else default
+
+
+def dynamic_cpu_ms(code_limits: Any, entrypoint_limits: Any, *, default: int = DEFAULT_CPU_MS) -> int:
+    """The CPU limit of one call to a Dynamic Worker in ms: the lower of its code's `cpuMs` and
+    its entrypoint's, whichever are set, else the plan's `default`."""
+    candidates = [limits.get("cpuMs") for limits in (code_limits, entrypoint_limits) if isinstance(limits, dict)]
+    given = [ms for ms in candidates if isinstance(ms, int | float) and not isinstance(ms, bool) and ms > 0]
+    return int(min(given)) if given else default
 
 
 def exceeded_answer(*, host: str, accept: str | None) -> ErrorAnswer:

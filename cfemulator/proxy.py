@@ -4,7 +4,11 @@ The request handler's (`cfemulator.handler`) half for the hosts `{script}.{sub}.
 and `{script}.{namespace}.dispatch.localhost`: the body streams both ways, a WebSocket upgrade
 becomes a byte relay (`cfemulator.tunnel`), a call that runs past its CPU or memory limit
 is answered with Cloudflare's error 1102 (`cfemulator.limits`), and one the emulator itself
-fails with Cloudflare's own 500 (`cfemulator.errorpages`).
+fails with Cloudflare's own 500 (`cfemulator.errorpages`). A call of a Worker Loader's
+Dynamic Worker (DYNAMIC_CALL_HEADER, from its loader Worker's binding) goes the same way to
+the Dynamic Worker's own process (`cfemulator.dynamic`); past a limit, or failed by the
+emulator itself, the binding is told (EXCEEDED_HEADER, INTERNAL_ERROR_HEADER) and its
+`fetch()` throws what Cloudflare's runtime throws.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import unquote
 
 import urllib3
 from urllib3 import HTTPHeaderDict
@@ -22,7 +27,9 @@ from urllib3 import HTTPHeaderDict
 from cfemulator.api import WorkerTarget
 from cfemulator.bodies import PIECE, BodyTooLarge, RequestBody
 from cfemulator.bound import (
-    CALL_HEADER,
+    DYNAMIC_CALL_HEADER,
+    DYNAMIC_ENTRYPOINT_HEADER,
+    DYNAMIC_HEADER_PREFIX,
     EXCEEDED_HEADER,
     INTERNAL_ERROR_HEADER,
     LIMITS_HEADER,
@@ -30,9 +37,10 @@ from cfemulator.bound import (
     ORIGINAL_HOST_HEADER,
     has_worker_loader,
 )
+from cfemulator.dynamic import UnknownDynamicWorker
 from cfemulator.errorpages import INTERNAL_ERROR, ErrorAnswer, error_answer
 from cfemulator.hostcode import LOADER_ID_HEADER, SECRET_HEADER
-from cfemulator.limits import call_cpu_ms, exceeded_answer
+from cfemulator.limits import WORKER_EXCEEDED, call_cpu_ms, exceeded_answer
 from cfemulator.scripts import ScriptProcess
 from cfemulator.tunnel import UPGRADE_HEADERS, Handshake, HandshakeFailed, is_websocket_upgrade, relay
 
@@ -54,11 +62,6 @@ _NOT_PASSED = HOP_BY_HOP | OWN_HEADERS
 # for Sigil's gateway, capabilities/runtimes/host/host.js): on Cloudflare the script's
 # answer reaches the caller as the script made it, so the mark is taken off again.
 _LOADER_HOST_MARKS = frozenset({"x-sigil-host"})
-# How long a call whose Dynamic Worker was stopped waits for its process to be replaced.
-REPLACED_WITHIN_SECONDS = 10.0
-# How many times one call is sent again after a Dynamic Worker's stop (see `_run`): a call
-# stopped that often is answered with error 1102 instead of waiting on.
-MAX_REPLAYS = 3
 
 
 class LimitExceeded(Exception):
@@ -106,7 +109,8 @@ class WorkerProxy:
         for name, value in self.headers.items():
             lower = name.lower()
             hop_by_hop = lower in HOP_BY_HOP and not (upgrade and lower in UPGRADE_HEADERS)
-            if hop_by_hop or lower in (LIMITS_HEADER, ORIGINAL_HOST_HEADER, CALL_HEADER):
+            emulators = lower in (LIMITS_HEADER, ORIGINAL_HOST_HEADER) or lower.startswith(DYNAMIC_HEADER_PREFIX)
+            if hop_by_hop or emulators:
                 continue
             if lower == "host" and original_host:
                 value = original_host
@@ -117,7 +121,16 @@ class WorkerProxy:
             headers.add(name, value)
         if body.length:  # urllib3 frames an empty one as the method expects
             headers["Content-Length"] = str(body.length)
+        if not target.runs_bound:
+            headers[SECRET_HEADER] = emulator.scripts.secret
+            headers[LOADER_ID_HEADER] = f"{target.name}@{target.sha}"
+        elif has_worker_loader(target.upload):
+            emulator.dynamic.prepare()  # a spare process for its next new Dynamic Worker
         path = split.path + (f"?{split.query}" if split.query else "")
+        limit_ms = call_cpu_ms(target.upload.limits, _parse_limits(limits), default=emulator.api.config.default_cpu_ms)
+
+        def acquire() -> ScriptProcess:
+            return self._hold_process(target)
 
         def send(port: int) -> Any:
             if upgrade:
@@ -139,7 +152,7 @@ class WorkerProxy:
             self._send(answer.status, answer.body, answer.content_type, answer.headers + ([mark] if dispatched else []))
 
         try:
-            self._run(target, headers, body, limits, send, answered)
+            self._run(acquire, limit_ms, body, send, answered)
         except LimitExceeded as exceeded:
             answer = exceeded_answer(host=original_host or host, accept=self.headers.get("Accept"))
             answer_for_cloudflare(answer, (EXCEEDED_HEADER, exceeded.reason))
@@ -160,81 +173,103 @@ class WorkerProxy:
                 # on it could not be told from it.
                 self.close_connection = True
 
+    def _serve_dynamic(self, split: Any) -> None:
+        """One call of a Dynamic Worker from its loader Worker's binding (cfemulator.bound), run
+        in the Dynamic Worker's own process and metered against its own limit. Past it, the
+        answer carries EXCEEDED_HEADER, for the binding to throw Cloudflare's error."""
+        emulator = self.server.emulator
+        key = self.headers.get(DYNAMIC_CALL_HEADER) or ""
+        try:
+            body = RequestBody(self)
+        except (BodyTooLarge, ValueError) as exc:
+            self._refuse_body(exc)
+            return
+        # A WebSocket upgrade reaches the Dynamic Worker with its upgrade, as a script's does.
+        upgrade = body.finished and is_websocket_upgrade(self.command, self.headers.get("Upgrade"))
+        headers = HTTPHeaderDict()
+        for name, value in self.headers.items():
+            lower = name.lower()
+            if lower not in HOP_BY_HOP or (upgrade and lower in UPGRADE_HEADERS):
+                headers.add(name, value)
+        if body.length:
+            headers["Content-Length"] = str(body.length)
+        path = split.path + (f"?{split.query}" if split.query else "")
+
+        def send(port: int) -> Any:
+            if upgrade:
+                return emulator.upgrade(self.command, path, headers, port=port)
+            return emulator.proxy(self.command, path, headers, body.pieces(), port=port)
+
+        def answered(upstream: Any) -> None:
+            if upgrade:
+                self._pass_upgrade(upstream)
+            else:
+                self._relay(upstream, as_sent=True)
+
+        try:
+            limit_ms = emulator.dynamic.cpu_ms(
+                key,
+                _entrypoint_limits(self.headers.get(DYNAMIC_ENTRYPOINT_HEADER)),
+                default=emulator.api.config.default_cpu_ms,
+            )
+            with emulator.dynamic.call(key) as acquire:
+                self._run(acquire, limit_ms, body, send, answered)
+        except UnknownDynamicWorker:
+            self.close_connection = not body.finished
+            self._send(404, b"the emulator holds no such Dynamic Worker\n", "text/plain", [(NOT_FOUND_HEADER, "1")])
+        except LimitExceeded as exceeded:
+            reason = f"the Dynamic Worker ran past its {exceeded.reason} limit\n".encode()
+            self._send(WORKER_EXCEEDED.status, reason, "text/plain", [(EXCEEDED_HEADER, exceeded.reason)])
+        except BodyTooLarge:
+            self._send(413, b"request body too large", "text/plain")
+        except ValueError:
+            self._send(400, b"malformed request body framing", "text/plain")
+        except (urllib3.exceptions.HTTPError, HandshakeFailed, RuntimeError, TimeoutError) as exc:
+            # The emulator's own failure: the binding throws what workerd throws for a failure
+            # of the runtime itself (cfemulator.bound, INTERNAL_ERROR_HEADER).
+            logger.warning("workerd failed a call of the Dynamic Worker %s: %s", key, exc)
+            answer = error_answer(INTERNAL_ERROR, host=self.headers.get("Host") or "", accept=None)
+            self._send(answer.status, answer.body, answer.content_type, [*answer.headers, (INTERNAL_ERROR_HEADER, "1")])
+        finally:
+            if not body.finished:
+                self.close_connection = True
+
     def _run(
         self,
-        target: WorkerTarget,
-        headers: HTTPHeaderDict,
+        acquire: Callable[[], ScriptProcess],
+        limit_ms: int,
         body: RequestBody,
-        limits: str | None,
         send: Callable[[int], Any],
         answered: Callable[[Any], None],
     ) -> None:
-        """Run one call in the script's own workerd: `send(port)` sends it there and returns
-        the answer, which is metered against the call's CPU limit until `answered` has relayed
-        it (a streamed answer, or a WebSocket session, keeps the script running).
+        """Run one call in its own workerd (`acquire()` finds it, started): `send(port)` sends
+        it there and returns the answer, which is metered against `limit_ms` of CPU until
+        `answered` has relayed it (a streamed answer, or a WebSocket session, keeps it running).
 
-        Raises LimitExceeded when it ran past it before answering, RuntimeError when workerd
-        cannot start, urllib3's errors or HandshakeFailed when workerd does not answer.
+        Raises LimitExceeded when it ran past a limit before answering, RuntimeError when
+        workerd cannot start, urllib3's errors or HandshakeFailed when workerd does not answer.
         """
         emulator = self.server.emulator
-        limit_ms = call_cpu_ms(target.upload.limits, _parse_limits(limits), default=emulator.api.config.default_cpu_ms)
-        if not target.runs_bound:
-            headers[SECRET_HEADER] = emulator.scripts.secret
-            headers[LOADER_ID_HEADER] = f"{target.name}@{target.sha}"
-        # Its Dynamic Workers' limits are metered on the call (cfemulator.bound, METER_HEADER).
-        metered = target.runs_bound and has_worker_loader(target.upload)
-        # On Cloudflare a Dynamic Worker past its limit throws into its loader Worker, which
-        # answers the call itself, and the other Dynamic Workers never notice; here the whole
-        # process had to be stopped. So a call without a body is sent again, to the fresh
-        # process: the stopped Worker's entrypoint then throws Cloudflare's error at once (the
-        # loader Worker's own code answers), and a call that only shared the process runs again,
-        # as often as another call's runaway stops the process under it (up to MAX_REPLAYS).
-        replaying_stop = False
-        replays = 0
         restarted = False
-        stopped_pid: int | None = None
-        deadline = 0.0
         while True:
-            running = self._hold_process(target)
+            running = acquire()
             pid = running.pid
-            if stopped_pid is not None and pid in (stopped_pid, None) and time.monotonic() < deadline:
-                time.sleep(0.02)  # the supervisor is replacing the stopped process
-                continue
             if pid is None:  # stopped between its start and now: it is being started again
                 if not restarted:
                     restarted = True
                     continue
-                raise RuntimeError(f"workerd for {target.name} keeps stopping")
+                raise RuntimeError("its workerd keeps stopping")
             sent_at = time.time()
-            with (
-                emulator.meter.call(
-                    pid=pid, stop=running.stop_for_cpu, limit_ms=limit_ms, silent=running.silent
-                ) as ticket,
-                emulator.calls.tracked(ticket, pid=pid, replaying_stop=replaying_stop) as call,
-            ):
-                if metered:
-                    headers[CALL_HEADER] = call.id
+            with emulator.meter.call(
+                pid=pid, stop=running.stop_for_cpu, limit_ms=limit_ms, silent=running.silent
+            ) as ticket:
                 try:
                     upstream = send(running.port)
                 except (urllib3.exceptions.HTTPError, HandshakeFailed) as exc:
-                    replayable = metered and replays < MAX_REPLAYS and not body.chunked and not body.length
-                    # A replay to throw at once that was stopped before it threw still has to.
-                    replaying_stop = call.replaying_stop or ticket.dynamic_exceeded
                     if ticket.exceeded:
-                        if replayable and ticket.stopped_by_dynamic:
-                            replays, stopped_pid = replays + 1, pid
-                            deadline = time.monotonic() + REPLACED_WITHIN_SECONDS
-                            continue
                         raise LimitExceeded("cpu") from None
                     reason = running.stopped_for(sent_at)
                     if reason is not None:
-                        # Stopped for another call's Dynamic Worker (it reached the process as
-                        # the meter stopped it): on Cloudflare this call's isolate would not
-                        # have noticed, so a bodiless one runs again.
-                        if replayable:
-                            replays, stopped_pid = replays + 1, pid
-                            deadline = time.monotonic() + REPLACED_WITHIN_SECONDS
-                            continue
                         raise LimitExceeded(reason) from None
                     # Refused: the process was stopped (another call ran past a limit) before
                     # this one reached it. Nothing ran (no body was read), so it goes to the
@@ -260,9 +295,10 @@ class WorkerProxy:
         self._calls_held = held
         return running
 
-    def _relay(self, upstream: urllib3.BaseHTTPResponse, *, unmark: bool = False) -> None:
+    def _relay(self, upstream: urllib3.BaseHTTPResponse, *, unmark: bool = False, as_sent: bool = False) -> None:
         """Send workerd's answer on as it arrives: each chunk as workerd writes it; `unmark`
-        takes off the headers the emulator's loader host added (a plain script's answer).
+        takes off the headers the emulator's loader host added (a plain script's answer);
+        `as_sent` adds none of the emulator's own (a Dynamic Worker's answer to its loader Worker).
 
         Once the status line is out, a failure can no longer be answered: the connection is
         closed before the body's end, which the client sees as a truncated answer (as a
@@ -276,7 +312,7 @@ class WorkerProxy:
                 if upstream.chunked
                 else upstream.stream(PIECE, decode_content=False)
             )
-            self._send_streamed(upstream.status, headers, pieces)
+            self._send_streamed(upstream.status, headers, pieces, as_sent=as_sent)
             complete = True
         except urllib3.exceptions.HTTPError as exc:
             logger.warning("workerd's answer broke off: %s", exc)
@@ -311,16 +347,25 @@ class WorkerProxy:
         finally:
             handshake.close()
 
-    def _send_streamed(self, status: int, headers: list[tuple[str, str]], pieces: Iterable[bytes]) -> None:
+    def _send_streamed(
+        self, status: int, headers: list[tuple[str, str]], pieces: Iterable[bytes], *, as_sent: bool = False
+    ) -> None:
         """Send an answer whose body is `pieces`, each written as it comes: with the
-        Content-Length given in `headers`, else chunked. Raises what `pieces` raises."""
-        passed = [(name, value) for name, value in headers if name.lower() not in _NOT_PASSED]
+        Content-Length given in `headers`, else chunked; with `as_sent`, with workerd's own
+        headers only (no Server or Date of the emulator's). Raises what `pieces` raises."""
+        passed = [
+            (name, value) for name, value in headers if name.lower() not in (HOP_BY_HOP if as_sent else _NOT_PASSED)
+        ]
         length = next((value for name, value in headers if name.lower() == "content-length"), None)
         content_type = next((value for name, value in headers if name.lower() == "content-type"), None)
         bodiless = self.command == "HEAD" or status in (204, 304)
         chunked = length is None and not bodiless
-        self.send_response(status)
-        if content_type:
+        if as_sent:
+            self.log_request(status)
+            self.send_response_only(status)
+        else:
+            self.send_response(status)
+        if content_type and not as_sent:
             self.send_header("Content-Type", content_type)
         for name, value in passed:
             self.send_header(name, value)
@@ -357,6 +402,15 @@ class WorkerProxy:
 def _unmarked(headers: Iterable[tuple[str, str]], *, unmark: bool) -> list[tuple[str, str]]:
     """`headers`, less the loader host's marks when `unmark` (a plain script's answer)."""
     return [(name, value) for name, value in headers if not (unmark and name.lower() in _LOADER_HOST_MARKS)]
+
+
+def _entrypoint_limits(header: str | None) -> Any:
+    """The `limits` a Dynamic Worker's entrypoint was given (DYNAMIC_ENTRYPOINT_HEADER), or None."""
+    try:
+        asked = json.loads(unquote(header or ""))
+    except ValueError:
+        return None
+    return asked.get("limits") if isinstance(asked, dict) else None
 
 
 def _parse_limits(header: str | None) -> Any:

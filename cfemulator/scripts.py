@@ -19,12 +19,16 @@ it serves, and the old process stays until the calls it serves have ended (calls
 are counted per process, a WebSocket session for as long as it lasts), then is stopped; at
 the latest DRAIN_SECONDS after it was replaced, which cuts what still runs there. Processes
 of deleted scripts idle until the next reset.
+A Worker Loader's Dynamic Workers run in processes of this group too, runners named
+`dynamic:{n}` (`cfemulator.dynamic`).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
+import os
 import shutil
 import threading
 import time
@@ -37,6 +41,7 @@ from capabilities.workerd.group import WorkerdGroup
 from capabilities.workerd.host import WorkerdHost
 from capabilities.workerd.supervision import Limits, SupervisedWorkerd
 from cfemulator.bound import BoundHost, needs_own_workerd
+from cfemulator.dynamic_host import DynamicHost
 from cfemulator.limits import MAX_CPU_MS
 from cfemulator.uploads import ScriptUpload
 from sigil.ports import free_port_block, port_is_open
@@ -57,6 +62,8 @@ LIMITS = Limits(stall_ms=MAX_CPU_MS + 1000, memory_mb=MEMORY_MB, probe_interval_
 # and each call is held to its own CPU limit meanwhile (the meter). No source gives a figure
 # for a new deployment of a Worker: the emulator applies the same bound.
 DRAIN_SECONDS = 20 * 60
+# The names of the processes that run Dynamic Workers (cfemulator.dynamic).
+RUNNER_PREFIX = "dynamic:"
 
 
 class _Ports:
@@ -158,6 +165,10 @@ class ScriptProcesses:
         self.binary = binary
         self.state_dir = Path(state_dir)
         self.code_dir = Path(code_dir)
+        #: where the Dynamic Workers' code is kept, for their runners to read (cfemulator.dynamic),
+        #: sealed under a key of this process's that only the runners' environment holds
+        self.dynamic_code_dir = self.state_dir.parent / "dynamic-code"
+        self.dynamic_code_key = os.urandom(32)
         #: the loader host's shared secret, sent with every call to a plain script
         self.secret = secret
         self.emulator_port = 0  # set once the emulator's socket is bound
@@ -221,6 +232,27 @@ class ScriptProcesses:
                 }
             )
         return described
+
+    def acquire_runner(self, name: str) -> ScriptProcess:
+        """The Dynamic Worker runner `name` (`RUNNER_PREFIX`…), started as needed.
+
+        Raises TimeoutError when it does not serve within 15 s."""
+        with self._lock:
+            group = self._group
+        group.ensure(name)
+        return ScriptProcess(group.get(name))
+
+    def running(self, name: str) -> ScriptProcess | None:
+        """The process `name` while it serves; None otherwise. Starts nothing."""
+        with self._lock:
+            supervised = self._group.get(name)
+        return ScriptProcess(supervised) if supervised is not None and supervised.serving() else None
+
+    def retire(self, name: str) -> None:
+        """Stop the process `name` and forget it; the next `acquire` of it starts a fresh one."""
+        with self._lock:
+            group = self._group
+        group.retire(name)
 
     def stop_all(self) -> None:
         """Stop every process, together; later calls start new ones."""
@@ -324,11 +356,22 @@ class ScriptProcesses:
         return WorkerdGroup(self._make_host, LIMITS, self._ports)
 
     def _make_host(self, name: str, port: int) -> WorkerdHost:
+        directory = self._directory(name)
+        if name.startswith(RUNNER_PREFIX):
+            return DynamicHost(
+                binary=self.binary,
+                port=port,
+                code_dir=self.code_dir,
+                state_dir=directory,
+                secret=self.secret,
+                emulator_port=self.emulator_port,
+                dynamic_code_dir=self.dynamic_code_dir,
+                code_key=base64.b64encode(self.dynamic_code_key).decode(),
+            )
         with self._lock:
             process = self._processes.get(name)
         if process is None:  # every process was stopped (a reset) since the call asked for it
             raise RuntimeError(f"the emulator was reset while {name} was started")
-        directory = self._directory(name)
         if not process.bound:
             return WorkerdHost(
                 binary=self.binary, port=port, code_dir=self.code_dir, state_dir=directory, secret=self.secret
@@ -346,4 +389,5 @@ class ScriptProcesses:
             tail_key=process.key if process.tails == "produce" else None,
             tail_entry=process.tails == "consume",
             hands_back=process.key.startswith("ns:") and process.tails == "produce",
+            owner=name,
         )

@@ -12,16 +12,22 @@ processes, the CPU meter, the start check of uploads and the connections to work
 - Host `{script}.{ns}.dispatch.localhost` a script of a dispatch namespace, as a dispatch
                                  namespace binding reaches it
 - header `x-cfemulator-kv`       a KV binding's read or write, from a bound script
+- headers `x-cfemulator-dynamic-*` a Worker Loader binding's Dynamic Workers: the hand-over
+                                 of their code, their calls and their tail events
+                                 (`cfemulator.dynamic`)
 - `GET  /__emulator/requests`    the API calls received: method, path, status, code, time
 - `GET  /__emulator/dispatches`  the calls made through dispatch namespace bindings
 - `GET  /__emulator/processes`   the scripts' workerd processes: key, version, pid, state,
                                  calls in flight, and whether a newer version replaced it
+- `GET  /__emulator/dynamic-workers` the Dynamic Workers handed over by Worker Loader
+                                 bindings, each with the process it runs in while it has one
 - `POST /__emulator/reset`       forget scripts, namespaces, KV, counters and the log
 - `GET|POST /__emulator/config`  read or change script_limit, latency, fault_rate,
                                  fault_seed, fail_next, rate_limit ("N/S"),
                                  script_max_bytes, subdomain, default_cpu_ms,
                                  cpu_grace_ms, propagation_delay,
-                                 kv_miss_cache_seconds, empty_delete_answers
+                                 kv_miss_cache_seconds, empty_delete_answers,
+                                 dynamic_idle_seconds
 
 Bodies stream both ways through the proxy to a script's workerd (`cfemulator.proxy`), and
 WebSocket upgrades pass through as on Cloudflare (`cfemulator.tunnel`); the account's state is kept in
@@ -42,7 +48,7 @@ from capabilities.workerd.host import WorkerdHost
 from cfemulator.api import API_PREFIX, CloudflareApi
 from cfemulator.config import EmulatorConfig
 from cfemulator.cpumeter import CpuMeter
-from cfemulator.dynamic_calls import DynamicCalls
+from cfemulator.dynamic import DynamicWorkers
 from cfemulator.envelope import ApiError
 from cfemulator.handler import HttpServer
 from cfemulator.hostcode import HostUnanswered, start_problem
@@ -63,8 +69,9 @@ class EmulatorServer:
 
     `start()` runs it in a background thread (tests); `serve_forever()` in the caller's
     (the management command). `port=0` picks a free port; `port` then tells which.
-    Each script is served by a supervised process of its own (`scripts`), its calls metered
-    by `meter`; uploads are started in one more (`start_check`). `workerd` is a plain loader
+    Each script is served by a supervised process of its own (`scripts`), and so is each
+    Dynamic Worker of a Worker Loader (`dynamic`), their calls metered by `meter`; uploads are
+    started in one more (`start_check`). `workerd` is a plain loader
     host over the same code directory, for running bundles without the proxy (benchmarks).
     """
 
@@ -79,8 +86,8 @@ class EmulatorServer:
             secret=workerd.secret,
         )
         self.meter = CpuMeter(grace_ms=lambda: self.api.config.cpu_grace_ms)
-        self.calls = DynamicCalls()
-        self.tails = TailRelay(api=api, scripts=self.scripts)
+        self.dynamic = DynamicWorkers(scripts=self.scripts, idle_seconds=lambda: self.api.config.dynamic_idle_seconds)
+        self.tails = TailRelay(api=api, scripts=self.scripts, dynamic=self.dynamic)
         self._requested_port = port
         self._http: HttpServer | None = None
         self._thread: threading.Thread | None = None
@@ -147,6 +154,7 @@ class EmulatorServer:
         self.workerd.start()
         self.bind()
         self.meter.start()
+        self.dynamic.start()
         self._thread = threading.Thread(target=self._http.serve_forever, name="cfemulator", daemon=True)
         self._thread.start()
 
@@ -155,6 +163,7 @@ class EmulatorServer:
         if self._http is None:
             self.bind()
         self.meter.start()
+        self.dynamic.start()
         self._http.serve_forever()
 
     def stop(self) -> None:
@@ -168,6 +177,8 @@ class EmulatorServer:
             self._http.close_connections()
             self._http = None
         self.meter.stop()
+        self.dynamic.stop()
+        self.dynamic.reset()
         with self._pools_lock:
             for pool in self._pools.values():
                 pool.close()
@@ -176,8 +187,9 @@ class EmulatorServer:
         self.workerd.stop()
 
     def reset(self) -> None:
-        """Forget the account's state and stop every script's workerd."""
+        """Forget the account's state and its Dynamic Workers, and stop every script's workerd."""
         self.api.reset()
+        self.dynamic.reset()
         self.scripts.stop_all()
 
     def start_check(self, loader_id: str) -> str | None:

@@ -10,6 +10,12 @@ hands them to each consumer's own process. Two differences from Cloudflare, both
 of less: a dispatch Worker's own events and its user Worker's reach the Tail Worker in two
 `tail()` calls rather than one of two items, and events no consumer takes in time are dropped
 with a warning in the emulator's log, as Cloudflare gives no guarantee of delivery either.
+
+A Dynamic Worker's tails are what its loader Worker named in its code, such as the loader
+Worker's own entrypoints (`ctx.exports`): the Dynamic Worker's process posts each batch of its
+events here (DYNAMIC_TAIL_HEADER, `cfemulator.dynamic_host`), and the emulator hands the batch
+back to the loader Worker's process, whose Worker Loader binding gives it to those tails
+(`cfemulator.bound`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 
 import urllib3
 
-from cfemulator.bound import EXCEPTION_MARK
+from cfemulator.bound import DYNAMIC_TAIL_HEADER, EXCEPTION_MARK
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +37,10 @@ _SEND = urllib3.PoolManager(timeout=urllib3.Timeout(connect=5.0, read=30.0), ret
 class TailRelay:
     """Takes the events a tailed script's process posts and delivers them, two at a time."""
 
-    def __init__(self, *, api: Any, scripts: Any) -> None:
+    def __init__(self, *, api: Any, scripts: Any, dynamic: Any) -> None:
         self.api = api
         self.scripts = scripts
+        self.dynamic = dynamic
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cfemulator-tail")
 
     def received(self, key: str, body: bytes) -> int:
@@ -46,6 +53,40 @@ class TailRelay:
             return 400
         self._pool.submit(self._deliver, key, events)
         return 204
+
+    def received_dynamic(self, key: str, body: bytes) -> int:
+        """Queue the events of the Dynamic Worker `key` for its loader Worker; the status to answer."""
+        try:
+            events = json.loads(body)
+        except ValueError:
+            return 400
+        if not isinstance(events, list):
+            return 400
+        self._pool.submit(self._deliver_dynamic, key, body)
+        return 204
+
+    def _deliver_dynamic(self, key: str, body: bytes) -> None:
+        owner = self.dynamic.owner_of(key)
+        running = self.scripts.running(owner) if owner is not None else None
+        if running is None:
+            logger.warning("the loader Worker of the Dynamic Worker %s is not running: its events are dropped", key)
+            return
+        try:
+            answer = _SEND.request(
+                "POST",
+                f"http://127.0.0.1:{running.port}/",
+                body=body,
+                headers={"Content-Type": "application/json", DYNAMIC_TAIL_HEADER: key},
+            )
+            if answer.status >= 400:
+                logger.warning(
+                    "the tails of the Dynamic Worker %s did not take its events (%s): %s",
+                    key,
+                    answer.status,
+                    answer.data[:2000].decode(errors="replace"),
+                )
+        except urllib3.exceptions.HTTPError as exc:
+            logger.warning("the loader Worker of the Dynamic Worker %s did not take its events: %s", key, exc)
 
     def _deliver(self, key: str, events: list[dict[str, Any]]) -> None:
         name, namespace, consumers = self.api.tail_consumers_of(key)

@@ -93,6 +93,12 @@ class EmulatorControl:
         processes = self._call("GET", "/__emulator/processes")["processes"]
         return [process for process in processes if process["key"].endswith(key_suffix)]
 
+    def dynamic_workers(self) -> list[dict[str, Any]]:
+        """The Dynamic Workers that Worker Loader bindings handed over since the last reset:
+        their loader Worker's process, binding and id, and the name and pid of the process each
+        runs in while it has one."""
+        return self._call("GET", "/__emulator/dynamic-workers")["dynamic_workers"]
+
     def worker_request(self, host: str, path: str = "/", method: str = "GET", **kwargs: Any) -> requests.Response:
         """One request to a Worker served by the emulator, addressed by Host header."""
         headers = {**kwargs.pop("headers", {}), "Host": host}

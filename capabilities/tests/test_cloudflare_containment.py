@@ -9,20 +9,33 @@ import pytest
 import requests
 
 from capabilities import breaker
-from testsupport.capability_code import PONG
+from testsupport.capability_code import COUNTS_BODY, PONG
 from testsupport.steady import SteadyCalls
 
 SPIN = "export default { async fetch() { while (true) {} } }"
 HOG = "export default { async fetch() { const kept = []; while (true) kept.push(new Array(1e6).fill(1)) } }"
 CPU_MS = 100
-# Generous: the limit and the emulator's grace are CPU time, which a loaded machine's two
-# cores hand out slowly; then the emulator's poll and its supervisor's kill.
-STOPPED_WITHIN_SECONDS = 3 * (CPU_MS + 100) / 1000 + 1.5
 
 
-def caller(agent, path: str) -> SteadyCalls:
-    """Calls `path` as `agent` over and over in a thread, keeping every status and body."""
-    return SteadyCalls(f"{agent.base_url}{path}", headers={"Authorization": f"Bearer {agent.invoke_token}"})
+def stopped_within(cpu_ms: int) -> float:
+    """Wall seconds a runaway with this CPU limit may take to be answered. Generous: the limit
+    and the emulator's grace are CPU time, which a loaded machine's two cores hand out slowly;
+    then the emulator's poll and its supervisor's kill."""
+    return 3 * (cpu_ms + 100) / 1000 + 1.5
+
+
+STOPPED_WITHIN_SECONDS = stopped_within(CPU_MS)
+# A runaway's limit long enough that a call held up until its stop cannot pass for a slow one,
+# and a bound well below it that a call of another agent never reaches, even on a loaded machine.
+LONG_CPU_MS = 3000
+UNDELAYED_SECONDS = 1.0
+
+
+def caller(agent, path: str, *, body: bytes | None = None) -> SteadyCalls:
+    """Calls `path` as `agent` over and over in a thread (POSTing `body` when given), keeping
+    every status and body and how long each took."""
+    headers = {"Authorization": f"Bearer {agent.invoke_token}"}
+    return SteadyCalls(f"{agent.base_url}{path}", headers=headers, body=body)
 
 
 def incident(alice, bob, *, runaway_calls: int = 3, code: str = SPIN):
@@ -108,9 +121,52 @@ def test_a_runaway_capability_on_the_platform_runtime_is_stopped_at_its_cpu_limi
 def test_a_runaway_capability_on_the_loader_runtime_is_stopped_at_its_cpu_limit_unnoticed(
     loader, alice, bob, settings, redis_client
 ):
-    # Every Dynamic Worker runs in the loader Worker's one process on the emulator; its limit
-    # (not the loader Worker's 30 s) stops it, and the others' calls are not lost.
+    # Its Dynamic Worker's own limit (not the loader Worker's 30 s) stops it.
     spin_stopped_at_its_cpu_limit(alice, bob, settings, redis_client)
+
+
+@pytest.mark.slow
+def test_a_runaway_dynamic_worker_on_the_loader_runtime_holds_up_no_other_agents_call(
+    loader, alice, bob, settings, redis_client
+):
+    # On Cloudflare each Dynamic Worker has an isolate of its own, which no other one's spin
+    # stops; on the emulator, a process of its own. So while alice's spins for its 3 s, bob's
+    # calls (with a body too) answer as they always do.
+    settings.SIGIL_CPU_MS = LONG_CPU_MS
+    body = b"x" * 4096
+    assert alice.deploy(name="spin", code=SPIN).status_code == 201
+    assert bob.deploy(name="ping", code=PONG).status_code == 201
+    assert bob.deploy(name="count", code=COUNTS_BODY).status_code == 201
+    assert bob.call("/bob/ping").text == "pong"
+    assert bob.call("/bob/count", method="POST", data=body).text == str(len(body))
+    with caller(bob, "/bob/ping") as ping, caller(bob, "/bob/count", body=body) as count:
+        time.sleep(0.3)
+        sent = time.monotonic()
+        stopped = alice.call("/alice/spin")
+        answered = time.monotonic()
+        time.sleep(0.3)
+
+    error = stopped.json()["error"]
+    assert (stopped.status_code, error["code"], error["message"]) == (
+        504,
+        "timeout",
+        f"alice--spin ran past its CPU limit of {LONG_CPU_MS} ms and was stopped",
+    )
+    assert LONG_CPU_MS / 1000 <= answered - sent < stopped_within(LONG_CPU_MS)
+    assert set(ping.answers) == {(200, "pong")}
+    assert set(count.answers) == {(200, str(len(body)))}
+    timings = ping.timings + count.timings
+    during = sorted(took for at, took in timings if sent <= at <= answered)
+    print(
+        f"bob's calls while alice's spun for {answered - sent:.2f} s: {len(during)}, "
+        f"median {during[len(during) // 2] * 1000:.0f} ms, slowest {during[-1] * 1000:.0f} ms; "
+        f"slowest of all {max(took for _, took in timings) * 1000:.0f} ms"
+    )
+    assert len(during) > 10
+    assert max(took for _, took in timings) < UNDELAYED_SECONDS
+    assert int(redis_client.get(breaker.failures_key("alice--spin"))) == 1
+    for innocent in ("bob--ping", "bob--count"):
+        assert redis_client.get(breaker.failures_key(innocent)) in (None, b"0")
 
 
 @pytest.mark.slow

@@ -4,13 +4,10 @@ working, each in a workerd of its own, over real HTTP."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
-from cfemulator.limits import CPU_EXCEEDED_MESSAGE
 from cfemulator.tests.test_api import Api, first_error, kv_binding
-from cfemulator.tests.test_limits import calling_steady, stopped_within
 
 KV_WORKER = """export default { async fetch(request, env) {
   const url = new URL(request.url);
@@ -29,24 +26,6 @@ LOADS = """export default { async fetch(request, env) {
     modules: { "m.js": "export default { fetch() { return new Response('loaded at run time') } }" },
   }));
   return worker.getEntrypoint().fetch(request);
-} }"""
-
-# Dynamic Workers limited to 40 ms of CPU: one spins on /spin, any other path awaits a moment
-# (longer than the emulator's wait for a Worker to give the event loop back) and answers.
-LOADS_SPINNER = """export default { async fetch(request, env) {
-  const spin = new URL(request.url).pathname === "/spin";
-  const worker = env.LOADER.get(spin ? "spin@1" : "steady@1", async () => ({
-    compatibilityDate: "2025-01-01", mainModule: "m.js",
-    modules: { "m.js": spin
-      ? "export default { async fetch() { while (true) {} } }"
-      : "export default { async fetch() { await new Promise((r) => setTimeout(r, 30)); "
-        + "return new Response('still here') } }" },
-  }));
-  try {
-    return await worker.getEntrypoint(null, { limits: { cpuMs: 40 } }).fetch(request);
-  } catch (error) {
-    return new Response(String(error.message), { status: 599 });
-  }
 } }"""
 
 DISPATCHES = """export default { async fetch(request, env) {
@@ -120,24 +99,6 @@ def test_a_worker_loader_scripts_named_entrypoints_are_in_its_ctx_exports(api, c
     api.enable("greets")
     answer = cf_emulator_fresh.worker_request(cf_emulator_fresh.workers_dev_host("greets"))
     assert (answer.status_code, answer.text) == (200, "hello world from v1")
-
-
-def test_a_dynamic_worker_past_its_limit_throws_into_its_loader_worker_and_the_others_never_notice(
-    api, cf_emulator_fresh
-):
-    # They all run in the loader Worker's one process, which the emulator stops for the runaway.
-    host = serve(api, cf_emulator_fresh, "loads", LOADS_SPINNER, [{"type": "worker_loader", "name": "LOADER"}])
-    assert cf_emulator_fresh.worker_request(host, "/steady").text == "still here"
-    with calling_steady(cf_emulator_fresh, host) as one, calling_steady(cf_emulator_fresh, host) as two:
-        time.sleep(0.3)
-        for _ in range(3):
-            started = time.monotonic()
-            stopped = cf_emulator_fresh.worker_request(host, "/spin")
-            assert (stopped.status_code, stopped.text) == (599, CPU_EXCEEDED_MESSAGE)
-            assert time.monotonic() - started < stopped_within(40)
-        time.sleep(0.3)
-    answers = one.answers + two.answers
-    assert len(answers) > 6 and set(answers) == {(200, "still here")}
 
 
 def test_a_dispatch_namespace_binding_reaches_namespace_scripts_and_throws_worker_not_found(api, cf_emulator_fresh):

@@ -468,9 +468,12 @@ export default {
         return refuse(404, "missing-code", String(error && error.message));
       }
       // Cloudflare stops a Dynamic Worker past its limit with this exception (reference §5.3).
-      if (String((error && error.message) || error).includes("CPU time limit")) {
+      const message = String((error && error.message) || error);
+      if (message.includes("CPU time limit")) {
         return refuse(500, "exceeded-cpu", `ran past its CPU limit${cpuMs > 0 ? ` of ${cpuMs} ms` : ""}`, env);
       }
+      // What workerd throws when the runtime itself failed the call: not the capability's doing.
+      if (message.startsWith("internal error")) return refuse(502, "internal-error", message, env);
       return refuse(500, "exception", String((error && error.stack) || error));
     }
   },
