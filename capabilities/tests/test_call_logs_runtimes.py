@@ -213,7 +213,7 @@ def test_records_past_the_spools_bound_are_counted_as_lost(on_runtime, sigil, al
         # The Worker says so when it drops a batch it may not spool.
         wait_for(
             lambda: any("call records not delivered" in r.getMessage() for r in caplog.records),
-            timeout=30,
+            timeout=60,
             interval=0.2,
             message="the batch past the bound dropped",
         )

@@ -332,6 +332,8 @@ const SIGNATURE_HEADER = "x-sigil-signature";
 const SPOOL_PREFIX = "spool:";
 // Spooled batches one flush pushes at most; the rest wait for the next flush.
 const DRAIN_BATCHES = 32;
+// After a batch was spooled, the pauses before the spool is tried again in the same flush.
+const RETRY_PAUSES_MS = [1000, 3000, 8000];
 const pending = [];
 let pendingBytes = 0;
 let dropped = 0;
@@ -439,22 +441,28 @@ async function drain(env) {
       spoolMore = true;
       return true;
     }
-    const body = await env.LOG_KV.get(key);
-    if (body !== null) {
-      pushed += 1;
-      try {
-        await push(env, body);
-      } catch (error) {
-        if (error instanceof OriginUnreachable) return false;
-        // Refused for good: its records are counted as lost in the next batch.
-        dropped += recordsIn(body);
-        console.error(`spooled call records refused: ${error}`);
-      }
-      await env.LOG_KV.delete(key);
-    }
-    spooled.delete(key);
+    pushed += 1;
+    if (!(await pushSpooled(env, key))) return false;
   }
   if (!spoolMore && spooled.size === 0) spooledSinceEmpty = 0;
+  return true;
+}
+
+// Push one spooled batch and delete it; one the origin refuses for good is deleted too, its
+// records counted as lost in the next batch. False when the origin is out of reach (it stays).
+async function pushSpooled(env, key) {
+  const body = await env.LOG_KV.get(key);
+  if (body !== null) {
+    try {
+      await push(env, body);
+    } catch (error) {
+      if (error instanceof OriginUnreachable) return false;
+      dropped += recordsIn(body);
+      console.error(`spooled call records refused: ${error}`);
+    }
+    await env.LOG_KV.delete(key);
+  }
+  spooled.delete(key);
   return true;
 }
 
@@ -467,10 +475,10 @@ function recordsIn(body) {
   }
 }
 
-// The next batch from the queue: at most BATCH_RECORDS records and, with `maxBytes`, that many
-// bytes of JSON (but at least one record). The log sink's batches are not measured: the
-// per-call bounds keep BATCH_RECORDS of them within its bound, but for JSON's escaping, and the
-// local runtime's calls should not pay for measuring.
+// The next batch from the queue: at most BATCH_RECORDS records and, with `maxBytes` (pushes),
+// that many bytes of JSON (but at least one record). The log sink's batches are not measured:
+// the per-call bounds keep BATCH_RECORDS of them within its bound, but for JSON's escaping, and
+// the local runtime's calls should not pay for measuring.
 function nextBatch(maxBytes) {
   let records;
   if (maxBytes) {
@@ -492,52 +500,101 @@ function nextBatch(maxBytes) {
 async function flush(env, limits) {
   flushing = true;
   try {
-    await new Promise((resolve) => setTimeout(resolve, env.SIGIL_RECORDS_URL ? PUSH_FLUSH_MS : FLUSH_MS));
-    // Once a push in this flush found the origin out of reach, the rest go to the spool directly.
-    let reachable = true;
-    while (pending.length || dropped) {
-      const records = nextBatch(env.SIGIL_RECORDS_URL ? limits.batchBytes : 0);
-      const lost = dropped;
-      dropped = 0;
-      if (!env.SIGIL_RECORDS_URL) {
-        try {
-          await send(env, { records, dropped: lost });
-        } catch (error) {
-          // Sigil is not taking them now: the next batch that gets through says how many were lost.
-          dropped += lost + records.length;
-          console.error(`call records not delivered: ${error}`);
-          break;
-        }
-        continue;
-      }
-      // LOG_SLOTS (Sigil's Tail Worker): the records name the runtime's slot, and Sigil masks
-      // their secrets as it takes them (capabilities/services/call_records.py).
-      const id = crypto.randomUUID();
-      const batch = env.LOG_SLOTS ? { id, records, dropped: lost, slots: true } : { id, records, dropped: lost };
-      const body = JSON.stringify(batch);
-      try {
-        if (!reachable) throw new OriginUnreachable("the origin was out of reach a moment ago");
-        await push(env, body);
-      } catch (error) {
-        if (error instanceof OriginUnreachable) reachable = false;
-        if (error instanceof OriginUnreachable && (await spool(env, limits, body, id))) continue;
-        // Refused, or not kept for later: the next batch that gets through says how many were
-        // lost. Nothing more goes this flush (the next tail's flush tries again).
-        dropped += lost + records.length;
-        console.error(`call records not delivered: ${error}`);
-        break;
-      }
-      if (env.LOG_KV && spoolWaiting()) {
-        try {
-          reachable = await drain(env);
-        } catch (error) {
-          // What stays spooled is pushed by a later flush (or expires with the records' retention).
-          console.error(`spooled call records not drained now: ${error}`);
-        }
-      }
+    await sleep(env.SIGIL_RECORDS_URL ? PUSH_FLUSH_MS : FLUSH_MS);
+    if (!env.SIGIL_RECORDS_URL) {
+      await deliverToSink(env);
+      return;
     }
+    let reachable = await deliverPushed(env, limits, true);
+    // What was spooled a moment ago is tried again a few times while this invocation may run
+    // (waitUntil), so that the records of a burst's last calls do not wait for the next call.
+    // Each try pushes the oldest batch this isolate spooled: a KV read, no listing.
+    for (const pause of RETRY_PAUSES_MS) {
+      if (reachable || !env.LOG_KV || !spooled.size) break;
+      await sleep(pause);
+      reachable = await pushOldestSpooled(env);
+    }
+    if (pending.length || dropped) await deliverPushed(env, limits, reachable);
   } finally {
     flushing = false;
+  }
+}
+
+function sleep(ms) {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+async function deliverToSink(env) {
+  while (pending.length || dropped) {
+    const records = nextBatch(0);
+    const lost = dropped;
+    dropped = 0;
+    try {
+      await send(env, { records, dropped: lost });
+    } catch (error) {
+      // Sigil is not taking them now: the next batch that gets through says how many were lost.
+      dropped += lost + records.length;
+      console.error(`call records not delivered: ${error}`);
+      return;
+    }
+  }
+}
+
+// Push the queue's batches to the origin (straight to the spool once it is out of reach);
+// drain the spool after a push the origin took. Returns whether the origin is reachable.
+async function deliverPushed(env, limits, reachable) {
+  let pushedAt = 0;
+  while (pending.length || dropped) {
+    // What queued while a batch was pushed waits for the rest of its second, unless a whole
+    // batch is there: one push a second, whatever the rate below BATCH_RECORDS calls a second.
+    const wait = pushedAt + PUSH_FLUSH_MS - Date.now();
+    if (pushedAt && reachable && wait > 0 && pending.length < BATCH_RECORDS) await sleep(wait);
+    pushedAt = Date.now();
+    const records = nextBatch(limits.batchBytes);
+    const lost = dropped;
+    dropped = 0;
+    // LOG_SLOTS (Sigil's Tail Worker): the records name the runtime's slot, and Sigil masks
+    // their secrets as it takes them (capabilities/services/call_records.py).
+    const id = crypto.randomUUID();
+    const batch = env.LOG_SLOTS ? { id, records, dropped: lost, slots: true } : { id, records, dropped: lost };
+    const body = JSON.stringify(batch);
+    try {
+      if (!reachable) throw new OriginUnreachable("the origin was out of reach a moment ago");
+      await push(env, body);
+    } catch (error) {
+      if (error instanceof OriginUnreachable) reachable = false;
+      if (error instanceof OriginUnreachable && (await spool(env, limits, body, id))) continue;
+      // Refused, or not kept for later: the next batch that gets through says how many were
+      // lost. Nothing more goes now (the next tail's flush tries again).
+      dropped += lost + records.length;
+      console.error(`call records not delivered: ${error}`);
+      return reachable;
+    }
+    if (env.LOG_KV && spoolWaiting()) reachable = await drainQuietly(env);
+  }
+  return reachable;
+}
+
+// Push the oldest batch this isolate spooled, then, if the origin took it, the rest of the
+// spool. Returns whether the origin took it.
+async function pushOldestSpooled(env) {
+  const [oldest] = [...spooled].sort();
+  try {
+    if (!(await pushSpooled(env, oldest))) return false;
+  } catch (error) {
+    console.error(`spooled call records not pushed now: ${error}`);
+    return false;
+  }
+  return drainQuietly(env);
+}
+
+async function drainQuietly(env) {
+  try {
+    return await drain(env);
+  } catch (error) {
+    // What stays spooled is pushed by a later flush (or expires with the records' retention).
+    console.error(`spooled call records not drained now: ${error}`);
+    return true;
   }
 }
 
