@@ -214,13 +214,11 @@ def cost_estimate(*, now: datetime, days: float = DAYS_PER_MONTH, prices: Prices
 def kv_usage(by_operation: dict[str, int], *, scale: float) -> dict[str, float]:
     """The Workers KV operations a month of Sigil's API calls `by_operation` (scaled by `scale`)
     makes Cloudflare bill: each read, write and delete of a value and each page of keys listed
-    through the API, and the tails' writes of the batches of call records Sigil collects. A
-    batch is read once as it is collected, so they are at most as many as the reads (a loader
-    placement reads a pointer too)."""
-    reads = by_operation.get("kv-read", 0)
+    through the API. Call records cost none while the origin takes their pushes (the report
+    channel); what the Workers spool meanwhile goes through their bindings, unseen here."""
     return {
-        "kv_reads": reads * scale,
-        "kv_writes": (by_operation.get("kv-write", 0) + reads) * scale,
+        "kv_reads": by_operation.get("kv-read", 0) * scale,
+        "kv_writes": by_operation.get("kv-write", 0) * scale,
         "kv_deletes": by_operation.get("kv-delete", 0) * scale,
         "kv_lists": by_operation.get("kv-list", 0) * scale,
     }

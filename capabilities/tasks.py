@@ -17,7 +17,6 @@ from django.conf import settings
 
 from capabilities import jobs, services
 from capabilities.jobs import PAGE_OUT_RECHECK_SECONDS
-from capabilities.runtimes import get_runtime
 from capabilities.runtimes.api_work import ApiClass, api_work
 from capabilities.runtimes.errors import RuntimeThrottled, RuntimeUnavailable
 from sigil.work import MAX_COUNTDOWN_SECONDS, Job, retry_countdown, task
@@ -42,7 +41,6 @@ API_CLASS_OF_TASK = {
     jobs.capability_record_breaker: ApiClass.HOUSEKEEPING,
     jobs.capability_reap: ApiClass.HOUSEKEEPING,
     jobs.capability_mark_inactive: ApiClass.HOUSEKEEPING,
-    jobs.call_records_collect: ApiClass.HOUSEKEEPING,
 }
 _CLASS_BY_NAME = {job.name: api_class for job, api_class in API_CLASS_OF_TASK.items()}
 
@@ -142,10 +140,3 @@ def capability_page_out(self, *, full: str, wait_until: float | None = None) -> 
         )
         again.apply_async()
         raise Retry(exc=exc, when=PAGE_OUT_RECHECK_SECONDS, sig=again) from exc
-
-
-@task(jobs.call_records_collect, base=CapabilityTask)
-def call_records_collect() -> None:
-    # No retry: the next beat comes within SIGIL_LOGS_COLLECT_INTERVAL_SECONDS, and a batch
-    # not yet taken waits for it where the tail left it.
-    services.call_records_collect(runtime=get_runtime())

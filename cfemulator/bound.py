@@ -28,6 +28,11 @@ Worker as its tail that way). A Dynamic Worker's tail events come back to its lo
 process (DYNAMIC_TAIL_HEADER), where the shim hands them to the tails its code named.
 
 Text bindings reach the process through its environment, never its config file.
+
+A Worker's `fetch()` reaches public addresses, as on Cloudflare, and this machine's loopback
+(WORKER_OUTBOUND): open-source workerd's default allows public addresses only, and loopback
+stands in here for the owner's public origin, which Cloudflare reaches (Sigil's Workers push
+call records there).
 """
 
 from __future__ import annotations
@@ -38,12 +43,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from capabilities.workerd.config import outbound_service
 from capabilities.workerd.host import WorkerdHost
 from cfemulator.limits import CPU_EXCEEDED_MESSAGE, MEMORY_EXCEEDED_MESSAGE
 from cfemulator.uploads import COMMONJS_TYPES, ES_MODULE_TYPES, SOURCE_MAP_TYPE, ScriptUpload
 
 logger = logging.getLogger(__name__)
 
+# What a Worker's fetch() may reach: the public internet, and loopback as the owner's origin.
+WORKER_OUTBOUND = ("public", "127.0.0.0/8", "::1/128")
+OUTBOUND_SERVICE = "cfemulator-outbound"
 # Binding types that make a script run from a workerd config of its own.
 BOUND_BINDING_TYPES = frozenset({"kv_namespace", "worker_loader", "dispatch_namespace"})
 KV_HEADER = "x-cfemulator-kv"
@@ -514,7 +523,11 @@ def bound_config(
         modules.append(f"(name = {_capnp(name)}, {shape} = embed {_capnp(file_name)})")
 
     emulator_address = f"127.0.0.1:{emulator_port}"
-    services = ['(name = "main", worker = .main)', '(name = "probe", worker = .probe)']
+    services = [
+        '(name = "main", worker = .main)',
+        '(name = "probe", worker = .probe)',
+        outbound_service(OUTBOUND_SERVICE, WORKER_OUTBOUND),
+    ]
     bindings: list[str] = []
     environment: dict[str, str] = {}
     namespaces: dict[str, str] = {}
@@ -621,6 +634,7 @@ const main :Workerd.Worker = (
   compatibilityDate = {_capnp(upload.compatibility_date)},
   compatibilityFlags = {_list([_capnp(flag) for flag in flags])},
   bindings = {_list(bindings)},{tails}
+  globalOutbound = {_capnp(OUTBOUND_SERVICE)},
 );
 {forwarder}"""
     return config, environment

@@ -40,7 +40,7 @@ from typing import Any
 from capabilities.workerd.group import WorkerdGroup
 from capabilities.workerd.host import WorkerdHost
 from capabilities.workerd.supervision import Limits, SupervisedWorkerd
-from cfemulator.bound import BoundHost, needs_own_workerd
+from cfemulator.bound import WORKER_OUTBOUND, BoundHost, needs_own_workerd
 from cfemulator.dynamic_host import DynamicHost
 from cfemulator.limits import MAX_CPU_MS
 from cfemulator.uploads import ScriptUpload
@@ -374,7 +374,12 @@ class ScriptProcesses:
             raise RuntimeError(f"the emulator was reset while {name} was started")
         if not process.bound:
             return WorkerdHost(
-                binary=self.binary, port=port, code_dir=self.code_dir, state_dir=directory, secret=self.secret
+                binary=self.binary,
+                port=port,
+                code_dir=self.code_dir,
+                state_dir=directory,
+                secret=self.secret,
+                outbound_allow=WORKER_OUTBOUND,
             )
         return BoundHost(
             binary=self.binary,

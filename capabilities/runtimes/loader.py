@@ -11,6 +11,7 @@ import urllib3
 from django.conf import LazySettings
 
 from capabilities.log_limits import host_log_limits
+from capabilities.record_pushes import RecordsOrigin
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound
@@ -19,15 +20,15 @@ from capabilities.runtimes.cloudflare.facts import AccountFacts, kv_namespace_fa
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check, loader_host_store
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
-from capabilities.runtimes.tail_worker import kv_batches_take, kv_namespace_ensure, kv_namespace_find
+from capabilities.runtimes.tail_worker import kv_namespace_ensure, kv_namespace_find
 from capabilities.workerd.config import HOST_DIR
 
 HOST_MODULE = "host.js"
 HOST_SOURCE = (HOST_DIR / HOST_MODULE).read_text()
 CODE_PREFIX = "code:"
 SLOT_PREFIX = "slot:"
-# Batches of call records the host's tail leaves in the same namespace (host.js SigilTail),
-# under tail_worker.LOGS_PREFIX.
+# The host's tail (host.js SigilTail) spools in the same namespace, under `spool:`, the batches
+# of call records the origin does not take for now.
 
 
 class LoaderRuntime(FrontedRuntime):
@@ -98,10 +99,13 @@ class LoaderRuntime(FrontedRuntime):
         invoke_base: str = "",
         propagation_wait_seconds: float = 30.0,
         log_limits: dict | None = None,
+        records_origin: RecordsOrigin | None = None,
     ) -> None:
         super().__init__(cpu_ms=cpu_ms)
         #: the per-call bounds of the host's tail; None: the host gives capabilities no tail
-        self.log_limits = log_limits
+        self.log_limits = log_limits if records_origin is not None else None
+        #: where the host's tail pushes call records
+        self.records_origin = records_origin
         self.propagation_wait_seconds = propagation_wait_seconds
         self.client = client
         self.kv_title = kv_title
@@ -157,7 +161,10 @@ class LoaderRuntime(FrontedRuntime):
                     {"type": "kv_namespace", "name": "CODE_KV", "namespace_id": self.kv_id},
                     *self._log_bindings(),
                 ],
-                secret_bindings=[{"type": "secret_text", "name": "SIGIL_SECRET", "text": self._secret}],
+                secret_bindings=[
+                    {"type": "secret_text", "name": "SIGIL_SECRET", "text": self._secret},
+                    *(self.records_origin.secret_bindings() if self.log_limits is not None else []),
+                ],
                 version_binding="SIGIL_HOST_VERSION",
                 # The host hands each capability its own SigilTail entrypoint (ctx.exports) as its tail.
                 compatibility_flags=["enable_ctx_exports"],
@@ -166,13 +173,14 @@ class LoaderRuntime(FrontedRuntime):
         return self._worker
 
     def _log_bindings(self) -> list[dict]:
-        """Where each capability's tail leaves its call records for Sigil to collect (none
-        when they are off: the host then gives capabilities no tail)."""
+        """Where each capability's tail pushes its call records, and the namespace it spools
+        them in meanwhile (none when they are off: the host then gives capabilities no tail)."""
         if self.log_limits is None:
             return []
         return [
             {"type": "kv_namespace", "name": "LOG_KV", "namespace_id": self.kv_id},
             {"type": "plain_text", "name": "LOG_LIMITS", "text": json.dumps(self.log_limits)},
+            *self.records_origin.bindings(),
         ]
 
     def provision(self) -> list[str]:
@@ -269,7 +277,3 @@ class LoaderRuntime(FrontedRuntime):
 
     def list_slots(self) -> list[str]:
         return sorted(self._pointers())
-
-    def call_records_take(self, *, limit: int) -> list[dict]:
-        """The oldest `limit` batches the host's tail left under `logs:`."""
-        return kv_batches_take(self.client, self.kv_id, limit=limit)

@@ -85,6 +85,9 @@ def _checked(client: CloudflareClient, backend: str, findings: list[Finding], do
         probe = _plan_probe(client)
         runtime = runtime_class(backend)
         findings.extend(runtime.account_findings(client=client, probe=probe, scripts=scripts, settings=settings))
+        findings.extend(
+            Finding("call records", False, warning, blocking=False) for warning in runtime.settings_warnings(settings)
+        )
     except CloudflareRateLimited as exc:
         detail = f"no API request could be made, so nothing more is known: {exc.why or exc}; run it again then"
         findings.append(Finding("Cloudflare", False, detail))

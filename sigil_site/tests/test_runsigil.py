@@ -304,3 +304,34 @@ def test_the_celery_worker_consumes_the_deploys_queue_beside_the_default_one(set
     # would leave every such deploy at 202 for good.
     assert settings.SIGIL_DEPLOY_QUEUE in queues
     assert app.conf.task_default_queue in queues
+
+
+@pytest.mark.slow
+def test_on_an_emulated_cloudflare_runtime_the_workers_push_call_records_to_the_web_server(embedded_env):
+    # Nothing says where the origin is: under the emulator it is the web server on loopback.
+    web_port = free_port()
+    env = {**embedded_env, "SIGIL_BACKEND": "loader"}
+    process, output = start_runsigil(env, web_port)
+    try:
+        wait_until(lambda: output.has("Press Ctrl-C to stop.") or process.poll() is not None, timeout=90)
+        assert output.has(f"Sigil is running at http://127.0.0.1:{web_port}/"), str(output)
+        created = subprocess.run(
+            [sys.executable, MANAGE, "createagent", "alice", "--json"], env=env, check=True, capture_output=True
+        )
+        tokens = json.loads(created.stdout)
+        alice = AgentClient("alice", tokens["deploy_token"], tokens["invoke_token"], f"http://127.0.0.1:{web_port}")
+        code = "export default { async fetch() { console.log('pushed from the loader'); return new Response('ok') } }"
+        assert alice.deploy(name="logs", code=code).status_code in (201, 202)
+        answered = wait_until(lambda: (a := alice.call("/alice/logs")).status_code == 200 and a, timeout=60)
+        request_id = answered.headers["X-Request-Id"]
+
+        def records():
+            url = f"{alice.base_url}/_api/capabilities/alice--logs/logs"
+            headers = alice.headers(alice.invoke_token)
+            return alice.session.get(url, params={"request_id": request_id}, headers=headers).json().get("records")
+
+        [record] = wait_until(records, timeout=30, what="the call's record pushed to the web server")
+        assert [line["text"] for line in record["logs"]] == ["pushed from the loader"]
+        stop_with_ctrl_c(process, output)
+    finally:
+        kill_if_running(process)
