@@ -239,6 +239,12 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
                     )
         return None
 
+    def same_zone(self, host: str) -> bool:
+        """Whether `host` is on the account's own workers.dev zone (`{name}.{subdomain}.workers.dev`)."""
+        name = host.split(":", 1)[0].lower().rstrip(".")
+        with self._lock:
+            return bool(self.subdomain) and name.endswith(f".{self.subdomain}.workers.dev")
+
     def tail_consumers_of(self, key: str) -> tuple[str, str | None, list[Script]]:
         """For the process `key` ("script:{name}" or "ns:{namespace}:{name}"): the producer's
         script name, its dispatch namespace, and the scripts that consume its tail events. A

@@ -23,6 +23,15 @@ named exports, so they stay the Worker's top-level exports, as on Cloudflare: `c
 holds a binding for each (the loader host hands its SigilTail entrypoint to every Dynamic
 Worker as its tail that way).
 
+Every bound script's global `fetch()` leaves through a small Worker of the emulator's
+(OUTBOUND_SOURCE), as a Worker's subrequests leave Cloudflare: a request for a workers.dev
+host goes to the emulator's front door (what Cloudflare's front door would serve), marked
+with whether the script has the `global_fetch_strictly_public` flag, without which
+Cloudflare refuses a fetch of another Worker on the account's own workers.dev zone (error
+1042); any other request goes out to the network, public addresses and this machine's
+loopback, where the emulator's origins (Sigil's own server) listen, as a public origin is
+reachable from Cloudflare.
+
 Text bindings reach the process through its environment, never its config file.
 """
 
@@ -278,6 +287,21 @@ _CALLS = """import { AsyncLocalStorage } from "node:async_hooks";
 const calls = new AsyncLocalStorage();"""
 _NO_CALLS = "const calls = { run: (_, run) => run(), getStore: () => null };"
 
+# A bound script's subrequests (its global fetch): workers.dev hosts to the emulator's front door,
+# anything else to the network (see the module's docstring). SUBREQUEST_HEADER carries whether
+# the script may fetch its own zone's Workers ("strict": global_fetch_strictly_public) or not
+# ("private"); the emulator takes it off before a Worker sees the request.
+SUBREQUEST_HEADER = "x-cfemulator-subrequest"
+STRICTLY_PUBLIC_FLAG = "global_fetch_strictly_public"
+OUTBOUND_SERVICE = "cfemulator-outbound"
+OUTBOUND_SOURCE = """export default {
+  fetch(request, env) {
+    if (new URL(request.url).hostname.endsWith(".workers.dev")) return env.FRONT_DOOR.fetch(request);
+    return fetch(request);
+  },
+};
+"""
+
 # Answers the supervisor's liveness probe: any answer shows the process's event loop turns.
 _PROBE = "export default { fetch() { return new Response(null, { status: 204 }) } }"
 
@@ -440,6 +464,16 @@ def bound_config(
     else:
         index = next(i for i, m in enumerate(modules) if m.startswith(f"(name = {_capnp(main_module)},"))
         modules.insert(0, modules.pop(index))  # workerd's entry point is the first module
+    strict = "strict" if STRICTLY_PUBLIC_FLAG in upload.compatibility_flags else "private"
+    (directory / "outbound.js").write_text(OUTBOUND_SOURCE)
+    front_door = f"(name = {_capnp(SUBREQUEST_HEADER)}, value = {_capnp(strict)})"
+    services += [
+        f"(name = {_capnp(OUTBOUND_SERVICE)}, worker = .outbound)",
+        f'(name = "cfemulator-front-door", external = (address = {_capnp(emulator_address)}, '
+        f"http = (injectRequestHeaders = [{front_door}])))",
+        # workerd's own default network is public addresses only; the emulator's origins are on loopback.
+        '(name = "cfemulator-network", network = (allow = ["public", "local"], tlsOptions = (trustBrowserCas = true)))',
+    ]
     tails, forwarder = "", ""
     if tail_key is not None:
         (directory / "tail-forward.js").write_text(
@@ -477,6 +511,14 @@ const main :Workerd.Worker = (
   compatibilityDate = {_capnp(upload.compatibility_date)},
   compatibilityFlags = {_list([_capnp(flag) for flag in flags])},
   bindings = {_list(bindings)},{tails}
+  globalOutbound = {_capnp(OUTBOUND_SERVICE)},
+);
+
+const outbound :Workerd.Worker = (
+  modules = [(name = "outbound.js", esModule = embed "outbound.js")],
+  compatibilityDate = "2025-01-01",
+  bindings = [(name = "FRONT_DOOR", service = "cfemulator-front-door")],
+  globalOutbound = "cfemulator-network",
 );
 {forwarder}"""
     return config, environment

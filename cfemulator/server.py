@@ -11,6 +11,8 @@ processes, the CPU meter, the start check of uploads and the connections to work
                                  1102 when a call runs past its CPU limit (`cfemulator.limits`)
 - Host `{script}.{ns}.dispatch.localhost` a script of a dispatch namespace, as a dispatch
                                  namespace binding reaches it
+- `/{script}.{sub}.workers.dev/...` the workers.dev door: that script at `/...`, for a URL
+                                 curl calls without a Host header
 - header `x-cfemulator-kv`       a KV binding's read or write, from a bound script
 - `GET  /__emulator/requests`    the API calls received: method, path, status, code, time
 - `GET  /__emulator/dispatches`  the calls made through dispatch namespace bindings
