@@ -561,6 +561,26 @@ SIGIL_CF_WORKERS_BASE = env_str(
     "SIGIL_CF_WORKERS_BASE", f"http://127.0.0.1:{CF_EMULATOR_PORT}" if SIGIL_CF_EMULATED else ""
 )
 
+# --- The edge ---------------------------------------------------------------------------
+
+# Calls served in Sigil's own Worker on Cloudflare (the Cloudflare runtimes), from the state
+# Sigil publishes in Workers KV; the owner's server is the origin for the rest. On by default
+# against the local emulator, so that `make run` shows it; off on a real account until its
+# owner gives an origin URL Cloudflare can reach (docs/operations.md).
+SIGIL_EDGE = env_bool("SIGIL_EDGE", SIGIL_CF_EMULATED)
+# Where Sigil's Workers reach Sigil's own server: the emulator's Workers reach this machine's
+# web port; on a real account a public URL (SIGIL_PUBLIC_URL by default).
+SIGIL_ORIGIN_URL = env_str(
+    "SIGIL_ORIGIN_URL",
+    f"http://127.0.0.1:{sigil_ports.recorded(VAR_DIR).get('web', 8000)}" if SIGIL_CF_EMULATED else SIGIL_PUBLIC_URL,
+)
+# The base of the edge's URLs when callers reach it on a custom domain; empty: its workers.dev URL.
+SIGIL_EDGE_URL = env_str("SIGIL_EDGE_URL", "")
+# The worker-pool runtime's edge Worker (the other runtimes' edge is their Worker in front).
+SIGIL_EDGE_WORKER = env_str("SIGIL_EDGE_WORKER", "sigil-edge")
+# Title of the Workers KV namespace holding what Sigil publishes for the edge (created if missing).
+SIGIL_EDGE_KV_TITLE = env_str("SIGIL_EDGE_KV_TITLE", "sigil-edge")
+
 # --- Workers for Platforms and Dynamic Workers ------------------------------------------
 
 # The platform runtime: the dispatch namespace holding every capability (created if

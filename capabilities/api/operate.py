@@ -169,7 +169,7 @@ def index_view(request):
     base = settings.SIGIL_PUBLIC_URL.rstrip("/") or request.build_absolute_uri("/").rstrip("/")
     index = {
         "service": "sigil",
-        "calls": f"{base}/{{agent}}/{{capability}}",
+        "calls": f"{selectors.capability_call_base(site_url=base)}/{{agent}}/{{capability}}",
         "schema": f"{base}/_api/schema",
         "docs": f"{base}/_api/schema/docs",
         "mcp": f"{base}/_mcp",

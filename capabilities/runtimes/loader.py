@@ -16,6 +16,7 @@ from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound
 from capabilities.runtimes.cloudflare.account import Finding, PlanProbe
+from capabilities.runtimes.edge import Edge, EdgeSettings
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check, loader_host_store
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
@@ -97,8 +98,11 @@ class LoaderRuntime(FrontedRuntime):
         invoke_base: str = "",
         propagation_wait_seconds: float = 30.0,
         log_limits: dict | None = None,
+        edge: EdgeSettings | None = None,
     ) -> None:
         super().__init__(cpu_ms=cpu_ms)
+        # The edge rides in the loader Worker: callers' requests to it are served there.
+        self.edge = Edge(client=client, settings=edge, backend=self.name, secret=secret) if edge else None
         #: the per-call bounds of the host's tail; None: the host gives capabilities no tail
         self.log_limits = log_limits
         self.propagation_wait_seconds = propagation_wait_seconds
@@ -131,21 +135,27 @@ class LoaderRuntime(FrontedRuntime):
     def worker(self) -> SigilWorker:
         """Sigil's loader Worker; built once the KV namespace is known (its binding names it)."""
         if self._worker is None:
+            edge = self.edge
             self._worker = SigilWorker(
                 client=self.client,
                 name=self.worker_name,
-                modules={HOST_MODULE: HOST_SOURCE},
+                modules={HOST_MODULE: HOST_SOURCE, **(edge.modules() if edge else {})},
                 main_module=HOST_MODULE,
                 bindings=[
                     {"type": "worker_loader", "name": "LOADER"},
                     {"type": "kv_namespace", "name": "CODE_KV", "namespace_id": self.kv_id},
                     *self._log_bindings(),
+                    *(edge.bindings() if edge else []),
                 ],
-                secret_bindings=[{"type": "secret_text", "name": "SIGIL_SECRET", "text": self._secret}],
+                secret_bindings=[
+                    {"type": "secret_text", "name": "SIGIL_SECRET", "text": self._secret},
+                    *(edge.secret_bindings() if edge else []),
+                ],
                 version_binding="SIGIL_HOST_VERSION",
                 # The host hands each capability its own SigilTail entrypoint (ctx.exports) as its tail.
                 compatibility_flags=["enable_ctx_exports"],
                 invoke_base=self.invoke_base,
+                probe_header="x-sigil-secret",
             )
         return self._worker
 
@@ -170,6 +180,8 @@ class LoaderRuntime(FrontedRuntime):
                     found = kv_namespace_ensure(self.client, self.kv_title)
                     done.append(f"created the KV namespace {self.kv_title} ({found})")
                 self._kv_id = found
+        if self.edge is not None:
+            done += self.edge.provision()
         if self.worker.deploy():
             done.append(f"deployed the loader Worker {self.worker.name} ({self.worker.version})")
         self._provisioned = True
@@ -253,6 +265,9 @@ class LoaderRuntime(FrontedRuntime):
 
     def list_slots(self) -> list[str]:
         return sorted(self._pointers())
+
+    def edge_url(self) -> str | None:
+        return self.edge.url(self.worker) if self.edge is not None else None
 
     def call_records_take(self, *, limit: int) -> list[dict]:
         """The oldest `limit` batches the host's tail left under `logs:`."""

@@ -1,6 +1,7 @@
 """Whether a Cloudflare account can run a Cloudflare runtime, checked before an owner switches
 to it: the API token, the account, its workers.dev subdomain, the plan's features the runtime
-needs and the script quota, each reported in plain words (`manage.py cfcheck`)."""
+needs, the script quota and what the edge needs (SIGIL_EDGE), each reported in plain words
+(`manage.py cfcheck`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from capabilities.runtimes.cloudflare import (
     CloudflareUnavailable,
 )
 from capabilities.runtimes.cloudflare.account import FREE_PLAN, PAID_PLAN, Finding, PlanProbe
+from capabilities.runtimes.edge import edge_account_findings
 
 # The runtimes that run on a Cloudflare account.
 CLOUDFLARE_BACKENDS = tuple(name for name in RUNTIMES if runtime_class(name).on_cloudflare)
@@ -77,6 +79,7 @@ def cloudflare_check(*, backend: str, client: CloudflareClient | None = None) ->
         probe = _plan_probe(client)
         runtime = runtime_class(backend)
         findings.extend(runtime.account_findings(client=client, probe=probe, scripts=scripts, settings=settings))
+        findings.extend(edge_account_findings(client=client, settings=settings))
     except CloudflareUnavailable as exc:
         findings.append(Finding("Cloudflare", False, f"the API did not answer, so nothing more is known: {exc}"))
     return done()

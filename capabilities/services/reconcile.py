@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 
 def runtime_provision(*, actor: str) -> list[str]:
     """Create what the current runtime needs besides capabilities (the platform runtime's
-    namespace and dispatch Worker, the loader runtime's KV namespace and loader Worker);
-    return what was done. Idempotent. Raises RuntimeUnavailable, RuntimeRejected."""
+    namespace and dispatch Worker, the loader runtime's KV namespace and loader Worker, the
+    edge's KV namespace and, on worker-pool, its Worker); return what was done. Idempotent.
+    Raises RuntimeUnavailable, RuntimeRejected."""
     runtime = get_runtime()
     done = runtime.provision()
     if done:

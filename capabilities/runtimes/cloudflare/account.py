@@ -80,7 +80,8 @@ class ScriptsInUse:
 
 def scripts_in_use(scripts: list[str], probe: PlanProbe, *, settings: LazySettings, front: str | None) -> ScriptsInUse:
     """The account's `scripts` against its real limit (its plan's, the one a 10037 named, or
-    SIGIL_POOL_TOTAL_QUOTA when neither is known); Sigil's are its pool scripts and `front`."""
+    SIGIL_POOL_TOTAL_QUOTA when neither is known); Sigil's are its pool scripts and `front`
+    (its Worker in front of them, or the worker-pool's edge Worker)."""
     limit = probe.script_limit
     if limit is None:  # the plan could not be told: take the owner's word
         limit, source = settings.SIGIL_POOL_TOTAL_QUOTA, "as SIGIL_POOL_TOTAL_QUOTA states it"
@@ -105,11 +106,14 @@ class CloudflareRuntime(Runtime):
         where the account's Workers are called."""
         from django.conf import settings
 
+        from capabilities.runtimes.edge import EdgeSettings  # it builds on this module
+
         return {
             "client": CloudflareClient.from_settings(),
             "secret": settings.SIGIL_INTERNAL_SECRET,
             "cpu_ms": settings.SIGIL_CPU_MS,
             "invoke_base": settings.SIGIL_CF_WORKERS_BASE,
+            "edge": EdgeSettings.from_settings(),
         }
 
     def api_waits_shared(self) -> contextlib.AbstractContextManager:
@@ -117,9 +121,11 @@ class CloudflareRuntime(Runtime):
 
     @classmethod
     def settings_errors(cls, settings: LazySettings) -> list[CheckMessage]:
+        from capabilities.runtimes.edge import edge_settings_errors  # it builds on this module
+
         if not settings.CF_ACCOUNT_ID:
             return [Error("CF_ACCOUNT_ID is required with CF_API_TOKEN", id="sigil.E003")]
-        return []
+        return edge_settings_errors(settings)
 
     @classmethod
     def processes(cls, settings: LazySettings) -> list[Process]:
