@@ -51,6 +51,10 @@ def _fresh_redis_and_runtime():
 
     from capabilities.runtimes import runtimes_forget
 
+    # An earlier test's Workers on the emulator stop first: call records they still hold
+    # would be pushed into this test's Redis.
+    for emulator in EMULATORS_STARTED:
+        emulator.reset()
     client = redis.Redis.from_url(settings.REDIS_URL)
     client.flushdb()
     client.close()
@@ -87,6 +91,7 @@ def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_group):
     import uvicorn
     from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 
+    from capabilities.runtimes import runtimes_forget
     from sigil_site.asgi import SigilApplication, django_application
     from testsupport.inflight import SERVER_REQUESTS, RequestsInFlight
     from testsupport.processes import wait_until
@@ -106,6 +111,9 @@ def _sigil_server_thread(django_db_setup, django_db_blocker, workerd_group):
     with django_db_blocker.unblock():
         thread.start()
         wait_until(lambda: server.started, timeout=30, what="the test server to start")
+    # Importing the application made the runtime of the moment ready, and kept it: the test
+    # that starts the server may be about to choose another.
+    runtimes_forget()
     yield port, app
     SERVER_REQUESTS.remove(requests)
     server.should_exit = True
@@ -268,8 +276,15 @@ def cf_emulator():
 
     server = emulator_server(workerd_binary=settings.SIGIL_WORKERD_BIN, state_dir=settings.VAR_DIR / "cfemulator")
     server.start()
-    yield EmulatorControl.of(server)
+    control = EmulatorControl.of(server)
+    EMULATORS_STARTED.append(control)
+    yield control
+    EMULATORS_STARTED.remove(control)
     server.stop()
+
+
+#: the session's Cloudflare emulator, once started (each test stops its Workers first)
+EMULATORS_STARTED: list = []
 
 
 @pytest.fixture
@@ -284,11 +299,13 @@ def cf_emulator_fresh(cf_emulator):
 
 
 @pytest.fixture
-def cf_settings(settings, cf_emulator_fresh):
-    """Django settings pointed at the fresh emulator, for code that builds its client from settings."""
+def cf_settings(settings, cf_emulator_fresh, _sigil_server_thread):
+    """Django settings pointed at the fresh emulator, for code that builds its client from
+    settings; Sigil's Workers there push call records to the session's server."""
     settings.CF_API_BASE = cf_emulator_fresh.api_base
     settings.CF_ACCOUNT_ID = cf_emulator_fresh.account_id
     settings.CF_API_TOKEN = cf_emulator_fresh.token
+    settings.SIGIL_ORIGIN_URL = f"http://127.0.0.1:{_sigil_server_thread[0]}"
     # Deploys on a Cloudflare runtime are placed by a Celery task: tests read their outcome,
     # however loaded the machine; the 202 of a deploy still placing has its own test.
     settings.SIGIL_DEPLOY_WAIT_SECONDS = 60

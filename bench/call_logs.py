@@ -17,11 +17,16 @@ directory, on 127.0.0.1 only; creates an agent and deploys a capability that wri
    SIGIL_LOGS_ENABLED=false, off; `--rounds` times each, alternating, so that other work on
    the machine slows both alike.
 
-With `--emulator 1` it measures instead, on the worker-pool and platform runtimes against the
-Cloudflare emulator (which runs Tail Workers as Cloudflare does), the time from a call's
-answer to its record being readable: the capability's Tail Worker leaves it in Workers KV,
-and a collector here does what the beat's task does every SIGIL_LOGS_COLLECT_INTERVAL_SECONDS
-(`--collect-every`), so that interval bounds the figure.
+With `--emulator 1` it measures instead, on the worker-pool, platform and loader runtimes
+against the Cloudflare emulator (which runs Tail Workers as Cloudflare does, and lets its
+Workers reach the origin on loopback), where the tails push records to Sigil's origin
+(SIGIL_ORIGIN_URL, the server here):
+
+1. readable: as above, the time from a call's answer to its record being readable;
+2. steady: `--rate` calls a second for `--seconds` seconds, one at a time: how many pushes
+   reached the origin (its `sigil_call_record_pushes_total`), and how many Cloudflare API
+   requests were made meanwhile (the emulator's request log, and Sigil's own count of its
+   API calls): records should cost none.
 
 It stops everything it started, by pid.
 """
@@ -129,8 +134,33 @@ def readable_after(
     return delays
 
 
+def steady_calls(port: int, invoke: dict[str, str], path: str, full: str, *, rate: float, seconds: float) -> int:
+    """`rate` calls a second for `seconds`, one at a time; returns once every call's record is
+    readable. The number of calls made."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    started = time.monotonic()
+    calls = 0
+    while (due := started + calls / rate) < started + seconds:
+        time.sleep(max(0.0, due - time.monotonic()))
+        response, _ = harness.request(connection, "GET", path, headers=invoke)
+        if response.status != 200:
+            raise RuntimeError(f"a steady call answered {response.status}")
+        calls += 1
+    last = response.getheader("X-Request-Id")
+    deadline = time.monotonic() + 60
+    while not json.loads(
+        harness.request(connection, "GET", f"/_api/capabilities/{full}/logs?request_id={last}", headers=invoke)[1]
+    )["records"]:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the steady calls' last record was not readable within 60 s")
+        time.sleep(0.05)
+    connection.close()
+    return calls
+
+
 def on_the_emulator(args: argparse.Namespace) -> int:
-    """End of call to readable record on the worker-pool and platform runtimes, emulated."""
+    """End of call to readable record, and what a steady rate of calls costs in pushes and API
+    requests, on the Cloudflare runtimes, emulated."""
     import os
     import signal
     import subprocess
@@ -149,28 +179,32 @@ def on_the_emulator(args: argparse.Namespace) -> int:
         SIGIL_CF_WORKERS_BASE=f"http://127.0.0.1:{emulator_port}",
         SIGIL_DEPLOY_WAIT_SECONDS="0",  # placed here (place_queued), with no Celery worker
     )
+    from django.conf import settings
     from runtimes import place_queued
 
     from agents import services as agent_services
-    from capabilities import services
-    from capabilities.runtimes import build_runtime
+    from capabilities import call_logs
+    from capabilities.runtimes.cloudflare import API_CALLS_KEY
+    from sigil.redis_client import get_redis
     from testsupport.servers import server_command
 
     emulator = harness.start_emulator(var_dir, port=emulator_port)
     servers: list[subprocess.Popen] = []
-    done = threading.Event()
     results = {}
     try:
         agent = agent_services.agent_create(name=AGENT, actor="owner:bench")
         _, deploy = agent_services.token_issue(agent=agent, scope="deploy", actor="owner:bench")
         _, invoke = agent_services.token_issue(agent=agent, scope="invoke", actor="owner:bench")
-        for backend in ("worker-pool", "platform"):
+        for backend in ("worker-pool", "platform", "loader"):
             port = free_port()
+            # The origin: the server here, where this backend's Workers push records (this
+            # process places the deploy, and so deploys the Workers, with it too).
+            settings.SIGIL_ORIGIN_URL = origin = f"http://127.0.0.1:{port}"
             servers.append(
                 subprocess.Popen(
                     server_command("uvicorn", port=port, workers=1),
                     cwd=harness.ROOT,
-                    env={**os.environ, "SIGIL_BACKEND": backend},
+                    env={**os.environ, "SIGIL_BACKEND": backend, "SIGIL_ORIGIN_URL": origin},
                     start_new_session=True,
                 )
             )
@@ -189,25 +223,19 @@ def on_the_emulator(args: argparse.Namespace) -> int:
             elif answer.status != 201:
                 raise RuntimeError(f"deploy on {backend}: {answer.status} {body[:300]!r}")
             connection.close()
-            runtime = build_runtime(backend)
-            done.clear()
-
-            def collect(runtime=runtime) -> None:  # the beat's task
-                while not done.wait(args.collect_every):
-                    try:
-                        services.call_records_collect(runtime=runtime)
-                    except Exception as exc:  # the next round tries again, as the beat does
-                        print(f"collecting failed: {exc!r}", file=sys.stderr)
-
-            collector = threading.Thread(target=collect, daemon=True)
-            collector.start()
-            results[backend] = readable_after(
-                port, harness.bearer(invoke), f"/{AGENT}/{name}/call", f"{AGENT}--{name}", args.calls
-            )
-            done.set()
-            collector.join()
+            path, full = f"/{AGENT}/{name}/call", f"{AGENT}--{name}"
+            delays = readable_after(port, harness.bearer(invoke), path, full, args.calls)
+            pushes, api_logged = call_logs.call_records_pushes()[0], len(emulator.api.request_log())
+            api_counted = int(get_redis().get(API_CALLS_KEY) or 0)
+            calls = steady_calls(port, harness.bearer(invoke), path, full, rate=args.rate, seconds=args.seconds)
+            results[backend] = {
+                "delays": delays,
+                "calls": calls,
+                "pushes": call_logs.call_records_pushes()[0] - pushes,
+                "api_logged": len(emulator.api.request_log()) - api_logged,
+                "api_counted": int(get_redis().get(API_CALLS_KEY) or 0) - api_counted,
+            }
     finally:
-        done.set()
         for process in servers:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
@@ -215,11 +243,17 @@ def on_the_emulator(args: argparse.Namespace) -> int:
         emulator.stop()
         embedded.stop()
     print(f"load average {harness.load_average()}")
-    for backend, delays in results.items():
+    for backend, figures in results.items():
+        delays = figures["delays"]
         print(
             f"{backend} on the emulator, end of call to readable record, {len(delays)} calls of {args.lines} "
-            f"lines, collected every {args.collect_every:g} s: p50 {harness.percentile(delays, 0.5):.1f} ms, "
-            f"p99 {harness.percentile(delays, 0.99):.1f} ms, worst {max(delays):.1f} ms"
+            f"lines: p50 {harness.percentile(delays, 0.5):.1f} ms, p99 {harness.percentile(delays, 0.99):.1f} ms, "
+            f"worst {max(delays):.1f} ms"
+        )
+        print(
+            f"{backend}: {figures['calls']} calls at {args.rate:g}/s over {args.seconds:g} s reached the origin in "
+            f"{figures['pushes']} pushes ({figures['pushes'] / args.seconds:.2f} a second); Cloudflare API requests "
+            f"meanwhile: {figures['api_logged']} in the emulator's log, {figures['api_counted']} counted by Sigil"
         )
     return 0
 
@@ -232,7 +266,8 @@ def main() -> int:
         warm=(2000, "warm calls per measurement of the cost"),
         rounds=2,
         emulator=(0, "1: measure on the emulator's Cloudflare runtimes instead"),
-        collect_every=(2.0, "seconds between collections, with --emulator 1"),
+        rate=(10.0, "calls a second of the steady run, with --emulator 1"),
+        seconds=(20.0, "how long the steady run lasts, with --emulator 1"),
     )
     print(f"load average {harness.load_average()}")
     if args.emulator:

@@ -5,9 +5,9 @@ The records come from the runtime's own tail events, after the call is over: the
 host's SigilTail entrypoint (capabilities/runtimes/host/host.js) is each capability's tail,
 shapes the events into records (lines per call and bytes per line cut there, secret values
 replaced by their binding's name there, so they never leave workerd), and posts them to the
-log sink (capabilities/log_sink.py), which calls call_records_keep(); on Cloudflare the tails
-leave them in Workers KV, and capabilities.services.call_records collects them. Nothing on the
-call's path waits for them or touches these keys.
+log sink (capabilities/log_sink.py); on Cloudflare the tails push them to the origin. Either
+way capabilities.services.call_records keeps each batch, with call_records_keep(). Nothing on
+the call's path waits for them or touches these keys.
 
 Keys:
 
@@ -22,6 +22,10 @@ Keys:
   not read at all. Both are shown on /metrics and the capability's page.
 - `sigil:logs:seq`: the sequence number every kept record takes (the tail's and the pages'
   cursor).
+- `sigil:logs:taken:{batch id}`: a batch pushed from Cloudflare that was taken, kept for the
+  records' retention, so that the same batch pushed again is kept once;
+  `sigil:logs:pushes` counts the pushed batches taken and `sigil:logs:pushes:again` those
+  pushed again, and ignored (on /metrics).
 """
 
 from __future__ import annotations
@@ -37,11 +41,14 @@ from django.conf import settings
 from capabilities import names, routes
 from capabilities.log_limits import LogLimits
 from sigil.errors import InvalidRequest
-from sigil.redis_client import get_redis
+from sigil.redis_client import get_redis, key_family
 
 SEQ_KEY = "sigil:logs:seq"
 LOST_KEY = "sigil:logs:lost"
 UNDELIVERED_KEY = "sigil:logs:lost:undelivered"
+taken_key = key_family("sigil:logs:taken")
+PUSHES_KEY = "sigil:logs:pushes"
+PUSHES_AGAIN_KEY = "sigil:logs:pushes:again"
 LEVELS = ("debug", "info", "log", "warn", "error")
 OUTCOMES_FAILED = frozenset({"exception", "exceededCpu", "exceededMemory", "canceled", "scriptNotFound", "unknown"})
 VARIANT = re.compile(r"--v[0-9]+$")
@@ -162,7 +169,8 @@ def call_record_clean(raw: dict, *, limits: LogLimits) -> tuple[str, dict]:
 def call_records_keep(*, records: list, limits: LogLimits | None = None) -> int:
     """Keep the records one tail batch posted, each within the bounds; returns how many were
     kept. A record that is malformed or does not fit is counted as lost for its capability
-    (or as undelivered, when it names none). Not idempotent: a batch posted twice is kept twice."""
+    (or as undelivered, when it names none). Not idempotent: a batch posted twice is kept twice
+    (a pushed batch is claimed first: call_records_batch_claim)."""
     limits = limits or LogLimits.from_settings()
     client = get_redis()
     keep = client.register_script(KEEP_RECORD)
@@ -188,8 +196,43 @@ def call_records_keep(*, records: list, limits: LogLimits | None = None) -> int:
     return kept
 
 
+# Notes a pushed batch as taken (KEYS[1], for ARGV[1] seconds) unless it was, and counts it as
+# taken first (KEYS[2]) or again (KEYS[3]); 1 when it was not taken before.
+CLAIM_BATCH = """
+if redis.call('SET', KEYS[1], 1, 'NX', 'EX', ARGV[1]) then
+  redis.call('INCR', KEYS[2])
+  return 1
+end
+redis.call('INCR', KEYS[3])
+return 0
+"""
+
+
+def call_records_batch_claim(*, batch_id: str, retention_seconds: int) -> bool:
+    """Note the pushed batch `batch_id` as taken, for `retention_seconds` (past it, its records
+    would be dropped for their age anyway); False when it was taken before. One round trip."""
+    client = get_redis()
+    keys = [taken_key(batch_id), PUSHES_KEY, PUSHES_AGAIN_KEY]
+    return bool(client.register_script(CLAIM_BATCH)(keys=keys, args=[max(1, retention_seconds)]))
+
+
+def call_records_batch_unclaim(*, batch_id: str) -> None:
+    """Forget that `batch_id` was taken (it could not be kept after all: a push again keeps it)."""
+    pipe = get_redis().pipeline(transaction=True)
+    pipe.delete(taken_key(batch_id))
+    pipe.decr(PUSHES_KEY)
+    pipe.execute()
+
+
+def call_records_pushes() -> tuple[int, int]:
+    """Pushed batches taken the first time, and those pushed again (ignored)."""
+    first, again = get_redis().mget(PUSHES_KEY, PUSHES_AGAIN_KEY)
+    return int(first or 0), int(again or 0)
+
+
 def call_records_undelivered(*, count: int = 1) -> None:
-    """Count `count` batches that reached the sink but could not be read."""
+    """Count `count` records (or batches) that could not be kept at all: a batch the sink
+    could not read, or records a tail could not deliver (a batch's `dropped`)."""
     get_redis().incr(UNDELIVERED_KEY, count)
 
 

@@ -2,9 +2,10 @@
 server on 127.0.0.1, run beside them by the supervisor (runworkerd), never by the web
 process, so a burst of logging costs the web server nothing.
 
-The loader host's tail posts `{"records": [...]}` with the shared internal secret (which
-capability code never sees); each record is kept by capabilities.call_logs. Batches are
-small (one call's events, or the few workerd groups together), and bounded here.
+The loader host's tail posts `{"records": [...], "dropped": n}` with the shared internal
+secret (which capability code never sees); each batch is kept as a batch pushed from
+Cloudflare is (capabilities.services.call_records.call_records_batch_keep). Batches are small
+(the calls that ended within 50 ms of each other), and bounded here (LogLimits.batch_bytes).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import redis
 
-from capabilities.call_logs import call_records_keep, call_records_undelivered
+from capabilities.call_logs import call_records_undelivered
 from capabilities.log_limits import LogLimits
-from capabilities.runtimes.local import local_limits, local_processes
+from capabilities.runtimes.local import LocalRuntime, local_limits, local_processes
+from capabilities.services.call_records import call_records_batch_keep
 from capabilities.workerd.group import WorkerdGroup
 
 logger = logging.getLogger(__name__)
@@ -34,8 +36,7 @@ class LogSink:
     def __init__(self, *, secret: str, limits: LogLimits, port: int = 0) -> None:
         self.secret = secret
         self.limits = limits
-        # A batch holds at most a few calls' records, each within the per-call bounds.
-        self.max_body = 64 * (limits.lines_per_call * (limits.line_bytes + 64) + 8192)
+        self.max_body = limits.batch_bytes
         self.server = ThreadingHTTPServer(("127.0.0.1", port), _handler_for(self))
         self.server.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -59,10 +60,6 @@ class LogSink:
         self.server.server_close()
 
 
-def json_int(value) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
 def _handler_for(sink: LogSink) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -83,8 +80,7 @@ def _handler_for(sink: LogSink) -> type[BaseHTTPRequestHandler]:
                 return
             try:
                 body = json.loads(self.rfile.read(length))
-                records = body["records"]
-                if not isinstance(records, list):
+                if not isinstance(body["records"], list):
                     raise ValueError("records is not a list")
             except (ValueError, KeyError, TypeError) as exc:
                 call_records_undelivered()
@@ -92,10 +88,7 @@ def _handler_for(sink: LogSink) -> type[BaseHTTPRequestHandler]:
                 self._answer(400)
                 return
             try:
-                call_records_keep(records=records, limits=sink.limits)
-                lost = json_int(body.get("dropped"))
-                if lost:
-                    call_records_undelivered(count=lost)
+                call_records_batch_keep(batch=body, backend=LocalRuntime.name, limits=sink.limits)
             except redis.RedisError as exc:
                 logger.warning("the log sink could not keep a batch: %s", exc)
                 self._answer(503)

@@ -128,4 +128,8 @@ def metrics_render() -> str:
     lines.extend(_family("sigil_call_records_lost_total", "counter", "Call records (console lines, outcome) not kept."))
     lines.append(f'sigil_call_records_lost_total{{why="not_kept"}} {call_logs.call_records_lost_kept()}')
     lines.append(f'sigil_call_records_lost_total{{why="undelivered"}} {call_logs.call_records_undelivered_count()}')
+    first, again = call_logs.call_records_pushes()
+    lines.extend(_family("sigil_call_record_pushes_total", "counter", "Call record batches pushed from Cloudflare."))
+    lines.append(f'sigil_call_record_pushes_total{{taken="first"}} {first}')
+    lines.append(f'sigil_call_record_pushes_total{{taken="again"}} {again}')
     return "\n".join(lines) + "\n"

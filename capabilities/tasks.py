@@ -14,7 +14,6 @@ from django.conf import settings
 
 from capabilities import jobs, services
 from capabilities.jobs import PAGE_OUT_RECHECK_SECONDS
-from capabilities.runtimes import get_runtime
 from capabilities.runtimes.errors import RuntimeUnavailable
 from sigil.work import Job, retry_countdown, task
 
@@ -87,10 +86,3 @@ def capability_page_out(self, *, full: str, wait_until: float | None = None) -> 
         )
         again.apply_async()
         raise Retry(exc=exc, when=PAGE_OUT_RECHECK_SECONDS, sig=again) from exc
-
-
-@task(jobs.call_records_collect)
-def call_records_collect() -> None:
-    # No retry: the next beat comes within SIGIL_LOGS_COLLECT_INTERVAL_SECONDS, and a batch
-    # not yet taken waits for it where the tail left it.
-    services.call_records_collect(runtime=get_runtime())

@@ -1,6 +1,7 @@
 from django.urls import path
 
-from capabilities.api import deploy, discover, operate
+from capabilities.api import deploy, discover, operate, records
+from capabilities.record_pushes import PUSH_PATH
 
 CAPABILITY = "_api/capabilities/<str:full>"
 
@@ -22,6 +23,7 @@ urlpatterns = [
     path("_api/status", operate.StatusApi.as_view(), name="status"),
     path("_status/<str:full>", discover.CapabilityWarmingStatusApi.as_view(), name="capability-warming-status"),
     path("_health", operate.HealthApi.as_view(), name="health"),
+    path(PUSH_PATH, records.call_records_push_view, name="call-records-push"),
     path("metrics", operate.metrics_view, name="metrics"),
     path("llms.txt", operate.llms_txt_view, name="llms-txt"),
 ]

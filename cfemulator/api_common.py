@@ -144,10 +144,10 @@ def _int_arg(request: ApiRequest, name: str, default: int) -> int:
     return default if raw in (None, "") else _int_value(raw, name)
 
 
-def _paged(items: list[Any], request: ApiRequest, *, least: int) -> tuple[list[Any], str]:
-    """The page of `items` that `limit` (at least `least`, at most 1000) and `cursor` (an
-    offset) ask for, and the next page's cursor ("" after the last)."""
-    limit = min(1000, max(least, _int_arg(request, "limit", 1000)))
+def _paged(items: list[Any], request: ApiRequest, *, least: int, limit_arg: str = "limit") -> tuple[list[Any], str]:
+    """The page of `items` that the argument `limit_arg` (at least `least`, at most 1000)
+    and `cursor` (an offset) ask for, and the next page's cursor ("" after the last)."""
+    limit = min(1000, max(least, _int_arg(request, limit_arg, 1000)))
     offset = _int_arg(request, "cursor", 0)
     cursor = str(offset + limit) if offset + limit < len(items) else ""
     return items[offset : offset + limit], cursor

@@ -136,7 +136,8 @@ class KvEndpoints:
     def _kv_binding_call(self, request: ApiRequest, namespace: KvNamespace, key: str) -> ApiResponse:
         method = request.method
         if method == "GET" and not key:
-            items, cursor = _key_listing(namespace, request, least=1)
+            # workerd sends list()'s `limit` as `key_count_limit`.
+            items, cursor = _key_listing(namespace, request, least=1, limit_arg="key_count_limit")
             return ApiResponse(200, kv_list_body(items, cursor=cursor))
         if method == "GET":
             return self._kv_binding_read(namespace, key)
@@ -147,7 +148,8 @@ class KvEndpoints:
             metadata = request.headers.get("cf-kv-metadata")
             namespace.values[key] = KvValue(
                 value=request.body,
-                expiration=_expiration(request, min_ttl=None),
+                # The binding's put() holds expirationTtl to the same minimum as the API.
+                expiration=_expiration(request, min_ttl=_KV_MIN_TTL_SECONDS),
                 metadata=json.loads(metadata) if metadata else None,
             )
         else:
@@ -192,9 +194,12 @@ def _expiration(request: ApiRequest, *, min_ttl: int | None) -> int | None:
     return None if expiration is None else _int_value(expiration, "expiration")
 
 
-def _key_listing(namespace: KvNamespace, request: ApiRequest, *, least: int) -> tuple[list[dict[str, Any]], str]:
-    """One page of the unexpired keys under `prefix`, in order, `limit` (at least `least`,
-    at most 1000) from `cursor`; and the cursor of the next page ("" after the last)."""
+def _key_listing(
+    namespace: KvNamespace, request: ApiRequest, *, least: int, limit_arg: str = "limit"
+) -> tuple[list[dict[str, Any]], str]:
+    """One page of the unexpired keys under `prefix`, in order, as many as `limit_arg` asks
+    (at least `least`, at most 1000) from `cursor`; and the cursor of the next page ("" after
+    the last). A key written a moment ago is listed at once, through a binding as over the API."""
     prefix = request.arg("prefix", "") or ""
     now = time.time()
     names = sorted(
@@ -202,7 +207,7 @@ def _key_listing(namespace: KvNamespace, request: ApiRequest, *, least: int) -> 
         for key, item in namespace.values.items()
         if key.startswith(prefix) and (item.expiration is None or item.expiration > now)
     )
-    page, cursor = _paged(names, request, least=least)
+    page, cursor = _paged(names, request, least=least, limit_arg=limit_arg)
     return [_key_json(name, namespace.values[name]) for name in page], cursor
 
 

@@ -28,9 +28,10 @@ Every bound script's global `fetch()` leaves through a small Worker of the emula
 host goes to the emulator's front door (what Cloudflare's front door would serve), marked
 with whether the script has the `global_fetch_strictly_public` flag, without which
 Cloudflare refuses a fetch of another Worker on the account's own workers.dev zone (error
-1042); any other request goes out to the network, public addresses and this machine's
-loopback, where the emulator's origins (Sigil's own server) listen, as a public origin is
-reachable from Cloudflare.
+1042); any other request goes out to the network (WORKER_OUTBOUND): public addresses, as on
+Cloudflare, and this machine's loopback. Open-source workerd's default allows public
+addresses only, and loopback stands in here for the owner's public origin, which Cloudflare
+reaches (Sigil's Workers push call records there, and its edge hands it calls).
 
 Text bindings reach the process through its environment, never its config file.
 """
@@ -43,12 +44,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from capabilities.workerd.config import outbound_service
 from capabilities.workerd.host import WorkerdHost
 from cfemulator.limits import CPU_EXCEEDED_MESSAGE, MEMORY_EXCEEDED_MESSAGE
 from cfemulator.uploads import COMMONJS_TYPES, ES_MODULE_TYPES, SOURCE_MAP_TYPE, ScriptUpload
 
 logger = logging.getLogger(__name__)
 
+# What a Worker's fetch() may reach: the public internet, and loopback as the owner's origin.
+WORKER_OUTBOUND = ("public", "127.0.0.0/8", "::1/128")
+OUTBOUND_SERVICE = "cfemulator-outbound"
+NETWORK_SERVICE = "cfemulator-network"
 # Binding types that make a script run from a workerd config of its own.
 BOUND_BINDING_TYPES = frozenset({"kv_namespace", "worker_loader", "dispatch_namespace"})
 KV_HEADER = "x-cfemulator-kv"
@@ -293,7 +299,6 @@ _NO_CALLS = "const calls = { run: (_, run) => run(), getStore: () => null };"
 # ("private"); the emulator takes it off before a Worker sees the request.
 SUBREQUEST_HEADER = "x-cfemulator-subrequest"
 STRICTLY_PUBLIC_FLAG = "global_fetch_strictly_public"
-OUTBOUND_SERVICE = "cfemulator-outbound"
 OUTBOUND_SOURCE = """export default {
   fetch(request, env) {
     if (new URL(request.url).hostname.endsWith(".workers.dev")) return env.FRONT_DOOR.fetch(request);
@@ -389,7 +394,11 @@ def bound_config(
         modules.append(f"(name = {_capnp(name)}, {shape} = embed {_capnp(file_name)})")
 
     emulator_address = f"127.0.0.1:{emulator_port}"
-    services = ['(name = "main", worker = .main)', '(name = "probe", worker = .probe)']
+    services = [
+        '(name = "main", worker = .main)',
+        '(name = "probe", worker = .probe)',
+        outbound_service(NETWORK_SERVICE, WORKER_OUTBOUND),
+    ]
     bindings: list[str] = []
     environment: dict[str, str] = {}
     namespaces: dict[str, str] = {}
@@ -471,8 +480,6 @@ def bound_config(
         f"(name = {_capnp(OUTBOUND_SERVICE)}, worker = .outbound)",
         f'(name = "cfemulator-front-door", external = (address = {_capnp(emulator_address)}, '
         f"http = (injectRequestHeaders = [{front_door}])))",
-        # workerd's own default network is public addresses only; the emulator's origins are on loopback.
-        '(name = "cfemulator-network", network = (allow = ["public", "local"], tlsOptions = (trustBrowserCas = true)))',
     ]
     tails, forwarder = "", ""
     if tail_key is not None:
@@ -518,7 +525,7 @@ const outbound :Workerd.Worker = (
   modules = [(name = "outbound.js", esModule = embed "outbound.js")],
   compatibilityDate = "2025-01-01",
   bindings = [(name = "FRONT_DOOR", service = "cfemulator-front-door")],
-  globalOutbound = "cfemulator-network",
+  globalOutbound = {_capnp(NETWORK_SERVICE)},
 );
 {forwarder}"""
     return config, environment

@@ -26,7 +26,7 @@ from pathlib import Path
 from capabilities.workerd.group import WorkerdGroup
 from capabilities.workerd.host import WorkerdHost
 from capabilities.workerd.supervision import Limits, SupervisedWorkerd
-from cfemulator.bound import BoundHost, needs_own_workerd
+from cfemulator.bound import WORKER_OUTBOUND, BoundHost, needs_own_workerd
 from cfemulator.limits import MAX_CPU_MS
 from cfemulator.uploads import ScriptUpload
 from sigil.ports import free_port_block, port_is_open
@@ -166,7 +166,12 @@ class ScriptProcesses:
         directory = self.state_dir / name.replace(":", "-")
         if upload is None or not (needs_own_workerd(upload) or tails):
             return WorkerdHost(
-                binary=self.binary, port=port, code_dir=self.code_dir, state_dir=directory, secret=self.secret
+                binary=self.binary,
+                port=port,
+                code_dir=self.code_dir,
+                state_dir=directory,
+                secret=self.secret,
+                outbound_allow=WORKER_OUTBOUND,
             )
         return BoundHost(
             binary=self.binary,

@@ -14,8 +14,8 @@ MARK = "x-sigil-edge"
 CLIENT = f"{MARK}-client"
 AT = f"{MARK}-at"
 SIGNATURE = f"{MARK}-signature"
-# How far a mark's time may be from the origin's clock, either way: a captured mark cannot be
-# replayed for longer (and clocks on Cloudflare and on the origin need not agree better).
+# How far a mark's time may be from the origin's clock, either way, as for a push of call
+# records: a captured mark cannot be replayed for longer, and clocks need not agree better.
 MAX_SKEW_SECONDS = 300
 
 
@@ -26,8 +26,10 @@ def edge_key(secret: str) -> str:
 
 
 def edge_signature(key: str, *, at: str, client: str, method: str, path: str) -> str:
-    """The signature edge.js writes: HMAC-SHA256 of the time, the address, the method and the path."""
-    message = f"{at}\n{client}\n{method}\n{path}".encode(errors="replace")
+    """The signature edge.js writes, as the Workers sign what they push to the origin
+    (capabilities/record_pushes.py): the hex HMAC-SHA256 of the time of signing, a dot, and
+    what is signed: here the address, the method and the path, a line each."""
+    message = f"{at}.{client}\n{method}\n{path}".encode(errors="replace")
     return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
 
 

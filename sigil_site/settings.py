@@ -273,8 +273,6 @@ SIGIL_REAP_INTERVAL_SECONDS = env_float("SIGIL_REAP_INTERVAL_SECONDS", 15.0)
 SIGIL_INACTIVE_CHECK_INTERVAL_SECONDS = env_float("SIGIL_INACTIVE_CHECK_INTERVAL_SECONDS", 86400.0)
 SIGIL_PREWARM_INTERVAL_SECONDS = env_float("SIGIL_PREWARM_INTERVAL_SECONDS", 3600.0)
 SIGIL_STATS_PRUNE_INTERVAL_SECONDS = env_float("SIGIL_STATS_PRUNE_INTERVAL_SECONDS", 3600.0)
-# How often the call records the Cloudflare runtimes' tails leave in Workers KV are collected.
-SIGIL_LOGS_COLLECT_INTERVAL_SECONDS = env_float("SIGIL_LOGS_COLLECT_INTERVAL_SECONDS", 2.0)
 
 CELERY_BEAT_SCHEDULE = {
     "capability-expire-ephemerals": {
@@ -304,12 +302,6 @@ CELERY_BEAT_SCHEDULE = {
     "capability-prune-stats": {
         "task": "capabilities.capability_prune_stats",
         "schedule": SIGIL_STATS_PRUNE_INTERVAL_SECONDS,
-    },
-    "call-records-collect": {
-        "task": "capabilities.call_records_collect",
-        "schedule": SIGIL_LOGS_COLLECT_INTERVAL_SECONDS,
-        # A collection not started by the next one is not needed: the next takes its batches.
-        "options": {"expires": SIGIL_LOGS_COLLECT_INTERVAL_SECONDS},
     },
 }
 
@@ -383,13 +375,16 @@ SIGIL_BREAKER_COOLDOWN_SECONDS = env_float("SIGIL_BREAKER_COOLDOWN_SECONDS", 30.
 # Recent failures kept per capability in Redis, for its owner (capabilities/failures.py).
 SIGIL_FAILURES_KEPT = env_int("SIGIL_FAILURES_KEPT", 50)
 # Each call's record (console lines, exception, outcome) kept for its owner (capabilities/call_logs.py).
-# Off: no capability is given a tail, and nothing is collected (for measuring what it costs).
+# Off: no capability is given a tail, and nothing is kept (for measuring what it costs).
 SIGIL_LOGS_ENABLED = env_bool("SIGIL_LOGS_ENABLED", True)
 SIGIL_LOGS_LINES_PER_CALL = env_int("SIGIL_LOGS_LINES_PER_CALL", 200)
 SIGIL_LOGS_LINE_BYTES = env_int("SIGIL_LOGS_LINE_BYTES", 2048)
 SIGIL_LOGS_RECORDS_PER_CAPABILITY = env_int("SIGIL_LOGS_RECORDS_PER_CAPABILITY", 200)
 SIGIL_LOGS_RETENTION_SECONDS = env_int("SIGIL_LOGS_RETENTION_SECONDS", 86400)
 SIGIL_LOGS_AGENT_BYTES = env_int("SIGIL_LOGS_AGENT_BYTES", 8 * 1024 * 1024)
+# On Cloudflare: batches of call records one Worker isolate keeps in its Workers KV namespace
+# while the origin (SIGIL_ORIGIN_URL) cannot be reached; past them, records are counted as lost.
+SIGIL_LOGS_SPOOL_BATCHES = env_int("SIGIL_LOGS_SPOOL_BATCHES", 100)
 # The longest a live tail of a capability's call records streams before it ends.
 SIGIL_LOGS_TAIL_SECONDS = env_int("SIGIL_LOGS_TAIL_SECONDS", 300)
 # Secret that the gateway sends to workerd hosts; requests without it are refused there.
@@ -561,19 +556,22 @@ SIGIL_CF_WORKERS_BASE = env_str(
     "SIGIL_CF_WORKERS_BASE", f"http://127.0.0.1:{CF_EMULATOR_PORT}" if SIGIL_CF_EMULATED else ""
 )
 
+# Where Sigil's Workers on Cloudflare reach this server to push call records: its public URL
+# (https://sigil.example.com). Under the emulator (no CF_API_TOKEN), the web server's own
+# address on loopback (PORT, as runsigil recorded it). Empty on a real account: no call
+# records arrive (cfcheck and /_health say so). Changing it redeploys Sigil's Workers.
+SIGIL_ORIGIN_URL = env_str(
+    "SIGIL_ORIGIN_URL",
+    f"http://127.0.0.1:{sigil_ports.recorded(VAR_DIR).get('web', 8000)}" if SIGIL_CF_EMULATED else "",
+)
+
 # --- The edge ---------------------------------------------------------------------------
 
 # Calls served in Sigil's own Worker on Cloudflare (the Cloudflare runtimes), from the state
-# Sigil publishes in Workers KV; the owner's server is the origin for the rest. On by default
-# against the local emulator, so that `make run` shows it; off on a real account until its
-# owner gives an origin URL Cloudflare can reach (docs/operations.md).
+# Sigil publishes in Workers KV; the owner's server (SIGIL_ORIGIN_URL) is the origin for the
+# rest. On by default against the local emulator, so that `make run` shows it; off on a real
+# account until its owner gives an origin URL Cloudflare can reach (docs/operations.md).
 SIGIL_EDGE = env_bool("SIGIL_EDGE", SIGIL_CF_EMULATED)
-# Where Sigil's Workers reach Sigil's own server: the emulator's Workers reach this machine's
-# web port; on a real account a public URL (SIGIL_PUBLIC_URL by default).
-SIGIL_ORIGIN_URL = env_str(
-    "SIGIL_ORIGIN_URL",
-    f"http://127.0.0.1:{sigil_ports.recorded(VAR_DIR).get('web', 8000)}" if SIGIL_CF_EMULATED else SIGIL_PUBLIC_URL,
-)
 # The base of the edge's URLs when callers reach it on a custom domain; empty: its workers.dev URL.
 SIGIL_EDGE_URL = env_str("SIGIL_EDGE_URL", "")
 # The worker-pool runtime's edge Worker (the other runtimes' edge is their Worker in front).

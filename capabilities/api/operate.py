@@ -26,7 +26,7 @@ from capabilities import cost, selectors, services
 from capabilities.api.schema import ADD_DEPLOY, AUTHENTICATED, error_responses
 from capabilities.metrics import metrics_render
 from capabilities.models import Capability, State
-from capabilities.runtimes import get_runtime
+from capabilities.runtimes import get_runtime, runtime_class
 from capabilities.runtimes.errors import RuntimeUnavailable
 from sigil import errors
 from sigil.redis_client import get_redis
@@ -150,6 +150,7 @@ class HealthApi(APIView):
         except RedisError:  # reported above, as the redis check
             warning = None
         warnings = [warning] if warning else []
+        warnings += runtime_class(settings.SIGIL_BACKEND).settings_warnings(settings)
         # Still served where they are: the owner has a switch to finish, not an outage.
         warnings += [left.describe() for left in left_behind if not left.failure]
         if warnings:

@@ -227,6 +227,12 @@ class Runtime(ABC):
         return []
 
     @classmethod
+    def settings_warnings(cls, settings: LazySettings) -> list[str]:
+        """What `settings` leave this runtime without, though it serves (call records that
+        cannot arrive), in plain words for `/_health`'s warnings and `cfcheck`."""
+        return []
+
+    @classmethod
     def processes(cls, settings: LazySettings) -> list[Process]:
         """The programs this runtime needs on this machine beside Sigil's own (web, worker,
         Redis), in the order they start."""
@@ -336,13 +342,6 @@ class Runtime(ABC):
         allowance in all (a page-in makes several), not one each. Runtimes whose API has no
         budget keep this default: nothing to share."""
         return contextlib.nullcontext()
-
-    def call_records_take(self, *, limit: int) -> list[dict]:
-        """Up to `limit` batches of call records the runtime's tail left for Sigil to collect,
-        each `{"records": [...]}`, removed from where they were left. Runtimes whose tail
-        hands them over itself (the local runtime's log sink) keep this default: none.
-        Raises RuntimeUnavailable."""
-        return []
 
     def edge_url(self) -> str | None:
         """The base of the URLs callers reach capabilities at through Sigil's edge on the

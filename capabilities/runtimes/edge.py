@@ -164,7 +164,7 @@ def edge_settings_errors(settings: LazySettings) -> list[CheckMessage]:
     errors = []
     origin = urlsplit(settings.SIGIL_ORIGIN_URL)
     if not settings.SIGIL_ORIGIN_URL:
-        hint = "Set SIGIL_ORIGIN_URL to this server's public URL (or SIGIL_PUBLIC_URL), or set SIGIL_EDGE=false."
+        hint = "Set SIGIL_ORIGIN_URL to this server's public URL, or set SIGIL_EDGE=false."
         errors.append(Error("SIGIL_EDGE is on and SIGIL_ORIGIN_URL is empty", hint=hint, id="sigil.E040"))
     elif origin.scheme not in ("http", "https") or not origin.hostname or origin.path.strip("/"):
         hint = "Give the scheme and host of this server only, such as https://sigil.example.com."

@@ -12,6 +12,7 @@ import urllib3
 from django.conf import LazySettings
 
 from capabilities.log_limits import host_log_limits
+from capabilities.record_pushes import RecordsOrigin
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound
@@ -20,15 +21,15 @@ from capabilities.runtimes.edge import Edge, EdgeSettings
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check, loader_host_store
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
-from capabilities.runtimes.tail_worker import kv_batches_take, kv_namespace_ensure, kv_namespace_find
+from capabilities.runtimes.tail_worker import kv_namespace_ensure, kv_namespace_find
 from capabilities.workerd.config import HOST_DIR
 
 HOST_MODULE = "host.js"
 HOST_SOURCE = (HOST_DIR / HOST_MODULE).read_text()
 CODE_PREFIX = "code:"
 SLOT_PREFIX = "slot:"
-# Batches of call records the host's tail leaves in the same namespace (host.js SigilTail),
-# under tail_worker.LOGS_PREFIX.
+# The host's tail (host.js SigilTail) spools in the same namespace, under `spool:`, the batches
+# of call records the origin does not take for now.
 
 
 class LoaderRuntime(FrontedRuntime):
@@ -98,13 +99,16 @@ class LoaderRuntime(FrontedRuntime):
         invoke_base: str = "",
         propagation_wait_seconds: float = 30.0,
         log_limits: dict | None = None,
+        records_origin: RecordsOrigin | None = None,
         edge: EdgeSettings | None = None,
     ) -> None:
         super().__init__(cpu_ms=cpu_ms)
         # The edge rides in the loader Worker: callers' requests to it are served there.
         self.edge = Edge(client=client, settings=edge, backend=self.name, secret=secret) if edge else None
         #: the per-call bounds of the host's tail; None: the host gives capabilities no tail
-        self.log_limits = log_limits
+        self.log_limits = log_limits if records_origin is not None else None
+        #: where the host's tail pushes call records
+        self.records_origin = records_origin
         self.propagation_wait_seconds = propagation_wait_seconds
         self.client = client
         self.kv_title = kv_title
@@ -149,6 +153,7 @@ class LoaderRuntime(FrontedRuntime):
                 ],
                 secret_bindings=[
                     {"type": "secret_text", "name": "SIGIL_SECRET", "text": self._secret},
+                    *(self.records_origin.secret_bindings() if self.log_limits is not None else []),
                     *(edge.secret_bindings() if edge else []),
                 ],
                 version_binding="SIGIL_HOST_VERSION",
@@ -160,13 +165,14 @@ class LoaderRuntime(FrontedRuntime):
         return self._worker
 
     def _log_bindings(self) -> list[dict]:
-        """Where each capability's tail leaves its call records for Sigil to collect (none
-        when they are off: the host then gives capabilities no tail)."""
+        """Where each capability's tail pushes its call records, and the namespace it spools
+        them in meanwhile (none when they are off: the host then gives capabilities no tail)."""
         if self.log_limits is None:
             return []
         return [
             {"type": "kv_namespace", "name": "LOG_KV", "namespace_id": self.kv_id},
             {"type": "plain_text", "name": "LOG_LIMITS", "text": json.dumps(self.log_limits)},
+            *self.records_origin.bindings(),
         ]
 
     def provision(self) -> list[str]:
@@ -268,7 +274,3 @@ class LoaderRuntime(FrontedRuntime):
 
     def edge_url(self) -> str | None:
         return self.edge.url(self.worker) if self.edge is not None else None
-
-    def call_records_take(self, *, limit: int) -> list[dict]:
-        """The oldest `limit` batches the host's tail left under `logs:`."""
-        return kv_batches_take(self.client, self.kv_id, limit=limit)

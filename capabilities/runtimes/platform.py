@@ -11,6 +11,7 @@ from pathlib import Path
 from django.conf import LazySettings
 
 from capabilities.log_limits import host_log_limits
+from capabilities.record_pushes import RecordsOrigin
 from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import (
@@ -106,14 +107,18 @@ class PlatformRuntime(FrontedRuntime):
         cpu_ms: int,
         invoke_base: str = "",
         log_limits: dict | None = None,
+        records_origin: RecordsOrigin | None = None,
         edge: EdgeSettings | None = None,
     ) -> None:
         super().__init__(cpu_ms=cpu_ms)
         # Sigil's Tail Worker, the dispatch Worker's tail consumer: it receives the user
-        # Workers' events too, and skips the dispatch Worker's own. None: call records are off.
+        # Workers' events too, and skips the dispatch Worker's own. None: call records are
+        # off, or have nowhere to go.
         self.tails = (
-            TailMailbox(client=client, limits=log_limits, skip=(dispatcher,), invoke_base=invoke_base)
-            if log_limits
+            TailMailbox(
+                client=client, limits=log_limits, origin=records_origin, skip=(dispatcher,), invoke_base=invoke_base
+            )
+            if log_limits and records_origin
             else None
         )
         self.client = client
@@ -215,9 +220,6 @@ class PlatformRuntime(FrontedRuntime):
 
     def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
         return self._front_route([("X-Sigil-Dispatch-Secret", self._secret), ("X-Sigil-Script", slot)], cpu_ms)
-
-    def call_records_take(self, *, limit: int) -> list[dict]:
-        return self.tails.take(limit=limit) if self.tails is not None else []
 
     def edge_url(self) -> str | None:
         return self.edge.url(self.dispatcher) if self.edge is not None else None

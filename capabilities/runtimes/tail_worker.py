@@ -3,10 +3,9 @@ capabilities are Worker scripts of their own: the worker-pool runtime names it i
 script's `tail_consumers`, the platform runtime in its dispatch Worker's, whose Tail Worker
 receives the user Workers' events as well (Workers for Platforms).
 
-It leaves the calls' records in a Workers KV namespace of its own, in batches, and Sigil
-takes them from there (`take`, the beat's collection task), as the loader runtime's host
-does in its namespace: Cloudflare never needs to reach Sigil's server, which may sit behind
-a NAT or a firewall. A batch not taken within a day expires (KV's own expiry).
+It pushes the calls' records to Sigil's origin (SIGIL_ORIGIN_URL) in signed batches, and keeps
+in a Workers KV namespace of its own, through its binding, the batches the origin does not
+take for now, until it does (host.js, flush). No API request is made for records.
 """
 
 from __future__ import annotations
@@ -14,25 +13,33 @@ from __future__ import annotations
 import json
 import threading
 
-from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
+from capabilities.record_pushes import RecordsOrigin
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareRejected
 from capabilities.runtimes.sigil_worker import SigilWorker
 from capabilities.workerd.config import HOST_DIR
 
 TAIL_WORKER = "sigil-tail"
 TAIL_KV_TITLE = "sigil-call-records"
-LOGS_PREFIX = "logs:"
 _SOURCES = {name: (HOST_DIR / name).read_text() for name in ("tail.js", "host.js")}
 
 
 class TailMailbox:
-    """The Tail Worker and the KV namespace it leaves batches in; `skip` names Workers whose
-    own events are no capability's (the dispatch Worker). Thread-safe."""
+    """The Tail Worker, where it pushes records (`origin`) and the KV namespace it spools them
+    in; `skip` names Workers whose own events are no capability's (the dispatch Worker).
+    Thread-safe."""
 
     def __init__(
-        self, *, client: CloudflareClient, limits: dict, skip: tuple[str, ...] = (), invoke_base: str = ""
+        self,
+        *,
+        client: CloudflareClient,
+        limits: dict,
+        origin: RecordsOrigin,
+        skip: tuple[str, ...] = (),
+        invoke_base: str = "",
     ) -> None:
         self.client = client
         self.limits = limits
+        self.origin = origin
         self.skip = skip
         self.invoke_base = invoke_base
         self.consumers = [{"service": TAIL_WORKER}]
@@ -61,21 +68,20 @@ class TailMailbox:
                     {"type": "plain_text", "name": "LOG_LIMITS", "text": json.dumps(self.limits)},
                     {"type": "plain_text", "name": "LOG_SLOTS", "text": "1"},
                     {"type": "plain_text", "name": "SIGIL_TAIL_SKIP", "text": json.dumps(list(self.skip))},
+                    *self.origin.bindings(),
                 ],
-                secret_bindings=[],
+                secret_bindings=self.origin.secret_bindings(),
                 version_binding="SIGIL_TAIL_VERSION",
                 invoke_base=self.invoke_base,
             )
         return self._worker
 
     def provision(self) -> list[str]:
-        """Deploy the Tail Worker if it is missing or runs other code. Idempotent."""
+        """Deploy the Tail Worker if it is missing or runs other code (its bindings included:
+        a new origin redeploys it). Idempotent."""
         if self.worker.deploy():
             return [f"deployed the Tail Worker {TAIL_WORKER} ({self.worker.version})"]
         return []
-
-    def take(self, *, limit: int) -> list[dict]:
-        return kv_batches_take(self.client, self.kv_id, limit=limit)
 
 
 def kv_namespace_ensure(client: CloudflareClient, title: str) -> str:
@@ -98,23 +104,3 @@ def kv_namespace_find(client: CloudflareClient, title: str) -> str | None:
         if namespace.get("title") == title:
             return str(namespace["id"])
     return None
-
-
-def kv_batches_take(client: CloudflareClient, kv_id: str, *, limit: int) -> list[dict]:
-    """The oldest `limit` batches of call records a tail left under `logs:` (one listing, then
-    a read and a delete per batch). A batch that is not JSON is dropped and returned as
-    `{"records": None}`, so that it is counted as undelivered."""
-    keys = sorted(k["name"] for k in client.kv_keys(kv_id, prefix=LOGS_PREFIX))[:limit]
-    batches = []
-    for key in keys:
-        try:
-            raw = client.kv_get(kv_id, key)
-        except CloudflareNotFound:
-            continue  # another collector took it, or it expired meanwhile
-        client.kv_delete(kv_id, key)
-        try:
-            batch = json.loads(raw)
-        except ValueError:
-            batch = {"records": None}
-        batches.append(batch if isinstance(batch, dict) else {"records": None})
-    return batches

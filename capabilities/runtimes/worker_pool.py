@@ -12,6 +12,7 @@ from django.conf import LazySettings
 from django.core.checks import CheckMessage, Error
 
 from capabilities.log_limits import host_log_limits
+from capabilities.record_pushes import RecordsOrigin
 from capabilities.runtimes.base import CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, metadata_binding
@@ -169,12 +170,18 @@ class WorkerPoolRuntime(CloudflareRuntime):
         redirect: bool = False,
         cpu_ms: int = 0,
         log_limits: dict | None = None,
+        records_origin: RecordsOrigin | None = None,
         edge: EdgeSettings | None = None,
     ) -> None:
         self.client = client
         # Sigil's Tail Worker, named in every script's tail_consumers (one of the account's
-        # scripts: SIGIL_POOL_SYSTEM_RESERVED counts it); None when call records are off.
-        self.tails = TailMailbox(client=client, limits=log_limits, invoke_base=invoke_base) if log_limits else None
+        # scripts: SIGIL_POOL_SYSTEM_RESERVED counts it); None when call records are off or
+        # have nowhere to go.
+        self.tails = (
+            TailMailbox(client=client, limits=log_limits, origin=records_origin, invoke_base=invoke_base)
+            if log_limits and records_origin
+            else None
+        )
         # The edge: a Worker of its own (`sigil-edge`, another of Sigil's scripts), reaching
         # pooled scripts by their workers.dev URLs with the guard's secret. None while off.
         self.edge = Edge(client=client, settings=edge, backend=self.name, secret=secret) if edge else None
@@ -315,6 +322,3 @@ class WorkerPoolRuntime(CloudflareRuntime):
                 done.append(f"deployed the edge Worker {self.edge_worker.name} ({self.edge_worker.version})")
         self._provisioned = True
         return done
-
-    def call_records_take(self, *, limit: int) -> list[dict]:
-        return self.tails.take(limit=limit) if self.tails is not None else []

@@ -9,7 +9,7 @@ from capabilities.services.bindings import (
     binding_revoke,
     binding_save,
 )
-from capabilities.services.call_records import call_records_collect
+from capabilities.services.call_records import call_records_batch_keep, call_records_push
 from capabilities.services.controls import (
     capability_force_degraded,
     capability_reset_breaker,
@@ -80,7 +80,8 @@ __all__ = [
     "binding_grant",
     "binding_revoke",
     "binding_save",
-    "call_records_collect",
+    "call_records_batch_keep",
+    "call_records_push",
     "capability_adopt_backend",
     "capability_apply_stats",
     "capability_clear_slot",

@@ -1,5 +1,8 @@
-"""Collecting the call records the Cloudflare runtimes' tails leave for Sigil (the beat's
-task): each batch taken once, kept by capabilities.call_logs.
+"""Keeping the batches of call records the runtimes' tails send Sigil, whichever way they
+come: the local runtime's log sink (capabilities/log_sink.py) hands over what its workerd
+processes post, and the origin's endpoint what Sigil's Workers on Cloudflare push
+(`call_records_push`). Both keep a batch with `call_records_batch_keep`, kept by
+capabilities.call_logs.
 
 The loader host's tail names each record's capability and masks its secrets itself, in the
 Worker that holds them. Sigil's Tail Worker (worker-pool, platform) sees only TraceItems: a
@@ -11,32 +14,83 @@ values never reach the store. A record of a slot no capability holds is counted 
 
 from __future__ import annotations
 
+import json
+import re
+import time
+
+from django.db import DatabaseError
+from redis import RedisError
+
 from capabilities import call_logs
 from capabilities.bindings import bindings_resolve
+from capabilities.log_limits import LogLimits
 from capabilities.models import BindingKind, Capability, State
+from capabilities.record_pushes import push_key, push_verify
+from sigil.errors import InvalidRequest
 
 # The shortest end of a cut line that is taken for the start of a secret value (and masked).
 _CUT_SECRET_PREFIX = 4
 _EXCEPTION_FIELDS = ("name", "message", "stack")
+# A pushed batch's id (host.js gives each a random UUID).
+_BATCH_ID = re.compile(r"^[0-9A-Za-z-]{8,64}$")
 
 
-def call_records_collect(*, runtime, limit: int = 100) -> int:
-    """Keep the batches of call records `runtime` left to be collected (in Workers KV);
-    returns how many records were kept. A batch that cannot be read is counted as
-    undelivered. Each batch is taken once: running this twice keeps nothing twice. Raises
-    RuntimeUnavailable."""
-    kept = 0
-    for batch in runtime.call_records_take(limit=limit):
-        records = batch.get("records")
-        if not isinstance(records, list):
-            call_logs.call_records_undelivered()
-            continue
+def call_records_push(
+    *, body: bytes, signed_at: str, signature: str, secret: str, backend: str, limits: LogLimits | None = None
+) -> int:
+    """Take a batch of call records one of Sigil's Workers on Cloudflare pushed: check that it
+    was signed with the key derived from `secret` within the allowed time (record_pushes), read
+    it, and keep it (`call_records_batch_keep`) unless a batch of the same id was taken before.
+    Returns how many records were kept (0 for a batch taken before).
+
+    Raises Forbidden for a bad or stale signature, InvalidRequest for a body that is no batch:
+    either way nothing is kept or counted (the Worker counts what it could not deliver).
+    Idempotent: a batch pushed again is kept once.
+    """
+    push_verify(key=push_key(secret), signed_at=signed_at, signature=signature, body=body, now=time.time())
+    try:
+        batch = json.loads(body)
+    except ValueError as exc:
+        raise InvalidRequest(f"a push's body is a JSON batch of call records ({exc})") from None
+    if not isinstance(batch, dict) or not isinstance(batch.get("records"), list):
+        raise InvalidRequest('a push\'s body is a batch: {"id": ..., "records": [...], "dropped": n}')
+    batch_id = batch.get("id")
+    if not isinstance(batch_id, str) or not _BATCH_ID.match(batch_id):
+        raise InvalidRequest("a pushed batch carries its id (8 to 64 letters, digits and dashes)")
+    return call_records_batch_keep(batch=batch, backend=backend, limits=limits or LogLimits.from_settings())
+
+
+def call_records_batch_keep(*, batch: dict, backend: str, limits: LogLimits) -> int:
+    """Keep one batch of call records a tail sent (`{"records": [...], "dropped": n}`, with
+    `"slots": true` from Sigil's Tail Worker on `backend`, and an `"id"` when pushed): a
+    Tail Worker's records named for their capabilities and masked, each record kept within
+    `limits`, and `dropped` (records the tail could not deliver) counted as undelivered.
+    Returns how many records were kept.
+
+    A batch with an id is taken once: one already taken is ignored (0). Raises RedisError or
+    DatabaseError, and then forgets that the batch was taken, so that a push again keeps it
+    (with whatever records of it were kept before the failure a second time).
+    """
+    records = batch.get("records")
+    if not isinstance(records, list):
+        call_logs.call_records_undelivered()
+        return 0
+    batch_id = batch.get("id")
+    claimed = isinstance(batch_id, str)
+    retention = limits.retention_seconds
+    if claimed and not call_logs.call_records_batch_claim(batch_id=batch_id, retention_seconds=retention):
+        return 0  # pushed again: kept the first time
+    try:
         if batch.get("slots") is True:
-            records = _claimed(records, backend=runtime.name)
-        kept += call_logs.call_records_keep(records=records)
+            records = _claimed(records, backend=backend)
+        kept = call_logs.call_records_keep(records=records, limits=limits)
         dropped = batch.get("dropped")
         if isinstance(dropped, int) and not isinstance(dropped, bool) and dropped > 0:
-            call_logs.call_records_undelivered(count=dropped)  # the tail's queue was full
+            call_logs.call_records_undelivered(count=dropped)  # the tail's queue was full, or a push refused
+    except (RedisError, DatabaseError):
+        if claimed:
+            call_logs.call_records_batch_unclaim(batch_id=batch_id)
+        raise
     return kept
 
 

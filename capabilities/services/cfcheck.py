@@ -79,6 +79,9 @@ def cloudflare_check(*, backend: str, client: CloudflareClient | None = None) ->
         probe = _plan_probe(client)
         runtime = runtime_class(backend)
         findings.extend(runtime.account_findings(client=client, probe=probe, scripts=scripts, settings=settings))
+        findings.extend(
+            Finding("call records", False, warning, blocking=False) for warning in runtime.settings_warnings(settings)
+        )
         findings.extend(edge_account_findings(client=client, settings=settings))
     except CloudflareUnavailable as exc:
         findings.append(Finding("Cloudflare", False, f"the API did not answer, so nothing more is known: {exc}"))

@@ -8,7 +8,6 @@ import pytest
 from capabilities import call_logs
 from capabilities.log_limits import LogLimits
 from capabilities.models import Binding
-from capabilities.services.call_records import call_records_collect
 from sigil.encryption import secret_encrypt
 from testsupport.cast import grant, wait_for
 
@@ -49,7 +48,7 @@ def logs(agent, full, **query):
     )
 
 
-def record_of(agent, full, request_id):
+def record_of(agent, full, request_id, *, timeout: float = 10):
     """The call's record, once its tail has handed it over."""
 
     def found():
@@ -57,7 +56,7 @@ def record_of(agent, full, request_id):
         assert answer.status_code == 200, answer.text
         return answer.json()["records"]
 
-    [record] = wait_for(found, message=f"the record of {request_id}")
+    [record] = wait_for(found, timeout=timeout, message=f"the record of {request_id}")
     return record
 
 
@@ -302,22 +301,7 @@ def test_the_owner_sees_the_records_on_the_capabilitys_page_and_a_failure_links_
     assert page.locator("#call-records .call-record").count() == 2
 
 
-def collected(agent, full, request_id):
-    """The call's record once Sigil collected it from where the Cloudflare tail left it (the
-    beat's task, run here in the test's own time)."""
-    from capabilities.runtimes import get_runtime
-
-    def found():
-        call_records_collect(runtime=get_runtime())
-        return logs(agent, full, request_id=request_id).json()["records"]
-
-    [record] = wait_for(found, timeout=20, interval=0.2, message=f"the collected record of {request_id}")
-    return record
-
-
-def test_on_the_loader_runtime_the_dynamic_workers_tail_leaves_records_for_sigil_to_collect(
-    loader, alice, bob, cf_client
-):
+def test_on_the_loader_runtime_the_dynamic_workers_tail_pushes_records_to_the_origin(loader, alice, bob, cf_client):
     grant(Binding.objects.create(kind="SECRET", name="TOKEN", secret_encrypted=secret_encrypt("hunter2-xyz")), "alice")
     alice.deploy(name="chatty", code=CHATTY, public=True)
     alice.deploy(name="leaky", code=LEAKS, bindings=["SECRET:TOKEN"])
@@ -325,17 +309,16 @@ def test_on_the_loader_runtime_the_dynamic_workers_tail_leaves_records_for_sigil
     boom = alice.call("/alice/chatty/boom").headers["X-Request-Id"]
     leaked = alice.call("/alice/leaky").headers["X-Request-Id"]
 
-    ok = collected(alice, "alice--chatty", fine)
+    ok = record_of(alice, "alice--chatty", fine, timeout=30)
     assert [line["level"] for line in ok["logs"]] == ["debug", "info", "log", "warn", "error"]
     assert (ok["outcome"], ok["status"], ok["version"]) == ("ok", 200, 1)
-    failed = collected(alice, "alice--chatty", boom)
+    failed = record_of(alice, "alice--chatty", boom, timeout=30)
     assert failed["exception"]["message"] == "exploded here"
-    masked = collected(alice, "alice--leaky", leaked)
+    masked = record_of(alice, "alice--leaky", leaked, timeout=30)
     assert masked["logs"][0]["text"] == "the token is [secret TOKEN] and again:[secret TOKEN]"
     assert logs(bob, "alice--chatty").status_code == 404
 
-    # Each batch is taken once: nothing is left behind, and collecting again keeps nothing twice.
+    # The origin took every batch: nothing waits in the host's namespace.
     from capabilities.runtimes import get_runtime
 
-    assert not cf_client.kv_keys(get_runtime().kv_id, prefix="logs:")
-    assert call_records_collect(runtime=get_runtime()) == 0
+    assert not cf_client.kv_keys(get_runtime().kv_id, prefix="spool:")

@@ -180,3 +180,22 @@ def test_an_account_without_workers_for_platforms_is_not_ready_for_the_platform_
     assert not ok, output
     assert lines(output)["plan"] == "MISSING"
     assert "Workers for Platforms" in output
+
+
+@pytest.mark.parametrize("backend", ["platform", "loader"])
+def test_an_account_without_an_origin_is_ready_but_told_that_call_records_cannot_arrive(
+    backend, cf_settings, cf_emulator_fresh, redis_client, client
+):
+    cf_settings.SIGIL_ORIGIN_URL = ""
+    cf_settings.SIGIL_EDGE = False  # the edge cannot be on without one (test_the_edge_needs_an_origin_url)
+    cf_settings.SIGIL_BACKEND = backend
+    output, ok = cfcheck(backend)
+    assert ok, output  # Sigil serves: the records are what is missing
+    [note] = [line for line in output.splitlines() if line.startswith("note")]
+    assert "call records cannot arrive" in note and "SIGIL_ORIGIN_URL" in note
+    warnings = client.get("/_health").json().get("warnings", [])
+    assert any("call records cannot arrive" in warning and "SIGIL_ORIGIN_URL" in warning for warning in warnings)
+
+    cf_settings.SIGIL_ORIGIN_URL = "https://sigil.example.com"
+    assert "note" not in cfcheck(backend)[0]
+    assert not any("call records" in warning for warning in client.get("/_health").json().get("warnings", []))

@@ -21,13 +21,31 @@ def capnp_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def loader_host_config(*, port: int, code_dir: Path, log_sink_port: int | None, log_limits: dict | None) -> str:
+def outbound_service(name: str, allow: tuple[str, ...]) -> str:
+    """A network service reaching the addresses `allow` names (workerd's `Network.allow`:
+    "public", "local", CIDR blocks), for a Worker's `globalOutbound`."""
+    return f"(name = {capnp_string(name)}, network = (allow = [{', '.join(capnp_string(a) for a in allow)}]))"
+
+
+def loader_host_config(
+    *,
+    port: int,
+    code_dir: Path,
+    log_sink_port: int | None,
+    log_limits: dict | None,
+    outbound_allow: tuple[str, ...] | None = None,
+) -> str:
     """The config of a workerd serving the loader host (`host.js`, beside the config) on
     127.0.0.1:`port`, reading code bundles from `code_dir`; with `log_sink_port`, the host
-    posts the calls' records there, each within `log_limits`."""
-    sink_service, sink_bindings = "", ""
+    posts the calls' records there, each within `log_limits`. Its `fetch()` reaches the
+    public internet only (workerd's default), or with `outbound_allow` the addresses it names
+    (the Cloudflare emulator lets its Workers reach this machine's loopback)."""
+    extra_services, sink_bindings, outbound = "", "", ""
+    if outbound_allow is not None:
+        extra_services = f"\n    {outbound_service('outbound', outbound_allow)},"
+        outbound = '\n  globalOutbound = "outbound",'
     if log_sink_port is not None:
-        sink_service = f"""
+        extra_services += f"""
     (name = "logs", external = (address = "127.0.0.1:{log_sink_port}", http = ())),"""
         limits = json.dumps(log_limits or {})
         sink_bindings = f"""
@@ -39,7 +57,7 @@ const config :Workerd.Config = (
   v8Flags = [{", ".join(capnp_string(flag) for flag in V8_FLAGS)}],
   services = [
     (name = "host", worker = .host),
-    (name = "code", disk = (path = {capnp_string(str(code_dir.resolve()))}, writable = false)),{sink_service}
+    (name = "code", disk = (path = {capnp_string(str(code_dir.resolve()))}, writable = false)),{extra_services}
   ],
   sockets = [
     (name = "http", address = "127.0.0.1:{port}", http = (), service = "host"),
@@ -55,6 +73,6 @@ const host :Workerd.Worker = (
     (name = "LOADER", workerLoader = (id = "capabilities")),
     (name = "CODE", service = "code"),
     (name = "SIGIL_SECRET", fromEnvironment = "SIGIL_INTERNAL_SECRET"),{sink_bindings}
-  ],
+  ],{outbound}
 );
 """

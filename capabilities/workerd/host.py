@@ -69,6 +69,8 @@ class WorkerdHost:
     log_sink_port: int | None = None
     #: the per-call bounds the host applies to a record: {"lines": …, "lineBytes": …}
     log_limits: dict | None = None
+    #: what its Workers' `fetch()` may reach beyond the public internet (config.loader_host_config)
+    outbound_allow: tuple[str, ...] | None = None
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
 
     @classmethod
@@ -110,7 +112,11 @@ class WorkerdHost:
         self.code_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(HOST_DIR / "host.js", self.state_dir / "host.js")
         config = loader_host_config(
-            port=self.port, code_dir=self.code_dir, log_sink_port=self.log_sink_port, log_limits=self.log_limits
+            port=self.port,
+            code_dir=self.code_dir,
+            log_sink_port=self.log_sink_port,
+            log_limits=self.log_limits,
+            outbound_allow=self.outbound_allow,
         )
         self.config_path.write_text(config)
         return self.config_path

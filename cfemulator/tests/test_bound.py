@@ -219,3 +219,76 @@ def test_reset_stops_every_scripts_workerd(api, cf_emulator_fresh, settings):
     cf_emulator_fresh.reset()
     assert not list((settings.VAR_DIR / "cfemulator" / "scripts").iterdir())
     assert json.loads(json.dumps(cf_emulator_fresh.dispatches())) == []
+
+
+FETCHES = """export default { async fetch(request, env) {
+  try {
+    const answer = await fetch(env.TARGET, { method: "POST", body: "from the worker" });
+    return new Response(`${answer.status} ${await answer.text()}`);
+  } catch (error) {
+    return new Response(String(error.message), { status: 599 });
+  }
+} }"""
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["plain script", "script with a KV binding"])
+def test_a_workers_fetch_reaches_this_machines_loopback_as_cloudflare_reaches_a_public_origin(
+    api, cf_emulator_fresh, bound
+):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    received = []
+
+    class Origin(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            received.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Length", "6")
+            self.end_headers()
+            self.wfile.write(b"origin")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    origin = ThreadingHTTPServer(("127.0.0.1", 0), Origin)
+    threading.Thread(target=origin.serve_forever, daemon=True).start()
+    try:
+        bindings = [{"type": "plain_text", "name": "TARGET", "text": f"http://127.0.0.1:{origin.server_port}/"}]
+        if bound:
+            bindings.append(kv_binding(api.kv_namespace()))
+        host = serve(api, cf_emulator_fresh, "fetches", FETCHES, bindings)
+        answer = cf_emulator_fresh.worker_request(host, "/")
+        assert (answer.status_code, answer.text) == (200, "200 origin")
+        assert received == [b"from the worker"]
+    finally:
+        origin.shutdown()
+        origin.server_close()
+
+
+KV_LISTS = """export default { async fetch(request, env) {
+  const url = new URL(request.url);
+  if (url.pathname === "/short") {
+    try {
+      await env.STORE.put("short", "lived", { expirationTtl: 30 });
+      return new Response("stored");
+    } catch (error) {
+      return new Response(String(error.message), { status: 599 });
+    }
+  }
+  for (const key of ["k1", "k2", "k3"]) await env.STORE.put(key, "v", { expirationTtl: 60 });
+  const first = await env.STORE.list({ prefix: "k", limit: 2 });
+  const rest = await env.STORE.list({ prefix: "k", limit: 2, cursor: first.cursor });
+  return Response.json({
+    first: first.keys.map((k) => k.name), complete: first.list_complete, rest: rest.keys.map((k) => k.name),
+  });
+} }"""
+
+
+def test_a_kv_bindings_own_writes_are_listed_at_once_in_pages_of_its_limit(api, cf_emulator_fresh):
+    host = serve(api, cf_emulator_fresh, "lists", KV_LISTS, [kv_binding(api.kv_namespace())])
+    listed = cf_emulator_fresh.worker_request(host, "/").json()
+    assert listed == {"first": ["k1", "k2"], "complete": False, "rest": ["k3"]}
+    # Workers KV holds expirationTtl to at least 60 s through a binding too.
+    refused = cf_emulator_fresh.worker_request(host, "/short")
+    assert refused.status_code == 599 and "KV PUT failed: 400" in refused.text

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from django.conf import LazySettings
 from django.core.checks import CheckMessage, Error
 
+from capabilities.record_pushes import RecordsOrigin
 from capabilities.runtimes.base import Process, Runtime
 from capabilities.runtimes.cloudflare.budget import waits_within
 from capabilities.runtimes.cloudflare.client import CloudflareClient
@@ -102,8 +103,9 @@ class CloudflareRuntime(Runtime):
     @staticmethod
     def account_settings() -> dict:
         """What every runtime on the account is built with, from settings: the client, Sigil's
-        secret (its Workers refuse calls without it), the default CPU limit per call, and
-        where the account's Workers are called."""
+        secret (its Workers refuse calls without it), the default CPU limit per call, where
+        the account's Workers are called, and where they push call records (None: nowhere,
+        so capabilities are given no tail)."""
         from django.conf import settings
 
         from capabilities.runtimes.edge import EdgeSettings  # it builds on this module
@@ -113,8 +115,20 @@ class CloudflareRuntime(Runtime):
             "secret": settings.SIGIL_INTERNAL_SECRET,
             "cpu_ms": settings.SIGIL_CPU_MS,
             "invoke_base": settings.SIGIL_CF_WORKERS_BASE,
+            "records_origin": RecordsOrigin.from_settings(),
             "edge": EdgeSettings.from_settings(),
         }
+
+    @classmethod
+    def settings_warnings(cls, settings: LazySettings) -> list[str]:
+        """Call records are on but cannot arrive: no SIGIL_ORIGIN_URL says where Sigil's
+        Workers on Cloudflare reach this server."""
+        if not settings.SIGIL_LOGS_ENABLED or settings.SIGIL_ORIGIN_URL:
+            return []
+        return [
+            "call records cannot arrive from Cloudflare: set SIGIL_ORIGIN_URL to the public URL where "
+            "Sigil's Workers reach this server (https://sigil.example.com); until then capabilities get no tail"
+        ]
 
     def api_waits_shared(self) -> contextlib.AbstractContextManager:
         return waits_within(self.client.budget.max_wait_seconds)

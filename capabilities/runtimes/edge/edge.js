@@ -379,12 +379,13 @@ async function toOrigin(request, env) {
 
 /**
  * The mark on a call the edge hands the origin: the caller's address (Cloudflare's
- * CF-Connecting-IP), when, and an HMAC-SHA256 of both with the method and path under the edge's
- * key (capabilities/engine/edge_mark.py checks it), so that the origin may trust the address.
+ * CF-Connecting-IP), when, and an HMAC-SHA256 of "{when}.{address}\n{method}\n{path}" under
+ * the edge's key, as the Workers sign their pushes (sigil/edge_mark.py checks it), so that the
+ * origin may trust the address.
  */
 export async function edgeMark(env, method, path, client) {
   const at = String(Math.floor(Date.now() / 1000));
-  const signature = await hmacHex(env.SIGIL_EDGE_KEY || "", `${at}\n${client}\n${method}\n${path}`);
+  const signature = await hmacHex(env.SIGIL_EDGE_KEY || "", `${at}.${client}\n${method}\n${path}`);
   return [
     [EDGE_MARK, "1"],
     [`${EDGE_MARK}-client`, client],

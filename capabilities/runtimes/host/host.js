@@ -34,8 +34,9 @@
 // into a call's record, bounded and with the capability's secret values replaced by their
 // binding names, and posts the records to LOG_SINK (the local runtime's log sink) with the
 // shared secret, which capability code never sees, so it cannot forge records; or, on
-// Cloudflare (the loader runtime), leaves them in Workers KV (LOG_KV, `logs:{ms}:{uuid}`) for
-// Sigil to collect, since Sigil's own server may not be reachable from Cloudflare.
+// Cloudflare (the loader runtime), pushes them to Sigil's origin (SIGIL_RECORDS_URL), signed
+// with a key capability code never sees either (SIGIL_RECORDS_KEY), spooling in Workers KV
+// (LOG_KV) what the origin does not take for now (see flush).
 
 import { WorkerEntrypoint } from "cloudflare:workers";
 
@@ -305,15 +306,32 @@ export function callRecord(event, props, limits) {
 }
 
 // The records of calls that ended close together travel in one batch: each tail only queues
-// its records, and the tail that finds no batch on its way waits FLUSH_MS, then sends what
+// its records, and the tail that finds no batch on its way waits a moment, then sends what
 // has gathered (again, until nothing is left). One subrequest per batch rather than per call
 // is what keeps the tails' share of workerd's event loop small. The queue is bounded: what
 // is dropped past it is counted in the next batch, so Sigil counts it as lost.
+//
+// Where a batch goes: to the local runtime's log sink (LOG_SINK, a service on this machine),
+// or, on Cloudflare, pushed to Sigil's origin (SIGIL_RECORDS_URL), signed with
+// SIGIL_RECORDS_KEY (HMAC-SHA256 over the time of signing and the exact body: see push). A
+// push carries an id, so a batch pushed twice is kept once. A batch the origin does not take
+// (no connection, a timeout, a 5xx) waits in the Worker's own KV namespace (LOG_KV, through
+// its binding: no API request) until the origin takes batches again (see spool and drain).
 const FLUSH_MS = 50;
-// At most this many records in one batch (the sink refuses larger bodies: capabilities/log_sink.py).
+// Pushed batches wait longer: one push a second or so carries everything of that second.
+const PUSH_FLUSH_MS = 1000;
+// How long a push may take before the batch is spooled instead.
+const PUSH_TIMEOUT_MS = 10_000;
+// At most this many records in one batch (the sink and the origin refuse larger bodies:
+// capabilities/log_limits.py, LogLimits.batch_bytes, which LOG_LIMITS carries as batchBytes).
 const BATCH_RECORDS = 64;
 // What the queue may hold, roughly in bytes of text: past it, records are dropped (and counted).
 const MAX_PENDING_BYTES = 8 * 1024 * 1024;
+const SIGNED_AT_HEADER = "x-sigil-signed-at";
+const SIGNATURE_HEADER = "x-sigil-signature";
+const SPOOL_PREFIX = "spool:";
+// Spooled batches one flush pushes at most; the rest wait for the next flush.
+const DRAIN_BATCHES = 32;
 const pending = [];
 let pendingBytes = 0;
 let dropped = 0;
@@ -326,24 +344,196 @@ function sizeOf(record) {
 }
 let flushing = false;
 
-async function flush(env) {
+// The origin did not take a batch now: no connection, a timeout, a 5xx or a 429. Worth spooling.
+class OriginUnreachable extends Error {}
+
+const encoder = new TextEncoder();
+let signingKey = null; // [key text, CryptoKey]: imported once per SIGIL_RECORDS_KEY
+
+async function signature(keyText, signedAt, body) {
+  if (!signingKey || signingKey[0] !== keyText) {
+    const key = await crypto.subtle.importKey(
+      "raw",
+      encoder.encode(keyText),
+      { name: "HMAC", hash: "SHA-256" },
+      false,
+      ["sign"],
+    );
+    signingKey = [keyText, key];
+  }
+  const mac = await crypto.subtle.sign("HMAC", signingKey[1], encoder.encode(`${signedAt}.${body}`));
+  return [...new Uint8Array(mac)].map((byte) => byte.toString(16).padStart(2, "0")).join("");
+}
+
+// Push one batch's body (JSON, with its id) to the origin. Resolves once the origin took it (or
+// had taken it before); throws OriginUnreachable when it should be tried again later, any
+// other error when the origin refused it for good (a bad signature, a malformed batch).
+async function push(env, body) {
+  const signedAt = String(Math.floor(Date.now() / 1000));
+  const headers = {
+    "content-type": "application/json",
+    [SIGNED_AT_HEADER]: signedAt,
+    [SIGNATURE_HEADER]: await signature(env.SIGIL_RECORDS_KEY, signedAt, body),
+  };
+  let response;
+  try {
+    response = await fetch(env.SIGIL_RECORDS_URL, {
+      method: "POST",
+      headers,
+      body,
+      signal: AbortSignal.timeout(PUSH_TIMEOUT_MS),
+    });
+  } catch (error) {
+    throw new OriginUnreachable(`the origin was not reached: ${error}`);
+  }
+  const answer = await response.text().catch(() => "");
+  if (response.ok) return;
+  if (response.status >= 500 || response.status === 429 || response.status === 408) {
+    throw new OriginUnreachable(`the origin answered ${response.status}`);
+  }
+  throw new Error(`the origin refused a batch with ${response.status}: ${answer.slice(0, 300)}`);
+}
+
+// What the spool remembers in this isolate: the keys it wrote and has not seen drained, how
+// many it wrote since it last found the spool empty (its bound), and whether it has listed
+// the spool since it started (a fresh isolate lists once, on its first push the origin takes,
+// for what isolates before it left there).
+const spooled = new Set();
+let spooledSinceEmpty = 0;
+let spoolListed = false;
+let spoolMore = false;
+
+// Keep a batch the origin did not take in LOG_KV until it does, for the records' retention
+// (KV's own expiry). False when it cannot: no KV binding, the bound reached, a failed write.
+async function spool(env, limits, body, batchId) {
+  if (!env.LOG_KV || spooledSinceEmpty >= (limits.spoolBatches ?? 100)) return false;
+  const key = `${SPOOL_PREFIX}${String(Date.now()).padStart(15, "0")}:${batchId}`;
+  try {
+    await env.LOG_KV.put(key, body, { expirationTtl: Math.max(60, limits.retentionSeconds || 86400) });
+  } catch (error) {
+    console.error(`call records not spooled: ${error}`);
+    return false;
+  }
+  spooled.add(key);
+  spooledSinceEmpty += 1;
+  return true;
+}
+
+function spoolWaiting() {
+  return spooled.size > 0 || !spoolListed || spoolMore;
+}
+
+// Push what waits in the spool, oldest first, once the origin takes batches again: through the
+// binding (list, get, push, delete), at most DRAIN_BATCHES a flush. Another isolate may push
+// the same batch meanwhile: the origin keeps it once. Returns false when the origin stopped
+// taking them.
+async function drain(env) {
+  const keys = new Set(spooled);
+  const listing = await env.LOG_KV.list({ prefix: SPOOL_PREFIX, limit: DRAIN_BATCHES });
+  for (const key of listing.keys) keys.add(key.name);
+  spoolListed = true;
+  spoolMore = !listing.list_complete;
+  let pushed = 0;
+  for (const key of [...keys].sort()) {
+    if (pushed >= DRAIN_BATCHES) {
+      spoolMore = true;
+      return true;
+    }
+    const body = await env.LOG_KV.get(key);
+    if (body !== null) {
+      pushed += 1;
+      try {
+        await push(env, body);
+      } catch (error) {
+        if (error instanceof OriginUnreachable) return false;
+        // Refused for good: its records are counted as lost in the next batch.
+        dropped += recordsIn(body);
+        console.error(`spooled call records refused: ${error}`);
+      }
+      await env.LOG_KV.delete(key);
+    }
+    spooled.delete(key);
+  }
+  if (!spoolMore && spooled.size === 0) spooledSinceEmpty = 0;
+  return true;
+}
+
+function recordsIn(body) {
+  try {
+    const batch = JSON.parse(body);
+    return (Array.isArray(batch.records) ? batch.records.length : 0) + (batch.dropped || 0);
+  } catch {
+    return 0;
+  }
+}
+
+// The next batch from the queue: at most BATCH_RECORDS records and, with `maxBytes`, that many
+// bytes of JSON (but at least one record). The log sink's batches are not measured: the
+// per-call bounds keep BATCH_RECORDS of them within its bound, but for JSON's escaping, and the
+// local runtime's calls should not pay for measuring.
+function nextBatch(maxBytes) {
+  let records;
+  if (maxBytes) {
+    records = [];
+    let bytes = 256;
+    while (pending.length && records.length < BATCH_RECORDS) {
+      const size = encoder.encode(JSON.stringify(pending[0])).byteLength + 1;
+      if (records.length && bytes + size > maxBytes) break;
+      bytes += size;
+      records.push(pending.shift());
+    }
+  } else {
+    records = pending.splice(0, BATCH_RECORDS);
+  }
+  for (const record of records) pendingBytes -= sizeOf(record);
+  return records;
+}
+
+async function flush(env, limits) {
   flushing = true;
   try {
-    await new Promise((resolve) => setTimeout(resolve, FLUSH_MS));
+    await new Promise((resolve) => setTimeout(resolve, env.SIGIL_RECORDS_URL ? PUSH_FLUSH_MS : FLUSH_MS));
+    // Once a push in this flush found the origin out of reach, the rest go to the spool directly.
+    let reachable = true;
     while (pending.length || dropped) {
-      const records = pending.splice(0, BATCH_RECORDS);
-      for (const record of records) pendingBytes -= sizeOf(record);
-      // LOG_SLOTS (Sigil's Tail Worker on Cloudflare): the records name the runtime's slot,
-      // and Sigil masks their secrets as it collects them (capabilities/services/call_records.py).
-      const batch = env.LOG_SLOTS ? { records, dropped, slots: true } : { records, dropped };
+      const records = nextBatch(env.SIGIL_RECORDS_URL ? limits.batchBytes : 0);
+      const lost = dropped;
       dropped = 0;
+      if (!env.SIGIL_RECORDS_URL) {
+        try {
+          await send(env, { records, dropped: lost });
+        } catch (error) {
+          // Sigil is not taking them now: the next batch that gets through says how many were lost.
+          dropped += lost + records.length;
+          console.error(`call records not delivered: ${error}`);
+          break;
+        }
+        continue;
+      }
+      // LOG_SLOTS (Sigil's Tail Worker): the records name the runtime's slot, and Sigil masks
+      // their secrets as it takes them (capabilities/services/call_records.py).
+      const id = crypto.randomUUID();
+      const batch = env.LOG_SLOTS ? { id, records, dropped: lost, slots: true } : { id, records, dropped: lost };
+      const body = JSON.stringify(batch);
       try {
-        await send(env, batch);
+        if (!reachable) throw new OriginUnreachable("the origin was out of reach a moment ago");
+        await push(env, body);
       } catch (error) {
-        // Sigil is not taking them now: the next batch that gets through says how many were lost.
-        dropped += batch.dropped + records.length;
+        if (error instanceof OriginUnreachable) reachable = false;
+        if (error instanceof OriginUnreachable && (await spool(env, limits, body, id))) continue;
+        // Refused, or not kept for later: the next batch that gets through says how many were
+        // lost. Nothing more goes this flush (the next tail's flush tries again).
+        dropped += lost + records.length;
         console.error(`call records not delivered: ${error}`);
         break;
+      }
+      if (env.LOG_KV && spoolWaiting()) {
+        try {
+          reachable = await drain(env);
+        } catch (error) {
+          // What stays spooled is pushed by a later flush (or expires with the records' retention).
+          console.error(`spooled call records not drained now: ${error}`);
+        }
       }
     }
   } finally {
@@ -352,14 +542,6 @@ async function flush(env) {
 }
 
 async function send(env, batch) {
-  if (!env.LOG_SINK) {
-    // Kept as long as Sigil keeps records (SIGIL_LOGS_RETENTION_SECONDS) if it collects
-    // nothing meanwhile (KV's own expiry): a batch that expires held only records past it.
-    const keep = JSON.parse(env.LOG_LIMITS || "{}").retentionSeconds || 86400;
-    const key = `logs:${String(Date.now()).padStart(15, "0")}:${crypto.randomUUID()}`;
-    await env.LOG_KV.put(key, JSON.stringify(batch), { expirationTtl: Math.max(60, keep) });
-    return;
-  }
   const response = await env.LOG_SINK.fetch("http://sink/records", {
     method: "POST",
     headers: { "content-type": "application/json", [SECRET_HEADER]: env.SIGIL_SECRET },
@@ -385,7 +567,7 @@ export async function tailEvents(events, env, propsOf) {
     pending.push(record);
     pendingBytes += size;
   }
-  if (pending.length && !flushing) await flush(env);
+  if ((pending.length || dropped) && !flushing) await flush(env, limits);
 }
 
 export class SigilTail extends WorkerEntrypoint {
@@ -448,7 +630,7 @@ export default {
     // Awaited, so that once a new version has been started (its start check), the one two
     // versions back is gone; it is one short call, made once per version.
     await retire(env, touch(slot, cacheId));
-    const logged = Boolean((env.LOG_SINK || env.LOG_KV) && ctx && ctx.exports && ctx.exports.SigilTail);
+    const logged = Boolean((env.LOG_SINK || env.SIGIL_RECORDS_URL) && ctx && ctx.exports && ctx.exports.SigilTail);
     const worker = env.LOADER.get(cacheId, async () => {
       let bundle, secrets;
       try {

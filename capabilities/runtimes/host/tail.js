@@ -2,10 +2,11 @@
 // with it as its `tail_consumers`, and the platform runtime its dispatch Worker, whose Tail
 // Worker receives the user Workers' events too (Workers for Platforms). It shapes each call's
 // TraceItem into a call's record as the loader host's tail does (host.js, callRecord: lines
-// and bytes bounded) and leaves the records in Workers KV (LOG_KV, `logs:{ms}:{uuid}`), in
-// batches, for Sigil to collect. A TraceItem names its producer (`scriptName`), not the
-// capability, and the Tail Worker holds no capability's secrets: the batches say so
-// (`slots`), and Sigil names and masks the records as it collects them.
+// and bytes bounded) and pushes the records to Sigil's origin in signed batches, spooling in
+// its own Workers KV namespace (LOG_KV) what the origin does not take for now (host.js,
+// flush). A TraceItem names its producer (`scriptName`), not the capability, and the Tail
+// Worker holds no capability's secrets: the batches say so (`slots`), and Sigil names and
+// masks the records as it takes them.
 
 import { tailEvents } from "./host.js";
 
