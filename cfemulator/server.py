@@ -11,7 +11,8 @@ processes, the CPU meter, the start check of uploads and the connections to work
                                  1102 when a call runs past its CPU limit (`cfemulator.limits`)
 - Host `{script}.{ns}.dispatch.localhost` a script of a dispatch namespace, as a dispatch
                                  namespace binding reaches it
-- header `x-cfemulator-kv`       a KV binding's read or write, from a bound script
+- header `x-cfemulator-kv`       a KV binding's read or write, from a bound script (and
+                                 `x-cfemulator-kv-location`, the script's process)
 - `GET  /__emulator/requests`    the API calls received: method, path, status, code, time
 - `GET  /__emulator/dispatches`  the calls made through dispatch namespace bindings
 - `POST /__emulator/reset`       forget scripts, namespaces, KV, counters and the log
@@ -19,7 +20,8 @@ processes, the CPU meter, the start check of uploads and the connections to work
                                  fault_seed, fail_next, rate_limit ("N/S"),
                                  script_max_bytes, subdomain, default_cpu_ms,
                                  cpu_grace_ms, propagation_delay,
-                                 kv_miss_cache_seconds, empty_delete_answers
+                                 kv_propagation_seconds, kv_miss_cache_seconds,
+                                 empty_delete_answers
 
 Bodies stream both ways through the proxy to a script's workerd (`cfemulator.proxy`), and
 WebSocket upgrades pass through as on Cloudflare (`cfemulator.tunnel`); the account's state is kept in
