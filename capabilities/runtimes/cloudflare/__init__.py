@@ -20,6 +20,7 @@ from capabilities.runtimes.cloudflare.client import (
     API_CALLS_KEY,
     API_RATE_LIMITED_KEY,
     CloudflareClient,
+    KvPair,
     ScriptInfo,
     api_calls_hour_key,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "CloudflareScriptTooLarge",
     "CloudflareSlotsExhausted",
     "CloudflareUnavailable",
+    "KvPair",
     "RateBudget",
     "ScriptInfo",
     "api_calls_hour_key",
