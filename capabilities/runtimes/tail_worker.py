@@ -12,9 +12,8 @@ a NAT or a firewall. A batch not taken within a day expires (KV's own expiry).
 from __future__ import annotations
 
 import json
-import threading
 
-from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, CloudflareRejected
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, NamedKv
 from capabilities.runtimes.sigil_worker import SigilWorker
 from capabilities.workerd.config import HOST_DIR
 
@@ -36,17 +35,13 @@ class TailMailbox:
         self.skip = skip
         self.invoke_base = invoke_base
         self.consumers = [{"service": TAIL_WORKER}]
-        self._kv_id: str | None = None
+        self.kv = NamedKv(client=client, title=TAIL_KV_TITLE)
         self._worker: SigilWorker | None = None
-        self._lock = threading.Lock()
 
     @property
     def kv_id(self) -> str:
-        """The id of the KV namespace, created if missing. Asked once per process."""
-        with self._lock:
-            if self._kv_id is None:
-                self._kv_id = kv_namespace_ensure(self.client, TAIL_KV_TITLE)
-            return self._kv_id
+        """The id of the KV namespace, created if missing."""
+        return self.kv.id
 
     @property
     def worker(self) -> SigilWorker:
@@ -76,28 +71,6 @@ class TailMailbox:
 
     def take(self, *, limit: int) -> list[dict]:
         return kv_batches_take(self.client, self.kv_id, limit=limit)
-
-
-def kv_namespace_ensure(client: CloudflareClient, title: str) -> str:
-    """The id of the KV namespace titled `title`, created if missing."""
-    found = kv_namespace_find(client, title)
-    if found is not None:
-        return found
-    try:
-        return str(client.kv_namespace_create(title)["id"])
-    except CloudflareRejected:
-        # A concurrent provision created it meanwhile (10014, a taken title): use that one.
-        found = kv_namespace_find(client, title)
-        if found is None:
-            raise
-        return found
-
-
-def kv_namespace_find(client: CloudflareClient, title: str) -> str | None:
-    for namespace in client.kv_namespace_list():
-        if namespace.get("title") == title:
-            return str(namespace["id"])
-    return None
 
 
 def kv_batches_take(client: CloudflareClient, kv_id: str, *, limit: int) -> list[dict]:

@@ -483,6 +483,37 @@ def test_kv_bulk_writes_and_deletes_take_as_few_requests_as_cloudflares_10000_pa
     assert len(cf_client.kv_keys(namespace)) == 5_001
 
 
+def test_a_kv_namespace_of_sigils_is_found_once_for_every_process_and_again_once_gone(
+    cf_client, cf_emulator_fresh, redis_client
+):
+    from capabilities.runtimes.cloudflare import KvPair, NamedKv
+
+    def listings() -> int:
+        return len(cf_emulator_fresh.api_calls(method="GET", path_suffix="/storage/kv/namespaces"))
+
+    kv = NamedKv(client=cf_client, title="sigil-things")
+    first = kv.id  # created, as the account had none of that title
+    assert kv.provision() is False
+    seen = listings()
+    another_process = make_client(cf_emulator_fresh, redis_client)
+    try:
+        assert NamedKv(client=another_process, title="sigil-things").id == first
+    finally:
+        another_process.close()
+    assert listings() == seen
+
+    gone = requests.delete(
+        f"{cf_emulator_fresh.api_base}/accounts/{cf_emulator_fresh.account_id}/storage/kv/namespaces/{first}",
+        headers={"Authorization": f"Bearer {cf_emulator_fresh.token}"},
+        timeout=10,
+    )
+    assert gone.status_code == 200
+    with pytest.raises(CloudflareNotFound):
+        kv.bulk_put([KvPair("k", b"v")])
+    assert kv.id != first
+    assert [ns["title"] for ns in cf_client.kv_namespace_list()] == ["sigil-things"]
+
+
 def test_a_runtime_that_does_not_answer_is_said_in_words(redis_client, cf_emulator):
     """The error names the address and the OS's reason, not urllib3's objects."""
     import socket

@@ -11,8 +11,9 @@ part of an exception message (messages echoed from the server are redacted too) 
 a repr.
 
 One module per concern: `errors` (Cloudflare's codes and the error types), `budget` (the rate
-budget), `client` (the client), `uploads` (a script upload's parts), `account` (what the
-runtimes on an account share). Callers import from here.
+budget), `client` (the client), `uploads` (a script upload's parts), `kv` (a Workers KV
+namespace of Sigil's, by its title), `account` (what the runtimes on an account share).
+Callers import from here.
 """
 
 from capabilities.runtimes.cloudflare.budget import RateBudget
@@ -35,6 +36,7 @@ from capabilities.runtimes.cloudflare.errors import (
     CloudflareSlotsExhausted,
     CloudflareUnavailable,
 )
+from capabilities.runtimes.cloudflare.kv import NamedKv
 from capabilities.runtimes.cloudflare.uploads import metadata_binding, module_content_type, upload_parts
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "CloudflareSlotsExhausted",
     "CloudflareUnavailable",
     "KvPair",
+    "NamedKv",
     "RateBudget",
     "ScriptInfo",
     "api_calls_hour_key",
