@@ -19,6 +19,8 @@ capability_prewarm = Job("capabilities.capability_prewarm")
 capability_prune_stats = Job("capabilities.capability_prune_stats")
 capability_refresh_bindings = Job("capabilities.capability_refresh_bindings")
 call_records_collect = Job("capabilities.call_records_collect")
+edge_publish = Job("capabilities.edge_publish")
+edge_reconcile = Job("capabilities.edge_reconcile")
 
 # How often a page-out checks again whether its victim's calls in flight have ended.
 PAGE_OUT_RECHECK_SECONDS = 0.25

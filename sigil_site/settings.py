@@ -580,6 +580,33 @@ SIGIL_CPU_MS = env_int("SIGIL_CPU_MS", 1000)
 # so that calls which read the old route just before still reach code.
 SIGIL_SWITCH_GRACE_SECONDS = env_float("SIGIL_SWITCH_GRACE_SECONDS", 5.0)
 
+# --- The edge ---------------------------------------------------------------------------
+
+# true: callers are served at the edge, by Sigil's Worker on Cloudflare, which decides from
+# the state Sigil publishes to Workers KV; the owner's server is the origin of what it cannot
+# serve (docs/cloudflare.md, "The edge's state").
+SIGIL_EDGE = env_bool("SIGIL_EDGE", False)
+# The title of the Workers KV namespace holding that state (created if missing).
+SIGIL_EDGE_KV_TITLE = env_str("SIGIL_EDGE_KV_TITLE", "sigil-edge")
+# How often the state that changed is written to it: one bulk write for all of it, none
+# when nothing changed. A change reaches the edge within this and KV's own propagation.
+SIGIL_EDGE_PUBLISH_INTERVAL_SECONDS = env_float("SIGIL_EDGE_PUBLISH_INTERVAL_SECONDS", 3.0)
+# How often what the namespace holds is compared with the database (a listing of it).
+SIGIL_EDGE_RECONCILE_INTERVAL_SECONDS = env_float("SIGIL_EDGE_RECONCILE_INTERVAL_SECONDS", 900.0)
+if SIGIL_EDGE:
+    CELERY_BEAT_SCHEDULE |= {
+        "edge-publish": {
+            "task": "capabilities.edge_publish",
+            "schedule": SIGIL_EDGE_PUBLISH_INTERVAL_SECONDS,
+            # A run not started by the next one is not needed: the next publishes its keys.
+            "options": {"expires": SIGIL_EDGE_PUBLISH_INTERVAL_SECONDS},
+        },
+        "edge-reconcile": {
+            "task": "capabilities.edge_reconcile",
+            "schedule": SIGIL_EDGE_RECONCILE_INTERVAL_SECONDS,
+        },
+    }
+
 # --- Logging ----------------------------------------------------------------------------
 
 # SIGIL_LOG_FORMAT is read by sigil/logs.py itself too, where Django's settings are not

@@ -26,3 +26,14 @@ def test_prices_the_table_does_not_have_or_that_are_no_numbers_are_refused_at_st
     for wrong in ('{"paid_monthly": 7.5}', '{"paid_monthly_usd": "7.5"}', "[7.5]", "not json"):
         settings.SIGIL_CLOUDFLARE_PRICES = wrong
         assert "sigil.E005" in ids(run_checks()), wrong
+
+
+def test_the_edge_is_refused_at_start_without_a_runtime_on_cloudflare(settings):
+    settings.SIGIL_EDGE = True
+    settings.SIGIL_BACKEND = "local"
+    assert "sigil.E006" in ids(run_checks())
+    settings.SIGIL_BACKEND = "loader"
+    assert "sigil.E006" not in ids(run_checks())
+    settings.SIGIL_EDGE = False
+    settings.SIGIL_BACKEND = "local"
+    assert "sigil.E006" not in ids(run_checks())
