@@ -16,7 +16,7 @@ import pytest
 from cfemulator.bodies import MAX_BODY_BYTES
 from cfemulator.tests.test_api import Api, first_error, kv_binding
 
-DELAY = 0.6
+DELAY = 2.0  # long enough for a loaded machine to read twice within it
 # A Worker that reads, writes (`?size=` bytes of "x", or the body; `?metadata=` bytes of it)
 # and deletes `?key=` through its binding, answering what the binding threw as a 500.
 STORE = """export default { async fetch(request, env) {
