@@ -55,6 +55,10 @@ capability_reconcile = service_task(jobs.capability_reconcile)
 capability_reap = service_task(jobs.capability_reap)
 capability_mark_inactive = service_task(jobs.capability_mark_inactive)
 capability_prune_stats = service_task(jobs.capability_prune_stats)
+# No retry: the publisher gives its keys back when Cloudflare fails, and beat runs it again
+# within SIGIL_EDGE_PUBLISH_INTERVAL_SECONDS; the reconcile's next run is as good as a retry.
+edge_publish = service_task(jobs.edge_publish)
+edge_reconcile = service_task(jobs.edge_reconcile)
 
 
 # Its outcome is recorded on the version and handed to the waiting request by the service, so

@@ -10,7 +10,8 @@ with real bindings:
   each Dynamic Worker's CPU against the `limits` its entrypoint was given (the CPU meter:
   `cfemulator.cpumeter`, METER_HEADER);
 - `kv_namespace`: workerd's own `kvNamespace` binding, whose requests come back to the
-  emulator (`x-cfemulator-kv: {namespace id}`) and are served from its KV store;
+  emulator (`x-cfemulator-kv: {namespace id}`, and the script's process as the location KV
+  reads and writes from, `x-cfemulator-kv-location`) and are served from its KV store;
 - `dispatch_namespace`: open-source workerd has none (reference §4.3), so the emulator wraps
   the uploaded entry module with a small shim that puts an object with Cloudflare's
   `get(name, args, options)` in `env`; its Fetcher asks the emulator for the namespace
@@ -58,6 +59,7 @@ NETWORK_SERVICE = "cfemulator-network"
 # Binding types that make a script run from a workerd config of its own.
 BOUND_BINDING_TYPES = frozenset({"kv_namespace", "worker_loader", "dispatch_namespace"})
 KV_HEADER = "x-cfemulator-kv"
+KV_LOCATION_HEADER = "x-cfemulator-kv-location"
 LIMITS_HEADER = "x-cfemulator-limits"
 # The host the dispatch Worker was called on: the user Worker sees the URL it would on Cloudflare.
 ORIGINAL_HOST_HEADER = "x-cfemulator-original-host"
@@ -345,6 +347,8 @@ class BoundHost(WorkerdHost):
     tail_entry: bool = False
     #: whether the script is a dispatch namespace's, whose exceptions go back to its caller
     hands_back: bool = False
+    #: where its KV bindings read and write from (its process key): Workers KV's location
+    kv_location: str = ""
     _environment: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     def write_config(self) -> Path:
@@ -358,6 +362,7 @@ class BoundHost(WorkerdHost):
             tail_key=self.tail_key,
             tail_entry=self.tail_entry,
             hands_back=self.hands_back,
+            kv_location=self.kv_location,
         )
         self.config_path.write_text(config)
         return self.config_path
@@ -376,12 +381,14 @@ def bound_config(
     tail_key: str | None = None,
     tail_entry: bool = False,
     hands_back: bool = False,
+    kv_location: str = "",
 ) -> tuple[str, dict[str, str]]:
     """The capnp config of one bound script listening on `port`, with a liveness probe on
     `probe_port` (its modules are written to `directory`), and the environment holding its
     text bindings. With `tail_key`, its tail events are posted to the emulator under that key;
     with `tail_entry`, each request to it is a batch of events for the script's `tail()`; with
-    `hands_back`, an exception it throws goes back to its caller (a dispatch namespace's script)."""
+    `hands_back`, an exception it throws goes back to its caller (a dispatch namespace's script);
+    its KV bindings read and write from `kv_location`."""
     modules = []
     for index, (name, kind) in enumerate(upload.module_types.items()):
         if kind == SOURCE_MAP_TYPE:
@@ -413,10 +420,13 @@ def bound_config(
             bindings.append(f"(name = {_capnp(name)}, json = {_capnp(json.dumps(binding.get('json')))})")
         elif kind == "kv_namespace":
             service = f"kv-{index}"
-            header = f"(name = {_capnp(KV_HEADER)}, value = {_capnp(binding['namespace_id'])})"
+            headers = (
+                f"(name = {_capnp(KV_HEADER)}, value = {_capnp(binding['namespace_id'])}), "
+                f"(name = {_capnp(KV_LOCATION_HEADER)}, value = {_capnp(kv_location)})"
+            )
             services.append(
                 f"(name = {_capnp(service)}, external = (address = {_capnp(emulator_address)}, "
-                f"http = (injectRequestHeaders = [{header}])))"
+                f"http = (injectRequestHeaders = [{headers}])))"
             )
             bindings.append(f"(name = {_capnp(name)}, kvNamespace = {_capnp(service)})")
         elif kind == "worker_loader":

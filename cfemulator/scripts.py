@@ -186,4 +186,5 @@ class ScriptProcesses:
             tail_key=name.removesuffix(":bound") if tails == "produce" else None,
             tail_entry=tails == "consume",
             hands_back=name.startswith("ns:") and tails == "produce",
+            kv_location=name.removesuffix(":bound"),
         )

@@ -13,7 +13,8 @@ processes, the CPU meter, the start check of uploads and the connections to work
                                  namespace binding reaches it
 - `/{script}.{sub}.workers.dev/...` the workers.dev door: that script at `/...`, for a URL
                                  curl calls without a Host header
-- header `x-cfemulator-kv`       a KV binding's read or write, from a bound script
+- header `x-cfemulator-kv`       a KV binding's read or write, from a bound script (and
+                                 `x-cfemulator-kv-location`, the script's process)
 - `GET  /__emulator/requests`    the API calls received: method, path, status, code, time
 - `GET  /__emulator/dispatches`  the calls made through dispatch namespace bindings
 - `POST /__emulator/reset`       forget scripts, namespaces, KV, counters and the log
@@ -21,7 +22,8 @@ processes, the CPU meter, the start check of uploads and the connections to work
                                  fault_seed, fail_next, rate_limit ("N/S"),
                                  script_max_bytes, subdomain, default_cpu_ms,
                                  cpu_grace_ms, propagation_delay,
-                                 kv_miss_cache_seconds, empty_delete_answers
+                                 kv_propagation_seconds, kv_miss_cache_seconds,
+                                 empty_delete_answers
 
 Bodies stream both ways through the proxy to a script's workerd (`cfemulator.proxy`), and
 WebSocket upgrades pass through as on Cloudflare (`cfemulator.tunnel`); the account's state is kept in

@@ -19,7 +19,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sigil_site.settings")
 from django.conf import settings
 from django.core.asgi import get_asgi_application
 
-from sigil.edge_mark import edge_key
+from sigil.edge_handoff import handoff_key
 from sigil.request_id import new_request_id, set_request_id
 
 django_application = get_asgi_application()
@@ -47,7 +47,7 @@ class SigilApplication:
         self.retired: list[Engine] = []
         self.closing: set[asyncio.Future] = set()
         self.proxies = settings.SIGIL_TRUSTED_PROXY_COUNT
-        self.edge_key = edge_key(settings.SIGIL_INTERNAL_SECRET)
+        self.edge_key = handoff_key(settings.SIGIL_INTERNAL_SECRET)
 
     async def __call__(self, scope, receive, send) -> None:
         kind = scope["type"]

@@ -17,7 +17,7 @@ from urllib.parse import quote, unquote, unquote_to_bytes
 from agents.throttle import client_address
 from capabilities.engine.engine import Engine
 from capabilities.engine.values import CallRequest
-from sigil.edge_mark import marked_client
+from sigil.edge_handoff import handoff_client
 from sigil.errors import InvalidRequest
 
 # What PATH_INFO-style re-quoting keeps as it is, so the capability sees the path the caller sent.
@@ -30,7 +30,7 @@ class CallerGone(InvalidRequest):
 
 def call_request(scope, body, *, request_id: str, proxies: int, edge_key: str = "") -> CallRequest:
     """The CallRequest of an ASGI HTTP or WebSocket scope; `body` is its body stream. A call the
-    edge handed on with its signed mark (sigil/edge_mark.py, verified with `edge_key`) is the
+    edge handed on with its signed mark (sigil/edge_handoff.py, verified with `edge_key`) is the
     caller's whose address the mark names."""
     raw_path = scope.get("raw_path") or scope["path"].encode()
     path = raw_path.decode("latin-1")
@@ -55,7 +55,7 @@ def call_request(scope, body, *, request_id: str, proxies: int, edge_key: str = 
     via_edge = None
     if edge_key and "x-sigil-edge" in headers:
         method = scope.get("method", "GET")
-        via_edge = marked_client(headers, method=method, path=path, key=edge_key, now=time.time())
+        via_edge = handoff_client(headers, method=method, path=path, key=edge_key, now=time.time())
     return CallRequest(
         agent=unquote(agent),
         name=unquote(name),

@@ -12,7 +12,6 @@ reach it at, and what `cfcheck` says the edge needs of the account.
 from __future__ import annotations
 
 import ipaddress
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -20,11 +19,11 @@ from urllib.parse import urlsplit
 from django.conf import LazySettings
 from django.core.checks import CheckMessage, Error
 
-from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareError
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareError, NamedKv
 from capabilities.runtimes.cloudflare.account import Finding
+from capabilities.runtimes.cloudflare.kv import kv_namespace_find
 from capabilities.runtimes.sigil_worker import SigilWorker
-from capabilities.runtimes.tail_worker import kv_namespace_ensure, kv_namespace_find
-from sigil.edge_mark import edge_key
+from sigil.edge_handoff import handoff_key
 
 _HERE = Path(__file__).resolve().parent / "edge"
 EDGE_MODULE = "edge.js"
@@ -74,37 +73,16 @@ class EdgeSettings:
 
 
 class Edge:
-    """One runtime's edge: its KV namespace (created if missing, its id asked once per process)
-    and what the Worker carrying it is uploaded with. Thread-safe."""
+    """One runtime's edge: what the Worker carrying it is uploaded with. Its KV namespace, the
+    one the edge's state is published in (capabilities/services/edge.py), is found or created
+    on first use, for every process."""
 
     def __init__(self, *, client: CloudflareClient, settings: EdgeSettings, backend: str, secret: str) -> None:
         self.client = client
         self.settings = settings
         self.backend = backend
-        self._key = edge_key(secret)
-        self._kv_id: str | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def kv_id(self) -> str:
-        """The id of the edge's KV namespace, created if missing."""
-        with self._lock:
-            if self._kv_id is None:
-                self._kv_id = kv_namespace_ensure(self.client, self.settings.kv_title)
-            return self._kv_id
-
-    def provision(self) -> list[str]:
-        """Create the KV namespace if it is missing. Idempotent; returns what it did."""
-        with self._lock:
-            if self._kv_id is not None:
-                return []
-            found = kv_namespace_find(self.client, self.settings.kv_title)
-            done = []
-            if found is None:
-                found = kv_namespace_ensure(self.client, self.settings.kv_title)
-                done.append(f"created the KV namespace {self.settings.kv_title} ({found}) for the edge")
-            self._kv_id = found
-            return done
+        self.kv = NamedKv(client=client, title=settings.kv_title)
+        self._key = handoff_key(secret)
 
     def modules(self) -> dict[str, str]:
         return {EDGE_MODULE: EDGE_SOURCE}
@@ -121,7 +99,7 @@ class Edge:
             "SIGIL_CPU_MS": str(self.settings.cpu_ms),
         }
         return [
-            {"type": "kv_namespace", "name": "EDGE_KV", "namespace_id": self.kv_id},
+            {"type": "kv_namespace", "name": "EDGE_KV", "namespace_id": self.kv.id},
             *({"type": "plain_text", "name": name, "text": value} for name, value in text.items()),
         ]
 

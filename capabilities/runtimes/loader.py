@@ -5,7 +5,6 @@ reading bundles from Workers KV (reference §5, §6)."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import urllib3
@@ -15,13 +14,12 @@ from capabilities.log_limits import host_log_limits
 from capabilities.record_pushes import RecordsOrigin
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
-from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, NamedKv
 from capabilities.runtimes.cloudflare.account import Finding, PlanProbe
 from capabilities.runtimes.edge import Edge, EdgeSettings
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check, loader_host_store
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
-from capabilities.runtimes.tail_worker import kv_namespace_ensure, kv_namespace_find
 from capabilities.workerd.config import HOST_DIR
 
 HOST_MODULE = "host.js"
@@ -111,25 +109,19 @@ class LoaderRuntime(FrontedRuntime):
         self.records_origin = records_origin
         self.propagation_wait_seconds = propagation_wait_seconds
         self.client = client
-        self.kv_title = kv_title
+        self.kv = NamedKv(client=client, title=kv_title)
         self.worker_name = worker
         self.invoke_base = invoke_base
         self._secret = secret
-        self._kv_id: str | None = None
         self._worker: SigilWorker | None = None
-        self._lock = threading.Lock()
         self._start_checks = urllib3.PoolManager(timeout=urllib3.Timeout(connect=3.0, read=30.0), retries=False)
 
     # --- Sigil's loader Worker and its KV namespace --------------------------------------------
 
     @property
     def kv_id(self) -> str:
-        """The id of the KV namespace titled `kv_title`, created if missing. Asked once per process."""
-        if self._kv_id is None:
-            with self._lock:
-                if self._kv_id is None:
-                    self._kv_id = kv_namespace_ensure(self.client, self.kv_title)
-        return self._kv_id
+        """The id of the KV namespace of the code bundles, created if missing."""
+        return self.kv.id
 
     @property
     def front(self) -> SigilWorker:
@@ -179,15 +171,8 @@ class LoaderRuntime(FrontedRuntime):
         """Create the KV namespace if it is missing, and deploy the loader Worker if it is
         missing or runs other code. Idempotent."""
         done = []
-        with self._lock:
-            if self._kv_id is None:
-                found = kv_namespace_find(self.client, self.kv_title)
-                if found is None:
-                    found = kv_namespace_ensure(self.client, self.kv_title)
-                    done.append(f"created the KV namespace {self.kv_title} ({found})")
-                self._kv_id = found
-        if self.edge is not None:
-            done += self.edge.provision()
+        if self.kv.provision():
+            done.append(f"created the KV namespace {self.kv.title} ({self.kv.id})")
         if self.worker.deploy():
             done.append(f"deployed the loader Worker {self.worker.name} ({self.worker.version})")
         self._provisioned = True

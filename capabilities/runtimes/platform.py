@@ -185,8 +185,6 @@ class PlatformRuntime(FrontedRuntime):
                 self.client.namespace_get(self.namespace)
         if self.tails is not None:
             done += self.tails.provision()
-        if self.edge is not None:
-            done += self.edge.provision()
         if self.dispatcher.deploy():
             done.append(f"deployed the dispatch Worker {self.dispatcher.name} ({self.dispatcher.version})")
         self._provisioned = True

@@ -316,9 +316,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
         done = []
         if self.tails is not None:
             done += self.tails.provision()
-        if self.edge is not None:
-            done += self.edge.provision()
-            if self.edge_worker.deploy():
-                done.append(f"deployed the edge Worker {self.edge_worker.name} ({self.edge_worker.version})")
+        if self.edge is not None and self.edge_worker.deploy():
+            done.append(f"deployed the edge Worker {self.edge_worker.name} ({self.edge_worker.version})")
         self._provisioned = True
         return done

@@ -48,3 +48,14 @@ def test_the_edge_on_a_cloudflare_runtime_needs_an_origin_to_send_what_it_cannot
     assert "sigil.E040" not in ids(run_checks())
     settings.SIGIL_EDGE, settings.SIGIL_BACKEND = True, "local"
     assert "sigil.E040" not in ids(run_checks())
+
+
+def test_the_edge_is_refused_at_start_without_a_runtime_on_cloudflare(settings):
+    settings.SIGIL_EDGE = True
+    settings.SIGIL_BACKEND = "local"
+    assert "sigil.E006" in ids(run_checks())
+    settings.SIGIL_BACKEND = "loader"
+    assert "sigil.E006" not in ids(run_checks())
+    settings.SIGIL_EDGE = False
+    settings.SIGIL_BACKEND = "local"
+    assert "sigil.E006" not in ids(run_checks())

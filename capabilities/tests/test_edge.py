@@ -1,12 +1,10 @@
 """Calls served at the edge: Sigil's own Worker on each Cloudflare runtime (the emulator's
-workerd running it), its state in Workers KV, Sigil's server as the origin for the rest, a
-Celery worker placing deploys. The state is written into KV through the emulator's API in the
-edge's schema, with Sigil's own encoders (agents/tokens.py, capabilities/routes.py), as Sigil's
-publisher writes it; whether a call crossed the origin is read from the origin's access log."""
+workerd running it), its state in Workers KV as Sigil's publisher writes it (one run of the
+publisher, as beat runs it), Sigil's server as the origin for the rest, a Celery worker placing
+deploys. Whether a call crossed the origin is read from the origin's access log."""
 
 from __future__ import annotations
 
-import json
 import zlib
 
 import pytest
@@ -14,7 +12,7 @@ import requests
 
 from agents import tokens
 from agents.models import Token
-from capabilities import routes, services
+from capabilities import routes, services, tasks
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
 from testsupport.capability_code import COUNTS_BODY, ECHO, PONG, answering
@@ -25,14 +23,15 @@ RUNTIMES = ["platform", "loader", "worker-pool"]
 
 @pytest.fixture(params=RUNTIMES)
 def edge(request, settings, sigil):
-    """Sigil on one Cloudflare runtime with the edge on, its origin the test server; a KV read
-    that found nothing is not cached (Cloudflare keeps a miss up to a minute where it was read,
-    which these tests would only wait out). Returns the emulator's control."""
+    """Sigil on one Cloudflare runtime with the edge on, its origin the test server. What a KV
+    location read is not kept (Cloudflare keeps a value, or a miss, up to a minute where it was
+    read, which these tests would only wait out). Taken before `alice`, so that her tokens are
+    marked for the publisher as they are issued. Returns the emulator's control."""
     settings.SIGIL_EDGE = True
     settings.SIGIL_ORIGIN_URL = sigil.url
     fixture = {"platform": "platform", "loader": "loader", "worker-pool": "worker_pool"}[request.param]
     emulator = request.getfixturevalue(fixture)
-    emulator.configure(kv_miss_cache_seconds=0)
+    emulator.configure(kv_miss_cache_seconds=0, kv_propagation_seconds=0)
     return emulator
 
 
@@ -43,32 +42,9 @@ def edge_url(emulator, path: str) -> str:
     return f"{emulator.url}/{worker}.{emulator.subdomain}.workers.dev{path}"
 
 
-def publish(key: str, value: bytes) -> None:
-    """`value` under `key` in the edge's KV namespace, as Sigil's publisher writes it."""
-    runtime = get_runtime()
-    runtime.client.kv_put(runtime.edge.kv_id, key, value)
-
-
-def publish_token(secret: str) -> None:
-    token = Token.objects.select_related("agent").get(secret_hash=tokens.hash_secret(secret))
-    if token.revoked_at is not None:
-        value = tokens.TOMBSTONE
-    else:
-        value = tokens.encode(
-            token.agent_id,
-            token.agent.name,
-            token.scope,
-            token.expires_at.timestamp() if token.expires_at else None,
-            calls_in_flight=token.agent.max_calls_in_flight,
-            placements_in_flight=token.agent.max_placements_in_flight,
-        )
-    publish(f"tok:{tokens.hash_secret(secret)}", value)
-
-
-def publish_route(full: str, *, brk=None) -> None:
-    capability = routes.route_row(full)
-    document = {**json.loads(routes.encode(capability)), "brk": brk}
-    publish(f"route:{full}", json.dumps(document, separators=(",", ":")).encode())
+def publish() -> None:
+    """One run of the publisher, as beat runs it: what changed reaches the edge's KV."""
+    tasks.edge_publish()
 
 
 def crossed_origin(access_log, answer: requests.Response) -> bool:
@@ -100,8 +76,7 @@ def test_a_capability_is_called_through_the_origin_at_once_then_at_the_edge_once
     [line] = [line for line in access_log() if line["request_id"] == first.headers["X-Request-Id"]]
     assert line["edge"] is True  # handed on by the edge, with its mark
 
-    publish_token(alice.invoke_token)
-    publish_route("alice--ping")
+    publish()
     served = at_edge(
         access_log,
         lambda: requests.get(url, headers=alice.headers(alice.invoke_token), timeout=30),
@@ -121,8 +96,7 @@ def test_a_capability_is_called_through_the_origin_at_once_then_at_the_edge_once
 def test_a_revoked_token_and_a_forced_breaker_are_refused_at_the_edge(edge, alice, access_log):
     alice.deploy(name="ping", code=PONG)
     url = edge_url(edge, "/alice/ping")
-    publish_token(alice.invoke_token)
-    publish_route("alice--ping")
+    publish()
     at_edge(
         access_log,
         lambda: requests.get(url, headers=alice.headers(alice.invoke_token), timeout=30),
@@ -130,7 +104,7 @@ def test_a_revoked_token_and_a_forced_breaker_are_refused_at_the_edge(edge, alic
     )
 
     services.capability_force_degraded(capability=Capability.objects.get(full_name="alice--ping"), actor="owner:test")
-    publish_route("alice--ping", brk="forced")
+    publish()
     degraded = at_edge(
         access_log,
         lambda: requests.get(url, headers=alice.headers(alice.invoke_token), timeout=30),
@@ -146,7 +120,7 @@ def test_a_revoked_token_and_a_forced_breaker_are_refused_at_the_edge(edge, alic
 
     token = Token.objects.get(secret_hash=tokens.hash_secret(alice.invoke_token))
     agent_services.token_revoke(token=token, actor="owner:test")
-    publish_token(alice.invoke_token)
+    publish()
     refused = at_edge(
         access_log,
         lambda: requests.get(url, headers=alice.headers(alice.invoke_token), timeout=30),
@@ -163,16 +137,15 @@ def test_a_revoked_token_and_a_forced_breaker_are_refused_at_the_edge(edge, alic
 def test_a_cold_capability_and_an_asynchronous_call_are_answered_by_the_origin(edge, alice, access_log):
     alice.deploy(name="ping", code=PONG)
     url = edge_url(edge, "/alice/ping")
-    publish_token(alice.invoke_token)
     services.capability_evict(full="alice--ping", actor="owner:test")
-    publish_route("alice--ping")  # paged out: only the origin pages it in
+    publish()  # paged out: only the origin pages it in
 
     cold = requests.get(url, headers=alice.headers(alice.invoke_token), timeout=60)
     assert (cold.status_code, cold.text) == (200, "pong")
     assert cold.headers["X-Sigil-Cold-Start"] == "1"
     assert crossed_origin(access_log, cold)
 
-    publish_route("alice--ping")  # live again
+    publish()  # live again
     at_edge(
         access_log,
         lambda: requests.get(url, headers=alice.headers(alice.invoke_token), timeout=30),
@@ -187,8 +160,7 @@ def test_a_cold_capability_and_an_asynchronous_call_are_answered_by_the_origin(e
 
 def test_what_the_caller_sent_reaches_the_capability_as_through_the_origin(edge, alice, access_log):
     alice.deploy(name="echo", code=ECHO)
-    publish_token(alice.invoke_token)
-    publish_route("alice--echo")
+    publish()
     path = "/alice/echo/deep/path%20x?q=1&r=two"
     headers = {**alice.headers(alice.invoke_token), "X-Sigil-Forged": "1", "X-Custom": "kept"}
 
@@ -211,8 +183,7 @@ def test_what_the_caller_sent_reaches_the_capability_as_through_the_origin(edge,
 
 def test_the_edge_answers_sigils_refusals_in_the_contracts_words(edge, alice, bob, access_log):
     alice.deploy(name="private", code=PONG)
-    publish_token(bob.invoke_token)
-    publish_route("alice--private")
+    publish()
     base = edge_url(edge, "")
 
     def answer(path: str, **headers):
@@ -252,9 +223,7 @@ def test_a_split_sends_the_callers_the_engine_would_to_the_staged_version(edge, 
     )
     assert split.status_code == 200, split.text
     variant = routes.variant_name(Capability.objects.get(full_name="alice--ping"))
-    publish_token(alice.invoke_token)
-    publish_route("alice--ping")
-    publish_route(variant)
+    publish()
     url = edge_url(edge, "/alice/ping")
     at_edge(
         access_log,
@@ -292,9 +261,8 @@ ECHO_SOCKET = """export default { async fetch(request) {
 
 
 def served_at_edge(edge, agent, access_log, full: str, *, method: str = "GET", data: bytes | None = None):
-    """Publish `full` and the agent's invoke token, and wait until the edge serves `full`."""
-    publish_token(agent.invoke_token)
-    publish_route(full)
+    """Publish what changed, and wait until the edge serves `full`."""
+    publish()
     agent_name, name = full.split("--")
     url = edge_url(edge, f"/{agent_name}/{name}")
     headers = agent.headers(agent.invoke_token)
@@ -327,7 +295,7 @@ def test_head_an_encoded_path_and_a_thrown_exception_are_answered_at_the_edge_as
     alice.deploy(name="ping", code=PONG)
     alice.deploy(name="boom", code=THROWS)
     url = served_at_edge(edge, alice, access_log, "alice--ping")
-    publish_route("alice--boom")
+    publish()
     auth = alice.headers(alice.invoke_token)
 
     head = requests.head(url, headers=auth, timeout=30)

@@ -11,8 +11,9 @@ part of an exception message (messages echoed from the server are redacted too) 
 a repr.
 
 One module per concern: `errors` (Cloudflare's codes and the error types), `budget` (the rate
-budget), `client` (the client), `uploads` (a script upload's parts), `account` (what the
-runtimes on an account share). Callers import from here.
+budget), `client` (the client), `uploads` (a script upload's parts), `kv` (a Workers KV
+namespace of Sigil's, by its title), `account` (what the runtimes on an account share).
+Callers import from here.
 """
 
 from capabilities.runtimes.cloudflare.budget import RateBudget
@@ -20,6 +21,7 @@ from capabilities.runtimes.cloudflare.client import (
     API_CALLS_KEY,
     API_RATE_LIMITED_KEY,
     CloudflareClient,
+    KvPair,
     ScriptInfo,
     api_calls_hour_key,
 )
@@ -34,6 +36,7 @@ from capabilities.runtimes.cloudflare.errors import (
     CloudflareSlotsExhausted,
     CloudflareUnavailable,
 )
+from capabilities.runtimes.cloudflare.kv import NamedKv
 from capabilities.runtimes.cloudflare.uploads import metadata_binding, module_content_type, upload_parts
 
 __all__ = [
@@ -49,6 +52,8 @@ __all__ = [
     "CloudflareScriptTooLarge",
     "CloudflareSlotsExhausted",
     "CloudflareUnavailable",
+    "KvPair",
+    "NamedKv",
     "RateBudget",
     "ScriptInfo",
     "api_calls_hour_key",

@@ -18,6 +18,7 @@ from capabilities.record_pushes import RecordsOrigin
 from capabilities.runtimes.base import Process, Runtime
 from capabilities.runtimes.cloudflare.budget import waits_within
 from capabilities.runtimes.cloudflare.client import CloudflareClient
+from capabilities.runtimes.cloudflare.kv import NamedKv
 
 # Every pooled worker's script name starts so (worker_pool.pool_script_name): the account's
 # other scripts are not Sigil's, but for its own Workers in front of the capabilities.
@@ -99,6 +100,7 @@ class CloudflareRuntime(Runtime):
     emulator when settings point CF_API_BASE at it, which runsigil then runs."""
 
     on_cloudflare = True
+    client: CloudflareClient
 
     @staticmethod
     def account_settings() -> dict:
@@ -132,6 +134,11 @@ class CloudflareRuntime(Runtime):
 
     def api_waits_shared(self) -> contextlib.AbstractContextManager:
         return waits_within(self.client.budget.max_wait_seconds)
+
+    def kv_namespace(self, title: str) -> NamedKv:
+        """The Workers KV namespace of Sigil's titled `title` on the account (the edge's
+        state): its id is found or created once, for every process. No I/O until used."""
+        return NamedKv(client=self.client, title=title)
 
     @classmethod
     def settings_errors(cls, settings: LazySettings) -> list[CheckMessage]:

@@ -380,7 +380,7 @@ async function toOrigin(request, env) {
 /**
  * The mark on a call the edge hands the origin: the caller's address (Cloudflare's
  * CF-Connecting-IP), when, and an HMAC-SHA256 of "{when}.{address}\n{method}\n{path}" under
- * the edge's key, as the Workers sign their pushes (sigil/edge_mark.py checks it), so that the
+ * the edge's key, as the Workers sign their pushes (sigil/edge_handoff.py checks it), so that the
  * origin may trust the address.
  */
 export async function edgeMark(env, method, path, client) {

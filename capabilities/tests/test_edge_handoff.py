@@ -4,12 +4,12 @@ server), signed as the edge signs it (calls the edge itself hands on are in test
 import time
 
 from agents.throttle import FailedAuthThrottle
-from sigil.edge_mark import MAX_SKEW_SECONDS, edge_key, edge_signature
+from sigil.edge_handoff import MAX_SKEW_SECONDS, handoff_key, handoff_signature
 
 
 def marked(settings, *, client: str, at: int, path: str = "/alice/ping", signature: str | None = None) -> dict:
-    key = edge_key(settings.SIGIL_INTERNAL_SECRET)
-    signed = edge_signature(key, at=str(at), client=client, method="GET", path=path)
+    key = handoff_key(settings.SIGIL_INTERNAL_SECRET)
+    signed = handoff_signature(key, at=str(at), client=client, method="GET", path=path)
     return {
         "X-Sigil-Edge": "1",
         "X-Sigil-Edge-Client": client,
