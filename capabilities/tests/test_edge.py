@@ -349,3 +349,17 @@ def test_a_websocket_session_passes_through_the_edge(edge, alice, access_log):
         assert session.recv(timeout=10) == "hello"
         session.send(b"\x00\x01binary")
         assert session.recv(timeout=10) == b"\x00\x01binary"
+
+
+def test_a_call_the_edge_cannot_hand_to_its_origin_is_503_unavailable(platform, settings, sigil, alice):
+    from sigil.ports import free_port
+
+    settings.SIGIL_EDGE = True
+    settings.SIGIL_ORIGIN_URL = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert alice.deploy(name="ping", code=PONG).status_code == 201
+    answer = requests.get(edge_url(platform, "/alice/ping"), headers=alice.headers(alice.invoke_token), timeout=30)
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "5"
+    assert answer.json()["error"] == {
+        "code": "unavailable",
+        "message": "Sigil's server could not be reached; try again shortly",
+    }

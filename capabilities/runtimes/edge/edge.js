@@ -353,6 +353,12 @@ async function runtimeFailure(response, failure, full) {
 async function toOrigin(request, env) {
   const url = new URL(request.url);
   const origin = String(env.SIGIL_ORIGIN_URL || "").replace(/\/+$/, "");
+  if (!origin || originHost(origin) === url.host) {
+    // No origin, or one that is this Worker itself (a call would come back here until
+    // Cloudflare's loop limit): Sigil's server cannot be reached from here.
+    console.error(`SIGIL_ORIGIN_URL ${JSON.stringify(origin)} is no origin this edge can hand calls to`);
+    return unreachable();
+  }
   const headers = new Headers(request.headers);
   for (const name of [...headers.keys()]) if (name.startsWith(EDGE_MARK)) headers.delete(name);
   headers.delete("host");
@@ -368,12 +374,25 @@ async function toOrigin(request, env) {
     });
   } catch (error) {
     console.error(`the origin ${origin} could not be reached: ${error}`);
-    const refusal = new Refusal(503, "unavailable", "Sigil's server could not be reached; try again shortly", {
-      retryAfter: UNAVAILABLE_RETRY_SECONDS,
-    });
-    const answer = errorAnswer(refusal);
-    answer.headers.set("X-Request-Id", newRequestId());
-    return answer;
+    return unreachable();
+  }
+}
+
+/** The answer to a call the edge had to hand the origin and could not. */
+function unreachable() {
+  const refusal = new Refusal(503, "unavailable", "Sigil's server could not be reached; try again shortly", {
+    retryAfter: UNAVAILABLE_RETRY_SECONDS,
+  });
+  const answer = errorAnswer(refusal);
+  answer.headers.set("X-Request-Id", newRequestId());
+  return answer;
+}
+
+function originHost(origin) {
+  try {
+    return new URL(origin).host;
+  } catch {
+    return "";
   }
 }
 
