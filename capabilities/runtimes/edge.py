@@ -5,8 +5,9 @@ The edge module is uploaded beside the Worker of Sigil's that stands in front of
 capabilities (the platform's dispatch Worker, the loader's loader Worker), which hands it
 callers' requests; the worker-pool runtime has no such Worker, so it gets one of its own,
 `sigil-edge` (SIGIL_EDGE_WORKER), reaching pooled scripts by their workers.dev URLs. This
-module holds what each of them is uploaded with for the edge, its KV namespace, the URL callers
-reach it at, and what `cfcheck` says the edge needs of the account.
+module holds what each of them is uploaded with for the edge (its KV namespace is the one the
+publisher writes, found by NamedKv), the URL callers reach it at, and what `cfcheck` says the
+edge needs of the account.
 """
 
 from __future__ import annotations
