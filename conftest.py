@@ -339,10 +339,11 @@ def worker_pool(cf_settings, cf_emulator_fresh, celery_deploy_worker):
     cf_settings.SIGIL_POOL_SYSTEM_RESERVED = 1
     cf_settings.SIGIL_POOL_USER_RESERVED = 2
     cf_settings.SIGIL_POOL_SAFETY_MARGIN = 2
-    # The system script (Sigil's Tail Worker) lives elsewhere: call records are off here, and
-    # capabilities/tests/test_call_logs_runtimes.py turns them on with the account's full quota.
+    # The system script is the edge's Worker while the edge is on; Sigil's Tail Worker lives
+    # elsewhere: call records are off here, and capabilities/tests/test_call_logs_runtimes.py
+    # turns them on with the account's full quota.
     cf_settings.SIGIL_LOGS_ENABLED = False
-    cf_emulator_fresh.configure(script_limit=8 - 1)
+    cf_emulator_fresh.configure(script_limit=8 if cf_settings.SIGIL_EDGE else 8 - 1)
     return cf_emulator_fresh
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from agents import tokens
 from agents.models import Agent, Token
@@ -39,30 +40,53 @@ def token_authenticate_hash(token_hash: str, *, cached: bytes | None = None) -> 
 
 def _fill_cache(token_hash: str) -> bytes:
     token = Token.objects.select_related("agent").filter(secret_hash=token_hash).first()
-    state = token.state(time.time()) if token is not None else tokens.TokenState.REVOKED
-    if state == tokens.TokenState.REVOKED:  # or unknown
-        value, ttl = tokens.TOMBSTONE, tokens.NEGATIVE_TTL_SECONDS
-    elif not token.agent.is_active:
-        value, ttl = tokens.DISABLED, tokens.NEGATIVE_TTL_SECONDS
-    elif state == tokens.TokenState.EXPIRED:
-        value, ttl = tokens.TOMBSTONE, tokens.NEGATIVE_TTL_SECONDS
-    else:
-        value, ttl = (
-            tokens.encode(
-                token.agent_id,
-                token.agent.name,
-                token.scope,
-                token.expires_at.timestamp() if token.expires_at else None,
-                calls_in_flight=token.agent.max_calls_in_flight,
-                placements_in_flight=token.agent.max_placements_in_flight,
-            ),
-            tokens.POSITIVE_TTL_SECONDS,
-        )
+    value = token_copy(token, now_epoch=time.time())
+    ttl = tokens.NEGATIVE_TTL_SECONDS if value in tokens.REFUSALS else tokens.POSITIVE_TTL_SECONDS
     key = tokens.cache_key(token_hash)
     redis = get_redis()
     if not redis.set(key, value, ex=ttl, nx=True):
         value = redis.get(key) or value
     return value
+
+
+def token_copy(token: Token | None, *, now_epoch: float) -> bytes:
+    """What a token's copies hold at `now_epoch` (its Redis copy, and the edge's in Workers
+    KV): `tokens.encode` of a usable token of an active agent; `tokens.DISABLED` for a token
+    of a disabled agent that is not revoked; `tokens.TOMBSTONE` for a revoked, expired or
+    unknown (None) one. `token` comes with its agent (select_related)."""
+    state = token.state(now_epoch) if token is not None else tokens.TokenState.REVOKED
+    if state == tokens.TokenState.REVOKED:  # or unknown
+        return tokens.TOMBSTONE
+    if not token.agent.is_active:
+        return tokens.DISABLED
+    if state == tokens.TokenState.EXPIRED:
+        return tokens.TOMBSTONE
+    return tokens.encode(
+        token.agent_id,
+        token.agent.name,
+        token.scope,
+        token.expires_at.timestamp() if token.expires_at else None,
+        calls_in_flight=token.agent.max_calls_in_flight,
+        placements_in_flight=token.agent.max_placements_in_flight,
+    )
+
+
+# Hashes looked up in one query: well within every database's limit on a query's parameters.
+COPIES_PER_QUERY = 500
+
+
+def token_copies(hashes: Iterable[str] | None, *, now_epoch: float) -> dict[str, bytes]:
+    """token_copy of each token by its hash (those of no token: the tombstone); of every
+    token when `hashes` is None. One query per COPIES_PER_QUERY hashes."""
+    rows = Token.objects.select_related("agent")
+    if hashes is None:
+        return {token.secret_hash: token_copy(token, now_epoch=now_epoch) for token in rows}
+    wanted = sorted(set(hashes))
+    found: dict[str, Token] = {}
+    for start in range(0, len(wanted), COPIES_PER_QUERY):
+        chunk = wanted[start : start + COPIES_PER_QUERY]
+        found.update((token.secret_hash, token) for token in rows.filter(secret_hash__in=chunk))
+    return {token_hash: token_copy(found.get(token_hash), now_epoch=now_epoch) for token_hash in wanted}
 
 
 def parse_bearer(header: str | None) -> str:

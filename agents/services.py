@@ -20,6 +20,7 @@ from django.utils import timezone
 from agents import a2a, egress, jobs, tokens
 from agents.models import Agent, AuditEvent, Scope, Token
 from agents.names import validate_agent_name
+from sigil.edge_state import edge_mark, token_key
 from sigil.errors import Conflict, InvalidRequest, QuotaExceeded
 from sigil.redis_client import get_redis
 
@@ -78,6 +79,9 @@ def token_issue(
             subject=token.prefix,
             detail={"scope": scope, "expires_at": expires_at.isoformat() if expires_at else None},
         )
+    # No Redis copy to write (the first use fills it), but the edge's is: until then the edge
+    # sends its calls to the origin.
+    edge_mark(token_key(token.secret_hash))
     return token, secret
 
 
@@ -196,8 +200,11 @@ def _stored_webhook_secret(agent: Agent) -> str | None:
 
 
 def _write_tombstones(hashes: list[str], *, delete: bool = False, value: bytes = tokens.TOMBSTONE) -> None:
+    """Write (or drop) the tokens' Redis copies, and mark their copies at the edge, which the
+    publisher writes from the database."""
     if not hashes:
         return
+    edge_mark(*(token_key(token_hash) for token_hash in hashes))
     pipe = get_redis().pipeline(transaction=False)
     for token_hash in hashes:
         if delete:

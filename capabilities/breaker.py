@@ -85,6 +85,15 @@ end
 """
 
 
+def published(raw: bytes | None) -> str | float | None:
+    """The breaker as the edge reads it (a route's "brk" in Workers KV) from its open key's
+    value: None while closed, "forced" while forced, else the epoch its cool-down ends at
+    (open before it, half-open after)."""
+    if raw is None:
+        return None
+    return FORCED.decode() if raw == FORCED else float(raw)
+
+
 def transition(change: bytes | str | None) -> BreakerState | None:
     """The state a breaker script's answer ('opened', 'closed'; '' for none) moved to, or None."""
     if not change:

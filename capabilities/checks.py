@@ -24,6 +24,19 @@ def check_backend(app_configs, **kwargs) -> list[CheckMessage]:
 
 
 @register()
+def check_edge(app_configs, **kwargs) -> list[CheckMessage]:
+    """The edge is Sigil's Worker on Cloudflare: it needs a runtime on a Cloudflare account."""
+    if (
+        settings.SIGIL_EDGE
+        and settings.SIGIL_BACKEND in RUNTIMES
+        and not runtime_class(settings.SIGIL_BACKEND).on_cloudflare
+    ):
+        hint = "Use SIGIL_BACKEND worker-pool, platform or loader with the edge, or SIGIL_EDGE=false."
+        return [Error(f"SIGIL_EDGE is on with the {settings.SIGIL_BACKEND} runtime", hint=hint, id="sigil.E043")]
+    return []
+
+
+@register()
 def check_cpu_limit(app_configs, **kwargs) -> list[CheckMessage]:
     """Cloudflare takes a CPU limit per call of at most 5 minutes (reference §7.3); the local
     runtime reads the same limit as its watchdog's."""

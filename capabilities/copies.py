@@ -3,8 +3,9 @@ gateway on every call, and its contract (contract_copies.py), read by MCP on eve
 
 Nobody writes a copy by hand: every write of a capability's row is made inside
 `services.records.capability_written`, which calls `copies_publish` once it commits, and the
-copies are rebuilt from the row as it is then. Cost: one query and one Redis round trip per
-write of a row; the warm call only reads the copies.
+copies are rebuilt from the row as it is then. The route's copy at the edge (Workers KV) is
+marked to be published again here too. Cost: one query and one Redis round trip per write of
+a row (one more with the edge on); the warm call only reads the copies.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import copy
 
 from capabilities import contract_copies, routes
 from capabilities.models import Capability, State
+from sigil.edge_state import edge_mark, route_key
 from sigil.redis_client import get_redis
 
 # KEYS: the route. ARGV: the route of an evicting row, the same turned away, the TTL.
@@ -27,8 +29,8 @@ redis.call('SET', KEYS[1], turned_away and ARGV[2] or ARGV[1], 'EX', ARGV[3])
 
 def copies_publish(full: str) -> Capability | None:
     """Make the gateway and MCP see `full` as the database has it now (call after the
-    commit): its route and contract, or their tombstones when it is removed. Returns the
-    row published, or None. Idempotent."""
+    commit): its route and contract, or their tombstones when it is removed; and mark its
+    route for the edge (sigil.edge_state). Returns the row published, or None. Idempotent."""
     capability = routes.route_row(full)
     pipe = get_redis().pipeline(transaction=False)
     if capability is None:
@@ -46,6 +48,7 @@ def copies_publish(full: str) -> Capability | None:
             ex=contract_copies.TTL_SECONDS,
         )
     pipe.execute()
+    edge_mark(route_key(full))
     return capability
 
 

@@ -18,6 +18,8 @@ capability_mark_inactive = Job("capabilities.capability_mark_inactive")
 capability_prewarm = Job("capabilities.capability_prewarm")
 capability_prune_stats = Job("capabilities.capability_prune_stats")
 capability_refresh_bindings = Job("capabilities.capability_refresh_bindings")
+edge_publish = Job("capabilities.edge_publish")
+edge_reconcile = Job("capabilities.edge_reconcile")
 
 # How often a page-out checks again whether its victim's calls in flight have ended.
 PAGE_OUT_RECHECK_SECONDS = 0.25

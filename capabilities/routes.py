@@ -11,7 +11,10 @@ the new version.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from django.db.models import QuerySet
 
 from capabilities.models import Capability, State
 from capabilities.visibility import may_see
@@ -142,12 +145,31 @@ def _split(value: list) -> Split:
 def route_row(full: str) -> Capability | None:
     """The capability row behind `full`'s copies (its route and contract), or None when
     there is none but removed ones."""
+    return _route_rows().filter(full_name=full).first()
+
+
+# Names looked up in one query: well within every database's limit on a query's parameters.
+ROWS_PER_QUERY = 500
+
+
+def route_rows(fulls: Iterable[str] | None = None) -> dict[str, Capability]:
+    """route_row of each of `fulls` that has one (of every capability not removed when
+    `fulls` is None), by full name. One query per ROWS_PER_QUERY names."""
+    if fulls is None:
+        return {capability.full_name: capability for capability in _route_rows()}
+    wanted = sorted(set(fulls))
+    rows: dict[str, Capability] = {}
+    for start in range(0, len(wanted), ROWS_PER_QUERY):
+        chunk = wanted[start : start + ROWS_PER_QUERY]
+        rows.update((capability.full_name, capability) for capability in _route_rows().filter(full_name__in=chunk))
+    return rows
+
+
+def _route_rows() -> QuerySet[Capability]:
     return (
         Capability.objects.select_related("agent", "current_version", "staged_version")
         .defer("current_version__code", "staged_version__code")
         .exclude(state=State.REMOVED)
-        .filter(full_name=full)
-        .first()
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -24,10 +25,25 @@ from capabilities.models import (
     VersionPlacement,
 )
 from capabilities.runtimes import get_runtime
+from capabilities.runtimes.errors import RuntimeFailure
 from capabilities.visibility import capability_own, capability_visible, visible_q
 from sigil.errors import Forbidden, InvalidRequest, NotFound
 
 SEARCH_MAX_CHARS = 200
+logger = logging.getLogger(__name__)
+
+
+def capability_call_base(*, site_url: str) -> str:
+    """The base of the URLs agents call capabilities at (`{base}/{agent}/{name}`): the edge's
+    while the runtime serves calls at its edge (SIGIL_EDGE on a Cloudflare runtime), else
+    `site_url`, this server's. While the runtime cannot say where its edge is (Cloudflare out of
+    reach for the account's subdomain), this server's: that URL always works too. Never raises."""
+    try:
+        edge = get_runtime().edge_url()
+    except RuntimeFailure as exc:
+        logger.warning("the edge's URL is not known now, so this server's is given: %s", exc)
+        return site_url
+    return edge or site_url
 
 
 def visible_to(principal: Principal) -> Q:

@@ -41,6 +41,10 @@ API_CLASS_OF_TASK = {
     jobs.capability_record_breaker: ApiClass.HOUSEKEEPING,
     jobs.capability_reap: ApiClass.HOUSEKEEPING,
     jobs.capability_mark_inactive: ApiClass.HOUSEKEEPING,
+    # What the edge decides by (a revocation, a forced breaker, a deploy's route) waits on this
+    # publish, which coalesces every change of its interval into one request: someone's change.
+    jobs.edge_publish: ApiClass.DEPLOY,
+    jobs.edge_reconcile: ApiClass.HOUSEKEEPING,
 }
 _CLASS_BY_NAME = {job.name: api_class for job, api_class in API_CLASS_OF_TASK.items()}
 
@@ -109,6 +113,10 @@ capability_reconcile = service_task(jobs.capability_reconcile)
 capability_reap = service_task(jobs.capability_reap)
 capability_mark_inactive = service_task(jobs.capability_mark_inactive)
 capability_prune_stats = service_task(jobs.capability_prune_stats)
+# No retry: the publisher gives its keys back when Cloudflare fails, and beat runs it again
+# within SIGIL_EDGE_PUBLISH_INTERVAL_SECONDS; the reconcile's next run is as good as a retry.
+edge_publish = service_task(jobs.edge_publish)
+edge_reconcile = service_task(jobs.edge_reconcile)
 
 
 # Its outcome is recorded on the version and handed to the waiting request by the service, so

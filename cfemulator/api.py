@@ -56,7 +56,7 @@ from cfemulator.codestore import CodeStore
 from cfemulator.config import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig  # noqa: F401
 from cfemulator.envelope import ApiError
 from cfemulator.ratelimit import LockoutWindow
-from cfemulator.state import AccountState, DispatchNamespace, KvNamespace, Script, load_state, save_state
+from cfemulator.state import AccountState, DispatchNamespace, KvNamespace, KvValue, Script, load_state, save_state
 from cfemulator.uploads import ScriptUpload, parse_upload
 
 logger = logging.getLogger(__name__)
@@ -150,9 +150,12 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
         self._limiter = LockoutWindow(self._config.rate_limit, self._config.rate_window)
         self._faults = random.Random(self._config.fault_seed)
         self._fault_count = 0
-        # (namespace id, key) -> until when a binding's read of it answers "not found" (see
-        # EmulatorConfig.kv_miss_cache_seconds). A cache, not state: a restart forgets it.
-        self._kv_misses: dict[tuple[str, str], float] = {}
+        # (location, namespace id, key) -> what a location of the Workers runtime holds of a KV
+        # key (None: a miss) and until when (see EmulatorConfig.kv_propagation_seconds,
+        # kv_miss_cache_seconds). A cache, not state: a restart forgets it.
+        self._kv_held: dict[tuple[str, str, str], tuple[KvValue | None, float]] = {}
+        # (namespace id, key) -> when a binding last wrote it (monotonic): one write a second.
+        self._kv_key_writes: dict[tuple[str, str], float] = {}
         for path in self.code_dir.glob("*.json"):
             path.unlink(missing_ok=True)
         self._save_locked()
@@ -256,6 +259,12 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
                         generation=script.generation,
                     )
         return None
+
+    def same_zone(self, host: str) -> bool:
+        """Whether `host` is on the account's own workers.dev zone (`{name}.{subdomain}.workers.dev`)."""
+        name = host.split(":", 1)[0].lower().rstrip(".")
+        with self._lock:
+            return bool(self.subdomain) and name.endswith(f".{self.subdomain}.workers.dev")
 
     def tail_consumers_of(self, key: str) -> tuple[str, str | None, list[Script]]:
         """For the process `key` ("script:{name}" or "ns:{namespace}:{name}"): the producer's
@@ -440,6 +449,9 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
             kv_ns: {"GET": self._kv_namespace_get, "DELETE": self._kv_namespace_delete},
             value: {"PUT": self._kv_put, "GET": self._kv_get, "DELETE": self._kv_delete},
             kv_ns + r"/metadata/(?P<key>[^/]+)": {"GET": self._kv_metadata},
+            # DELETE is the deprecated form of POST .../bulk/delete (reference §6).
+            kv_ns + "/bulk": {"PUT": self._kv_bulk_put, "DELETE": self._kv_bulk_delete},
+            kv_ns + "/bulk/delete": {"POST": self._kv_bulk_delete},
             kv_ns + "/keys": {"GET": self._kv_keys},
         }
         return [(re.compile(pattern), methods) for pattern, methods in table.items()]

@@ -6,13 +6,13 @@ from __future__ import annotations
 import hmac
 import json
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from cfemulator import envelope
 from cfemulator.envelope import ApiError
-from cfemulator.state import DispatchNamespace, KvNamespace, KvValue, Script
+from cfemulator.state import DispatchNamespace, KvNamespace, Script
 
 # Cloudflare's schema pattern (§1.5) with the documented 63-character bound of a DNS label.
 _SCRIPT_NAME = re.compile(r"^[a-z0-9_][a-z0-9_-]{0,62}$")
@@ -48,12 +48,6 @@ class ApiResponse:
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-
-def _visible_alone(value: KvValue | None, now: float) -> KvValue | None:
-    """What bindings read of `value` at `now`, without the older values it no longer needs."""
-    seen = value.as_seen(now) if value is not None else None
-    return replace(seen, previous=None) if seen is not None else None
 
 
 def _ok(result: Any, **extra: Any) -> ApiResponse:

@@ -12,7 +12,8 @@ with real bindings:
   the code `getCode` returns is handed to the emulator once per id, and each call of an
   entrypoint's `fetch` goes to that process through the emulator, which meters it;
 - `kv_namespace`: workerd's own `kvNamespace` binding, whose requests come back to the
-  emulator (`x-cfemulator-kv: {namespace id}`) and are served from its KV store;
+  emulator (`x-cfemulator-kv: {namespace id}`, and the script's process as the location KV
+  reads and writes from, `x-cfemulator-kv-location`) and are served from its KV store;
 - `dispatch_namespace`: open-source workerd has none (reference §4.3), so the emulator wraps
   the uploaded entry module with a small shim that puts an object with Cloudflare's
   `get(name, args, options)` in `env`; its Fetcher asks the emulator for the namespace
@@ -27,12 +28,17 @@ holds a binding for each (the loader host hands its SigilTail entrypoint to ever
 Worker as its tail that way). A Dynamic Worker's tail events come back to its loader Worker's
 process (DYNAMIC_TAIL_HEADER), where the shim hands them to the tails its code named.
 
-Text bindings reach the process through its environment, never its config file.
+Every bound script's global `fetch()` leaves through a small Worker of the emulator's
+(OUTBOUND_SOURCE), as a Worker's subrequests leave Cloudflare: a request for a workers.dev
+host goes to the emulator's front door (what Cloudflare's front door would serve), marked
+with whether the script has the `global_fetch_strictly_public` flag, without which
+Cloudflare refuses a fetch of another Worker on the account's own workers.dev zone (error
+1042); any other request goes out to the network (WORKER_OUTBOUND): public addresses, as on
+Cloudflare, and this machine's loopback. Open-source workerd's default allows public
+addresses only, and loopback stands in here for the owner's public origin, which Cloudflare
+reaches (Sigil's Workers push call records there, and its edge hands it calls).
 
-A Worker's `fetch()` reaches public addresses, as on Cloudflare, and this machine's loopback
-(WORKER_OUTBOUND): open-source workerd's default allows public addresses only, and loopback
-stands in here for the owner's public origin, which Cloudflare reaches (Sigil's Workers push
-call records there).
+Text bindings reach the process through its environment, never its config file.
 """
 
 from __future__ import annotations
@@ -53,9 +59,11 @@ logger = logging.getLogger(__name__)
 # What a Worker's fetch() may reach: the public internet, and loopback as the owner's origin.
 WORKER_OUTBOUND = ("public", "127.0.0.0/8", "::1/128")
 OUTBOUND_SERVICE = "cfemulator-outbound"
+NETWORK_SERVICE = "cfemulator-network"
 # Binding types that make a script run from a workerd config of its own.
 BOUND_BINDING_TYPES = frozenset({"kv_namespace", "worker_loader", "dispatch_namespace"})
 KV_HEADER = "x-cfemulator-kv"
+KV_LOCATION_HEADER = "x-cfemulator-kv-location"
 LIMITS_HEADER = "x-cfemulator-limits"
 # The host the dispatch Worker was called on: the user Worker sees the URL it would on Cloudflare.
 ORIGINAL_HOST_HEADER = "x-cfemulator-original-host"
@@ -430,6 +438,21 @@ export default {{
 }};
 """
 
+
+# A bound script's subrequests (its global fetch): workers.dev hosts to the emulator's front door,
+# anything else to the network (see the module's docstring). SUBREQUEST_HEADER carries whether
+# the script may fetch its own zone's Workers ("strict": global_fetch_strictly_public) or not
+# ("private"); the emulator takes it off before a Worker sees the request.
+SUBREQUEST_HEADER = "x-cfemulator-subrequest"
+STRICTLY_PUBLIC_FLAG = "global_fetch_strictly_public"
+OUTBOUND_SOURCE = """export default {
+  fetch(request, env) {
+    if (new URL(request.url).hostname.endsWith(".workers.dev")) return env.FRONT_DOOR.fetch(request);
+    return fetch(request);
+  },
+};
+"""
+
 # Answers the supervisor's liveness probe: any answer shows the process's event loop turns.
 _PROBE = "export default { fetch() { return new Response(null, { status: 204 }) } }"
 
@@ -470,6 +493,8 @@ class BoundHost(WorkerdHost):
     hands_back: bool = False
     #: the process's name at the emulator, to which its Dynamic Workers' tail events come back
     owner: str = ""
+    #: where its KV bindings read and write from (its process key): Workers KV's location
+    kv_location: str = ""
     _environment: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     def write_config(self) -> Path:
@@ -484,6 +509,7 @@ class BoundHost(WorkerdHost):
             tail_entry=self.tail_entry,
             hands_back=self.hands_back,
             owner=self.owner,
+            kv_location=self.kv_location,
         )
         self.config_path.write_text(config)
         return self.config_path
@@ -503,14 +529,15 @@ def bound_config(
     tail_entry: bool = False,
     hands_back: bool = False,
     owner: str = "",
+    kv_location: str = "",
 ) -> tuple[str, dict[str, str]]:
     """The capnp config of one bound script listening on `port`, with a liveness probe on
     `probe_port` (its modules are written to `directory`), and the environment holding its
     text bindings. With `tail_key`, its tail events are posted to the emulator under that key;
     with `tail_entry`, each request to it is a batch of events for the script's `tail()`; with
-    `hands_back`, an exception it throws goes back to its caller (a dispatch namespace's script).
-    `owner` is the process's name at the emulator, which its Worker Loader bindings hand over
-    their Dynamic Workers' code with."""
+    `hands_back`, an exception it throws goes back to its caller (a dispatch namespace's script);
+    its KV bindings read and write from `kv_location`. `owner` is the process's name at the
+    emulator, which its Worker Loader bindings hand over their Dynamic Workers' code with."""
     modules = []
     for index, (name, kind) in enumerate(upload.module_types.items()):
         if kind == SOURCE_MAP_TYPE:
@@ -526,7 +553,7 @@ def bound_config(
     services = [
         '(name = "main", worker = .main)',
         '(name = "probe", worker = .probe)',
-        outbound_service(OUTBOUND_SERVICE, WORKER_OUTBOUND),
+        outbound_service(NETWORK_SERVICE, WORKER_OUTBOUND),
     ]
     bindings: list[str] = []
     environment: dict[str, str] = {}
@@ -542,10 +569,13 @@ def bound_config(
             bindings.append(f"(name = {_capnp(name)}, json = {_capnp(json.dumps(binding.get('json')))})")
         elif kind == "kv_namespace":
             service = f"kv-{index}"
-            header = f"(name = {_capnp(KV_HEADER)}, value = {_capnp(binding['namespace_id'])})"
+            headers = (
+                f"(name = {_capnp(KV_HEADER)}, value = {_capnp(binding['namespace_id'])}), "
+                f"(name = {_capnp(KV_LOCATION_HEADER)}, value = {_capnp(kv_location)})"
+            )
             services.append(
                 f"(name = {_capnp(service)}, external = (address = {_capnp(emulator_address)}, "
-                f"http = (injectRequestHeaders = [{header}])))"
+                f"http = (injectRequestHeaders = [{headers}])))"
             )
             bindings.append(f"(name = {_capnp(name)}, kvNamespace = {_capnp(service)})")
         elif kind == "worker_loader":
@@ -597,6 +627,14 @@ def bound_config(
     else:
         index = next(i for i, m in enumerate(modules) if m.startswith(f"(name = {_capnp(main_module)},"))
         modules.insert(0, modules.pop(index))  # workerd's entry point is the first module
+    strict = "strict" if STRICTLY_PUBLIC_FLAG in upload.compatibility_flags else "private"
+    (directory / "outbound.js").write_text(OUTBOUND_SOURCE)
+    front_door = f"(name = {_capnp(SUBREQUEST_HEADER)}, value = {_capnp(strict)})"
+    services += [
+        f"(name = {_capnp(OUTBOUND_SERVICE)}, worker = .outbound)",
+        f'(name = "cfemulator-front-door", external = (address = {_capnp(emulator_address)}, '
+        f"http = (injectRequestHeaders = [{front_door}])))",
+    ]
     tails, forwarder = "", ""
     if tail_key is not None:
         (directory / "tail-forward.js").write_text(
@@ -635,6 +673,13 @@ const main :Workerd.Worker = (
   compatibilityFlags = {_list([_capnp(flag) for flag in flags])},
   bindings = {_list(bindings)},{tails}
   globalOutbound = {_capnp(OUTBOUND_SERVICE)},
+);
+
+const outbound :Workerd.Worker = (
+  modules = [(name = "outbound.js", esModule = embed "outbound.js")],
+  compatibilityDate = "2025-01-01",
+  bindings = [(name = "FRONT_DOOR", service = "cfemulator-front-door")],
+  globalOutbound = {_capnp(NETWORK_SERVICE)},
 );
 {forwarder}"""
     return config, environment

@@ -18,6 +18,15 @@ PLANS = frozenset({"free", "paid"})
 # Worker scripts an account may hold on each plan (reference §7.3): changing the plan sets
 # `script_limit` to its plan's unless the same change sets it.
 PLAN_SCRIPT_LIMITS = {"free": 100, "paid": 500}
+# Settings that are a number of at least 0 (fault_rate: at most 1 as well).
+_SECONDS_OR_FRACTION = (
+    "latency",
+    "fault_rate",
+    "propagation_delay",
+    "kv_propagation_seconds",
+    "kv_miss_cache_seconds",
+    "dynamic_idle_seconds",
+)
 
 
 @dataclass(frozen=True)
@@ -47,9 +56,17 @@ class EmulatorConfig:
     # one, so tests run the client against 10007 and against another code.
     namespace_not_found_code: int = 10007
     # Seconds before a change reaches the Workers runtime, as Cloudflare's propagation: a new
-    # script (its API calls answer 10007 and its URL 404 until then), a workers.dev toggle,
-    # a KV value written over the API (bindings read the one before). 0: at once.
+    # script (its API calls answer 10007 and its URL 404 until then), a workers.dev toggle.
+    # 0: at once.
     propagation_delay: float = 0.0
+    # Seconds a location of the Workers runtime keeps a KV value it read (or wrote through its
+    # binding) before it reads the central store again: a write made elsewhere reaches a location
+    # that holds the key within this long. Workers KV's docs ("How KV works"): changes are
+    # "immediately visible in the ... location at which they are made" and "may take up to 60
+    # seconds or more to be visible in other global network locations as their cached versions
+    # of the data time out". A location that holds nothing reads the central store, as the API
+    # does. 0: every read reads the central store.
+    kv_propagation_seconds: float = 60.0
     # Seconds a Worker's KV read that found nothing keeps answering "not found" at its
     # location, even once the key is written over the API: Cloudflare caches a miss for the
     # read's cacheTtl, 60 s by default (KV docs, "How KV works"). A write through the binding
@@ -87,7 +104,7 @@ class EmulatorConfig:
                 if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_CPU_MS:
                     raise ValueError(f"default_cpu_ms is a whole number of ms, 1 to {MAX_CPU_MS}")
                 values[key] = value
-            elif key in ("latency", "fault_rate", "propagation_delay", "kv_miss_cache_seconds", "dynamic_idle_seconds"):
+            elif key in _SECONDS_OR_FRACTION:
                 if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
                     raise ValueError(f"{key} must be a number, at least 0")
                 if key == "fault_rate" and value > 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import socket
 import sys
 import threading
@@ -31,6 +32,10 @@ logger = logging.getLogger(__name__)
 # Accepted-but-not-yet-served connections; the stdlib default of 5 refuses bursts.
 _BACKLOG = 512
 _WORKER_HOST_SUFFIXES = (".workers.dev", ".dispatch.localhost")
+# The workers.dev door: `/{script}.{subdomain}.workers.dev/{path}` on the emulator's own host
+# reaches that Worker at `/{path}`, so a URL of Sigil's Worker is one curl calls as it is
+# (without a Host header it could not choose, nor a name it could resolve).
+_DOOR = re.compile(r"/([a-z0-9_][a-z0-9_-]*\.[a-z0-9-]+\.workers\.dev)(/.*)?")
 
 
 class HttpServer(ThreadingHTTPServer):
@@ -95,6 +100,10 @@ class RequestHandler(WorkerProxy, BaseHTTPRequestHandler):
             return
         if self.headers.get(DYNAMIC_CALL_HEADER) is not None:
             self._serve_dynamic(split)  # streams both ways, as a script's call does
+            return
+        door = _DOOR.fullmatch(split.path)
+        if door is not None:
+            self._serve_worker(door.group(1), split._replace(path=door.group(2) or "/"), door=True)
             return
         try:
             body = RequestBody(self).whole()

@@ -35,6 +35,7 @@ from cfemulator.bound import (
     LIMITS_HEADER,
     NOT_FOUND_HEADER,
     ORIGINAL_HOST_HEADER,
+    SUBREQUEST_HEADER,
     has_worker_loader,
 )
 from cfemulator.dynamic import UnknownDynamicWorker
@@ -62,6 +63,11 @@ _NOT_PASSED = HOP_BY_HOP | OWN_HEADERS
 # for Sigil's gateway, capabilities/runtimes/host/host.js): on Cloudflare the script's
 # answer reaches the caller as the script made it, so the mark is taken off again.
 _LOADER_HOST_MARKS = frozenset({"x-sigil-host"})
+# Cloudflare's answer to a Worker's fetch of another Worker on its account's own workers.dev
+# zone without the global_fetch_strictly_public flag (Workers docs, "Errors and exceptions").
+SAME_ZONE_STATUS = 404
+SAME_ZONE_BODY = b"error code: 1042"
+DISPATCH_SUFFIX = ".dispatch.localhost"
 
 
 class LimitExceeded(Exception):
@@ -76,8 +82,16 @@ class WorkerProxy:
     """How `cfemulator.handler.RequestHandler` serves a script's call (a mixin of it: the
     connection, its headers and `_send` are the handler's)."""
 
-    def _serve_worker(self, host: str, split: Any) -> None:
+    def _serve_worker(self, host: str, split: Any, *, door: bool = False) -> None:
+        """Serve a call of the Worker at `host`: named by the Host header, or by the path
+        through the workers.dev door (`door`: the Worker then sees `host` as its Host)."""
         emulator = self.server.emulator
+        if self.headers.get(SUBREQUEST_HEADER) == "private" and emulator.api.same_zone(host):
+            # A Worker's own fetch of a Worker on the account's zone, without the flag that
+            # sends it through the front door: Cloudflare refuses it (error 1042).
+            self.close_connection = True  # its body, if any, is left unread
+            self._send(SAME_ZONE_STATUS, SAME_ZONE_BODY, "text/plain; charset=UTF-8")
+            return
         # The call is in flight on each process it reaches until its answer is relayed (a
         # WebSocket session's, until it ends): a replaced version drains before it is stopped.
         self._calls_held = contextlib.ExitStack()
@@ -109,16 +123,24 @@ class WorkerProxy:
         for name, value in self.headers.items():
             lower = name.lower()
             hop_by_hop = lower in HOP_BY_HOP and not (upgrade and lower in UPGRADE_HEADERS)
-            emulators = lower in (LIMITS_HEADER, ORIGINAL_HOST_HEADER) or lower.startswith(DYNAMIC_HEADER_PREFIX)
+            emulators = lower in (LIMITS_HEADER, ORIGINAL_HOST_HEADER, SUBREQUEST_HEADER) or lower.startswith(
+                DYNAMIC_HEADER_PREFIX
+            )
             if hop_by_hop or emulators:
                 continue
-            if lower == "host" and original_host:
-                value = original_host
+            if lower == "cf-connecting-ip" and not host.endswith(DISPATCH_SUFFIX):
+                continue  # Cloudflare writes its own (below)
+            if lower == "host" and (original_host or door):
+                value = original_host or host
             # A script run by the loader host must not be reachable with a caller's own secret
             # or loader id; a bound script runs alone and gets every header, as on Cloudflare.
             if lower in _HOST_HEADERS and not target.runs_bound:
                 continue
             headers.add(name, value)
+        if not host.endswith(DISPATCH_SUFFIX):
+            # Cloudflare names the address its front door was called from on every request to a
+            # Worker (a dispatch namespace's script gets its dispatch Worker's request as it is).
+            headers["CF-Connecting-IP"] = self.client_address[0]
         if body.length:  # urllib3 frames an empty one as the method expects
             headers["Content-Length"] = str(body.length)
         if not target.runs_bound:

@@ -395,4 +395,5 @@ class ScriptProcesses:
             tail_entry=process.tails == "consume",
             hands_back=process.key.startswith("ns:") and process.tails == "produce",
             owner=name,
+            kv_location=process.key,
         )

@@ -11,7 +11,10 @@ processes, the CPU meter, the start check of uploads and the connections to work
                                  1102 when a call runs past its CPU limit (`cfemulator.limits`)
 - Host `{script}.{ns}.dispatch.localhost` a script of a dispatch namespace, as a dispatch
                                  namespace binding reaches it
-- header `x-cfemulator-kv`       a KV binding's read or write, from a bound script
+- `/{script}.{sub}.workers.dev/...` the workers.dev door: that script at `/...`, for a URL
+                                 curl calls without a Host header
+- header `x-cfemulator-kv`       a KV binding's read or write, from a bound script (and
+                                 `x-cfemulator-kv-location`, the script's process)
 - headers `x-cfemulator-dynamic-*` a Worker Loader binding's Dynamic Workers: the hand-over
                                  of their code, their calls and their tail events
                                  (`cfemulator.dynamic`)
@@ -26,8 +29,8 @@ processes, the CPU meter, the start check of uploads and the connections to work
                                  fault_seed, fail_next, rate_limit ("N/S"),
                                  script_max_bytes, subdomain, default_cpu_ms,
                                  cpu_grace_ms, propagation_delay,
-                                 kv_miss_cache_seconds, empty_delete_answers,
-                                 dynamic_idle_seconds
+                                 kv_propagation_seconds, kv_miss_cache_seconds,
+                                 empty_delete_answers, dynamic_idle_seconds
 
 Bodies stream both ways through the proxy to a script's workerd (`cfemulator.proxy`), and
 WebSocket upgrades pass through as on Cloudflare (`cfemulator.tunnel`); the account's state is kept in

@@ -88,17 +88,10 @@ class KvValue:
     value: bytes
     expiration: int | None
     metadata: Any
-    # Until then (epoch seconds) bindings read `previous` (None: not found), as a Worker
-    # elsewhere reads a value written over the API before it propagates.
-    visible_at: float = 0.0
-    previous: KvValue | None = None
 
-    def as_seen(self, now: float) -> KvValue | None:
-        """The value a binding reads at `now`."""
-        seen: KvValue | None = self
-        while seen is not None and seen.visible_at > now:
-            seen = seen.previous
-        return seen
+    def live(self, now: float) -> bool:
+        """Whether it is still there at `now` (not expired)."""
+        return self.expiration is None or self.expiration > now
 
 
 @dataclass

@@ -19,6 +19,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sigil_site.settings")
 from django.conf import settings
 from django.core.asgi import get_asgi_application
 
+from sigil.edge_handoff import handoff_key
 from sigil.request_id import new_request_id, set_request_id
 
 django_application = get_asgi_application()
@@ -46,6 +47,7 @@ class SigilApplication:
         self.retired: list[Engine] = []
         self.closing: set[asyncio.Future] = set()
         self.proxies = settings.SIGIL_TRUSTED_PROXY_COUNT
+        self.edge_key = handoff_key(settings.SIGIL_INTERNAL_SECRET)
 
     async def __call__(self, scope, receive, send) -> None:
         kind = scope["type"]
@@ -59,8 +61,9 @@ class SigilApplication:
             if path.startswith(DJANGO_PREFIXES) or path == MCP_PATH or path == "/":
                 await receive()
                 return await send({"type": "websocket.close", "code": 1008})
+            engine = self.get_engine()
             return await serve_websocket(
-                self.get_engine(), scope, receive, send, request_id=request_id, proxies=self.proxies
+                engine, scope, receive, send, request_id=request_id, proxies=self.proxies, edge_key=self.edge_key
             )
         if path == MCP_PATH:
             return await self.mcp(scope, receive, send)
@@ -69,7 +72,9 @@ class SigilApplication:
             if _chunked_without_length(scope):
                 scope, receive = await buffer_chunked_body(scope, receive)
             return await self.django_app(scope, receive, send)
-        return await serve_http(self.get_engine(), scope, receive, send, request_id=request_id, proxies=self.proxies)
+        return await serve_http(
+            self.get_engine(), scope, receive, send, request_id=request_id, proxies=self.proxies, edge_key=self.edge_key
+        )
 
     def get_engine(self) -> Engine:
         if self.engine is None:

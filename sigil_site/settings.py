@@ -589,6 +589,39 @@ SIGIL_CPU_MS = env_int("SIGIL_CPU_MS", 1000)
 # so that calls which read the old route just before still reach code.
 SIGIL_SWITCH_GRACE_SECONDS = env_float("SIGIL_SWITCH_GRACE_SECONDS", 5.0)
 
+# --- The edge ---------------------------------------------------------------------------
+
+# true: callers are served at the edge, by Sigil's Worker on Cloudflare, which decides from
+# the state Sigil publishes to Workers KV; the owner's server (SIGIL_ORIGIN_URL) is the origin
+# of what it cannot serve (docs/cloudflare.md, "The edge's state"). On by default for a
+# Cloudflare runtime against the local emulator, so that `make run` shows it; off on a real
+# account until its owner gives an origin URL Cloudflare can reach (docs/operations.md).
+SIGIL_EDGE = env_bool("SIGIL_EDGE", SIGIL_CF_EMULATED and SIGIL_BACKEND != "local")
+# The title of the Workers KV namespace holding that state (created if missing).
+SIGIL_EDGE_KV_TITLE = env_str("SIGIL_EDGE_KV_TITLE", "sigil-edge")
+# The base of the edge's URLs when callers reach it on a custom domain; empty: its workers.dev URL.
+SIGIL_EDGE_URL = env_str("SIGIL_EDGE_URL", "")
+# The worker-pool runtime's edge Worker (the other runtimes' edge is their Worker in front).
+SIGIL_EDGE_WORKER = env_str("SIGIL_EDGE_WORKER", "sigil-edge")
+# How often the state that changed is written to it: one bulk write for all of it, none
+# when nothing changed. A change reaches the edge within this and KV's own propagation.
+SIGIL_EDGE_PUBLISH_INTERVAL_SECONDS = env_float("SIGIL_EDGE_PUBLISH_INTERVAL_SECONDS", 3.0)
+# How often what the namespace holds is compared with the database (a listing of it).
+SIGIL_EDGE_RECONCILE_INTERVAL_SECONDS = env_float("SIGIL_EDGE_RECONCILE_INTERVAL_SECONDS", 900.0)
+if SIGIL_EDGE:
+    CELERY_BEAT_SCHEDULE |= {
+        "edge-publish": {
+            "task": "capabilities.edge_publish",
+            "schedule": SIGIL_EDGE_PUBLISH_INTERVAL_SECONDS,
+            # A run not started by the next one is not needed: the next publishes its keys.
+            "options": {"expires": SIGIL_EDGE_PUBLISH_INTERVAL_SECONDS},
+        },
+        "edge-reconcile": {
+            "task": "capabilities.edge_reconcile",
+            "schedule": SIGIL_EDGE_RECONCILE_INTERVAL_SECONDS,
+        },
+    }
+
 # --- Logging ----------------------------------------------------------------------------
 
 # SIGIL_LOG_FORMAT is read by sigil/logs.py itself too, where Django's settings are not

@@ -145,11 +145,10 @@ class HealthApi(APIView):
         healthy = all(value == "ok" for value in checks.values())
         body = {"status": "ok" if healthy else "failing", "backend": settings.SIGIL_BACKEND, **counts, "checks": checks}
         try:
-            # Worth the owner's attention, but Sigil still serves: not a failing check.
-            warning = services.runtime_account_warning()
+            # Worth the owner's attention, but Sigil still serves: not failing checks.
+            warnings = [w for w in (services.runtime_account_warning(), services.edge_warning()) if w]
         except RedisError:  # reported above, as the redis check
-            warning = None
-        warnings = [warning] if warning else []
+            warnings = []
         warnings += runtime_class(settings.SIGIL_BACKEND).settings_warnings(settings)
         # Still served where they are: the owner has a switch to finish, not an outage.
         warnings += [left.describe() for left in left_behind if not left.failure]
@@ -170,7 +169,7 @@ def index_view(request):
     base = settings.SIGIL_PUBLIC_URL.rstrip("/") or request.build_absolute_uri("/").rstrip("/")
     index = {
         "service": "sigil",
-        "calls": f"{base}/{{agent}}/{{capability}}",
+        "calls": f"{selectors.capability_call_base(site_url=base)}/{{agent}}/{{capability}}",
         "schema": f"{base}/_api/schema",
         "docs": f"{base}/_api/schema/docs",
         "mcp": f"{base}/_mcp",

@@ -48,8 +48,9 @@ class StrictCharField(serializers.CharField):
 
 
 def capability_url(request, capability: Capability) -> str:
-    base = settings.SIGIL_PUBLIC_URL.rstrip("/") or request.build_absolute_uri("/").rstrip("/")
-    return f"{base}/{capability.agent.name}/{capability.name}"
+    """Where agents call `capability`: at the edge while it is on, else on this server."""
+    site = settings.SIGIL_PUBLIC_URL.rstrip("/") or request.build_absolute_uri("/").rstrip("/")
+    return f"{selectors.capability_call_base(site_url=site)}/{capability.agent.name}/{capability.name}"
 
 
 class ContractExampleSerializer(serializers.Serializer):

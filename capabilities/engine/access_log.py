@@ -20,8 +20,8 @@ def log_access(
     code: str | None = None,
 ) -> None:
     """One line per call (logger `sigil.access`), its fields as the log's own (sigil/logs.py:
-    JSON or text, with the time, process and request id), and for an answer Sigil wrote as an
-    error, its error code."""
+    JSON or text, with the time, process and request id), for an answer Sigil wrote as an
+    error its error code, and whether Sigil's edge handed the call on (`edge`)."""
     if not access_logger.isEnabledFor(logging.INFO):
         return
     ms = round((time.perf_counter() - started) * 1000, 3)
@@ -40,5 +40,6 @@ def log_access(
             "cold": page_in_ms is not None,
             "page_in_ms": None if page_in_ms is None else round(page_in_ms, 3),
             "ms": ms,
+            "edge": request.via_edge,
         },
     )

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from urllib.parse import quote, unquote, unquote_to_bytes
 
 from agents.throttle import client_address
 from capabilities.engine.engine import Engine
 from capabilities.engine.values import CallRequest
+from sigil.edge_handoff import handoff_client
 from sigil.errors import InvalidRequest
 
 # What PATH_INFO-style re-quoting keeps as it is, so the capability sees the path the caller sent.
@@ -26,8 +28,10 @@ class CallerGone(InvalidRequest):
     """The caller closed its connection before its request body was sent."""
 
 
-def call_request(scope, body, *, request_id: str, proxies: int) -> CallRequest:
-    """The CallRequest of an ASGI HTTP or WebSocket scope; `body` is its body stream."""
+def call_request(scope, body, *, request_id: str, proxies: int, edge_key: str = "") -> CallRequest:
+    """The CallRequest of an ASGI HTTP or WebSocket scope; `body` is its body stream. A call the
+    edge handed on with its signed mark (sigil/edge_handoff.py, verified with `edge_key`) is the
+    caller's whose address the mark names."""
     raw_path = scope.get("raw_path") or scope["path"].encode()
     path = raw_path.decode("latin-1")
     agent, _, tail = path.lstrip("/").partition("/")
@@ -48,6 +52,10 @@ def call_request(scope, body, *, request_id: str, proxies: int) -> CallRequest:
         {"REMOTE_ADDR": client[0] if client else "", "HTTP_X_FORWARDED_FOR": headers.get("x-forwarded-for", "")},
         proxies=proxies,
     )
+    via_edge = None
+    if edge_key and "x-sigil-edge" in headers:
+        method = scope.get("method", "GET")
+        via_edge = handoff_client(headers, method=method, path=path, key=edge_key, now=time.time())
     return CallRequest(
         agent=unquote(agent),
         name=unquote(name),
@@ -58,9 +66,10 @@ def call_request(scope, body, *, request_id: str, proxies: int) -> CallRequest:
         body=body,
         length=size,
         chunked="chunked" in headers.get("transfer-encoding", "").lower(),
-        address=address,
+        address=via_edge or address,
         request_id=request_id,
         websocket=scope["type"] == "websocket",
+        via_edge=via_edge is not None,
     )
 
 
@@ -84,9 +93,11 @@ class RequestBody:
                 yield chunk
 
 
-async def serve_http(engine: Engine, scope, receive, send, *, request_id: str, proxies: int) -> None:
+async def serve_http(
+    engine: Engine, scope, receive, send, *, request_id: str, proxies: int, edge_key: str = ""
+) -> None:
     body = RequestBody(receive)
-    request = call_request(scope, body.__aiter__(), request_id=request_id, proxies=proxies)
+    request = call_request(scope, body.__aiter__(), request_id=request_id, proxies=proxies, edge_key=edge_key)
     if not request.has_body:
         body.done = True
     answer = await engine.call(request)
@@ -136,11 +147,13 @@ async def _cancel_when_gone(receive, task: asyncio.Task) -> None:
             return
 
 
-async def serve_websocket(engine: Engine, scope, receive, send, *, request_id: str, proxies: int) -> None:
+async def serve_websocket(
+    engine: Engine, scope, receive, send, *, request_id: str, proxies: int, edge_key: str = ""
+) -> None:
     connect = await receive()
     if connect["type"] != "websocket.connect":
         return
-    request = call_request(scope, b"", request_id=request_id, proxies=proxies)
+    request = call_request(scope, b"", request_id=request_id, proxies=proxies, edge_key=edge_key)
     request.length = None
     answer = await engine.call(request)
     try:

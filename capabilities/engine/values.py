@@ -41,6 +41,7 @@ class CallRequest:
     accepted_token_hash: str | None = None
     prefetched: Prefetched | None = None
     websocket: bool = False  # the caller asks for a WebSocket (the ASGI adapter relays it)
+    via_edge: bool = False  # handed on by Sigil's edge, whose signed mark named `address`
 
     @property
     def has_body(self) -> bool:

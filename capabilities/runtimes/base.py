@@ -350,6 +350,13 @@ class Runtime(ABC):
         budget keep this default: nothing to share."""
         return contextlib.nullcontext()
 
+    def edge_url(self) -> str | None:
+        """The base of the URLs callers reach capabilities at through Sigil's edge on the
+        runtime's provider (`{base}/{agent}/{name}`), None when calls go through Sigil's own
+        server only. May ask the provider once per process (an account's subdomain). Raises
+        RuntimeUnavailable."""
+        return None
+
     def provision(self) -> list[str]:
         """Create what the runtime needs besides capabilities (a namespace, Sigil's own Worker).
 

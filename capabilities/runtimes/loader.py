@@ -14,13 +14,12 @@ from capabilities.log_limits import host_log_limits
 from capabilities.record_pushes import RecordsOrigin
 from capabilities.runtimes.base import TEXT_BINDING_KINDS, CodeBundle, Route
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage
-from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFound, NamedKv
 from capabilities.runtimes.cloudflare.account import Finding, PlanProbe
-from capabilities.runtimes.cloudflare.facts import AccountFacts, kv_namespace_fact
+from capabilities.runtimes.edge import Edge, EdgeSettings
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check, loader_host_store
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
-from capabilities.runtimes.tail_worker import kv_namespace_ensure, kv_namespace_find
 from capabilities.workerd.config import HOST_DIR
 
 HOST_MODULE = "host.js"
@@ -100,19 +99,21 @@ class LoaderRuntime(FrontedRuntime):
         propagation_wait_seconds: float = 30.0,
         log_limits: dict | None = None,
         records_origin: RecordsOrigin | None = None,
+        edge: EdgeSettings | None = None,
     ) -> None:
         super().__init__(cpu_ms=cpu_ms)
+        # The edge rides in the loader Worker: callers' requests to it are served there.
+        self.edge = Edge(client=client, settings=edge, backend=self.name, secret=secret) if edge else None
         #: the per-call bounds of the host's tail; None: the host gives capabilities no tail
         self.log_limits = log_limits if records_origin is not None else None
         #: where the host's tail pushes call records
         self.records_origin = records_origin
         self.propagation_wait_seconds = propagation_wait_seconds
         self.client = client
-        self.kv_title = kv_title
+        self.kv = NamedKv(client=client, title=kv_title)
         self.worker_name = worker
         self.invoke_base = invoke_base
         self._secret = secret
-        self.facts = AccountFacts(client)
         self._worker: SigilWorker | None = None
         self._start_checks = urllib3.PoolManager(timeout=urllib3.Timeout(connect=3.0, read=30.0), retries=False)
 
@@ -120,26 +121,14 @@ class LoaderRuntime(FrontedRuntime):
 
     @property
     def kv_id(self) -> str:
-        """The id of the KV namespace titled `kv_title`, created if missing. No API request once
-        any process has learnt it (AccountFacts): the loader Worker's route needs it."""
-        return self._kv_id_ensured([])
-
-    def _kv_id_ensured(self, done: list[str]) -> str:
-        """`kv_id`, saying in `done` when it created the namespace."""
-
-        def ensure() -> str:
-            found = kv_namespace_find(self.client, self.kv_title)
-            if found is None:
-                found = kv_namespace_ensure(self.client, self.kv_title)
-                done.append(f"created the KV namespace {self.kv_title} ({found})")
-            return found
-
-        return self.facts.get(kv_namespace_fact(self.kv_title), ensure)
+        """The id of the KV namespace of the code bundles, created if missing. No API request
+        once any process has learnt it (AccountFacts): the loader Worker's route needs it."""
+        return self.kv.id
 
     def _namespace_gone(self) -> None:
         """Cloudflare says the kept namespace id names no namespace: learn it again, and bind the
         loader Worker (deployed again by the next provision) to the one found or created."""
-        self.facts.forget(kv_namespace_fact(self.kv_title))
+        self.kv.forget()
         self._worker = None
         self._provisioned = False
 
@@ -151,24 +140,28 @@ class LoaderRuntime(FrontedRuntime):
     def worker(self) -> SigilWorker:
         """Sigil's loader Worker; built once the KV namespace is known (its binding names it)."""
         if self._worker is None:
+            edge = self.edge
             self._worker = SigilWorker(
                 client=self.client,
                 name=self.worker_name,
-                modules={HOST_MODULE: HOST_SOURCE},
+                modules={HOST_MODULE: HOST_SOURCE, **(edge.modules() if edge else {})},
                 main_module=HOST_MODULE,
                 bindings=[
                     {"type": "worker_loader", "name": "LOADER"},
                     {"type": "kv_namespace", "name": "CODE_KV", "namespace_id": self.kv_id},
                     *self._log_bindings(),
+                    *(edge.bindings() if edge else []),
                 ],
                 secret_bindings=[
                     {"type": "secret_text", "name": "SIGIL_SECRET", "text": self._secret},
                     *(self.records_origin.secret_bindings() if self.log_limits is not None else []),
+                    *(edge.secret_bindings() if edge else []),
                 ],
                 version_binding="SIGIL_HOST_VERSION",
                 # The host hands each capability its own SigilTail entrypoint (ctx.exports) as its tail.
                 compatibility_flags=["enable_ctx_exports"],
                 invoke_base=self.invoke_base,
+                probe_header="x-sigil-secret",
             )
         return self._worker
 
@@ -186,8 +179,9 @@ class LoaderRuntime(FrontedRuntime):
     def provision(self) -> list[str]:
         """Create the KV namespace if it is missing, and deploy the loader Worker if it is
         missing or runs other code. Idempotent."""
-        done: list[str] = []
-        self._kv_id_ensured(done)
+        done = []
+        if self.kv.provision():
+            done.append(f"created the KV namespace {self.kv.title} ({self.kv.id})")
         if self.worker.deploy():
             done.append(f"deployed the loader Worker {self.worker.name} ({self.worker.version})")
         self._provisioned = True
@@ -277,3 +271,6 @@ class LoaderRuntime(FrontedRuntime):
 
     def list_slots(self) -> list[str]:
         return sorted(self._pointers())
+
+    def edge_url(self) -> str | None:
+        return self.edge.url(self.worker) if self.edge is not None else None

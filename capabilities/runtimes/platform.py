@@ -23,6 +23,7 @@ from capabilities.runtimes.cloudflare import (
 )
 from capabilities.runtimes.cloudflare.account import Finding, PlanProbe, installation_tag
 from capabilities.runtimes.cloudflare.uploads import CAPABILITY_MODULE, SECRET_MODULE, sigil_modules
+from capabilities.runtimes.edge import Edge, EdgeSettings
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
 from capabilities.runtimes.tail_worker import TailMailbox
 
@@ -109,6 +110,7 @@ class PlatformRuntime(FrontedRuntime):
         invoke_base: str = "",
         log_limits: dict | None = None,
         records_origin: RecordsOrigin | None = None,
+        edge: EdgeSettings | None = None,
     ) -> None:
         super().__init__(cpu_ms=cpu_ms)
         # Sigil's Tail Worker, the dispatch Worker's tail consumer: it receives the user
@@ -125,17 +127,40 @@ class PlatformRuntime(FrontedRuntime):
         self.namespace = namespace
         self._secret = secret
         self.installation_tag = installation_tag(secret)
-        self.dispatcher = SigilWorker(
-            client=client,
-            name=dispatcher,
-            modules={DISPATCHER_MODULE: DISPATCHER_SOURCE, **sigil_modules(SECRET_MODULE)},
-            main_module=DISPATCHER_MODULE,
-            bindings=[{"type": "dispatch_namespace", "name": "DISPATCHER", "namespace": namespace}],
-            secret_bindings=[{"type": "secret_text", "name": "SIGIL_DISPATCH_SECRET", "text": secret}],
-            version_binding="SIGIL_DISPATCHER_VERSION",
-            tail_consumers=self.tails.consumers if self.tails is not None else (),
-            invoke_base=invoke_base,
-        )
+        self.dispatcher_name = dispatcher
+        self.invoke_base = invoke_base
+        # The edge rides in the dispatch Worker: callers' requests to it are served there.
+        self.edge = Edge(client=client, settings=edge, backend=self.name, secret=secret) if edge else None
+        self._dispatcher: SigilWorker | None = None
+
+    @property
+    def dispatcher(self) -> SigilWorker:
+        """Sigil's dispatch Worker; built once the edge's KV namespace is known (its binding names it)."""
+        if self._dispatcher is None:
+            edge = self.edge
+            self._dispatcher = SigilWorker(
+                client=self.client,
+                name=self.dispatcher_name,
+                modules={
+                    DISPATCHER_MODULE: DISPATCHER_SOURCE,
+                    **sigil_modules(SECRET_MODULE),
+                    **(edge.modules() if edge else {}),
+                },
+                main_module=DISPATCHER_MODULE,
+                bindings=[
+                    {"type": "dispatch_namespace", "name": "DISPATCHER", "namespace": self.namespace},
+                    *(edge.bindings() if edge else []),
+                ],
+                secret_bindings=[
+                    {"type": "secret_text", "name": "SIGIL_DISPATCH_SECRET", "text": self._secret},
+                    *(edge.secret_bindings() if edge else []),
+                ],
+                version_binding="SIGIL_DISPATCHER_VERSION",
+                tail_consumers=self.tails.consumers if self.tails is not None else (),
+                invoke_base=self.invoke_base,
+                probe_header="x-sigil-dispatch-secret",
+            )
+        return self._dispatcher
 
     @property
     def front(self) -> SigilWorker:
@@ -195,6 +220,9 @@ class PlatformRuntime(FrontedRuntime):
 
     def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
         return self._front_route([("X-Sigil-Dispatch-Secret", self._secret), ("X-Sigil-Script", slot)], cpu_ms)
+
+    def edge_url(self) -> str | None:
+        return self.edge.url(self.dispatcher) if self.edge is not None else None
 
     def list_slots(self) -> list[str]:
         return sorted(s.id for s in self.client.namespace_script_list(self.namespace, tags=[f"{CAPABILITY_TAG}:yes"]))

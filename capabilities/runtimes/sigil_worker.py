@@ -33,8 +33,10 @@ class SigilWorker:
     `version` is a hash of everything uploaded (modules, bindings, compatibility date, and
     a hash of the secrets, so that a rotated secret is deployed too), kept in the plain-text
     binding `version_binding`: `deploy` uploads only when the deployed version differs, and
-    `probe` checks the running one without an API call. With `invoke_base` set (the
-    emulator) requests go to that base URL with the workers.dev name in the Host header.
+    `probe` checks the running one without an API call, sending `probe_header` (the header
+    that marks Sigil's own requests to it, empty, so refused) when it names one: a Worker
+    serving callers (the edge) answers requests without it as calls. With `invoke_base` set
+    (the emulator) requests go to that base URL with the workers.dev name in the Host header.
     """
 
     def __init__(
@@ -51,8 +53,10 @@ class SigilWorker:
         compatibility_flags: Sequence[str] = (),
         tail_consumers: Sequence[Mapping[str, str]] = (),
         invoke_base: str = "",
+        probe_header: str = "",
     ) -> None:
         self.client = client
+        self.probe_header = probe_header
         self.tail_consumers = [dict(c) for c in tail_consumers]
         self.name = name
         self.modules = dict(modules)
@@ -124,6 +128,13 @@ class SigilWorker:
         request once any process has learnt it."""
         return self.facts.subdomain()
 
+    @property
+    def caller_url(self) -> str:
+        """Where callers reach this Worker: its workers.dev URL, or on the emulator (`invoke_base`)
+        the emulator's door for that name, which needs no Host header (docs/cloudflare.md)."""
+        host = f"{self.name}.{self.subdomain}.workers.dev"
+        return f"{self.invoke_base}/{host}" if self.invoke_base else f"https://{host}"
+
     def route(self, headers: tuple[tuple[str, str], ...]) -> Route:
         host = f"{self.name}.{self.subdomain}.workers.dev"
         if self.invoke_base:
@@ -133,8 +144,10 @@ class SigilWorker:
     def probe(self) -> None:
         """Call the Worker without Sigil's secret: it must refuse with 403 and say it runs the
         current version. Raises RuntimeUnavailable naming what is wrong."""
-        route = self.route(())
-        headers = {"Host": route.host_header} if route.host_header else {}
+        route = self.route(((self.probe_header, ""),) if self.probe_header else ())
+        headers = dict(route.headers)
+        if route.host_header:
+            headers["Host"] = route.host_header
         try:
             response = self._probe.request("GET", route.base_url + "/", headers=headers)
         except urllib3.exceptions.HTTPError as exc:

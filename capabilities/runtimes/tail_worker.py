@@ -11,10 +11,9 @@ take for now, until it does (host.js, flush). No API request is made for records
 from __future__ import annotations
 
 import json
-import threading
 
 from capabilities.record_pushes import RecordsOrigin
-from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareRejected
+from capabilities.runtimes.cloudflare import CloudflareClient, NamedKv
 from capabilities.runtimes.sigil_worker import SigilWorker
 from capabilities.workerd.config import HOST_DIR
 
@@ -43,17 +42,13 @@ class TailMailbox:
         self.skip = skip
         self.invoke_base = invoke_base
         self.consumers = [{"service": TAIL_WORKER}]
-        self._kv_id: str | None = None
+        self.kv = NamedKv(client=client, title=TAIL_KV_TITLE)
         self._worker: SigilWorker | None = None
-        self._lock = threading.Lock()
 
     @property
     def kv_id(self) -> str:
-        """The id of the KV namespace, created if missing. Asked once per process."""
-        with self._lock:
-            if self._kv_id is None:
-                self._kv_id = kv_namespace_ensure(self.client, TAIL_KV_TITLE)
-            return self._kv_id
+        """The id of the KV namespace, created if missing."""
+        return self.kv.id
 
     @property
     def worker(self) -> SigilWorker:
@@ -82,25 +77,3 @@ class TailMailbox:
         if self.worker.deploy():
             return [f"deployed the Tail Worker {TAIL_WORKER} ({self.worker.version})"]
         return []
-
-
-def kv_namespace_ensure(client: CloudflareClient, title: str) -> str:
-    """The id of the KV namespace titled `title`, created if missing."""
-    found = kv_namespace_find(client, title)
-    if found is not None:
-        return found
-    try:
-        return str(client.kv_namespace_create(title)["id"])
-    except CloudflareRejected:
-        # A concurrent provision created it meanwhile (10014, a taken title): use that one.
-        found = kv_namespace_find(client, title)
-        if found is None:
-            raise
-        return found
-
-
-def kv_namespace_find(client: CloudflareClient, title: str) -> str | None:
-    for namespace in client.kv_namespace_list():
-        if namespace.get("title") == title:
-            return str(namespace["id"])
-    return None

@@ -26,6 +26,8 @@ from capabilities.runtimes.cloudflare.account import (
 )
 from capabilities.runtimes.cloudflare.facts import SUBDOMAIN, AccountFacts
 from capabilities.runtimes.cloudflare.uploads import CAPABILITY_MODULE, SECRET_MODULE, sigil_modules
+from capabilities.runtimes.edge import Edge, EdgeSettings
+from capabilities.runtimes.sigil_worker import SigilWorker
 from capabilities.runtimes.tail_worker import TailMailbox
 
 GUARD_MODULE = "sigil-guard.js"
@@ -143,7 +145,8 @@ class WorkerPoolRuntime(CloudflareRuntime):
         account's limit, less the scripts that are not Sigil's (or the owner's reserve, if
         more), Sigil's own and the margin."""
         plan = Finding("plan", True, "the worker-pool runtime needs nothing beyond Workers")
-        count = scripts_in_use(scripts, probe, settings=settings, front=None)
+        edge = settings.SIGIL_EDGE_WORKER if settings.SIGIL_EDGE else None  # Sigil's, as its pool scripts
+        count = scripts_in_use(scripts, probe, settings=settings, front=edge)
         configured = settings_slots(settings)
         usable = settings_slots(
             settings, total_quota=count.limit, user_reserved=max(count.others, settings.SIGIL_POOL_USER_RESERVED)
@@ -175,6 +178,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
         cpu_ms: int = 0,
         log_limits: dict | None = None,
         records_origin: RecordsOrigin | None = None,
+        edge: EdgeSettings | None = None,
     ) -> None:
         self.client = client
         # Sigil's Tail Worker, named in every script's tail_consumers (one of the account's
@@ -185,7 +189,11 @@ class WorkerPoolRuntime(CloudflareRuntime):
             if log_limits and records_origin
             else None
         )
-        self._tails_deployed = False
+        # The edge: a Worker of its own (`sigil-edge`, another of Sigil's scripts), reaching
+        # pooled scripts by their workers.dev URLs with the guard's secret. None while off.
+        self.edge = Edge(client=client, settings=edge, backend=self.name, secret=secret) if edge else None
+        self._edge_worker: SigilWorker | None = None
+        self._provisioned = False
         self.default_cpu_ms = cpu_ms
         self.redirects = redirect
         self._secret = secret
@@ -242,7 +250,10 @@ class WorkerPoolRuntime(CloudflareRuntime):
         if self._subdomain_doubted:
             self._subdomain_doubted = False
             self.facts.forget(SUBDOMAIN)
-        if self.tails is not None and not self._tails_deployed:
+            # The edge's Worker names the subdomain in its bindings: built and deployed again.
+            self._edge_worker = None
+            self._provisioned = False
+        if (self.tails is not None or self.edge is not None) and not self._provisioned:
             self.provision()
         self.client.script_upload(
             slot,
@@ -301,14 +312,32 @@ class WorkerPoolRuntime(CloudflareRuntime):
 
     def check(self) -> None:
         """No API request per probe: the account's subdomain as kept (asked once if no process
-        knows it yet). Raises RuntimeUnavailable when it cannot be learnt."""
+        knows it yet), and the edge's Worker probed over HTTP. Raises RuntimeUnavailable when
+        the subdomain cannot be learnt or the edge's Worker does not answer as it should."""
         self.facts.subdomain()
+        if self.edge is not None:
+            self.edge_worker.probe()
+
+    @property
+    def edge_worker(self) -> SigilWorker:
+        """The edge's Worker; built once the account's subdomain and the edge's KV namespace are
+        known (its bindings name them), so a subdomain changed since is deployed again."""
+        if self._edge_worker is None:
+            self._edge_worker = self.edge.pool_worker(
+                guard_secret=self._secret, subdomain=self.subdomain, invoke_base=self.invoke_base
+            )
+        return self._edge_worker
+
+    def edge_url(self) -> str | None:
+        return self.edge.url(self.edge_worker) if self.edge is not None else None
 
     def provision(self) -> list[str]:
-        """Deploy Sigil's Tail Worker if it is missing or stale (the first placement of each
-        process does it too). Idempotent."""
-        if self.tails is None:
-            return []
-        done = self.tails.provision()
-        self._tails_deployed = True
+        """Deploy Sigil's Tail Worker and the edge's Worker (with its KV namespace) if they are
+        missing or stale (the first placement of each process does it too). Idempotent."""
+        done = []
+        if self.tails is not None:
+            done += self.tails.provision()
+        if self.edge is not None and self.edge_worker.deploy():
+            done.append(f"deployed the edge Worker {self.edge_worker.name} ({self.edge_worker.version})")
+        self._provisioned = True
         return done

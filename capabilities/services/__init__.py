@@ -17,6 +17,15 @@ from capabilities.services.controls import (
     capability_set_public,
 )
 from capabilities.services.deploy_task import capability_place_version
+from capabilities.services.edge import (
+    EdgeStanding,
+    Published,
+    edge_provision,
+    edge_publish,
+    edge_reconcile,
+    edge_standing,
+    edge_warning,
+)
 from capabilities.services.lifecycle import capability_mark_inactive, capability_prewarm
 from capabilities.services.observability import (
     capability_apply_stats,
@@ -68,7 +77,9 @@ from capabilities.services.versions import DeployResult
 
 __all__ = [
     "DeployResult",
+    "EdgeStanding",
     "LeftBehind",
+    "Published",
     "SplitGuard",
     "StillInFlight",
     "SwitchEvent",
@@ -115,6 +126,11 @@ __all__ = [
     "capability_split_guard",
     "capability_split_set",
     "capability_switch_backend",
+    "edge_provision",
+    "edge_publish",
+    "edge_reconcile",
+    "edge_standing",
+    "edge_warning",
     "runtime_account_warning",
     "runtime_failure",
     "runtime_provision",

@@ -1,6 +1,7 @@
 """Whether a Cloudflare account can run a Cloudflare runtime, checked before an owner switches
 to it: the API token, the account, its workers.dev subdomain, the plan's features the runtime
-needs and the script quota, each reported in plain words (`manage.py cfcheck`)."""
+needs, the script quota and what the edge needs (SIGIL_EDGE), each reported in plain words
+(`manage.py cfcheck`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from capabilities.runtimes.cloudflare import (
     CloudflareUnavailable,
 )
 from capabilities.runtimes.cloudflare.account import FREE_PLAN, PAID_PLAN, Finding, PlanProbe
+from capabilities.runtimes.edge import edge_account_findings
 
 # The runtimes that run on a Cloudflare account.
 CLOUDFLARE_BACKENDS = tuple(name for name in RUNTIMES if runtime_class(name).on_cloudflare)
@@ -88,6 +90,7 @@ def _checked(client: CloudflareClient, backend: str, findings: list[Finding], do
         findings.extend(
             Finding("call records", False, warning, blocking=False) for warning in runtime.settings_warnings(settings)
         )
+        findings.extend(edge_account_findings(client=client, settings=settings))
     except CloudflareRateLimited as exc:
         detail = f"no API request could be made, so nothing more is known: {exc.why or exc}; run it again then"
         findings.append(Finding("Cloudflare", False, detail))

@@ -14,6 +14,7 @@ from agents.models import Token
 from agents.services import agent_notify, audit_record
 from capabilities import breaker, call_logs, jobs, names, stats
 from capabilities.models import BreakerState, Capability, CapabilityStatsWindow, State, StatsFlush
+from sigil.edge_state import edge_mark, route_key
 from sigil.errors import Degraded
 from sigil.redis_client import get_redis
 
@@ -189,7 +190,13 @@ def capability_record_breaker(*, full: str, state: str, at_epoch: float, announc
     database copy (breaker_state, breaker_opened_at), which the admin and the API read. With
     `announce`, a change is audited (capability.degraded, capability.recovered) and an opening
     sent to the agent's webhook; the owner's force announces itself instead. Returns whether
-    the row changed. Idempotent."""
+    the row changed. Idempotent.
+
+    Every change of the breaker's state reaches it (a transition the record script reported,
+    the owner's force and reset), so the capability's route at the edge, which carries the
+    breaker, is marked to be published again here, changed row or not (a failed trial opens
+    the breaker again until a later time)."""
+    edge_mark(route_key(full))
     opened_at = datetime.fromtimestamp(at_epoch, tz=UTC) if state == BreakerState.OPEN else None
     with transaction.atomic():
         capability = Capability.objects.exclude(state=State.REMOVED).filter(full_name=full).first()

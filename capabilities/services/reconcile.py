@@ -17,6 +17,7 @@ from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.api_work import ApiClass, api_work
 from capabilities.runtimes.errors import RuntimeFailure
+from capabilities.services.edge import edge_provision
 from capabilities.services.page_outs import capability_shed_excess, page_out_later, pager_rows, same_runtime
 from capabilities.services.placement_lock import placement_in_progress
 from capabilities.services.reaper import capability_reap
@@ -27,10 +28,12 @@ logger = logging.getLogger(__name__)
 
 def runtime_provision(*, actor: str) -> list[str]:
     """Create what the current runtime needs besides capabilities (the platform runtime's
-    namespace and dispatch Worker, the loader runtime's KV namespace and loader Worker);
-    return what was done. Idempotent. Raises RuntimeUnavailable, RuntimeRejected."""
+    namespace and dispatch Worker, the loader runtime's KV namespace and loader Worker; with
+    the edge on, its KV namespace, and on worker-pool its Worker); return what was done.
+    Idempotent. Raises RuntimeUnavailable, RuntimeRejected."""
     runtime = get_runtime()
-    done = runtime.provision()
+    done = edge_provision()  # first: the Workers carrying the edge bind its namespace
+    done += runtime.provision()
     if done:
         audit_record(actor=actor, action="runtime.provisioned", subject=runtime.name, detail={"done": done})
     return done

@@ -29,19 +29,52 @@ def lines(output: str) -> dict[str, str]:
     return found
 
 
+@pytest.mark.parametrize("edge", [True, False])
 @pytest.mark.parametrize("backend", ["platform", "loader", "worker-pool"])
-def test_a_good_account_is_ready_for_each_runtime(backend, cf_settings, cf_emulator_fresh, redis_client):
+def test_a_good_account_is_ready_for_each_runtime(backend, edge, cf_settings, cf_emulator_fresh, redis_client):
+    cf_settings.SIGIL_EDGE = edge
     output, ok = cfcheck(backend)
     assert ok, output
+    what_the_edge_needs = {"edge KV namespace": "ok", "edge origin": "ok"} if edge else {}
     assert lines(output) == {
         "API token": "ok",
         "account": "ok",
         "workers.dev subdomain": "ok",
         "plan": "ok",
         "scripts": "ok",
+        **what_the_edge_needs,
     }
     assert f"{cf_emulator_fresh.subdomain}.workers.dev" in output
     assert f"the {backend} runtime can work" in output
+
+
+def test_the_edge_needs_an_origin_url(cf_settings, cf_emulator_fresh, redis_client):
+    cf_settings.SIGIL_EDGE = True
+    cf_settings.SIGIL_ORIGIN_URL = ""
+    output, ok = cfcheck("platform")
+    assert not ok
+    assert lines(output)["edge origin"] == "MISSING"
+    assert "SIGIL_ORIGIN_URL is empty" in output
+
+
+@pytest.mark.parametrize(
+    ("origin", "ok", "blocking"),
+    [
+        ("https://sigil.example.com", True, True),
+        ("http://sigil.example.com", False, False),  # worth a note: calls would travel unencrypted
+        ("http://127.0.0.1:8000", False, True),
+        ("http://10.1.2.3", False, True),
+        ("http://sigil.localhost:8000", False, True),
+        ("https://8.8.8.8", True, True),  # an address on the Internet
+    ],
+)
+def test_an_origin_cloudflare_cannot_reach_is_missing_on_a_real_account(origin, ok, blocking):
+    from capabilities.runtimes.edge import origin_finding
+
+    finding = origin_finding(origin, emulated=False)
+    assert (finding.ok, finding.blocking) == (ok, blocking), finding.detail
+    # The emulator's Workers reach this machine.
+    assert origin_finding("http://127.0.0.1:8000", emulated=True).ok
 
 
 def test_the_loader_check_removes_its_probe_worker(cf_settings, cf_emulator_fresh, redis_client):
@@ -154,6 +187,7 @@ def test_an_account_without_an_origin_is_ready_but_told_that_call_records_cannot
     backend, cf_settings, cf_emulator_fresh, redis_client, client
 ):
     cf_settings.SIGIL_ORIGIN_URL = ""
+    cf_settings.SIGIL_EDGE = False  # the edge cannot be on without one (test_the_edge_needs_an_origin_url)
     cf_settings.SIGIL_BACKEND = backend
     output, ok = cfcheck(backend)
     assert ok, output  # Sigil serves: the records are what is missing

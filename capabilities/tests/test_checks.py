@@ -26,3 +26,36 @@ def test_prices_the_table_does_not_have_or_that_are_no_numbers_are_refused_at_st
     for wrong in ('{"paid_monthly": 7.5}', '{"paid_monthly_usd": "7.5"}', "[7.5]", "not json"):
         settings.SIGIL_CLOUDFLARE_PRICES = wrong
         assert "sigil.E005" in ids(run_checks()), wrong
+
+
+def test_the_edge_on_a_cloudflare_runtime_needs_an_origin_to_send_what_it_cannot_serve(settings):
+    settings.SIGIL_BACKEND = "platform"
+    settings.SIGIL_EDGE = True
+    settings.SIGIL_ORIGIN_URL = ""
+    assert "sigil.E040" in ids(run_checks())
+    for wrong in ("sigil.example.com", "ftp://sigil.example.com", "https://sigil.example.com/sigil/"):
+        settings.SIGIL_ORIGIN_URL = wrong
+        assert "sigil.E041" in ids(run_checks()), wrong
+    settings.SIGIL_ORIGIN_URL = "https://sigil.example.com/"
+    settings.SIGIL_EDGE_URL = "edge.example.com"
+    assert {"sigil.E040", "sigil.E041"} & ids(run_checks()) == set()
+    assert "sigil.E042" in ids(run_checks())
+    settings.SIGIL_EDGE_URL = "https://edge.example.com"
+    assert not {"sigil.E040", "sigil.E041", "sigil.E042"} & ids(run_checks())
+    # Off, or on the local runtime, the edge needs nothing.
+    settings.SIGIL_ORIGIN_URL = ""
+    settings.SIGIL_EDGE = False
+    assert "sigil.E040" not in ids(run_checks())
+    settings.SIGIL_EDGE, settings.SIGIL_BACKEND = True, "local"
+    assert "sigil.E040" not in ids(run_checks())
+
+
+def test_the_edge_is_refused_at_start_without_a_runtime_on_cloudflare(settings):
+    settings.SIGIL_EDGE = True
+    settings.SIGIL_BACKEND = "local"
+    assert "sigil.E043" in ids(run_checks())
+    settings.SIGIL_BACKEND = "loader"
+    assert "sigil.E043" not in ids(run_checks())
+    settings.SIGIL_EDGE = False
+    settings.SIGIL_BACKEND = "local"
+    assert "sigil.E043" not in ids(run_checks())

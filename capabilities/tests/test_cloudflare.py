@@ -465,6 +465,55 @@ def test_kv_keys_are_listed_with_their_metadata(cf_client):
     assert cf_client.kv_keys(namespace, prefix="slot:alice")[0] == {"name": "slot:alice--ping"}
 
 
+def test_kv_bulk_writes_and_deletes_take_as_few_requests_as_cloudflares_10000_pairs_allow(cf_client, cf_emulator_fresh):
+    from capabilities.runtimes.cloudflare import KvPair
+
+    namespace = cf_client.kv_namespace_create("sigil-edge")["id"]
+    pairs = [KvPair(f"k{n:05}", f"v{n}".encode()) for n in range(20_001)]
+    pairs[0] = KvPair("k00000", b"\xff\x00", expiration_ttl=3600, metadata={"sha": "x"})  # not UTF-8: base64
+    assert cf_client.kv_bulk_put(namespace, pairs) == []
+    assert len(cf_emulator_fresh.api_calls(method="PUT", path_suffix="/bulk")) == 3
+    assert cf_client.kv_get(namespace, "k00000") == b"\xff\x00"
+    assert cf_client.kv_get(namespace, "k20000") == b"v20000"
+    listed = cf_client.kv_keys(namespace, prefix="k0000")
+    assert listed[0]["metadata"] == {"sha": "x"} and listed[0]["expiration"] > time.time() + 3500
+
+    assert cf_client.kv_bulk_delete(namespace, [pair.key for pair in pairs[:15_000]]) == []
+    assert len(cf_emulator_fresh.api_calls(method="POST", path_suffix="/bulk/delete")) == 2
+    assert len(cf_client.kv_keys(namespace)) == 5_001
+
+
+def test_a_kv_namespace_of_sigils_is_found_once_for_every_process_and_again_once_gone(
+    cf_client, cf_emulator_fresh, redis_client
+):
+    from capabilities.runtimes.cloudflare import KvPair, NamedKv
+
+    def listings() -> int:
+        return len(cf_emulator_fresh.api_calls(method="GET", path_suffix="/storage/kv/namespaces"))
+
+    kv = NamedKv(client=cf_client, title="sigil-things")
+    first = kv.id  # created, as the account had none of that title
+    assert kv.provision() is False
+    seen = listings()
+    another_process = make_client(cf_emulator_fresh, redis_client)
+    try:
+        assert NamedKv(client=another_process, title="sigil-things").id == first
+    finally:
+        another_process.close()
+    assert listings() == seen
+
+    gone = requests.delete(
+        f"{cf_emulator_fresh.api_base}/accounts/{cf_emulator_fresh.account_id}/storage/kv/namespaces/{first}",
+        headers={"Authorization": f"Bearer {cf_emulator_fresh.token}"},
+        timeout=10,
+    )
+    assert gone.status_code == 200
+    with pytest.raises(CloudflareNotFound):
+        kv.bulk_put([KvPair("k", b"v")])
+    assert kv.id != first
+    assert [ns["title"] for ns in cf_client.kv_namespace_list()] == ["sigil-things"]
+
+
 def test_a_runtime_that_does_not_answer_is_said_in_words(redis_client, cf_emulator):
     """The error names the address and the OS's reason, not urllib3's objects."""
     import socket

@@ -51,10 +51,12 @@ def test_a_celery_worker_alone_deploys_the_dispatch_worker_as_it_starts(cf_emula
     with (tmp_path / "celery.log").open("wb") as log:
         process = subprocess.Popen(worker, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        # Deployed and serving: the dispatch Worker refuses a call without Sigil's secret.
+        # Deployed and serving: the dispatch Worker refuses Sigil's request without its secret
+        # (empty: with the edge on, a request without the header at all is a caller's).
         host = cf_emulator_fresh.workers_dev_host(FRONT_WORKER["platform"])
+        unsigned = {"X-Sigil-Dispatch-Secret": ""}
         wait_until(
-            lambda: cf_emulator_fresh.worker_request(host).status_code == 403,
+            lambda: cf_emulator_fresh.worker_request(host, headers=unsigned).status_code == 403,
             timeout=60,
             interval=0.5,
             what="the Celery worker to deploy the dispatch Worker",

@@ -83,7 +83,8 @@ def test_a_scripts_answer_carries_no_header_of_the_emulators(api, cf_emulator_fr
 
 
 def test_a_kv_miss_is_cached_where_it_was_read_as_cloudflare_caches_it(api, cf_emulator_fresh):
-    cf_emulator_fresh.configure(kv_miss_cache_seconds=1.0)
+    # The miss cache alone: a value read is not held (test_kv.py holds it).
+    cf_emulator_fresh.configure(kv_miss_cache_seconds=1.0, kv_propagation_seconds=0)
     reads = """export default { async fetch(request, env) {
       if (request.method === "PUT") { await env.STORE.put("k", "mine"); return new Response("put"); }
       return new Response(String(await env.STORE.get("k")));

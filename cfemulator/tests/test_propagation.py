@@ -1,6 +1,7 @@
 """Cloudflare's propagation delays, emulated (`propagation_delay`), so the client's and the
-runtimes' waiting and retry paths run: a new script, a workers.dev toggle and a KV value
-written over the API reach the Workers runtime some time after the API answered."""
+runtimes' waiting and retry paths run: a new script and a workers.dev toggle reach the
+Workers runtime some time after the API answered. (Workers KV's own propagation is
+`kv_propagation_seconds`: test_kv.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from cfemulator.tests.test_api import Api, kv_binding
+from cfemulator.tests.test_api import Api
 from testsupport.capability_code import PONG
 from testsupport.emulator import cloudflare_client
 
@@ -50,29 +51,6 @@ def test_a_new_script_in_a_dispatch_namespace_is_served_at_once(api, cf_emulator
     assert api.upload("fresh", namespace="tenants").status_code == 200
     # Unlike an account's new script (above): Cloudflare deploys a namespace's synchronously.
     assert cf_emulator_fresh.worker_request("fresh.tenants.dispatch.localhost").status_code == 200
-
-
-def test_a_kv_value_written_over_the_api_reaches_bindings_after_the_delay(api, cf_emulator_fresh):
-    reads = """export default { async fetch(request, env) {
-      return new Response(String(await env.STORE.get("k")));
-    } }"""
-    namespace = api.kv_namespace()
-    values = f"/storage/kv/namespaces/{namespace}/values"
-    api.call("PUT", f"{values}/k", data=b"old")
-    cf_emulator_fresh.configure(propagation_delay=0)
-    bindings = [kv_binding(namespace)]
-    assert api.upload("reader", reads, metadata={"bindings": bindings}).status_code == 200
-    api.enable("reader")
-    host = cf_emulator_fresh.workers_dev_host("reader")
-    cf_emulator_fresh.configure(propagation_delay=DELAY)
-    time.sleep(DELAY)
-
-    assert cf_emulator_fresh.worker_request(host).text == "old"
-    api.call("PUT", f"{values}/k", data=b"new")
-    assert api.call("GET", f"{values}/k").content == b"new"  # the API reads the central store
-    assert cf_emulator_fresh.worker_request(host).text == "old"
-    time.sleep(DELAY)
-    assert cf_emulator_fresh.worker_request(host).text == "new"
 
 
 @pytest.mark.parametrize("runtime", ["worker_pool", "platform", "loader"])

@@ -1,6 +1,7 @@
 """`python manage.py deployruntime`: create what SIGIL_BACKEND's runtime needs on Cloudflare
 (the platform runtime's dispatch namespace and dispatch Worker, the loader runtime's KV
-namespace and loader Worker), then check that it serves."""
+namespace and loader Worker; with the edge on, its KV namespace, and on worker-pool its
+Worker `sigil-edge`), then check that it serves."""
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
@@ -13,7 +14,8 @@ from capabilities.runtimes.errors import RuntimeFailure
 class Command(BaseCommand):
     help = (
         "Deploy Sigil's own Worker for SIGIL_BACKEND (the dispatch Worker for platform, the loader Worker "
-        "for loader) and what it binds, when missing or out of date; then check it answers. Idempotent."
+        "for loader, with the edge on the edge Worker for worker-pool) and what it binds, when missing or "
+        "out of date; then check it answers. Idempotent."
     )
 
     def handle(self, *args, **options) -> None:

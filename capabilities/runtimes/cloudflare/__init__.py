@@ -12,8 +12,9 @@ a repr.
 
 One module per concern: `errors` (Cloudflare's codes and the error types), `budget` (the rate
 budget, served by class of work), `client` (the client), `uploads` (a script upload's parts),
-`account` (what the runtimes on an account share), `facts` (what routes need to know of the
-account, kept in Redis). Callers import from here.
+`kv` (a Workers KV namespace of Sigil's, by its title), `account` (what the runtimes on an
+account share), `facts` (what routes need to know of the account, kept in Redis). Callers
+import from here.
 """
 
 from capabilities.runtimes.cloudflare.budget import RateBudget
@@ -24,6 +25,7 @@ from capabilities.runtimes.cloudflare.client import (
     API_RATE_LIMITED_KEY,
     OPERATIONS,
     CloudflareClient,
+    KvPair,
     ScriptInfo,
     api_calls_hour_by_class_key,
     api_calls_hour_by_operation_key,
@@ -40,6 +42,7 @@ from capabilities.runtimes.cloudflare.errors import (
     CloudflareSlotsExhausted,
     CloudflareUnavailable,
 )
+from capabilities.runtimes.cloudflare.kv import NamedKv
 from capabilities.runtimes.cloudflare.uploads import metadata_binding, module_content_type, upload_parts
 
 __all__ = [
@@ -58,6 +61,8 @@ __all__ = [
     "CloudflareScriptTooLarge",
     "CloudflareSlotsExhausted",
     "CloudflareUnavailable",
+    "KvPair",
+    "NamedKv",
     "RateBudget",
     "ScriptInfo",
     "api_calls_hour_by_class_key",

@@ -19,6 +19,7 @@ from capabilities.runtimes.api_work import ApiClass, waits_within
 from capabilities.runtimes.base import Process, Runtime
 from capabilities.runtimes.cloudflare.budget import CEILINGS
 from capabilities.runtimes.cloudflare.client import CloudflareClient
+from capabilities.runtimes.cloudflare.kv import NamedKv
 
 # Every pooled worker's script name starts so (worker_pool.pool_script_name): the account's
 # other scripts are not Sigil's, but for its own Workers in front of the capabilities.
@@ -82,7 +83,8 @@ class ScriptsInUse:
 
 def scripts_in_use(scripts: list[str], probe: PlanProbe, *, settings: LazySettings, front: str | None) -> ScriptsInUse:
     """The account's `scripts` against its real limit (its plan's, the one a 10037 named, or
-    SIGIL_POOL_TOTAL_QUOTA when neither is known); Sigil's are its pool scripts and `front`."""
+    SIGIL_POOL_TOTAL_QUOTA when neither is known); Sigil's are its pool scripts and `front`
+    (its Worker in front of them, or the worker-pool's edge Worker)."""
     limit = probe.script_limit
     if limit is None:  # the plan could not be told: take the owner's word
         limit, source = settings.SIGIL_POOL_TOTAL_QUOTA, "as SIGIL_POOL_TOTAL_QUOTA states it"
@@ -99,6 +101,7 @@ class CloudflareRuntime(Runtime):
     emulator when settings point CF_API_BASE at it, which runsigil then runs."""
 
     on_cloudflare = True
+    client: CloudflareClient
 
     @staticmethod
     def account_settings() -> dict:
@@ -108,12 +111,15 @@ class CloudflareRuntime(Runtime):
         so capabilities are given no tail)."""
         from django.conf import settings
 
+        from capabilities.runtimes.edge import EdgeSettings  # it builds on this module
+
         return {
             "client": CloudflareClient.from_settings(),
             "secret": settings.SIGIL_INTERNAL_SECRET,
             "cpu_ms": settings.SIGIL_CPU_MS,
             "invoke_base": settings.SIGIL_CF_WORKERS_BASE,
             "records_origin": RecordsOrigin.from_settings(),
+            "edge": EdgeSettings.from_settings(),
         }
 
     @classmethod
@@ -145,8 +151,15 @@ class CloudflareRuntime(Runtime):
         # category "cloudflare", a 502), which no code of the capability's answered.
         return response.status >= 500 and response.status != 503 and not self.passed_on(response)
 
+    def kv_namespace(self, title: str) -> NamedKv:
+        """The Workers KV namespace of Sigil's titled `title` on the account (the edge's
+        state): its id is found or created once, for every process. No I/O until used."""
+        return NamedKv(client=self.client, title=title)
+
     @classmethod
     def settings_errors(cls, settings: LazySettings) -> list[CheckMessage]:
+        from capabilities.runtimes.edge import edge_settings_errors  # it builds on this module
+
         errors = []
         if not settings.CF_ACCOUNT_ID:
             errors.append(Error("CF_ACCOUNT_ID is required with CF_API_TOKEN", id="sigil.E003"))
@@ -159,7 +172,7 @@ class CloudflareRuntime(Runtime):
                     id="sigil.E006",
                 )
             )
-        return errors
+        return errors + edge_settings_errors(settings)
 
     @classmethod
     def processes(cls, settings: LazySettings) -> list[Process]:

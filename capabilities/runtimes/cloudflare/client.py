@@ -3,11 +3,12 @@ from the shared rate budget (budget.py), its failures raised as errors.py's type
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -59,8 +60,15 @@ OPERATIONS = (
     "kv-write",  # a KV value written
     "kv-delete",  # a KV value deleted
     "kv-list",  # KV keys listed (a page)
+    "kv-bulk-write",  # KV values written in bulk (up to 10,000 in one request)
+    "kv-bulk-delete",  # KV values deleted in bulk
     "token",  # the API token verified
 )
+
+# What one bulk write or delete of Workers KV may hold (reference §6): 10,000 pairs, and
+# "100 megabytes or less" in all.
+KV_BULK_MAX_PAIRS = 10_000
+KV_BULK_MAX_BYTES = 100_000_000
 
 
 # The client's tuning, each argument from its setting (sigil_site/settings.py says why each default).
@@ -87,6 +95,30 @@ def api_calls_hour_by_operation_key(hour: int) -> str:
 
 
 # --- results ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KvPair:
+    """One pair of a bulk write: `value` under `key`, expiring `expiration_ttl` seconds after
+    it is written (None: never; at least 60), with `metadata` (JSON, at most 1024 bytes)."""
+
+    key: str
+    value: bytes
+    expiration_ttl: int | None = None
+    metadata: Mapping[str, Any] | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """The pair as the bulk write's body holds it: the value as text, or base64 when it
+        is not UTF-8."""
+        try:
+            item: dict[str, Any] = {"key": self.key, "value": self.value.decode()}
+        except UnicodeDecodeError:
+            item = {"key": self.key, "value": base64.b64encode(self.value).decode(), "base64": True}
+        if self.expiration_ttl is not None:
+            item["expiration_ttl"] = self.expiration_ttl
+        if self.metadata is not None:
+            item["metadata"] = dict(self.metadata)
+        return item
 
 
 @dataclass(frozen=True)
@@ -397,6 +429,40 @@ class CloudflareClient:
             "DELETE", f"/storage/kv/namespaces/{_segment(namespace_id)}/values/{_segment(key)}", op="kv-delete"
         )
 
+    def kv_bulk_put(self, namespace_id: str, pairs: Sequence[KvPair]) -> list[str]:
+        """Write every pair, overwriting what each key held, in as few bulk requests as
+        Cloudflare takes (at most 10,000 pairs and 100 MB each). Returns the keys Cloudflare
+        says it did not write (`unsuccessful_keys`), which should be written again.
+
+        Idempotent. Raises CloudflareNotFound when the namespace is missing, CloudflareRejected
+        (a key, value or metadata over its limit), CloudflareUnavailable; the requests before
+        the one that failed have been written.
+        """
+        path = f"/storage/kv/namespaces/{_segment(namespace_id)}/bulk"
+        unwritten: list[str] = []
+        for batch in _bulk_batches([pair.as_json() for pair in pairs]):
+            unwritten += self._bulk_unsuccessful(self._request("PUT", path, op="kv-bulk-write", json_body=batch))
+        return unwritten
+
+    def kv_bulk_delete(self, namespace_id: str, keys: Sequence[str]) -> list[str]:
+        """Delete every key (a missing one too), in requests of at most 10,000 keys. Returns the
+        keys Cloudflare says it did not delete, which should be deleted again.
+
+        Idempotent. Raises CloudflareNotFound when the namespace is missing, CloudflareUnavailable.
+        """
+        path = f"/storage/kv/namespaces/{_segment(namespace_id)}/bulk/delete"
+        unwritten: list[str] = []
+        for batch in _bulk_batches(list(keys)):
+            unwritten += self._bulk_unsuccessful(self._request("POST", path, op="kv-bulk-delete", json_body=batch))
+        return unwritten
+
+    @staticmethod
+    def _bulk_unsuccessful(result: Any) -> list[str]:
+        # Cloudflare's schema: `{successful_key_count, unsuccessful_keys}`; an answer without
+        # a result (older ones had none) wrote everything.
+        keys = result.get("unsuccessful_keys") if isinstance(result, dict) else None
+        return [str(key) for key in keys] if isinstance(keys, list) else []
+
     # --- the request loop -------------------------------------------------------------------
 
     def _request(
@@ -577,6 +643,22 @@ def _segment(value: str) -> str:
     if not value:
         raise CloudflareRejected("an empty name in a Cloudflare API path; nothing was sent")
     return quote(value, safe="")
+
+
+def _bulk_batches(items: list[Any]) -> Iterator[list[Any]]:
+    """`items` (a bulk request's JSON items) cut into requests within KV_BULK_MAX_PAIRS and
+    KV_BULK_MAX_BYTES (of JSON)."""
+    batch: list[Any] = []
+    size = 2  # the array's brackets
+    for item in items:
+        length = len(json.dumps(item).encode()) + 1  # and its comma
+        if batch and (len(batch) == KV_BULK_MAX_PAIRS or size + length > KV_BULK_MAX_BYTES):
+            yield batch
+            batch, size = [], 2
+        batch.append(item)
+        size += length
+    if batch:
+        yield batch
 
 
 def _rate_fields(header: str | None, *names: str) -> tuple[float | None, ...]:

@@ -73,6 +73,15 @@ class AccountFacts:
             self._known[name] = value
             return value
 
+    def put(self, name: str, value: str) -> None:
+        """Keep `value` as the fact `name`, for every process (it was just learnt). Idempotent."""
+        with self._lock:
+            self._known[name] = value
+            try:
+                self.client.redis.hset(self.key, name, value)
+            except redis.RedisError as exc:
+                logger.warning("could not keep the Cloudflare account's %s in Redis: %s", name, exc)
+
     def forget(self, name: str) -> None:
         """Cloudflare said the kept `name` is wrong: every process asks the API again on its next
         use (this one at once; the others once they read it from Redis again, in a new process

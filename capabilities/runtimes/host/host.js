@@ -636,6 +636,22 @@ export class SigilTail extends WorkerEntrypoint {
 
 export default {
   async fetch(request, env, ctx) {
+    if (env.SIGIL_EDGE === "true" && !request.headers.has(SECRET_HEADER)) {
+      // A caller's request (the loader runtime's Worker with the edge on): the edge serves it
+      // (edge.js, uploaded beside this module), reaching a capability as Sigil does, through here.
+      const edge = await import("./edge.js");
+      const runner = {
+        marker: HOST_HEADER,
+        reach: (route, call, cpuMs) => {
+          const headers = new Headers(call.headers);
+          headers.set(SECRET_HEADER, env.SIGIL_SECRET);
+          headers.set(LOADER_ID_HEADER, `${route.slot}@${route.sha}`);
+          if (cpuMs > 0) headers.set(CPU_HEADER, String(cpuMs));
+          return this.fetch(new Request(call, { headers }), env, ctx);
+        },
+      };
+      return edge.serveEdge(request, env, ctx, runner);
+    }
     if (!sameSecret(request.headers.get(SECRET_HEADER), env.SIGIL_SECRET)) {
       return refuse(403, "forbidden", "this host answers only to Sigil", env);
     }

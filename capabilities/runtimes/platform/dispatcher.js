@@ -15,6 +15,10 @@
 // capability alone. A failure of Cloudflare's runtime itself reaches the Fetcher as workerd's
 // "internal error; reference = …": it is answered `internal-error`, so Sigil counts it against
 // no capability (the runtime failed, not the code).
+//
+// With the edge on (SIGIL_EDGE, a plain_text binding), a caller's request (one without Sigil's
+// secret header) goes to the edge (edge.js, uploaded beside this module then), which reaches
+// capabilities the same way (`dispatch`).
 
 import { sameSecret } from "./sigil-secret.js";
 
@@ -39,44 +43,50 @@ function refuse(env, status, kind, message) {
   });
 }
 
+/** The capability `name`'s answer to `request`, marked as Sigil's engine reads it (see above). */
+async function dispatch(env, name, cpuMs, request) {
+  if (!SCRIPT_NAME.test(name)) {
+    return refuse(env, 400, "bad-script-name", `malformed script name ${JSON.stringify(name)}`);
+  }
+  const options = cpuMs > 0 ? { limits: { cpuMs } } : {};
+  let response;
+  try {
+    response = await env.DISPATCHER.get(name, {}, options).fetch(request);
+  } catch (error) {
+    const message = String((error && error.message) || error);
+    if (message.startsWith("Worker not found")) {
+      return refuse(env, 404, "missing-code", `no script ${name} in the namespace`);
+    }
+    if (message.startsWith("internal error")) {
+      return refuse(env, 502, "internal-error", message);
+    }
+    if (message.includes("CPU time limit")) {
+      const limit = options.limits ? `its CPU limit of ${cpuMs} ms` : "its CPU limit";
+      return refuse(env, 500, "exceeded-cpu", `ran past ${limit}`);
+    }
+    // The capability threw.
+    return refuse(env, 500, "exception", String((error && error.stack) || error));
+  }
+  const passed = new Response(response.body, response);
+  passed.headers.set(DISPATCH_HEADER, "ok");
+  return passed;
+}
+
 export default {
-  async fetch(request, env) {
+  async fetch(request, env, ctx) {
+    if (env.SIGIL_EDGE === "true" && !request.headers.has(SECRET_HEADER)) {
+      const edge = await import("./edge.js");
+      const runner = { marker: DISPATCH_HEADER, reach: (route, call, cpuMs) => dispatch(env, route.slot, cpuMs, call) };
+      return edge.serveEdge(request, env, ctx, runner);
+    }
     if (!sameSecret(request.headers.get(SECRET_HEADER), env.SIGIL_DISPATCH_SECRET)) {
       return refuse(env, 403, "forbidden", "this Worker answers only to Sigil");
     }
-    const name = request.headers.get(SCRIPT_HEADER) || "";
-    if (!SCRIPT_NAME.test(name)) {
-      return refuse(env, 400, "bad-script-name", `malformed script name ${JSON.stringify(name)}`);
-    }
     const cpuMs = Number.parseInt(request.headers.get(CPU_HEADER) || "", 10);
-    const options = cpuMs > 0 ? { limits: { cpuMs } } : {};
-
     const headers = new Headers(request.headers);
     for (const header of [...headers.keys()]) {
       if (header.startsWith("x-sigil-")) headers.delete(header);
     }
-    const forwarded = new Request(request, { headers });
-
-    let response;
-    try {
-      response = await env.DISPATCHER.get(name, {}, options).fetch(forwarded);
-    } catch (error) {
-      const message = String((error && error.message) || error);
-      if (message.startsWith("Worker not found")) {
-        return refuse(env, 404, "missing-code", `no script ${name} in the namespace`);
-      }
-      if (message.startsWith("internal error")) {
-        return refuse(env, 502, "internal-error", message);
-      }
-      if (message.includes("CPU time limit")) {
-        const limit = options.limits ? `its CPU limit of ${cpuMs} ms` : "its CPU limit";
-        return refuse(env, 500, "exceeded-cpu", `ran past ${limit}`);
-      }
-      // The capability threw.
-      return refuse(env, 500, "exception", String((error && error.stack) || error));
-    }
-    const passed = new Response(response.body, response);
-    passed.headers.set(DISPATCH_HEADER, "ok");
-    return passed;
+    return dispatch(env, request.headers.get(SCRIPT_HEADER) || "", cpuMs, new Request(request, { headers }));
   },
 };

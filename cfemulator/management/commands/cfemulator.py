@@ -37,7 +37,11 @@ _SETTINGS: dict[str, dict[str, Any]] = {
     },
     "propagation_delay": {
         "type": float,
-        "help": "seconds before new scripts, workers.dev toggles and KV writes reach the Workers runtime",
+        "help": "seconds before new scripts and workers.dev toggles reach the Workers runtime",
+    },
+    "kv_propagation_seconds": {
+        "type": float,
+        "help": "seconds before a KV write reaches the Workers runtime's other locations (Cloudflare: up to 60)",
     },
 }
 
