@@ -2,7 +2,8 @@
 itself (the emulator's workerd running it) is reported to the origin by the report channel, and
 applied as the engine records its own calls: counters, breaker, failure record, token last-use,
 the pager's access time and the access log. Whether a call crossed the origin is read from the
-origin's access log (test_edge.crossed_origin)."""
+origin's access log (test_edge.crossed_origin). With the origin's processes and Redis stopped,
+the edge keeps serving warm calls, and what it served arrives once they are back."""
 
 from __future__ import annotations
 
@@ -267,3 +268,165 @@ def test_a_batch_with_a_malformed_report_is_refused_and_applies_nothing(sigil, a
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_request"
     assert counters("alice--ping").calls == 0
     assert stats.edge_reports_counts() == (0, 0)
+
+
+# --- the origin down ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def own_origin(settings, cf_settings, cf_emulator_fresh, transactional_db, tmp_path):
+    """An origin the test can stop whole and start again: a web process and a Celery worker
+    of their own (testsupport.hosts.Host) on a Redis of their own (kept on disk, as `make run`
+    keeps it), Sigil's Workers on the emulator pushing to it. This process shares its settings
+    (that Redis, that origin), so what it publishes and reads is the origin's. Yields `start`,
+    `stop` and the edge's URL of a path."""
+    from capabilities.runtimes import runtimes_forget
+    from sigil.embedded_redis import EmbeddedRedis
+    from sigil.ports import free_port
+    from testsupport.hosts import Host
+
+    redis_server = EmbeddedRedis(tmp_path / "redis")
+    redis_server.start()
+    port = free_port()
+    settings.REDIS_URL = redis_server.url
+    settings.SIGIL_EDGE = True
+    settings.SIGIL_ORIGIN_URL = f"http://127.0.0.1:{port}"
+    settings.SIGIL_CF_WORKERS_BASE = cf_emulator_fresh.url
+    settings.SIGIL_LOGS_ENABLED = True
+    # worker-pool: the edge's Worker and the Tail Worker are the system's scripts; 4 slots.
+    settings.SIGIL_POOL_TOTAL_QUOTA, settings.SIGIL_POOL_SYSTEM_RESERVED = 10, 2
+    settings.SIGIL_POOL_USER_RESERVED, settings.SIGIL_POOL_SAFETY_MARGIN = 2, 2
+    cf_emulator_fresh.configure(kv_miss_cache_seconds=0, kv_propagation_seconds=0, script_limit=10)
+    get_redis.cache_clear()
+    runtimes_forget()
+    hosts: list[Host] = []
+
+    class Origin:
+        url = settings.SIGIL_ORIGIN_URL
+
+        def start(self) -> None:
+            if not redis_server.ping():
+                redis_server.start()  # reads back its append-only file
+            environment = {
+                name: str(getattr(settings, name))
+                for name in ("SIGIL_BACKEND", "SIGIL_ORIGIN_URL", "REDIS_URL", "SIGIL_CF_WORKERS_BASE")
+            }
+            hosts.append(
+                Host(
+                    settings,
+                    name="origin",
+                    queues=f"celery,{settings.SIGIL_DEPLOY_QUEUE}",
+                    port=port,
+                    SIGIL_EDGE="true",
+                    **environment,
+                )
+            )
+
+        def stop(self) -> None:
+            """The web process, the Celery worker and Redis, all stopped."""
+            hosts.pop().stop()
+            redis_server.stop()
+
+        def edge_url(self, path: str) -> str:
+            return edge_url(cf_emulator_fresh, path)
+
+    origin = Origin()
+    try:
+        yield origin
+    finally:
+        for host in hosts:
+            host.stop()
+        redis_server.stop()
+        get_redis.cache_clear()
+        runtimes_forget()
+
+
+def spooled_batches(emulator) -> dict[str, dict]:
+    """Every batch waiting in a spool of Sigil's Workers, read over the account's API by the
+    test (Sigil's own client would spend the budget it keeps in the Redis that is down): key →
+    batch."""
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {emulator.token}"
+    base = f"{emulator.api_base}/accounts/{emulator.account_id}/storage/kv/namespaces"
+    batches = {}
+    for namespace in session.get(base, timeout=10).json()["result"]:
+        keys = session.get(f"{base}/{namespace['id']}/keys", params={"prefix": "spool:"}, timeout=10).json()
+        for key in keys["result"]:
+            value = session.get(f"{base}/{namespace['id']}/values/{key['name']}", timeout=10)
+            batches[key["name"]] = json.loads(value.content)
+    return batches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["platform", "loader", "worker-pool"])
+def test_the_edge_serves_while_the_origin_is_down_and_what_it_served_arrives_once_it_is_back(
+    backend, settings, own_origin, cf_emulator_fresh
+):
+    from capabilities.services import capability_evict
+    from testsupport.cast import make_agent
+
+    settings.SIGIL_BACKEND = backend
+    own_origin.start()
+    alice = make_agent("alice", own_origin.url)
+    for name, code in (("ping", PONG), ("boom", THROWS), ("cold", PONG), ("other", PONG)):
+        deployed = alice.deploy(name=name, code=code)
+        assert deployed.status_code == 201, deployed.text
+    capability_evict(full="alice--cold", actor="owner:test")  # its next call is a page-in: the origin's
+    publish()
+    auth = alice.headers(alice.invoke_token)
+
+    own_origin.stop()
+    pings = [requests.get(own_origin.edge_url("/alice/ping"), headers=auth, timeout=30) for _ in range(4)]
+    assert [(answer.status_code, answer.text) for answer in pings] == [(200, "pong")] * 4
+    booms = [requests.get(own_origin.edge_url("/alice/boom"), headers=auth, timeout=30) for _ in range(2)]
+    assert [answer.json()["error"]["code"] for answer in booms] == ["capability_error"] * 2
+    for handed_on in (
+        requests.get(own_origin.edge_url("/alice/cold"), headers=auth, timeout=30),
+        requests.post(own_origin.edge_url("/alice/ping"), headers={**auth, "Prefer": "respond-async"}, timeout=30),
+    ):
+        assert handed_on.status_code == 503 and handed_on.headers["Retry-After"] == "5"
+        assert handed_on.json()["error"]["code"] == "unavailable"
+
+    # What the edge served waits in its spool, reports and call records alike.
+    served_ids = {answer.headers["X-Request-Id"] for answer in (*pings, *booms)}
+
+    def all_spooled():
+        batches = spooled_batches(cf_emulator_fresh)
+        reported = {report["rid"] for batch in batches.values() for report in batch.get("reports", [])}
+        recorded = {record["request_id"] for batch in batches.values() for record in batch["records"]}
+        return batches if served_ids <= reported and served_ids <= recorded else None
+
+    spooled = wait_for(all_spooled, timeout=60, interval=0.5, message="the outage's reports and records spooled")
+
+    own_origin.start()
+    # The isolate's next push, once the origin takes it, drains what its spool holds.
+    assert requests.get(own_origin.edge_url("/alice/other"), headers=auth, timeout=30).status_code == 200
+
+    def arrived():
+        return counters("alice--ping").calls == 4 and counters("alice--boom").calls == 2
+
+    wait_for(arrived, timeout=60, interval=0.2, message="the outage's calls counted at the origin")
+    assert counters("alice--boom").errors == 2
+    assert {f.request_id for f in failures.failures_list(full="alice--boom")} == {
+        answer.headers["X-Request-Id"] for answer in booms
+    }
+    for answer in pings:
+        request_id = answer.headers["X-Request-Id"]
+        record = wait_for(
+            lambda request_id=request_id: alice.session.get(
+                f"{own_origin.url}/_api/capabilities/alice--ping/logs",
+                params={"request_id": request_id},
+                headers=auth,
+                timeout=10,
+            ).json()["records"],
+            timeout=30,
+            interval=0.2,
+            message=f"the call record of {request_id}",
+        )
+        assert record[0]["status"] == 200
+
+    # A batch the edge spooled, pushed again: taken before, it counts nothing more.
+    [replayed, *_] = [batch for batch in spooled.values() if batch.get("reports")]
+    again = push(own_origin, replayed)
+    assert again.status_code == 204
+    assert (counters("alice--ping").calls, counters("alice--boom").calls) == (4, 2)
