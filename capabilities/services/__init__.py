@@ -62,6 +62,7 @@ from capabilities.services.switching import (
     runtime_release_previous,
     runtime_sweep_previous,
     runtimes_left_behind,
+    runtimes_still_holding,
     switch_plan,
 )
 from capabilities.services.versions import DeployResult
@@ -121,5 +122,6 @@ __all__ = [
     "runtime_release_previous",
     "runtime_sweep_previous",
     "runtimes_left_behind",
+    "runtimes_still_holding",
     "switch_plan",
 ]

@@ -20,7 +20,7 @@ from django.conf import settings
 from django.contrib.auth.hashers import check_password
 
 from sigil.ports import free_port, free_port_block, port_is_open
-from sigil_site.management.commands.runsigil import sigil_programs
+from sigil_site.management.commands.runsigil import runtimes_served, sigil_programs
 from testsupport.cast import AgentClient
 from testsupport.processes import command_line, descendants, is_alive, wait_until
 from testsupport.servers import deploy_and_echo_chunked
@@ -264,7 +264,7 @@ def test_the_local_backend_runs_workerd_and_no_emulator(settings):
     settings.SIGIL_EMBEDDED_REDIS = False
     settings.SIGIL_BACKEND = "local"
 
-    programs, _ = sigil_programs(port=8000)
+    programs, _ = sigil_programs(port=8000, backends=["local"])
 
     assert [program.name for program in programs] == ["workerd", "celery", "web"]
     assert "granian" in programs[-1].argv[0] and "sigil_site.asgi:application" in programs[-1].argv
@@ -273,7 +273,7 @@ def test_the_local_backend_runs_workerd_and_no_emulator(settings):
 def test_dev_serves_with_uvicorn_reloading_on_code_changes(settings):
     settings.SIGIL_EMBEDDED_REDIS = False
 
-    programs, _ = sigil_programs(port=8000, dev=True)
+    programs, _ = sigil_programs(port=8000, backends=["local"], dev=True)
 
     web = programs[-1].argv
     assert web[0].endswith("uvicorn") and "--reload" in web
@@ -285,7 +285,7 @@ def test_the_emulator_runs_when_the_cloudflare_api_base_points_at_it(settings):
     settings.SIGIL_BACKEND = "worker-pool"
     settings.CF_API_BASE = f"http://127.0.0.1:{settings.CF_EMULATOR_PORT}/client/v4"
 
-    programs, _ = sigil_programs(port=8000)
+    programs, _ = sigil_programs(port=8000, backends=["worker-pool"])
 
     assert [program.name for program in programs] == ["cfemulator", "celery", "web"]
 
@@ -296,7 +296,7 @@ def test_the_celery_worker_consumes_the_deploys_queue_beside_the_default_one(set
     settings.SIGIL_EMBEDDED_REDIS = False
     settings.SIGIL_BACKEND = "worker-pool"
 
-    programs, _ = sigil_programs(port=8000)
+    programs, _ = sigil_programs(port=8000, backends=["worker-pool"])
 
     celery = next(program for program in programs if program.name == "celery")
     queues = celery.argv[celery.argv.index("--queues") + 1].split(",")
@@ -304,3 +304,44 @@ def test_the_celery_worker_consumes_the_deploys_queue_beside_the_default_one(set
     # would leave every such deploy at 202 for good.
     assert settings.SIGIL_DEPLOY_QUEUE in queues
     assert app.conf.task_default_queue in queues
+
+
+RUNTIMES_PROCESS = {"local": "workerd", "worker-pool": "cfemulator", "platform": "cfemulator", "loader": "cfemulator"}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("previous", "current"),
+    [(previous, current) for previous in RUNTIMES_PROCESS for current in RUNTIMES_PROCESS if previous != current],
+)
+def test_a_runtime_still_holding_capabilities_after_a_switch_runs_beside_the_new_one(settings, previous, current):
+    from agents.models import Agent
+    from capabilities.models import Capability
+
+    settings.SIGIL_EMBEDDED_REDIS = False
+    settings.SIGIL_BACKEND = current
+    settings.CF_API_BASE = f"http://127.0.0.1:{settings.CF_EMULATOR_PORT}/client/v4"  # the emulator: make run's
+    alice = Agent.objects.create(name="alice")
+    held = Capability.objects.create(
+        agent=alice, name="a", full_name="alice--a", type="normal", state="live", slot="s-1", backend=previous
+    )
+    # Rows that hold nothing on the previous runtime: paged out there (a call pages them in on
+    # the current one), removed, and one already moved.
+    for name, state, backend in (("b", "paged_out", previous), ("c", "removed", previous), ("d", "live", current)):
+        Capability.objects.create(
+            agent=alice, name=name, full_name=f"alice--{name}", type="normal", state=state, slot="s-2", backend=backend
+        )
+
+    assert runtimes_served() == [current, previous]
+    programs, _ = sigil_programs(port=8000, backends=runtimes_served())
+    names = [program.name for program in programs]
+    expected = list(dict.fromkeys([RUNTIMES_PROCESS[current], RUNTIMES_PROCESS[previous]]))
+    assert names == [*expected, "celery", "web"]
+
+    # Waiting for its delete there still holds the previous runtime; once moved, nothing does.
+    Capability.objects.filter(pk=held.pk).update(state="evicting")
+    assert runtimes_served() == [current, previous]
+    Capability.objects.filter(pk=held.pk).update(state="live", backend=current)
+    assert runtimes_served() == [current]
+    programs, _ = sigil_programs(port=8000, backends=runtimes_served())
+    assert [program.name for program in programs] == [RUNTIMES_PROCESS[current], "celery", "web"]

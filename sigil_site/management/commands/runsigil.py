@@ -22,6 +22,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from capabilities.runtimes import runtime_class
 from capabilities.runtimes.base import Process
 from capabilities.runtimes.cloudflare.account import runs_on_local_emulator
+from capabilities.services import runtimes_still_holding
 from sigil import ports as sigil_ports
 from sigil.embedded_redis import EmbeddedRedis
 from sigil.lifetime import PidFiles, supervise_until_signalled
@@ -57,16 +58,18 @@ class Command(BaseCommand):
         self._end_leftovers(pid_files)
         self._check_not_running(port)
         settle_ports(port)  # only now: a Sigil already running on this var directory keeps its ports
-        self._check_can_start()
+        backends = runtimes_served()
+        self._check_can_start(backends)
         base_url = f"http://127.0.0.1:{port}"
         if not dev:
             # granian serves the admin's files from STATIC_ROOT, as a proxy would in production.
             call_command("collectstatic", interactive=False, verbosity=0)
 
-        programs, redis_url = sigil_programs(port=port, dev=dev)
+        programs, redis_url = sigil_programs(port=port, backends=backends, dev=dev)
         self._say(
             f"Sigil: backend  {describe_backend()}\n"
-            f"       database {describe_database()}\n"
+            + "".join(f"       also     {line}\n" for line in describe_previous(backends[1:]))
+            + f"       database {describe_database()}\n"
             f"       redis    {describe_redis(redis_url)}"
         )
         supervisor = Supervisor(programs, emit=self._write, log_format=settings.SIGIL_LOG_FORMAT, pid_files=pid_files)
@@ -120,8 +123,10 @@ class Command(BaseCommand):
         if settings.SIGIL_EMBEDDED_REDIS and embedded_redis().ping():
             raise CommandError(f"a Redis server already answers on {settings.REDIS_URL}: is Sigil running already?")
 
-    def _check_can_start(self) -> None:
-        processes = runtime_processes()
+    def _check_can_start(self, backends: list[str]) -> None:
+        if unapplied_migrations():
+            raise CommandError("the database has unapplied migrations: run `python manage.py migrate` first")
+        processes = runtime_processes(backends)
         for process in processes:
             if port_is_open(process.port):
                 raise CommandError(
@@ -129,11 +134,13 @@ class Command(BaseCommand):
                 )
         if processes and not Path(settings.SIGIL_WORKERD_BIN).exists():  # each runs workerd
             raise CommandError(f"workerd not found at {settings.SIGIL_WORKERD_BIN}: run `make install`")
-        connection = connections[DEFAULT_DB_ALIAS]
-        executor = MigrationExecutor(connection)
-        if executor.migration_plan(executor.loader.graph.leaf_nodes()):
-            raise CommandError("the database has unapplied migrations: run `python manage.py migrate` first")
-        connection.close()
+        connections.close_all()
+
+
+def unapplied_migrations() -> bool:
+    connection = connections[DEFAULT_DB_ALIAS]
+    executor = MigrationExecutor(connection)
+    return bool(executor.migration_plan(executor.loader.graph.leaf_nodes()))
 
 
 # Set in the environment of a runsigil that started itself afresh to read the ports it chose.
@@ -171,12 +178,28 @@ def embedded_redis() -> EmbeddedRedis:
     return EmbeddedRedis(settings.VAR_DIR / "redis", socket_path=Path(urlsplit(settings.REDIS_URL).path))
 
 
-def runtime_processes() -> list[Process]:
-    """What the runtime SIGIL_BACKEND names needs on this machine (workerd, the emulator)."""
-    return runtime_class(settings.SIGIL_BACKEND).processes(settings)
+def runtimes_served() -> list[str]:
+    """The runtimes this start serves from: SIGIL_BACKEND's, then each runtime a switch has
+    not moved every capability from yet (they are served there until switchbackend has
+    moved them, so their processes run too; they stay until the next start)."""
+    return [settings.SIGIL_BACKEND, *runtimes_still_holding(settings.SIGIL_BACKEND)]
 
 
-def sigil_programs(*, port: int, dev: bool = False) -> tuple[list[Program], str]:
+def runtime_processes(backends: list[str]) -> list[Process]:
+    """What the runtimes `backends` need on this machine (workerd, the emulator), each once.
+    A runtime Sigil no longer knows is skipped: /_health says what is left on it."""
+    processes: dict[str, Process] = {}
+    for backend in backends:
+        try:
+            needed = runtime_class(backend).processes(settings)
+        except ValueError:
+            continue
+        for process in needed:
+            processes.setdefault(process.command, process)
+    return list(processes.values())
+
+
+def sigil_programs(*, port: int, backends: list[str], dev: bool = False) -> tuple[list[Program], str]:
     """What runsigil runs, in the order it starts them, and the Redis URL they are given."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     programs = []
@@ -187,7 +210,7 @@ def sigil_programs(*, port: int, dev: bool = False) -> tuple[list[Program], str]
         # that explicit and independent of their settings.
         env["REDIS_URL"] = redis.url
         programs.append(Program("redis", redis.command(), ready=redis.ping, needed_by_others=True))
-    for process in runtime_processes():
+    for process in runtime_processes(backends):
         ready = process.ready or (lambda port=process.port: port_is_open(port))
         command = [sys.executable, MANAGE, process.command]
         programs.append(Program(process.name, command, ready=ready, env=named(env, process.name)))
@@ -259,6 +282,19 @@ Press Ctrl-C to stop.
 
 def describe_backend() -> str:
     return ", ".join([settings.SIGIL_BACKEND, *runtime_class(settings.SIGIL_BACKEND).where(settings)])
+
+
+def describe_previous(backends: list[str]) -> list[str]:
+    """A line for each runtime other than SIGIL_BACKEND's served until a switch empties it."""
+    lines = []
+    for backend in backends:
+        try:
+            where = runtime_class(backend).where(settings)
+        except ValueError:
+            where = ["a runtime Sigil no longer knows"]
+        until = "until `python manage.py switchbackend` has moved its capabilities"
+        lines.append(", ".join([backend, *where]) + f", {until}")
+    return lines
 
 
 def describe_database() -> str:
