@@ -63,7 +63,8 @@ format: install
 
 # The figures in docs/benchmarks.md: warm-call overhead and throughput against bare workerd (needs
 # wrk), the engine's HTTP and Redis clients, one agent's storm beside another, paging costs, the
-# runtimes side by side, workerd's memory, and what each process's death costs.
+# runtimes side by side, workerd's memory, what each process's death costs, and what a switch
+# of runtimes costs the callers.
 bench: install
 	$(PY) bench/invoke.py
 	$(PY) bench/upstream_clients.py
@@ -77,3 +78,4 @@ bench: install
 	$(PY) bench/emulator_limits.py
 	$(PY) bench/workerd_memory.py
 	$(PY) bench/faults.py
+	$(PY) bench/runtime_switch.py
