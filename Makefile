@@ -38,16 +38,15 @@ $(CHROMIUM):
 	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
+# runsigil applies the migrations itself and creates the owner's account once everything
+# answers (as `manage.py migrate` and `manage.py ensureowner` do in production): two Django
+# starts fewer before the web port answers.
 run: install
-	$(PY) manage.py migrate --noinput
-	$(PY) manage.py ensureowner
-	exec $(PY) manage.py runsigil --port $(PORT)
+	exec $(PY) manage.py runsigil --migrate --port $(PORT)
 
 # The same, with uvicorn restarting the web process when the code changes.
 dev: install
-	$(PY) manage.py migrate --noinput
-	$(PY) manage.py ensureowner
-	exec $(PY) manage.py runsigil --dev --port $(PORT)
+	exec $(PY) manage.py runsigil --migrate --dev --port $(PORT)
 
 test: lint $(CHROMIUM)
 	$(PY) -m pytest -n $(TEST_WORKERS)
@@ -64,7 +63,8 @@ format: install
 
 # The figures in docs/benchmarks.md: warm-call overhead and throughput against bare workerd (needs
 # wrk), the engine's HTTP and Redis clients, one agent's storm beside another, paging costs, the
-# runtimes side by side, workerd's memory, and what each process's death costs.
+# runtimes side by side, workerd's memory, what each process's death costs, and what a switch
+# of runtimes costs the callers.
 bench: install
 	$(PY) bench/invoke.py
 	$(PY) bench/upstream_clients.py
@@ -78,3 +78,4 @@ bench: install
 	$(PY) bench/emulator_limits.py
 	$(PY) bench/workerd_memory.py
 	$(PY) bench/faults.py
+	$(PY) bench/runtime_switch.py

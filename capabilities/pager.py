@@ -1,10 +1,11 @@
 """The LRU pager for runtimes with a slot limit: which capabilities are placed, and which to
 evict to make room (sigil-backend-lru.md).
 
-The policy is plain Python (`eviction_order`, `victims_needed`): pure functions over
-candidates, slot counts and `now`. The Lua below runs the same policy atomically on the
-pager's Redis state, and is tested against those functions; it touches only keys passed in
-KEYS. The state, one sorted set per place a capability can be in:
+The policy is plain Python (`eviction_order`, `victims_needed`, and prewarm's
+`prewarm_plan`): pure functions over candidates, slot counts and `now`. The Lua below runs
+the same policy atomically on the pager's Redis state, and is tested against those
+functions; it touches only keys passed in KEYS. The state, one sorted set per place a
+capability can be in:
 
 - `sigil:lru:{type}` (ephemeral, normal, persistent): placed and served, by last access;
   `sigil:lru:expiry` indexes the ephemerals among them by expiry time;
@@ -21,7 +22,7 @@ again from the registry when Redis has lost them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import NamedTuple
@@ -105,37 +106,34 @@ def excess(*, used: int, slots: int) -> int:
     return max(0, used - slots)
 
 
-def prewarm_allows(
-    *,
-    calls: int,
-    candidates: Iterable[Candidate],
-    window_calls: Mapping[str, int],
-    placed_this_round: Collection[str],
-    victims: int | None,
-    now: float,
-) -> bool:
-    """Whether prewarm may page in a capability called `calls` times in its window, when
-    admitting it takes `victims` victims (victims_needed; None: it would have to wait).
+@dataclass(frozen=True)
+class PrewarmPlan:
+    """What a prewarm run does: page in `place`, hottest first, paging out `evict` (least
+    valuable first) for the room that free slots do not give."""
 
-    With room, always. On a full runtime, only when the victim the pager would choose (the
-    first of eviction_order) is colder than it (fewer calls in the window; an expired
-    ephemeral always is) and was not placed by this same prewarm round: prewarm never
-    evicts what is hotter than what it places, nor what it has just placed. Never when it
-    would wait or take more than one victim (the slots were lowered: shedding comes first).
+    place: tuple[str, ...] = ()
+    evict: tuple[str, ...] = ()
+
+
+def prewarm_plan(
+    *, top: Sequence[str], cold: Collection[str], candidates: Iterable[Candidate], used: int, slots: int, now: float
+) -> PrewarmPlan:
+    """How prewarm places the hourly `top` (the most called capabilities, hottest first, at
+    most `slots` of them) and keeps it placed: it pages in those of them that are `cold` (not
+    placed, and placeable), into free slots first (`slots` less the `used` ones, placed or
+    being placed), then into the slots of `candidates` (the capabilities served now) that are
+    not in `top`, least valuable first in the pager's eviction_order. A capability of `top`
+    is never evicted, for another one of `top` nor for anything else. Nothing while more are
+    placed than there are slots (they were lowered: shedding the excess comes first).
     """
-    if victims is None or victims > 1:
-        return False
-    if victims == 0:
-        return True
-    order = eviction_order(candidates, now=now)
-    if not order:
-        return False
-    victim = order[0]
-    if victim.full in placed_this_round:
-        return False
-    if victim.expires is not None and victim.expires <= now:
-        return True
-    return window_calls.get(victim.full, 0) < calls
+    if used > slots:
+        return PrewarmPlan()
+    wanted = [full for full in top if full in cold]
+    kept = set(top)
+    evictable = [candidate.full for candidate in eviction_order(candidates, now=now) if candidate.full not in kept]
+    free = slots - used
+    place = wanted[: free + len(evictable)]
+    return PrewarmPlan(place=tuple(place), evict=tuple(evictable[: max(0, len(place) - free)]))
 
 
 # --- the same policy, run atomically in Redis ------------------------------------------------
@@ -185,10 +183,11 @@ local function evict(now, count, result)
 end
 """
 
-# ARGV: full, now, slots, safety margin
+# ARGV: full, now, slots, safety margin, the most victims it may take (-1: as many as needed)
 # Returns {outcome, previous score, victim fields...}: outcome 'full' (nothing changed),
-# 'claimed' (a new placement), 'live' (it was served: a new version) or 'rescued' (it was
-# evicting, its script still there); then four fields per victim.
+# 'no-room' (nothing changed: it would take more victims than it may), 'claimed' (a new
+# placement), 'live' (it was served: a new version) or 'rescued' (it was evicting, its
+# script still there); then four fields per victim.
 CLAIM_SLOT = (
     _LUA_COMMON
     + """
@@ -210,6 +209,8 @@ if was_evicting then leaving = leaving - 1 end
 if used + leaving + 1 > slots + margin then return {'full', ''} end
 local needed = math.max(0, used + 1 - slots)
 if needed > live_count() then return {'full', ''} end  -- the rest is being placed
+local max_victims = tonumber(ARGV[5])
+if max_victims >= 0 and needed > max_victims then return {'no-room', ''} end
 redis.call('ZREM', evicting, full)
 redis.call('ZADD', placing, now, full)
 return evict(now, needed, {was_evicting and 'rescued' or 'claimed', was_evicting or ''})
@@ -259,9 +260,10 @@ return 1
 
 @dataclass(frozen=True)
 class Claim:
-    """The outcome of asking for a slot: `full` (wait and ask again), `claimed` (a new
-    placement), `live` (placed already: a new version) or `rescued` (it was evicting and
-    its script is still there); the victims it evicted; and the score it had before."""
+    """The outcome of asking for a slot: `full` (wait and ask again), `no-room` (it would
+    take more victims than it may), `claimed` (a new placement), `live` (placed already: a
+    new version) or `rescued` (it was evicting and its script is still there); the victims
+    it evicted; and the score it had before."""
 
     outcome: str
     victims: tuple[Candidate, ...] = ()
@@ -293,11 +295,13 @@ def _epoch(value: float | None) -> str:
     return "" if value is None else repr(float(value))
 
 
-def pager_claim_slot(*, full: str, now: float, slots: int, safety_margin: int) -> Claim:
+def pager_claim_slot(*, full: str, now: float, slots: int, safety_margin: int, max_victims: int | None = None) -> Claim:
     """Take a slot for `full` (which then sits in `placing`), choosing victims when the
-    runtime is full. Atomic. Call with `full`'s placement lock held, and end the claim with
+    runtime is full, at most `max_victims` of them (None: as many as needed; 0: a free slot
+    or nothing). Atomic. Call with `full`'s placement lock held, and end the claim with
     `pager_settle` or `pager_release`. The sets must be built (`pager_ensure_built`)."""
-    result = _run(CLAIM_SLOT, full, repr(float(now)), slots, safety_margin)
+    limit = -1 if max_victims is None else max_victims
+    result = _run(CLAIM_SLOT, full, repr(float(now)), slots, safety_margin, limit)
     outcome, previous = result[0].decode(), result[1].decode()
     return Claim(outcome, _victims(result[2:]), float(previous) if previous else None)
 
@@ -396,7 +400,7 @@ def pager_inflight_leave(full: str, *, process: str, pipe=None) -> None:
 
 
 def pager_candidates() -> list[Candidate]:
-    """Every capability served from the LRU sets, as the policy sees it (for prewarm)."""
+    """Every capability served from the LRU sets, as the policy sees it (for prewarm_plan)."""
     pipe = get_redis().pipeline(transaction=False)
     for key in LRU_KEYS:
         pipe.zrange(key, 0, -1, withscores=True)

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from sigil.lifetime import PidFiles, die_with_parent
 from sigil.logs import relayed_line
@@ -26,12 +27,25 @@ from sigil.restarts import Backoff
 logger = logging.getLogger(__name__)
 
 
+class StandIn(Protocol):
+    """What holds a program's port while the program does not (sigil_site/stand_in.py)."""
+
+    def open(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Program:
     """A long-running command and how to tell that it serves.
 
     `ready` is called repeatedly until it returns True; it must be quick and must not raise.
-    A program `needed_by_others` is ready before the next one is started.
+    A program `needed_by_others` is ready, with every program started since the last such
+    one (they start together), before the next one is started. A `stand_in` holds the
+    program's port whenever the program does not answer there: it is opened once the program
+    has exited (died or stopped), and closed once the program is ready after a start, or just
+    before the start when the program cannot bind its port beside it (without
+    `reuses_port`: SO_REUSEPORT, which granian sets and uvicorn does not).
     """
 
     name: str
@@ -40,6 +54,8 @@ class Program:
     env: dict[str, str] | None = None
     needed_by_others: bool = False
     stop_timeout: float = 10.0
+    stand_in: StandIn | None = None
+    reuses_port: bool = False
 
 
 class StartupFailed(Exception):
@@ -60,6 +76,7 @@ class _Child:
     restart_at: float | None = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
     reader: threading.Thread | None = None
+    standing_in: bool = False  # its stand-in answers until it is ready
 
 
 class Supervisor:
@@ -149,6 +166,7 @@ class Supervisor:
                         child.program.name, f"exited with {child.process.returncode} while starting", list(child.tail)
                     )
                 if child.program.ready():
+                    self._now_ready(child)
                     pending.remove(child)
             if not pending:
                 break
@@ -159,8 +177,24 @@ class Supervisor:
                 return False
         return True
 
+    def _now_ready(self, child: _Child) -> None:
+        if child.standing_in:
+            child.program.stand_in.close()
+            child.standing_in = False
+
+    def _stand_in(self, child: _Child) -> None:
+        """The program has exited: its stand-in holds its port until it is ready again."""
+        if child.program.stand_in is not None:
+            child.program.stand_in.open()
+            child.standing_in = False
+
     def _spawn(self, child: _Child) -> None:
         program = child.program
+        if program.stand_in is not None:
+            if program.reuses_port:
+                child.standing_in = True
+            else:
+                program.stand_in.close()
         child.process = subprocess.Popen(
             program.argv,
             env=program.env,
@@ -201,8 +235,11 @@ class Supervisor:
         for child in self.children:
             if child.restart_at is None:
                 if not _exited(child.process):
+                    if child.standing_in and child.program.ready():
+                        self._now_ready(child)
                     continue
                 _reap(child.process)
+                self._stand_in(child)
                 ran = now - child.started_at
                 delay = child.backoff.after_exit(ran)
                 child.restart_at = now + delay
@@ -236,6 +273,7 @@ class Supervisor:
                         "%s did not stop in %g s; killing it", child.program.name, child.program.stop_timeout
                     )
             _reap(process)
+            self._stand_in(child)
             self._join_reader(child)
             if self.pid_files is not None:
                 self.pid_files.forget(child.program.name)

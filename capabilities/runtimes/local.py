@@ -240,7 +240,9 @@ class LocalRuntime(Runtime):
 
     @classmethod
     def processes(cls, settings: LazySettings) -> list[Process]:
-        """The workerd supervisor (`manage.py runworkerd`), ready once it writes its status."""
+        """The workerd supervisor (`manage.py runworkerd`), ready once its status says that
+        every agent's process has started (served, or failed and is being restarted): the
+        web server, which starts after it, then finds them serving."""
         status_path = local_processes().status_path
         supervisor = Process(
             name="workerd",
@@ -249,7 +251,7 @@ class LocalRuntime(Runtime):
             port_name="workerd's port",
             port_hint="set SIGIL_WORKERD_PORT",
             description=f"one workerd per agent on 127.0.0.1:{settings.SIGIL_WORKERD_PORT} and up",
-            ready=lambda: read_status(status_path) is not None,
+            ready=lambda: _started(read_status(status_path)),
         )
         return [supervisor]
 
@@ -425,6 +427,11 @@ class LocalRuntime(Runtime):
                 kill = entry.get("last_kill")
                 why = f" after it {Kill(**kill).describe()}" if kill and entry["state"] == "restarting" else ""
                 raise RuntimeUnavailable(f"workerd for {name} is {entry['state']}{why}")
+
+
+def _started(status: dict | None) -> bool:
+    """Whether the supervisor reports, and none of its processes is still on its first start."""
+    return status is not None and all(entry["state"] != "starting" for entry in status["processes"].values())
 
 
 def _exited_under(entry: dict | None, sent_at: float) -> CallStopped | None:

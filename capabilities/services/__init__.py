@@ -71,6 +71,7 @@ from capabilities.services.switching import (
     runtime_release_previous,
     runtime_sweep_previous,
     runtimes_left_behind,
+    runtimes_still_holding,
     switch_plan,
 )
 from capabilities.services.versions import DeployResult
@@ -138,5 +139,6 @@ __all__ = [
     "runtime_release_previous",
     "runtime_sweep_previous",
     "runtimes_left_behind",
+    "runtimes_still_holding",
     "switch_plan",
 ]

@@ -16,6 +16,7 @@ from agents.services import agent_notify, audit_record
 from capabilities import pager
 from capabilities.models import Capability, CapabilityStatsWindow, CapabilityType, State
 from capabilities.runtimes import get_runtime
+from capabilities.services.page_outs import PAGE_OUT_GRACE_SECONDS, capability_page_out_chosen, pager_built
 from capabilities.services.placement import capability_page_in
 from sigil.errors import NotFound, Unavailable
 
@@ -56,54 +57,66 @@ def capability_mark_inactive(*, now: datetime | None = None, batch_size: int = 5
 
 
 def capability_prewarm(*, now: datetime | None = None) -> list[str]:
-    """Page in the most called capabilities of the last SIGIL_PREWARM_WINDOW_SECONDS that are
-    not live, up to SIGIL_PREWARM_TOP_N, hottest first; return their names. Only on runtimes
-    with a pager.
+    """Place the hourly top-N and keep it placed: the SIGIL_PREWARM_TOP_N capabilities (at
+    most the runtime's slots) most called in the last SIGIL_PREWARM_WINDOW_SECONDS that are
+    not live are paged in, hottest first; return their names. Only on runtimes with a pager.
 
-    On a full runtime a capability is prewarmed only when its victim is colder than it and
-    was not prewarmed in this same run (pager.prewarm_allows); the first that is not stops
-    the run, as every one after it is colder still. The victim is judged on the pager's
-    state just before each page-in. An account that refuses a page-in for want of room
-    (Cloudflare's 10037) ends the run: prewarm never pages out a capability it did not
-    judge. Idempotent: what is live is left alone.
+    The choice is the pager's `prewarm_plan`, on the pager's state at the start of the run:
+    free slots are filled first, and only capabilities outside the top-N are paged out to
+    make more room, least valuable first in the pager's eviction order, each before the
+    page-in it makes room for; a capability of the top-N is never paged out for another.
+    Prewarm never pages out a capability it did not judge: its page-ins evict nothing, so
+    one that finds no free slot (a call took it meanwhile), or that the account refuses for
+    want of room (Cloudflare's 10037), ends the run. Idempotent: what is live is left alone.
     """
     runtime = get_runtime()
     if runtime.total_slots is None:
         return []
     now = now or timezone.now()
-    since = now - timedelta(seconds=settings.SIGIL_PREWARM_WINDOW_SECONDS)
-    window_calls = dict(
-        CapabilityStatsWindow.objects.filter(window_start__gte=since)
-        .values("full_name")
-        .annotate(calls=Sum("calls"))
-        .values_list("full_name", "calls")
+    top = prewarm_top(now=now, count=min(settings.SIGIL_PREWARM_TOP_N, runtime.total_slots))
+    cold = set(Capability.objects.filter(full_name__in=top, state=State.PAGED_OUT).values_list("full_name", flat=True))
+    pager_built()
+    plan = pager.prewarm_plan(
+        top=top,
+        cold=cold,
+        candidates=pager.pager_candidates(),
+        used=pager.pager_usage().used,
+        slots=runtime.total_slots,
+        now=time.time(),
     )
-    ranked = sorted(window_calls, key=lambda full: (-window_calls[full], full))
-    top = ranked[: min(settings.SIGIL_PREWARM_TOP_N, runtime.total_slots)]
-    cold = set(
-        Capability.objects.filter(full_name__in=top, state__in=(State.PAGED_OUT,)).values_list("full_name", flat=True)
-    )
+    victims = list(plan.evict)
     warmed: list[str] = []
-    for full in (f for f in top if f in cold):
-        usage = pager.pager_usage()
-        allowed = pager.prewarm_allows(
-            calls=window_calls[full],
-            candidates=pager.pager_candidates(),
-            window_calls=window_calls,
-            placed_this_round=warmed,
-            victims=pager.victims_needed(
-                used=usage.used, leaving=usage.evicting, slots=runtime.total_slots, margin=runtime.safety_margin
-            ),
-            now=time.time(),
-        )
-        if not allowed:
-            break
+    for full in plan.place:
+        while victims and pager.pager_usage().used >= runtime.total_slots:
+            deadline = time.monotonic() + settings.SIGIL_INVOKE_TIMEOUT_SECONDS + PAGE_OUT_GRACE_SECONDS
+            capability_page_out_chosen(full=victims.pop(0), reason="prewarm", deadline=deadline)
         try:
             _, placed = capability_page_in(full=full, reason="prewarm")
         except NotFound:
             continue  # removed since the window was counted
         except Unavailable:
-            break  # the account refused it for want of room (the owner was told): so it would the next
+            break  # no free slot, or the account refused it for want of room (the owner was told)
         if placed:  # not paged in by a call meanwhile
             warmed.append(full)
     return warmed
+
+
+def prewarm_top(*, now: datetime, count: int) -> list[str]:
+    """The `count` capabilities called most in the prewarm window before `now`, hottest first
+    (ties by name), among those that exist (neither removed nor expired). Reads only."""
+    since = now - timedelta(seconds=settings.SIGIL_PREWARM_WINDOW_SECONDS)
+    window_calls = dict(
+        CapabilityStatsWindow.objects.filter(window_start__gte=since)
+        .values("full_name")
+        .annotate(calls=Sum("calls"))
+        .filter(calls__gt=0)
+        .values_list("full_name", "calls")
+    )
+    existing = set(
+        Capability.objects.filter(full_name__in=window_calls)
+        .exclude(state=State.REMOVED)
+        .exclude(expires_at__lte=now)
+        .values_list("full_name", flat=True)
+    )
+    ranked = sorted(existing, key=lambda full: (-window_calls[full], full))
+    return ranked[:count]

@@ -141,22 +141,49 @@ def page_out_for_account(*, newcomer: str, deadline: float) -> str | None:
         try:
             if not mark_evicting(victim.full):
                 continue
-            # Its calls in flight may finish first; after the deadline a count still held is
-            # taken for a call that will never end, as any page-out does at its own deadline.
-            wait_until = time.time() + max(0.0, deadline - time.monotonic())
-            while True:
-                try:
-                    page_out_locked(full=victim.full, wait_until=wait_until)
-                    return victim.full
-                except StillInFlight:
-                    time.sleep(0.05)
-                except RuntimeUnavailable:
-                    # Its delete failed: the page-out task finishes it; this placement is shed.
-                    capability_page_out_task.delay_on_commit(full=victim.full)
-                    return None
+            # A failed delete is the page-out task's to finish; this placement is shed.
+            return victim.full if page_out_when_idle(victim.full, deadline=deadline) else None
         finally:
             lock.release()
     return None
+
+
+def capability_page_out_chosen(*, full: str, reason: str, deadline: float) -> bool:
+    """Page `full` out now because `reason` (prewarm) chose it to make room: it is marked
+    evicting (and still served), then its script is deleted once its calls in flight end
+    (waiting until `deadline`, monotonic) and it is recorded paged out.
+
+    Returns whether it was paged out: not when it is no longer live, or another placement
+    holds its lock, or its delete failed (the page-out task finishes that one, and it holds
+    the runtime's margin meanwhile). Raises nothing of the runtime's. Idempotent.
+    """
+    lock = placement_lock(full, blocking=False)
+    if not lock.acquire():
+        return False
+    try:
+        if not mark_evicting(full):
+            return False
+        pager.pager_mark_leaving(full, now=time.time())
+        return page_out_when_idle(full, deadline=deadline, reason=reason)
+    finally:
+        lock.release()
+
+
+def page_out_when_idle(full: str, *, deadline: float, reason: str | None = None) -> bool:
+    """With `full` evicting and its lock held by the caller: delete its script once its calls
+    in flight end, waiting until `deadline` (monotonic), after which a count still held is
+    taken for a call that will never end, as any page-out does at its own deadline. Returns
+    False when the delete failed: the page-out task is sent to finish it."""
+    wait_until = time.time() + max(0.0, deadline - time.monotonic())
+    while True:
+        try:
+            page_out_locked(full=full, wait_until=wait_until, reason=reason)
+            return True
+        except StillInFlight:
+            time.sleep(0.05)
+        except RuntimeUnavailable:
+            capability_page_out_task.delay_on_commit(full=full)
+            return False
 
 
 class StillInFlight(Exception):
@@ -181,8 +208,9 @@ def capability_page_out(*, full: str, wait_until: float | None = None) -> bool:
         return page_out_locked(full=full, wait_until=wait_until)
 
 
-def page_out_locked(*, full: str, wait_until: float | None) -> bool:
-    """`capability_page_out` with `full`'s placement lock held by the caller."""
+def page_out_locked(*, full: str, wait_until: float | None, reason: str | None = None) -> bool:
+    """`capability_page_out` with `full`'s placement lock held by the caller; `reason` names
+    who chose it, when not the pager for a page-in (its audit event's detail)."""
     capability = Capability.objects.select_related("agent").filter(full_name=full, state=State.EVICTING).first()
     if capability is None:
         get_redis().zrem(PAGE_OUTS_DUE_KEY, full)
@@ -205,7 +233,13 @@ def page_out_locked(*, full: str, wait_until: float | None) -> bool:
             state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now()
         )
         if changed:
-            audit_record(actor="system", action="capability.evicted", agent_name=capability.agent.name, subject=full)
+            audit_record(
+                actor="system",
+                action="capability.evicted",
+                agent_name=capability.agent.name,
+                subject=full,
+                detail={"reason": reason} if reason else None,
+            )
     pager.pager_forget(full)
     get_redis().zrem(PAGE_OUTS_DUE_KEY, full)
     return bool(changed)

@@ -49,10 +49,10 @@ def capability_page_in(
 
     Concurrent callers for the same capability wait on one lock, so one placement serves
     them all; a caller waits at most `wait_seconds` for it (0: not at all). A prewarm
-    (`reason="prewarm"`) pages out only the victims the pager chose, which prewarm judged:
-    when the account refuses it for want of room, it is shed. Raises NotFound,
-    UpstreamError, Timeout (the wait ran out), PlacementUnderWay (with 0, the lock is held),
-    Unavailable (the account is full).
+    (`reason="prewarm"`) pages nothing out: it takes a free slot (prewarm made room first,
+    paging out what it chose), or raises Unavailable, as when the account refuses it for
+    want of room. Raises NotFound, UpstreamError, Timeout (the wait ran out),
+    PlacementUnderWay (with 0, the lock is held), Unavailable (no room).
     """
     with placement_lock_within(full, wait_seconds=wait_seconds):
         capability = capability_current(full, "agent", "current_version")
@@ -69,7 +69,7 @@ def capability_page_in(
             bundle = bundle_for(current.code, capability, runtime, version=current.number)
             # Its API calls wait for the rate budget within one allowance in all, so that a
             # spent budget never holds the caller past the call's own wait.
-            with room_for(capability, page_out_for_account=reason != "prewarm") as room, runtime.api_waits_shared():
+            with room_for(capability, evicts=reason != "prewarm") as room, runtime.api_waits_shared():
                 placement = room.place(bundle)
                 with capability_written(full):
                     record_live(capability, placement, bundle_sha=bundle.sha)

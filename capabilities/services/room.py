@@ -60,11 +60,9 @@ def bundle_for(code: str, capability: Capability, runtime: Runtime, *, version: 
 class Room:
     """A placement on the runtime, made room for by the pager: see `placement_room`."""
 
-    def __init__(
-        self, *, full: str, capability_type: str, expires_at: datetime | None, page_out_for_account: bool = True
-    ) -> None:
+    def __init__(self, *, full: str, capability_type: str, expires_at: datetime | None, evicts: bool = True) -> None:
         self.full = full
-        self.page_out_for_account = page_out_for_account
+        self.evicts = evicts
         self.capability_type = capability_type
         self.expires_epoch = expires_at.timestamp() if expires_at else None
         self.runtime = get_runtime()
@@ -108,9 +106,7 @@ class Room:
                 return paged_out
             except runtime_errors.SlotsExhausted as exc:
                 victim = (
-                    page_out_for_account(newcomer=self.full, deadline=deadline)
-                    if self.claim and self.page_out_for_account
-                    else None
+                    page_out_for_account(newcomer=self.full, deadline=deadline) if self.claim and self.evicts else None
                 )
                 runtime_account_full(runtime=self.runtime, full=self.full, paged_out=victim, refusal=str(exc))
                 if victim is None or time.monotonic() > deadline:
@@ -131,7 +127,13 @@ class Room:
                 now=time.time(),
                 slots=self.runtime.total_slots,
                 safety_margin=self.runtime.safety_margin,
+                max_victims=None if self.evicts else 0,
             )
+            if claim.outcome == "no-room":
+                raise Unavailable(
+                    f"no free slot for {self.full}, and this placement pages nothing out to make one",
+                    retry_after=ACCOUNT_FULL_RETRY_SECONDS,
+                )
             if claim.outcome != "full":
                 return claim
             # Full: page-outs under way free room; after the slots were lowered, shedding the
@@ -186,7 +188,7 @@ class Room:
 
 @contextmanager
 def placement_room(
-    *, full: str, capability_type: str, expires_at: datetime | None, page_out_for_account: bool = True
+    *, full: str, capability_type: str, expires_at: datetime | None, evicts: bool = True
 ) -> Iterator[Room]:
     """Place `full` on the runtime with `room.place(bundle)`, and record the placement in the
     database inside the block.
@@ -195,12 +197,11 @@ def placement_room(
     runs in the seeds' order: victims are marked evicting (still served), the newcomer is
     placed and recorded, and only then are the victims deleted, in the background. If the
     block raises, the victims are restored and the newcomer's claim is given back. Without
-    `page_out_for_account`, an account that refuses the newcomer (10037) sheds it rather
-    than paging out a capability the pager did not choose.
+    `evicts`, the placement pages out nothing to make room (prewarm, which pages out what it
+    chose first): it takes a free slot or raises Unavailable, and an account that refuses
+    the newcomer (10037) sheds it.
     """
-    room = Room(
-        full=full, capability_type=capability_type, expires_at=expires_at, page_out_for_account=page_out_for_account
-    )
+    room = Room(full=full, capability_type=capability_type, expires_at=expires_at, evicts=evicts)
     try:
         yield room
     except BaseException:

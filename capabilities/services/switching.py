@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db.models import Count, F, Q
+from django.db.models import Count, F, Q, QuerySet
 from django.utils import timezone
 
 from agents.services import audit_record
@@ -298,14 +298,27 @@ class LeftBehind:
         return f"{where} until `python manage.py switchbackend` moves them to {get_runtime().name}"
 
 
+def placed_elsewhere(current: str) -> QuerySet[Capability]:
+    """The rows still placed on a runtime other than `current` (SIGIL_BACKEND's), because no
+    switch has moved them yet: served there (live, a split's staged version included) or
+    waiting there for their delete (evicting). Reads only."""
+    return Capability.objects.filter(state__in=[State.LIVE, State.EVICTING]).exclude(backend__in=["", current])
+
+
+def runtimes_still_holding(current: str) -> list[str]:
+    """The runtimes other than `current` that still hold a placement (`placed_elsewhere`):
+    until a switch has moved every one, they must keep serving, so their processes on this
+    machine run beside the current runtime's (runsigil). Reads only the database."""
+    return sorted(set(placed_elsewhere(current).values_list("backend", flat=True)))
+
+
 def runtimes_left_behind() -> list[LeftBehind]:
     """Per runtime other than the configured one, the capabilities still placed there, and
     whether it answers (its `check()`: a network call, made only for runtimes that hold
     something). Reads only."""
-    current = get_runtime().name
     placed = (
-        Capability.objects.filter(state__in=[State.LIVE, State.EVICTING], variant_of__isnull=True)
-        .exclude(backend__in=["", current])
+        placed_elsewhere(get_runtime().name)
+        .filter(variant_of__isnull=True)
         .values("backend")
         .annotate(count=Count("id"))
         .order_by("backend")

@@ -6,6 +6,7 @@ import hmac
 import json
 from datetime import timedelta
 
+import pytest
 from django.utils import timezone
 
 from agents.models import Agent, AuditEvent
@@ -46,34 +47,78 @@ def test_prewarm_pages_in_the_most_called_capability(worker_pool, alice, celery_
     assert response.text == "hot" and "X-Sigil-Cold-Start" not in response.headers
 
 
-def test_prewarm_on_a_full_pool_never_evicts_what_it_just_placed_nor_anything_hotter(
-    worker_pool, alice, celery_worker, settings
-):
-    settings.SIGIL_PREWARM_TOP_N = 3
-    for name in ("p1", "p2"):  # two of the three slots, evicted last
-        alice.deploy(name=name, code=code(name), type="persistent")
-    hot = {"h1": 6, "h2": 4, "h3": 2}
-    for name, calls in hot.items():
-        alice.deploy(name=name, code=code(name), type="normal")
-        for _ in range(calls):
-            assert alice.call(f"/alice/{name}").text == name
-    flush_stats_when_recorded(alice__h1=6, alice__h2=4, alice__h3=2)
-    alice.deploy(name="cold", code=code("cold"), type="normal")  # never called: the one to go
-    for name in hot:
-        services.capability_evict(full=f"alice--{name}", actor="owner:test")
+@pytest.fixture(params=["worker-pool", "local"])
+def three_slots(request, settings):
+    """A runtime with a pager of 3 slots (and a margin of 2): the worker pool on the emulator,
+    or the local runtime capped by SIGIL_LOCAL_SLOTS."""
+    if request.param == "worker-pool":
+        request.getfixturevalue("worker_pool")
+    else:
+        settings.SIGIL_LOCAL_SLOTS = 3
+        settings.SIGIL_POOL_SAFETY_MARGIN = 2
+    return request.param
+
+
+def live():
+    return set(Capability.objects.filter(state="live").values_list("name", flat=True))
+
+
+def no_page_out_pending():
     wait_for(lambda: not Capability.objects.filter(state="evicting").exists(), timeout=30, message="page-outs")
-    assert set(Capability.objects.filter(state="live").values_list("name", flat=True)) == {"p1", "p2", "cold"}
+
+
+def test_prewarm_places_the_hourly_top_n_and_keeps_it_placed(three_slots, alice, celery_worker, settings):
+    """The seeds' example: top-N of 3 on 3 slots, calls of 10, 8, 6, 1, 1, 1."""
+    settings.SIGIL_PREWARM_TOP_N = 3
+    calls = {"f": 1, "a": 10, "b": 8, "c": 6, "d": 1, "e": 1}  # in this order, each paging in
+    for name in calls:
+        assert alice.deploy(name=name, code=code(name), type="normal").status_code == 201
+    for name, count in calls.items():
+        for _ in range(count):
+            assert alice.call(f"/alice/{name}").text == name
+    flush_stats_when_recorded(**{f"alice__{name}": count for name, count in calls.items()})
+    no_page_out_pending()
+    # The LRU kept the last three called: c (the oldest of them, and of the top 3), d and e.
+    assert live() == {"c", "d", "e"}
     page_ins = AuditEvent.objects.filter(action="capability.paged_in").count()
 
-    # h1 takes the cold one's slot; h2 would take h1's, just placed: the run stops there,
-    # rather than chain h1 out for h2 and h2 out for h3.
-    assert services.capability_prewarm() == ["alice--h1"]
-    wait_for(lambda: not Capability.objects.filter(state="evicting").exists(), timeout=30, message="page-outs")
-    assert set(Capability.objects.filter(state="live").values_list("name", flat=True)) == {"p1", "p2", "h1"}
-    assert AuditEvent.objects.filter(action="capability.paged_in").count() == page_ins + 1
-    # Run again: h2 would evict h1, hotter than it; nothing changes.
+    assert services.capability_prewarm() == ["alice--a", "alice--b"]
+    no_page_out_pending()
+    assert live() == {"a", "b", "c"}
+    # Only what is outside the top 3 was paged out, by prewarm, least recently used first.
+    paged_out = AuditEvent.objects.filter(action="capability.evicted", detail__reason="prewarm").order_by("id")
+    assert [event.subject for event in paged_out] == ["alice--d", "alice--e"]
+    warmed = AuditEvent.objects.filter(action="capability.paged_in", detail__reason="prewarm")
+    assert {(event.subject, event.detail["evicted"]) for event in warmed} == {("alice--a", None), ("alice--b", None)}
+    assert AuditEvent.objects.filter(action="capability.paged_in").count() == page_ins + 2
+
+    # Again: the top 3 is placed; nothing changes.
     assert services.capability_prewarm() == []
-    assert Capability.objects.get(full_name="alice--h1").state == "live"
+    assert live() == {"a", "b", "c"}
+    assert AuditEvent.objects.filter(action="capability.evicted", detail__reason="prewarm").count() == 2
+
+
+def test_prewarm_fills_free_slots_and_never_trades_one_of_the_top_n_for_another(
+    worker_pool, alice, celery_worker, settings
+):
+    settings.SIGIL_PREWARM_TOP_N = 5  # more than the 3 slots: the top 3 only
+    hot = {"h1": 6, "h2": 4, "h3": 2, "h4": 1}
+    for name, count in hot.items():
+        alice.deploy(name=name, code=code(name), type="normal")
+        for _ in range(count):
+            assert alice.call(f"/alice/{name}").text == name
+    flush_stats_when_recorded(**{f"alice__{name}": count for name, count in hot.items()})
+    for name in ("h1", "h2"):
+        services.capability_evict(full=f"alice--{name}", actor="owner:test")
+    no_page_out_pending()
+    assert live() == {"h3", "h4"}  # a slot free
+
+    # h1 takes the free slot; h2 takes h4's, which is not among the top 3; h3 stays.
+    assert services.capability_prewarm() == ["alice--h1", "alice--h2"]
+    no_page_out_pending()
+    assert live() == {"h1", "h2", "h3"}
+    paged_out = AuditEvent.objects.filter(action="capability.evicted", detail__reason="prewarm")
+    assert [event.subject for event in paged_out] == ["alice--h4"]
 
 
 def test_prewarm_does_nothing_on_a_runtime_without_a_pager(alice):

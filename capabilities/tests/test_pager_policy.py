@@ -64,41 +64,86 @@ def test_excess_is_what_is_placed_beyond_the_slots():
     assert excess(used=9, slots=10) == 0
 
 
-PREWARM_STATE = [c("e-expired", "ephemeral", -1, expires=-5), c("n-old", "normal", -500), c("p", "persistent", -900)]
+SEED = [c("c", "normal", -300), c("d", "normal", -200), c("e", "normal", -100)]
+MIXED = [
+    c("p-old", "persistent", -900),
+    c("n-new", "normal", -10),
+    c("n-old", "normal", -500),
+    c("e-live", "ephemeral", -1, expires=+60),
+    c("e-expired", "ephemeral", -2, expires=-50),
+]
+
+
+PREWARM_TABLE = [
+    # (description, top, cold, candidates, used, slots, place, evict)
+    (
+        "the seeds' example: the top 3 placed, only what is outside it paged out",
+        ["a", "b", "c"],
+        {"a", "b"},
+        SEED,
+        3,
+        3,
+        ["a", "b"],
+        ["d", "e"],
+    ),
+    ("free slots first: nothing paged out", ["a", "b"], {"a", "b"}, SEED, 3, 5, ["a", "b"], []),
+    ("one slot free: one paged out for the second", ["a", "b"], {"a", "b"}, SEED, 3, 4, ["a", "b"], ["c"]),
+    (
+        "never one of the top for another: the hottest it can place, no more",
+        ["a", "b", "c", "d"],
+        {"a", "b"},
+        SEED,
+        3,
+        3,
+        ["a"],
+        ["e"],
+    ),
+    ("every slot held by the top: nothing", ["c", "d", "e", "a"], {"a"}, SEED, 3, 3, [], []),
+    ("the top placed already: nothing", ["c", "d"], set(), SEED, 3, 3, [], []),
+    (
+        "least valuable first, in the pager's own order",
+        ["a", "b", "c", "d", "e"],
+        {"a", "b", "c", "d", "e"},
+        MIXED,
+        5,
+        5,
+        ["a", "b", "c", "d", "e"],
+        ["e-expired", "e-live", "n-old", "n-new", "p-old"],
+    ),
+    (
+        "a top capability's class or age does not make it a victim",
+        ["n-old", "a"],
+        {"a"},
+        MIXED,
+        5,
+        5,
+        ["a"],
+        ["e-expired"],
+    ),
+    (
+        "capabilities being placed hold their slots and are no victims",
+        ["a", "b"],
+        {"a", "b"},
+        [c("x", "normal", -1)],
+        3,
+        3,
+        ["a"],
+        ["x"],
+    ),
+    ("the slots were lowered: shedding comes first", ["a"], {"a"}, SEED, 4, 3, [], []),
+]
 
 
 @pytest.mark.parametrize(
-    ("calls", "candidates", "window_calls", "placed_this_round", "victims", "allowed"),
-    [
-        (1, [], {}, [], 0, True),  # room: no victim, always
-        (50, [c("n", "normal", -10)], {}, [], None, False),  # it would wait for a delete
-        (50, [c("n", "normal", -10)], {}, [], 2, False),  # the slots were lowered: shed first
-        (50, [c("n", "normal", -10)], {"n": 49}, [], 1, True),  # the victim is colder
-        (50, [c("n", "normal", -10)], {"n": 50}, [], 1, False),  # as hot: never traded
-        (50, [c("n", "normal", -10)], {"n": 900}, [], 1, False),  # hotter: never evicted
-        (50, [c("n", "normal", -10)], {}, [], 1, True),  # not called in the window at all
-        (50, [c("n", "normal", -10)], {"n": 1}, ["n"], 1, False),  # placed by this round
-        # The victim is the pager's, by eviction order, not the coldest by calls:
-        (50, [c("n-old", "normal", -500), c("n-new", "normal", -1)], {"n-old": 60, "n-new": 1}, [], 1, False),
-        (50, [c("e", "ephemeral", -1), c("n", "normal", -500)], {"e": 5, "n": 900}, [], 1, True),
-        # An expired ephemeral goes first, and however hot it was, it is going anyway.
-        (1, PREWARM_STATE, {"e-expired": 999, "n-old": 0}, [], 1, True),
-        (1, PREWARM_STATE, {}, ["e-expired"], 1, False),
-        (50, [], {}, [], 1, False),  # full, and nothing it could evict (all being placed)
-    ],
+    ("description", "top", "cold", "candidates", "used", "slots", "place", "evict"),
+    PREWARM_TABLE,
+    ids=[row[0] for row in PREWARM_TABLE],
 )
-def test_prewarm_evicts_only_what_is_colder_and_never_what_it_placed(
-    calls, candidates, window_calls, placed_this_round, victims, allowed
+def test_prewarm_places_the_top_n_into_free_slots_then_in_place_of_what_is_outside_it(
+    description, top, cold, candidates, used, slots, place, evict
 ):
-    decided = pager.prewarm_allows(
-        calls=calls,
-        candidates=candidates,
-        window_calls=window_calls,
-        placed_this_round=placed_this_round,
-        victims=victims,
-        now=NOW,
-    )
-    assert decided is allowed
+    plan = pager.prewarm_plan(top=top, cold=cold, candidates=candidates, used=used, slots=slots, now=NOW)
+    assert (list(plan.place), list(plan.evict)) == (place, evict)
 
 
 def test_pager_candidates_reads_back_what_the_sets_hold(redis_client):
@@ -243,6 +288,29 @@ def check_claim(redis, candidates, *, placing, evicting, newcomer, slots, margin
     assert pager_state(redis) == before
 
 
+@pytest.mark.parametrize(
+    ("candidates", "placing", "evicting", "outcome"),
+    [
+        ([c("a", "normal", -1)], [], [], "claimed"),  # a free slot: taken
+        ([c("a", "normal", -1), c("b", "normal", -2), c("c", "normal", -3)], [], [], "no-room"),
+        ([c("a", "normal", -1), c("b", "normal", -2)], ["x"], [], "no-room"),  # full with one being placed
+        # The margin taken by page-outs: wait for a delete, as any claim does.
+        ([c("a", "normal", -1), c("b", "normal", -2), c("c", "normal", -3)], [], ["x", "y"], "full"),
+    ],
+)
+def test_a_claim_that_may_evict_nothing_takes_a_free_slot_or_changes_nothing(
+    redis_client, candidates, placing, evicting, outcome
+):
+    load(redis_client, candidates, placing=placing, evicting=evicting)
+    before = pager_state(redis_client)
+    claim = pager.pager_claim_slot(full="new", now=NOW, slots=3, safety_margin=2, max_victims=0)
+    assert (claim.outcome, claim.victims) == (outcome, ())
+    if outcome == "claimed":
+        assert pager.pager_locations()["new"] == {pager.PLACING_KEY}
+    else:
+        assert pager_state(redis_client) == before
+
+
 def pager_state(redis):
     """Every member and score of the pager's sets."""
     keys = [*pager.LRU_KEYS, pager.EXPIRY_KEY, pager.PLACING_KEY, pager.EVICTING_KEY]
@@ -307,7 +375,7 @@ def test_the_scripts_write_only_the_keys_they_are_given(redis_client):
     def run(script, *args):
         return redis_client.eval(script, len(keys), *keys, *args)
 
-    run(pager.CLAIM_SLOT, "new", NOW, 2, 2)
+    run(pager.CLAIM_SLOT, "new", NOW, 2, 2, -1)
     run(pager.SETTLE, "new", 2, NOW, "")
     run(pager.SHED_EXCESS, NOW, 1)
     run(pager.RESTORE, "a", 2, NOW - 9, "")

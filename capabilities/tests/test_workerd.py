@@ -88,6 +88,20 @@ def test_supervise_stops_workerd_when_asked(host):
     assert not port_is_open(host.port)
 
 
+def test_supervising_a_started_host_keeps_its_workerd_and_stops_it(host):
+    # As `manage.py cfemulator` does: start (a missing binary is its error), then supervise,
+    # whose own start must not wait for the port the first workerd holds, fail, and lose it.
+    host.start()
+    pid = host.process.pid
+    stop = threading.Event()
+    thread = threading.Thread(target=host.supervise, args=(stop,), daemon=True)
+    thread.start()
+    stop.set()
+    thread.join(10)
+    assert not is_alive(pid)
+    assert not port_is_open(host.port)
+
+
 def test_start_refuses_a_port_that_another_process_holds(host):
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", host.port))

@@ -127,12 +127,15 @@ class WorkerdHost:
         return {"SIGIL_INTERNAL_SECRET": self.secret}
 
     def start(self, *, wait_seconds: float = 15.0, port_wait_seconds: float = 5.0) -> None:
-        """Start workerd and wait until it listens on its port.
+        """Start workerd and wait until it listens on its port. Starting a host whose workerd
+        runs does nothing (`supervise` after a `start`, as the emulator's command does).
 
         Raises WorkerdMissing when the binary is absent, WorkerdPortInUse when another process
         still holds the port after `port_wait_seconds`, RuntimeError when workerd exits or does
         not listen within `wait_seconds`.
         """
+        if self.is_running():
+            return
         if not Path(self.binary).exists():
             raise WorkerdMissing(
                 f"workerd not found at {self.binary}: run `npm ci` (or `make install`) "

@@ -20,7 +20,7 @@ from django.conf import settings
 from django.contrib.auth.hashers import check_password
 
 from sigil.ports import free_port, free_port_block, port_is_open
-from sigil_site.management.commands.runsigil import sigil_programs
+from sigil_site.management.commands.runsigil import runtimes_served, sigil_programs
 from testsupport.cast import AgentClient
 from testsupport.processes import command_line, descendants, is_alive, wait_until
 from testsupport.servers import deploy_and_echo_chunked
@@ -264,18 +264,19 @@ def test_the_local_backend_runs_workerd_and_no_emulator(settings):
     settings.SIGIL_EMBEDDED_REDIS = False
     settings.SIGIL_BACKEND = "local"
 
-    programs, _ = sigil_programs(port=8000)
+    programs, _ = sigil_programs(port=8000, backends=["local"])
 
-    assert [program.name for program in programs] == ["workerd", "celery", "web"]
-    assert "granian" in programs[-1].argv[0] and "sigil_site.asgi:application" in programs[-1].argv
+    assert [program.name for program in programs] == ["workerd", "web", "celery"]
+    web = programs[1].argv
+    assert "granian" in web[0] and "sigil_site.asgi:application" in web
 
 
 def test_dev_serves_with_uvicorn_reloading_on_code_changes(settings):
     settings.SIGIL_EMBEDDED_REDIS = False
 
-    programs, _ = sigil_programs(port=8000, dev=True)
+    programs, _ = sigil_programs(port=8000, backends=["local"], dev=True)
 
-    web = programs[-1].argv
+    web = next(program.argv for program in programs if program.name == "web")
     assert web[0].endswith("uvicorn") and "--reload" in web
     assert "sigil_site.asgi:development_application" in web
 
@@ -285,9 +286,9 @@ def test_the_emulator_runs_when_the_cloudflare_api_base_points_at_it(settings):
     settings.SIGIL_BACKEND = "worker-pool"
     settings.CF_API_BASE = f"http://127.0.0.1:{settings.CF_EMULATOR_PORT}/client/v4"
 
-    programs, _ = sigil_programs(port=8000)
+    programs, _ = sigil_programs(port=8000, backends=["worker-pool"])
 
-    assert [program.name for program in programs] == ["cfemulator", "celery", "web"]
+    assert [program.name for program in programs] == ["cfemulator", "web", "celery"]
 
 
 def test_the_celery_worker_consumes_the_deploys_queue_beside_the_default_one(settings):
@@ -296,7 +297,7 @@ def test_the_celery_worker_consumes_the_deploys_queue_beside_the_default_one(set
     settings.SIGIL_EMBEDDED_REDIS = False
     settings.SIGIL_BACKEND = "worker-pool"
 
-    programs, _ = sigil_programs(port=8000)
+    programs, _ = sigil_programs(port=8000, backends=["worker-pool"])
 
     celery = next(program for program in programs if program.name == "celery")
     queues = celery.argv[celery.argv.index("--queues") + 1].split(",")
@@ -309,7 +310,7 @@ def test_the_celery_worker_consumes_the_deploys_queue_beside_the_default_one(set
 @pytest.mark.slow
 def test_on_an_emulated_cloudflare_runtime_the_workers_push_call_records_to_the_web_server(embedded_env):
     # Nothing says where the origin is: under the emulator it is the web server on loopback.
-    web_port = free_port()
+    web_port = free_port_block()
     env = {**embedded_env, "SIGIL_BACKEND": "loader"}
     process, output = start_runsigil(env, web_port)
     try:
@@ -335,3 +336,158 @@ def test_on_an_emulated_cloudflare_runtime_the_workers_push_call_records_to_the_
         stop_with_ctrl_c(process, output)
     finally:
         kill_if_running(process)
+
+
+RUNTIMES_PROCESS = {"local": "workerd", "worker-pool": "cfemulator", "platform": "cfemulator", "loader": "cfemulator"}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("previous", "current"),
+    [(previous, current) for previous in RUNTIMES_PROCESS for current in RUNTIMES_PROCESS if previous != current],
+)
+def test_a_runtime_still_holding_capabilities_after_a_switch_runs_beside_the_new_one(settings, previous, current):
+    from agents.models import Agent
+    from capabilities.models import Capability
+
+    settings.SIGIL_EMBEDDED_REDIS = False
+    settings.SIGIL_BACKEND = current
+    settings.CF_API_BASE = f"http://127.0.0.1:{settings.CF_EMULATOR_PORT}/client/v4"  # the emulator: make run's
+    alice = Agent.objects.create(name="alice")
+    held = Capability.objects.create(
+        agent=alice, name="a", full_name="alice--a", type="normal", state="live", slot="s-1", backend=previous
+    )
+    # Rows that hold nothing on the previous runtime: paged out there (a call pages them in on
+    # the current one), removed, and one already moved.
+    for name, state, backend in (("b", "paged_out", previous), ("c", "removed", previous), ("d", "live", current)):
+        Capability.objects.create(
+            agent=alice, name=name, full_name=f"alice--{name}", type="normal", state=state, slot="s-2", backend=backend
+        )
+
+    assert runtimes_served() == [current, previous]
+    programs, _ = sigil_programs(port=8000, backends=runtimes_served())
+    names = [program.name for program in programs]
+    expected = list(dict.fromkeys([RUNTIMES_PROCESS[current], RUNTIMES_PROCESS[previous]]))
+    assert names == [*expected, "web", "celery"]
+    # The runtimes' processes start together, and all answer before the web server starts.
+    assert [program.needed_by_others for program in programs] == [*([False] * (len(expected) - 1)), True, True, False]
+
+    # Waiting for its delete there still holds the previous runtime; once moved, nothing does.
+    Capability.objects.filter(pk=held.pk).update(state="evicting")
+    assert runtimes_served() == [current, previous]
+    Capability.objects.filter(pk=held.pk).update(state="live", backend=current)
+    assert runtimes_served() == [current]
+    programs, _ = sigil_programs(port=8000, backends=runtimes_served())
+    assert [program.name for program in programs] == [RUNTIMES_PROCESS[current], "web", "celery"]
+
+
+class Calls:
+    """A caller calling each capability in turn from a thread, filing every answer:
+    (sent, status, Retry-After, body); status 0 is a refused or broken connection."""
+
+    def __init__(self, base_url: str, token: str, names: list[str]) -> None:
+        import requests
+
+        self.session, self.base_url, self.token, self.names = requests.Session(), base_url, token, names
+        self.answers: list[tuple[float, int, str | None, str]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import requests
+
+        turn = 0
+        while not self.stop.is_set():
+            name = self.names[turn % len(self.names)]
+            turn += 1
+            sent = time.monotonic()
+            try:
+                response = self.session.get(
+                    f"{self.base_url}/alice/{name}", headers={"Authorization": f"Bearer {self.token}"}, timeout=30
+                )
+                self.answers.append((sent, response.status_code, response.headers.get("Retry-After"), response.text))
+            except requests.ConnectionError:
+                self.answers.append((sent, 0, None, ""))
+                self.session.close()
+            time.sleep(0.02)
+
+    def wait_for_answers(self, count: int, *, what: str) -> None:
+        """Until `count` more calls are answered 200 from now."""
+        since = time.monotonic()
+        ok = lambda: sum(1 for sent, status, _, _ in self.answers if sent >= since and status == 200)  # noqa: E731
+        wait_until(lambda: ok() >= count, timeout=30, what=what)
+
+
+def wait_running(process: subprocess.Popen, output: Output) -> None:
+    wait_until(lambda: output.has("Press Ctrl-C to stop.") or process.poll() is not None, timeout=90)
+    assert process.poll() is None, str(output)
+
+
+def switchbackend(env: dict[str, str], backend: str) -> str:
+    done = subprocess.run(
+        [sys.executable, MANAGE, "switchbackend"],
+        env={**env, "SIGIL_BACKEND": backend},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_switching_runtimes_as_the_owner_does_answers_every_call_or_tells_it_to_come_back(embedded_env):
+    """`make run`, Ctrl-C, `SIGIL_BACKEND=worker-pool make run`, switchbackend, and back to
+    local, with calls throughout: each is answered by the runtime holding its capability, or,
+    while Sigil restarts, refused or answered 503 with Retry-After; never a 502."""
+    # Below the kernel's ephemeral ports, as the emulator's port derived from it must be:
+    # the callers' own connections take those at any moment.
+    web_port = free_port_block()
+    env = {**embedded_env, "SIGIL_SWITCH_GRACE_SECONDS": "0.5", "SIGIL_DEPLOY_COOLDOWN_SECONDS": "0"}
+    names = ["a", "b", "c"]
+    process, output = start_runsigil(env, web_port)
+    restarts: list[tuple[float, float]] = []  # (Ctrl-C, Sigil running again)
+    calls = None
+    try:
+        wait_running(process, output)
+        agent = subprocess.run(
+            [sys.executable, MANAGE, "createagent", "alice", "--json"], env=env, check=True, capture_output=True
+        )
+        tokens = json.loads(agent.stdout)
+        alice = AgentClient("alice", tokens["deploy_token"], tokens["invoke_token"], f"http://127.0.0.1:{web_port}")
+        for name in names:
+            code = f"export default {{ async fetch() {{ return new Response('{name}') }} }}"
+            assert alice.deploy(name=name, code=code).status_code == 201
+        calls = Calls(alice.base_url, alice.invoke_token, names)
+        calls.thread.start()
+
+        for backend, previous in (("worker-pool", "local"), ("local", "worker-pool")):
+            calls.wait_for_answers(len(names), what="calls before the restart")
+            interrupted = time.monotonic()
+            stop_with_ctrl_c(process, output)
+            process, output = launch_runsigil({**env, "SIGIL_BACKEND": backend}, web_port)
+            wait_running(process, output)
+            restarts.append((interrupted, time.monotonic()))
+            # The capabilities are still on the previous runtime, whose processes run too.
+            assert output.has(f"also     {previous}"), str(output)
+            calls.wait_for_answers(2 * len(names), what="calls before the switch")
+            moved = switchbackend(env, backend)
+            assert f"Switched to {backend}: {len(names)} moved." in moved, moved
+            calls.wait_for_answers(2 * len(names), what="calls after the switch")
+        calls.stop.set()
+        calls.thread.join(30)
+        stop_with_ctrl_c(process, output)
+    finally:
+        if calls is not None:
+            calls.stop.set()
+        kill_if_running(process)
+
+    def restarting(sent: float) -> bool:
+        return any(interrupted <= sent <= running for interrupted, running in restarts)
+
+    wrong = [(status, body[:100]) for sent, status, _, body in calls.answers if status != 200 and not restarting(sent)]
+    assert wrong == []
+    assert all(body in names for _, status, _, body in calls.answers if status == 200)
+    in_restarts = {(status, retry_after) for sent, status, retry_after, _ in calls.answers if restarting(sent)}
+    assert in_restarts <= {(200, None), (0, None), (503, "1")}, in_restarts
+    assert (503, "1") in in_restarts  # told to come back rather than refused, for most of it

@@ -1,3 +1,5 @@
+import http.client
+import json
 import os
 import signal
 import sys
@@ -6,6 +8,8 @@ import time
 
 import pytest
 
+from sigil.ports import free_port
+from sigil_site.stand_in import StandIn
 from sigil_site.supervisor import Program, StartupFailed, Supervisor
 from testsupport.processes import descendants, is_alive, wait_until
 
@@ -117,3 +121,96 @@ def test_output_that_cannot_be_written_is_still_read_so_programs_do_not_block():
         stop.set()
         thread.join(15)
     assert not thread.is_alive()
+
+
+class RecordedStandIn(StandIn):
+    """The real stand-in, recording when the supervisor opens and closes it."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(port)
+        self.events: list[str] = []
+
+    def open(self) -> None:
+        self.events.append("open")
+        super().open()
+
+    def close(self) -> None:
+        self.events.append("close")
+        super().close()
+
+
+def answer(port: int) -> tuple[int, str | None, bytes] | None:
+    """(status, Retry-After, body) of a GET on `port`; None when the connection is refused."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request("GET", "/alice/echo")
+        response = connection.getresponse()
+        return response.status, response.getheader("Retry-After"), response.read()
+    except ConnectionRefusedError:
+        return None
+    finally:
+        connection.close()
+
+
+def web_server(port: int, *, reuses_port: bool) -> list[str]:
+    """A program answering 404 on `port`, with SO_REUSEPORT or not, after a second's start."""
+    return python(
+        "import http.server as s, time; time.sleep(1)\n"
+        f"class Server(s.HTTPServer): allow_reuse_port = {reuses_port}\n"
+        f"Server(('127.0.0.1', {port}), s.SimpleHTTPRequestHandler).serve_forever()"
+    )
+
+
+class Answers:
+    """GETs on a port from a thread until stopped, each answer's status filed: None when the
+    connection was refused, "broken" when it broke (the program killed under it)."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.statuses, self.stop = port, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                answered = answer(self.port)
+            except OSError:
+                answered = ("broken",)
+            self.statuses.append(answered[0] if answered else None)
+            time.sleep(0.01)
+
+    def end(self) -> set:
+        self.stop.set()
+        self.thread.join(10)
+        return set(self.statuses)
+
+
+@pytest.mark.parametrize("reuses_port", [True, False], ids=["beside-it", "before-it"])
+def test_a_stand_in_answers_503_on_the_port_while_its_program_does_not_hold_it(reuses_port):
+    port = free_port()
+    stand_in = RecordedStandIn(port)
+    stand_in.open()
+    status, retry_after, body = answer(port)
+    assert (status, retry_after) == (503, "1")
+    assert json.loads(body)["error"]["code"] == "unavailable"
+
+    serves = lambda: (answer(port) or (0, "stand-in"))[1] is None  # noqa: E731 (the program's 404)
+    program = Program(
+        "web", web_server(port, reuses_port=reuses_port), ready=serves, stand_in=stand_in, reuses_port=reuses_port
+    )
+    answers = Answers(port)
+    with Running([program]) as running:
+        # While it started (a second): beside a program that shares its port, no connection
+        # was refused; before one that does not, its port was closed for that second.
+        seen = answers.end() - {"broken"}
+        assert 404 in seen and (None in seen) is not reuses_port, seen
+        first = running.supervisor.pids()["web"]
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: running.supervisor.pids().get("web") not in (None, first), timeout=10, what="a restart")
+        wait_until(serves, timeout=10, what="the program to answer again")
+        wait_until(lambda: stand_in.events.count("close") == 2, timeout=5, what="the stand-in to close again")
+    # Stopped: the stand-in holds the port again, until its owner closes it.
+    assert answer(port)[:2] == (503, "1")
+    assert stand_in.events == ["open", "close", "open", "close", "open"]
+    stand_in.close()
+    assert answer(port) is None

@@ -22,12 +22,14 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from capabilities.runtimes import runtime_class
 from capabilities.runtimes.base import Process
 from capabilities.runtimes.cloudflare.account import runs_on_local_emulator
+from capabilities.services import runtimes_still_holding
 from sigil import ports as sigil_ports
 from sigil.embedded_redis import EmbeddedRedis
 from sigil.lifetime import PidFiles, supervise_until_signalled
 from sigil.logs import SigilFormatter
 from sigil.ports import port_is_open
 from sigil_site.owner import OwnerAccount, owner_ensure
+from sigil_site.stand_in import STAND_IN_HEADER, StandIn
 from sigil_site.supervisor import Program, StartupFailed, Supervisor
 
 MANAGE = str(settings.BASE_DIR / "manage.py")
@@ -51,22 +53,40 @@ class Command(BaseCommand):
             action="store_true",
             help="serve with uvicorn, which restarts when the code changes (make dev), instead of granian",
         )
+        parser.add_argument("--migrate", action="store_true", help="apply the database's migrations first (make run)")
 
-    def handle(self, *args, port: int, ready_timeout: float, dev: bool = False, **options) -> None:
+    def handle(
+        self, *args, port: int, ready_timeout: float, dev: bool = False, migrate: bool = False, **options
+    ) -> None:
         pid_files = PidFiles(settings.VAR_DIR / "run")
         self._end_leftovers(pid_files)
         self._check_not_running(port)
+        # From here until the web server binds the port, callers are told to come back.
+        stand_in = StandIn(port)
+        stand_in.open()
+        try:
+            self._run(pid_files, port=port, ready_timeout=ready_timeout, dev=dev, migrate=migrate, stand_in=stand_in)
+        finally:
+            stand_in.close()
+
+    def _run(
+        self, pid_files: PidFiles, *, port: int, ready_timeout: float, dev: bool, migrate: bool, stand_in: StandIn
+    ) -> None:
         settle_ports(port)  # only now: a Sigil already running on this var directory keeps its ports
-        self._check_can_start()
+        if migrate:
+            self._migrate()
+        backends = runtimes_served()
+        self._check_can_start(backends)
         base_url = f"http://127.0.0.1:{port}"
         if not dev:
             # granian serves the admin's files from STATIC_ROOT, as a proxy would in production.
             call_command("collectstatic", interactive=False, verbosity=0)
 
-        programs, redis_url = sigil_programs(port=port, dev=dev)
+        programs, redis_url = sigil_programs(port=port, backends=backends, dev=dev, stand_in=stand_in)
         self._say(
             f"Sigil: backend  {describe_backend()}\n"
-            f"       database {describe_database()}\n"
+            + "".join(f"       also     {line}\n" for line in describe_previous(backends[1:]))
+            + f"       database {describe_database()}\n"
             f"       redis    {describe_redis(redis_url)}"
         )
         supervisor = Supervisor(programs, emit=self._write, log_format=settings.SIGIL_LOG_FORMAT, pid_files=pid_files)
@@ -120,8 +140,18 @@ class Command(BaseCommand):
         if settings.SIGIL_EMBEDDED_REDIS and embedded_redis().ping():
             raise CommandError(f"a Redis server already answers on {settings.REDIS_URL}: is Sigil running already?")
 
-    def _check_can_start(self) -> None:
-        processes = runtime_processes()
+    def _migrate(self) -> None:
+        """Apply the database's migrations, in this process: one Django start less than a
+        `manage.py migrate` before it, while the stand-in answers."""
+        if unapplied_migrations():
+            call_command("migrate", interactive=False, verbosity=0)
+            self._say("Sigil: applied the database's migrations")
+        connections.close_all()
+
+    def _check_can_start(self, backends: list[str]) -> None:
+        if unapplied_migrations():
+            raise CommandError("the database has unapplied migrations: run `python manage.py migrate` first")
+        processes = runtime_processes(backends)
         for process in processes:
             if port_is_open(process.port):
                 raise CommandError(
@@ -129,11 +159,13 @@ class Command(BaseCommand):
                 )
         if processes and not Path(settings.SIGIL_WORKERD_BIN).exists():  # each runs workerd
             raise CommandError(f"workerd not found at {settings.SIGIL_WORKERD_BIN}: run `make install`")
-        connection = connections[DEFAULT_DB_ALIAS]
-        executor = MigrationExecutor(connection)
-        if executor.migration_plan(executor.loader.graph.leaf_nodes()):
-            raise CommandError("the database has unapplied migrations: run `python manage.py migrate` first")
-        connection.close()
+        connections.close_all()
+
+
+def unapplied_migrations() -> bool:
+    connection = connections[DEFAULT_DB_ALIAS]
+    executor = MigrationExecutor(connection)
+    return bool(executor.migration_plan(executor.loader.graph.leaf_nodes()))
 
 
 # Set in the environment of a runsigil that started itself afresh to read the ports it chose.
@@ -171,13 +203,38 @@ def embedded_redis() -> EmbeddedRedis:
     return EmbeddedRedis(settings.VAR_DIR / "redis", socket_path=Path(urlsplit(settings.REDIS_URL).path))
 
 
-def runtime_processes() -> list[Process]:
-    """What the runtime SIGIL_BACKEND names needs on this machine (workerd, the emulator)."""
-    return runtime_class(settings.SIGIL_BACKEND).processes(settings)
+def runtimes_served() -> list[str]:
+    """The runtimes this start serves from: SIGIL_BACKEND's, then each runtime a switch has
+    not moved every capability from yet (they are served there until switchbackend has
+    moved them, so their processes run too; they stay until the next start)."""
+    return [settings.SIGIL_BACKEND, *runtimes_still_holding(settings.SIGIL_BACKEND)]
 
 
-def sigil_programs(*, port: int, dev: bool = False) -> tuple[list[Program], str]:
-    """What runsigil runs, in the order it starts them, and the Redis URL they are given."""
+def runtime_processes(backends: list[str]) -> list[Process]:
+    """What the runtimes `backends` need on this machine (workerd, the emulator), each once.
+    A runtime Sigil no longer knows is skipped: /_health says what is left on it."""
+    processes: dict[str, Process] = {}
+    for backend in backends:
+        try:
+            needed = runtime_class(backend).processes(settings)
+        except ValueError:
+            continue
+        for process in needed:
+            processes.setdefault(process.command, process)
+    return list(processes.values())
+
+
+def sigil_programs(
+    *, port: int, backends: list[str], dev: bool = False, stand_in: StandIn | None = None
+) -> tuple[list[Program], str]:
+    """What runsigil runs, in the order it starts them, and the Redis URL they are given.
+
+    The runtimes' processes start together and are ready before the web server starts, so
+    that its first calls find them; the web server answers before the Celery worker starts,
+    and on Ctrl-C (which stops them in the reverse order) it answers calls while the worker
+    finishes its tasks. Until the web server answers, and once it has stopped, `stand_in`
+    holds its port (beside granian while granian starts: both set SO_REUSEPORT).
+    """
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     programs = []
     if settings.SIGIL_EMBEDDED_REDIS:
@@ -187,10 +244,28 @@ def sigil_programs(*, port: int, dev: bool = False) -> tuple[list[Program], str]
         # that explicit and independent of their settings.
         env["REDIS_URL"] = redis.url
         programs.append(Program("redis", redis.command(), ready=redis.ping, needed_by_others=True))
-    for process in runtime_processes():
+    processes = runtime_processes(backends)
+    for process in processes:
         ready = process.ready or (lambda port=process.port: port_is_open(port))
         command = [sys.executable, MANAGE, process.command]
-        programs.append(Program(process.name, command, ready=ready, env=named(env, process.name)))
+        # Started together; the web server after they are all ready.
+        needed = process is processes[-1]
+        programs.append(
+            Program(process.name, command, ready=ready, env=named(env, process.name), needed_by_others=needed)
+        )
+    web = runserver_command(port) if dev else granian_command(port)
+    # The Celery worker starts once the web server answers, whose start it would slow down.
+    programs.append(
+        Program(
+            "web",
+            web,
+            ready=lambda: http_answers(port),
+            env=named(env, "web"),
+            stand_in=stand_in,
+            reuses_port=not dev,
+            needed_by_others=True,
+        )
+    )
     node = f"sigil-{os.getpid()}@{socket.gethostname()}"
     celery = [
         # --quiet: no banner; Celery logs through Sigil's configuration (sigil_site/celery.py).
@@ -206,8 +281,6 @@ def sigil_programs(*, port: int, dev: bool = False) -> tuple[list[Program], str]
     programs.append(
         Program("celery", celery, ready=lambda: celery_answers(node), env=named(env, "celery"), stop_timeout=20.0)
     )
-    web = runserver_command(port) if dev else granian_command(port)
-    programs.append(Program("web", web, ready=lambda: http_answers(port), env=named(env, "web")))
     return programs, env.get("REDIS_URL", settings.REDIS_URL)
 
 
@@ -261,6 +334,19 @@ def describe_backend() -> str:
     return ", ".join([settings.SIGIL_BACKEND, *runtime_class(settings.SIGIL_BACKEND).where(settings)])
 
 
+def describe_previous(backends: list[str]) -> list[str]:
+    """A line for each runtime other than SIGIL_BACKEND's served until a switch empties it."""
+    lines = []
+    for backend in backends:
+        try:
+            where = runtime_class(backend).where(settings)
+        except ValueError:
+            where = ["a runtime Sigil no longer knows"]
+        until = "until `python manage.py switchbackend` has moved its capabilities"
+        lines.append(", ".join([backend, *where]) + f", {until}")
+    return lines
+
+
 def describe_database() -> str:
     db = settings.DATABASES[DEFAULT_DB_ALIAS]
     vendor = connections[DEFAULT_DB_ALIAS].vendor
@@ -288,11 +374,13 @@ def celery_answers(node: str) -> bool:
 
 
 def http_answers(port: int) -> bool:
+    """Whether the web server answers on `port` (not the stand-in beside it)."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
     try:
         connection.request("GET", "/admin/login/")
-        connection.getresponse().read()
-        return True
+        response = connection.getresponse()
+        response.read()
+        return response.getheader(STAND_IN_HEADER) is None
     except OSError:
         return False
     finally:
