@@ -164,4 +164,11 @@ def metrics_render() -> str:
     lines.extend(_family("sigil_call_record_pushes_total", "counter", "Call record batches pushed from Cloudflare."))
     lines.append(f'sigil_call_record_pushes_total{{taken="first"}} {first}')
     lines.append(f'sigil_call_record_pushes_total{{taken="again"}} {again}')
+    applied, lost = stats.edge_reports_counts()
+    lines.extend(_family("sigil_edge_reports_total", "counter", "Calls the edge answered, reported and applied here."))
+    lines.append(f"sigil_edge_reports_total {applied}")
+    lines.extend(
+        _family("sigil_edge_reports_lost_total", "counter", "Reports of calls the edge answered that never arrived.")
+    )
+    lines.append(f"sigil_edge_reports_lost_total {lost}")
     return "\n".join(lines) + "\n"

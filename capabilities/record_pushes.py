@@ -73,10 +73,12 @@ class RecordsOrigin:
 
         if not settings.SIGIL_ORIGIN_URL or not settings.SIGIL_LOGS_ENABLED:
             return None
-        return cls(
-            url=f"{settings.SIGIL_ORIGIN_URL.rstrip('/')}/{PUSH_PATH}",
-            key=push_key(settings.SIGIL_INTERNAL_SECRET),
-        )
+        return cls.at(settings.SIGIL_ORIGIN_URL, secret=settings.SIGIL_INTERNAL_SECRET)
+
+    @classmethod
+    def at(cls, origin_url: str, *, secret: str) -> RecordsOrigin:
+        """The endpoint under `origin_url`, signed for with the key derived from `secret`."""
+        return cls(url=f"{origin_url.rstrip('/')}/{PUSH_PATH}", key=push_key(secret))
 
     def bindings(self) -> list[dict]:
         """The Worker's binding naming the endpoint (plain text)."""

@@ -87,6 +87,25 @@ def split_forget(variant: str) -> None:
     get_redis().delete(split_refused_key(variant), split_guard_due_key(variant))
 
 
+# The edge's reports its Workers pushed and the origin applied, and those they could not
+# deliver (capabilities/services/edge_reports.py): a hash of two counters, for /metrics.
+EDGE_REPORTS_KEY = "sigil:edge:reports"
+
+
+def edge_reports_count_queue(pipe, *, applied: int, lost: int) -> None:
+    """Queue the count of a batch's reports on `pipe` (the transaction that applies them)."""
+    if applied:
+        pipe.hincrby(EDGE_REPORTS_KEY, "applied", applied)
+    if lost:
+        pipe.hincrby(EDGE_REPORTS_KEY, "lost", lost)
+
+
+def edge_reports_counts() -> tuple[int, int]:
+    """The edge's reports applied, and those lost on the way (counted by the edge, as dropped)."""
+    applied, lost = get_redis().hmget(EDGE_REPORTS_KEY, "applied", "lost")
+    return int(applied or 0), int(lost or 0)
+
+
 def live_counts(full: str) -> tuple[int, int]:
     """The calls and errors of `full` the gateway recorded that no flush has claimed yet."""
     calls, errors = get_redis().hmget(stats_key(full), "calls", "errors")
@@ -164,8 +183,9 @@ local stats, failures, open, trial, dirty, used = KEYS[1], KEYS[2], KEYS[3], KEY
 local lru, inflight = KEYS[7], KEYS[8]
 local full, token, now, latency = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local ok = ARGV[5] == '1'
--- XX: stamp only capabilities the pager holds as live; an unbounded runtime has no set.
-redis.call('ZADD', lru, 'XX', now, full)
+-- XX: stamp only capabilities the pager holds as live; an unbounded runtime has no set. GT: a
+-- call that ended earlier, applied later (the edge's report of it), never moves it back.
+redis.call('ZADD', lru, 'XX', 'GT', now, full)
 if ARGV[9] == '1' then
   redis.call('DECR', inflight)
 elseif ARGV[9] ~= '0' and ARGV[9] ~= '' then

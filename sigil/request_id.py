@@ -4,7 +4,9 @@ task id; code that answers the caller reads the same id with `current_request_id
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+from collections.abc import Iterator
 from contextvars import ContextVar
 
 _current: ContextVar[str | None] = ContextVar("sigil_request_id", default=None)
@@ -21,3 +23,14 @@ def current_request_id() -> str | None:
 def set_request_id(request_id: str | None) -> None:
     """The id of what this thread serves from now on (None: nothing)."""
     _current.set(request_id)
+
+
+@contextlib.contextmanager
+def request_id_as(request_id: str) -> Iterator[None]:
+    """The id of the lines written within: those of a call served elsewhere (at the edge) and
+    reported here. The id before is the current one again after."""
+    token = _current.set(request_id)
+    try:
+        yield
+    finally:
+        _current.reset(token)

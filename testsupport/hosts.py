@@ -25,10 +25,10 @@ class Host:
     worker (solo pool) consuming `queues`, each in a session of its own so that `kill` takes
     the host down whole, as a machine that dies."""
 
-    def __init__(self, settings, *, name: str, queues: str, **extra: str) -> None:
+    def __init__(self, settings, *, name: str, queues: str, port: int | None = None, **extra: str) -> None:
         self.name = name
         self.var_dir = Path(tempfile.mkdtemp(prefix=f"sigil-host-{name}-"))
-        self.port = free_port()
+        self.port = port or free_port()  # a host started again where it was: the same port
         extra = {"SIGIL_VAR_DIR": str(self.var_dir), **extra}
         self.web = subprocess.Popen(
             server_command("uvicorn", port=self.port, workers=1),

@@ -1,13 +1,11 @@
-"""The access log: one line per call, logger `sigil.access`."""
+"""The access log: one line per call the engine answers (sigil/access_log.py)."""
 
 from __future__ import annotations
 
-import logging
 import time
 
 from capabilities.engine.values import CallRequest
-
-access_logger = logging.getLogger("sigil.access")
+from sigil.access_log import access_line, access_logged
 
 
 def log_access(
@@ -22,24 +20,16 @@ def log_access(
     """One line per call (logger `sigil.access`), its fields as the log's own (sigil/logs.py:
     JSON or text, with the time, process and request id), for an answer Sigil wrote as an
     error its error code, and whether Sigil's edge handed the call on (`edge`)."""
-    if not access_logger.isEnabledFor(logging.INFO):
+    if not access_logged():
         return
-    ms = round((time.perf_counter() - started) * 1000, 3)
     path = f"/{request.agent}/{request.name}{request.rest if request.rest != '/' else ''}"
-    access_logger.info(
-        "%s %s %d",
-        request.method,
-        path,
-        status,
-        extra={
-            "method": request.method,
-            "path": path,
-            "capability": capability,
-            "status": status,
-            "code": code,
-            "cold": page_in_ms is not None,
-            "page_in_ms": None if page_in_ms is None else round(page_in_ms, 3),
-            "ms": ms,
-            "edge": request.via_edge,
-        },
+    access_line(
+        method=request.method,
+        path=path,
+        status=status,
+        capability=capability,
+        code=code,
+        page_in_ms=page_in_ms,
+        ms=(time.perf_counter() - started) * 1000,
+        edge=request.via_edge,
     )

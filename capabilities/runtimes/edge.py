@@ -13,6 +13,7 @@ edge needs of the account.
 from __future__ import annotations
 
 import ipaddress
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -20,15 +21,21 @@ from urllib.parse import urlsplit
 from django.conf import LazySettings
 from django.core.checks import CheckMessage, Error
 
+from capabilities.log_limits import LogLimits
+from capabilities.record_pushes import RecordsOrigin
 from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareError, NamedKv
 from capabilities.runtimes.cloudflare.account import Finding
 from capabilities.runtimes.cloudflare.kv import kv_namespace_find
 from capabilities.runtimes.sigil_worker import SigilWorker
+from capabilities.workerd.config import HOST_DIR
 from sigil.edge_handoff import handoff_key
 
 _HERE = Path(__file__).resolve().parent / "edge"
 EDGE_MODULE = "edge.js"
 EDGE_SOURCE = (_HERE / EDGE_MODULE).read_text()
+# The report channel (the Workers' batches to the origin), which the edge's reports travel by.
+CHANNEL_MODULE = "channel.js"
+CHANNEL_SOURCE = (HOST_DIR / CHANNEL_MODULE).read_text()
 # The worker-pool runtime's edge Worker: its entry module, in front of the edge module.
 EDGE_WORKER_MODULE = "edge-worker.js"
 EDGE_WORKER_SOURCE = (_HERE / EDGE_WORKER_MODULE).read_text()
@@ -53,6 +60,8 @@ class EdgeSettings:
     breaker_cooldown_seconds: float
     cpu_ms: int
     pool_redirect: bool
+    # The report channel's bounds (LogLimits.for_host): what a batch holds, what an isolate spools.
+    channel_limits: dict
 
     @classmethod
     def from_settings(cls) -> EdgeSettings | None:
@@ -70,6 +79,7 @@ class EdgeSettings:
             breaker_cooldown_seconds=settings.SIGIL_BREAKER_COOLDOWN_SECONDS,
             cpu_ms=settings.SIGIL_CPU_MS,
             pool_redirect=settings.SIGIL_POOL_REDIRECT,
+            channel_limits=LogLimits.from_settings().for_host(),
         )
 
 
@@ -84,12 +94,15 @@ class Edge:
         self.backend = backend
         self.kv = NamedKv(client=client, title=settings.kv_title)
         self._key = handoff_key(secret)
+        # Where the edge pushes its reports: the origin's endpoint for call records, signed alike.
+        self.reports = RecordsOrigin.at(settings.origin_url, secret=secret)
 
     def modules(self) -> dict[str, str]:
-        return {EDGE_MODULE: EDGE_SOURCE}
+        return {EDGE_MODULE: EDGE_SOURCE, CHANNEL_MODULE: CHANNEL_SOURCE}
 
     def bindings(self) -> list[dict]:
-        """The edge's own bindings: its KV, the switch, where the origin is, the engine's limits."""
+        """The edge's own bindings: its KV, the switch, where the origin is, the engine's limits,
+        and where its reports go with the channel's bounds (LOG_LIMITS)."""
         text = {
             EDGE_SWITCH: "true",
             "SIGIL_BACKEND": self.backend,
@@ -98,14 +111,16 @@ class Edge:
             "SIGIL_INVOKE_TIMEOUT_SECONDS": f"{self.settings.timeout_seconds:g}",
             "SIGIL_BREAKER_COOLDOWN_SECONDS": f"{self.settings.breaker_cooldown_seconds:g}",
             "SIGIL_CPU_MS": str(self.settings.cpu_ms),
+            "LOG_LIMITS": json.dumps(self.settings.channel_limits),
         }
         return [
             {"type": "kv_namespace", "name": "EDGE_KV", "namespace_id": self.kv.id},
             *({"type": "plain_text", "name": name, "text": value} for name, value in text.items()),
+            *self.reports.bindings(),
         ]
 
     def secret_bindings(self) -> list[dict]:
-        return [{"type": "secret_text", "name": "SIGIL_EDGE_KEY", "text": self._key}]
+        return [{"type": "secret_text", "name": "SIGIL_EDGE_KEY", "text": self._key}, *self.reports.secret_bindings()]
 
     def url(self, worker: SigilWorker) -> str:
         """The base of the URLs callers reach capabilities at: the custom domain's, else the

@@ -20,10 +20,10 @@ from capabilities.runtimes.edge import Edge, EdgeSettings
 from capabilities.runtimes.errors import RuntimeRejected
 from capabilities.runtimes.loader_host import HostNotReached, loader_host_start_check, loader_host_store
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
-from capabilities.workerd.config import HOST_DIR
+from capabilities.workerd.config import HOST_DIR, HOST_MODULES
 
-HOST_MODULE = "host.js"
-HOST_SOURCE = (HOST_DIR / HOST_MODULE).read_text()
+HOST_MODULE = HOST_MODULES[0]
+HOST_SOURCES = {name: (HOST_DIR / name).read_text() for name in HOST_MODULES}
 CODE_PREFIX = "code:"
 SLOT_PREFIX = "slot:"
 # The host's tail (host.js SigilTail) spools in the same namespace, under `spool:`, the batches
@@ -144,7 +144,7 @@ class LoaderRuntime(FrontedRuntime):
             self._worker = SigilWorker(
                 client=self.client,
                 name=self.worker_name,
-                modules={HOST_MODULE: HOST_SOURCE, **(edge.modules() if edge else {})},
+                modules={**HOST_SOURCES, **(edge.modules() if edge else {})},
                 main_module=HOST_MODULE,
                 bindings=[
                     {"type": "worker_loader", "name": "LOADER"},
@@ -154,7 +154,7 @@ class LoaderRuntime(FrontedRuntime):
                 ],
                 secret_bindings=[
                     {"type": "secret_text", "name": "SIGIL_SECRET", "text": self._secret},
-                    *(self.records_origin.secret_bindings() if self.log_limits is not None else []),
+                    *(self.records_origin.secret_bindings() if self.log_limits is not None and not edge else []),
                     *(edge.secret_bindings() if edge else []),
                 ],
                 version_binding="SIGIL_HOST_VERSION",
@@ -170,8 +170,11 @@ class LoaderRuntime(FrontedRuntime):
         them in meanwhile (none when they are off: the host then gives capabilities no tail)."""
         if self.log_limits is None:
             return []
+        spool = {"type": "kv_namespace", "name": "LOG_KV", "namespace_id": self.kv_id}
+        if self.edge is not None:
+            return [spool]  # the edge's bindings name the same endpoint and limits: its reports go that way too
         return [
-            {"type": "kv_namespace", "name": "LOG_KV", "namespace_id": self.kv_id},
+            spool,
             {"type": "plain_text", "name": "LOG_LIMITS", "text": json.dumps(self.log_limits)},
             *self.records_origin.bindings(),
         ]

@@ -5,7 +5,7 @@ receives the user Workers' events as well (Workers for Platforms).
 
 It pushes the calls' records to Sigil's origin (SIGIL_ORIGIN_URL) in signed batches, and keeps
 in a Workers KV namespace of its own, through its binding, the batches the origin does not
-take for now, until it does (host.js, flush). No API request is made for records.
+take for now, until it does (channel.js, the report channel). No API request is made for records.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import json
 from capabilities.record_pushes import RecordsOrigin
 from capabilities.runtimes.cloudflare import CloudflareClient, NamedKv
 from capabilities.runtimes.sigil_worker import SigilWorker
-from capabilities.workerd.config import HOST_DIR
+from capabilities.workerd.config import HOST_DIR, HOST_MODULES
 
 TAIL_WORKER = "sigil-tail"
 TAIL_KV_TITLE = "sigil-call-records"
-_SOURCES = {name: (HOST_DIR / name).read_text() for name in ("tail.js", "host.js")}
+_SOURCES = {name: (HOST_DIR / name).read_text() for name in ("tail.js", *HOST_MODULES)}
 
 
 class TailMailbox:

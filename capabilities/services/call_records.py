@@ -1,8 +1,8 @@
 """Keeping the batches of call records the runtimes' tails send Sigil, whichever way they
 come: the local runtime's log sink (capabilities/log_sink.py) hands over what its workerd
 processes post, and the origin's endpoint what Sigil's Workers on Cloudflare push
-(`call_records_push`). Both keep a batch with `call_records_batch_keep`, kept by
-capabilities.call_logs.
+(`call_records_push`, whose batches carry the edge's reports too: edge_reports.py). Both keep
+a batch with `call_records_batch_keep`, kept by capabilities.call_logs.
 
 The loader host's tail names each record's capability and masks its secrets itself, in the
 Worker that holds them. Sigil's Tail Worker (worker-pool, platform) sees only TraceItems: a
@@ -26,6 +26,7 @@ from capabilities.bindings import bindings_resolve
 from capabilities.log_limits import LogLimits
 from capabilities.models import BindingKind, Capability, State
 from capabilities.record_pushes import push_key, push_verify
+from capabilities.services.edge_reports import edge_reports_apply, edge_reports_read
 from sigil.errors import InvalidRequest
 
 # The shortest end of a cut line that is taken for the start of a secret value (and masked).
@@ -38,14 +39,15 @@ _BATCH_ID = re.compile(r"^[0-9A-Za-z-]{8,64}$")
 def call_records_push(
     *, body: bytes, signed_at: str, signature: str, secret: str, backend: str, limits: LogLimits | None = None
 ) -> int:
-    """Take a batch of call records one of Sigil's Workers on Cloudflare pushed: check that it
-    was signed with the key derived from `secret` within the allowed time (record_pushes), read
-    it, and keep it (`call_records_batch_keep`) unless a batch of the same id was taken before.
-    Returns how many records were kept (0 for a batch taken before).
+    """Take a batch one of Sigil's Workers on Cloudflare pushed: check that it was signed with
+    the key derived from `secret` within the allowed time (record_pushes), read it, apply the
+    edge's reports it carries (`edge_reports_apply`) and keep its call records
+    (`call_records_batch_keep`), each unless a batch of the same id was taken before. Returns
+    how many records were kept (0 for a batch taken before).
 
     Raises Forbidden for a bad or stale signature, InvalidRequest for a body that is no batch:
     either way nothing is kept or counted (the Worker counts what it could not deliver).
-    Idempotent: a batch pushed again is kept once.
+    Idempotent: a batch pushed again is kept once, its reports applied once.
     """
     push_verify(key=push_key(secret), signed_at=signed_at, signature=signature, body=body, now=time.time())
     try:
@@ -57,7 +59,15 @@ def call_records_push(
     batch_id = batch.get("id")
     if not isinstance(batch_id, str) or not _BATCH_ID.match(batch_id):
         raise InvalidRequest("a pushed batch carries its id (8 to 64 letters, digits and dashes)")
-    return call_records_batch_keep(batch=batch, backend=backend, limits=limits or LogLimits.from_settings())
+    limits = limits or LogLimits.from_settings()
+    reports, reports_dropped = edge_reports_read(batch)
+    if reports or reports_dropped:
+        # Applied first, and once (their own note of the batch): should keeping the records
+        # fail, the Worker pushes the batch again and only the records are kept then.
+        edge_reports_apply(
+            batch_id=batch_id, reports=reports, dropped=reports_dropped, kept_seconds=limits.retention_seconds
+        )
+    return call_records_batch_keep(batch=batch, backend=backend, limits=limits)
 
 
 def call_records_batch_keep(*, batch: dict, backend: str, limits: LogLimits) -> int:

@@ -168,9 +168,16 @@ def breaker_enter(rules: breaker.Breaker, redis, *, full: str, raw: bytes, now: 
     try:
         return rules.enter(redis, full=full, raw=raw, now=now)
     except Degraded:
-        if names.is_variant(full) and stats.split_refusal_count(redis, variant=full):
-            jobs.capability_split_guard.delay()
+        breaker_refused(redis, full=full)
         raise
+
+
+def breaker_refused(redis, *, full: str) -> None:
+    """Count a call `full`'s breaker refused (at the origin, or at the edge and reported): a
+    staged version's counts toward its split's guard (stats.split_refusal_count), which is asked
+    to look when due. One round trip for a staged version, none otherwise; no SQL."""
+    if names.is_variant(full) and stats.split_refusal_count(redis, variant=full):
+        jobs.capability_split_guard.delay()
 
 
 def breaker_changed(*, full: str, change: bytes | str | None, at_epoch: float) -> None:

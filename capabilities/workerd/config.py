@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 HOST_DIR = Path(__file__).resolve().parent.parent / "runtimes" / "host"
+# The loader host's modules: its entry, and the report channel its tail sends call records by.
+HOST_MODULES = ("host.js", "channel.js")
 COMPATIBILITY_DATE = "2025-01-01"
 # Every V8 collection a full one. Each request leaves native objects (its Request, Response,
 # headers, I/O state) behind JS wrappers that only a full collection frees; workerd turns off
@@ -35,7 +37,7 @@ def loader_host_config(
     log_limits: dict | None,
     outbound_allow: tuple[str, ...] | None = None,
 ) -> str:
-    """The config of a workerd serving the loader host (`host.js`, beside the config) on
+    """The config of a workerd serving the loader host (HOST_MODULES, beside the config) on
     127.0.0.1:`port`, reading code bundles from `code_dir`; with `log_sink_port`, the host
     posts the calls' records there, each within `log_limits`. Its `fetch()` reaches the
     public internet only (workerd's default), or with `outbound_allow` the addresses it names
@@ -65,7 +67,7 @@ const config :Workerd.Config = (
 );
 
 const host :Workerd.Worker = (
-  modules = [(name = "host.js", esModule = embed "host.js")],
+  modules = [{", ".join(f'(name = "{name}", esModule = embed "{name}")' for name in HOST_MODULES)}],
   compatibilityDate = "{COMPATIBILITY_DATE}",
   # enable_ctx_exports: the host hands each capability its own SigilTail entrypoint as its tail.
   compatibilityFlags = ["experimental", "nodejs_compat", "enable_ctx_exports"],

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from capabilities.workerd.config import HOST_DIR, loader_host_config
+from capabilities.workerd.config import HOST_DIR, HOST_MODULES, loader_host_config
 from sigil.lifetime import PidFiles, die_with_parent
 from sigil.ports import port_is_open, wait_for_port_closed
 from sigil.restarts import keep_running
@@ -107,10 +107,11 @@ class WorkerdHost:
         return f"workerd-{self.port}"
 
     def write_config(self) -> Path:
-        """Write the capnp config; the host module is copied beside it so `embed` finds it."""
+        """Write the capnp config; the host's modules are copied beside it so `embed` finds them."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.code_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(HOST_DIR / "host.js", self.state_dir / "host.js")
+        for module in HOST_MODULES:
+            shutil.copyfile(HOST_DIR / module, self.state_dir / module)
         config = loader_host_config(
             port=self.port,
             code_dir=self.code_dir,

@@ -28,6 +28,13 @@
 //
 // The failed-token brake (agents/throttle.py) and an agent's shares of a server are the
 // origin's: a token the edge does not know goes there, so guesses still meet the brake.
+//
+// Each call the edge answers itself it reports to the origin (report), which records it as the
+// engine records its own: counters, breaker, failure record, token last-use, pager access, the
+// access log. Reports travel by the call records' report channel (channel.js, uploaded beside
+// this module): a failure at once, so that the origin's breaker counts it, the rest batched.
+
+import { channelLimits, deliver, queueReport } from "./channel.js";
 
 const MEMO_MS = 1000;
 const MEMO_KEPT = 4096;
@@ -89,11 +96,12 @@ const ORIGIN = Symbol("origin");
 
 /** An answer of Sigil's own, in the envelope of docs/errors.md (sigil/errors.py's classes). */
 class Refusal extends Error {
-  constructor(status, code, message, { retryAfter = null } = {}) {
+  constructor(status, code, message, { retryAfter = null, failure = null } = {}) {
     super(message);
     this.status = status;
     this.code = code;
     this.retryAfter = retryAfter;
+    this.failure = failure; // what the failure record says, when not the message (what a capability threw)
   }
 }
 
@@ -114,43 +122,94 @@ export async function serveEdge(request, env, ctx, runner) {
     owner: null,
     tokenHash: null,
     version: null,
+    type: null,
     capabilityMs: null,
   };
   let answer;
-  let code = null;
+  let refusal = null;
   try {
     answer = await serve(request, env, runner, call);
   } catch (error) {
-    const refusal = error instanceof Refusal ? error : unexpected(error, call);
-    code = refusal.code;
+    refusal = error instanceof Refusal ? error : unexpected(error, call);
     answer = errorAnswer(refusal);
   }
   if (answer === ORIGIN) return toOrigin(request, env);
   answer.headers.set("X-Request-Id", call.requestId);
-  const record = {
-    at: call.started / 1000,
-    request_id: call.requestId,
-    capability: call.capability,
-    shown: call.shown,
-    caller: call.caller,
-    owner: call.owner,
-    token_hash: call.tokenHash,
-    version: call.version,
-    status: answer.status,
-    code,
-    ms: Date.now() - call.started,
-    capability_ms: call.capabilityMs,
-  };
-  if (ctx && ctx.waitUntil) ctx.waitUntil(Promise.resolve().then(() => report(record, env)));
+  const answeredAt = Date.now();
+  let failureLine = Promise.resolve("");
+  if (refusal === null && answer.status >= 500 && answer.body !== null) {
+    // The capability's own 5xx: its failure record holds the first line of its body.
+    const [passed, read] = answer.body.tee();
+    answer = new Response(passed, { status: answer.status, statusText: answer.statusText, headers: answer.headers });
+    failureLine = firstLine(read);
+  }
+  const status = answer.status;
+  const reported = failureLine.then((line) => report(callReport(request, call, answeredAt, status, refusal, line), env));
+  if (ctx && ctx.waitUntil) ctx.waitUntil(reported.catch((error) => console.error(`a call's report was lost: ${error}`)));
   return answer;
 }
 
+// --- what the edge reports of the calls it answered ------------------------------------------
+
+// The refusals that are the capability's own failure, counted as its call and toward its
+// breaker (capabilities/engine/sending.py: what Recorder.finish records, CapabilityError and
+// Timeout); any other refusal is counted as an answer Sigil gave (stats.answer_count).
+const CALL_FAILURES = new Set(["capability_error", "timeout"]);
+// capabilities/failures.py: MESSAGE_MAX_CHARS.
+const FAILURE_MESSAGE_CHARS = 500;
+
 /**
- * Each call the edge answered itself, served or refused, as one record (its answer's head is
- * known; a streamed body may still be on its way). The counters, breaker outcomes, failure
- * records, token last-use and pager access it stands for reach the origin from here.
+ * Each call the edge answered itself, served or refused, as one report once its answer's head
+ * is known (a streamed body may still be on its way). The origin applies it as the engine
+ * records a call of its own (capabilities/services/edge_reports.py): the counters, the breaker's
+ * outcome, the failure record, the token's last use and the pager's access time of a call that
+ * reached the capability's code, the count of an answer Sigil gave, and the access log's line.
+ * It travels by the report channel (channel.js), a failure at once, the rest in the next batch.
  */
-export function report(record, env) {}
+export function report(item, env) {
+  if (!env.SIGIL_RECORDS_URL) return Promise.resolve(); // uploaded without an origin to report to
+  queueReport(item);
+  return deliver(env, channelLimits(env), { urgent: item.call && !item.ok });
+}
+
+/** The report of one call: what capabilities/services/edge_reports.py:EdgeReport reads. */
+function callReport(request, call, answeredAt, status, refusal, failureLine) {
+  const reached = refusal === null || CALL_FAILURES.has(refusal.code);
+  const ok = refusal === null && status < 500;
+  let message = "";
+  if (reached && !ok) message = refusal === null ? failureLine : (refusal.failure ?? refusal.message);
+  return {
+    rid: call.requestId,
+    at: answeredAt / 1000,
+    method: request.method,
+    path: new URL(request.url).pathname.slice(0, 2048),
+    capability: call.capability,
+    type: reached ? call.type : null,
+    token: reached ? call.tokenHash : null,
+    version: call.version,
+    status,
+    code: refusal === null ? null : refusal.code,
+    ms: answeredAt - call.started,
+    call: reached,
+    ok,
+    message: message.slice(0, FAILURE_MESSAGE_CHARS),
+  };
+}
+
+/** The first line of a body's first chunk (capabilities/engine/recording.py:_first_line); the rest is let go. */
+async function firstLine(body) {
+  const reader = body.getReader();
+  try {
+    const { value } = await reader.read();
+    if (!value) return "";
+    const text = new TextDecoder().decode(value.subarray(0, FAILURE_MESSAGE_CHARS)).trim();
+    return text.split(/\r\n|[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]/)[0] || "";
+  } catch {
+    return "";
+  } finally {
+    reader.cancel().catch(() => {});
+  }
+}
 
 async function serve(request, env, runner, call) {
   const url = new URL(request.url);
@@ -233,6 +292,7 @@ async function serve(request, env, runner, call) {
   if (!SERVED_STATES.has(route.state)) return ORIGIN;
   if (route.backend && env.SIGIL_BACKEND && route.backend !== env.SIGIL_BACKEND) return ORIGIN;
   call.version = route.ver ?? null;
+  call.type = route.type ?? null;
 
   // The body.
   const maxBody = Number(env.SIGIL_INVOKE_MAX_BODY_BYTES || 100 * 1024 * 1024);
@@ -336,7 +396,7 @@ async function runtimeFailure(response, failure, full) {
     } catch {
       thrown = text.slice(0, 500);
     }
-    return new Refusal(502, "capability_error", `${full} threw: ${thrown}`);
+    return new Refusal(502, "capability_error", `${full} threw: ${thrown}`, { failure: thrown });
   }
   if (failure === "exceeded-cpu") {
     let what = "ran past its CPU limit";

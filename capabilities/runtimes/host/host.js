@@ -36,9 +36,11 @@
 // shared secret, which capability code never sees, so it cannot forge records; or, on
 // Cloudflare (the loader runtime), pushes them to Sigil's origin (SIGIL_RECORDS_URL), signed
 // with a key capability code never sees either (SIGIL_RECORDS_KEY), spooling in Workers KV
-// (LOG_KV) what the origin does not take for now (see flush).
+// (LOG_KV) what the origin does not take for now: the report channel, channel.js, which the
+// edge's reports (edge.js) travel by too.
 
 import { WorkerEntrypoint } from "cloudflare:workers";
+import { channelLimits, deliver, queueRecord } from "./channel.js";
 
 const SECRET_HEADER = "x-sigil-secret";
 const LOADER_ID_HEADER = "x-sigil-loader-id";
@@ -305,326 +307,15 @@ export function callRecord(event, props, limits) {
   };
 }
 
-// The records of calls that ended close together travel in one batch: each tail only queues
-// its records, and the tail that finds no batch on its way waits a moment, then sends what
-// has gathered (again, until nothing is left). One subrequest per batch rather than per call
-// is what keeps the tails' share of workerd's event loop small. The queue is bounded: what
-// is dropped past it is counted in the next batch, so Sigil counts it as lost.
-//
-// Where a batch goes: to the local runtime's log sink (LOG_SINK, a service on this machine),
-// or, on Cloudflare, pushed to Sigil's origin (SIGIL_RECORDS_URL), signed with
-// SIGIL_RECORDS_KEY (HMAC-SHA256 over the time of signing and the exact body: see push). A
-// push carries an id, so a batch pushed twice is kept once. A batch the origin does not take
-// (no connection, a timeout, a 5xx) waits in the Worker's own KV namespace (LOG_KV, through
-// its binding: no API request) until the origin takes batches again (see spool and drain).
-const FLUSH_MS = 50;
-// Pushed batches wait longer: one push a second or so carries everything of that second.
-const PUSH_FLUSH_MS = 1000;
-// How long a push may take before the batch is spooled instead.
-const PUSH_TIMEOUT_MS = 10_000;
-// At most this many records in one batch (the sink and the origin refuse larger bodies:
-// capabilities/log_limits.py, LogLimits.batch_bytes, which LOG_LIMITS carries as batchBytes).
-const BATCH_RECORDS = 64;
-// What the queue may hold, roughly in bytes of text: past it, records are dropped (and counted).
-const MAX_PENDING_BYTES = 8 * 1024 * 1024;
-const SIGNED_AT_HEADER = "x-sigil-signed-at";
-const SIGNATURE_HEADER = "x-sigil-signature";
-const SPOOL_PREFIX = "spool:";
-// Spooled batches one flush pushes at most; the rest wait for the next flush.
-const DRAIN_BATCHES = 32;
-// After a batch was spooled, the pauses before the spool is tried again in the same flush.
-const RETRY_PAUSES_MS = [1000, 3000, 8000];
-const pending = [];
-let pendingBytes = 0;
-let dropped = 0;
-
-function sizeOf(record) {
-  let size = 512;
-  for (const line of record.logs) size += line.text.length + 48;
-  if (record.exception) size += record.exception.stack.length + record.exception.message.length;
-  return size;
-}
-let flushing = false;
-
-// The origin did not take a batch now: no connection, a timeout, a 5xx or a 429. Worth spooling.
-class OriginUnreachable extends Error {}
-
-const encoder = new TextEncoder();
-let signingKey = null; // [key text, CryptoKey]: imported once per SIGIL_RECORDS_KEY
-
-async function signature(keyText, signedAt, body) {
-  if (!signingKey || signingKey[0] !== keyText) {
-    const key = await crypto.subtle.importKey(
-      "raw",
-      encoder.encode(keyText),
-      { name: "HMAC", hash: "SHA-256" },
-      false,
-      ["sign"],
-    );
-    signingKey = [keyText, key];
-  }
-  const mac = await crypto.subtle.sign("HMAC", signingKey[1], encoder.encode(`${signedAt}.${body}`));
-  return [...new Uint8Array(mac)].map((byte) => byte.toString(16).padStart(2, "0")).join("");
-}
-
-// Push one batch's body (JSON, with its id) to the origin. Resolves once the origin took it (or
-// had taken it before); throws OriginUnreachable when it should be tried again later, any
-// other error when the origin refused it for good (a bad signature, a malformed batch).
-async function push(env, body) {
-  const signedAt = String(Math.floor(Date.now() / 1000));
-  const headers = {
-    "content-type": "application/json",
-    [SIGNED_AT_HEADER]: signedAt,
-    [SIGNATURE_HEADER]: await signature(env.SIGIL_RECORDS_KEY, signedAt, body),
-  };
-  let response;
-  try {
-    response = await fetch(env.SIGIL_RECORDS_URL, {
-      method: "POST",
-      headers,
-      body,
-      signal: AbortSignal.timeout(PUSH_TIMEOUT_MS),
-    });
-  } catch (error) {
-    throw new OriginUnreachable(`the origin was not reached: ${error}`);
-  }
-  const answer = await response.text().catch(() => "");
-  if (response.ok) return;
-  if (response.status >= 500 || response.status === 429 || response.status === 408) {
-    throw new OriginUnreachable(`the origin answered ${response.status}`);
-  }
-  throw new Error(`the origin refused a batch with ${response.status}: ${answer.slice(0, 300)}`);
-}
-
-// What the spool remembers in this isolate: the keys it wrote and has not seen drained, how
-// many it wrote since it last found the spool empty (its bound), and whether it has listed
-// the spool since it started (a fresh isolate lists once, on its first push the origin takes,
-// for what isolates before it left there).
-const spooled = new Set();
-let spooledSinceEmpty = 0;
-let spoolListed = false;
-let spoolMore = false;
-
-// Keep a batch the origin did not take in LOG_KV until it does, for the records' retention
-// (KV's own expiry). False when it cannot: no KV binding, the bound reached, a failed write.
-async function spool(env, limits, body, batchId) {
-  if (!env.LOG_KV || spooledSinceEmpty >= (limits.spoolBatches ?? 100)) return false;
-  const key = `${SPOOL_PREFIX}${String(Date.now()).padStart(15, "0")}:${batchId}`;
-  try {
-    await env.LOG_KV.put(key, body, { expirationTtl: Math.max(60, limits.retentionSeconds || 86400) });
-  } catch (error) {
-    console.error(`call records not spooled: ${error}`);
-    return false;
-  }
-  spooled.add(key);
-  spooledSinceEmpty += 1;
-  return true;
-}
-
-function spoolWaiting() {
-  return spooled.size > 0 || !spoolListed || spoolMore;
-}
-
-// Push what waits in the spool, oldest first, once the origin takes batches again: through the
-// binding (list, get, push, delete), at most DRAIN_BATCHES a flush. Another isolate may push
-// the same batch meanwhile: the origin keeps it once. Returns false when the origin stopped
-// taking them.
-async function drain(env) {
-  const keys = new Set(spooled);
-  const listing = await env.LOG_KV.list({ prefix: SPOOL_PREFIX, limit: DRAIN_BATCHES });
-  for (const key of listing.keys) keys.add(key.name);
-  spoolListed = true;
-  spoolMore = !listing.list_complete;
-  let pushed = 0;
-  for (const key of [...keys].sort()) {
-    if (pushed >= DRAIN_BATCHES) {
-      spoolMore = true;
-      return true;
-    }
-    pushed += 1;
-    if (!(await pushSpooled(env, key))) return false;
-  }
-  if (!spoolMore && spooled.size === 0) spooledSinceEmpty = 0;
-  return true;
-}
-
-// Push one spooled batch and delete it; one the origin refuses for good is deleted too, its
-// records counted as lost in the next batch. False when the origin is out of reach (it stays).
-async function pushSpooled(env, key) {
-  const body = await env.LOG_KV.get(key);
-  if (body !== null) {
-    try {
-      await push(env, body);
-    } catch (error) {
-      if (error instanceof OriginUnreachable) return false;
-      dropped += recordsIn(body);
-      console.error(`spooled call records refused: ${error}`);
-    }
-    await env.LOG_KV.delete(key);
-  }
-  spooled.delete(key);
-  return true;
-}
-
-function recordsIn(body) {
-  try {
-    const batch = JSON.parse(body);
-    return (Array.isArray(batch.records) ? batch.records.length : 0) + (batch.dropped || 0);
-  } catch {
-    return 0;
-  }
-}
-
-// The next batch from the queue: at most BATCH_RECORDS records and, with `maxBytes` (pushes),
-// that many bytes of JSON (but at least one record). The log sink's batches are not measured:
-// the per-call bounds keep BATCH_RECORDS of them within its bound, but for JSON's escaping, and
-// the local runtime's calls should not pay for measuring.
-function nextBatch(maxBytes) {
-  let records;
-  if (maxBytes) {
-    records = [];
-    let bytes = 256;
-    while (pending.length && records.length < BATCH_RECORDS) {
-      const size = encoder.encode(JSON.stringify(pending[0])).byteLength + 1;
-      if (records.length && bytes + size > maxBytes) break;
-      bytes += size;
-      records.push(pending.shift());
-    }
-  } else {
-    records = pending.splice(0, BATCH_RECORDS);
-  }
-  for (const record of records) pendingBytes -= sizeOf(record);
-  return records;
-}
-
-async function flush(env, limits) {
-  flushing = true;
-  try {
-    await sleep(env.SIGIL_RECORDS_URL ? PUSH_FLUSH_MS : FLUSH_MS);
-    if (!env.SIGIL_RECORDS_URL) {
-      await deliverToSink(env);
-      return;
-    }
-    let reachable = await deliverPushed(env, limits, true);
-    // What was spooled a moment ago is tried again a few times while this invocation may run
-    // (waitUntil), so that the records of a burst's last calls do not wait for the next call.
-    // Each try pushes the oldest batch this isolate spooled: a KV read, no listing.
-    for (const pause of RETRY_PAUSES_MS) {
-      if (reachable || !env.LOG_KV || !spooled.size) break;
-      await sleep(pause);
-      reachable = await pushOldestSpooled(env);
-    }
-    if (pending.length || dropped) await deliverPushed(env, limits, reachable);
-  } finally {
-    flushing = false;
-  }
-}
-
-function sleep(ms) {
-  return new Promise((resolve) => setTimeout(resolve, ms));
-}
-
-async function deliverToSink(env) {
-  while (pending.length || dropped) {
-    const records = nextBatch(0);
-    const lost = dropped;
-    dropped = 0;
-    try {
-      await send(env, { records, dropped: lost });
-    } catch (error) {
-      // Sigil is not taking them now: the next batch that gets through says how many were lost.
-      dropped += lost + records.length;
-      console.error(`call records not delivered: ${error}`);
-      return;
-    }
-  }
-}
-
-// Push the queue's batches to the origin (straight to the spool once it is out of reach);
-// drain the spool after a push the origin took. Returns whether the origin is reachable.
-async function deliverPushed(env, limits, reachable) {
-  let pushedAt = 0;
-  while (pending.length || dropped) {
-    // What queued while a batch was pushed waits for the rest of its second, unless a whole
-    // batch is there: one push a second, whatever the rate below BATCH_RECORDS calls a second.
-    const wait = pushedAt + PUSH_FLUSH_MS - Date.now();
-    if (pushedAt && reachable && wait > 0 && pending.length < BATCH_RECORDS) await sleep(wait);
-    pushedAt = Date.now();
-    const records = nextBatch(limits.batchBytes);
-    const lost = dropped;
-    dropped = 0;
-    // LOG_SLOTS (Sigil's Tail Worker): the records name the runtime's slot, and Sigil masks
-    // their secrets as it takes them (capabilities/services/call_records.py).
-    const id = crypto.randomUUID();
-    const batch = env.LOG_SLOTS ? { id, records, dropped: lost, slots: true } : { id, records, dropped: lost };
-    const body = JSON.stringify(batch);
-    try {
-      if (!reachable) throw new OriginUnreachable("the origin was out of reach a moment ago");
-      await push(env, body);
-    } catch (error) {
-      if (error instanceof OriginUnreachable) reachable = false;
-      if (error instanceof OriginUnreachable && (await spool(env, limits, body, id))) continue;
-      // Refused, or not kept for later: the next batch that gets through says how many were
-      // lost. Nothing more goes now (the next tail's flush tries again).
-      dropped += lost + records.length;
-      console.error(`call records not delivered: ${error}`);
-      return reachable;
-    }
-    if (env.LOG_KV && spoolWaiting()) reachable = await drainQuietly(env);
-  }
-  return reachable;
-}
-
-// Push the oldest batch this isolate spooled, then, if the origin took it, the rest of the
-// spool. Returns whether the origin took it.
-async function pushOldestSpooled(env) {
-  const [oldest] = [...spooled].sort();
-  try {
-    if (!(await pushSpooled(env, oldest))) return false;
-  } catch (error) {
-    console.error(`spooled call records not pushed now: ${error}`);
-    return false;
-  }
-  return drainQuietly(env);
-}
-
-async function drainQuietly(env) {
-  try {
-    return await drain(env);
-  } catch (error) {
-    // What stays spooled is pushed by a later flush (or expires with the records' retention).
-    console.error(`spooled call records not drained now: ${error}`);
-    return true;
-  }
-}
-
-async function send(env, batch) {
-  const response = await env.LOG_SINK.fetch("http://sink/records", {
-    method: "POST",
-    headers: { "content-type": "application/json", [SECRET_HEADER]: env.SIGIL_SECRET },
-    body: JSON.stringify(batch),
-  });
-  if (!response.ok) throw new Error(`the log sink answered ${response.status}`);
-}
-
-// The tail events of calls, as records queued for the next batch (see flush). `propsOf(event)`
-// gives each event's props (callRecord).
+// The tail events of calls, as records queued for the channel's next batch (channel.js).
+// `propsOf(event)` gives each event's props (callRecord).
 export async function tailEvents(events, env, propsOf) {
-  const limits = JSON.parse(env.LOG_LIMITS || "{}");
-  limits.lines = limits.lines ?? 200;
-  limits.lineBytes = limits.lineBytes ?? 2048;
+  const limits = channelLimits(env);
   for (const event of events) {
     const record = callRecord(event, propsOf(event), limits);
-    if (!record) continue;
-    const size = sizeOf(record);
-    if (pendingBytes + size > MAX_PENDING_BYTES) {
-      dropped += 1;
-      continue;
-    }
-    pending.push(record);
-    pendingBytes += size;
+    if (record) queueRecord(record);
   }
-  if ((pending.length || dropped) && !flushing) await flush(env, limits);
+  await deliver(env, limits);
 }
 
 export class SigilTail extends WorkerEntrypoint {
@@ -687,7 +378,9 @@ export default {
     // Awaited, so that once a new version has been started (its start check), the one two
     // versions back is gone; it is one short call, made once per version.
     await retire(env, touch(slot, cacheId));
-    const logged = Boolean((env.LOG_SINK || env.SIGIL_RECORDS_URL) && ctx && ctx.exports && ctx.exports.SigilTail);
+    // Call records are on where the host has the local log sink, or on Cloudflare a spool for
+    // them (LOG_KV): SIGIL_RECORDS_URL alone is the edge's, whose reports travel without them.
+    const logged = Boolean((env.LOG_SINK || (env.SIGIL_RECORDS_URL && env.LOG_KV)) && ctx && ctx.exports && ctx.exports.SigilTail);
     const worker = env.LOADER.get(cacheId, async () => {
       let bundle, secrets;
       try {
