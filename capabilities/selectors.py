@@ -132,6 +132,10 @@ def capability_list_visible(
         .defer("current_version__code", "staged_version__code")
         .filter(visible_to(principal))
     )
+    for name, value in (("agent", agent), ("q", q)):
+        # PostgreSQL cannot compare a text holding NUL; no name or description holds one.
+        if value is not None and "\x00" in value:
+            raise InvalidRequest(f"{name} holds a NUL character (%00); leave it out")
     if type is not None:
         if type not in CapabilityType.values:
             raise InvalidRequest(f"type must be one of {', '.join(CapabilityType.values)}")

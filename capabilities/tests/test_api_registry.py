@@ -40,6 +40,13 @@ def test_list_rejects_unknown_filter_values(alice):
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_request"
 
 
+def test_list_refuses_a_nul_in_a_text_filter_on_every_database(alice):
+    for query in ("agent=bo%00b", "q=pi%00ng"):
+        response = get(alice, f"/_api/capabilities?{query}")
+        assert response.status_code == 400, query
+        assert "NUL" in response.json()["error"]["message"]
+
+
 def test_inspect_shows_metadata_and_own_code(alice):
     from capabilities.models import Binding
     from testsupport.cast import grant
