@@ -19,6 +19,11 @@ from capabilities.runtimes import get_runtime
 from capabilities.services.page_outs import PAGE_OUT_GRACE_SECONDS, capability_page_out_chosen, pager_built
 from capabilities.services.placement import capability_page_in
 from sigil.errors import NotFound, Unavailable
+from sigil.leases import Lease
+
+# Two prewarm runs at once (the beat's and an owner's) would each judge the pager's state
+# before the other's page-ins and page out what the other just placed: one run at a time.
+PREWARM_LEASE = "sigil:prewarm:run"
 
 
 def capability_mark_inactive(*, now: datetime | None = None, batch_size: int = 500) -> int:
@@ -68,11 +73,22 @@ def capability_prewarm(*, now: datetime | None = None) -> list[str]:
     Prewarm never pages out a capability it did not judge: its page-ins evict nothing, so
     one that finds no free slot (a call took it meanwhile), or that the account refuses for
     want of room (Cloudflare's 10037), ends the run. Idempotent: what is live is left alone.
+    One run at a time: a run that finds another under way places nothing and returns [].
     """
     runtime = get_runtime()
     if runtime.total_slots is None:
         return []
-    now = now or timezone.now()
+    lease = Lease(PREWARM_LEASE, hold_seconds=settings.CELERY_TASK_SOFT_TIME_LIMIT, blocking=False)
+    if not lease.acquire():
+        return []
+    try:
+        return _prewarm(runtime, now=now or timezone.now())
+    finally:
+        if lease.owned():
+            lease.release()
+
+
+def _prewarm(runtime, *, now: datetime) -> list[str]:
     top = prewarm_top(now=now, count=min(settings.SIGIL_PREWARM_TOP_N, runtime.total_slots))
     cold = set(Capability.objects.filter(full_name__in=top, state=State.PAGED_OUT).values_list("full_name", flat=True))
     pager_built()

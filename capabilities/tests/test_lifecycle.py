@@ -12,7 +12,9 @@ from django.utils import timezone
 from agents.models import Agent, AuditEvent
 from capabilities import services
 from capabilities.models import Capability
+from capabilities.services.lifecycle import PREWARM_LEASE
 from sigil.encryption import secret_encrypt
+from sigil.leases import Lease
 from testsupport.capability_code import FLAKY
 from testsupport.capability_code import answering as code
 from testsupport.cast import flush_stats_when_recorded, wait_for
@@ -38,6 +40,13 @@ def test_prewarm_pages_in_the_most_called_capability(worker_pool, alice, celery_
     flush_stats_when_recorded(alice__hot=5, alice__warm=1)
     services.capability_evict(full="alice--hot", actor="owner:test")
     assert Capability.objects.get(full_name="alice--hot").state == "paged_out"
+
+    # One run at a time: while another holds the run, this one places nothing.
+    other_run = Lease(PREWARM_LEASE, hold_seconds=60, blocking=False)
+    assert other_run.acquire()
+    assert services.capability_prewarm() == []
+    assert Capability.objects.get(full_name="alice--hot").state == "paged_out"
+    other_run.release()
 
     assert services.capability_prewarm() == ["alice--hot"]
     assert Capability.objects.get(full_name="alice--hot").state == "live"

@@ -454,7 +454,15 @@ def run_stress(*, seed, alice, emulator, scripts_on_cloudflare, operations, owne
         # 404: removed; 409: nothing staged, or a placement of it under way; 502: Cloudflare failed.
         answered(response, {200, 404, 409, 502})
 
+    # One prewarm step at a time, so that the audit trail after `before` is this run's alone
+    # (Sigil itself runs one at a time: a second finds the first's lease and places nothing).
+    prewarm_turn = threading.Lock()
+
     def prewarm_once():
+        with prewarm_turn:
+            prewarm_judged()
+
+    def prewarm_judged():
         before = AuditEvent.objects.order_by("-id").values_list("id", flat=True).first() or 0
         services.capability_flush_stats()
         try:
