@@ -5,6 +5,7 @@ import hashlib
 import hmac
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -280,6 +281,51 @@ def test_a_call_survives_its_runner_being_killed_mid_call(alice, settings, webho
         if runner.poll() is None:
             runner.kill()
             runner.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_calls_in_flight_when_redis_is_killed_all_end_once_it_is_back(alice, settings, own_redis, tmp_path):
+    from django.db import connection
+
+    settings.SIGIL_ASYNC_RUNNERS = 0  # the server's own runners are on the suite's Redis
+    alice.deploy(name="slow", code=SLOW)
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(connection.settings_dict),
+        "REDIS_URL": own_redis.url,
+        "SIGIL_ACCESS_LOG": "false",
+    }
+    status_urls = [accepted(alice.call(f"/alice/slow?n={i}", headers=ASYNC)) for i in range(6)]
+    with (tmp_path / "runcalls.log").open("wb") as log:
+        runner_process = subprocess.Popen(
+            [sys.executable, "manage.py", "runcalls"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_until(
+            lambda: all(alice.call(url).json().get("status") == "running" for url in status_urls),
+            timeout=60,
+            interval=0.1,
+            what="the runner to start every call",
+        )
+        # Redis dies while the calls are in flight, and stays away while they answer, so that
+        # their runner cannot record them; it comes back from its append-only file.
+        os.kill(own_redis.process.pid, signal.SIGKILL)
+        own_redis.process.wait(timeout=10)
+        time.sleep(4)
+        own_redis.start()
+
+        for i, url in enumerate(status_urls):
+            result = result_of(alice, url, timeout=60)
+            assert (result.status_code, result.text) == (200, f"slow ?n={i}"), url
+        # The runner recorded nothing in Redis's absence: each call was run again.
+        attempts = [
+            int(get_redis().hget(async_calls.record_key(url.rsplit("/", 1)[1]), "attempts")) for url in status_urls
+        ]
+        assert all(a >= 2 for a in attempts), attempts
+        assert not get_redis().llen(async_calls.QUEUE_KEY)
+    finally:
+        runner_process.kill()
+        runner_process.wait(timeout=30)
 
 
 def test_an_agent_with_its_limit_of_calls_waiting_is_refused_until_one_has_run(alice, bob, settings):

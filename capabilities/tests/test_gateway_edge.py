@@ -61,20 +61,6 @@ def test_an_unexpected_error_in_the_control_api_is_a_500_internal_error_with_a_r
     assert_error(alice.call("/alice/anything"), 500, "internal_error")  # the gateway reads the same entry
 
 
-@pytest.fixture
-def own_redis(tmp_path, settings, sigil):
-    """Sigil on a Redis server of this test's own, which the test may stop and start again."""
-    server = EmbeddedRedis(tmp_path / "redis")
-    server.start()
-    settings.REDIS_URL = server.url
-    get_redis.cache_clear()
-    sigil.app.gateway = None  # rebuilt on the next call, on this Redis
-    yield server
-    server.stop()
-    get_redis.cache_clear()
-    sigil.app.gateway = None
-
-
 def test_redis_unreachable_is_503_unavailable_with_retry_after_and_recovers(own_redis, alice, access_log):
     alice.deploy(name="ping", code=PONG)
     assert alice.call("/alice/ping").text == "pong"  # the gateway now holds Redis connections
