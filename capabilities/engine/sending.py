@@ -147,7 +147,8 @@ class Sender:
             if not stopped.culprit:
                 # Its process exited, or it shared one with a call that ran past a limit, or found
                 # it restarting: not this capability's failure, so its breaker is left alone.
-                whose = "its runtime process" if stopped.reason == "exited" else "another call in its runtime process"
+                alone = stopped.reason in ("exited", "starved")  # no call of the process caused it
+                whose = "its runtime process" if alone else "another call in its runtime process"
                 raise Unavailable(
                     f"{call.full} was interrupted: {whose} {stopped.message}; a fresh process is starting",
                     retry_after=1,

@@ -176,8 +176,9 @@ class CallStopped:
     exited on its own.
 
     `culprit` says whether this call can be the one that ran past it (else it merely
-    shared the process, or arrived while it restarted); `reason` is "cpu", "memory" or
-    "exited"; `message` completes "{capability} ..." ("ran past its CPU limit of 1000 ms").
+    shared the process, or arrived while it restarted); `reason` is "cpu", "memory",
+    "starved" (silent while the host did not run it) or "exited"; `message` completes
+    "{capability} ..." ("ran past its CPU limit of 1000 ms").
     """
 
     culprit: bool
