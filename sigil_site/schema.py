@@ -124,8 +124,8 @@ CALL_BODY_METHODS = ("post", "put", "patch")
 CALL_REQUEST_BODY = {
     "required": False,
     "description": "Reaches the capability as sent. A capability with a contract takes the JSON object its "
-    "`input_schema` describes (GET /_api/capabilities/{agent}--{name} shows it); any other content type is "
-    "passed on too.",
+    "`input_schema` describes (GET /_api/capabilities/{agent}--{name} shows it); Sigil does not check it on "
+    "this path (MCP's tools/call does), and any other content type is passed on too.",
     "content": {
         "application/json": {
             "schema": {"type": "object", "additionalProperties": True},
