@@ -1,13 +1,15 @@
 """Ordinary traffic on every Cloudflare runtime, through the real parts: Sigil's REST API and
-gateway over HTTP, the emulator over HTTP (its Workers pushing call records to the origin), a
-real Celery worker placing deploys, and beat's housekeeping on its own schedule, compressed.
+gateway over HTTP, the emulator over HTTP (its Workers pushing call records to the origin, the
+edge on, as `make run` has it there), a real Celery worker placing deploys, and beat's
+housekeeping and the edge's publisher on beat's own schedule, compressed.
 
 The API budget is shrunk to fit a test with the same ratio of calls to budget as 10 calls a
 second against the default (SIGIL_CF_RATE_LIMIT 1,000 per 300 s): 30 requests per 9 s, and beat's
 intervals by the same 300/9. Ten calls a second for two windows, a deploy and a page-in amid
 them: every call is answered 200, the deploy 201 and the page-in a cold 200, each within the 2 s
 they may wait for room; and the emulator's record of the API requests shows the traffic spent
-none of them (its records arrive by push), housekeeping no more than its share."""
+none of them (its records arrive by push, and it changes nothing the edge's publisher writes),
+housekeeping no more than its share."""
 
 from __future__ import annotations
 
@@ -42,13 +44,18 @@ MAX_RATE_WAIT_SECONDS = 2
 
 
 @pytest.fixture(params=list(FIXTURES))
-def traffic(request, cf_settings):
-    """Sigil on one Cloudflare runtime (each in turn) with call records on, its budget shrunk."""
+def traffic(request, settings, cf_settings):
+    """Sigil on one Cloudflare runtime (each in turn) as `make run` has it on the emulator, call
+    records and the edge on, its budget shrunk."""
+    settings.SIGIL_EDGE = True  # before the runtime's fixture, which counts the edge's script
     emulator = request.getfixturevalue(FIXTURES[request.param])
     if request.param == "worker-pool":
-        # Sigil's Tail Worker is the system script the pool reserves a script of the account for.
+        # Sigil's Tail Worker and the edge's Worker are the two system scripts the pool reserves
+        # scripts of the account for; three slots still.
         cf_settings.SIGIL_LOGS_ENABLED = True
-        emulator.configure(script_limit=8)
+        cf_settings.SIGIL_POOL_SYSTEM_RESERVED = 2
+        cf_settings.SIGIL_POOL_TOTAL_QUOTA = 9
+        emulator.configure(script_limit=9)
     assert cf_settings.SIGIL_LOGS_ENABLED
     cf_settings.SIGIL_CF_RATE_LIMIT = BUDGET
     cf_settings.SIGIL_CF_RATE_WINDOW_SECONDS = WINDOW_SECONDS
@@ -59,15 +66,23 @@ def traffic(request, cf_settings):
     return emulator
 
 
+def beat_schedule() -> dict[str, float]:
+    """Beat's tasks and their intervals, the edge's among them as settings.py adds them when the
+    edge is on (this process read its settings with the edge off)."""
+    schedule = {entry["task"]: float(entry["schedule"]) for entry in django_settings.CELERY_BEAT_SCHEDULE.values()}
+    if django_settings.SIGIL_EDGE:
+        schedule["capabilities.edge_publish"] = django_settings.SIGIL_EDGE_PUBLISH_INTERVAL_SECONDS
+        schedule["capabilities.edge_reconcile"] = django_settings.SIGIL_EDGE_RECONCILE_INTERVAL_SECONDS
+    return schedule
+
+
 class CompressedBeat:
-    """Beat's schedule (CELERY_BEAT_SCHEDULE) in a thread while its `with` block lasts, every
-    interval divided by `speed`: each task due is run as a worker runs it (its class of API
-    work set by its base; housekeeping that finds no room skips until its next run)."""
+    """Beat's schedule in a thread while its `with` block lasts, every interval divided by
+    `speed`: each task due is run as a worker runs it (its class of API work set by its base;
+    housekeeping that finds no room skips until its next run)."""
 
     def __init__(self, *, speed: float) -> None:
-        self.entries = [
-            (entry["task"], float(entry["schedule"]) / speed) for entry in django_settings.CELERY_BEAT_SCHEDULE.values()
-        ]
+        self.entries = [(name, interval / speed) for name, interval in beat_schedule().items()]
         self.runs: Counter = Counter()
         self.failures: list[str] = []
         self._stop = threading.Event()
@@ -121,6 +136,8 @@ def test_ten_calls_a_second_leave_the_budget_to_a_deploy_and_a_page_in(traffic, 
         f"{alice.base_url}/alice/steady", headers=alice.headers(alice.invoke_token), per_second=CALLS_PER_SECOND
     )
     spans, spent = [], []  # the deploy's and the page-in's
+    # What was done so far is at the edge, as beat's publisher has it by now.
+    celery_app.tasks["capabilities.edge_publish"]()
 
     started, before = time.time(), spent_by_class(redis_client)
     with CompressedBeat(speed=DEFAULT_WINDOW_SECONDS / WINDOW_SECONDS) as beat, steady:
@@ -142,19 +159,26 @@ def test_ten_calls_a_second_leave_the_budget_to_a_deploy_and_a_page_in(traffic, 
     assert beat.runs["capabilities.capability_reconcile"] >= 2 and not beat.failures, (beat.runs, beat.failures)
 
     # What Sigil spent besides the deploy and the page-in was housekeeping, within its share
-    # of each window the traffic spanned: not one request for the calls themselves.
+    # of each window the traffic spanned, and the edge's publisher writing what they changed
+    # (work of the deploy class: one bulk write a run): not one request for the calls.
     besides = after - before
     for during in spent:
         besides -= during
-    assert set(besides) <= {"housekeeping"}, besides
+    assert set(besides) <= {"housekeeping", "deploy"}, besides
     share = django_settings.SIGIL_CF_HOUSEKEEPING_SHARE * BUDGET
     windows = math.ceil((ended - started) / WINDOW_SECONDS)
     assert besides["housekeeping"] <= share * windows, besides
-    # The emulator's own record agrees: every request it received outside the deploy and the
-    # page-in is one of those, and none was refused.
     received = [call for call in traffic.api_calls() if started <= call["time"] <= ended]
+    publishes = [call for call in received if call["method"] == "PUT" and call["path"].endswith("/bulk")]
+    assert besides["deploy"] <= len(publishes) <= 4, besides  # the deploy's and the page-in's changes
+    # The emulator's own record agrees: in the window of traffic alone, it received
+    # housekeeping's requests and nothing else (the calls changed nothing the edge decides by);
+    # outside the deploy and the page-in, the publisher's writes besides; none was refused.
+    alone = [call for call in received if call["time"] < spans[0][0]]
+    assert not [call for call in alone if call in publishes], alone
+    assert len(alone) <= share * math.ceil((spans[0][0] - started) / WINDOW_SECONDS), alone
     outside = [call for call in received if not any(since <= call["time"] <= until for since, until in spans)]
-    assert len(outside) <= share * windows, [(call["method"], call["path"]) for call in outside]
+    assert len([call for call in outside if call not in publishes]) <= share * windows, outside
     assert not [call for call in traffic.api_calls() if call["status"] == 429]
 
     # Every call's record arrived, pushed to the origin by the runtime's own Worker.
