@@ -126,6 +126,7 @@ def apart(redis_client, spans: list[tuple[float, float]], spent: list[Counter]):
     spans.append((started, time.time()))
 
 
+@pytest.mark.slow
 def test_ten_calls_a_second_leave_the_budget_to_a_deploy_and_a_page_in(traffic, alice, redis_client):
     deploy_answering(alice, "steady", "steady")
     deploy_answering(alice, "cold", "cold")
