@@ -364,6 +364,12 @@ async function forward(request, env, runner, call, { route, full, rest, url, web
   }
   if (failure !== null) throw await runtimeFailure(response, failure, full);
 
+  if (websocket && response.status !== 101) {
+    // The capability answered the upgrade without taking it: the caller gets its status alone,
+    // as the engine answers it (capabilities/engine/websocket.py: websocket_open).
+    if (response.body) response.body.cancel().catch(() => {});
+    return new Response(null, { status: response.status, headers: { "Content-Length": "0" } });
+  }
   const answerHeaders = new Headers();
   for (const [name, value] of response.headers) {
     if (HOP_BY_HOP.has(name) || name.startsWith("x-sigil-")) continue;
