@@ -79,3 +79,4 @@ bench: install
 	$(PY) bench/workerd_memory.py
 	$(PY) bench/faults.py
 	$(PY) bench/runtime_switch.py
+	$(PY) bench/edge.py
