@@ -254,8 +254,8 @@ class Owner:
         harness.stop(self.make)
 
 
-class EdgeBench:
-    """One Sigil on `backend` under `make run`, the agent's capability deployed, and the targets."""
+class EdgeSigil:
+    """One Sigil on `backend` under `make run`, the agent's capability `hello` deployed, and the targets."""
 
     def __init__(self, processes: harness.Processes, backend: str, *, port: int, records: bool) -> None:
         import redis
@@ -293,19 +293,24 @@ class EdgeBench:
         emulator.close()
         self.emulator = f"http://127.0.0.1:{emulator_port}"
 
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        headers = {**harness.bearer(tokens["deploy_token"]), "Content-Type": "application/json"}
-        deploying = time.perf_counter()
-        response, body = harness.request(
-            connection, "POST", "/_api/deploy", headers=headers, body=json.dumps({"name": NAME, "code": CODE})
-        )
-        self.deploy_ms = (time.perf_counter() - deploying) * 1000
-        connection.close()
-        if response.status != 201:
-            raise RuntimeError(f"deploy on {backend}: {response.status} {body[:300]!r}")
-        self.edge_url = json.loads(body)["url"]
+        self.port, self.deploy_token = port, tokens["deploy_token"]
+        self.deploy_ms, self.edge_url = self.deploy(NAME, CODE)
         self.origin_url = f"http://127.0.0.1:{port}/{AGENT}/{NAME}"
         self.route = json.loads(harness.manage("shell", "-c", ROUTE, env=self.env).strip().splitlines()[-1])
+
+    def deploy(self, name: str, code: str, **fields) -> tuple[float, str]:
+        """Deploy `name` over the REST API: (ms until it answered 201, the URL it answered)."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        headers = {**harness.bearer(self.deploy_token), "Content-Type": "application/json"}
+        deploying = time.perf_counter()
+        response, body = harness.request(
+            connection, "POST", "/_api/deploy", headers=headers, body=json.dumps({"name": name, "code": code, **fields})
+        )
+        took = (time.perf_counter() - deploying) * 1000
+        connection.close()
+        if response.status != 201:
+            raise RuntimeError(f"deploy of {name} on {self.backend}: {response.status} {body[:300]!r}")
+        return took, json.loads(body)["url"]
 
     def targets(self) -> list[Target]:
         path = f"/{AGENT}/{NAME}"
@@ -326,9 +331,10 @@ class EdgeBench:
     def applied(self) -> int:
         return int(self.redis.hget(APPLIED, "applied") or 0)
 
-    def wait_for_the_edge(self, *, patience: float = 90.0) -> None:
-        """Call the edge until a call is reported by it (served there, not handed to the origin)."""
-        url = urlsplit(self.edge_url)
+    def wait_for_the_edge(self, edge_url: str = "", *, patience: float = 90.0) -> None:
+        """Call `edge_url` (the capability `hello`'s) until a call is reported by the edge
+        (served there, not handed to the origin)."""
+        url = urlsplit(edge_url or self.edge_url)
         deadline = time.monotonic() + patience
         while time.monotonic() < deadline:
             before = self.applied()
@@ -342,7 +348,7 @@ class EdgeBench:
                 if self.applied() > before:
                     return
                 time.sleep(0.05)
-        raise RuntimeError(f"the edge did not serve {AGENT}--{NAME} within {patience:g} s on {self.backend}")
+        raise RuntimeError(f"the edge did not serve {url.path} within {patience:g} s on {self.backend}")
 
     def reports_settled(self, *, quiet: float = 2.0, patience: float = 60.0) -> int:
         """The reports applied once none has arrived for `quiet` seconds."""
@@ -416,7 +422,7 @@ def main() -> int:
         for backend in args.backends.split(","):
             # Below the ephemeral ports, as the ports that follow from it must be.
             port = args.port or free_port_block()
-            bench = EdgeBench(processes, backend, port=port, records=bool(args.records))
+            bench = EdgeSigil(processes, backend, port=port, records=bool(args.records))
             print(f"{backend}: var dir {bench.var_dir}; deploy answered 201 in {bench.deploy_ms:.0f} ms")
             bench.wait_for_the_edge()
             targets = bench.targets()
