@@ -218,3 +218,25 @@ def test_json_gives_each_finding_and_still_exits_non_zero_when_not_ready(cf_sett
     assert document["ready"] is False
     [missing] = [finding for finding in document["findings"] if not finding["ok"] and finding["blocking"]]
     assert missing["topic"] == "workers.dev subdomain"
+
+
+def test_every_script_sigil_deployed_counts_as_sigils(platform, cf_settings, cf_client, db):
+    """Sigil's own Workers of one runtime and then another (a switch leaves the first until it is
+    deleted): the dispatch Worker, the Tail Worker, the edge Worker; only the owner's is not Sigil's."""
+    from capabilities.runtimes import runtimes_forget
+
+    call_command("deployruntime", stdout=io.StringIO())
+    cf_settings.SIGIL_BACKEND, cf_settings.SIGIL_EDGE = "worker-pool", True
+    runtimes_forget()
+    call_command("deployruntime", stdout=io.StringIO())
+    cf_client.script_upload(
+        "owners-own-worker", modules={"o.js": OWNERS}, main_module="o.js", compatibility_date="2025-01-01"
+    )
+    scripts = {script.id for script in cf_client.script_list()}
+    assert {"sigil-dispatcher", "sigil-tail", "sigil-edge", "owners-own-worker"} <= scripts
+
+    out = io.StringIO()
+    call_command("cfcheck", backend="worker-pool", as_json=True, stdout=out)
+    [used] = [f["detail"] for f in json.loads(out.getvalue())["findings"] if f["topic"] == "scripts"]
+    assert f"{len(scripts)} of the account's 500 Worker scripts" in used
+    assert "are in use, 1 of them not Sigil's" in used
