@@ -166,7 +166,7 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
         assert output.has("createagent NAME --json")
         assert output.has("SQLite")
         assert output.has("bundled redis-server")
-        password = re.search(r"user owner, password (\S+), shown only this once", str(output)).group(1)
+        password = re.search(r"user owner, password (\S+), shown until you sign in", str(output)).group(1)
 
         # Its web server reads chunked bodies: a deploy and a call sent in chunks arrive whole.
         agent = subprocess.run(
@@ -216,6 +216,15 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
     with sqlite3.connect(var_dir / "sigil.sqlite3") as db:
         (encoded,) = db.execute("select password from auth_user where username = 'owner' and is_superuser").fetchone()
     assert check_password(password, encoded)
+
+    # Started again before the owner signed in: the final banner still carries the password.
+    process, output = launch_runsigil(embedded_env, web_port, preexec_fn=shell_umask)
+    try:
+        wait_until(lambda: output.has("Press Ctrl-C to stop.") or process.poll() is not None, timeout=60)
+        assert output.has(f"user owner, password {password}, shown until you sign in"), str(output)
+        stop_with_ctrl_c(process, output)
+    finally:
+        kill_if_running(process)
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from sigil.embedded_redis import EmbeddedRedis
 from sigil.lifetime import PidFiles, supervise_until_signalled
 from sigil.logs import SigilFormatter
 from sigil.ports import port_is_open
-from sigil_site.owner import OwnerAccount, owner_ensure
+from sigil_site.owner import OwnerAccount, owner_ensure_shown
 from sigil_site.stand_in import STAND_IN_HEADER, StandIn
 from sigil_site.supervisor import Program, StartupFailed, Supervisor
 
@@ -93,7 +93,7 @@ class Command(BaseCommand):
 
         def on_ready() -> None:
             # Only now, so that a password generated for the owner is not lost in a failed start.
-            owner = owner_ensure(password=settings.SIGIL_OWNER_PASSWORD)
+            owner = owner_ensure_shown(password=settings.SIGIL_OWNER_PASSWORD, var_dir=settings.VAR_DIR)
             connections.close_all()
             supervisor.announce(self._as_log(banner(base_url, owner)))
 
@@ -315,7 +315,7 @@ def runserver_command(port: int) -> list[str]:
 
 def banner(base_url: str, owner: OwnerAccount) -> str:
     if owner.generated_password:
-        login = f"user {owner.username}, password {owner.generated_password}, shown only this once"
+        login = f"user {owner.username}, password {owner.generated_password}, shown until you sign in"
     elif owner.created:
         login = f"user {owner.username}, password from SIGIL_OWNER_PASSWORD"
     else:
