@@ -8,6 +8,7 @@ import json
 import logging
 import secrets
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
 
 import requests
@@ -54,6 +55,25 @@ def agent_create(*, name: str, actor: str) -> Agent:
             raise Conflict(f"agent {name!r} already exists") from exc
         _agent_event(name, actor=actor, action="agent.created")
     return agent
+
+
+@dataclass(frozen=True)
+class AgentCreated:
+    """A new agent with its two tokens, each with its secret, which is never stored or shown again."""
+
+    agent: Agent
+    deploy: tuple[Token, str]
+    invoke: tuple[Token, str]
+
+
+@transaction.atomic
+def agent_create_with_tokens(*, name: str, actor: str, label: str) -> AgentCreated:
+    """Register an agent with a deploy token and an invoke token (both labelled `label`): what
+    an agent needs to deploy and call. Raises what `agent_create` raises; nothing is created then."""
+    agent = agent_create(name=name, actor=actor)
+    deploy = token_issue(agent=agent, scope=Scope.DEPLOY, actor=actor, label=label)
+    invoke = token_issue(agent=agent, scope=Scope.INVOKE, actor=actor, label=label)
+    return AgentCreated(agent=agent, deploy=deploy, invoke=invoke)
 
 
 def token_issue(

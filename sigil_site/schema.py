@@ -96,13 +96,20 @@ METRICS_OPERATION = {
     "operationId": "metrics",
     "summary": "Prometheus metrics",
     "description": (
-        "Prometheus text format. Off (404) until `SIGIL_METRICS_TOKEN` is set; then it needs that token as "
+        "Prometheus text format, or OpenMetrics when the Accept header asks for `application/openmetrics-text`. "
+        "Off (404) until `SIGIL_METRICS_TOKEN` is set; then it needs that token as "
         "a bearer token (not an agent's). Wrong tokens count against the caller's address as agents' "
         "tokens do. Any method but GET and HEAD is `405 invalid_request`."
     ),
     "security": [{"metricsToken": []}],
     "responses": {
-        "200": {"description": "The metrics", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        "200": {
+            "description": "The metrics",
+            "content": {
+                "text/plain": {"schema": {"type": "string"}},
+                "application/openmetrics-text": {"schema": {"type": "string"}},
+            },
+        },
         **openapi_error_responses(
             errors.Unauthenticated,
             errors.NotFound,

@@ -33,6 +33,7 @@ from capabilities.runtimes.base import Route, Runtime
 from capabilities.runtimes.errors import RuntimeThrottled, RuntimeUnavailable
 from capabilities.services.placement import runtime_throttled
 from sigil.errors import CapabilityError, SigilError, Timeout, TooLarge, Unavailable, UpstreamError
+from sigil.serving import switch_command
 
 logger = logging.getLogger("capabilities.gateway")
 
@@ -182,7 +183,7 @@ class Sender:
         if route.backend and route.backend != self.runtime.name:
             message += (
                 f" (it is still placed on the {route.backend} runtime, not {self.runtime.name}: "
-                "the owner moves it with `python manage.py switchbackend`)"
+                f"the owner moves it with `{switch_command(self.runtime.name)}`)"
             )
         return UpstreamError(message)
 

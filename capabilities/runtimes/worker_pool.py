@@ -145,8 +145,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
         account's limit, less the scripts that are not Sigil's (or the owner's reserve, if
         more), Sigil's own and the margin."""
         plan = Finding("plan", True, "the worker-pool runtime needs nothing beyond Workers")
-        edge = settings.SIGIL_EDGE_WORKER if settings.SIGIL_EDGE else None  # Sigil's, as its pool scripts
-        count = scripts_in_use(scripts, probe, settings=settings, front=edge)
+        count = scripts_in_use(scripts, probe, settings=settings)
         configured = settings_slots(settings)
         usable = settings_slots(
             settings, total_quota=count.limit, user_reserved=max(count.others, settings.SIGIL_POOL_USER_RESERVED)

@@ -175,8 +175,8 @@ def test_records_not_kept_are_counted_in_metrics(sigil, settings, small, redis_c
     tiny = LogLimits(**{**small.__dict__, "agent_bytes": 50})
     call_logs.call_records_keep(records=[raw_record("bob--big", "b1"), "junk"], limits=tiny)
     text = requests.get(f"{sigil.url}/metrics", headers={"Authorization": "Bearer scrape"}).text
-    assert 'sigil_call_records_lost_total{why="not_kept"} 1' in text
-    assert 'sigil_call_records_lost_total{why="undelivered"} 1' in text
+    assert 'sigil_call_records_lost_total{why="not_kept"} 1.0' in text
+    assert 'sigil_call_records_lost_total{why="undelivered"} 1.0' in text
 
 
 def test_a_forged_batch_without_the_internal_secret_is_refused(workerd_group, redis_client):

@@ -229,6 +229,6 @@ def test_records_past_the_spools_bound_are_counted_as_lost(on_runtime, sigil, al
         )
         assert beyond not in kept_ids(alice, "alice--chatty")
         metrics = requests.get(f"{sigil.url}/metrics", headers={"Authorization": "Bearer scrape"}, timeout=10).text
-        assert 'sigil_call_records_lost_total{why="undelivered"} 1' in metrics
+        assert 'sigil_call_records_lost_total{why="undelivered"} 1.0' in metrics
     finally:
         origin.close()
