@@ -112,6 +112,14 @@ class CodeBundle:
         """The secret bindings' values, as the loader host puts them in `env`."""
         return {b.name: b.value for b in self.bindings if b.kind == SECRET_KIND}
 
+    def masked(self, text: str) -> str:
+        """`text` with each of the bundle's secret values replaced by `[secret NAME]` (the
+        longest first): for what a runtime says of the code, which quotes what it threw."""
+        for name, value in sorted(self.secrets.items(), key=lambda item: -len(item[1])):
+            if value:
+                text = text.replace(value, f"[secret {name}]")
+        return text
+
     def _public(self) -> dict:
         return {
             "mainModule": self.main_module,

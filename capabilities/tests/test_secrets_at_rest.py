@@ -1,8 +1,8 @@
 """No secret at rest in plain text: a capability that logs its bound secret, throws an error
-naming it or leaves a promise rejected with it, called directly and asynchronously with a
-callback, leaves the value in none of the files Sigil and its workerd processes write, in no
-log line, and in nothing written to Redis (what an append-only file keeps), on the local
-runtime and on the loader runtime (against the emulator)."""
+naming it (when called, or at its start) or leaves a promise rejected with it, called
+directly and asynchronously with a callback, leaves the value in none of the files Sigil and
+its workerd processes write, in no log line, and in nothing written to Redis (what an
+append-only file keeps), on every runtime (the Cloudflare ones against the emulator)."""
 
 import json
 import logging
@@ -33,12 +33,18 @@ throw new Error('cannot start with ' + env.APIKEY);
 export default { async fetch() { return new Response('never'); } };"""
 
 
-@pytest.fixture(params=["local", "loader"])
+@pytest.fixture(params=["local", "loader", "worker-pool", "platform"])
 def on_runtime(request):
-    if request.param == "loader":
-        request.getfixturevalue("loader")
-    else:
+    """Sigil on each runtime in turn; the Cloudflare ones against the fresh emulator, whose
+    logs of the Workers stand for Cloudflare's."""
+    if request.param == "local":
         request.getfixturevalue("workerd_group")
+        return request.param
+    emulator = request.getfixturevalue(request.param.replace("-", "_"))
+    if request.param == "worker-pool":
+        # Sigil's Tail Worker is the system script the pool reserves a script of the account for.
+        request.getfixturevalue("settings").SIGIL_LOGS_ENABLED = True
+        emulator.configure(script_limit=8)
     return request.param
 
 
