@@ -64,7 +64,8 @@ class AgentForm(forms.ModelForm):
         label="New webhook secret",
         widget=forms.PasswordInput(render_value=False),
         help_text="The HMAC-SHA256 key of the X-Sigil-Signature header, shared with the agent. "
-        "Leave empty to keep the current one.",
+        "Leave empty to keep the current one; with none, Sigil creates one when a delivery needs it "
+        "(the agent reads it at GET /_api/agent/webhook).",
     )
     clear_webhook_secret = forms.BooleanField(required=False, label="Remove the webhook secret")
 

@@ -186,6 +186,27 @@ def agent_set_webhook(*, agent: Agent, url: str, secret: str | None, actor: str)
     return True
 
 
+def agent_webhook_secret(*, agent: Agent) -> str:
+    """The key that signs the agent's alerts and its calls' callbacks, created (and audited as
+    `agent.webhook_secret_created`, without its value) when the agent has none, so that no
+    delivery goes unsigned. Raises InvalidRequest when the stored key no longer decrypts
+    (SIGIL_SECRETS_KEY changed): the owner sets one again. Idempotent: two callers at once get
+    the same key."""
+    secret = agent.webhook_secret
+    if secret:
+        return secret
+    with transaction.atomic():
+        current = Agent.objects.select_for_update().get(pk=agent.pk)
+        secret = current.webhook_secret
+        if not secret:
+            secret = "whsec_" + secrets.token_urlsafe(32)
+            current.webhook_secret = secret
+            current.save(update_fields=["webhook_secret_encrypted"])
+            _agent_event(agent.name, actor="system", action="agent.webhook_secret_created")
+    agent.webhook_secret_encrypted = current.webhook_secret_encrypted
+    return secret
+
+
 def agent_set_a2a(*, agent: Agent, url: str, actor: str) -> bool:
     """Set the URL of the agent's A2A Agent Card ("" removes it): its alerts are then also sent
     there as A2A messages. Returns False when nothing changed. Raises InvalidRequest for a URL
@@ -344,14 +365,13 @@ def agent_webhook_deliver(*, agent_id: int, delivery: dict, url: str = "") -> No
         "X-Sigil-Delivery": delivery["id"],
     }
     try:
-        secret = agent.webhook_secret
+        secret = agent_webhook_secret(agent=agent)
     except InvalidRequest as exc:
         # SIGIL_SECRETS_KEY changed: a delivery unsigned, or signed with another key, would mislead.
         reason = f"{exc.message}; set the webhook secret again"
         agent_delivery_failed(agent_id=agent.pk, delivery=delivery, reason=reason)
         return
-    if secret:
-        headers["X-Sigil-Signature"] = webhook_signature(secret, body)
+    headers["X-Sigil-Signature"] = webhook_signature(secret, body)
     # A callback connects only to an address that passes the same check (agents.egress).
     session = egress.checked_session() if url else requests
     try:

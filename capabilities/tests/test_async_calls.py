@@ -157,6 +157,26 @@ def test_the_result_is_posted_signed_to_the_callback_url(alice, webhook_receiver
     assert webhook_receiver.refused == 1 and len(webhook_receiver.received) == 1
 
 
+def test_a_callback_of_an_agent_without_a_secret_is_signed_with_the_one_it_reads(
+    alice, webhook_receiver, celery_worker
+):
+    assert Agent.objects.get(name="alice").webhook_secret == ""  # the default: none set
+    deploy_answering(alice, "ping", "pong")
+    accepted(alice.call("/alice/ping", headers={**ASYNC, "X-Callback-Url": webhook_receiver.url}))
+    wait_for(lambda: webhook_receiver.received, timeout=30, message="the callback")
+    headers, body = webhook_receiver.received[0]
+
+    assert alice.call("/_api/agent/webhook").status_code == 403  # an invoke token may not read it
+    shown = alice.call("/_api/agent/webhook", token="deploy")
+    assert shown.status_code == 200 and shown.headers["Cache-Control"] == "no-store"
+    secret = shown.json()["webhook_secret"]
+    assert shown.json() == {"agent": "alice", "webhook_url": "", "webhook_secret": secret}
+    assert headers["x-sigil-signature"] == signed(secret, body)
+    assert alice.call("/_api/agent/webhook", token="deploy").json()["webhook_secret"] == secret  # kept
+    created = AuditEvent.objects.filter(action="agent.webhook_secret_created", agent_name="alice")
+    assert created.count() == 1 and secret not in json.dumps(created.get().detail)
+
+
 def test_a_call_whose_token_is_revoked_before_it_runs_is_refused(alice, settings):
     from agents import services, tokens
     from agents.models import Token
@@ -187,6 +207,17 @@ def test_a_bad_callback_url_is_refused(alice, url):
         "http://10.1.2.3/hook",
         "http://[::1]:8000/",
         "http://[::ffff:192.168.0.1]/",
+        # What a resolver also reads as a loopback or private address.
+        "http://2130706433/",
+        "http://0x7f.1/",
+        "http://0177.0.0.1/",
+        "http://127.1/",
+        "http://127.0.0.1./",
+        "http://0/",
+        "http://0xa010203/",
+        "http://[::ffff:7f00:1]/",
+        "http://[fe80::1%25eth0]/",
+        "http://%31%32%37.0.0.1/",
     ],
 )
 def test_a_callback_to_a_private_address_is_refused_at_once(alice, settings, url):
