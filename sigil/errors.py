@@ -162,8 +162,8 @@ class Unavailable(RetryLater):
 
     status, code = 503, "unavailable"
     meaning = (
-        "a dependency is down (Redis unreachable, a runtime restarting or failing on its own side, "
-        "no room on the account)"
+        "a dependency is down (Redis unreachable or still reading its data back after a restart, a runtime "
+        "restarting or failing on its own side, no room on the account)"
     )
     example = "Sigil's Redis is unreachable; try again shortly"
 
