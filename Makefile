@@ -81,3 +81,4 @@ bench: install
 	$(PY) bench/faults.py
 	$(PY) bench/runtime_switch.py
 	$(PY) bench/api_budget.py
+	$(PY) bench/edge.py

@@ -14,7 +14,7 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import SplitResult, parse_qs, urlsplit
+from urllib.parse import SplitResult, parse_qs
 
 from cfemulator.api_common import ApiRequest
 from cfemulator.bodies import BodyTooLarge, RequestBody
@@ -80,6 +80,13 @@ class HttpServer(ThreadingHTTPServer):
         logger.exception("the Cloudflare emulator failed on a request from %s", client_address)
 
 
+def request_target(target: str) -> SplitResult:
+    """A request line's target (origin-form) as its path and query. Not urlsplit: a path that
+    starts with `//` is a path here, never an authority."""
+    path, _, query = target.partition("?")
+    return SplitResult("", "", path, query.partition("#")[0], "")
+
+
 class RequestHandler(WorkerProxy, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "cloudflare"
@@ -90,9 +97,20 @@ class RequestHandler(WorkerProxy, BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
     server: HttpServer
 
+    def parse_request(self) -> bool:
+        """The request line as sent. Python's server folds a path's leading slashes into one
+        (gh-87389, against open redirects of its own file server); Cloudflare hands a Worker
+        the path as the caller sent it, `//x` and all."""
+        if not super().parse_request():
+            return False
+        words = self.requestline.split()
+        if len(words) == 3 and words[1].startswith("//"):
+            self.path = words[1]
+        return True
+
     def do_request(self) -> None:
         emulator = self.server.emulator
-        split = urlsplit(self.path)
+        split = request_target(self.path)
         host = (self.headers.get("Host") or "").split(":", 1)[0].lower()
         if host.endswith(_WORKER_HOST_SUFFIXES) and self.headers.get(KV_HEADER) is None:
             # A script's call streams both ways, as on Cloudflare: its body is not read here.

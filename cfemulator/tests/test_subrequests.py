@@ -115,3 +115,24 @@ def test_the_door_of_a_worker_not_served_is_a_404(api, cf_emulator_fresh):
     api.upload("echo", ECHO)  # its workers.dev URL not turned on
     host = cf_emulator_fresh.workers_dev_host("echo")
     assert requests.get(f"{cf_emulator_fresh.url}/{host}/", timeout=30).status_code == 404
+
+
+@pytest.mark.parametrize("path", ["//deep//path?q=//x", "/deep//path", "/a/%2F/b"])
+def test_a_worker_gets_the_path_as_the_caller_sent_it(api, cf_emulator_fresh, path):
+    # Cloudflare keeps doubled slashes, a leading one too, for the Worker (a local dev server
+    # that folded them was a bug: cloudflare/workers-sdk#4743), on its host and through the door.
+    import http.client
+
+    deploy(api, "echo", ECHO)
+    host = cf_emulator_fresh.workers_dev_host("echo")
+    port = int(cf_emulator_fresh.url.rsplit(":", 1)[1])
+    for target, host_header in ((path, host), (f"/{host}{path}", f"127.0.0.1:{port}")):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            connection.putrequest("GET", target, skip_host=True)
+            connection.putheader("Host", host_header)
+            connection.endheaders()
+            seen = json.loads(connection.getresponse().read())
+        finally:
+            connection.close()
+        assert seen["path"] == path, target

@@ -364,22 +364,34 @@ async function forward(request, env, runner, call, { route, full, rest, url, web
   }
   if (failure !== null) throw await runtimeFailure(response, failure, full);
 
+  if (websocket && response.status !== 101) {
+    // The capability answered the upgrade without taking it: the caller gets its status alone,
+    // as the engine answers it (capabilities/engine/websocket.py: websocket_open).
+    if (response.body) response.body.cancel().catch(() => {});
+    return new Response(null, { status: response.status, headers: { "Content-Length": "0" } });
+  }
   const answerHeaders = new Headers();
   for (const [name, value] of response.headers) {
     if (HOP_BY_HOP.has(name) || name.startsWith("x-sigil-")) continue;
     answerHeaders.append(name, value);
   }
-  for (const [name, value] of callHeaders(call)) answerHeaders.append(name, value);
-  if (response.status === 101 && response.webSocket) {
+  const upgraded = response.status === 101 && response.webSocket;
+  // A session's 101 carries no Server-Timing: the call lasts as long as the session (websocket.py).
+  for (const [name, value] of callHeaders(call, { timing: !upgraded })) answerHeaders.append(name, value);
+  if (upgraded) {
     return new Response(null, { status: 101, webSocket: response.webSocket, headers: answerHeaders });
   }
   return new Response(response.body, { status: response.status, statusText: response.statusText, headers: answerHeaders });
 }
 
-/** capabilities/engine/answers.py:call_headers, for an answer of the capability's. */
-function callHeaders(call) {
+/**
+ * capabilities/engine/answers.py:call_headers, for an answer of the capability's; Server-Timing
+ * only with `timing` (the engine's upstream_ms).
+ */
+function callHeaders(call, { timing = true } = {}) {
   const headers = [["X-Sigil-Capability", call.shown]];
   if (call.version !== null) headers.push(["X-Sigil-Version", String(call.version)]);
+  if (!timing) return headers;
   const total = Date.now() - call.started;
   const sigilMs = total - call.capabilityMs;
   headers.push(["Server-Timing", `sigil;dur=${sigilMs.toFixed(2)}, capability;dur=${call.capabilityMs.toFixed(2)}`]);
