@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import secrets
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import harness
+from prometheus_client.parser import text_string_to_metric_families
 from runtime_switch import AGENT, CODE, RUNNING, Caller
 
 RUNTIMES = ("worker-pool", "platform", "loader")
@@ -44,8 +44,6 @@ PORT_STEP = 20
 # How long after a deploy or a page-in its API requests are counted: the edge's state is
 # published by beat every SIGIL_EDGE_PUBLISH_INTERVAL_SECONDS (3 s).
 SETTLE_SECONDS = 5.0
-METRIC = re.compile(r'^(sigil_cloudflare_api_calls_by_(class|operation)_total)\{\w+="([^"]+)"\} (\d+)$')
-TOTAL = re.compile(r"^(sigil_cloudflare_api_calls_total|sigil_call_record_pushes_total\{taken=\"first\"\}) (\d+)$")
 
 
 @dataclass
@@ -148,16 +146,21 @@ class Sigil:
             connection.close()
         if response.status != 200:
             raise RuntimeError(f"{self.runtime}: /metrics answered {response.status}")
-        counts = Counts()
-        for line in body.decode().splitlines():
-            if match := METRIC.match(line):
-                kind, label, value = match.group(2), match.group(3), int(match.group(4))
-                (counts.by_class if kind == "class" else counts.by_operation)[label] = value
-            elif match := TOTAL.match(line):
-                if match.group(1).startswith("sigil_cloudflare"):
-                    counts.total = int(match.group(2))
-                else:
-                    counts.pushes = int(match.group(2))
+        counts, named = Counts(), set()
+        for family in text_string_to_metric_families(body.decode()):
+            for sample in family.samples:
+                value = int(sample.value)
+                named.add(sample.name)
+                if sample.name == "sigil_cloudflare_api_calls_total":
+                    counts.total = value
+                elif sample.name == "sigil_cloudflare_api_calls_by_class_total":
+                    counts.by_class[sample.labels["class"]] = value
+                elif sample.name == "sigil_cloudflare_api_calls_by_operation_total":
+                    counts.by_operation[sample.labels["operation"]] = value
+                elif sample.name == "sigil_call_record_pushes_total" and sample.labels.get("taken") == "first":
+                    counts.pushes = value
+        if "sigil_cloudflare_api_calls_total" not in named:
+            raise RuntimeError(f"{self.runtime}: /metrics does not count Cloudflare API calls")
         return counts
 
     def emulator_requests(self, since: float, until: float) -> Counter:
