@@ -267,6 +267,7 @@ class Planes:
         """Whether the origin served `answer` (its own access line, not an edge report's)."""
         from testsupport.inflight import SERVER_REQUESTS
 
+        assert answer.request_id, f"an answer without X-Request-Id: {answer}"
         for server in SERVER_REQUESTS:
             assert server.wait_idle(timeout=10)
         return any(
