@@ -254,6 +254,7 @@ class Planes:
     emulator: object
     access: AccessLines
     publisher: Publisher
+    deployer: object  # alice's client of the control API
     tokens: dict[str, str] = field(default_factory=dict)
     variants: dict[str, str] = field(default_factory=dict)
 
@@ -310,8 +311,9 @@ def split(agent, full: str, weight: int) -> None:
 def planes(request, django_db_blocker, _sigil_server_thread, cf_emulator, _celery_workers):
     """One runtime with the edge on, set up once for every case: alice's capabilities (an echo,
     a public one, splits at 0, 50 and 100 %, breakers forced, open and half-open, a stream, a
-    WebSocket echo), bob and a disabled carol, tokens valid, expired and revoked; all published,
-    and each capability served at the edge before the first case."""
+    WebSocket echo, one that throws, and the ones the propagation cases change), bob and a
+    disabled carol, tokens valid, expired and revoked; all published, and each capability
+    served at the edge before the first case."""
     from django.conf import settings
     from django.core.management import call_command
 
@@ -390,6 +392,9 @@ def planes(request, django_db_blocker, _sigil_server_thread, cf_emulator, _celer
                     deployed(alice, name=f"split{weight}", code=answering("current"))
                     deployed(alice, name=f"split{weight}", code=answering("staged"), stage=True)
                     split(alice, f"alice--split{weight}", weight)
+                deployed(alice, name="latesplit", code=answering("current"))
+                deployed(alice, name="latesplit", code=answering("staged"), stage=True)
+                split(alice, "alice--latesplit", 0)
                 for name in ("forced", "open", "halfopen", "late"):
                     deployed(alice, name=name, code=FLAKY)
                 deployed(alice, name="streams", code=STREAMS)
@@ -417,6 +422,7 @@ def planes(request, django_db_blocker, _sigil_server_thread, cf_emulator, _celer
                     emulator=cf_emulator,
                     access=access,
                     publisher=publisher,
+                    deployer=alice,
                     tokens={
                         "alice": alice.invoke_token,
                         "alice-deploy": alice.deploy_token,
@@ -439,7 +445,7 @@ def planes(request, django_db_blocker, _sigil_server_thread, cf_emulator, _celer
                         lambda who=who: send(planes.edge, "GET", "/alice/public", headers=planes.auth(who)),
                         what=f"the edge to serve alice--public to {who}",
                     )
-                for name in ("echo", "split0", "split50", "split100", "late", "streams", "ws", "throws"):
+                for name in ("echo", "split0", "split50", "split100", "latesplit", "late", "streams", "ws", "throws"):
                     planes.at_edge(
                         lambda name=name: send(planes.edge, "GET", f"/alice/{name}", headers=planes.auth()),
                         what=f"the edge to serve alice--{name}",
@@ -903,6 +909,26 @@ def _(planes):
         lambda: send(planes.edge, "GET", "/alice/late", headers=planes.auth()),
         until=lambda answer: answer.status == 503,
         what="the edge to refuse the degraded capability once published",
+        timeout=PROPAGATION_BOUND,
+    )
+    alike(origin, edge)
+    return edge
+
+
+@case("propagation: a split's new share")
+def _(planes):
+    headers = {**planes.auth(), "X-User": "someone"}
+    with planes.publisher.held():
+        split(planes.deployer, "alice--latesplit", 100)
+        origin, edge = planes.both("GET", "/alice/latesplit", headers=headers)
+        # Where the planes differ: the origin draws by the new share at once, the edge by the old
+        # one until it is published.
+        assert origin.body == b"staged"
+        assert edge.body == b"current" and not planes.crossed_origin(edge)
+    edge = planes.at_edge(
+        lambda: send(planes.edge, "GET", "/alice/latesplit", headers=headers),
+        until=lambda answer: answer.body == b"staged",
+        what="the edge to draw by the split's new share once published",
         timeout=PROPAGATION_BOUND,
     )
     alike(origin, edge)
