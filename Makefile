@@ -63,8 +63,9 @@ format: install
 
 # The figures in docs/benchmarks.md: warm-call overhead and throughput against bare workerd (needs
 # wrk), the engine's HTTP and Redis clients, one agent's storm beside another, paging costs, the
-# runtimes side by side, workerd's memory, what each process's death costs, and what a switch
-# of runtimes costs the callers.
+# runtimes side by side, workerd's memory, what each process's death costs, what a switch
+# of runtimes costs the callers, and what ordinary traffic costs of Cloudflare's API budget
+# (10 minutes of it on each Cloudflare runtime, side by side).
 bench: install
 	$(PY) bench/invoke.py
 	$(PY) bench/upstream_clients.py
@@ -79,3 +80,5 @@ bench: install
 	$(PY) bench/workerd_memory.py
 	$(PY) bench/faults.py
 	$(PY) bench/runtime_switch.py
+	$(PY) bench/api_budget.py
+	$(PY) bench/edge.py

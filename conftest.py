@@ -348,6 +348,24 @@ def worker_pool(cf_settings, cf_emulator_fresh, celery_deploy_worker):
 
 
 @pytest.fixture
+def own_redis(tmp_path, settings, sigil):
+    """Sigil on a Redis server of this test's own, which the test may stop, kill and start
+    again: durable as `make run`'s, its append-only file in the test's directory."""
+    from sigil.embedded_redis import EmbeddedRedis
+    from sigil.redis_client import get_redis
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    server.start()
+    settings.REDIS_URL = server.url
+    get_redis.cache_clear()
+    sigil.app.gateway = None  # rebuilt on the next call, on this Redis
+    yield server
+    server.stop()
+    get_redis.cache_clear()
+    sigil.app.gateway = None
+
+
+@pytest.fixture
 def webhook_receiver():
     from testsupport.cast import WebhookReceiver
 

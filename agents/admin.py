@@ -37,6 +37,8 @@ from sigil.redis_client import get_redis
 # The state of a capability that is gone (capabilities.models.State.REMOVED); named here
 # because agents never imports capabilities.
 REMOVED = "removed"
+# The label of the two tokens an agent created in the admin comes with.
+ADMIN_TOKEN_LABEL = "created with the agent"
 
 
 class TokenInline(admin.TabularInline):
@@ -62,7 +64,8 @@ class AgentForm(forms.ModelForm):
         label="New webhook secret",
         widget=forms.PasswordInput(render_value=False),
         help_text="The HMAC-SHA256 key of the X-Sigil-Signature header, shared with the agent. "
-        "Leave empty to keep the current one.",
+        "Leave empty to keep the current one; with none, Sigil creates one when a delivery needs it "
+        "(the agent reads it at GET /_api/agent/webhook).",
     )
     clear_webhook_secret = forms.BooleanField(required=False, label="Remove the webhook secret")
 
@@ -180,9 +183,15 @@ class AgentAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
 
     def save_model(self, request, obj, form, change) -> None:
         if not change:
-            created = services.agent_create(name=obj.name, actor=owner_actor(request))
-            obj.pk = created.pk
-            obj.created_at = created.created_at
+            # The agent comes with what it needs to deploy and call, as `createagent` gives it.
+            created = services.agent_create_with_tokens(
+                name=obj.name, actor=owner_actor(request), label=ADMIN_TOKEN_LABEL
+            )
+            obj.pk = created.agent.pk
+            obj.created_at = created.agent.created_at
+            for token, secret in (created.deploy, created.invoke):
+                issued_secret_keep(request, token, secret)
+            obj.issued_tokens = [created.deploy[0].pk, created.invoke[0].pk]
             return
         if form.cleaned_data.get("clear_webhook_secret"):
             secret = ""
@@ -197,6 +206,38 @@ class AgentAdmin(SelectionChecked, RefusalsAsMessages, admin.ModelAdmin):
             actor=owner_actor(request),
         )
         services.agent_set_a2a(agent=agent, url=obj.a2a_card_url, actor=owner_actor(request))
+
+    def response_add(self, request, obj, post_url_continue=None):
+        # POST, redirect, GET, as for one token: reloading the page that shows the secrets issues nothing.
+        query = urlencode({"tokens": ",".join(str(pk) for pk in obj.issued_tokens)})
+        return HttpResponseRedirect(f"{reverse('admin:agents_agent_created', args=[obj.pk])}?{query}")
+
+    def created_view(self, request, object_id):
+        """The page that shows a new agent's two tokens, once: to the session that created it,
+        within ISSUED_SECRET_SECONDS; reloaded, it says the secrets are gone."""
+        agent = get_object_or_404(Agent, pk=object_id)
+        if not self.has_view_permission(request, agent):
+            return HttpResponseRedirect(reverse("admin:index"))
+        wanted = [int(pk) for pk in request.GET.get("tokens", "").split(",") if pk.isdigit() and len(pk) < 19]
+        issued = [
+            (token, issued_secret_take(request, token))
+            for token in agent.tokens.filter(pk__in=wanted).order_by("scope")
+        ]
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": f"Agent {agent.name} created",
+            "agent": agent,
+            "issued": issued,
+            "base_url": request.build_absolute_uri("/").rstrip("/"),
+        }
+        response = TemplateResponse(request, "admin/agents/agent/created.html", context)
+        response["Cache-Control"] = "no-store"
+        return response
+
+    def get_urls(self):
+        created = self.admin_site.admin_view(self.created_view)
+        return [path("<path:object_id>/created/", created, name="agents_agent_created"), *super().get_urls()]
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False  # capabilities and the audit trail refer to agents; disable instead

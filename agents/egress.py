@@ -21,9 +21,12 @@ carries none.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import re
 import socket
-from urllib.parse import urlsplit
+import unicodedata
+from urllib.parse import unquote, urlsplit
 
 import requests
 from django.conf import settings
@@ -37,7 +40,8 @@ Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 def callback_refusal(url: str, *, resolve: bool) -> str | None:
     """Why `url` may not be a callback, or None when it may. With `resolve`, a host name is
     resolved and every address it has is checked (OSError when it cannot be resolved: worth
-    another try); without, only an address written in the URL (and `localhost`) is."""
+    another try); without, only an address written in the URL (in any form a resolver takes
+    for one: `2130706433`, `0x7f.1`, `0177.0.0.1`, `127.1`, an IPv6 literal) and `localhost`."""
     parts = urlsplit(url)
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -46,23 +50,83 @@ def callback_refusal(url: str, *, resolve: bool) -> str | None:
     if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
         return "X-Callback-Url must be an absolute http or https URL"
     host = parts.hostname
-    try:
-        addresses = [ipaddress.ip_address(host)]
-    except ValueError:
-        if host == "localhost" or host.endswith(".localhost"):
-            addresses = [ipaddress.ip_address("127.0.0.1")]
-        elif resolve:
-            addresses = _resolved(host, port)
-        else:
-            return None
-    refused = [address for address in addresses if not _may_reach(address)]
-    if not refused:
+    addresses = written_addresses(host)
+    if not addresses and resolve:
+        addresses = _resolved(host, port)
+    for address in addresses:
+        reason = address_refusal(address)
+        if reason:
+            where = f"names {host}" if host == str(address) else f"names {host}, which is at {address}"
+            return (
+                f"X-Callback-Url {where}: a private or reserved address ({reason}). Callbacks go to public "
+                "addresses only (the operator may allow a network with SIGIL_CALLBACK_ALLOWED_NETWORKS)"
+            )
+    return None
+
+
+# What a resolver reads as an IPv4 address although `ipaddress` does not: inet_aton's forms,
+# one to four parts, each decimal, octal (leading 0) or hexadecimal (0x).
+_NUMERIC_HOST = re.compile(r"^[0-9a-fx.]+$", re.IGNORECASE)
+# Dots that IDNA (UTS #46, as requests encodes a host) maps to a full stop.
+_DOTS = str.maketrans({"\u3002": ".", "\uff0e": ".", "\uff61": "."})
+
+
+def written_addresses(host: str) -> list[Address]:
+    """The addresses a URL's host names without asking DNS: an IP address in any written form
+    a resolver or HTTP client accepts (inet_aton's numeric forms, a trailing dot, IPv6 with a
+    zone, percent-encoded or full-width characters), 127.0.0.1 for `localhost`; [] for a name."""
+    found: list[Address] = []
+    for form in _host_forms(host):
+        if form == "localhost" or form.endswith(".localhost"):
+            found.append(ipaddress.ip_address("127.0.0.1"))
+            continue
+        try:
+            found.append(ipaddress.ip_address(form.strip("[]").split("%", 1)[0]))
+            continue
+        except ValueError:
+            pass
+        if _NUMERIC_HOST.match(form):
+            with contextlib.suppress(OSError):  # not one of inet_aton's forms: a name
+                found.append(ipaddress.IPv4Address(socket.inet_aton(form)))
+    return list(dict.fromkeys(found))
+
+
+def _host_forms(host: str) -> list[str]:
+    forms = []
+    for form in (host, unquote(host)):
+        for spelled in (form, unicodedata.normalize("NFKC", form).translate(_DOTS)):
+            spelled = spelled.lower()
+            forms += [spelled, spelled.rstrip(".")]
+    return [form for form in dict.fromkeys(forms) if form]
+
+
+def address_refusal(address: Address) -> str | None:
+    """Why a callback may not connect to `address` (`loopback`, `private`, …), or None when
+    it may: the operator allows it, or every IPv4 address it carries (else the address itself)
+    is public or allowed. The one rule, at write time and at each delivery."""
+    allowed = [ipaddress.ip_network(network, strict=False) for network in settings.SIGIL_CALLBACK_ALLOWED_NETWORKS]
+    if _in(address, allowed):
         return None
-    where = f"names {host}" if host == str(refused[0]) else f"names {host}, which is at {refused[0]}"
-    return (
-        f"X-Callback-Url {where}: a private or reserved address. Callbacks go to public addresses only "
-        "(the operator may allow a network with SIGIL_CALLBACK_ALLOWED_NETWORKS)"
-    )
+    for form in embedded_ipv4(address) or [address]:
+        if (form.is_global and not form.is_multicast) or _in(form, allowed):
+            continue
+        kind = next(
+            (
+                name
+                for name, test in (
+                    ("loopback", form.is_loopback),
+                    ("unspecified", form.is_unspecified),
+                    ("link-local", form.is_link_local),
+                    ("multicast", form.is_multicast),
+                    ("private", form.is_private),
+                    ("reserved", form.is_reserved),
+                )
+                if test
+            ),
+            "not global",
+        )
+        return f"{form} is {kind}" if form == address else f"{address} carries {form}, which is {kind}"
+    return None
 
 
 def _resolved(host: str, port: int) -> list[Address]:
@@ -101,17 +165,6 @@ def embedded_ipv4(address: Address) -> list[ipaddress.IPv4Address]:
     return []
 
 
-def _may_reach(address: Address) -> bool:
-    """Whether a callback may connect to `address`: it is allowed by the operator, or every
-    IPv4 address it carries (else the address itself) is public or allowed."""
-    allowed = [ipaddress.ip_network(network, strict=False) for network in settings.SIGIL_CALLBACK_ALLOWED_NETWORKS]
-    if _in(address, allowed):
-        return True
-    return all(
-        (form.is_global and not form.is_multicast) or _in(form, allowed) for form in embedded_ipv4(address) or [address]
-    )
-
-
 def _in(address: Address, networks: list) -> bool:
     return any(address.version == network.version and address in network for network in networks)
 
@@ -136,7 +189,7 @@ def _connect_checked(host: str, port: int, timeout, source_address, socket_optio
     refused = []
     for family, text in infos:
         address = ipaddress.ip_address(text.split("%", 1)[0])
-        if not _may_reach(address):
+        if address_refusal(address):
             refused.append(text)
             continue
         sock = socket.socket(family, socket.SOCK_STREAM)

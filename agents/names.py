@@ -7,7 +7,8 @@ import re
 from sigil.errors import InvalidRequest
 
 AGENT_RULE = "^[a-z][a-z0-9-]{0,30}$ with no '--'"
-_AGENT = re.compile(r"[a-z][a-z0-9-]{0,30}")
+AGENT_PATTERN = r"[a-z][a-z0-9-]{0,30}"
+_AGENT = re.compile(AGENT_PATTERN)
 # What follows an agent's name in every name built on it (a capability's full name,
 # `agent--name`): so no agent name holds it.
 SEPARATOR = "--"

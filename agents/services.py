@@ -8,6 +8,7 @@ import json
 import logging
 import secrets
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
 
 import requests
@@ -54,6 +55,25 @@ def agent_create(*, name: str, actor: str) -> Agent:
             raise Conflict(f"agent {name!r} already exists") from exc
         _agent_event(name, actor=actor, action="agent.created")
     return agent
+
+
+@dataclass(frozen=True)
+class AgentCreated:
+    """A new agent with its two tokens, each with its secret, which is never stored or shown again."""
+
+    agent: Agent
+    deploy: tuple[Token, str]
+    invoke: tuple[Token, str]
+
+
+@transaction.atomic
+def agent_create_with_tokens(*, name: str, actor: str, label: str) -> AgentCreated:
+    """Register an agent with a deploy token and an invoke token (both labelled `label`): what
+    an agent needs to deploy and call. Raises what `agent_create` raises; nothing is created then."""
+    agent = agent_create(name=name, actor=actor)
+    deploy = token_issue(agent=agent, scope=Scope.DEPLOY, actor=actor, label=label)
+    invoke = token_issue(agent=agent, scope=Scope.INVOKE, actor=actor, label=label)
+    return AgentCreated(agent=agent, deploy=deploy, invoke=invoke)
 
 
 def token_issue(
@@ -164,6 +184,27 @@ def agent_set_webhook(*, agent: Agent, url: str, secret: str | None, actor: str)
         _agent_event(agent.name, actor=actor, action="agent.webhook_changed", detail=detail)
     agent.refresh_from_db()
     return True
+
+
+def agent_webhook_secret(*, agent: Agent) -> str:
+    """The key that signs the agent's alerts and its calls' callbacks, created (and audited as
+    `agent.webhook_secret_created`, without its value) when the agent has none, so that no
+    delivery goes unsigned. Raises InvalidRequest when the stored key no longer decrypts
+    (SIGIL_SECRETS_KEY changed): the owner sets one again. Idempotent: two callers at once get
+    the same key."""
+    secret = agent.webhook_secret
+    if secret:
+        return secret
+    with transaction.atomic():
+        current = Agent.objects.select_for_update().get(pk=agent.pk)
+        secret = current.webhook_secret
+        if not secret:
+            secret = "whsec_" + secrets.token_urlsafe(32)
+            current.webhook_secret = secret
+            current.save(update_fields=["webhook_secret_encrypted"])
+            _agent_event(agent.name, actor="system", action="agent.webhook_secret_created")
+    agent.webhook_secret_encrypted = current.webhook_secret_encrypted
+    return secret
 
 
 def agent_set_a2a(*, agent: Agent, url: str, actor: str) -> bool:
@@ -324,14 +365,13 @@ def agent_webhook_deliver(*, agent_id: int, delivery: dict, url: str = "") -> No
         "X-Sigil-Delivery": delivery["id"],
     }
     try:
-        secret = agent.webhook_secret
+        secret = agent_webhook_secret(agent=agent)
     except InvalidRequest as exc:
         # SIGIL_SECRETS_KEY changed: a delivery unsigned, or signed with another key, would mislead.
         reason = f"{exc.message}; set the webhook secret again"
         agent_delivery_failed(agent_id=agent.pk, delivery=delivery, reason=reason)
         return
-    if secret:
-        headers["X-Sigil-Signature"] = webhook_signature(secret, body)
+    headers["X-Sigil-Signature"] = webhook_signature(secret, body)
     # A callback connects only to an address that passes the same check (agents.egress).
     session = egress.checked_session() if url else requests
     try:

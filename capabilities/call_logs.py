@@ -18,8 +18,11 @@ Keys:
   under SIGIL_LOGS_AGENT_BYTES. A capability makes room by dropping its own oldest records,
   never another's, so one capability's burst cannot crowd out its siblings' records.
 - `sigil:logs:lost`: a hash, full name → records that could not be kept (over the agent's
-  bytes, or refused by the sink); `sigil:logs:lost:undelivered` counts batches the sink could
-  not read at all. Both are shown on /metrics and the capability's page.
+  bytes, or refused by the sink); `sigil:logs:lost:undelivered` counts records the runtime
+  lost before they reached Sigil (a tail's queue full, a batch refused or neither pushed nor
+  spooled) and batches the sink could not read at all; `sigil:logs:lost:undelivered:by` is
+  the part of those counted for a capability (full name → records), which its owner sees.
+  A capability's `lost` is the sum of its two; /metrics shows both totals.
 - `sigil:logs:seq`: the sequence number every kept record takes (the tail's and the pages'
   cursor).
 - `sigil:logs:taken:{batch id}`: a batch pushed from Cloudflare that was taken, kept for the
@@ -46,6 +49,7 @@ from sigil.redis_client import get_redis, key_family
 SEQ_KEY = "sigil:logs:seq"
 LOST_KEY = "sigil:logs:lost"
 UNDELIVERED_KEY = "sigil:logs:lost:undelivered"
+UNDELIVERED_BY_KEY = "sigil:logs:lost:undelivered:by"
 taken_key = key_family("sigil:logs:taken")
 PUSHES_KEY = "sigil:logs:pushes"
 PUSHES_AGAIN_KEY = "sigil:logs:pushes:again"
@@ -230,10 +234,16 @@ def call_records_pushes() -> tuple[int, int]:
     return int(first or 0), int(again or 0)
 
 
-def call_records_undelivered(*, count: int = 1) -> None:
+def call_records_undelivered(*, count: int = 1, by: dict[str, int] | None = None) -> None:
     """Count `count` records (or batches) that could not be kept at all: a batch the sink
-    could not read, or records a tail could not deliver (a batch's `dropped`)."""
-    get_redis().incr(UNDELIVERED_KEY, count)
+    could not read, or records a tail could not deliver (a batch's `dropped`), of which `by`
+    says how many were whose (full name → records), so that each capability's owner sees
+    its own. One round trip."""
+    pipe = get_redis().pipeline(transaction=False)
+    pipe.incr(UNDELIVERED_KEY, count)
+    for full, lost in (by or {}).items():
+        pipe.hincrby(UNDELIVERED_BY_KEY, full, lost)
+    pipe.execute()
 
 
 @dataclass(frozen=True)
@@ -338,8 +348,12 @@ def call_records_alert_fields(*, full: str, failures: int = 5) -> dict:
 
 
 def call_records_lost(*, full: str) -> int:
-    """Records of `full` that reached Sigil and could not be kept."""
-    return int(get_redis().hget(LOST_KEY, full) or 0)
+    """Records of `full` lost: that reached Sigil and could not be kept, or that the runtime
+    lost on their way (counted by its tail)."""
+    pipe = get_redis().pipeline(transaction=False)
+    pipe.hget(LOST_KEY, full)
+    pipe.hget(UNDELIVERED_BY_KEY, full)
+    return sum(int(value or 0) for value in pipe.execute())
 
 
 def call_records_lost_kept() -> int:
@@ -360,6 +374,7 @@ def call_records_forget(*, full: str) -> None:
     pipe.delete(records_key(full))
     pipe.hdel(agent_bytes_key(agent), full)
     pipe.hdel(LOST_KEY, full)
+    pipe.hdel(UNDELIVERED_BY_KEY, full)
     pipe.execute()
 
 

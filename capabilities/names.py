@@ -6,12 +6,16 @@ from __future__ import annotations
 import re
 import secrets
 
-from agents.names import SEPARATOR, validate_agent_name
+from agents.names import AGENT_PATTERN, SEPARATOR, validate_agent_name
 from sigil.errors import InvalidRequest
 
 CAPABILITY_RULE = "^[a-z0-9][a-z0-9-]{0,40}$ with no '--'"
 
-_CAPABILITY = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")
+CAPABILITY_PATTERN = r"[a-z0-9][a-z0-9-]{0,40}"
+_CAPABILITY = re.compile(CAPABILITY_PATTERN)
+# A full name as the API's paths take it (`agent--name`), for the OpenAPI description; the
+# rules above also refuse a '--' inside either part, which a pattern alone cannot say simply.
+FULL_NAME_PATTERN = f"^{AGENT_PATTERN}{SEPARATOR}{CAPABILITY_PATTERN}$"
 EPHEMERAL_PREFIX = "t-"
 
 

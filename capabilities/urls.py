@@ -18,6 +18,7 @@ urlpatterns = [
     path(f"{CAPABILITY}/versions", deploy.CapabilityVersionsApi.as_view(), name="capability-versions"),
     path(f"{CAPABILITY}/rollback", deploy.CapabilityRollbackApi.as_view(), name="capability-rollback"),
     path("_api/agent/a2a", deploy.AgentA2aApi.as_view(), name="agent-a2a"),
+    path("_api/agent/webhook", deploy.AgentWebhookApi.as_view(), name="agent-webhook"),
     path("_api/calls/<str:call_id>", discover.CallStatusApi.as_view(), name="call-status"),
     path("_api/cost", operate.CostApi.as_view(), name="cost"),
     path("_api/status", operate.StatusApi.as_view(), name="status"),

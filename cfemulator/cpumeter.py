@@ -31,21 +31,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from capabilities.workerd.supervision import process_cpu_ms
+
 logger = logging.getLogger(__name__)
-
-_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_ms(pid: int) -> float | None:
-    """CPU time (user and system, every thread) `pid` has used, in ms; None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            raw = stat.read()
-    except OSError:
-        return None
-    # The command name may hold spaces: the fields that follow its closing parenthesis are fixed.
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) * 1000 / _TICKS_PER_SECOND
 
 
 @dataclass(eq=False)

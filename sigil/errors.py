@@ -219,11 +219,17 @@ UNAVAILABLE_RETRY_SECONDS = 5
 def error_for_unexpected(exc: BaseException | None, *, request_id: str | None = None) -> SigilError:
     """The contract's answer to an exception that no handler expected.
 
-    Redis unreachable (refused, reset, timed out) is `503 unavailable` with Retry-After;
+    Redis unreachable (refused, reset, timed out) or still loading its data after a restart
+    is `503 unavailable` with Retry-After;
     anything else is `500 internal_error`, whose message carries `request_id` (unless given,
     the id of the request being served, which names its log lines, else a fresh one) for the
     caller to quote. The caller of this function logs the exception with that id.
     """
+    if isinstance(exc, redis.BusyLoadingError):  # a ConnectionError too, but the owner's fix differs
+        return Unavailable(
+            "Sigil's Redis is reading its data back after a restart; try again shortly",
+            retry_after=UNAVAILABLE_RETRY_SECONDS,
+        )
     if isinstance(exc, REDIS_UNREACHABLE):
         return Unavailable("Sigil's Redis is unreachable; try again shortly", retry_after=UNAVAILABLE_RETRY_SECONDS)
     return InternalError(request_id=request_id or current_request_id() or new_request_id())

@@ -45,7 +45,8 @@ class SigilCommand(BaseCommand):
 
 
 class OwnerCommand(SigilCommand):
-    """Subclasses implement `act` (returns a JSON-able result) and `describe` (its text)."""
+    """Subclasses implement `act` (returns a JSON-able result) and `describe` (its text), and
+    `refusal` when a result, once printed, still means the command failed (exit status 1)."""
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--json", action="store_true", dest="as_json", help="print the result as JSON")
@@ -60,9 +61,16 @@ class OwnerCommand(SigilCommand):
             self.stdout.write(json.dumps(result, default=_json_default))
         else:
             self.stdout.write(self.describe(result))
+        refusal = self.refusal(result)
+        if refusal:
+            raise CommandError(refusal)
 
     def act(self, **options):
         raise NotImplementedError
+
+    def refusal(self, result) -> str | None:
+        """Why the command fails though it printed `result`; None when it succeeded."""
+        return None
 
     def describe(self, result) -> str:
         raise NotImplementedError

@@ -12,7 +12,8 @@ Failures are redis-py's exceptions, so the callers' handling of an unreachable R
 one: a connection that cannot be made or breaks fails what is waiting on it with
 ConnectionError and the next command connects again; a command Redis has not answered within
 the timeout fails with TimeoutError, and closes the connection (later answers would be out of
-step); an error reply is ResponseError (NoScriptError for an unknown script).
+step); an error reply is ResponseError (NoScriptError for an unknown script, BusyLoadingError,
+a ConnectionError, while a restarted Redis reads its data back).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import hiredis
 from redis.connection import parse_url
 from redis.exceptions import (
     AuthenticationError,
+    BusyLoadingError,
     ConnectionError,
     InvalidResponse,
     NoScriptError,
@@ -183,4 +185,6 @@ def _reply_error(reply: ResponseError) -> ResponseError:
         return NoScriptError(message)
     if message.startswith(("WRONGPASS", "NOAUTH", "ERR invalid password")):
         return AuthenticationError(message)
+    if message.startswith("LOADING"):  # restarted, reading its data back: unavailable for now
+        return BusyLoadingError(message)
     return reply

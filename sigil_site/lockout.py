@@ -1,18 +1,35 @@
 """The admin login's lock-out (django-axes, counted in Redis through Django's cache): the
-page a locked-out address gets, and a handler that can lift every lock-out at once."""
+page a locked-out address gets, a handler that can lift every lock-out at once, and trusted
+devices.
+
+A lock-out keyed by address alone lets anyone on the owner's address (a tenant on the same
+host, every client behind the same proxy) lock the owner out with five wrong guesses. A
+browser that signed in successfully therefore gets a signed device cookie (OWASP's "device
+cookies", in the Authentication Cheat Sheet): a login attempt that carries a valid one for
+the user it names is counted as that device, under a failure count of its own, so the
+address's lock-out does not apply to it, and guesses made with a stolen cookie still lock
+that cookie out after as many failures.
+"""
 
 from __future__ import annotations
+
+import secrets
 
 from axes.handlers.cache import AxesCacheHandler
 from axes.helpers import get_client_cache_keys
 from django.conf import settings
 from django.contrib import admin
+from django.core import signing
 from django.core.cache import cache
-from django.http import HttpResponse
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
+from agents.throttle import request_client_address
 from sigil.errors import retry_after_header
 from sigil.redis_client import get_redis
+
+DEVICE_COOKIE = "sigil_device"
+_DEVICE_SALT = "sigil.admin.trusted-device"
 
 
 class LockoutCacheHandler(AxesCacheHandler):
@@ -40,9 +57,73 @@ def lockout_response(request, original_response=None, credentials=None) -> HttpR
         "failure_limit": settings.AXES_FAILURE_LIMIT,
         "lockout_minutes": max(1, round(settings.SIGIL_ADMIN_LOCKOUT_SECONDS / 60)),
         "minutes_left": None if seconds_left is None else max(1, -(-seconds_left // 60)),
+        "from_device": admin_login_client(request).startswith("device:"),
+        "trusted_device_days": settings.SIGIL_ADMIN_TRUSTED_DEVICE_DAYS,
     }
     # Rendered now: axes returns it from middleware, after which nothing renders a TemplateResponse.
     response = render(request, "admin/sigil/locked_out.html", context, status=429)
     # Each attempt meanwhile starts the lock-out again: its whole length is when to come back.
     response["Retry-After"] = retry_after_header(settings.SIGIL_ADMIN_LOCKOUT_SECONDS)
     return response
+
+
+def trusted_device(request: HttpRequest, username: str) -> str | None:
+    """The id of the trusted device `request` comes from for `username`: its device cookie is
+    Sigil's signature, younger than SIGIL_ADMIN_TRUSTED_DEVICE_DAYS, and issued to that user.
+    None otherwise (no cookie, forged, expired, another user's, or trusted devices off)."""
+    value = request.COOKIES.get(DEVICE_COOKIE)
+    if not value or not username or settings.SIGIL_ADMIN_TRUSTED_DEVICE_DAYS <= 0:
+        return None
+    try:
+        device = signing.loads(value, salt=_DEVICE_SALT, max_age=settings.SIGIL_ADMIN_TRUSTED_DEVICE_DAYS * 86400)
+    except signing.BadSignature:
+        return None
+    if not isinstance(device, dict) or device.get("user") != username or not isinstance(device.get("id"), str):
+        return None
+    return device["id"]
+
+
+def admin_login_client(request: HttpRequest) -> str:
+    """AXES_CLIENT_IP_CALLABLE: who an admin login attempt is counted against. A trusted
+    device for the user it names is counted as itself (`device:<id>`), apart from its
+    address; any other attempt, as its client address."""
+    device = trusted_device(request, request.POST.get("username", "") if request.method == "POST" else "")
+    return f"device:{device}" if device else request_client_address(request)
+
+
+def trust_device(request: HttpRequest, response: HttpResponse, username: str) -> None:
+    """Give the browser that just signed in as `username` a new device cookie (a new id each
+    time, so a device's failure count starts again with each success)."""
+    if settings.SIGIL_ADMIN_TRUSTED_DEVICE_DAYS <= 0:
+        return
+    value = signing.dumps({"user": username, "id": secrets.token_urlsafe(16)}, salt=_DEVICE_SALT)
+    response.set_cookie(
+        DEVICE_COOKIE,
+        value,
+        max_age=settings.SIGIL_ADMIN_TRUSTED_DEVICE_DAYS * 86400,
+        path="/admin/",
+        secure=request.is_secure(),
+        httponly=True,
+        samesite="Lax",
+    )
+
+
+class TrustedDevice:
+    """Middleware: the admin login that signs a browser in gives it a device cookie."""
+
+    def __init__(self, get_response) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        signing_in = request.method == "POST" and request.path == _login_path()
+        was_signed_in = signing_in and request.user.is_authenticated
+        response = self.get_response(request)
+        if signing_in and not was_signed_in and request.user.is_authenticated:
+            trust_device(request, response, request.user.get_username())
+        return response
+
+
+def _login_path() -> str:
+    from django.urls import reverse
+
+    return reverse("admin:login")

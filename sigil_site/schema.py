@@ -4,6 +4,7 @@ see: the capability call (capabilities/engine/, mounted by sigil_site/asgi.py), 
 
 from __future__ import annotations
 
+from capabilities.names import FULL_NAME_PATTERN
 from sigil import errors
 from sigil.error_docs import openapi_error_responses
 
@@ -49,8 +50,9 @@ CALL_OPERATION = {
             "name": "Prefer",
             "in": "header",
             "required": False,
-            "schema": {"type": "string", "enum": ["respond-async"]},
-            "description": "`respond-async`: answer `202` at once and run the call in the background.",
+            "schema": {"type": "string", "example": "respond-async"},
+            "description": "`respond-async`: answer `202` at once and run the call in the background. Other "
+            "preferences are ignored, as RFC 7240 asks.",
         },
         {
             "name": "X-Callback-Url",
@@ -94,13 +96,20 @@ METRICS_OPERATION = {
     "operationId": "metrics",
     "summary": "Prometheus metrics",
     "description": (
-        "Prometheus text format. Off (404) until `SIGIL_METRICS_TOKEN` is set; then it needs that token as "
+        "Prometheus text format, or OpenMetrics when the Accept header asks for `application/openmetrics-text`. "
+        "Off (404) until `SIGIL_METRICS_TOKEN` is set; then it needs that token as "
         "a bearer token (not an agent's). Wrong tokens count against the caller's address as agents' "
         "tokens do. Any method but GET and HEAD is `405 invalid_request`."
     ),
     "security": [{"metricsToken": []}],
     "responses": {
-        "200": {"description": "The metrics", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        "200": {
+            "description": "The metrics",
+            "content": {
+                "text/plain": {"schema": {"type": "string"}},
+                "application/openmetrics-text": {"schema": {"type": "string"}},
+            },
+        },
         **openapi_error_responses(
             errors.Unauthenticated,
             errors.NotFound,
@@ -122,8 +131,8 @@ CALL_BODY_METHODS = ("post", "put", "patch")
 CALL_REQUEST_BODY = {
     "required": False,
     "description": "Reaches the capability as sent. A capability with a contract takes the JSON object its "
-    "`input_schema` describes (GET /_api/capabilities/{agent}--{name} shows it); any other content type is "
-    "passed on too.",
+    "`input_schema` describes (GET /_api/capabilities/{agent}--{name} shows it); Sigil does not check it on "
+    "this path (MCP's tools/call does), and any other content type is passed on too.",
     "content": {
         "application/json": {
             "schema": {"type": "object", "additionalProperties": True},
@@ -131,6 +140,30 @@ CALL_REQUEST_BODY = {
         },
         "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
     },
+}
+
+# What /_mcp answers to a request it refuses before reading any JSON-RPC (capabilities/mcp/
+# endpoint.py's `refusal`): a JSON-RPC error whose data carries Sigil's status and code.
+MCP_REFUSAL = {
+    "type": "object",
+    "properties": {
+        "jsonrpc": {"type": "string", "enum": ["2.0"]},
+        "id": {"type": "string", "nullable": True, "description": "null: refused before the request was read"},
+        "error": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "integer", "description": "the JSON-RPC error code"},
+                "message": {"type": "string"},
+                "data": {
+                    "type": "object",
+                    "properties": {"status": {"type": "integer"}, "code": {"type": "string"}},
+                    "required": ["status", "code"],
+                },
+            },
+            "required": ["code", "message", "data"],
+        },
+    },
+    "required": ["jsonrpc", "error"],
 }
 
 MCP_OPERATION = {
@@ -171,15 +204,19 @@ MCP_OPERATION = {
         "202": {"description": "A notification or a response: nothing to answer"},
         "400": {"description": "A JSON-RPC error the transport answers with 400 (a missing envelope, a wrong version)"},
         "404": {"description": "An unknown session, or an unknown method (stateless revision)"},
-        **openapi_error_responses(
-            errors.Unauthenticated,
-            errors.TooLarge,
-            errors.UnsupportedMediaType,
-            about={
-                errors.Unauthenticated: "no token or a bad one; the JSON-RPC error's data names the code",
-                errors.TooLarge: "the body is over SIGIL_DEPLOY_MAX_BODY_BYTES",
-            },
-        ),
+        # Refused before any JSON-RPC, but answered in JSON-RPC's error shape, not the envelope.
+        **{
+            status: {**response, "content": {"application/json": {"schema": MCP_REFUSAL}}}
+            for status, response in openapi_error_responses(
+                errors.Unauthenticated,
+                errors.TooLarge,
+                errors.UnsupportedMediaType,
+                about={
+                    errors.Unauthenticated: "no token or a bad one; the JSON-RPC error's data names the code",
+                    errors.TooLarge: "the body is over SIGIL_DEPLOY_MAX_BODY_BYTES",
+                },
+            ).items()
+        },
     },
 }
 
@@ -197,7 +234,8 @@ LLMS_TXT_OPERATION = {
 
 
 def document_outside_routes(result: dict, generator, request, public) -> dict:
-    """drf-spectacular's postprocessing hook: add the call route and /metrics."""
+    """drf-spectacular's postprocessing hook: add the call route, /_mcp, /llms.txt and
+    /metrics, and the rule of a full capability name to every `{full}` in a path."""
     paths = result.setdefault("paths", {})
     paths["/{agent}/{capability}"] = {
         method: {
@@ -208,6 +246,11 @@ def document_outside_routes(result: dict, generator, request, public) -> dict:
         for method in CALL_METHODS
     }
     paths["/_mcp"] = {"post": MCP_OPERATION}
+    for operations in paths.values():
+        for operation in operations.values():
+            for parameter in operation.get("parameters", []):
+                if (parameter["name"], parameter["in"]) == ("full", "path"):
+                    parameter["schema"]["pattern"] = FULL_NAME_PATTERN
     paths["/llms.txt"] = {"get": LLMS_TXT_OPERATION}
     paths["/metrics"] = {"get": METRICS_OPERATION}
     schemes = result.setdefault("components", {}).setdefault("securitySchemes", {})

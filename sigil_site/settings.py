@@ -124,6 +124,8 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # Gives the browser an admin login signs in its trusted-device cookie.
+    "sigil_site.lockout.TrustedDevice",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     # Last, as django-axes asks: answers a locked-out admin login.
@@ -467,6 +469,9 @@ SIGIL_TRUSTED_PROXY_COUNT = env_int("SIGIL_TRUSTED_PROXY_COUNT", 0)
 # for the lock-out time, the right password included (django-axes); 0 turns it off.
 SIGIL_ADMIN_LOGIN_FAILURE_LIMIT = env_int("SIGIL_ADMIN_LOGIN_FAILURE_LIMIT", 5)
 SIGIL_ADMIN_LOCKOUT_SECONDS = env_int("SIGIL_ADMIN_LOCKOUT_SECONDS", 900)
+# How long a browser that signed in stays a trusted device, with its own failure count apart
+# from its address's lock-out; 0 turns trusted devices off.
+SIGIL_ADMIN_TRUSTED_DEVICE_DAYS = env_int("SIGIL_ADMIN_TRUSTED_DEVICE_DAYS", 30)
 AXES_ENABLED = SIGIL_ADMIN_LOGIN_FAILURE_LIMIT > 0
 AXES_FAILURE_LIMIT = SIGIL_ADMIN_LOGIN_FAILURE_LIMIT
 AXES_COOLOFF_TIME = timedelta(seconds=SIGIL_ADMIN_LOCKOUT_SECONDS)
@@ -477,7 +482,9 @@ AXES_RESET_ON_SUCCESS = True
 AXES_HANDLER = "sigil_site.lockout.LockoutCacheHandler"
 # The lock-out answer: the admin's page, with how long it lasts, a 429 with Retry-After.
 AXES_LOCKOUT_CALLABLE = "sigil_site.lockout.lockout_response"
-AXES_CLIENT_IP_CALLABLE = "agents.throttle.request_client_address"
+# A browser that signed in has a device cookie: its attempts are counted as that device, so an
+# address locked out by someone else's guesses does not lock the owner out (sigil_site/lockout.py).
+AXES_CLIENT_IP_CALLABLE = "sigil_site.lockout.admin_login_client"
 AXES_VERBOSE = False
 # Its admin pages list database records, which the cache handler never writes.
 AXES_ENABLE_ADMIN = False

@@ -6,6 +6,9 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 
 from agents.models import Agent, AuditEvent, Token
+from testsupport.cast import AgentClient
+
+PONG = 'export default { fetch() { return new Response("pong") } }'
 
 
 @pytest.fixture
@@ -102,6 +105,31 @@ def test_issued_secret_is_shown_once_after_a_redirect_and_never_stored(owner_cli
     assert secret not in owner_client.get(f"/admin/agents/token/{token.pk}/change/").content.decode()
     assert secret not in owner_client.get("/admin/agents/token/").content.decode()
     assert alice.call("/_api/capabilities", token=secret).status_code == 200
+
+
+def test_an_agent_added_in_the_admin_comes_with_its_two_tokens_shown_once(owner_client, sigil):
+    inlines = inline_data(owner_client.get("/admin/agents/agent/add/"))
+    posted = owner_client.post("/admin/agents/agent/add/", {**inlines, "name": "dora"})
+    dora = Agent.objects.get(name="dora")
+    assert posted.status_code == 302 and posted["Location"].startswith(f"/admin/agents/agent/{dora.pk}/created/?")
+
+    shown = owner_client.get(posted["Location"])
+    assert "no-store" in shown["Cache-Control"]
+    secrets = {token.scope: secret for token, secret in shown.context["issued"]}
+    assert set(secrets) == {"deploy", "invoke"} and all(secrets.values())
+    page = shown.content.decode()
+    assert "An <strong>invoke</strong> token" in page and "A <strong>deploy</strong> token" in page
+    assert all(secret in page for secret in secrets.values())
+    assert {t.scope: t.prefix for t in dora.tokens.all()} == {s: secret[:12] for s, secret in secrets.items()}
+    assert AuditEvent.objects.filter(action="token.issued", agent_name="dora", actor="owner:owner").count() == 2
+
+    reloaded = owner_client.get(posted["Location"]).content.decode()
+    assert 'id="secret-gone"' in reloaded and not any(secret in reloaded for secret in secrets.values())
+    assert dora.tokens.count() == 2  # reloading issued nothing
+
+    dora_client = AgentClient("dora", secrets["deploy"], secrets["invoke"], sigil.url)
+    assert dora_client.deploy(name="ping", code=PONG).status_code == 201
+    assert dora_client.call("/dora/ping").text == "pong"
 
 
 def test_the_secret_page_shows_nothing_to_another_session(owner_client, alice):

@@ -24,6 +24,7 @@ from capabilities.api import capability_url
 from capabilities.dashboard import dashboard_chart, dashboard_get
 from capabilities.models import BreakerState, Capability, State
 from sigil.console import ButtonsOnly, OptionsFilter, SelectionChecked, confirm_page, confirmed, fragment, owner_actor
+from sigil.serving import switch_command
 
 
 class ExpiredEphemeralFilter(OptionsFilter):
@@ -235,6 +236,7 @@ class CapabilityAdmin(ButtonsOnly, VersionsConsole, SplitsConsole, SelectionChec
             backend=backend,
             configured=configured,
             failure=failure,
+            command=switch_command(configured),
         )
 
     @admin.display(description="placed bundle sha256")

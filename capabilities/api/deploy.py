@@ -382,3 +382,37 @@ class AgentA2aApi(APIView):
             agent=agent, url=serializer.validated_data["agent_card_url"], actor=f"agent:{agent.name}"
         )
         return Response(self.OutputSerializer({"agent": agent.name, "agent_card_url": agent.a2a_card_url}).data)
+
+
+class AgentWebhookApi(APIView):
+    """GET /_api/agent/webhook: where the calling agent's alerts are posted, and the key that
+    signs them and its calls' callbacks."""
+
+    permission_classes = [HasDeployScope]
+
+    @extend_schema_serializer(component_name="AgentWebhook")
+    class OutputSerializer(serializers.Serializer):
+        agent = serializers.CharField()
+        webhook_url = serializers.CharField(
+            allow_blank=True, help_text="Where the owner has the agent's alerts posted; empty: none."
+        )
+        webhook_secret = serializers.CharField(
+            help_text="The HMAC-SHA256 key of the X-Sigil-Signature header of every alert and callback "
+            "(created when the agent had none)."
+        )
+
+    @operation(
+        "agentWebhook",
+        "Deploy",
+        "The key that signs this agent's alerts and callbacks",
+        {200: OutputSerializer},
+        AUTHENTICATED,
+    )
+    def get(self, request):
+        """Every alert and every asynchronous call's callback carries `X-Sigil-Signature: sha256=<hex>`,
+        the HMAC-SHA256 of its body under this key; a receiver checks it before trusting the body.
+        The key is created on first need when the owner has set none. Needs a deploy token."""
+        agent = Agent.objects.get(pk=request.user.agent_id)
+        secret = agent_services.agent_webhook_secret(agent=agent)
+        data = {"agent": agent.name, "webhook_url": agent.webhook_url, "webhook_secret": secret}
+        return Response(self.OutputSerializer(data).data, headers={"Cache-Control": "no-store"})

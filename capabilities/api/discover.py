@@ -50,7 +50,7 @@ class CapabilityListApi(PagedApi):
             OpenApiParameter("agent", str),
             OpenApiParameter(
                 "q",
-                str,
+                {"type": "string", "pattern": r"\S", "maxLength": selectors.SEARCH_MAX_CHARS},
                 description="Words to look for in each capability's full name and description "
                 "(case-insensitive; every word must appear).",
             ),

@@ -222,7 +222,8 @@ def metrics_view(request):
         )
     except (errors.RateLimited, errors.Unauthenticated) as exc:
         return errors.error_response(exc)
-    return HttpResponse(metrics_render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+    body, content_type = metrics_render(accept=request.META.get("HTTP_ACCEPT", ""))
+    return HttpResponse(body, content_type=content_type)
 
 
 def method_not_allowed(path: str) -> HttpResponse:

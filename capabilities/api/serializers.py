@@ -151,11 +151,16 @@ class CapabilitySerializer(serializers.ModelSerializer):
         return capability_url(self.context["request"], obj)
 
     def get_stats(self, obj) -> dict | None:
-        """Totals since the capability was created, for the owner only."""
+        """Totals since the capability was created, for the owner only: the calls its code
+        ran, their errors, and the calls Sigil refused without running it (`refused`), with
+        every answer that carried an error code counted by code (`codes`: `degraded`,
+        `rate_limited`, `capability_error`, ...), as the owner's dashboard counts them."""
         calls = obj.calls_total
         return {
             "calls": calls,
             "errors": obj.errors_total,
+            "refused": obj.refused_total,
+            "codes": obj.codes_total,
             "mean_latency_ms": round(obj.latency_ms_total / calls, 3) if calls else None,
         }
 

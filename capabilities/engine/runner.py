@@ -26,7 +26,7 @@ import socket
 import time
 import uuid
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from django.conf import settings
@@ -38,7 +38,7 @@ from capabilities.engine.upstream import HOP_BY_HOP
 from capabilities.engine.values import CallRequest
 from capabilities.services import async_calls
 from sigil import leases
-from sigil.errors import Timeout
+from sigil.errors import InternalError, SigilError, Timeout
 from sigil.redis_client import SOCKET_TIMEOUT_SECONDS
 from sigil.request_id import new_request_id, set_request_id
 
@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 # as its Retry-After asks).
 TRANSIENT_TRIES = 3
 TRANSIENT_PAUSE_SECONDS = 1.0
+# A call whose runs Sigil failed to finish this many times (its runner killed mid-call, or a
+# failure of Sigil's own each time) ends with a 500 instead of running again.
+MAX_ATTEMPTS = 5
 
 
 class AsyncCallRunner:
@@ -131,18 +134,42 @@ class AsyncCallRunner:
     async def run_taken(self, call_id: str, agent: str) -> None:
         engine = self.engine_of()
         try:
-            await execute(engine, call_id)
-            await self.redis.lrem(async_calls.runner_key(self.runner_id), 1, call_id)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception("asynchronous call %s failed in its runner; it stays taken until reclaimed", call_id)
+            try:
+                await execute(engine, call_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # Sigil's own failure (Redis gone mid-call, say): this runner's lease lives on,
+                # so no other runner would take the call back; it goes back itself.
+                logger.exception("asynchronous call %s failed in its runner; it goes back to the queue", call_id)
+                await self.until_redis_answers(
+                    lambda: self.redis.eval(
+                        async_calls.PUT_BACK, 2, async_calls.runner_key(self.runner_id), async_calls.QUEUE_KEY, call_id
+                    )
+                )
+            else:
+                await self.until_redis_answers(
+                    lambda: self.redis.lrem(async_calls.runner_key(self.runner_id), 1, call_id)
+                )
         finally:
             self.running[agent] -= 1
             if not self.running[agent]:
                 del self.running[agent]
             self.tasks.discard(asyncio.current_task())
             self.room.set()
+
+    async def until_redis_answers(self, command: Callable[[], Awaitable]) -> None:
+        """Run a step of the runner's books until Redis takes it: a step lost while Redis is
+        down or restarting would leave a call taken for as long as this runner lives."""
+        while True:
+            try:
+                await command()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("the async call runner could not reach Redis (%s); trying again", exc)
+                await asyncio.sleep(TRANSIENT_PAUSE_SECONDS)
 
     async def keep_lease(self) -> None:
         while True:
@@ -183,11 +210,14 @@ async def execute(engine: Engine, call_id: str) -> None:
     if not record:
         return
     if record["state"].decode() != async_calls.DONE:
-        pipe = redis.pipeline(transaction=True)
-        pipe.hset(key, "state", async_calls.RUNNING)
-        pipe.hincrby(key, "attempts", 1)
-        await pipe.execute()
-        result = await run_within_time(engine, record)
+        if int(record.get("attempts", b"0")) >= MAX_ATTEMPTS:
+            result = gave_up(record)
+        else:
+            pipe = redis.pipeline(transaction=True)
+            pipe.hset(key, "state", async_calls.RUNNING)
+            pipe.hincrby(key, "attempts", 1)
+            await pipe.execute()
+            result = await run_within_time(engine, record)
         recorded = await redis.eval(
             async_calls.RECORD_RESULT,
             1,
@@ -202,6 +232,21 @@ async def execute(engine: Engine, call_id: str) -> None:
         if recorded == -1:
             return
     await engine.offload(async_calls.async_call_done, call_id=call_id, agent=record["agent"].decode())
+
+
+def gave_up(record: dict[str, bytes]) -> async_calls.CallResult:
+    """The result of a call that Sigil failed to finish MAX_ATTEMPTS times: its own failure,
+    logged under the call's request id."""
+    request_id = record.get("request_id", b"").decode() or new_request_id()
+    logger.error("[%s] asynchronous call of %s ended after %d failed runs", request_id, record["full"], MAX_ATTEMPTS)
+    return sigils_answer(InternalError(request_id=request_id), request_id)
+
+
+def sigils_answer(error: SigilError, request_id: str) -> async_calls.CallResult:
+    """The result of a call that Sigil answered itself, in the contract's envelope."""
+    answer = error_answer(error)
+    answer.headers.append(("X-Request-Id", request_id))
+    return async_calls.CallResult(answer.status, _kept_headers(answer.headers), answer.body, False)
 
 
 async def run_within_time(engine: Engine, record: dict[str, bytes]) -> async_calls.CallResult:
@@ -223,11 +268,9 @@ async def run_within_time(engine: Engine, record: dict[str, bytes]) -> async_cal
             await asyncio.sleep(pause)
     except TimeoutError:
         full = record["full"].decode()
-        answer = error_answer(
-            Timeout(f"{full} did not finish within {limit:g} s, the longest an asynchronous call runs")
+        return sigils_answer(
+            Timeout(f"{full} did not finish within {limit:g} s, the longest an asynchronous call runs"), request_id
         )
-        answer.headers.append(("X-Request-Id", request_id))
-        return async_calls.CallResult(answer.status, _kept_headers(answer.headers), answer.body, False)
     return result
 
 

@@ -33,6 +33,7 @@ from capabilities.runtimes.base import Route, Runtime
 from capabilities.runtimes.errors import RuntimeThrottled, RuntimeUnavailable
 from capabilities.services.placement import runtime_throttled
 from sigil.errors import CapabilityError, SigilError, Timeout, TooLarge, Unavailable, UpstreamError
+from sigil.serving import switch_command
 
 logger = logging.getLogger("capabilities.gateway")
 
@@ -147,7 +148,8 @@ class Sender:
             if not stopped.culprit:
                 # Its process exited, or it shared one with a call that ran past a limit, or found
                 # it restarting: not this capability's failure, so its breaker is left alone.
-                whose = "its runtime process" if stopped.reason == "exited" else "another call in its runtime process"
+                alone = stopped.reason in ("exited", "starved")  # no call of the process caused it
+                whose = "its runtime process" if alone else "another call in its runtime process"
                 raise Unavailable(
                     f"{call.full} was interrupted: {whose} {stopped.message}; a fresh process is starting",
                     retry_after=1,
@@ -181,7 +183,7 @@ class Sender:
         if route.backend and route.backend != self.runtime.name:
             message += (
                 f" (it is still placed on the {route.backend} runtime, not {self.runtime.name}: "
-                "the owner moves it with `python manage.py switchbackend`)"
+                f"the owner moves it with `{switch_command(self.runtime.name)}`)"
             )
         return UpstreamError(message)
 

@@ -12,9 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from django.conf import LazySettings
 from django.core.checks import CheckMessage
 
@@ -28,6 +26,7 @@ from capabilities.runtimes.errors import (  # noqa: F401
     ScriptTooLarge,
     SlotsExhausted,
 )
+from capabilities.sealing import bundle_seal_key
 
 
 @dataclass(frozen=True)
@@ -52,8 +51,6 @@ class ResolvedBinding:
 # The kinds that become plain values in `env` rather than resources.
 TEXT_BINDING_KINDS = frozenset({"VAR", "SECRET"})
 SECRET_KIND = "SECRET"
-# HKDF's `info` for the key that seals a bundle's secrets; host/host.js derives the same key.
-SEAL_INFO = b"sigil bundle secrets"
 
 
 def secret_fingerprint(value: str, *, key: str) -> str:
@@ -115,6 +112,14 @@ class CodeBundle:
         """The secret bindings' values, as the loader host puts them in `env`."""
         return {b.name: b.value for b in self.bindings if b.kind == SECRET_KIND}
 
+    def masked(self, text: str) -> str:
+        """`text` with each of the bundle's secret values replaced by `[secret NAME]` (the
+        longest first): for what a runtime says of the code, which quotes what it threw."""
+        for name, value in sorted(self.secrets.items(), key=lambda item: -len(item[1])):
+            if value:
+                text = text.replace(value, f"[secret {name}]")
+        return text
+
     def _public(self) -> dict:
         return {
             "mainModule": self.main_module,
@@ -141,11 +146,6 @@ class CodeBundle:
 # runtimes whose slot is overwritten in place by a redeploy (worker-pool's guard). Where a
 # route names the code's sha (local, loader), the route's version is the answering code's.
 SERVED_VERSION_HEADER = "x-sigil-served-version"
-
-
-def bundle_seal_key(host_secret: str) -> bytes:
-    """The AES-256 key sealing bundles' secrets for the loader host that holds `host_secret`."""
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=SEAL_INFO).derive(host_secret.encode())
 
 
 def _canonical(value: dict) -> bytes:
@@ -176,8 +176,9 @@ class CallStopped:
     exited on its own.
 
     `culprit` says whether this call can be the one that ran past it (else it merely
-    shared the process, or arrived while it restarted); `reason` is "cpu", "memory" or
-    "exited"; `message` completes "{capability} ..." ("ran past its CPU limit of 1000 ms").
+    shared the process, or arrived while it restarted); `reason` is "cpu", "memory",
+    "starved" (silent while the host did not run it) or "exited"; `message` completes
+    "{capability} ..." ("ran past its CPU limit of 1000 ms").
     """
 
     culprit: bool

@@ -22,7 +22,13 @@ from capabilities.runtimes.cloudflare import (
     metadata_binding,
 )
 from capabilities.runtimes.cloudflare.account import Finding, PlanProbe, installation_tag
-from capabilities.runtimes.cloudflare.uploads import CAPABILITY_MODULE, SECRET_MODULE, sigil_modules
+from capabilities.runtimes.cloudflare.uploads import (
+    CAPABILITY_MODULE,
+    MASK_MODULE,
+    SECRET_MODULE,
+    secret_names_binding,
+    sigil_modules,
+)
 from capabilities.runtimes.edge import Edge, EdgeSettings
 from capabilities.runtimes.sigil_worker import FrontedRuntime, SigilWorker
 from capabilities.runtimes.tail_worker import TailMailbox
@@ -194,16 +200,20 @@ class PlatformRuntime(FrontedRuntime):
 
     def place(self, *, slot: str, bundle: CodeBundle, tenant: str) -> None:
         """Upload the capability into the namespace, tagged with Sigil and its agent (`tenant`); with
-        `bundle.version`, behind an entry module that names it in every answer
-        (SERVED_VERSION_HEADER), since the upload replaces the script in place. One API call
-        (after the first placement of the process). Idempotent."""
+        `bundle.version` or secrets, behind an entry module that names the version in every
+        answer (SERVED_VERSION_HEADER), since the upload replaces the script in place, and masks
+        the secrets in the capability's console and in what it throws (sigil-mask.js). One API
+        call (after the first placement of the process). Idempotent."""
         self._ensure_provisioned()
         modules, main_module = bundle.modules, bundle.main_module
         bindings = [metadata_binding(b) for b in bundle.bindings]
-        if bundle.version is not None and bundle.main_module == "main.js":
-            entry = {VERSION_MODULE: VERSION_SOURCE, **sigil_modules(CAPABILITY_MODULE)}
+        if (bundle.version is not None or bundle.secrets) and bundle.main_module == "main.js":
+            entry = {VERSION_MODULE: VERSION_SOURCE, **sigil_modules(CAPABILITY_MODULE, MASK_MODULE)}
             modules, main_module = {**entry, **bundle.modules}, VERSION_MODULE
-            bindings.append({"type": "plain_text", "name": VERSION_BINDING, "text": str(bundle.version)})
+            if bundle.version is not None:
+                bindings.append({"type": "plain_text", "name": VERSION_BINDING, "text": str(bundle.version)})
+            if bundle.secrets:
+                bindings.append(secret_names_binding(bundle.secrets))
         self.client.namespace_script_upload(
             self.namespace,
             slot,

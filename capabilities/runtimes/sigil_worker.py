@@ -205,7 +205,7 @@ class FrontedRuntime(CloudflareRuntime):
         """The plan's finding, and whether the account has room for Sigil's Worker in front."""
         plan = cls.plan_finding(client=client, probe=probe, settings=settings)
         front = cls.front_name(settings)
-        count = scripts_in_use(scripts, probe, settings=settings, front=front)
+        count = scripts_in_use(scripts, probe, settings=settings)
         if len(scripts) >= count.limit and front not in scripts:
             return [plan, Finding("scripts", False, f"{count.used}: no room left for Sigil's Worker {front}")]
         return [plan, Finding("scripts", True, count.used)]

@@ -14,10 +14,10 @@ import json
 
 from capabilities.record_pushes import RecordsOrigin
 from capabilities.runtimes.cloudflare import CloudflareClient, NamedKv
+from capabilities.runtimes.cloudflare.account import TAIL_WORKER
 from capabilities.runtimes.sigil_worker import SigilWorker
 from capabilities.workerd.config import HOST_DIR, HOST_MODULES
 
-TAIL_WORKER = "sigil-tail"
 TAIL_KV_TITLE = "sigil-call-records"
 _SOURCES = {name: (HOST_DIR / name).read_text() for name in ("tail.js", *HOST_MODULES)}
 

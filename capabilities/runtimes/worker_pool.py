@@ -25,7 +25,13 @@ from capabilities.runtimes.cloudflare.account import (
     scripts_in_use,
 )
 from capabilities.runtimes.cloudflare.facts import SUBDOMAIN, AccountFacts
-from capabilities.runtimes.cloudflare.uploads import CAPABILITY_MODULE, SECRET_MODULE, sigil_modules
+from capabilities.runtimes.cloudflare.uploads import (
+    CAPABILITY_MODULE,
+    MASK_MODULE,
+    SECRET_MODULE,
+    secret_names_binding,
+    sigil_modules,
+)
 from capabilities.runtimes.edge import Edge, EdgeSettings
 from capabilities.runtimes.sigil_worker import SigilWorker
 from capabilities.runtimes.tail_worker import TailMailbox
@@ -145,8 +151,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
         account's limit, less the scripts that are not Sigil's (or the owner's reserve, if
         more), Sigil's own and the margin."""
         plan = Finding("plan", True, "the worker-pool runtime needs nothing beyond Workers")
-        edge = settings.SIGIL_EDGE_WORKER if settings.SIGIL_EDGE else None  # Sigil's, as its pool scripts
-        count = scripts_in_use(scripts, probe, settings=settings, front=edge)
+        count = scripts_in_use(scripts, probe, settings=settings)
         configured = settings_slots(settings)
         usable = settings_slots(
             settings, total_quota=count.limit, user_reserved=max(count.others, settings.SIGIL_POOL_USER_RESERVED)
@@ -241,9 +246,11 @@ class WorkerPoolRuntime(CloudflareRuntime):
             # Callers are sent to the script itself, so it must answer them without Sigil.
             modules, main_module = bundle.modules, bundle.main_module
         else:
-            guard = {GUARD_MODULE: GUARD_SOURCE, **sigil_modules(CAPABILITY_MODULE, SECRET_MODULE)}
+            guard = {GUARD_MODULE: GUARD_SOURCE, **sigil_modules(CAPABILITY_MODULE, SECRET_MODULE, MASK_MODULE)}
             modules, main_module = {**guard, **bundle.modules}, GUARD_MODULE
             bindings.append({"type": "secret_text", "name": GUARD_SECRET_BINDING, "text": self._secret})
+            if bundle.secrets:
+                bindings.append(secret_names_binding(bundle.secrets))
             if bundle.version is not None:
                 # The upload replaces the script in place: its every answer says which version it is.
                 bindings.append({"type": "plain_text", "name": GUARD_VERSION_BINDING, "text": str(bundle.version)})

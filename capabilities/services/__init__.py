@@ -73,6 +73,7 @@ from capabilities.services.switching import (
     runtimes_left_behind,
     runtimes_still_holding,
     switch_plan,
+    switch_target,
 )
 from capabilities.services.versions import DeployResult
 
@@ -141,4 +142,5 @@ __all__ = [
     "runtimes_left_behind",
     "runtimes_still_holding",
     "switch_plan",
+    "switch_target",
 ]

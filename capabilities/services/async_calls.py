@@ -157,6 +157,18 @@ def async_call_accept(
 # KEYS: the record. ARGV: status, headers (JSON), body, truncated (0/1), finished at, TTL s.
 # Records the first result only; returns 1 when this one was recorded, 0 when one was
 # already, -1 when the record has expired.
+# A call its runner could not finish (Sigil's own failure, such as Redis gone mid-call) goes
+# back to the queue's far end, where the oldest wait; only if its runner still held it (a
+# restarted Redis may have lost the take, and with it the call is in the queue already).
+# KEYS: the runner's list, the queue; ARGV: the call's id.
+PUT_BACK = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
+  redis.call('RPUSH', KEYS[2], ARGV[1])
+  return 1
+end
+return 0
+"""
+
 RECORD_RESULT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HGET', KEYS[1], 'state') == 'done' then return 0 end

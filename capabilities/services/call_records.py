@@ -21,7 +21,7 @@ import time
 from django.db import DatabaseError
 from redis import RedisError
 
-from capabilities import call_logs
+from capabilities import call_logs, names
 from capabilities.bindings import bindings_resolve
 from capabilities.log_limits import LogLimits
 from capabilities.models import BindingKind, Capability, State
@@ -91,17 +91,54 @@ def call_records_batch_keep(*, batch: dict, backend: str, limits: LogLimits) -> 
     if claimed and not call_logs.call_records_batch_claim(batch_id=batch_id, retention_seconds=retention):
         return 0  # pushed again: kept the first time
     try:
-        if batch.get("slots") is True:
+        slots = batch.get("slots") is True
+        if slots:
             records = _claimed(records, backend=backend)
         kept = call_logs.call_records_keep(records=records, limits=limits)
         dropped = batch.get("dropped")
         if isinstance(dropped, int) and not isinstance(dropped, bool) and dropped > 0:
-            call_logs.call_records_undelivered(count=dropped)  # the tail's queue was full, or a push refused
+            # The tail's queue was full, or a batch refused or neither pushed nor spooled.
+            by = _dropped_by(batch.get("dropped_by"), total=dropped, slots=slots, backend=backend)
+            call_logs.call_records_undelivered(count=dropped, by=by)
     except (RedisError, DatabaseError):
         if claimed:
             call_logs.call_records_batch_unclaim(batch_id=batch_id)
         raise
     return kept
+
+
+def _dropped_by(raw, *, total: int, slots: bool, backend: str) -> dict[str, int]:
+    """A batch's `dropped_by` (slot → records its tail lost) as full name → records, for the
+    capabilities that exist (a Tail Worker's slots named for their holders); what names none,
+    or goes past `total`, stays in the undelivered count alone."""
+    if not isinstance(raw, dict):
+        return {}
+    counts = {
+        slot: count
+        for slot, count in raw.items()
+        if isinstance(slot, str) and isinstance(count, int) and not isinstance(count, bool) and count > 0
+    }
+    if slots:
+        holders = Capability.objects.filter(slot__in=list(counts), backend=backend).exclude(state=State.REMOVED)
+        named = {c.slot: c.full_name for c in holders}
+        counts = {named[slot]: count for slot, count in counts.items() if slot in named}
+    else:
+        # A staged version in traffic runs as `{full}--v{n}`: its losses are its capability's.
+        folded: dict[str, int] = {}
+        for slot, count in counts.items():
+            full = slot.rpartition(names.SEPARATOR)[0] if call_logs.VARIANT.search(slot) else slot
+            folded[full] = folded.get(full, 0) + count
+        counts = folded
+    current = Capability.objects.filter(full_name__in=list(counts)).exclude(state=State.REMOVED)
+    known = set(current.values_list("full_name", flat=True))
+    by: dict[str, int] = {}
+    left = total
+    for full in sorted(known):
+        count = min(counts[full], left)
+        if count > 0:
+            by[full] = count
+            left -= count
+    return by
 
 
 def _claimed(records: list, *, backend: str) -> list:

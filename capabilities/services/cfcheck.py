@@ -23,7 +23,7 @@ from capabilities.runtimes.cloudflare import (
     CloudflareSlotsExhausted,
     CloudflareUnavailable,
 )
-from capabilities.runtimes.cloudflare.account import FREE_PLAN, PAID_PLAN, Finding, PlanProbe
+from capabilities.runtimes.cloudflare.account import FREE_PLAN, PAID_PLAN, PLAN_PROBE_WORKER, Finding, PlanProbe
 from capabilities.runtimes.edge import edge_account_findings
 
 # The runtimes that run on a Cloudflare account.
@@ -31,7 +31,7 @@ CLOUDFLARE_BACKENDS = tuple(name for name in RUNTIMES if runtime_class(name).on_
 # A throwaway Worker that asks the account whether its plan allows a worker_loader binding:
 # no read-only endpoint says so, and Cloudflare refuses such an upload on the free plan
 # (reference §5.1: 10021 "binding LOADER of type worker_loader is invalid", or 10195).
-LOADER_PROBE_SCRIPT = "sigil-cfcheck-probe"
+LOADER_PROBE_SCRIPT = PLAN_PROBE_WORKER
 LOADER_PROBE_MODULE = "probe.js"
 LOADER_PROBE_SOURCE = 'export default { fetch() { return new Response("") } }\n'
 # Cloudflare's codes for a binding or feature the plan does not include (reference §7.1).

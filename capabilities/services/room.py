@@ -262,7 +262,8 @@ def slot_for(full: str, runtime: Runtime) -> str:
 
 
 def _place(full: str, slot: str, bundle: CodeBundle, runtime: Runtime) -> None:
-    """Put `bundle` on `runtime` at `full`'s `slot`. Runtime errors become API errors."""
+    """Put `bundle` on `runtime` at `full`'s `slot`. Runtime errors become API errors, with
+    the bundle's secrets masked in what the runtime quotes of the code (a start that threw)."""
     try:
         runtime.place(slot=slot, bundle=bundle, tenant=names.agent_of(full))
     except runtime_errors.ScriptTooLarge as exc:
@@ -270,7 +271,9 @@ def _place(full: str, slot: str, bundle: CodeBundle, runtime: Runtime) -> None:
     except runtime_errors.SlotsExhausted:
         raise  # a full account: the caller (Room) pages out or sheds
     except runtime_errors.RuntimeRejected as exc:
-        raise InvalidRequest(f"the runtime refused the script: {exc}") from exc
+        told = bundle.masked(str(exc))
+        # Not chained when masked: the runtime's own words would be logged with the traceback.
+        raise InvalidRequest(f"the runtime refused the script: {told}") from (exc if told == str(exc) else None)
     except runtime_errors.RuntimeThrottled as exc:
         raise runtime_throttled(exc, doing=f"place {full}") from exc
     except runtime_errors.RuntimeUnavailable as exc:

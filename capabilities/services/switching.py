@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db.models import Count, F, Q, QuerySet
@@ -26,12 +27,13 @@ from django.utils import timezone
 from agents.services import audit_record
 from capabilities import pager, routes
 from capabilities.models import Capability, State
-from capabilities.runtimes import get_runtime, runtime_for
+from capabilities.runtimes import RUNTIMES, get_runtime, runtime_for
 from capabilities.runtimes.errors import RuntimeFailure
 from capabilities.services.placement_lock import placement_in_progress, placement_lock
 from capabilities.services.records import capability_audit, capability_current, capability_written, record_live
 from capabilities.services.room import bundle_for, room_for, slot_for
 from sigil.errors import InvalidRequest, SigilError
+from sigil.serving import Serving, switch_command
 
 
 def never_placed() -> Q:
@@ -295,7 +297,34 @@ class LeftBehind:
             where += f", which does not answer ({self.failure}): their calls fail"
         else:
             where += ", and served there"
-        return f"{where} until `python manage.py switchbackend` moves them to {get_runtime().name}"
+        return f"{where} until `{switch_command(get_runtime().name)}` moves them to {get_runtime().name}"
+
+
+def switch_target(*, configured: str, named_here: bool, serving: Serving | None, var_dir: Path) -> str:
+    """The runtime a switch moves every capability to: the one the Sigil running on `var_dir`
+    serves (`serving`, as runsigil recorded it), which SIGIL_BACKEND (`configured`) must name
+    when this shell sets it (`named_here`); with no Sigil running there, SIGIL_BACKEND as this
+    shell sets it. Reads only.
+
+    Raises InvalidRequest, naming the command to run, when this shell names another runtime
+    than the running Sigil serves, or when nothing tells the runtime: no Sigil running there,
+    and SIGIL_BACKEND not set (its default, local, would move everything there).
+    """
+    if serving is not None:
+        if named_here and configured != serving.backend:
+            raise InvalidRequest(
+                f"the Sigil running on port {serving.port} serves {serving.backend}, but SIGIL_BACKEND is "
+                f"{configured} here: restart Sigil with SIGIL_BACKEND={configured} first, or switch to what "
+                f"it serves with `{switch_command(serving.backend)}`"
+            )
+        return serving.backend
+    if named_here:
+        return configured
+    raise InvalidRequest(
+        f"SIGIL_BACKEND is not set in this shell, and no Sigil running on {var_dir} says which runtime it "
+        f"serves: name the runtime Sigil serves now, as in `{switch_command('worker-pool')}` "
+        f"(one of {', '.join(RUNTIMES)})"
+    )
 
 
 def placed_elsewhere(current: str) -> QuerySet[Capability]:

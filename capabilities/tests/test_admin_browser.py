@@ -114,3 +114,34 @@ def test_a_capability_page_shows_its_failures_readably_on_a_phone(sigil, owner, 
         assert width >= 150
     finally:
         page.set_viewport_size(DESKTOP)
+
+
+# The width the owner's list pages must fit whole, beside the filters (a laptop's browser).
+LAPTOP = {"width": 1400, "height": 900}
+# What of the capabilities list is hidden to the right of its box, which scrolls sideways:
+# the box's widths and where the table's last heading ends against the box's right edge.
+CUT = """() => {
+  const box = document.querySelector("#changelist .results");
+  const last = [...document.querySelectorAll("#result_list thead th")].pop();
+  return { scroll: box.scrollWidth, client: box.clientWidth,
+           cut: Math.round(last.getBoundingClientRect().right - box.getBoundingClientRect().right) };
+}"""
+
+
+def test_the_capabilities_list_fits_a_laptop_whole(sigil, owner, alice):
+    page = owner
+    for name in ("a-rather-long-capability-name-for-a-list", "ping", "flaky"):
+        alice.deploy(name=name, code=code("ok"), description="what it does, at some length " * 3)
+        assert alice.call(f"/alice/{name}").status_code == 200
+    flush_stats_when_recorded(alice__ping=1)  # a last call's date and time, the widest cell
+    capability = Capability.objects.get(full_name="alice--flaky")
+    run_action(page, sigil.url, capability, "force_degraded")  # the widest health cell
+    page.get_by_text("Forced 1 capability degraded").wait_for()
+    page.set_viewport_size(LAPTOP)
+    try:
+        page.goto(f"{sigil.url}/admin/capabilities/capability/")
+        measured = page.evaluate(CUT)
+        assert measured["cut"] <= 0 and measured["scroll"] <= measured["client"], measured
+        screenshot(page, "capabilities-list-1400")  # and at 390 px the page itself is no wider
+    finally:
+        page.set_viewport_size(DESKTOP)

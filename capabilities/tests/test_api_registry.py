@@ -1,5 +1,6 @@
 """List, inspect, remove, status, health and the schema, over HTTP."""
 
+import pytest
 import requests
 
 from agents.models import AuditEvent
@@ -45,6 +46,23 @@ def test_list_refuses_a_nul_in_a_text_filter_on_every_database(alice):
         response = get(alice, f"/_api/capabilities?{query}")
         assert response.status_code == 400, query
         assert "NUL" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("query", ["offset=null", "offset=-1", "limit=0", "limit=ten", "offset=%D9%A3"])
+def test_list_refuses_a_page_that_is_not_a_whole_number_in_range(alice, query):
+    response = get(alice, f"/_api/capabilities?{query}")
+    assert response.status_code == 400, query
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request" and query.split("=")[0] in error["message"]
+
+
+def test_list_pages_by_limit_and_offset_with_the_limit_capped(alice):
+    for name in ("a", "b", "c"):
+        alice.deploy(name=name, code=PONG)
+    page = get(alice, "/_api/capabilities?limit=2&offset=1").json()
+    assert [c["capability"] for c in page["results"]] == ["alice--b", "alice--c"]
+    assert page["count"] == 3
+    assert get(alice, "/_api/capabilities?limit=5000").status_code == 200  # read as 200
 
 
 def test_inspect_shows_metadata_and_own_code(alice):
@@ -174,7 +192,11 @@ def test_the_schema_teaches(sigil):
                     and "application/json" in answer.get("content", {})
                     and not failing_health
                 ):
-                    assert answer["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Error"}
+                    documented = answer["content"]["application/json"]["schema"]
+                    if op["operationId"] == "mcp":  # JSON-RPC's error shape, Sigil's code in its data
+                        assert documented["properties"]["error"]["properties"]["code"]["type"] == "integer"
+                    else:
+                        assert documented == {"$ref": "#/components/schemas/Error"}
     # Deploy shows what to send and what comes back, and errors have examples.
     deploy = schema["paths"]["/_api/deploy"]["post"]
     examples = deploy["requestBody"]["content"]["application/json"]["examples"]

@@ -2,6 +2,8 @@
 whatever it is sent, it never answers 5xx, and every answer is one the schema documents
 (status, content type, body shape)."""
 
+import re
+
 import pytest
 import requests
 import schemathesis
@@ -62,3 +64,21 @@ def test_the_api_answers_as_its_schema_says(case, alice):
                 ignored_auth,
             ],
         )
+
+
+def test_mcp_refusals_and_full_names_are_as_the_schema_says(api_schema, alice):
+    """Outside the fuzzing above (the Call tag): what /_mcp refuses before any JSON-RPC is
+    answered in the shape its schema documents, and a `{full}` name carries its rule."""
+    mcp = api_schema["/_mcp"]["POST"]
+    url = f"{alice.base_url}/_mcp"
+    not_json = requests.post(url, data="x", headers={"Content-Type": "text/plain", **alice.headers(alice.invoke_token)})
+    no_token = requests.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+    for response, status in ((not_json, 415), (no_token, 401)):
+        assert response.status_code == status, response.text
+        mcp.validate_response(response)
+        assert isinstance(response.json()["error"]["code"], int)
+
+    described = requests.get(f"{alice.base_url}/_api/schema", headers={"Accept": "application/json"}).json()
+    (full,) = [p for p in described["paths"]["/_api/capabilities/{full}"]["get"]["parameters"] if p["name"] == "full"]
+    pattern = re.compile(full["schema"]["pattern"])
+    assert pattern.search("alice--ping") and not pattern.search("alice-ping") and not pattern.search("Alice--ping")

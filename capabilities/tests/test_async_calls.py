@@ -5,6 +5,7 @@ import hashlib
 import hmac
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -156,6 +157,26 @@ def test_the_result_is_posted_signed_to_the_callback_url(alice, webhook_receiver
     assert webhook_receiver.refused == 1 and len(webhook_receiver.received) == 1
 
 
+def test_a_callback_of_an_agent_without_a_secret_is_signed_with_the_one_it_reads(
+    alice, webhook_receiver, celery_worker
+):
+    assert Agent.objects.get(name="alice").webhook_secret == ""  # the default: none set
+    deploy_answering(alice, "ping", "pong")
+    accepted(alice.call("/alice/ping", headers={**ASYNC, "X-Callback-Url": webhook_receiver.url}))
+    wait_for(lambda: webhook_receiver.received, timeout=30, message="the callback")
+    headers, body = webhook_receiver.received[0]
+
+    assert alice.call("/_api/agent/webhook").status_code == 403  # an invoke token may not read it
+    shown = alice.call("/_api/agent/webhook", token="deploy")
+    assert shown.status_code == 200 and shown.headers["Cache-Control"] == "no-store"
+    secret = shown.json()["webhook_secret"]
+    assert shown.json() == {"agent": "alice", "webhook_url": "", "webhook_secret": secret}
+    assert headers["x-sigil-signature"] == signed(secret, body)
+    assert alice.call("/_api/agent/webhook", token="deploy").json()["webhook_secret"] == secret  # kept
+    created = AuditEvent.objects.filter(action="agent.webhook_secret_created", agent_name="alice")
+    assert created.count() == 1 and secret not in json.dumps(created.get().detail)
+
+
 def test_a_call_whose_token_is_revoked_before_it_runs_is_refused(alice, settings):
     from agents import services, tokens
     from agents.models import Token
@@ -186,6 +207,17 @@ def test_a_bad_callback_url_is_refused(alice, url):
         "http://10.1.2.3/hook",
         "http://[::1]:8000/",
         "http://[::ffff:192.168.0.1]/",
+        # What a resolver also reads as a loopback or private address.
+        "http://2130706433/",
+        "http://0x7f.1/",
+        "http://0177.0.0.1/",
+        "http://127.1/",
+        "http://127.0.0.1./",
+        "http://0/",
+        "http://0xa010203/",
+        "http://[::ffff:7f00:1]/",
+        "http://[fe80::1%25eth0]/",
+        "http://%31%32%37.0.0.1/",
     ],
 )
 def test_a_callback_to_a_private_address_is_refused_at_once(alice, settings, url):
@@ -280,6 +312,51 @@ def test_a_call_survives_its_runner_being_killed_mid_call(alice, settings, webho
         if runner.poll() is None:
             runner.kill()
             runner.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_calls_in_flight_when_redis_is_killed_all_end_once_it_is_back(alice, settings, own_redis, tmp_path):
+    from django.db import connection
+
+    settings.SIGIL_ASYNC_RUNNERS = 0  # the server's own runners are on the suite's Redis
+    alice.deploy(name="slow", code=SLOW)
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(connection.settings_dict),
+        "REDIS_URL": own_redis.url,
+        "SIGIL_ACCESS_LOG": "false",
+    }
+    status_urls = [accepted(alice.call(f"/alice/slow?n={i}", headers=ASYNC)) for i in range(6)]
+    with (tmp_path / "runcalls.log").open("wb") as log:
+        runner_process = subprocess.Popen(
+            [sys.executable, "manage.py", "runcalls"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_until(
+            lambda: all(alice.call(url).json().get("status") == "running" for url in status_urls),
+            timeout=60,
+            interval=0.1,
+            what="the runner to start every call",
+        )
+        # Redis dies while the calls are in flight, and stays away while they answer, so that
+        # their runner cannot record them; it comes back from its append-only file.
+        os.kill(own_redis.process.pid, signal.SIGKILL)
+        own_redis.process.wait(timeout=10)
+        time.sleep(4)
+        own_redis.start()
+
+        for i, url in enumerate(status_urls):
+            result = result_of(alice, url, timeout=60)
+            assert (result.status_code, result.text) == (200, f"slow ?n={i}"), url
+        # The runner recorded nothing in Redis's absence: each call was run again.
+        attempts = [
+            int(get_redis().hget(async_calls.record_key(url.rsplit("/", 1)[1]), "attempts")) for url in status_urls
+        ]
+        assert all(a >= 2 for a in attempts), attempts
+        assert not get_redis().llen(async_calls.QUEUE_KEY)
+    finally:
+        runner_process.kill()
+        runner_process.wait(timeout=30)
 
 
 def test_an_agent_with_its_limit_of_calls_waiting_is_refused_until_one_has_run(alice, bob, settings):

@@ -175,8 +175,8 @@ def test_records_not_kept_are_counted_in_metrics(sigil, settings, small, redis_c
     tiny = LogLimits(**{**small.__dict__, "agent_bytes": 50})
     call_logs.call_records_keep(records=[raw_record("bob--big", "b1"), "junk"], limits=tiny)
     text = requests.get(f"{sigil.url}/metrics", headers={"Authorization": "Bearer scrape"}).text
-    assert 'sigil_call_records_lost_total{why="not_kept"} 1' in text
-    assert 'sigil_call_records_lost_total{why="undelivered"} 1' in text
+    assert 'sigil_call_records_lost_total{why="not_kept"} 1.0' in text
+    assert 'sigil_call_records_lost_total{why="undelivered"} 1.0' in text
 
 
 def test_a_forged_batch_without_the_internal_secret_is_refused(workerd_group, redis_client):
@@ -187,6 +187,24 @@ def test_a_forged_batch_without_the_internal_secret_is_refused(workerd_group, re
     answer = requests.post(f"http://127.0.0.1:{sink.port}/records", data=body, headers={"X-Sigil-Secret": "guess"})
     assert answer.status_code == 403
     assert redis_client.exists(call_logs.records_key("alice--a")) == 0
+
+
+def test_records_the_sink_refuses_are_counted_as_lost_for_their_capability(alice, workerd_group, redis_client):
+    alice.deploy(name="chatty", code=CHATTY)
+    [sink] = workerd_group.companions
+    bound = sink.max_body
+    sink.max_body = 10  # every batch is refused (413) until the bound is back
+    try:
+        refused = alice.call("/alice/chatty/ok").headers["X-Request-Id"]
+        wait_for(lambda: call_logs.call_records_undelivered_count() >= 1, timeout=10, message="the batch refused")
+    finally:
+        sink.max_body = bound
+    # The next batch that gets through says whose records were lost.
+    after = alice.call("/alice/chatty/ok").headers["X-Request-Id"]
+    record_of(alice, "alice--chatty", after)
+    assert wait_for(lambda: logs(alice, "alice--chatty").json()["lost"], timeout=10, message="the loss counted") == 1
+    assert [r["request_id"] for r in logs(alice, "alice--chatty").json()["records"]] == [after]
+    assert refused != after
 
 
 def test_a_removed_capability_takes_its_records_with_it(alice):

@@ -61,8 +61,8 @@ def test_a_batch_pushed_twice_is_kept_once(sigil, settings, redis_client):
     assert call_logs.call_records_undelivered_count() == 2  # its `dropped`, counted once
     settings.SIGIL_METRICS_TOKEN = "scrape"
     metrics = requests.get(f"{sigil.url}/metrics", headers={"Authorization": "Bearer scrape"}, timeout=10).text
-    assert 'sigil_call_record_pushes_total{taken="first"} 1' in metrics
-    assert 'sigil_call_record_pushes_total{taken="again"} 1' in metrics
+    assert 'sigil_call_record_pushes_total{taken="first"} 1.0' in metrics
+    assert 'sigil_call_record_pushes_total{taken="again"} 1.0' in metrics
 
     another = json.dumps({"id": str(uuid.uuid4()), "records": [a_record("r1")]}).encode()
     assert push(sigil, another).status_code == 204  # another batch is another batch

@@ -1,6 +1,7 @@
 """`manage.py cfcheck` against the emulator: a good account, and accounts set up wrong."""
 
 import io
+import json
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -199,3 +200,43 @@ def test_an_account_without_an_origin_is_ready_but_told_that_call_records_cannot
     cf_settings.SIGIL_ORIGIN_URL = "https://sigil.example.com"
     assert "note" not in cfcheck(backend)[0]
     assert not any("call records" in warning for warning in client.get("/_health").json().get("warnings", []))
+
+
+def test_json_gives_each_finding_and_still_exits_non_zero_when_not_ready(cf_settings, cf_emulator_fresh, redis_client):
+    out = io.StringIO()
+    call_command("cfcheck", backend="worker-pool", as_json=True, stdout=out)
+    document = json.loads(out.getvalue())
+    assert document["backend"] == "worker-pool" and document["ready"] is True
+    assert {finding["topic"] for finding in document["findings"]} >= {"API token", "account", "scripts"}
+    assert all(set(finding) == {"topic", "ok", "detail", "blocking"} for finding in document["findings"])
+
+    cf_emulator_fresh.configure(subdomain="")
+    out = io.StringIO()
+    with pytest.raises(CommandError, match="cannot work on this account"):
+        call_command("cfcheck", backend="platform", as_json=True, stdout=out)
+    document = json.loads(out.getvalue())  # the JSON is whole though the command failed
+    assert document["ready"] is False
+    [missing] = [finding for finding in document["findings"] if not finding["ok"] and finding["blocking"]]
+    assert missing["topic"] == "workers.dev subdomain"
+
+
+def test_every_script_sigil_deployed_counts_as_sigils(platform, cf_settings, cf_client, db):
+    """Sigil's own Workers of one runtime and then another (a switch leaves the first until it is
+    deleted): the dispatch Worker, the Tail Worker, the edge Worker; only the owner's is not Sigil's."""
+    from capabilities.runtimes import runtimes_forget
+
+    call_command("deployruntime", stdout=io.StringIO())
+    cf_settings.SIGIL_BACKEND, cf_settings.SIGIL_EDGE = "worker-pool", True
+    runtimes_forget()
+    call_command("deployruntime", stdout=io.StringIO())
+    cf_client.script_upload(
+        "owners-own-worker", modules={"o.js": OWNERS}, main_module="o.js", compatibility_date="2025-01-01"
+    )
+    scripts = {script.id for script in cf_client.script_list()}
+    assert {"sigil-dispatcher", "sigil-tail", "sigil-edge", "owners-own-worker"} <= scripts
+
+    out = io.StringIO()
+    call_command("cfcheck", backend="worker-pool", as_json=True, stdout=out)
+    [used] = [f["detail"] for f in json.loads(out.getvalue())["findings"] if f["topic"] == "scripts"]
+    assert f"{len(scripts)} of the account's 500 Worker scripts" in used
+    assert "are in use, 1 of them not Sigil's" in used

@@ -2,6 +2,8 @@
 host, the platform's dispatcher): the first run creates and deploys, the next finds it all up
 to date, and the runtime's start check then passes."""
 
+import json
+
 import pytest
 from django.core.management import call_command
 
@@ -30,3 +32,12 @@ def test_deployruntime_deploys_the_runtimes_worker_once_and_checks_it(backend, c
     call_command("deployruntime")
     assert capsys.readouterr().out.strip() == f"{backend}: up to date"
     get_runtime().check()
+
+
+def test_deployruntime_json_says_what_it_did(platform, db, capsys):
+    call_command("deployruntime", as_json=True)
+    first = json.loads(capsys.readouterr().out)
+    assert first["backend"] == "platform" and first["state"] == "ready"
+    assert any(line.startswith("deployed the dispatch Worker sigil-dispatcher") for line in first["done"])
+    call_command("deployruntime", as_json=True)
+    assert json.loads(capsys.readouterr().out) == {"backend": "platform", "done": [], "state": "up to date"}

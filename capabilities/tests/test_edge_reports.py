@@ -254,7 +254,7 @@ def test_a_batch_of_reports_pushed_twice_counts_once(sigil, alice, access_log, s
     assert stats.edge_reports_counts() == (2, 2)
     settings.SIGIL_METRICS_TOKEN = "scrape"
     metrics = requests.get(f"{sigil.url}/metrics", headers={"Authorization": "Bearer scrape"}, timeout=10).text
-    assert "sigil_edge_reports_total 2" in metrics and "sigil_edge_reports_lost_total 2" in metrics
+    assert "sigil_edge_reports_total 2.0" in metrics and "sigil_edge_reports_lost_total 2.0" in metrics
 
 
 def test_a_batch_with_a_malformed_report_is_refused_and_applies_nothing(sigil, alice):

@@ -4,9 +4,11 @@ Redis gone, a page-in that holds its lock past the invoke timeout."""
 import os
 import re
 import signal
+import subprocess
 import time
 
 import pytest
+import redis
 
 from agents import tokens
 from capabilities import copies, routes
@@ -59,20 +61,6 @@ def test_an_unexpected_error_in_the_control_api_is_a_500_internal_error_with_a_r
     assert_error(alice.call("/alice/anything"), 500, "internal_error")  # the gateway reads the same entry
 
 
-@pytest.fixture
-def own_redis(tmp_path, settings, sigil):
-    """Sigil on a Redis server of this test's own, which the test may stop and start again."""
-    server = EmbeddedRedis(tmp_path / "redis")
-    server.start()
-    settings.REDIS_URL = server.url
-    get_redis.cache_clear()
-    sigil.app.gateway = None  # rebuilt on the next call, on this Redis
-    yield server
-    server.stop()
-    get_redis.cache_clear()
-    sigil.app.gateway = None
-
-
 def test_redis_unreachable_is_503_unavailable_with_retry_after_and_recovers(own_redis, alice, access_log):
     alice.deploy(name="ping", code=PONG)
     assert alice.call("/alice/ping").text == "pong"  # the gateway now holds Redis connections
@@ -87,6 +75,48 @@ def test_redis_unreachable_is_503_unavailable_with_retry_after_and_recovers(own_
     assert int(listed.headers["Retry-After"]) >= 1
 
     own_redis.start()  # empty: the token and route caches fill again from the database
+    assert alice.call("/alice/ping").text == "pong"
+
+
+def restart_loading(server: EmbeddedRedis, *, keys: int = 200_000, key_load_delay_us: int = 30) -> None:
+    """Restart `server` with enough data, read back slowly enough (Redis's own debug setting
+    `key-load-delay`), that it answers LOADING for a few seconds; return once it does."""
+    client = redis.Redis(unix_socket_path=str(server.socket_path))
+    pipe = client.pipeline(transaction=False)
+    for i in range(keys):
+        pipe.set(f"test:padding:{i}", os.urandom(16).hex())
+    pipe.execute()
+    client.save()  # dump.rdb, which the next start reads back
+    server.stop()
+    server.prepare()
+    server.process = subprocess.Popen(
+        [*server.command(), "--key-load-delay", str(key_load_delay_us)], start_new_session=True
+    )
+
+    def loading():
+        try:
+            client.ping()
+        except redis.BusyLoadingError:
+            return True
+        except redis.ConnectionError:
+            return False  # not listening yet
+        raise AssertionError("Redis finished loading before the test could see it load")
+
+    wait_for(loading, timeout=10, message="Redis to be loading its data")
+
+
+def test_a_redis_loading_its_data_is_503_unavailable_with_retry_after_then_serves(own_redis, alice):
+    alice.deploy(name="ping", code=PONG)
+    assert alice.call("/alice/ping").text == "pong"
+
+    restart_loading(own_redis)
+    refused = alice.call("/alice/ping")
+    assert "reading its data back" in assert_error(refused, 503, "unavailable")
+    assert int(refused.headers["Retry-After"]) >= 1
+    listed = alice.session.get(f"{alice.base_url}/_api/capabilities", headers=alice.headers(alice.invoke_token))
+    assert_error(listed, 503, "unavailable")
+
+    wait_for(lambda: alice.call("/alice/ping").status_code == 200, timeout=60, message="Redis to finish loading")
     assert alice.call("/alice/ping").text == "pong"
 
 

@@ -123,6 +123,9 @@ def test_arguments_that_break_the_input_schema_are_refused_before_the_call(sigil
     assert "do not match alice--add's input schema" in result.content[0].text
     assert "'b' is a required property" in result.content[0].text
     assert redis_client.hget("sigil:stats:alice--add", "calls") is None  # the capability never ran
+    # Over HTTP the body reaches the code as sent (docs/contract.md, where the schemas are enforced).
+    direct = alice.call("/alice/add", method="POST", json={"a": 2})
+    assert (direct.status_code, direct.json()) == (200, {"sum": None})  # 2 + undefined is NaN, written as null
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -1,6 +1,7 @@
 """GET /metrics: valid Prometheus text whose counters match the calls made."""
 
 import requests
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from testsupport.cast import flush_stats_when_recorded
@@ -37,8 +38,9 @@ def test_metrics_parse_and_count_the_calls_made(sigil, alice, settings):
     assert found[("sigil_capability_errors_total", ok)] == 0
     assert found[("sigil_capability_calls_total", bad)] == 2
     assert found[("sigil_capability_errors_total", bad)] == 2
-    assert found[("sigil_capability_latency_ms_count", ok)] == 5
-    assert found[("sigil_capability_latency_ms_bucket", (*ok, ("le", "+Inf")))] == 5
+    assert found[("sigil_capability_latency_seconds_count", ok)] == 5
+    assert found[("sigil_capability_latency_seconds_bucket", (*ok, ("le", "+Inf")))] == 5
+    assert 0 < found[("sigil_capability_latency_seconds_sum", ok)] < 5 * 10  # seconds, not milliseconds
     assert found[("sigil_slots_used", ())] == 2
     assert found[("sigil_agents", ())] == 1
 
@@ -64,7 +66,7 @@ def test_metrics_count_cloudflare_api_calls_and_429s(sigil, worker_pool, alice, 
     assert made >= 2  # the upload and the workers.dev toggle
     assert found[("sigil_cloudflare_api_calls_total", ())] == made
     assert found[("sigil_cloudflare_rate_limited_total", ())] == 0
-    assert found[("sigil_slots_total", ())] == 3
+    assert found[("sigil_slots_capacity", ())] == 3
     # What spent them: the deploy's task, an upload and the workers.dev toggle.
     by_class = {labels[0][1]: value for (name, labels), value in found.items() if name.endswith("by_class_total")}
     assert by_class == {"page-in": 0, "deploy": made, "page-out": 0, "housekeeping": 0}
@@ -121,3 +123,38 @@ def test_metrics_and_llms_txt_answer_other_methods_in_the_envelope(sigil, settin
         assert response.status_code == 405, (method, path, response.text[:200])
         assert response.json()["error"]["code"] == "invalid_request"
         assert response.headers["Allow"] == "GET, HEAD"
+
+
+def test_metrics_follow_prometheus_conventions_and_say_how_far_behind_they_are(sigil, alice, settings):
+    settings.SIGIL_METRICS_TOKEN = "scrape-me"
+    settings.SIGIL_STATS_FLUSH_INTERVAL_SECONDS = 10
+    alice.deploy(name="ok", code="export default { async fetch() { return new Response('ok') } }")
+    assert alice.call("/alice/ok").status_code == 200
+    flush_stats_when_recorded(alice__ok=1)
+    families = {family.name: family for family in text_string_to_metric_families(scrape(sigil).text)}
+
+    for family in families.values():
+        assert "_ms" not in family.name and "milli" not in family.name, family.name  # base units: seconds
+        for sample in family.samples:
+            # `_total` on every counter's samples, and on no other metric's.
+            assert sample.name.endswith("_total") == (family.type == "counter"), (family.type, sample.name)
+    assert families["sigil_capability_latency_seconds"].type == "histogram"
+    bounds = [s.labels["le"] for s in families["sigil_capability_latency_seconds"].samples if "le" in s.labels]
+    assert bounds[:3] == ["0.001", "0.0025", "0.005"] and bounds[-1] == "+Inf"
+    assert families["sigil_capability_page_in_seconds"].type == "counter"
+    # What the stats flush feeds says it lags behind the calls, and by how much.
+    for name in ("sigil_capability_calls", "sigil_capability_latency_seconds", "sigil_answers"):
+        assert "up to 10 s behind the calls" in families[name].documentation, name
+    assert "behind" not in families["sigil_agents"].documentation
+
+    # A scraper that asks for OpenMetrics gets it, from the same collector.
+    openmetrics = requests.get(
+        f"{sigil.url}/metrics",
+        headers={"Authorization": "Bearer scrape-me", "Accept": "application/openmetrics-text; version=1.0.0"},
+        timeout=10,
+    )
+    assert openmetrics.headers["Content-Type"].startswith("application/openmetrics-text")
+    parsed = {f.name: f for f in openmetrics_families(openmetrics.text)}
+    ok = {"agent": "alice", "capability": "alice--ok"}
+    [calls] = [s for s in parsed["sigil_capability_calls"].samples if s.labels == ok]
+    assert calls.value == 1

@@ -209,6 +209,18 @@ def test_llms_txt_covers_what_an_agent_author_does(alice, settings):
         assert needed in text, needed
 
 
+def test_llms_txt_names_every_operation_an_agent_has(alice):
+    """Every path of the OpenAPI description an agent's token opens is in the guide (the
+    owner's /_api/cost and /metrics, and the guide itself, aside)."""
+    schema = requests.get(f"{alice.base_url}/_api/schema?format=json", timeout=30).json()
+    text = requests.get(f"{alice.base_url}/llms.txt", timeout=30).text
+    owners = {"/_api/cost", "/metrics", "/llms.txt"}
+    for path in set(schema["paths"]) - owners:
+        # A path's fixed tail after its last parameter, as the guide writes it ("…/split/promote").
+        tail = path.rsplit("}", 1)[-1] or path.split("{", 1)[0]
+        assert tail in text, path
+
+
 def test_the_agents_api_says_when_a_capability_is_inactive(alice, settings):
     assert alice.deploy(name="old", code=PONG, type="normal").status_code == 201
     assert alice.deploy(name="kept", code=PONG).status_code == 201

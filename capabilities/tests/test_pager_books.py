@@ -609,9 +609,13 @@ def owners_share(emulator, cf_client) -> OwnersWorkers:
     return OwnersWorkers(cf_client, base=3)
 
 
-def test_randomized_concurrent_traffic_keeps_the_books(six_slots, alice, celery_worker, scripts_on_cloudflare):
+# 2503362766 once left a deploy unanswered for 30 s at step 561 of 600: kept as a case.
+@pytest.mark.parametrize(("seed", "operations"), [(20261201, 300), (2503362766, 600)])
+def test_randomized_concurrent_traffic_keeps_the_books(
+    seed, operations, six_slots, alice, celery_worker, scripts_on_cloudflare
+):
     run_stress(
-        seed=20261201, alice=alice, emulator=six_slots, scripts_on_cloudflare=scripts_on_cloudflare, operations=300
+        seed=seed, alice=alice, emulator=six_slots, scripts_on_cloudflare=scripts_on_cloudflare, operations=operations
     )
 
 

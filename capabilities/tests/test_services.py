@@ -10,7 +10,7 @@ from capabilities import services, tasks
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
 from testsupport.capability_code import PONG
-from testsupport.cast import flush_stats_when_recorded
+from testsupport.cast import flush_stats_when_recorded, wait_for
 
 
 def test_flush_moves_call_counts_into_the_registry_once(alice):
@@ -144,6 +144,25 @@ def test_inspect_reports_recent_calls_errors_and_percentiles_to_the_owner_only(a
 
     other = bob.call("/_api/capabilities/alice--flaky").json()
     assert other["recent"] is None and other["stats"] is None
+
+
+def test_inspect_counts_the_calls_sigil_refused_by_code_as_the_owners_dashboard_does(alice):
+    alice.deploy(name="ping", code=PONG)
+    assert alice.call("/alice/ping").status_code == 200
+    services.capability_force_degraded(capability=Capability.objects.get(full_name="alice--ping"), actor="owner:test")
+    for _ in range(3):
+        assert alice.call("/alice/ping").status_code == 503
+    flush_stats_when_recorded(alice__ping=1)
+    wait_for(
+        lambda: alice.call("/_api/capabilities/alice--ping").json()["stats"]["refused"] == 3
+        or services.capability_flush_stats(),
+        message="the refusals flushed",
+    )
+
+    stats = alice.call("/_api/capabilities/alice--ping").json()["stats"]
+    assert (stats["calls"], stats["errors"], stats["refused"]) == (1, 0, 3)
+    assert stats["codes"] == {"degraded": 3}
+    assert Capability.objects.get(full_name="alice--ping").refused_total == stats["refused"]  # the admin's column
 
 
 def test_pruning_drops_minute_windows_past_retention_and_keeps_totals(alice, settings):

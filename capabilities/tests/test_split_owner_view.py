@@ -28,7 +28,7 @@ def command(*args) -> str:
     return out.getvalue()
 
 
-def test_a_splits_staged_version_is_shown_on_its_capability_only(owner_client, alice, cf_settings):
+def test_a_splits_staged_version_is_shown_on_its_capability_only(owner_client, alice, cf_settings, monkeypatch):
     settings = cf_settings
     settings.SIGIL_DEPLOY_COOLDOWN_SECONDS = 0
     deploy(alice, "ping", "one")
@@ -50,6 +50,7 @@ def test_a_splits_staged_version_is_shown_on_its_capability_only(owner_client, a
 
     # ... while switchbackend names it as the capability's staged version.
     settings.SIGIL_BACKEND = "worker-pool"  # the owner changed it and restarted
+    monkeypatch.setenv("SIGIL_BACKEND", "worker-pool")  # in the shell the command runs from
     runtimes_forget()
     plan = command("switchbackend", "--dry-run", "--from", "local")
     assert "alice--ping (staged v2): local -> worker-pool" in plan and f"{VARIANT}:" not in plan

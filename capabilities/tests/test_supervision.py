@@ -158,6 +158,44 @@ def test_a_stalled_process_yields_the_cpu_and_stopping_the_group_kills_it_prompt
     assert not is_alive(pid)
 
 
+def test_a_process_the_host_does_not_run_is_not_taken_for_a_runaway(tmp_path):
+    """Silent without using the CPU (stopped by SIGSTOP here, as a host too busy to run it
+    leaves it): past its stall limit it is not stopped for CPU, nor reniced; much later it is
+    stopped as starved, and no call of it is blamed."""
+    limits = Limits(stall_ms=300, memory_mb=1000)
+    code_dir = tmp_path / "code"
+    group = WorkerdGroup(
+        lambda name, port: WorkerdHost(
+            binary=settings.SIGIL_WORKERD_BIN, port=port, code_dir=code_dir, state_dir=tmp_path, secret=SECRET
+        ),
+        limits,
+        PortRegistry(tmp_path / "ports.json", base_port=free_port_block()),
+        kill_log=KillLog(tmp_path / "kills"),
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=group.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        port = group.ensure("starved")
+        pong = place(group, PONG)
+        assert call(port, pong)[0] == 200
+        pid = group.get("starved").host.process.pid
+        sent_at = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(3 * limits.stall_ms / 1000)
+        assert group.kill_log.latest("starved") is None  # silent, but not spinning
+        assert os.getpriority(os.PRIO_PROCESS, pid) == 0
+
+        kill = wait_until(lambda: group.kill_log.latest("starved"), timeout=10, what="the starved process's stop")
+        assert kill.reason == "starved" and kill.pid == pid
+        assert not kill.blames(sent_at) and not kill.blames(kill.at - 0.1)
+        assert "too busy" in kill.describe()
+        wait_until(lambda: call(port, pong, timeout=1)[0] == 200, timeout=10, what="a fresh process")
+    finally:
+        stop.set()
+        thread.join(15)
+
+
 def test_a_process_killed_from_outside_is_restarted_on_its_port_without_a_kill_record(group):
     port = group.ensure("crashed")
     sha = place(group, PONG)

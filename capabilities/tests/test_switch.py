@@ -3,6 +3,7 @@ agents keep calling them over HTTP, against the Cloudflare emulator."""
 
 import io
 import json
+import os
 import re
 import threading
 
@@ -45,9 +46,18 @@ class Callers:
             thread.join(timeout=30)
 
 
+@pytest.fixture(autouse=True)
+def _owners_shell(monkeypatch):
+    """The owner's shell, whose SIGIL_BACKEND `switch_to` sets as the restarted Sigil's: no
+    runsigil runs here to record what it serves (sigil_site/tests/test_runsigil.py switches
+    from a shell that does not set it)."""
+    monkeypatch.setenv("SIGIL_BACKEND", "local")
+
+
 def switch_to(settings, sigil, backend):
     """What the owner does before `switchbackend`: change SIGIL_BACKEND and restart Sigil."""
     settings.SIGIL_BACKEND = backend
+    os.environ["SIGIL_BACKEND"] = backend  # restored by _owners_shell
     runtimes_forget()
     sigil.app.gateway = None
 

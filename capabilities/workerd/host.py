@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from capabilities.workerd.config import HOST_DIR, HOST_MODULES, loader_host_config
+from capabilities.workerd.secrets import StoredSecrets
 from sigil.lifetime import PidFiles, die_with_parent
 from sigil.ports import port_is_open, wait_for_port_closed
 from sigil.restarts import keep_running
@@ -35,14 +36,16 @@ class WorkerdPortInUse(RuntimeError):
 output_logger = logging.getLogger("capabilities.workerd.output")
 
 
-def _relay_output(process: subprocess.Popen, log_path: Path, port: int) -> None:
-    """Copy each line workerd prints to its log file and to Sigil's log, until it exits.
+def _relay_output(process: subprocess.Popen, log_path: Path, port: int, secrets: StoredSecrets) -> None:
+    """Copy each line workerd prints to its log file and to Sigil's log, until it exits, with
+    the secret values of the code it runs masked first (a capability's console.log of one).
     Read on whatever happens, or workerd would block on a full pipe."""
     with open(log_path, "ab") as log:
         for raw in process.stdout:
-            log.write(raw)
+            line = secrets.mask(raw.decode(errors="replace"))
+            log.write(line.encode())
             log.flush()
-            line = raw.decode(errors="replace").rstrip()
+            line = line.rstrip()
             # workerd marks its own notes that call for no action NOSENTRY (one per new isolate).
             level = logging.DEBUG if "NOSENTRY" in line else logging.INFO
             output_logger.log(level, "%s", line, extra={"workerd_port": port})
@@ -168,7 +171,10 @@ class WorkerdHost:
         )
         pid_files.record(self.pid_name, self.process.pid)
         threading.Thread(
-            target=_relay_output, args=(self.process, self.log_path, self.port), name="workerd-output", daemon=True
+            target=_relay_output,
+            args=(self.process, self.log_path, self.port, StoredSecrets(code_dir=self.code_dir, seal_key=self.secret)),
+            name="workerd-output",
+            daemon=True,
         ).start()
         deadline = time.monotonic() + wait_seconds
         while time.monotonic() < deadline:

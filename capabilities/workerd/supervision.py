@@ -11,9 +11,13 @@ API (what a runtime or the Cloudflare emulator needs; the host is any object wit
 `capabilities.workerd.host.WorkerdHost`; `capabilities.workerd.group` runs one per name):
 
 - `Limits(stall_ms, memory_mb, probe_interval_ms=100)`: a process whose event loop has not
-  answered a probe for `stall_ms`, or whose resident memory is over `memory_mb`, is stopped.
+  answered a probe for `stall_ms` while it spins (it used SPINNING_CPU_MS of CPU
+  without answering), or whose resident memory is over `memory_mb`, is stopped. A process
+  silent without using the CPU is not spinning but starved by a busy host: it is stopped
+  only after STARVED_AFTER_STALLS times `stall_ms`, and no call of it is blamed.
+- `process_cpu_ms(pid)`: the CPU time a process has used (every thread), from /proc.
 - `Kill`: what the watchdog records before it stops a process: `name`, `pid`, `reason`
-  (`"cpu"` or `"memory"`), `limit` (ms or MB), `at` (epoch), and the window of send times
+  (`"cpu"`, `"memory"` or `"starved"`), `limit` (ms or MB), `at` (epoch), and the window of send times
   (`culprit_from`..`culprit_until`) of the calls that can have caused it; `blames(sent_at)`
   tells whether a call sent at `sent_at` (epoch) is one of them. `describe()` is a sentence.
 - `KillLog(directory)`: `record(kill)` and `latest(name)`, one JSON file per name, so the
@@ -57,9 +61,16 @@ logger = logging.getLogger(__name__)
 # loaded machine). A call of the same process sent within that window is blamed too;
 # anything later (`blame_ends_at()`) is not.
 _SENT_BEFORE_LAST_ANSWER = 0.5
-# A loop silent for this many probe intervals is spinning, not merely busy for a moment.
+# A loop silent for this many probe intervals is spinning, not merely busy for a moment...
 _NICE_AFTER_SILENT_INTERVALS = 3
 _SENT_AFTER_STUCK_PROBE = 0.25
+# ... if it used this much CPU meanwhile: a loop that merely waits for a busy host to run it
+# answers a probe with a millisecond of CPU once it runs at all.
+SPINNING_CPU_MS = 100
+# A loop silent this many times its stall limit without spinning is starved by the host; it
+# is stopped (nothing answers through it meanwhile), and no call of it is blamed.
+STARVED_AFTER_STALLS = 10
+_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 
 
 class Host(Protocol):
@@ -86,8 +97,8 @@ class Kill:
 
     name: str
     pid: int
-    reason: str  # "cpu" or "memory"
-    limit: int  # ms for "cpu", MB for "memory"
+    reason: str  # "cpu", "memory" or "starved"
+    limit: int  # ms for "cpu" and "starved", MB for "memory"
     at: float
     culprit_from: float
     culprit_until: float
@@ -99,6 +110,8 @@ class Kill:
     def describe(self) -> str:
         if self.reason == "cpu":
             return f"ran past its CPU limit of {self.limit} ms"
+        if self.reason == "starved":
+            return f"stopped answering for {STARVED_AFTER_STALLS * self.limit / 1000:g} s, the host too busy to run it"
         return f"ran past its memory limit of {self.limit} MB"
 
 
@@ -169,6 +182,18 @@ def _set_nice(pid: int, value: int) -> bool:
     except (PermissionError, ProcessLookupError):
         return False
     return True
+
+
+def process_cpu_ms(pid: int) -> float | None:
+    """CPU time (user and system, every thread) `pid` has used, in ms; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            raw = stat.read()
+    except OSError:
+        return None
+    # The command name may hold spaces: the fields that follow its closing parenthesis are fixed.
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / _TICKS_PER_SECOND
 
 
 def read_rss_mb(pid: int) -> float | None:
@@ -293,6 +318,7 @@ class SupervisedWorkerd:
         interval = self.limits.probe_interval_ms / 1000
         stall = self.limits.stall_ms / 1000
         self.alive_at = time.time()
+        cpu_at_answer = process_cpu_ms(process.pid) or 0.0
         self._set_state("serving")
         try:
             while not stop.is_set():
@@ -306,20 +332,25 @@ class SupervisedWorkerd:
                 tick_started = time.monotonic()
                 answered = prober.tick(interval)
                 self.unanswered_since = prober.sent_at
+                cpu = process_cpu_ms(process.pid) or cpu_at_answer
                 if answered:
-                    self.alive_at = time.time()
+                    self.alive_at, cpu_at_answer = time.time(), cpu
                     if niced:  # without the privilege to undo it, it stays low until restarted
                         niced = not _set_nice(process.pid, 0)
                     # Answered: probe again one interval after the last, not at once.
                     stop.wait(max(0.0, interval - (time.monotonic() - tick_started)))
                 now = time.time()
-                if not niced and now - self.alive_at > _NICE_AFTER_SILENT_INTERVALS * interval:
+                silent = now - self.alive_at
+                spinning = cpu - cpu_at_answer >= SPINNING_CPU_MS
+                if not niced and spinning and silent > _NICE_AFTER_SILENT_INTERVALS * interval:
                     # Until it answers again or is stopped, a spinning workerd yields the CPU
                     # to the others (it would hold a whole core of a small machine).
                     niced = _set_nice(process.pid, 19)
-                rss = read_rss_mb(process.pid)
-                if self._kill_requested or now - self.alive_at > stall or (rss or 0) > self.limits.memory_mb:
-                    reason = self._kill_requested or ("memory" if (rss or 0) > self.limits.memory_mb else "cpu")
+                over_memory = (read_rss_mb(process.pid) or 0) > self.limits.memory_mb
+                stalled = silent > stall and spinning
+                starved = silent > STARVED_AFTER_STALLS * stall
+                if self._kill_requested or over_memory or stalled or starved:
+                    reason = self._kill_requested or ("memory" if over_memory else "cpu" if stalled else "starved")
                     self._kill_requested = None
                     self._kill(process, reason, prober.sent_at, now)
                     return True
@@ -337,10 +368,11 @@ class SupervisedWorkerd:
             name=self.name,
             pid=process.pid,
             reason=reason,
-            limit=self.limits.stall_ms if reason == "cpu" else self.limits.memory_mb,
+            limit=self.limits.memory_mb if reason == "memory" else self.limits.stall_ms,
             at=now,
             culprit_from=self.alive_at - _SENT_BEFORE_LAST_ANSWER if stalled else 0.0,
-            culprit_until=stuck_at + _SENT_AFTER_STUCK_PROBE if stalled else now,
+            # A starved process blames nobody; one bloated with its loop answering, every call.
+            culprit_until=0.0 if reason == "starved" else stuck_at + _SENT_AFTER_STUCK_PROBE if stalled else now,
         )
         # Recorded before the kill: a caller whose connection drops reads it at once.
         if self.kill_log is not None:

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from cfemulator.cpumeter import CpuMeter, process_cpu_ms
+from capabilities.workerd.supervision import process_cpu_ms
+from cfemulator.cpumeter import CpuMeter
 
 SPIN = "while True: pass"
 WAIT = "import time; time.sleep(60)"

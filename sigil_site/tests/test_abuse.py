@@ -115,12 +115,12 @@ def test_a_valid_warm_call_makes_no_more_redis_round_trips(alice, ping, redis_cl
     assert seen == ["MGET", "EVALSHA"]
 
 
-def admin_login(session: requests.Session, base_url: str, password: str) -> requests.Response:
+def admin_login(session: requests.Session, base_url: str, password: str, username: str = "owner") -> requests.Response:
     form = session.get(f"{base_url}/admin/login/", timeout=30)
     token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form.text).group(1)
     return session.post(
         f"{base_url}/admin/login/?next=/admin/",
-        data={"csrfmiddlewaretoken": token, "username": "owner", "password": password, "next": "/admin/"},
+        data={"csrfmiddlewaretoken": token, "username": username, "password": password, "next": "/admin/"},
         allow_redirects=False,
         timeout=30,
     )
@@ -175,3 +175,59 @@ def test_the_admins_lock_out_says_when_to_try_again(sigil, owner_account, settin
         assert locked.headers["Retry-After"] == "120"
         refused = admin_login(session, sigil.url, "the-right-password")
         assert refused.status_code == 429 and refused.headers["Retry-After"] == "120"
+
+
+def test_someone_elses_guesses_do_not_lock_the_owner_out_of_a_trusted_device(sigil, owner_account, settings):
+    settings.AXES_FAILURE_LIMIT = 3
+    settings.SIGIL_TRUSTED_PROXY_COUNT = 1  # addresses read from X-Forwarded-For, as behind a proxy
+    owner_address, other_address = {"X-Forwarded-For": "198.51.100.7"}, {"X-Forwarded-For": "203.0.113.9"}
+
+    with requests.Session() as browser:  # the owner's browser signs in once: it is trusted from then on
+        browser.headers.update(owner_address)
+        signed_in = admin_login(browser, sigil.url, "the-right-password")
+        assert signed_in.status_code == 302
+        cookie = next(c for c in browser.cookies if c.name == "sigil_device")
+        assert cookie.path == "/admin/" and cookie.has_nonstandard_attr("HttpOnly")
+        device = cookie.value
+
+    with requests.Session() as guesser:  # a tenant on the owner's address guesses
+        guesser.headers.update(owner_address)
+        for _ in range(2):
+            assert admin_login(guesser, sigil.url, "wrong").status_code == 200
+        assert admin_login(guesser, sigil.url, "wrong").status_code == 429
+        assert admin_login(guesser, sigil.url, "the-right-password").status_code == 429  # the address is locked
+        forged = requests.cookies.create_cookie("sigil_device", device[:-2] + "xx", path="/admin/")
+        guesser.cookies.set_cookie(forged)
+        assert admin_login(guesser, sigil.url, "the-right-password").status_code == 429  # a forged cookie is none
+
+    def owner_browser() -> requests.Session:
+        session = requests.Session()
+        session.headers.update(owner_address)
+        session.cookies.set("sigil_device", device, path="/admin/")
+        return session
+
+    with owner_browser() as browser:  # the owner, from the locked address, on the trusted device
+        assert admin_login(browser, sigil.url, "the-right-password").status_code == 302
+    with requests.Session() as elsewhere:  # and from another address, as before
+        elsewhere.headers.update(other_address)
+        assert admin_login(elsewhere, sigil.url, "the-right-password").status_code == 302
+
+    # The device has its own count: guesses made with it (a stolen cookie) lock it out in turn.
+    with owner_browser() as browser:
+        for _ in range(2):
+            assert admin_login(browser, sigil.url, "wrong").status_code == 200
+        locked = admin_login(browser, sigil.url, "wrong")
+        assert locked.status_code == 429 and "from this browser" in " ".join(locked.text.split())
+        assert admin_login(browser, sigil.url, "the-right-password").status_code == 429
+    # Another user's device cookie is no trusted device for the owner.
+    from django.contrib.auth import get_user_model
+
+    get_user_model().objects.create_superuser("deputy", "deputy@example.invalid", "the-deputys-password")
+    with requests.Session() as theirs:
+        theirs.headers.update(other_address)
+        assert admin_login(theirs, sigil.url, "the-deputys-password", username="deputy").status_code == 302
+        deputy_device = theirs.cookies.get("sigil_device", path="/admin/")
+    with requests.Session() as guesser:
+        guesser.headers.update(owner_address)
+        guesser.cookies.set("sigil_device", deputy_device, path="/admin/")
+        assert admin_login(guesser, sigil.url, "the-right-password").status_code == 429

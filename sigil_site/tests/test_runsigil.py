@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import requests
 from django.conf import settings
 from django.contrib.auth.hashers import check_password
 
@@ -166,7 +167,7 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
         assert output.has("createagent NAME --json")
         assert output.has("SQLite")
         assert output.has("bundled redis-server")
-        password = re.search(r"user owner, password (\S+), shown only this once", str(output)).group(1)
+        password = re.search(r"user owner, password (\S+), shown until you sign in", str(output)).group(1)
 
         # Its web server reads chunked bodies: a deploy and a call sent in chunks arrive whole.
         agent = subprocess.run(
@@ -216,6 +217,15 @@ def test_runsigil_starts_everything_restarts_what_dies_and_ctrl_c_stops_it_all(e
     with sqlite3.connect(var_dir / "sigil.sqlite3") as db:
         (encoded,) = db.execute("select password from auth_user where username = 'owner' and is_superuser").fetchone()
     assert check_password(password, encoded)
+
+    # Started again before the owner signed in: the final banner still carries the password.
+    process, output = launch_runsigil(embedded_env, web_port, preexec_fn=shell_umask)
+    try:
+        wait_until(lambda: output.has("Press Ctrl-C to stop.") or process.poll() is not None, timeout=60)
+        assert output.has(f"user owner, password {password}, shown until you sign in"), str(output)
+        stop_with_ctrl_c(process, output)
+    finally:
+        kill_if_running(process)
 
 
 @pytest.mark.slow
@@ -423,16 +433,12 @@ def wait_running(process: subprocess.Popen, output: Output) -> None:
     assert process.poll() is None, str(output)
 
 
-def switchbackend(env: dict[str, str], backend: str) -> str:
-    done = subprocess.run(
-        [sys.executable, MANAGE, "switchbackend"],
-        env={**env, "SIGIL_BACKEND": backend},
-        capture_output=True,
-        text=True,
-        timeout=120,
+def switchbackend(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`manage.py switchbackend` from a plain shell: one that did not set SIGIL_BACKEND."""
+    plain = {name: value for name, value in env.items() if name != "SIGIL_BACKEND"}
+    return subprocess.run(
+        [sys.executable, MANAGE, "switchbackend"], env=plain, capture_output=True, text=True, timeout=120
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
 
 
 @pytest.mark.slow
@@ -470,9 +476,15 @@ def test_switching_runtimes_as_the_owner_does_answers_every_call_or_tells_it_to_
             restarts.append((interrupted, time.monotonic()))
             # The capabilities are still on the previous runtime, whose processes run too.
             assert output.has(f"also     {previous}"), str(output)
+            # /_health names the exact command, which works from any shell.
+            command = f"SIGIL_BACKEND={backend} python manage.py switchbackend"
+            warnings = requests.get(f"{alice.base_url}/_health", timeout=10).json()["warnings"]
+            assert any(f"`{command}` moves them to {backend}" in warning for warning in warnings), warnings
             calls.wait_for_answers(2 * len(names), what="calls before the switch")
-            moved = switchbackend(env, backend)
-            assert f"Switched to {backend}: {len(names)} moved." in moved, moved
+            # From a plain shell it moves them to the runtime the running Sigil serves.
+            moved = switchbackend(env)
+            assert moved.returncode == 0, moved.stdout + moved.stderr
+            assert f"Switched to {backend}: {len(names)} moved." in moved.stdout, moved.stdout
             calls.wait_for_answers(2 * len(names), what="calls after the switch")
         calls.stop.set()
         calls.thread.join(30)
@@ -481,6 +493,9 @@ def test_switching_runtimes_as_the_owner_does_answers_every_call_or_tells_it_to_
         if calls is not None:
             calls.stop.set()
         kill_if_running(process)
+    # With no Sigil running, a plain shell cannot tell the runtime: refused, saying what to pass.
+    refused = switchbackend(env)
+    assert refused.returncode == 1 and "SIGIL_BACKEND=worker-pool python manage.py switchbackend" in refused.stderr
 
     def restarting(sent: float) -> bool:
         return any(interrupted <= sent <= running for interrupted, running in restarts)

@@ -3,7 +3,6 @@
 import json
 
 from django.core.management.base import BaseCommand, CommandError
-from django.db import transaction
 
 from agents import services
 from sigil.errors import SigilError
@@ -18,12 +17,10 @@ class Command(BaseCommand):
 
     def handle(self, *args, name: str, as_json: bool = False, **options) -> None:
         try:
-            with transaction.atomic():
-                agent = services.agent_create(name=name, actor="owner:cli")
-                _, deploy = services.token_issue(agent=agent, scope="deploy", actor="owner:cli", label="createagent")
-                _, invoke = services.token_issue(agent=agent, scope="invoke", actor="owner:cli", label="createagent")
+            created = services.agent_create_with_tokens(name=name, actor="owner:cli", label="createagent")
         except SigilError as exc:
             raise CommandError(exc.message) from exc
+        agent, (_, deploy), (_, invoke) = created.agent, created.deploy, created.invoke
         result = {"agent": agent.name, "deploy_token": deploy, "invoke_token": invoke}
         if as_json:
             self.stdout.write(json.dumps(result))

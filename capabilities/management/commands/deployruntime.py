@@ -1,29 +1,30 @@
-"""`python manage.py deployruntime`: create what SIGIL_BACKEND's runtime needs on Cloudflare
+"""`python manage.py deployruntime [--json]`: create what SIGIL_BACKEND's runtime needs on Cloudflare
 (the platform runtime's dispatch namespace and dispatch Worker, the loader runtime's KV
 namespace and loader Worker; with the edge on, its KV namespace, and on worker-pool its
 Worker `sigil-edge`), then check that it serves."""
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
 
 from capabilities import services
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.errors import RuntimeFailure
+from sigil.errors import UpstreamError
+from sigil.owner_commands import CLI_ACTOR, OwnerCommand
 
 
-class Command(BaseCommand):
-    help = (
-        "Deploy Sigil's own Worker for SIGIL_BACKEND (the dispatch Worker for platform, the loader Worker "
-        "for loader, with the edge on the edge Worker for worker-pool) and what it binds, when missing or "
-        "out of date; then check it answers. Idempotent."
-    )
+class Command(OwnerCommand):
+    """Deploy Sigil's own Worker for SIGIL_BACKEND (the dispatch Worker for platform, the loader Worker
+    for loader, with the edge on the edge Worker for worker-pool) and what it binds, when missing or
+    out of date; then check it answers. Idempotent."""
 
-    def handle(self, *args, **options) -> None:
+    def act(self, **options) -> dict:
+        backend = settings.SIGIL_BACKEND
         try:
-            done = services.runtime_provision(actor="owner:cli")
+            done = services.runtime_provision(actor=CLI_ACTOR)
             get_runtime().check()
         except RuntimeFailure as exc:
-            raise CommandError(f"{settings.SIGIL_BACKEND}: {exc}") from exc
-        for line in done:
-            self.stdout.write(line)
-        self.stdout.write(f"{settings.SIGIL_BACKEND}: {'up to date' if not done else 'ready'}")
+            raise UpstreamError(f"{backend}: {exc}") from exc
+        return {"backend": backend, "done": list(done), "state": "ready" if done else "up to date"}
+
+    def describe(self, result: dict) -> str:
+        return "\n".join([*result["done"], f"{result['backend']}: {result['state']}"])

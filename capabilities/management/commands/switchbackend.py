@@ -1,8 +1,10 @@
 """`python manage.py switchbackend [--from BACKEND] [--dry-run [--json]]`: move every capability to the runtime
-SIGIL_BACKEND now names, showing progress. Run it after restarting Sigil with the new
-SIGIL_BACKEND; run it again if it was interrupted."""
+the running Sigil serves (SIGIL_BACKEND), showing progress. Run it after restarting Sigil with the new
+SIGIL_BACKEND, from any shell; run it again if it was interrupted."""
 
 import json
+import os
+import sys
 
 from django.conf import settings
 from django.core.management.base import CommandError
@@ -10,15 +12,17 @@ from django.core.management.base import CommandError
 from capabilities.names import placement_label
 from capabilities.runtimes import RUNTIMES
 from capabilities.runtimes.errors import RuntimeFailure
-from capabilities.services import SwitchEvent, SwitchPlan, backend_switch, switch_plan
+from capabilities.services import SwitchEvent, SwitchPlan, backend_switch, switch_plan, switch_target
 from sigil.errors import SigilError
 from sigil.owner_commands import CLI_ACTOR, SigilCommand, argument
+from sigil.serving import serving_now, switch_command
 
 
 class Command(SigilCommand):
-    """Move every capability placed on another runtime to SIGIL_BACKEND's: place it there, record it, then
-    delete the old placement after a grace period. Agents keep their URLs and tokens throughout.
-    Resumable: run it again after an interruption."""
+    """Move every capability placed on another runtime to the one the running Sigil serves (its SIGIL_BACKEND,
+    which a shell that sets SIGIL_BACKEND must name too): place it there, record it, then delete the old
+    placement after a grace period. Agents keep their URLs and tokens throughout. Resumable: run it again
+    after an interruption."""
 
     arguments = (
         argument(
@@ -35,6 +39,7 @@ class Command(SigilCommand):
     def handle(self, *args, source: str | None = None, dry_run: bool = False, as_json: bool = False, **options) -> None:
         if as_json and not dry_run:
             raise CommandError("--json goes with --dry-run")
+        self._on_the_runtime_sigil_serves()
         if dry_run:
             try:
                 plan = switch_plan(source=source)
@@ -55,6 +60,29 @@ class Command(SigilCommand):
         self.stdout.write(f"Switched to {target}: {summary or 'nothing to move'}.")
         if counts["failed"]:
             raise CommandError(f"{counts['failed']} could not be switched; they are still served where they were")
+
+    def _on_the_runtime_sigil_serves(self) -> None:
+        """Go on with the settings of the runtime the running Sigil serves: this process's when
+        they name it; otherwise this command again, as a new program (same pid) whose settings
+        are that runtime's, as the running Sigil's are (what settings derive from SIGIL_BACKEND
+        included). Refuses, naming the command to run, when the runtime cannot be told."""
+        try:
+            target = switch_target(
+                configured=settings.SIGIL_BACKEND,
+                named_here="SIGIL_BACKEND" in os.environ,
+                serving=serving_now(settings.VAR_DIR),
+                var_dir=settings.VAR_DIR,
+            )
+        except SigilError as exc:
+            raise CommandError(exc.message) from exc
+        if target == settings.SIGIL_BACKEND:
+            return
+        if sys.argv[1:2] != ["switchbackend"]:  # called from Python: no program of its own to start again
+            raise CommandError(f"Sigil serves {target}, not {settings.SIGIL_BACKEND}: run `{switch_command(target)}`")
+        self.stderr.write(f"Sigil serves {target} (SIGIL_BACKEND is not set here): switching to {target}")
+        self.stderr.flush()
+        self.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "SIGIL_BACKEND": target})
 
     def _show_plan(self, plan: SwitchPlan, *, as_json: bool) -> None:
         moving = [{"capability": full, "from": backend} for full, backend in plan.moving]

@@ -22,8 +22,12 @@ from capabilities.runtimes.cloudflare.client import CloudflareClient
 from capabilities.runtimes.cloudflare.kv import NamedKv
 
 # Every pooled worker's script name starts so (worker_pool.pool_script_name): the account's
-# other scripts are not Sigil's, but for its own Workers in front of the capabilities.
+# other scripts are not Sigil's, but for its own Workers (sigil_script_names).
 POOL_PREFIX = "s-"
+# Sigil's Tail Worker (tail_worker.py), on the runtimes whose capabilities are scripts of
+# their own, and the Worker cfcheck uploads and deletes to learn the plan (services/cfcheck.py).
+TAIL_WORKER = "sigil-tail"
+PLAN_PROBE_WORKER = "sigil-cfcheck-probe"
 # Worker scripts an account may hold, by plan (reference §7.3); over it, uploads are 10037.
 FREE_PLAN, PAID_PLAN = "Workers Free", "Workers Paid"
 PLAN_SCRIPT_LIMITS = {FREE_PLAN: 100, PAID_PLAN: 500}
@@ -81,16 +85,36 @@ class ScriptsInUse:
     used: str
 
 
-def scripts_in_use(scripts: list[str], probe: PlanProbe, *, settings: LazySettings, front: str | None) -> ScriptsInUse:
+def sigil_script_names(settings: LazySettings) -> frozenset[str]:
+    """The names of every Worker script of Sigil's own on an account, whichever runtime serves
+    now (a switch leaves the last one's until it is deleted), besides the pool's capability
+    scripts (POOL_PREFIX): the platform runtime's dispatch Worker, the loader runtime's host,
+    the worker-pool's edge Worker, the Tail Worker and cfcheck's plan probe."""
+    return frozenset(
+        {
+            settings.SIGIL_PLATFORM_DISPATCHER,
+            settings.SIGIL_LOADER_WORKER,
+            settings.SIGIL_EDGE_WORKER,
+            TAIL_WORKER,
+            PLAN_PROBE_WORKER,
+        }
+    )
+
+
+def is_sigils(script: str, settings: LazySettings) -> bool:
+    """Whether the account's Worker script `script` is one of Sigil's own."""
+    return script.startswith(POOL_PREFIX) or script in sigil_script_names(settings)
+
+
+def scripts_in_use(scripts: list[str], probe: PlanProbe, *, settings: LazySettings) -> ScriptsInUse:
     """The account's `scripts` against its real limit (its plan's, the one a 10037 named, or
-    SIGIL_POOL_TOTAL_QUOTA when neither is known); Sigil's are its pool scripts and `front`
-    (its Worker in front of them, or the worker-pool's edge Worker)."""
+    SIGIL_POOL_TOTAL_QUOTA when neither is known), and how many are not Sigil's (is_sigils)."""
     limit = probe.script_limit
     if limit is None:  # the plan could not be told: take the owner's word
         limit, source = settings.SIGIL_POOL_TOTAL_QUOTA, "as SIGIL_POOL_TOTAL_QUOTA states it"
     else:
         source = f"the {probe.plan} plan's" if probe.plan and not probe.limit else "as Cloudflare's refusal named it"
-    sigils = {name for name in scripts if name.startswith(POOL_PREFIX) or name == front}
+    sigils = {name for name in scripts if is_sigils(name, settings)}
     others = len(scripts) - len(sigils)
     used = f"{len(scripts)} of the account's {limit} Worker scripts ({source}) are in use, {others} of them not Sigil's"
     return ScriptsInUse(limit=limit, others=others, used=used)

@@ -15,13 +15,22 @@ from capabilities.runtimes.base import ResolvedBinding
 # export as the entry modules in front of it see it (refused at start when it is none).
 SECRET_MODULE = "sigil-secret.js"
 CAPABILITY_MODULE = "sigil-capability.js"
+# The capability's secrets masked in its console and its failures (imported first by an entry
+# module), which knows them by the names in SECRET_NAMES_BINDING.
+MASK_MODULE = "sigil-mask.js"
+SECRET_NAMES_BINDING = "SIGIL_SECRET_NAMES"
 _HERE = Path(__file__).resolve().parent
-_SIGIL_MODULES = {name: (_HERE / name).read_text() for name in (SECRET_MODULE, CAPABILITY_MODULE)}
+_SIGIL_MODULES = {name: (_HERE / name).read_text() for name in (SECRET_MODULE, CAPABILITY_MODULE, MASK_MODULE)}
 
 
 def sigil_modules(*names: str) -> dict[str, str]:
     """Sigil's modules `names` (SECRET_MODULE, CAPABILITY_MODULE), by name, for an upload."""
     return {name: _SIGIL_MODULES[name] for name in names}
+
+
+def secret_names_binding(secrets: Mapping[str, str]) -> dict:
+    """The plain_text binding naming the bundle's secrets (names only) for MASK_MODULE."""
+    return {"type": "plain_text", "name": SECRET_NAMES_BINDING, "text": json.dumps(sorted(secrets))}
 
 
 # Content types of module parts, by file extension (Wrangler's mapping, reference §1.1).

@@ -9,9 +9,12 @@
 // item, and the call that finds no batch on its way waits a moment, then sends what has
 // gathered (again, until nothing is left). One subrequest per batch rather than per call is
 // what keeps the channel's share of the event loop small. The queue is bounded: what is
-// dropped past it is counted in the next batch, so Sigil counts it as lost. A failure the edge
-// reports does not wait for the rest of the moment (`deliver`'s `urgent`): the breaker at the
-// origin must count it before the calls that follow.
+// dropped past it is counted in the next batch, so Sigil counts it as lost. Every call record
+// lost on the way (past the queue, a batch the sink or the origin refused, one neither pushed
+// nor spooled) is counted for the capability (the slot) it was of, in the next batch's
+// `dropped_by`, so that the capability's owner sees the loss, not only the operator. A
+// failure the edge reports does not wait for the rest of the moment (`deliver`'s `urgent`):
+// the breaker at the origin must count it before the calls that follow.
 //
 // Where a batch goes: to the local runtime's log sink (LOG_SINK, a service on this machine),
 // or, on Cloudflare, pushed to Sigil's origin (SIGIL_RECORDS_URL), signed with
@@ -46,6 +49,10 @@ const pending = []; // call records
 const reports = []; // the edge's reports
 let pendingBytes = 0;
 let dropped = 0; // call records lost since the last batch that got through
+let droppedBy = {}; // of them, per capability (slot): the batch's dropped_by
+// At most this many capabilities named in one batch's dropped_by; a loss past it is counted
+// in `dropped` alone (Sigil's undelivered count, no capability's).
+const DROPPED_BY_SLOTS = 256;
 let reportsDropped = 0; // reports lost since the last batch that got through
 let flushing = false;
 // A failure was reported: the flush under way stops waiting for more (see pause).
@@ -64,11 +71,34 @@ function reportSize(report) {
   return 384 + (report.message ? report.message.length : 0) + (report.path ? report.path.length : 0);
 }
 
+// Count lost call records: `total` of them, `by` capability (slot) as far as known.
+function lose(total, by) {
+  dropped += total;
+  for (const [slot, count] of Object.entries(by)) {
+    if (!(slot in droppedBy) && Object.keys(droppedBy).length >= DROPPED_BY_SLOTS) continue;
+    droppedBy[slot] = (droppedBy[slot] || 0) + count;
+  }
+}
+
+function loseRecords(records) {
+  const by = {};
+  for (const record of records) by[record.capability] = (by[record.capability] || 0) + 1;
+  lose(records.length, by);
+}
+
+// What was lost since the last batch that got through, for the next batch (and forgotten here).
+function takeLost() {
+  const lost = [dropped, droppedBy];
+  dropped = 0;
+  droppedBy = {};
+  return lost;
+}
+
 /** Queue one call record for the next batch; past the queue's bound it is dropped, and counted. */
 export function queueRecord(record) {
   const size = sizeOf(record);
   if (pendingBytes + size > MAX_PENDING_BYTES) {
-    dropped += 1;
+    loseRecords([record]);
     return;
   }
   pending.push(record);
@@ -231,8 +261,8 @@ async function pushSpooled(env, key) {
       await push(env, body);
     } catch (error) {
       if (error instanceof OriginUnreachable) return false;
-      const [records, lostReports] = itemsIn(body);
-      dropped += records;
+      const [records, recordsBy, lostReports] = itemsIn(body);
+      lose(records, recordsBy);
       reportsDropped += lostReports;
       console.error(`a spooled batch refused: ${error}`);
     }
@@ -242,15 +272,18 @@ async function pushSpooled(env, key) {
   return true;
 }
 
-// The call records and the reports a batch's body stands for, those it says were lost included.
+// The call records (in all, and by capability) and the reports a batch's body stands for,
+// those it says were lost included.
 function itemsIn(body) {
   try {
     const batch = JSON.parse(body);
-    const records = (Array.isArray(batch.records) ? batch.records.length : 0) + (batch.dropped || 0);
+    const kept = Array.isArray(batch.records) ? batch.records : [];
+    const by = { ...(batch.dropped_by || {}) };
+    for (const record of kept) by[record.capability] = (by[record.capability] || 0) + 1;
     const lostReports = (Array.isArray(batch.reports) ? batch.reports.length : 0) + (batch.reports_dropped || 0);
-    return [records, lostReports];
+    return [kept.length + (batch.dropped || 0), by, lostReports];
   } catch {
-    return [0, 0];
+    return [0, {}, 0];
   }
 }
 
@@ -326,13 +359,13 @@ async function pause(ms) {
 async function deliverToSink(env) {
   while (pending.length || dropped) {
     const [records] = nextBatch(0);
-    const lost = dropped;
-    dropped = 0;
+    const [lost, lostBy] = takeLost();
     try {
-      await send(env, { records, dropped: lost });
+      await send(env, { records, dropped: lost, dropped_by: lostBy });
     } catch (error) {
       // Sigil is not taking them now: the next batch that gets through says how many were lost.
-      dropped += lost + records.length;
+      lose(lost, lostBy);
+      loseRecords(records);
       console.error(`call records not delivered: ${error}`);
       return;
     }
@@ -352,14 +385,13 @@ async function deliverPushed(env, limits, reachable) {
     else urgent = false;
     pushedAt = Date.now();
     const [records, taken] = nextBatch(limits.batchBytes);
-    const lost = dropped;
+    const [lost, lostBy] = takeLost();
     const lostReports = reportsDropped;
-    dropped = 0;
     reportsDropped = 0;
     // LOG_SLOTS (Sigil's Tail Worker): the records name the runtime's slot, and Sigil masks
     // their secrets as it takes them (capabilities/services/call_records.py).
     const id = crypto.randomUUID();
-    const batch = { id, records, dropped: lost };
+    const batch = { id, records, dropped: lost, dropped_by: lostBy };
     if (env.LOG_SLOTS) batch.slots = true;
     if (taken.length || lostReports) {
       batch.reports = taken;
@@ -374,7 +406,8 @@ async function deliverPushed(env, limits, reachable) {
       if (error instanceof OriginUnreachable && (await spool(env, limits, body, id))) continue;
       // Refused, or not kept for later: the next batch that gets through says how many were
       // lost. Nothing more goes now (the next call's flush tries again).
-      dropped += lost + records.length;
+      lose(lost, lostBy);
+      loseRecords(records);
       reportsDropped += lostReports + taken.length;
       console.error(`${carried(records.length + lost, taken.length + lostReports)} not delivered: ${error}`);
       return reachable;

@@ -55,6 +55,7 @@ const PROBE_ENTRYPOINT = "SigilStartProbe";
 const RETIRE_ENTRYPOINT = "SigilRetire";
 // A name no capability module has: Sigil names them main.js (CodeBundle.from_code).
 const HOST_MAIN_MODULE = "sigil-host-main.js";
+const CONSOLE_MODULE = "sigil-console.js";
 // `_` is allowed because Cloudflare script names (which the emulator uses as the name) may hold it.
 const LOADER_ID = /^[a-z0-9_][a-z0-9_-]*(?:--[a-z0-9][a-z0-9-]*)?@[0-9a-f]{64}$/;
 
@@ -64,6 +65,13 @@ function refuse(status, kind, message, env) {
   // start check can tell a current one from a stale one.
   if (env && env.SIGIL_HOST_VERSION) headers[VERSION_HEADER] = env.SIGIL_HOST_VERSION;
   return new Response(JSON.stringify({ error: kind, message }), { status, headers });
+}
+
+// A refusal whose message may quote the code (its start failed), with the secrets masked.
+async function maskedRefusal(answer, secrets) {
+  if (!secrets.length) return answer;
+  const body = await answer.json();
+  return new Response(JSON.stringify({ ...body, message: masked(body.message, secrets) }), answer);
 }
 
 function sameSecret(given, expected) {
@@ -138,7 +146,8 @@ class MissingCode extends Error {
 // of cloudflare:workers keeps the module valid where `abortIsolate` is not offered.
 function hostMainModule(capabilityMain) {
   const main = JSON.stringify(`./${capabilityMain}`);
-  return `import * as workers from "cloudflare:workers";
+  return `import "./${CONSOLE_MODULE}";
+import * as workers from "cloudflare:workers";
 import * as capability from ${main};
 export * from ${main};
 const handler = capability.default;
@@ -156,6 +165,43 @@ export const ${RETIRE_ENTRYPOINT} = {
     return new Response(null, { status: 501 });
   },
 };
+`;
+}
+
+// The module the host's main module imports first, so that it runs before any of the
+// capability's: it masks the capability's secrets in what its console prints, as
+// `[secret NAME]`, before workerd (or Cloudflare) writes a line of it anywhere. A string, an
+// error's stack, or an object's JSON that holds a value is printed masked; anything else as
+// it was. The values are the ones the isolate holds in `env` anyway, in memory only.
+function consoleModule(secrets) {
+  const pairs = [];
+  for (const [name, value] of Object.entries(secrets)) {
+    if (!value) continue;
+    pairs.push([name, value]);
+    const escaped = JSON.stringify(value).slice(1, -1); // as it appears inside an object's JSON
+    if (escaped !== value) pairs.push([name, escaped]);
+  }
+  pairs.sort((a, b) => b[1].length - a[1].length);
+  return `const SECRETS = ${JSON.stringify(pairs)};
+const holds = (text) => SECRETS.some(([, value]) => text.includes(value));
+const mask = (text) => SECRETS.reduce((out, [name, value]) => out.split(value).join("[secret " + name + "]"), text);
+function clean(arg) {
+  if (typeof arg === "string") return holds(arg) ? mask(arg) : arg;
+  let text;
+  try {
+    text = arg instanceof Error ? String(arg.stack || arg) : arg !== null && typeof arg === "object" ? JSON.stringify(arg) : undefined;
+  } catch {
+    return arg;
+  }
+  return typeof text === "string" && holds(text) ? mask(text) : arg;
+}
+if (SECRETS.length) {
+  // Every method (log, error, assert, count, group, timeLog, ...): each may print its arguments.
+  for (const method of Object.keys(console)) {
+    const original = console[method];
+    if (typeof original === "function") console[method] = (...args) => original.apply(console, args.map(clean));
+  }
+}
 `;
 }
 
@@ -200,6 +246,7 @@ function forget(slot, loaderId) {
 async function retire(env, cacheIds) {
   for (const id of cacheIds) {
     nextIncarnation(id.split("#")[0]);
+    secretsByCacheId.delete(id);
     try {
       await env.LOADER.get(id, () => RETIRE_ONLY).getEntrypoint(RETIRE_ENTRYPOINT).fetch("http://retire/");
     } catch {
@@ -240,6 +287,27 @@ function logText(parts) {
       }
     })
     .join(" ");
+}
+
+// The secrets each loaded isolate was given (loader cache id → {NAME: value}), so that what the
+// host says of its failures names a secret rather than showing it: that message becomes the
+// caller's answer, Sigil's failure record, an async call's result, all of which are written
+// down. Memory only, as the isolate itself holds them.
+const secretsByCacheId = new Map();
+
+// The secrets of the isolate `cacheId` (of the code `sha`), sorted longest first for masked();
+// read again from the bundle when this host did not load it (a host restarted meanwhile).
+async function secretsOf(env, sha, cacheId) {
+  let secrets = secretsByCacheId.get(cacheId);
+  if (!secrets) {
+    try {
+      const bundle = await readBundle(env, sha);
+      secrets = bundle.sealed ? await unseal(bundle.sealed, env.SIGIL_SECRET, sha) : {};
+    } catch {
+      secrets = {};
+    }
+  }
+  return Object.entries(secrets).sort((a, b) => b[1].length - a[1].length);
 }
 
 // Secrets first, cuts after, so that a cut never leaves part of a value behind.
@@ -390,18 +458,26 @@ export default {
         if (error instanceof MissingCode) missing = true;
         throw error;
       }
+      secretsByCacheId.set(cacheId, secrets);
       return {
         compatibilityDate: bundle.compatibilityDate || "2025-01-01",
         compatibilityFlags: bundle.compatibilityFlags || [],
         mainModule: HOST_MAIN_MODULE,
-        modules: { ...bundle.modules, [HOST_MAIN_MODULE]: hostMainModule(bundle.mainModule) },
+        modules: {
+          ...bundle.modules,
+          [HOST_MAIN_MODULE]: hostMainModule(bundle.mainModule),
+          [CONSOLE_MODULE]: consoleModule(secrets),
+        },
         env: { ...bundle.env, ...secrets },
         // Capabilities may call out to the network as Workers do on Cloudflare.
         tails: logged ? [ctx.exports.SigilTail({ props: { slot, sha, cacheId, secrets } })] : [],
       };
     });
     try {
-      if (request.headers.get(VALIDATE_HEADER) === "1") return await started(worker, () => missing, env);
+      if (request.headers.get(VALIDATE_HEADER) === "1") {
+        const answer = await started(worker, () => missing, env);
+        return answer.status === 400 ? maskedRefusal(answer, await secretsOf(env, sha, cacheId)) : answer;
+      }
       // Cloudflare enforces the limit; open-source workerd accepts it and does not (reference §5.3).
       const entrypoint = cpuMs > 0 ? worker.getEntrypoint(null, { limits: { cpuMs } }) : worker.getEntrypoint();
       const response = await entrypoint.fetch(forwarded);
@@ -420,9 +496,10 @@ export default {
       if (message.includes("CPU time limit")) {
         return refuse(500, "exceeded-cpu", `ran past its CPU limit${cpuMs > 0 ? ` of ${cpuMs} ms` : ""}`, env);
       }
+      const secrets = await secretsOf(env, sha, cacheId);
       // What workerd throws when the runtime itself failed the call: not the capability's doing.
-      if (message.startsWith("internal error")) return refuse(502, "internal-error", message, env);
-      return refuse(500, "exception", String((error && error.stack) || error));
+      if (message.startsWith("internal error")) return refuse(502, "internal-error", masked(message, secrets), env);
+      return refuse(500, "exception", masked(String((error && error.stack) || error), secrets));
     }
   },
 };

@@ -4,6 +4,8 @@
 // request, and marks every response it passes on, so the gateway can tell the capability's
 // own 404 from Cloudflare's "no such Worker", and with the capability version the script is
 // (a redeploy replaces it in place, so only the answering code knows which version it is).
+// First, so that it runs before any module of the capability's (sigil-mask.js).
+import { maskedError, useSecrets } from "./sigil-mask.js";
 import { capability } from "./sigil-capability.js";
 import { sameSecret } from "./sigil-secret.js";
 
@@ -15,7 +17,8 @@ const EXCEPTION_MARK = "[sigil:exception]";
 
 export default {
   async fetch(request, env, ctx) {
-    const { SIGIL_GUARD_SECRET, SIGIL_SERVED_VERSION, ...capabilityEnv } = env;
+    const { SIGIL_GUARD_SECRET, SIGIL_SERVED_VERSION, ...sigilAndCapabilityEnv } = env;
+    const capabilityEnv = useSecrets(sigilAndCapabilityEnv);
     const version = SIGIL_SERVED_VERSION ? { [VERSION_HEADER]: SIGIL_SERVED_VERSION } : {};
     if (!sameSecret(request.headers.get(SECRET_HEADER), SIGIL_GUARD_SECRET)) {
       return new Response("Forbidden\n", { status: 403, headers: { [GUARD_HEADER]: "refused" } });
@@ -27,7 +30,9 @@ export default {
     let response;
     try {
       response = await capability.fetch(new Request(request, { headers }), capabilityEnv, ctx);
-    } catch (error) {
+    } catch (thrown) {
+      // Told with its secrets masked: this answer becomes Sigil's failure record.
+      const error = maskedError(thrown);
       // The guard answers for the capability, so the call's TraceItem shows no exception:
       // this line carries it to Sigil's Tail Worker (host/tail.js, EXCEPTION_MARK).
       console.error(EXCEPTION_MARK, {

@@ -28,7 +28,8 @@ from sigil.embedded_redis import EmbeddedRedis
 from sigil.lifetime import PidFiles, supervise_until_signalled
 from sigil.logs import SigilFormatter
 from sigil.ports import port_is_open
-from sigil_site.owner import OwnerAccount, owner_ensure
+from sigil.serving import RUNSIGIL, Serving, serving_forget, serving_record, switch_command
+from sigil_site.owner import OwnerAccount, owner_ensure_shown
 from sigil_site.stand_in import STAND_IN_HEADER, StandIn
 from sigil_site.supervisor import Program, StartupFailed, Supervisor
 
@@ -93,29 +94,32 @@ class Command(BaseCommand):
 
         def on_ready() -> None:
             # Only now, so that a password generated for the owner is not lost in a failed start.
-            owner = owner_ensure(password=settings.SIGIL_OWNER_PASSWORD)
+            owner = owner_ensure_shown(password=settings.SIGIL_OWNER_PASSWORD, var_dir=settings.VAR_DIR)
             connections.close_all()
             supervisor.announce(self._as_log(banner(base_url, owner)))
 
         def supervise(stop: threading.Event) -> None:
             supervisor.run(stop, on_ready=on_ready, ready_timeout=ready_timeout)
 
-        pid_files.record("runsigil", os.getpid())
+        pid_files.record(RUNSIGIL, os.getpid())
+        # For commands run from another shell, without this one's SIGIL_BACKEND (switchbackend).
+        serving_record(settings.VAR_DIR, Serving(backend=settings.SIGIL_BACKEND, port=port, pid=os.getpid()))
         try:
             supervise_until_signalled(supervise, name="supervisor")
         except StartupFailed as exc:
             raise CommandError(f"{exc}: Sigil did not start (its last output is above)") from exc
         finally:
-            pid_files.forget("runsigil")
+            serving_forget(settings.VAR_DIR)
+            pid_files.forget(RUNSIGIL)
         self._say("Sigil stopped.")
 
     def _end_leftovers(self, pid_files: PidFiles) -> None:
         """End what a run on this var directory that was killed left behind (its programs
         got SIGTERM when it died; one that did not stop holds its ports), before binding them."""
-        running = pid_files.running("runsigil")
+        running = pid_files.running(RUNSIGIL)
         if running is not None and running != os.getpid():
             raise CommandError(f"Sigil already runs on {settings.VAR_DIR} (pid {running}): stop it first")
-        pid_files.forget("runsigil")
+        pid_files.forget(RUNSIGIL)
         ended = pid_files.end_leftovers()
         if ended:
             self._say(f"Sigil: ended what a previous run left running: {', '.join(ended)}")
@@ -315,7 +319,7 @@ def runserver_command(port: int) -> list[str]:
 
 def banner(base_url: str, owner: OwnerAccount) -> str:
     if owner.generated_password:
-        login = f"user {owner.username}, password {owner.generated_password}, shown only this once"
+        login = f"user {owner.username}, password {owner.generated_password}, shown until you sign in"
     elif owner.created:
         login = f"user {owner.username}, password from SIGIL_OWNER_PASSWORD"
     else:
@@ -342,7 +346,7 @@ def describe_previous(backends: list[str]) -> list[str]:
             where = runtime_class(backend).where(settings)
         except ValueError:
             where = ["a runtime Sigil no longer knows"]
-        until = "until `python manage.py switchbackend` has moved its capabilities"
+        until = f"until `{switch_command(settings.SIGIL_BACKEND)}` has moved its capabilities"
         lines.append(", ".join([backend, *where]) + f", {until}")
     return lines
 
