@@ -547,6 +547,23 @@ def _(planes):
     return edge
 
 
+@case("a lower-case bearer scheme")
+def _(planes):
+    headers = {"Authorization": f"bearer {planes.tokens['alice']}"}
+    origin, edge = planes.both("GET", "/alice/echo", headers=headers)
+    alike(origin, edge, body=echoed)
+    assert origin.status == 207
+    return edge
+
+
+@case("an empty bearer token")
+def _(planes):
+    origin, edge = planes.both("GET", "/alice/echo", headers={"Authorization": "Bearer "})
+    alike(origin, edge)
+    assert origin.status == 401
+    return edge
+
+
 @case("unknown token", at="origin")
 def _(planes):
     origin, edge = planes.both("GET", "/alice/echo", headers={"Authorization": "Bearer sgl_never-issued"})
@@ -757,6 +774,13 @@ ODD_PATHS = {
     "dot segments in the rest": "/alice/echo/a/./b/../c",
     "a trailing slash": "/alice/echo/",
     "odd characters in the rest": "/alice/echo/~:@!$&'()*+,;=",
+    "a bad percent-encoding in the rest": "/alice/echo/%zz/%4",
+    "an encoded NUL in the rest": "/alice/echo/a%00b",
+    "an encoded slash in the name": "/alice/echo%2Fx",
+    "an upper-case encoded name": "/alice/%45cho",
+    "the agent alone": "/alice",
+    "the agent and a slash": "/alice/",
+    "an empty query": "/alice/echo?",
 }
 
 
@@ -775,6 +799,20 @@ def odd_path_case(what: str, path: str):
 
 for _what, _path in ODD_PATHS.items():
     odd_path_case(_what, _path)
+
+
+def method_case(method: str, body: bytes | None):
+    @case(f"method {method}")
+    def _(planes):
+        headers = {**planes.auth(), "Content-Type": "text/plain"}
+        origin, edge = planes.both(method, "/alice/echo/m", headers=headers, body=body)
+        alike(origin, edge, body=echoed)
+        assert json.loads(origin.body)["method"] == method
+        return edge
+
+
+for _method, _body in (("OPTIONS", None), ("DELETE", b"gone"), ("PATCH", b"a bit"), ("POST", b"")):
+    method_case(_method, _body)
 
 
 @case("what passes to the capability")
