@@ -63,8 +63,9 @@ format: install
 
 # The figures in docs/benchmarks.md: warm-call overhead and throughput against bare workerd (needs
 # wrk), the engine's HTTP and Redis clients, one agent's storm beside another, paging costs, the
-# runtimes side by side, workerd's memory, what each process's death costs, and what a switch
-# of runtimes costs the callers.
+# runtimes side by side, workerd's memory, what each process's death costs, what a switch
+# of runtimes costs the callers, and the edge against the straight dispatch and the origin, and
+# ten minutes of its traffic before a deploy and a page-in.
 bench: install
 	$(PY) bench/invoke.py
 	$(PY) bench/upstream_clients.py
@@ -80,3 +81,4 @@ bench: install
 	$(PY) bench/faults.py
 	$(PY) bench/runtime_switch.py
 	$(PY) bench/edge.py
+	$(PY) bench/edge_budget.py
