@@ -64,8 +64,9 @@ format: install
 # The figures in docs/benchmarks.md: warm-call overhead and throughput against bare workerd (needs
 # wrk), the engine's HTTP and Redis clients, one agent's storm beside another, paging costs, the
 # runtimes side by side, workerd's memory, what each process's death costs, what a switch
-# of runtimes costs the callers, and what ordinary traffic costs of Cloudflare's API budget
-# (10 minutes of it on each Cloudflare runtime, side by side).
+# of runtimes costs the callers, what ordinary traffic costs of Cloudflare's API budget (10
+# minutes of it on each Cloudflare runtime, side by side), and the edge against the straight
+# dispatch and the origin, with ten minutes of its traffic before a deploy and a page-in.
 bench: install
 	$(PY) bench/invoke.py
 	$(PY) bench/upstream_clients.py
@@ -82,3 +83,4 @@ bench: install
 	$(PY) bench/runtime_switch.py
 	$(PY) bench/api_budget.py
 	$(PY) bench/edge.py
+	$(PY) bench/edge_budget.py
