@@ -44,7 +44,7 @@ from cfemulator.bound import WORKER_OUTBOUND, BoundHost, needs_own_workerd
 from cfemulator.dynamic_host import DynamicHost
 from cfemulator.limits import MAX_CPU_MS
 from cfemulator.uploads import ScriptUpload
-from sigil.ports import free_port_block, port_is_open
+from sigil.ports import HeldPort
 
 logger = logging.getLogger(__name__)
 
@@ -67,36 +67,35 @@ RUNNER_PREFIX = "dynamic:"
 
 
 class _Ports:
-    """The group's ports: one per name, kept for good (across restarts and resets), taken
-    from blocks below the kernel's ephemeral range, where no outgoing connection can hold
-    one when a process restarts on it. The emulator is one process, so no other needs to
-    agree on them (unlike the local runtime's registry)."""
-
-    BLOCK = 16
+    """The group's ports: one per name, chosen by the kernel and held until the name's process
+    is stopped for good (`HeldPort`), so that its restarts find it free and no other program,
+    another checkout's emulator included, is given it meanwhile. The emulator is one process,
+    so no other needs to agree on them (unlike the local runtime's registry)."""
 
     def __init__(self) -> None:
-        self._ports: dict[str, int] = {}
-        self._free: list[int] = []
+        self._held: dict[str, HeldPort] = {}
         self._lock = threading.Lock()
 
     def port_for(self, name: str) -> int:
         with self._lock:
-            while name not in self._ports:
-                if not self._free:
-                    base = free_port_block(self.BLOCK)
-                    self._free = list(range(base + self.BLOCK - 1, base - 1, -1))
-                port = self._free.pop()
-                # Another process may have picked an overlapping block since this one was.
-                if not port_is_open(port):
-                    self._ports[name] = port
-            return self._ports[name]
+            held = self._held.get(name)
+            if held is None:
+                held = self._held[name] = HeldPort()
+            return held.port
 
     def release(self, name: str) -> None:
-        """Give `name`'s port back, for a later name (its process is stopped)."""
+        """Let `name`'s port go (its process is stopped)."""
         with self._lock:
-            port = self._ports.pop(name, None)
-            if port is not None:
-                self._free.append(port)
+            held = self._held.pop(name, None)
+        if held is not None:
+            held.close()
+
+    def release_all(self) -> None:
+        """Let every port go (the emulator stops)."""
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        for port in held:
+            port.close()
 
     def names(self) -> list[str]:
         return []  # processes start on a call, never ahead of one
@@ -210,7 +209,7 @@ class ScriptProcesses:
             return running
 
     def describe(self) -> list[dict[str, Any]]:
-        """Every process, as the emulator's controls show it: its key, version, pid, state and
+        """Every process, as the emulator's controls show it: its key, version, pid, port, state and
         the calls in flight on it, and whether it was replaced (it only drains)."""
         with self._lock:
             processes = list(self._processes.values())
@@ -226,6 +225,7 @@ class ScriptProcesses:
                     "sha": process.sha,
                     "generation": process.generation,
                     "pid": snapshot["pid"],
+                    "port": ScriptProcess(supervised).port if supervised is not None else None,
                     "state": snapshot["state"],
                     "calls": process.calls,
                     "replaced": process.replaced_at is not None,
@@ -257,6 +257,7 @@ class ScriptProcesses:
     def stop_all(self) -> None:
         """Stop every process, together; later calls start new ones."""
         with self._lock:
+            ports, self._ports = self._ports, _Ports()  # the old group's, let go once it stopped
             group, self._group = self._group, self._new_group()
             for process in self._processes.values():
                 if process.drained is not None:
@@ -264,6 +265,7 @@ class ScriptProcesses:
             self._processes.clear()
             self._served.clear()
         group.stop()
+        ports.release_all()
         for directory in self.state_dir.glob("*"):
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -337,16 +339,16 @@ class ScriptProcesses:
         del self._processes[process.name]
         if process.drained is not None:
             process.drained.cancel()
-        group = self._group
+        group, ports = self._group, self._ports
         logger.info("stopping %s, replaced by a newer version: %s", process.name, why)
         threading.Thread(
-            target=self._stop_retired, args=(group, process.name), name=f"retire-{process.name}", daemon=True
+            target=self._stop_retired, args=(group, ports, process.name), name=f"retire-{process.name}", daemon=True
         ).start()
 
-    def _stop_retired(self, group: WorkerdGroup, name: str) -> None:
+    def _stop_retired(self, group: WorkerdGroup, ports: _Ports, name: str) -> None:
         group.retire(name)
-        self._ports.release(name)
-        self._ports.release(f"{name}:script")
+        ports.release(name)
+        ports.release(f"{name}:script")
         shutil.rmtree(self._directory(name), ignore_errors=True)
 
     def _directory(self, name: str) -> Path:

@@ -20,7 +20,7 @@ processes, the CPU meter, the start check of uploads and the connections to work
                                  (`cfemulator.dynamic`)
 - `GET  /__emulator/requests`    the API calls received: method, path, status, code, time
 - `GET  /__emulator/dispatches`  the calls made through dispatch namespace bindings
-- `GET  /__emulator/processes`   the scripts' workerd processes: key, version, pid, state,
+- `GET  /__emulator/processes`   the scripts' workerd processes: key, version, pid, port, state,
                                  calls in flight, and whether a newer version replaced it
 - `GET  /__emulator/dynamic-workers` the Dynamic Workers handed over by Worker Loader
                                  bindings, each with the process it runs in while it has one

@@ -118,6 +118,25 @@ def wait_for_port_closed(port: int, seconds: float) -> bool:
     return True
 
 
+class HeldPort:
+    """A port of 127.0.0.1 the kernel chose, held while this is open by a socket bound to it
+    that never listens (with SO_REUSEADDR): the kernel gives it to no other bind to a free
+    port nor to an outgoing connection meanwhile, while the server meant to listen there
+    (workerd, which binds with SO_REUSEADDR too, as Linux allows beside a socket that does
+    not listen) binds it, and binds it again after every restart. Nothing connects before
+    that server listens. Two Sigils (two checkouts) thus never share such a port."""
+
+    def __init__(self) -> None:
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("127.0.0.1", 0))
+        self.port: int = self._socket.getsockname()[1]
+
+    def close(self) -> None:
+        """Let the port go (the server on it has stopped for good). Idempotent."""
+        self._socket.close()
+
+
 def free_port() -> int:
     """A port of 127.0.0.1 that is free now (the kernel's choice)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -88,7 +88,7 @@ class EmulatorControl:
         return self._call("GET", "/__emulator/dispatches")["dispatches"]
 
     def processes(self, key_suffix: str = "") -> list[dict[str, Any]]:
-        """The scripts' workerd processes (`key`, `name`, `generation`, `pid`, `state`, `calls`
+        """The scripts' workerd processes (`key`, `name`, `generation`, `pid`, `port`, `state`, `calls`
         in flight, `replaced`), those whose key ends with `key_suffix` (a script's name)."""
         processes = self._call("GET", "/__emulator/processes")["processes"]
         return [process for process in processes if process["key"].endswith(key_suffix)]

@@ -125,7 +125,7 @@ def test_a_reset_is_not_undone_by_a_restart(emulator):
     assert api.call("GET", "/workers/scripts").json()["result"] == []
 
 
-def test_switchbackend_after_a_restart_moves_what_was_deployed_before_it(emulator, alice, settings, sigil):
+def test_switchbackend_after_a_restart_moves_what_was_deployed_before_it(emulator, alice, settings, sigil, monkeypatch):
     import io
 
     from django.core.management import call_command
@@ -137,6 +137,7 @@ def test_switchbackend_after_a_restart_moves_what_was_deployed_before_it(emulato
     emulator.restart()
     # What the owner does: change SIGIL_BACKEND, restart Sigil, then switch.
     settings.SIGIL_BACKEND = "loader"
+    monkeypatch.setenv("SIGIL_BACKEND", "loader")  # in the shell switchbackend runs from
     runtimes_forget()
     sigil.app.gateway = None
     call_command("switchbackend", stdout=io.StringIO())
@@ -158,7 +159,8 @@ def test_a_capability_left_on_a_runtime_that_is_gone_says_how_to_move_it(emulato
         response = alice.call("/alice/ping")
         assert response.status_code == 502, response.text
         message = response.json()["error"]["message"]
-        assert "still placed on the platform runtime, not local" in message and "switchbackend" in message
+        assert "still placed on the platform runtime, not local" in message
+        assert "`SIGIL_BACKEND=local python manage.py switchbackend`" in message
     finally:
         emulator.start()
 
@@ -186,7 +188,7 @@ def test_health_and_the_capability_page_say_what_is_left_on_a_runtime_that_is_go
     assert answered.status_code == 200, answered.text  # ... the platform still answers: served there
     assert answered.json()["left_on_previous_runtimes"] == {"platform": 1}
     page = owner.get(f"/admin/capabilities/capability/{capability.pk}/change/").content.decode()
-    assert 'id="runtime-warning"' in page and "switchbackend" in page
+    assert 'id="runtime-warning"' in page and "<code>SIGIL_BACKEND=local python manage.py switchbackend</code>" in page
 
     emulator.server.stop()  # ... and then the runtime it was placed on is gone
     try:
@@ -195,7 +197,7 @@ def test_health_and_the_capability_page_say_what_is_left_on_a_runtime_that_is_go
         assert answered.status_code == 503, answered.text
         check = answered.json()["checks"]["previous_runtimes"]
         assert check.startswith("failing: 1 capabilities are still placed on the platform runtime, which does not")
-        assert "switchbackend" in check and "object at 0x" not in check
+        assert "`SIGIL_BACKEND=local python manage.py switchbackend`" in check and "object at 0x" not in check
         page = owner.get(f"/admin/capabilities/capability/{capability.pk}/change/").content.decode()
         assert "does not answer" in page
     finally:

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -113,3 +114,46 @@ def test_a_derived_port_taken_by_something_else_is_replaced_and_kept(tmp_path):
     assert ports.ports_choose(web=base, var_dir=tmp_path, workerd_count=8).workerd == base + 788
     fixed = ports.ports_choose(web=base, var_dir=tmp_path, workerd_count=8, workerd_fixed=4000, emulator_fixed=4100)
     assert (fixed.workerd, fixed.cfemulator) == (4000, 4100)
+
+
+HELLO_CONFIG = """using Workerd = import "/workerd/workerd.capnp";
+const config :Workerd.Config = (
+  services = [ (name = "main", worker = .hello) ],
+  sockets = [ (name = "http", address = "127.0.0.1:{port}", http = (), service = "main") ],
+);
+const hello :Workerd.Worker = (
+  modules = [ (name = "hello.js", esModule = "export default {{ fetch() {{ return new Response('hello') }} }}") ],
+  compatibilityDate = "2025-01-01",
+);
+"""
+
+
+def test_a_held_port_is_given_to_no_one_else_and_workerd_serves_on_it_across_restarts(tmp_path):
+    held = ports.HeldPort()
+    try:
+        # No other program binds it, as a server that picked it (or a port "free" a moment ago) would,
+        # and the kernel gives it to no one asking for a free port.
+        with socket.socket() as other, pytest.raises(OSError, match="in use"):
+            other.bind(("127.0.0.1", held.port))
+        others = [ports.HeldPort() for _ in range(50)]
+        assert held.port not in {port.port for port in others}
+        for port in others:
+            port.close()
+        assert not port_is_open(held.port)  # nothing answers before its server listens
+
+        config = tmp_path / "hello.capnp"
+        config.write_text(HELLO_CONFIG.format(port=held.port))
+        for _ in range(2):  # started, stopped and started again on the same port
+            workerd = subprocess.Popen(
+                [settings.SIGIL_WORKERD_BIN, "serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+            )
+            try:
+                wait_until(lambda: port_is_open(held.port), timeout=15)
+                assert requests.get(f"http://127.0.0.1:{held.port}/", timeout=10).text == "hello"
+            finally:
+                workerd.terminate()
+                workerd.wait(10)
+            with socket.socket() as other, pytest.raises(OSError, match="in use"):
+                other.bind(("127.0.0.1", held.port))  # still held while its server is down
+    finally:
+        held.close()

@@ -15,7 +15,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from capabilities.workerd.host import WorkerdMissing
 from cfemulator.config import DEV_ACCOUNT_ID, DEV_TOKEN, PLANS, EmulatorConfig
 from cfemulator.server import EmulatorServer
-from sigil.ports import free_port
+from sigil.ports import HeldPort
 
 # The account's settings the command line gives (their defaults are EmulatorConfig's), with
 # what argparse needs to read each.
@@ -66,7 +66,10 @@ class Command(BaseCommand):
             help="the account id (default CF_ACCOUNT_ID)",
         )
         parser.add_argument(
-            "--workerd-port", type=int, default=0, help="port of the emulator's workerd (default: free)"
+            "--workerd-port",
+            type=int,
+            default=0,
+            help="port of the emulator's workerd (default: one the kernel chooses, held while the emulator runs)",
         )
         parser.add_argument("--state-dir", default=str(settings.VAR_DIR / "cfemulator"), help="code and workerd files")
 
@@ -75,6 +78,8 @@ class Command(BaseCommand):
             config = EmulatorConfig().updated({name: options[name] for name in _SETTINGS})
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
+        # Chosen by the kernel and held while the emulator runs: another checkout never takes it.
+        held = HeldPort()
         server = EmulatorServer.build(
             workerd_binary=settings.SIGIL_WORKERD_BIN,
             state_dir=Path(options["state_dir"]),
@@ -82,7 +87,7 @@ class Command(BaseCommand):
             account_id=options["account_id"],
             config=config,
             port=options["port"],
-            workerd_port=options["workerd_port"] or free_port(),
+            workerd_port=options["workerd_port"] or held.port,
         )
         try:
             # Started here, so that a missing binary is the command's error; the supervisor
@@ -112,6 +117,7 @@ class Command(BaseCommand):
             stop.set()
             supervisor.join(timeout=10)
             server.stop()
+            held.close()
 
 
 def _exit(signum: int, frame: FrameType | None) -> None:
