@@ -23,6 +23,7 @@ from django.core import signing
 from django.core.cache import cache
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
+from django.urls import reverse
 
 from agents.throttle import request_client_address
 from sigil.errors import retry_after_header
@@ -115,15 +116,9 @@ class TrustedDevice:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        signing_in = request.method == "POST" and request.path == _login_path()
+        signing_in = request.method == "POST" and request.path == reverse("admin:login")
         was_signed_in = signing_in and request.user.is_authenticated
         response = self.get_response(request)
         if signing_in and not was_signed_in and request.user.is_authenticated:
             trust_device(request, response, request.user.get_username())
         return response
-
-
-def _login_path() -> str:
-    from django.urls import reverse
-
-    return reverse("admin:login")
