@@ -19,10 +19,13 @@ from axes.handlers.cache import AxesCacheHandler
 from axes.helpers import get_client_cache_keys
 from django.conf import settings
 from django.contrib import admin
+from django.contrib.auth.signals import user_logged_in
 from django.core import signing
 from django.core.cache import cache
+from django.dispatch import receiver
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
+from django.urls import reverse
 
 from agents.throttle import request_client_address
 from sigil.errors import retry_after_header
@@ -115,15 +118,19 @@ class TrustedDevice:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        signing_in = request.method == "POST" and request.path == _login_path()
-        was_signed_in = signing_in and request.user.is_authenticated
         response = self.get_response(request)
-        if signing_in and not was_signed_in and request.user.is_authenticated:
-            trust_device(request, response, request.user.get_username())
+        signed_in = getattr(request, _SIGNED_IN, None)
+        if signed_in is not None and request.path == reverse("admin:login"):
+            trust_device(request, response, signed_in)
         return response
 
 
-def _login_path() -> str:
-    from django.urls import reverse
+_SIGNED_IN = "sigil_signed_in_as"
 
-    return reverse("admin:login")
+
+@receiver(user_logged_in, dispatch_uid="sigil_site.lockout.signed_in")
+def _note_sign_in(sender, request, user, **kwargs) -> None:
+    """Note on the request who just signed in (Django's own signal of a successful login,
+    whether or not the browser was signed in already), for TrustedDevice."""
+    if request is not None:
+        setattr(request, _SIGNED_IN, user.get_username())

@@ -73,3 +73,20 @@ def test_a_webhook_key_stored_under_another_secrets_key_fails_the_delivery_visib
     services.agent_webhook_deliver(agent_id=agent.pk, delivery={**delivery, "id": "d-2"})
     headers, body = webhook_receiver.received[0]
     assert headers["x-sigil-signature"] == services.webhook_signature("new-key", body)
+
+
+def test_an_alert_to_an_agent_without_a_webhook_key_is_signed_with_one_made_for_it(sigil, webhook_receiver):
+    agent = services.agent_create(name="erin", actor="owner:test")
+    services.agent_set_webhook(agent=agent, url=webhook_receiver.url, secret=None, actor="owner:test")
+    assert Agent.objects.get(name="erin").webhook_secret == ""  # the owner set none
+    delivery = {"id": "d-1", "event": "capability.degraded", "capability": "erin--x"}
+    services.agent_webhook_deliver(agent_id=agent.pk, delivery=delivery)
+    services.agent_webhook_deliver(agent_id=agent.pk, delivery={**delivery, "id": "d-2"})
+
+    made = Agent.objects.get(name="erin").webhook_secret
+    assert made.startswith("whsec_") and len(made) > 40
+    assert [headers["x-sigil-signature"] for headers, _ in webhook_receiver.received] == [
+        services.webhook_signature(made, body) for _, body in webhook_receiver.received
+    ]
+    assert len(webhook_receiver.received) == 2  # both signed with the one key, made once
+    assert AuditEvent.objects.filter(action="agent.webhook_secret_created", agent_name="erin").count() == 1

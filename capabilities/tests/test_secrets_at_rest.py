@@ -13,6 +13,7 @@ import pytest
 import redis
 from django.conf import settings
 
+from agents.models import AuditEvent
 from capabilities.models import Binding
 from sigil.encryption import secret_encrypt
 from testsupport.cast import grant, wait_for
@@ -119,6 +120,8 @@ def test_a_logged_or_thrown_secret_is_written_nowhere(
     assert [c for c in writes.commands if SECRET in c] == []
     assert [(r.name, r.getMessage()) for r in caplog.records if SECRET in r.getMessage()] == []
     assert files_holding(var, SECRET.encode()) == []
+    trail = [(event.action, event.detail) for event in AuditEvent.objects.all()]
+    assert trail and [entry for entry in trail if SECRET in json.dumps(entry)] == []
     for key in redis_client.scan_iter(count=1000):
         assert SECRET.encode() not in (redis_client.dump(key) or b""), key
 

@@ -39,3 +39,26 @@ def test_a_locked_out_address_is_told_for_how_long_and_axes_reset_lifts_it(owner
     out = io.StringIO()
     call_command("axes_reset", stdout=out)
     assert out.getvalue().strip() == "No attempts found."
+
+
+def test_a_browser_that_signs_in_is_trusted_only_while_trusted_devices_are_on(owner_account, settings):
+    settings.AXES_FAILURE_LIMIT = 2
+    settings.SIGIL_ADMIN_TRUSTED_DEVICE_DAYS = 0  # off: no device cookie, the address alone counts
+    trusted = Client()
+    assert sign_in(trusted, "the-right-password").status_code == 302
+    assert "sigil_device" not in trusted.cookies
+    guesser = Client()
+    for _ in range(2):
+        sign_in(guesser, "wrong")
+    assert sign_in(Client(), "the-right-password").status_code == 429
+
+    call_command("axes_reset", stdout=io.StringIO())
+    settings.SIGIL_ADMIN_TRUSTED_DEVICE_DAYS = 30
+    assert sign_in(trusted, "the-right-password").status_code == 302
+    device = trusted.cookies["sigil_device"]
+    assert device["httponly"] and device["path"] == "/admin/" and device["max-age"] == 30 * 86400
+    for _ in range(2):
+        sign_in(guesser, "wrong")
+    returning = Client()
+    returning.cookies["sigil_device"] = device.value
+    assert sign_in(returning, "the-right-password").status_code == 302  # the address's lock-out is not its

@@ -4,7 +4,9 @@
 // failure record or async result hold a value. Imported first by that entry module, so that it
 // runs before any module of the capability's. The script knows which of its bindings are
 // secrets by name only (SIGIL_SECRET_NAMES, a plain_text binding: a JSON list); their values
-// are read from `env` at each call, as the capability reads them.
+// are read from `env` at each call, as the capability reads them. The loader host masks
+// alike in the module it loads before a capability (runtimes/host/host.js, consoleModule): a
+// change to what is masked goes to both.
 
 const NAMES_BINDING = "SIGIL_SECRET_NAMES";
 let pairs = []; // [name, value], the longest value first; a value's JSON-escaped form too

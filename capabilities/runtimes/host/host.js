@@ -172,7 +172,9 @@ export const ${RETIRE_ENTRYPOINT} = {
 // capability's: it masks the capability's secrets in what its console prints, as
 // `[secret NAME]`, before workerd (or Cloudflare) writes a line of it anywhere. A string, an
 // error's stack, or an object's JSON that holds a value is printed masked; anything else as
-// it was. The values are the ones the isolate holds in `env` anyway, in memory only.
+// it was. The values are the ones the isolate holds in `env` anyway, in memory only. The
+// Cloudflare scripts' entry modules mask alike, knowing the values only from `env` at each
+// call (runtimes/cloudflare/sigil-mask.js): a change to what is masked goes to both.
 function consoleModule(secrets) {
   const pairs = [];
   for (const [name, value] of Object.entries(secrets)) {
