@@ -487,7 +487,8 @@ def pager_ensure_built(*, rows: Callable[[], Mapping[str, RegistryRow]]) -> None
     redis = get_redis()
     if redis.exists(BUILT_KEY):
         return
-    with redis.lock("sigil:lock:lru-rebuild", timeout=60, blocking_timeout=60):
+    # A lease: a process that dies mid-rebuild holds up the others for a lease, not a minute.
+    with leases.Lease("sigil:lock:lru-rebuild", hold_seconds=60, blocking_timeout=60):
         if not redis.exists(BUILT_KEY):
             pager_rebuild(rows())
 
