@@ -68,7 +68,7 @@ from sigil.errors import (
 from sigil.pipelined_redis import PipelinedRedis
 from sigil.redis_client import SOCKET_TIMEOUT_SECONDS, get_redis
 
-logger = logging.getLogger("capabilities.gateway")
+logger = logging.getLogger("capabilities.engine")
 
 
 class Engine:
