@@ -38,6 +38,13 @@ $(CHROMIUM):
 	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
+# The warm-call benchmark's load generator (bench/invoke.py), installed as Chromium is.
+WRK := /usr/bin/wrk
+$(WRK):
+	@if [ "$$(id -u)" != 0 ]; then echo "$(WRK) is missing: run 'sudo apt-get install -y wrk'"; exit 1; fi
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk
+
 # runsigil applies the migrations itself and creates the owner's account once everything
 # answers (as `manage.py migrate` and `manage.py ensureowner` do in production): two Django
 # starts fewer before the web port answers.
@@ -66,7 +73,7 @@ format: install
 # runtimes side by side, workerd's memory, what each process's death costs, what a switch
 # of runtimes costs the callers, and what ordinary traffic costs of Cloudflare's API budget
 # (10 minutes of it on each Cloudflare runtime, side by side).
-bench: install
+bench: install $(WRK)
 	$(PY) bench/invoke.py
 	$(PY) bench/upstream_clients.py
 	$(PY) bench/redis_clients.py
