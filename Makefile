@@ -68,7 +68,7 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The figures in docs/benchmarks.md: warm-call overhead and throughput against bare workerd (needs
+# The figures in docs/benchmarks.md: warm-call overhead and throughput against bare workerd (with
 # wrk), the engine's HTTP and Redis clients, one agent's storm beside another, paging costs, the
 # runtimes side by side, workerd's memory, what each process's death costs, what a switch
 # of runtimes costs the callers, and what ordinary traffic costs of Cloudflare's API budget
