@@ -38,6 +38,13 @@ $(CHROMIUM):
 	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
+# The warm-call benchmark's load generator (bench/invoke.py), installed as Chromium is.
+WRK := /usr/bin/wrk
+$(WRK):
+	@if [ "$$(id -u)" != 0 ]; then echo "$(WRK) is missing: run 'sudo apt-get install -y wrk'"; exit 1; fi
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk
+
 # runsigil applies the migrations itself and creates the owner's account once everything
 # answers (as `manage.py migrate` and `manage.py ensureowner` do in production): two Django
 # starts fewer before the web port answers.
@@ -61,13 +68,13 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The figures in docs/benchmarks.md: warm-call overhead and throughput against bare workerd (needs
+# The figures in docs/benchmarks.md: warm-call overhead and throughput against bare workerd (with
 # wrk), the engine's HTTP and Redis clients, one agent's storm beside another, paging costs, the
 # runtimes side by side, workerd's memory, what each process's death costs, what a switch
 # of runtimes costs the callers, what ordinary traffic costs of Cloudflare's API budget (10
 # minutes of it on each Cloudflare runtime, side by side), and the edge against the straight
 # dispatch and the origin, with ten minutes of its traffic before a deploy and a page-in.
-bench: install
+bench: install $(WRK)
 	$(PY) bench/invoke.py
 	$(PY) bench/upstream_clients.py
 	$(PY) bench/redis_clients.py

@@ -44,12 +44,6 @@ def lru_key(capability_type: str) -> str:
     return f"sigil:lru:{capability_type}"
 
 
-def inflight_key(full: str) -> str:
-    """The calls in flight to `full` as one count (the gateway's until it counts per process:
-    a count its dead process held never comes back to 0)."""
-    return f"sigil:inflight:{full}"
-
-
 def inflight_by_process_key(full: str) -> str:
     """The calls in flight to `full`, per process (a hash: process id -> count)."""
     return f"sigil:inflight-by-process:{full}"
@@ -381,15 +375,22 @@ def pager_usage() -> Usage:
     return Usage(sum(live), placing, evicting)
 
 
-def pager_inflight_enter(full: str, *, client=None) -> str:
+def pager_inflight_enter(full: str) -> str:
     """A call to `full` is in flight in this process (one round trip: the count, and the
     process's liveness renewed with it). Returns the process's id:
     what `pager_inflight_leave`, or the stats' RECORD_CALLS as its in-flight argument, takes
     back. A count stops counting once its process is no longer live (leases.this_process)."""
-    pipe = (client or get_redis()).pipeline(transaction=False)
+    pipe = get_redis().pipeline(transaction=False)
+    process = pager_inflight_enter_queue(pipe, full)
+    pipe.execute()
+    return process
+
+
+def pager_inflight_enter_queue(pipe, full: str) -> str:
+    """Queue pager_inflight_enter()'s commands on `pipe`, a pipeline of either Redis client
+    (the engine's is asyncio's), and return the process's id; the caller executes it."""
     process = leases.mark_live(pipe)
     pipe.hincrby(inflight_by_process_key(full), process, 1)
-    pipe.execute()
     return process
 
 
@@ -415,19 +416,16 @@ def pager_candidates() -> list[Candidate]:
 
 
 def pager_inflight(full: str) -> int:
-    """The calls in flight to `full` in live processes (plus the single count's). The counts
-    of processes no longer live are dropped: their calls died with them."""
+    """The calls in flight to `full` in live processes. The counts of processes no longer
+    live are dropped: their calls died with them."""
     redis = get_redis()
-    pipe = redis.pipeline(transaction=False)
-    pipe.get(inflight_key(full))
-    pipe.hgetall(inflight_by_process_key(full))
-    single, by_process = pipe.execute()
+    by_process = redis.hgetall(inflight_by_process_key(full))
     counts = {process.decode(): int(count) for process, count in by_process.items()}
     live = leases.processes_live(sorted(counts))
     dead = [process for process, is_live in live.items() if not is_live]
     if dead:
         redis.hdel(inflight_by_process_key(full), *dead)
-    return int(single or 0) + sum(max(0, counts[process]) for process, is_live in live.items() if is_live)
+    return sum(max(0, counts[process]) for process, is_live in live.items() if is_live)
 
 
 # KEYS: the placing set, the placement lock's key. ARGV: full.
@@ -487,7 +485,8 @@ def pager_ensure_built(*, rows: Callable[[], Mapping[str, RegistryRow]]) -> None
     redis = get_redis()
     if redis.exists(BUILT_KEY):
         return
-    with redis.lock("sigil:lock:lru-rebuild", timeout=60, blocking_timeout=60):
+    # A lease: a process that dies mid-rebuild holds up the others for a lease, not a minute.
+    with leases.Lease("sigil:lock:lru-rebuild", hold_seconds=60, blocking_timeout=60):
         if not redis.exists(BUILT_KEY):
             pager_rebuild(rows())
 

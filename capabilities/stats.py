@@ -161,12 +161,12 @@ def add_counts(a: dict[str, int] | None, b: dict[str, int] | None) -> dict[str, 
 # Applies CallRecords in the order given, each as RECORD_KEYS keys and RECORD_ARGS arguments
 # (CallRecord.keys() and .args(), concatenated):
 # keys: stats, the breaker's failures, open and trial keys, dirty set, tokens-used hash, the
-#       pager's LRU set for the capability's type, its in-flight count (pager.inflight_key, or
-#       pager.inflight_by_process_key when the count is per process), its failure records,
+#       pager's LRU set for the capability's type, its in-flight counts
+#       (pager.inflight_by_process_key), its failure records,
 #       the access log
 # args: full name, token hash, now (epoch s), latency ms, ok (1/0), is trial (1/0),
-#       threshold, cool-down seconds, the in-flight count held (0: none, 1: the single count,
-#       else the process id pager.pager_inflight_enter returned), histogram bucket field,
+#       threshold, cool-down seconds, the in-flight count held (0: none, else the process id
+#       pager.pager_inflight_enter returned), histogram bucket field,
 #       page-in ms ('' for a warm call), status class field, error code field (''),
 #       failure record ('' for a success), failure records kept, the capability's type,
 #       the access log's length (0: off)
@@ -186,9 +186,7 @@ local ok = ARGV[5] == '1'
 -- XX: stamp only capabilities the pager holds as live; an unbounded runtime has no set. GT: a
 -- call that ended earlier, applied later (the edge's report of it), never moves it back.
 redis.call('ZADD', lru, 'XX', 'GT', now, full)
-if ARGV[9] == '1' then
-  redis.call('DECR', inflight)
-elseif ARGV[9] ~= '0' and ARGV[9] ~= '' then
+if ARGV[9] ~= '0' and ARGV[9] ~= '' then
   redis.call('HINCRBY', inflight, ARGV[9], -1)
 end
 redis.call('HINCRBY', stats, 'calls', 1)

@@ -35,7 +35,9 @@ _SEAL_INFO = b"sigil bundle secrets"
 SECRET_HEADER = "X-Sigil-Secret"
 LOADER_ID_HEADER = "X-Sigil-Loader-Id"
 _START_CHECK_HEADER = "X-Sigil-Validate"
-_ASK = urllib3.PoolManager(timeout=urllib3.Timeout(connect=5.0, read=30.0), retries=False)
+# Used by the server's request threads at once: a pool per host as wide as they come, so a
+# busy emulator keeps its connections instead of opening (and warning about) a new one each time.
+_ASK = urllib3.PoolManager(timeout=urllib3.Timeout(connect=5.0, read=30.0), retries=False, maxsize=32)
 
 
 class HostUnanswered(Exception):

@@ -31,7 +31,9 @@ from cfemulator.bound import DYNAMIC_TAIL_HEADER, EXCEPTION_MARK
 
 logger = logging.getLogger(__name__)
 
-_SEND = urllib3.PoolManager(timeout=urllib3.Timeout(connect=5.0, read=30.0), retries=False)
+# Used by the server's request threads at once: a pool per host as wide as they come, so a
+# busy emulator keeps its connections instead of opening (and warning about) a new one each time.
+_SEND = urllib3.PoolManager(timeout=urllib3.Timeout(connect=5.0, read=30.0), retries=False, maxsize=32)
 
 
 class TailRelay:

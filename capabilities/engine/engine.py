@@ -55,7 +55,6 @@ from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.base import SERVED_VERSION_HEADER, Route
 from capabilities.services import capability_mark_missing
 from capabilities.services.observability import breaker_enter
-from sigil import leases
 from sigil.errors import (
     REDIS_UNREACHABLE,
     Degraded,
@@ -69,7 +68,7 @@ from sigil.errors import (
 from sigil.pipelined_redis import PipelinedRedis
 from sigil.redis_client import SOCKET_TIMEOUT_SECONDS, get_redis
 
-logger = logging.getLogger("capabilities.gateway")
+logger = logging.getLogger("capabilities.engine")
 
 
 class Engine:
@@ -219,13 +218,10 @@ class Engine:
             self.shares.take_body(call.owner, request.length)
             call.body_size = request.length
         if self.tracks_inflight:
-            # Counted per process (pager.pager_inflight_enter): a count of a process that died
-            # stops holding up the page-out.
+            # Counted per process: a count of a process that died stops holding up the page-out.
             pipe = self.redis.pipeline(transaction=False)
-            process = leases.mark_live(pipe)
-            pipe.hincrby(pager.inflight_by_process_key(call.full), process, 1)
+            call.inflight_process = pager.pager_inflight_enter_queue(pipe, call.full)
             await pipe.execute()
-            call.inflight_process = process
         if request.websocket:  # the answer carries the runtime's side for the adapter to relay
             call.page_in_ms = page_in_ms
             return await websocket_open(sender, request, call, target, runtime_for(route.backend))

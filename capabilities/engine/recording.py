@@ -32,7 +32,7 @@ from sigil.errors import REDIS_UNREACHABLE
 from sigil.pipelined_redis import PipelinedRedis
 from sigil.redis_client import get_redis
 
-logger = logging.getLogger("capabilities.gateway")
+logger = logging.getLogger("capabilities.engine")
 
 # How long a success's record may wait for others to share its script call (its counters are
 # that much later in Redis), and how many records one call applies at most.

@@ -35,7 +35,7 @@ from capabilities.services.placement import runtime_throttled
 from sigil.errors import CapabilityError, SigilError, Timeout, TooLarge, Unavailable, UpstreamError
 from sigil.serving import switch_command
 
-logger = logging.getLogger("capabilities.gateway")
+logger = logging.getLogger("capabilities.engine")
 
 # What the engine drops from the caller's request besides hop-by-hop fields: the caller's
 # credentials, the length it writes itself, and (below) anything posing as Sigil's internal

@@ -25,7 +25,7 @@ from capabilities.engine.values import CallAnswer, CallRequest
 from capabilities.runtimes.base import Route, Runtime
 from sigil.errors import Timeout, UpstreamError
 
-logger = logging.getLogger("capabilities.gateway")
+logger = logging.getLogger("capabilities.engine")
 
 # The handshake's own fields: the engine's client writes its own for the runtime.
 HANDSHAKE_HEADERS = ("sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions", "sec-websocket-protocol")

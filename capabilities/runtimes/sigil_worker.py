@@ -18,6 +18,7 @@ from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFoun
 from capabilities.runtimes.cloudflare.account import CloudflareRuntime, Finding, PlanProbe, scripts_in_use
 from capabilities.runtimes.cloudflare.facts import SUBDOMAIN, AccountFacts
 from capabilities.runtimes.errors import RuntimeUnavailable, network_failure
+from sigil.leases import Lease
 
 # The plain-text binding that carries the deployed source's version, and the header the
 # Worker echoes it in when it refuses a request without Sigil's secret.
@@ -96,9 +97,9 @@ class SigilWorker:
         checks on its first placement, and those starting together wait for the one
         uploading. Raises the client's errors, RuntimeUnavailable when that one takes too long.
         """
-        lock = self.client.redis.lock(
+        lock = Lease(
             f"sigil:lock:sigil-worker:{self.client.account_id}:{self.name}",
-            timeout=DEPLOY_LOCK_SECONDS,
+            hold_seconds=DEPLOY_LOCK_SECONDS,
             blocking_timeout=DEPLOY_LOCK_SECONDS,
         )
         if not lock.acquire():

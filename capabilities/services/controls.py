@@ -9,11 +9,10 @@ import time
 from django.db import transaction
 from django.utils import timezone
 
-from agents.services import audit_record
 from capabilities import breaker
 from capabilities.models import BreakerState, Capability, State
 from capabilities.services.observability import capability_record_breaker
-from capabilities.services.records import capability_written
+from capabilities.services.records import capability_audit, capability_written
 from sigil.errors import InvalidRequest, NotFound
 
 
@@ -21,9 +20,7 @@ def capability_reset_breaker(*, capability: Capability, actor: str) -> None:
     """Close a capability's breaker now (the owner's reset). Idempotent."""
     breaker.breaker_reset(full=capability.full_name)
     capability_record_breaker(full=capability.full_name, state=BreakerState.CLOSED, at_epoch=timezone.now().timestamp())
-    audit_record(
-        actor=actor, action="capability.breaker_reset", agent_name=capability.agent.name, subject=capability.full_name
-    )
+    capability_audit(capability, actor=actor, action="capability.breaker_reset")
 
 
 # Cloudflare's longest CPU time per invocation on the Paid plan (reference §7.3).
@@ -65,8 +62,7 @@ def _owner_update(*, capability: Capability, actor: str, action: str, detail: di
         if not changed:
             write.unchanged()
         else:
-            agent_name = capability.agent.name
-            audit_record(actor=actor, action=action, agent_name=agent_name, subject=capability.full_name, detail=detail)
+            capability_audit(capability, actor=actor, action=action, detail=detail)
     capability.refresh_from_db()
     return bool(changed)
 
@@ -85,5 +81,5 @@ def capability_force_degraded(*, capability: Capability, actor: str) -> None:
     breaker.breaker_force(full=full, actor=actor, now=now)
     with transaction.atomic():
         capability_record_breaker(full=full, state=BreakerState.OPEN, at_epoch=now, announce=False)
-        audit_record(actor=actor, action="capability.forced_degraded", agent_name=capability.agent.name, subject=full)
+        capability_audit(capability, actor=actor, action="capability.forced_degraded")
     capability.refresh_from_db()

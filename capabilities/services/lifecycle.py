@@ -12,12 +12,13 @@ from django.db import transaction
 from django.db.models import Q, Sum
 from django.utils import timezone
 
-from agents.services import agent_notify, audit_record
+from agents.services import agent_notify
 from capabilities import pager
 from capabilities.models import Capability, CapabilityStatsWindow, CapabilityType, State
 from capabilities.runtimes import get_runtime
 from capabilities.services.page_outs import PAGE_OUT_GRACE_SECONDS, capability_page_out_chosen, pager_built
 from capabilities.services.placement import capability_page_in
+from capabilities.services.records import capability_audit
 from sigil.errors import NotFound, Unavailable
 from sigil.leases import Lease
 
@@ -45,13 +46,7 @@ def capability_mark_inactive(*, now: datetime | None = None, batch_size: int = 5
             if not claimed:
                 continue  # another run got there first
             detail = {"last_access_at": capability.last_access_at.isoformat() if capability.last_access_at else None}
-            audit_record(
-                actor="system",
-                action="capability.inactive",
-                agent_name=capability.agent.name,
-                subject=capability.full_name,
-                detail=detail,
-            )
+            capability_audit(capability, actor="system", action="capability.inactive", detail=detail)
             agent_notify(
                 agent_name=capability.agent.name,
                 event="capability.inactive",

@@ -14,6 +14,7 @@ from agents.models import Token
 from agents.services import agent_notify, audit_record
 from capabilities import breaker, call_logs, jobs, names, stats
 from capabilities.models import BreakerState, Capability, CapabilityStatsWindow, State, StatsFlush
+from capabilities.services.records import capability_audit
 from sigil.edge_state import edge_mark, route_key
 from sigil.errors import Degraded
 from sigil.redis_client import get_redis
@@ -215,7 +216,7 @@ def capability_record_breaker(*, full: str, state: str, at_epoch: float, announc
         if not announce:
             return True
         action = "capability.degraded" if state == BreakerState.OPEN else "capability.recovered"
-        audit_record(actor="system", action=action, agent_name=capability.agent.name, subject=full)
+        capability_audit(capability, actor="system", action=action)
         if state == BreakerState.OPEN:
             agent_notify(
                 agent_name=capability.agent.name,

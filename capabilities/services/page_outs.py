@@ -11,7 +11,6 @@ import time
 from django.conf import settings
 from django.utils import timezone
 
-from agents.services import audit_record
 from capabilities import copies, pager, routes
 from capabilities.jobs import PAGE_OUT_RECHECK_SECONDS
 from capabilities.jobs import capability_page_out as capability_page_out_task
@@ -233,12 +232,8 @@ def page_out_locked(*, full: str, wait_until: float | None, reason: str | None =
             state=State.PAGED_OUT, placed_sha="", updated_at=timezone.now()
         )
         if changed:
-            audit_record(
-                actor="system",
-                action="capability.evicted",
-                agent_name=capability.agent.name,
-                subject=full,
-                detail={"reason": reason} if reason else None,
+            capability_audit(
+                capability, actor="system", action="capability.evicted", detail={"reason": reason} if reason else None
             )
     pager.pager_forget(full)
     get_redis().zrem(PAGE_OUTS_DUE_KEY, full)
@@ -295,9 +290,7 @@ def capability_evict(*, full: str, actor: str) -> bool:
                 return False
             capability.state = State.EVICTING
             capability.save(update_fields=["state"])
-            audit_record(
-                actor=actor, action="capability.evict_requested", agent_name=capability.agent.name, subject=full
-            )
+            capability_audit(capability, actor=actor, action="capability.evict_requested")
         if get_runtime().total_slots is not None:
             pager.pager_mark_leaving(full, now=time.time())
     return capability_page_out(full=full, wait_until=0)

@@ -11,7 +11,6 @@ import time
 
 from django.utils import timezone
 
-from agents.services import audit_record
 from capabilities import copies, pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
@@ -73,11 +72,10 @@ def capability_page_in(
                 placement = room.place(bundle)
                 with capability_written(full):
                     record_live(capability, placement, bundle_sha=bundle.sha)
-                    audit_record(
+                    capability_audit(
+                        capability,
                         actor="system",
                         action="capability.paged_in",
-                        agent_name=capability.agent.name,
-                        subject=full,
                         detail={
                             "evicted": placement.evicted,
                             "reason": reason,

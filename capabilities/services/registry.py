@@ -153,11 +153,12 @@ def capability_deploy(
         stage=stage,
         cache_when_degraded=cache_when_degraded,
         now=now,
+        in_background=get_runtime().places_in_background,
     )
     # Linearizable per capability: what this deploy compares itself with (the version that
     # serves, or the one still being placed) is read under the lock that orders deploys of
     # `full`, so a deploy never answers a no-op from a state a concurrent deploy is changing.
-    if get_runtime().places_in_background:
+    if asked.in_background:
         # Only the recording is ordered here; the placements are, by the placement lock
         # each deploy task waits on in turn (a version deployed after it supersedes it).
         with deploy_lock(full):
@@ -187,6 +188,9 @@ class DeployAsked:
     stage: bool
     cache_when_degraded: bool | None
     now: datetime
+    # Whether the runtime places in a Celery task (the deploy answers when it is recorded),
+    # decided once: how the deploy is ordered and how it is placed both follow it.
+    in_background: bool
 
 
 def _deploy_ordered(asked: DeployAsked) -> DeployResult | Queued:
@@ -246,7 +250,7 @@ def _deploy_ordered(asked: DeployAsked) -> DeployResult | Queued:
         contract=wanted,
         now=now,
     )
-    if get_runtime().places_in_background:
+    if asked.in_background:
         request = DeployRequest(
             bindings=asked.bindings,
             public=asked.is_public,

@@ -6,14 +6,13 @@ from datetime import datetime
 
 from django.utils import timezone
 
-from agents.services import audit_record
 from agents.tokens import Principal
 from capabilities import call_logs, failures, names, pager
 from capabilities.jobs import capability_release_slot as capability_release_slot_task
 from capabilities.models import Capability, CapabilityType, State
 from capabilities.runtimes import get_runtime
 from capabilities.services.placement_lock import placement_lock
-from capabilities.services.records import capability_written
+from capabilities.services.records import capability_audit, capability_written
 from capabilities.services.versions import actor_of
 from sigil.errors import Forbidden, NotFound
 
@@ -53,7 +52,7 @@ def _remove(*, full: str, actor: str, action: str, only_if_expired_by: datetime 
             capability.removed_at = now
             capability.updated_at = now
             capability.save(update_fields=["state", "removed_at", "updated_at"])
-            audit_record(actor=actor, action=action, agent_name=capability.agent.name, subject=full)
+            capability_audit(capability, actor=actor, action=action)
             capability_release_slot_task.delay_on_commit(capability_id=capability.pk)
         # A capability deployed later under the same name starts with no failures (nor call
         # records) of this one.

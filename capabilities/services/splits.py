@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from django.utils import timezone
 
-from agents.services import agent_notify, audit_record
+from agents.services import agent_notify
 from capabilities import routes, selectors, stats
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime
@@ -104,11 +104,10 @@ def capability_split_set(
                 locked.split_started_at = timezone.now()
             locked.updated_at = timezone.now()
             locked.save()
-            audit_record(
+            capability_audit(
+                current,
                 actor=actor,
                 action="capability.split_started" if starting else "capability.split_changed",
-                agent_name=current.agent.name,
-                subject=current.full_name,
                 detail={
                     "current_version": current.current_version.number,
                     "staged_version": current.staged_version.number,

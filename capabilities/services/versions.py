@@ -21,6 +21,7 @@ from capabilities.models import Capability, CapabilityType, CapabilityVersion, S
 from capabilities.services.placement_lock import held
 from capabilities.services.records import capability_written
 from sigil.errors import Conflict, Cooldown, InvalidRequest, NotFound
+from sigil.leases import Lease
 from sigil.redis_client import get_redis
 
 
@@ -160,7 +161,7 @@ def cooldown_give_back(agent_name: str) -> None:
 
 # How long a deploy waits for a concurrent deploy of the same capability to be recorded
 # (a few database writes and a task sent: never a placement, which runs in the deploy task),
-# and how long the lock outlives a process that died holding it.
+# and the longest a holder keeps the lease (one that died frees it within a lease).
 DEPLOY_RECORD_WAIT_SECONDS = 10
 DEPLOY_RECORD_LOCK_SECONDS = 30
 
@@ -168,8 +169,10 @@ DEPLOY_RECORD_LOCK_SECONDS = 30
 def deploy_lock(full: str):
     """Hold the lock that orders the recording of deploys of `full` (a context manager).
     Raises Conflict when a concurrent deploy holds it for longer than DEPLOY_RECORD_WAIT_SECONDS."""
-    lock = get_redis().lock(
-        f"sigil:lock:deploy:{full}", timeout=DEPLOY_RECORD_LOCK_SECONDS, blocking_timeout=DEPLOY_RECORD_WAIT_SECONDS
+    lock = Lease(
+        f"sigil:lock:deploy:{full}",
+        hold_seconds=DEPLOY_RECORD_LOCK_SECONDS,
+        blocking_timeout=DEPLOY_RECORD_WAIT_SECONDS,
     )
     return held(lock, busy=Conflict(f"{full} is being deployed by another request; retry when it is done"))
 

@@ -38,7 +38,7 @@ def test_an_unexpected_error_is_a_500_internal_error_logged_with_its_request_id(
 
     request_id = re.search(r"request ([0-9a-f]{16})", message).group(1)
     assert answer.headers["X-Request-Id"] == request_id  # one id for the answer, its log lines and traceback
-    logged = [r for r in caplog.records if r.name == "capabilities.gateway" and request_id in r.getMessage()]
+    logged = [r for r in caplog.records if r.name == "capabilities.engine" and request_id in r.getMessage()]
     assert len(logged) == 1 and logged[0].exc_info is not None  # the traceback, once
     # The access line carries the same id, as every line logged while serving the request.
     assert any(

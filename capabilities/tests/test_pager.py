@@ -80,12 +80,12 @@ def test_an_evicted_capability_pages_back_in_on_its_next_call(capped, alice, cel
 
 def test_a_victim_is_routed_away_before_its_script_is_deleted(capped, alice, celery_worker):
     # The page-out sends new calls to page it in, then waits for the one in flight.
-    evict_a_with_a_call_in_flight(alice)
+    in_flight = evict_a_with_a_call_in_flight(alice)
     assert state("alice--a") == "evicting" and "alice--a" in get_runtime().list_slots()
     assert alice.call("/alice/a").text == "a"  # to page it in, which finds it still placed
     assert not AuditEvent.objects.filter(action="capability.paged_in", subject="alice--a").exists()
 
-    get_redis().decr(pager.inflight_key("alice--a"))  # the call in flight ends
+    pager.pager_inflight_leave("alice--a", process=in_flight)  # the call in flight ends
     wait_for(lambda: state("alice--a") == "paged_out", message="a paged out")
     # The gateway knew before the registry did: the next call pages it in.
     assert route_state("alice--a") == "paged_out"
@@ -97,18 +97,20 @@ def route_state(full):
     return routes.decode(get_redis().get(routes.key(full))).state
 
 
-def evict_a_with_a_call_in_flight(alice) -> None:
+def evict_a_with_a_call_in_flight(alice) -> str:
     """Normals a, b and c fill the capped room; with a call to a in flight, d's deploy evicts
-    a, whose route turns away from it while its page-out waits for that call."""
+    a, whose route turns away from it while its page-out waits for that call. Returns what
+    pager_inflight_leave takes to end that call."""
     for name in ("a", "b", "c"):
         deploy(alice, name, name, type="normal")
-    get_redis().set(pager.inflight_key("alice--a"), 1)  # a call to it is in flight
+    in_flight = pager.pager_inflight_enter("alice--a")  # a call to it is in flight in this process
     assert deploy(alice, "d", "d", type="normal")["evicted"] == "alice--a"
     wait_for(lambda: route_state("alice--a") == "paged_out", message="the route to turn away from it")
+    return in_flight
 
 
 def test_a_write_of_a_victim_waiting_for_its_calls_keeps_new_calls_away_from_it(capped, alice, celery_worker):
-    evict_a_with_a_call_in_flight(alice)
+    in_flight = evict_a_with_a_call_in_flight(alice)
 
     # The owner makes the victim public while its page-out waits: its copies are published
     # again from its row (still evicting), and its route stays turned away.
@@ -117,7 +119,7 @@ def test_a_write_of_a_victim_waiting_for_its_calls_keeps_new_calls_away_from_it(
     route = routes.decode(get_redis().get(routes.key("alice--a")))
     assert (state("alice--a"), route.state, route.is_public) == ("evicting", "paged_out", True)
 
-    get_redis().decr(pager.inflight_key("alice--a"))  # the call in flight ends
+    pager.pager_inflight_leave("alice--a", process=in_flight)  # the call in flight ends
     wait_for(lambda: state("alice--a") == "paged_out", message="a paged out")
     assert alice.call("/alice/a").headers["X-Sigil-Cold-Start"] == "1"
 

@@ -302,8 +302,8 @@ def test_the_page_out_waits_the_invoke_timeout_and_still_has_its_failure_retries
     runtimes_forget()
     for name in ("a", "b", "c"):
         deploy(alice, name, name, type="normal")
-    # A call whose process died mid-call: its in-flight count is never given back.
-    get_redis().set(pager.inflight_key("alice--a"), 1)
+    # A call that never ends: its in-flight count (this live process's) is never given back.
+    pager.pager_inflight_enter("alice--a")
 
     assert deploy(alice, "d", "d", type="normal")["evicted"] == "alice--a"
     placed = time.time()

@@ -219,9 +219,6 @@ def test_in_flight_counts_of_a_dead_process_stop_counting_a_lease_after_its_deat
     assert time.monotonic() - killed_at <= LEASE + 1
     pager.pager_inflight_leave("alice--a", process=process)
     assert pager.pager_inflight("alice--a") == 0
-    # The single count the gateway keeps until it counts per process still counts.
-    get_redis().incr(pager.inflight_key("alice--a"))
-    assert pager.pager_inflight("alice--a") == 1
     assert leases.this_process() == process
 
 
@@ -249,8 +246,8 @@ def test_a_deploy_that_fails_transiently_is_retried_before_its_outcome_is_kept(w
 
 
 def test_the_stats_script_gives_back_a_count_kept_per_process():
-    """The gateway's record of a call takes back its in-flight count, whether it held the
-    single count or one kept per process."""
+    """The gateway's record of a call takes back the in-flight count its process held, and
+    only that one."""
     from capabilities import stats
 
     redis = get_redis()
@@ -262,9 +259,11 @@ def test_the_stats_script_gives_back_a_count_kept_per_process():
         record_call(keys=[*keys, "failure-records", "access-log"], args=[*args, 10, "normal", 0])
 
     process = pager.pager_inflight_enter("alice--a")
-    get_redis().incr(pager.inflight_key("alice--a"))
+    pager.pager_inflight_enter("alice--a")
     assert pager.pager_inflight("alice--a") == 2
     record(pager.inflight_by_process_key("alice--a"), process)
     assert pager.pager_inflight("alice--a") == 1
-    record(pager.inflight_key("alice--a"), "1")
+    record(pager.inflight_by_process_key("alice--a"), "0")  # a call that held no count
+    assert pager.pager_inflight("alice--a") == 1
+    record(pager.inflight_by_process_key("alice--a"), process)
     assert pager.pager_inflight("alice--a") == 0
