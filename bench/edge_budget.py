@@ -24,7 +24,6 @@ import json
 import re
 import statistics
 import sys
-import threading
 import time
 from collections import Counter
 from urllib.parse import urlsplit
@@ -54,24 +53,16 @@ PUBLISHED_AFTER = 5.0  # s: beat publishes every 3 s (SIGIL_EDGE_PUBLISH_INTERVA
 ID = re.compile(r"/(?:[0-9a-f]{32}|s-[0-9a-z-]+|sigil[-a-z]*|bench--[a-z0-9-]+)(?=/|$)")
 
 
-class Caller:
+class Caller(harness.Loops):
     """Calls the capabilities in turn at the edge, `rate` a second, on one kept-alive connection."""
+
+    join_seconds = 60.0
 
     def __init__(self, urls: list[str], headers: dict[str, str], *, rate: float) -> None:
         self.urls, self.headers, self.rate = [urlsplit(url) for url in urls], headers, rate
         self.statuses: Counter = Counter()
         self.times: list[float] = []
-        self.running = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def __enter__(self) -> Caller:
-        self.running.set()
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.running.clear()
-        self.thread.join(60)
+        self.set_loops(self.run)
 
     def run(self) -> None:
         connection = None

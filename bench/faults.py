@@ -28,7 +28,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -47,7 +46,7 @@ FAULTS = ("workerd", "web", "celery", "redis")
 WORK_ENDS_SECONDS = 120
 
 
-class Traffic:
+class Traffic(harness.Loops):
     """The callers: warm calls at a steady rate (each answer filed with its time), async calls
     and deploys accepted on the side (what was accepted, kept to be checked at the end)."""
 
@@ -58,19 +57,7 @@ class Traffic:
         self.accepted_versions: list[int] = []
         self.refused = Counter()  # what the work's requests got instead of being accepted
         self.lost = Counter()  # how the lost async calls ended, by status
-        self.running = threading.Event()
-        self.threads = [threading.Thread(target=target, daemon=True) for target in (self.call, self.accept)]
-
-    def __enter__(self) -> Traffic:
-        self.running.set()
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.running.clear()
-        for thread in self.threads:
-            thread.join(30)
+        self.set_loops(self.call, self.accept)
 
     def send(
         self, connection, method: str, path: str, *, token: str, **kwargs

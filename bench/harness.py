@@ -13,6 +13,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -123,6 +124,28 @@ def workerd_in_thread():
         supervisor.join(30)
 
     return stop
+
+
+class Loops:
+    """Threads that each run one of `loops` while `running` is set: started on entering,
+    stopped and joined on leaving (a benchmark's callers)."""
+
+    join_seconds = 30.0
+
+    def set_loops(self, *loops) -> None:
+        self.running = threading.Event()
+        self.threads = [threading.Thread(target=loop, daemon=True) for loop in loops]
+
+    def __enter__(self):
+        self.running.set()
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.running.clear()
+        for thread in self.threads:
+            thread.join(self.join_seconds)
 
 
 class Processes:

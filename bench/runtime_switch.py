@@ -29,7 +29,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ class Answer:
     retry_after: bool = False
 
 
-class Caller:
+class Caller(harness.Loops):
     """Calls every capability in turn at `rate` a second, on one kept-alive connection
     (opened again when it breaks), filing each answer."""
 
@@ -59,17 +58,7 @@ class Caller:
         self.port, self.token, self.names, self.rate = port, token, names, rate
         self.answers: list[Answer] = []
         self.wrong: Counter = Counter()  # a 200 with another capability's body
-        self.running = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def __enter__(self) -> Caller:
-        self.running.set()
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.running.clear()
-        self.thread.join(30)
+        self.set_loops(self.run)
 
     def run(self) -> None:
         connection = None
