@@ -74,6 +74,26 @@ def served_at_the_edge(access_log, answers: list[Answer]) -> None:
     assert [answer.request_id for answer in answers if answer.request_id in crossed] == []
 
 
+def sustained_traffic_at_the_edge(emulator, alice, access_log, redis_client) -> list:
+    """Once alice's a and b are published and served at the edge, the steady traffic to them:
+    every answer theirs, none told to wait, all served at the edge, no API request spent
+    (by Sigil's count and the emulator's). Returns the answers."""
+    publish()
+    auth = alice.headers(alice.invoke_token)
+    for name in ("a", "b"):
+        served_once(access_log, edge_url(emulator, f"/alice/{name}"), auth)
+    before = api_requests(emulator, redis_client)
+    assert min(before) > 0  # both counted the deploys' requests
+
+    answers = traffic(emulator, alice, ["/alice/a", "/alice/b"])
+
+    assert [(a.status, a.text) for a in answers if (a.status, a.text) != (200, a.path[-1])] == []
+    assert not any(answer.retry_after for answer in answers)
+    served_at_the_edge(access_log, answers)
+    assert api_requests(emulator, redis_client) == before
+    return answers
+
+
 @pytest.mark.parametrize("edge", ["platform"], indirect=True)
 def test_sustained_edge_traffic_spends_no_api_request_and_a_deploy_then_is_called_at_once(
     redis_client,  # emptied first: taken before the agent's tokens are marked for the publisher
@@ -85,22 +105,11 @@ def test_sustained_edge_traffic_spends_no_api_request_and_a_deploy_then_is_calle
     assert settings.SIGIL_LOGS_ENABLED  # the calls' records travel too
     assert alice.deploy(name="a", code=answering("a")).status_code == 201
     assert alice.deploy(name="b", code=answering("b")).status_code == 201
-    publish()
+    answers = sustained_traffic_at_the_edge(edge, alice, access_log, redis_client)
     auth = alice.headers(alice.invoke_token)
-    for name in ("a", "b"):
-        served_once(access_log, edge_url(edge, f"/alice/{name}"), auth)
-    before = api_requests(edge, redis_client)
-    assert min(before) > 0  # both counted the deploys' requests
-
-    answers = traffic(edge, alice, ["/alice/a", "/alice/b"])
-
-    assert [(a.status, a.text) for a in answers if (a.status, a.text) != (200, a.path[-1])] == []
-    assert not any(answer.retry_after for answer in answers)
-    served_at_the_edge(access_log, answers)
     for answer in (answers[0], answers[-1]):  # records on: the first and the last call's arrived
         full = f"alice--{answer.path[-1]}"
         assert record_of(alice, full, answer.request_id)["status"] == 200
-    assert api_requests(edge, redis_client) == before
 
     deployed = alice.deploy(name="fresh", code=answering("fresh"))
     assert deployed.status_code == 201, deployed.text  # placed, not left placing (202)
@@ -119,19 +128,8 @@ def test_sustained_edge_traffic_spends_no_api_request_and_a_deploy_and_a_page_in
 ):
     for name in ("a", "b", "c"):  # the pool's three slots
         assert alice.deploy(name=name, code=answering(name), type="normal").status_code == 201
-    publish()
+    sustained_traffic_at_the_edge(edge, alice, access_log, redis_client)
     auth = alice.headers(alice.invoke_token)
-    for name in ("a", "b"):
-        served_once(access_log, edge_url(edge, f"/alice/{name}"), auth)
-    before = api_requests(edge, redis_client)
-    assert min(before) > 0  # both counted the deploys' requests
-
-    answers = traffic(edge, alice, ["/alice/a", "/alice/b"])
-
-    assert [(a.status, a.text) for a in answers if (a.status, a.text) != (200, a.path[-1])] == []
-    assert not any(answer.retry_after for answer in answers)
-    served_at_the_edge(access_log, answers)
-    assert api_requests(edge, redis_client) == before
 
     # A fourth capability in a full pool: c, the one nobody called, makes room.
     deployed = alice.deploy(name="d", code=answering("d"), type="normal")
