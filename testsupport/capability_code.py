@@ -23,6 +23,18 @@ COUNTS_BODY = """export default { async fetch(request) {
   return new Response(String(size));
 } }"""
 
+# Its first chunk at once, its second 1.5 s later: a streamed answer.
+STREAMS = """export default { async fetch() {
+  const encoder = new TextEncoder();
+  const stream = new ReadableStream({ async start(controller) {
+    controller.enqueue(encoder.encode('first;'));
+    await new Promise((resolve) => setTimeout(resolve, 1500));
+    controller.enqueue(encoder.encode('second'));
+    controller.close();
+  } });
+  return new Response(stream, { headers: { 'content-type': 'text/plain' } });
+} }"""
+
 
 def answering(text: str) -> str:
     """Code whose every call answers `text` (a quote-free word)."""

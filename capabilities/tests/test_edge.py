@@ -15,7 +15,7 @@ from agents.models import Token
 from capabilities import routes, services, tasks
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
-from testsupport.capability_code import COUNTS_BODY, ECHO, PONG, answering
+from testsupport.capability_code import COUNTS_BODY, ECHO, PONG, STREAMS, answering
 from testsupport.cast import wait_for
 from testsupport.inflight import SERVER_REQUESTS
 
@@ -247,17 +247,6 @@ def test_a_split_sends_the_callers_the_engine_would_to_the_staged_version(edge, 
 
 
 THROWS = "export default { async fetch() { throw new Error('kaput at the edge\\nsecond line') } }"
-# Its first chunk at once, its second 1.5 s later.
-STREAMS = """export default { async fetch() {
-  const encoder = new TextEncoder();
-  const stream = new ReadableStream({ async start(controller) {
-    controller.enqueue(encoder.encode('first;'));
-    await new Promise((resolve) => setTimeout(resolve, 1500));
-    controller.enqueue(encoder.encode('second'));
-    controller.close();
-  } });
-  return new Response(stream, { headers: { 'content-type': 'text/plain' } });
-} }"""
 ECHO_SOCKET = """export default { async fetch(request) {
   if (request.headers.get('upgrade') !== 'websocket') return new Response('send an upgrade', { status: 426 });
   const [client, server] = Object.values(new WebSocketPair());

@@ -3,7 +3,7 @@
 import pytest
 
 from capabilities.models import CapabilityVersion
-from testsupport.capability_code import COUNTS_BODY, PONG, PONG2
+from testsupport.capability_code import COUNTS_BODY, PONG, PONG2, STREAMS
 from testsupport.cast import call_echo_with_everything
 
 
@@ -60,20 +60,6 @@ def test_capability_that_throws_answers_in_the_envelope(alice):
     error = response.json()["error"]
     assert error["code"] == "capability_error"
     assert "kaput" in error["message"]
-
-
-STREAMS = """export default { async fetch() {
-  const encoder = new TextEncoder();
-  const stream = new ReadableStream({
-    async start(controller) {
-      controller.enqueue(encoder.encode('first;'));
-      await new Promise(r => setTimeout(r, 1500));
-      controller.enqueue(encoder.encode('second'));
-      controller.close();
-    }
-  });
-  return new Response(stream, { headers: { 'content-type': 'text/plain' } });
-} }"""
 
 
 def test_response_body_streams_to_the_caller(alice):

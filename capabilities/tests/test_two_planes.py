@@ -32,7 +32,7 @@ import redis as redis_lib
 from django.test import override_settings
 from django.utils import timezone
 
-from testsupport.capability_code import ECHO, FLAKY, PONG, answering
+from testsupport.capability_code import ECHO, FLAKY, PONG, STREAMS, answering
 from testsupport.cast import wait_for
 
 RUNTIMES = ["platform", "loader", "worker-pool"]
@@ -45,17 +45,6 @@ PROPAGATION_BOUND = PUBLISH_INTERVAL + 1.0 + 8.0
 MAX_BODY = 64
 BREAKER_THRESHOLD = 2
 
-# Its first chunk at once, its second 1.5 s later.
-STREAMS = """export default { async fetch() {
-  const encoder = new TextEncoder();
-  const stream = new ReadableStream({ async start(controller) {
-    controller.enqueue(encoder.encode('first;'));
-    await new Promise((resolve) => setTimeout(resolve, 1500));
-    controller.enqueue(encoder.encode('second'));
-    controller.close();
-  } });
-  return new Response(stream, { headers: { 'content-type': 'text/plain' } });
-} }"""
 # Throws when called with ?throw, answers "fine" otherwise.
 THROWS = """export default { async fetch(request) {
   if (new URL(request.url).searchParams.has('throw')) throw new Error('kaput\\nsecond line');
