@@ -112,30 +112,47 @@ def live_counts(full: str) -> tuple[int, int]:
     return int(calls or 0), int(errors or 0)
 
 
+# One answer the capability's code did not give, counted atomically in one command: what
+# answer_count_call() passes it. A script (not a MULTI) so that the engine sends it on its one
+# pipelined connection, where a burst of refusals costs no connection of its own.
+ANSWER_COUNT = """
+local stats, dirty, unrouted_totals = KEYS[1], KEYS[2], KEYS[3]
+local status_field, code_field, member = ARGV[1], ARGV[2], ARGV[3]
+if ARGV[4] == '1' then redis.call('HINCRBY', stats, 'refused', 1) end
+redis.call('HINCRBY', stats, status_field, 1)
+if code_field ~= '' then redis.call('HINCRBY', stats, code_field, 1) end
+redis.call('SADD', dirty, member)
+if ARGV[5] == '1' then
+  redis.call('HINCRBY', unrouted_totals, status_field, 1)
+  if code_field ~= '' then redis.call('HINCRBY', unrouted_totals, code_field, 1) end
+end
+return 1
+"""
+
+
+def answer_count_call(*, full: str | None, status: int, code: str | None) -> tuple[list[str], list]:
+    """ANSWER_COUNT's keys and arguments for one answer on `full` (UNROUTED when the path
+    named no registered capability). A 202 (paging in behind `respond-async`) is answered,
+    not refused."""
+    member = full or UNROUTED
+    keys = [stats_key(member), DIRTY_KEY, UNROUTED_TOTALS_KEY]
+    return keys, [status_field(status), code_field(code), member, int(status >= 400), int(not full)]
+
+
 def answer_count(*, full: str | None, status: int, code: str | None) -> None:
     """Count one answer the capability's code did not give (a refusal: 401, 404, 429, 503
     degraded, ...; or a 202 while it pages in) on `full`, or on UNROUTED when the path named
     no registered capability.
     One round trip; the flush moves it to the database with the calls."""
-    pipe = get_redis().pipeline(transaction=True)
-    answer_count_queue(pipe, full=full, status=status, code=code)
-    pipe.execute()
+    keys, args = answer_count_call(full=full, status=status, code=code)
+    get_redis().register_script(ANSWER_COUNT)(keys=keys, args=args)
 
 
 def answer_count_queue(pipe, *, full: str | None, status: int, code: str | None) -> None:
-    """Queue answer_count()'s commands on `pipe`, a transaction of either Redis client (the
-    engine's is asyncio's); the caller executes it."""
-    key = stats_key(full or UNROUTED)
-    if status >= 400:  # a 202 (paging in behind `respond-async`) is answered, not refused
-        pipe.hincrby(key, "refused", 1)
-    pipe.hincrby(key, status_field(status), 1)
-    if code:
-        pipe.hincrby(key, code_field(code), 1)
-    pipe.sadd(DIRTY_KEY, full or UNROUTED)
-    if not full:
-        pipe.hincrby(UNROUTED_TOTALS_KEY, status_field(status), 1)
-        if code:
-            pipe.hincrby(UNROUTED_TOTALS_KEY, code_field(code), 1)
+    """Queue answer_count() on `pipe`, a transaction of the synchronous client that also
+    applies other changes; the caller executes it."""
+    keys, args = answer_count_call(full=full, status=status, code=code)
+    get_redis().register_script(ANSWER_COUNT)(keys=keys, args=args, client=pipe)
 
 
 def unrouted_totals() -> tuple[dict[str, int], dict[str, int]]:

@@ -144,11 +144,12 @@ class Recorder:
             call.body_size = 0
 
     async def count_answer(self, full: str | None, status: int, code: str | None) -> None:
-        """Count an answer that was no call to the capability's code (see stats.answer_count)."""
+        """Count an answer that was no call to the capability's code (see stats.answer_count),
+        on the warm call's own connection: a burst of refusals opens no connection per answer."""
         try:
-            pipe = self.redis.pipeline(transaction=True)
-            stats.answer_count_queue(pipe, full=full, status=status, code=code)
-            await pipe.execute()
+            await self.warm_redis.run_script(
+                stats.ANSWER_COUNT, *stats.answer_count_call(full=full, status=status, code=code)
+            )
         except REDIS_UNREACHABLE as exc:
             # The caller has its answer (likely `503 unavailable` for this same reason).
             logger.warning("Redis unreachable: a %s answer was not counted: %s", status, exc)
