@@ -1,8 +1,9 @@
 """A call's admission: who calls (the token), what they may see (the route, a split's staged
 version), and a degraded capability's last good answer when its breaker is open.
 
-A warm call is admitted on what one MGET read (call_keys()), with no other I/O; a cache miss,
-a failing token or a route not in Redis is read in the pool (Offload)."""
+A warm call is admitted in one step (Admission.admit) on what one MGET read (call_keys()),
+with no other I/O; a cache miss, a failing token or a route not in Redis is read in the pool
+(Offload)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ import redis
 import redis.asyncio as aioredis
 
 from agents import tokens
-from agents.selectors import token_authenticate_hash
+from agents.selectors import parse_bearer, token_authenticate_hash
 from agents.throttle import FailedAuthThrottle
 from agents.tokens import Principal
 from capabilities import breaker, degraded_cache, routes
 from capabilities.engine.answers import cache_target
-from capabilities.engine.calls import Served
+from capabilities.engine.calls import Admitted, Served
 from capabilities.engine.offload import Offload
 from capabilities.engine.values import CallRequest, Prefetched
 from sigil.errors import NotFound
@@ -41,6 +42,23 @@ class Admission:
     offload: Offload
     auth_throttle: FailedAuthThrottle
     degraded_cache: degraded_cache.DegradedCache
+
+    async def admit(self, request: CallRequest, served: Served, full: str) -> Admitted:
+        """The call to `full`, admitted: its caller's principal and the route as the caller may
+        see it. Raises Unauthenticated, RateLimited or NotFound."""
+        if request.accepted_token_hash is not None:
+            token_hash = request.accepted_token_hash
+            principal, route_raw, breaker_raw = await self.accepted(token_hash, full)
+        else:
+            secret = parse_bearer(request.headers.get("authorization"))
+            token_hash = tokens.hash_secret(secret)
+            values = await self.prefetch(request, token_hash, full)
+            route_raw, breaker_raw = values.route, values.breaker
+            if route_raw is not None and route_raw != routes.TOMBSTONE:
+                served.capability = full  # a refusal from here on is counted on the capability
+            principal = await self.authenticate(request, secret, token_hash, values)
+        route = await self.visible_route(served, full, principal.agent_name, route_raw)
+        return Admitted(request, served, full, principal, token_hash, route, breaker_raw)
 
     async def prefetch(self, request: CallRequest, token_hash: str, full: str) -> Prefetched:
         """The call's read (call_keys()) in one MGET, unless its caller already made it."""

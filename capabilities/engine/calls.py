@@ -1,6 +1,15 @@
-"""What one call holds while the engine serves it (Call), and where it stands (Served)."""
+"""What one call holds while the engine serves it (Call), where it stands (Served), and what
+its admission found (Admitted)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agents.tokens import Principal
+    from capabilities.engine.values import CallRequest
+    from capabilities.routes import CachedRoute
 
 
 class Call:
@@ -50,8 +59,24 @@ class Served:
     """Where a call stands as it goes through the engine: what the edge needs to count and log
     it however it ends."""
 
-    __slots__ = ("call", "capability")
+    __slots__ = ("call", "capability", "started")
 
-    def __init__(self) -> None:
+    def __init__(self, started: float) -> None:
+        self.started = started  # perf_counter() as the call came in
         self.capability: str | None = None  # set once the path names a registered capability
         self.call: Call | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Admitted:
+    """A call its admission let in, built once (Admission.admit): who calls, the capability
+    they called and its route as they may see it, and what the call's read found of its
+    breaker. The engine serves it from here (Engine.serve) or keeps it for later (AsyncEntry)."""
+
+    request: CallRequest
+    served: Served
+    full: str  # the capability called
+    principal: Principal
+    token_hash: str
+    route: CachedRoute
+    breaker_raw: bytes | None  # None: closed

@@ -33,8 +33,6 @@ from urllib.parse import quote
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from agents import tokens
-from agents.selectors import parse_bearer
 from agents.throttle import FailedAuthThrottle
 from agents.tokens import Principal
 from capabilities import breaker, degraded_cache, names, pager, routes
@@ -42,7 +40,7 @@ from capabilities.engine.access_log import log_access
 from capabilities.engine.admission import Admission
 from capabilities.engine.answers import NOSNIFF, cache_target, cached_reply, call_headers, error_answer
 from capabilities.engine.async_entry import AsyncEntry, prefers_async
-from capabilities.engine.calls import Call, Served
+from capabilities.engine.calls import Admitted, Call, Served
 from capabilities.engine.offload import Offload
 from capabilities.engine.placing import Placer
 from capabilities.engine.recording import AnswerBody, Recorder
@@ -100,7 +98,7 @@ class Engine:
             self.redis, self.warm_redis, self.offload, self.shares, self.breaker, self.degraded_cache
         )
         self.sender = Sender(self.runtime, self.upstream, self.offload, self.recorder, self.max_body)
-        self.async_entry = AsyncEntry(self.admission, self.offload)
+        self.async_entry = AsyncEntry(self.offload)
 
     async def aclose(self) -> None:
         await self.recorder.close()
@@ -115,11 +113,11 @@ class Engine:
         """The answer to `request`, in the contract whatever happens: a bug or an unreachable
         Redis still gets the envelope and its access-log line."""
         started = time.perf_counter()
-        served = Served()
+        served = Served(started)
         code = None
         redis_down = False
         try:
-            answer = await self.handle(request, served, started)
+            answer = await self.handle(request, served)
         except SigilError as error:
             code = error.code
             answer = error_answer(error)
@@ -143,7 +141,7 @@ class Engine:
             log_access(request, answer.status, started, capability=served.capability, page_in_ms=None, code=code)
         return answer
 
-    async def handle(self, request: CallRequest, served: Served, started: float) -> CallAnswer:
+    async def handle(self, request: CallRequest, served: Served) -> CallAnswer:
         try:
             names.validate_agent_name(request.agent)
             names.validate_capability_name(request.name, ephemeral=True)
@@ -151,31 +149,18 @@ class Engine:
             raise NotFound(f"no capability at {quote(f'/{request.agent}/{request.name}')}") from exc
         if request.length is not None and request.length < 0:
             raise InvalidRequest("Content-Length is not a number")
-        full = names.full_name(request.agent, request.name)
-        if request.accepted_token_hash is not None:
-            token_hash = request.accepted_token_hash
-            principal, route_raw, breaker_raw = await self.admission.accepted(token_hash, full)
-        else:
-            secret = parse_bearer(request.headers.get("authorization"))
-            token_hash = tokens.hash_secret(secret)
-            values = await self.admission.prefetch(request, token_hash, full)
-            route_raw, breaker_raw = values.route, values.breaker
-            if route_raw is not None and route_raw != routes.TOMBSTONE:
-                served.capability = full  # a refusal from here on is counted on the capability
-            principal = await self.admission.authenticate(request, secret, token_hash, values)
-            if prefers_async(request):
-                return await self.async_entry.accept(request, served, full, principal, token_hash, route_raw)
-        return await self.serve(request, served, started, full, principal, token_hash, route_raw, breaker_raw)
+        admitted = await self.admission.admit(request, served, names.full_name(request.agent, request.name))
+        if request.accepted_token_hash is None and prefers_async(request):
+            return await self.async_entry.accept(admitted)
+        return await self.serve(admitted)
 
-    async def serve(
-        self, request, served: Served, started, full, principal: Principal, token_hash, route_raw, breaker_raw
-    ) -> CallAnswer:
-        """From the route on: the breaker, the shares, the page-in when cold, the call."""
-        admission = self.admission
-        route = await admission.visible_route(served, full, principal.agent_name, route_raw)
-        called = full
+    async def serve(self, admitted: Admitted) -> CallAnswer:
+        """From the route on: a split's staged version, the breaker, the shares, then the call."""
+        request, served, route, principal = admitted.request, admitted.served, admitted.route, admitted.principal
+        full = admitted.full
+        breaker_raw = admitted.breaker_raw
         if route.split is not None:
-            chosen = await admission.split_variant(route.split, request, token_hash)
+            chosen = await self.admission.split_variant(route.split, request, admitted.token_hash)
             if chosen is not None:
                 full, route, breaker_raw = chosen
                 served.capability = full  # a refusal of the staged version is counted on it
@@ -187,13 +172,13 @@ class Engine:
                     breaker_enter, self.breaker, get_redis(), full=full, raw=breaker_raw, now=now
                 )
             except Degraded:
-                cached = await admission.cached_answer(request, route, full, now)
+                cached = await self.admission.cached_answer(request, route, full, now)
                 if cached is None:
                     raise
                 return cached_reply(cached, now)
-        call = served.call = Call(full, route.type, token_hash, started, request.request_id)
+        call = served.call = Call(full, route.type, admitted.token_hash, served.started, request.request_id)
         call.is_trial = is_trial
-        call.shown = called
+        call.shown = admitted.full
         call.caller = principal.agent_name
         call.owner = route.agent
         self.shares.take_call(principal)
