@@ -186,53 +186,81 @@ class Engine:
         return await self.forward(request, call, route, principal)
 
     async def forward(self, request: CallRequest, call: Call, route: routes.CachedRoute, principal: Principal):
-        sender = self.sender
-        page_in_ms = None
-        # An accepted asynchronous call has no caller waiting: it waits out a placement under
-        # way as long as the placement may take, not as long as a call may.
-        wait = None if request.accepted_token_hash is not None else self.upstream.read_timeout
+        """The admitted call through its runtime: its capability placed when cold, the call
+        sent (again after a miss), the runtime's answer read and relayed."""
         if route.state not in routes.SERVED_STATES:
-            route, page_in_ms = await self.placer.page_in(call.full, principal, wait_seconds=wait)
+            route, call.page_in_ms = await self.placer.page_in(
+                call.full, principal, wait_seconds=self.placement_wait(request)
+            )
         call.version = route.version
-        target = await sender.target(route)
+        target = await self.sender.target(route)
         if target.redirect:
-            return self.reply_redirect(call, target, request, page_in_ms)
+            return self.reply_redirect(call, target, request)
         if request.length:
-            if request.length > self.max_body:
-                raise TooLarge(f"the request body is over {self.max_body} bytes")
-            self.shares.take_body(call.owner, request.length)
-            call.body_size = request.length
+            self.hold_body(request, call)
         if self.tracks_inflight:
-            # Counted per process: a count of a process that died stops holding up the page-out.
-            pipe = self.redis.pipeline(transaction=False)
-            call.inflight_process = pager.pager_inflight_enter_queue(pipe, call.full)
-            await pipe.execute()
+            await self.count_inflight(call)
         if request.websocket:  # the answer carries the runtime's side for the adapter to relay
-            call.page_in_ms = page_in_ms
-            return await websocket_open(sender, request, call, target, runtime_for(route.backend))
-
+            return await websocket_open(self.sender, request, call, target, runtime_for(route.backend))
         upstream_started = time.perf_counter()
-        upstream = await sender.send_once(request, call, route)
+        upstream = await self.sender.send_once(request, call, route)
         # Every runtime's "script gone" answer is a 404: other calls skip the check.
-        missed = upstream.status == 404 and runtime_for(route.backend).is_missing(upstream)
-        if page_in_ms is None and missed and not request.has_body:
-            # The runtime lost a script Sigil thought live: a miss after all (or the route
-            # was out of date: a switch of runtime moved it). Page it in and retry once
-            # (only bodiless calls: a body cannot be sent twice).
+        if upstream.status == 404 and runtime_for(route.backend).is_missing(upstream) and not request.has_body:
+            route, upstream, upstream_started = await self.send_after_miss(
+                request, call, route, principal, upstream, upstream_started
+            )
+        upstream_ms = (time.perf_counter() - upstream_started) * 1000
+        failure = self.read_answer(call, route, upstream)
+        if failure is not None:
+            await self.sender.runtime_failure(upstream, failure, call)
+        return self.relay(request, call, route, upstream, upstream_ms)
+
+    def placement_wait(self, request: CallRequest) -> float | None:
+        """How long a call waits out a placement under way. An accepted asynchronous call has no
+        caller waiting: it waits as long as the placement may take, not as long as a call may."""
+        return None if request.accepted_token_hash is not None else self.upstream.read_timeout
+
+    def hold_body(self, request: CallRequest, call: Call) -> None:
+        """Count the call's body against its owner's share; TooLarge over the limit."""
+        if request.length > self.max_body:
+            raise TooLarge(f"the request body is over {self.max_body} bytes")
+        self.shares.take_body(call.owner, request.length)
+        call.body_size = request.length
+
+    def count_inflight(self, call: Call):
+        """Count the call as in flight to its capability, which the pager then does not delete;
+        the round trip to await. Counted per process: a count of a process that died stops
+        holding up the page-out."""
+        pipe = self.redis.pipeline(transaction=False)
+        call.inflight_process = pager.pager_inflight_enter_queue(pipe, call.full)
+        return pipe.execute()
+
+    async def send_after_miss(self, request, call: Call, route, principal: Principal, upstream, upstream_started):
+        """A bodiless call the runtime answered "script gone", sent again: on a warm call the
+        runtime lost a script Sigil thought live (a miss after all, or the route was out of
+        date: a switch of runtime moved it), so it is paged in and sent once more; a call that
+        just placed it is sent again while Cloudflare propagates it. (A body cannot be sent
+        twice.) The route, the last answer and when its sending started."""
+        if call.page_in_ms is None:
             await upstream.drain()
             upstream.release()
-            sender.forget(route)
+            self.sender.forget(route)
             await self.offload(capability_mark_missing, full=call.full, slot=route.slot, backend=route.backend)
-            route, page_in_ms = await self.placer.page_in(call.full, principal, wait_seconds=wait)
+            route, call.page_in_ms = await self.placer.page_in(
+                call.full, principal, wait_seconds=self.placement_wait(request)
+            )
             call.version = route.version
             upstream_started = time.perf_counter()
-            upstream = await sender.send_once(request, call, route)
-            missed = upstream.status == 404 and runtime_for(route.backend).is_missing(upstream)
-        if missed and page_in_ms is not None and not request.has_body:
-            upstream = await sender.resend_while_propagating(request, call, route, upstream)
-        upstream_ms = (time.perf_counter() - upstream_started) * 1000
-        call.page_in_ms = page_in_ms
+            upstream = await self.sender.send_once(request, call, route)
+            if not (upstream.status == 404 and runtime_for(route.backend).is_missing(upstream)):
+                return route, upstream, upstream_started
+        upstream = await self.sender.resend_while_propagating(request, call, route, upstream)
+        return route, upstream, upstream_started
 
+    def read_answer(self, call: Call, route: routes.CachedRoute, upstream) -> str | None:
+        """What the runtime's answer says of the call: the version that answered, and the
+        runtime's failure, if it is one (sending's EXCEEDED_LIMITS, INTERNAL_ERROR or the
+        failure Sigil's own code marked), else None."""
         # The placed code names its own version where the runtime replaces code in place
         # (worker-pool, platform): the header is then the truth, not the route's.
         served = upstream.headers.get(SERVED_VERSION_HEADER)
@@ -247,9 +275,12 @@ class Engine:
                 failure = EXCEEDED_LIMITS
             elif runtime.failed_itself(upstream):
                 failure = INTERNAL_ERROR
-        if failure is not None:
-            await sender.runtime_failure(upstream, failure, call)
+        return failure
 
+    def relay(self, request: CallRequest, call: Call, route: routes.CachedRoute, upstream, upstream_ms: float):
+        """The capability's answer as the caller gets it: its headers less the hop-by-hop and
+        Sigil's internal ones, plus Sigil's own, and its body streamed; its close records the
+        call (and keeps a degraded capability's copy of it, when it opted in)."""
         headers = [
             (k, v)
             for k, v in upstream.header_pairs()
@@ -279,9 +310,9 @@ class Engine:
             body_arrived=upstream.arrived,
         )
 
-    def reply_redirect(self, call: Call, target: Route, request: CallRequest, page_in_ms) -> CallAnswer:
+    def reply_redirect(self, call: Call, target: Route, request: CallRequest) -> CallAnswer:
         """SIGIL_POOL_REDIRECT: send the caller to the script's own URL (the seed's 302)."""
-        call.page_in_ms = page_in_ms
+        page_in_ms = call.page_in_ms
         location = target.base_url + request.rest + ("?" + request.query if request.query else "")
         headers = [("Location", location), ("Content-Length", "0"), ("X-Sigil-Capability", call.shown), NOSNIFF]
         if page_in_ms is not None:
