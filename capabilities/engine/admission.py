@@ -20,7 +20,7 @@ from agents.throttle import FailedAuthThrottle
 from agents.tokens import Principal
 from capabilities import breaker, degraded_cache, routes
 from capabilities.engine.answers import cache_target
-from capabilities.engine.calls import Admitted, Served
+from capabilities.engine.calls import Served
 from capabilities.engine.offload import Offload
 from capabilities.engine.values import CallRequest, Prefetched
 from sigil.errors import NotFound
@@ -31,6 +31,21 @@ from sigil.redis_client import get_redis
 def call_keys(token_hash: str, full: str, throttle_key: str) -> tuple[str, str, str, str]:
     """What a call reads from Redis before it is forwarded, in one MGET (Prefetched's fields)."""
     return tokens.cache_key(token_hash), routes.key(full), breaker.open_key(full), throttle_key
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Admitted:
+    """A call its admission let in, built once (Admission.admit): who calls, the capability
+    they called and its route as they may see it, and what the call's read found of its
+    breaker. The engine serves it from here (Engine.serve) or keeps it for later (AsyncEntry)."""
+
+    request: CallRequest
+    served: Served
+    full: str  # the capability called
+    principal: Principal
+    token_hash: str
+    route: routes.CachedRoute
+    breaker_raw: bytes | None  # None: closed
 
 
 @dataclass(slots=True, eq=False)

@@ -9,8 +9,8 @@ import json
 
 from django.conf import settings
 
+from capabilities.engine.admission import Admitted
 from capabilities.engine.answers import NOSNIFF
-from capabilities.engine.calls import Admitted
 from capabilities.engine.offload import Offload
 from capabilities.engine.sending import forwarded_headers, limited_body
 from capabilities.engine.values import CallAnswer, CallRequest

@@ -1,15 +1,6 @@
-"""What one call holds while the engine serves it (Call), where it stands (Served), and what
-its admission found (Admitted)."""
+"""What one call holds while the engine serves it (Call), and where it stands (Served)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from agents.tokens import Principal
-    from capabilities.engine.values import CallRequest
-    from capabilities.routes import CachedRoute
 
 
 class Call:
@@ -65,18 +56,3 @@ class Served:
         self.started = started  # perf_counter() as the call came in
         self.capability: str | None = None  # set once the path names a registered capability
         self.call: Call | None = None
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Admitted:
-    """A call its admission let in, built once (Admission.admit): who calls, the capability
-    they called and its route as they may see it, and what the call's read found of its
-    breaker. The engine serves it from here (Engine.serve) or keeps it for later (AsyncEntry)."""
-
-    request: CallRequest
-    served: Served
-    full: str  # the capability called
-    principal: Principal
-    token_hash: str
-    route: CachedRoute
-    breaker_raw: bytes | None  # None: closed

@@ -37,10 +37,10 @@ from agents.throttle import FailedAuthThrottle
 from agents.tokens import Principal
 from capabilities import breaker, degraded_cache, names, pager, routes
 from capabilities.engine.access_log import log_access
-from capabilities.engine.admission import Admission
+from capabilities.engine.admission import Admission, Admitted
 from capabilities.engine.answers import NOSNIFF, cache_target, cached_reply, call_headers, error_answer
 from capabilities.engine.async_entry import AsyncEntry, prefers_async
-from capabilities.engine.calls import Admitted, Call, Served
+from capabilities.engine.calls import Call, Served
 from capabilities.engine.offload import Offload
 from capabilities.engine.placing import Placer
 from capabilities.engine.recording import AnswerBody, Recorder
