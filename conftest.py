@@ -445,7 +445,7 @@ def loader(cf_settings, cf_emulator_fresh, celery_deploy_worker):
 
 @pytest.fixture
 def access_log(caplog):
-    """The gateway's access lines, each parsed from its JSON form."""
+    """The engine's access lines, each parsed from its JSON form."""
     import json
     import logging
 

@@ -13,7 +13,7 @@ _AGENT = re.compile(AGENT_PATTERN)
 # `agent--name`): so no agent name holds it.
 SEPARATOR = "--"
 # Paths Sigil itself serves at the top level; an agent with one of these names could never
-# be reached through the gateway.
+# be reached through the engine.
 RESERVED_AGENT_NAMES = frozenset({"admin", "static", "metrics"})
 
 

@@ -16,7 +16,7 @@ def token_authenticate(secret: str, *, cached: bytes | None = None) -> Principal
     """The principal a bearer secret stands for. Raises Unauthenticated.
 
     Redis answers on a warm call (no SQL); a miss reads the database once and fills the
-    cache with SET NX so that it never overwrites a revocation. `cached` lets the gateway
+    cache with SET NX so that it never overwrites a revocation. `cached` lets the engine
     pass a value it fetched in its own batched round trip.
     """
     return token_authenticate_hash(tokens.hash_secret(secret), cached=cached)

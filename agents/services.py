@@ -106,7 +106,7 @@ def token_issue(
 
 
 def token_revoke(*, token: Token, actor: str) -> bool:
-    """Revoke a token; every gateway process refuses it from its next request.
+    """Revoke a token; every web process refuses it from its next request.
 
     Idempotent: returns False when it was already revoked.
     """

@@ -3,14 +3,14 @@ Redis.
 
 An address that sent SIGIL_AUTH_FAILURE_LIMIT tokens that fail (unknown, revoked, expired,
 or a wrong /metrics token) within SIGIL_AUTH_FAILURE_WINDOW_SECONDS has its further failing
-tokens answered `429 rate_limited`, with Retry-After, on the API, the gateway and /metrics
+tokens answered `429 rate_limited`, with Retry-After, on the API, on calls and on /metrics
 until that window ends. The brake stops guesses only: a token that authenticates is always
 served, whatever its address sent before, since agents share addresses (the owner's machine,
 one NAT) and one agent's stale token must not lock out the others. The window starts at the
 first failure (a fixed window, one Redis key per address).
 
-Written here rather than taken from a library: the gateway is a plain WSGI application, and
-the count must ride in the gateway's one MGET so that a valid warm call pays no extra Redis
+Written here rather than taken from a library: the engine is no Django view, and the count
+must ride in the engine's one MGET so that a valid warm call pays no extra Redis
 round trip. The owner's admin login has its own lockout (django-axes, see settings).
 """
 

@@ -4,11 +4,11 @@ cost a warm call, on the local runtime.
     .venv/bin/python bench/call_logs.py [--calls 300] [--lines 5] [--warm 2000] [--rounds 2]
 
 It runs all of Sigil as `make run` does (`manage.py runsigil`: the bundled Redis, workerd
-with its log sink, a Celery worker, granian with the gateway) in a fresh temporary var
+with its log sink, a Celery worker, granian with the engine) in a fresh temporary var
 directory, on 127.0.0.1 only; creates an agent and deploys a capability that writes
 `--lines` console lines per call. Then:
 
-1. readable: one call at a time, it calls the capability through the gateway and polls
+1. readable: one call at a time, it calls the capability through the engine and polls
    `GET /_api/capabilities/{full}/logs?request_id=…` (every 2 ms, over its own keep-alive
    connection) until the call's record is there: p50, p99 and the worst of the time from
    the call's answer having been read to its record being readable (target: p99 under 1 s);

@@ -3,7 +3,7 @@
     .venv/bin/python bench/pagein.py [--latency 0.05] [--rounds 30]
 
 The emulator answers every API call after `--latency` seconds, as Cloudflare's own round
-trip would. Each round evicts a capability and pages it back in (the service the gateway's
+trip would. Each round evicts a capability and pages it back in (the service the engine's
 cold path calls); the overhead is the page-in time less the emulator's latency for the API
 calls it made. Also prints how many API calls one page-in costs, from the emulator's log.
 """

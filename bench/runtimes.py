@@ -8,10 +8,10 @@ loader (the Cloudflare emulator, its scripts on workerd). Each serves the same c
 code, deployed over the REST API. Calls are interleaved across the four in rounds, so drift
 hits them alike; every figure is a median of warm keep-alive calls.
 
-- `via Sigil`: a call to `/{agent}/{capability}` through Sigil's gateway;
-- `upstream`: the same call sent straight to where the gateway sends it (the runtime's
+- `via Sigil`: a call to `/{agent}/{capability}` through Sigil's engine;
+- `upstream`: the same call sent straight to where the engine sends it (the runtime's
   route: workerd's loader host, a workers.dev URL, the dispatch Worker, the loader Worker);
-- `Sigil adds`: via Sigil less upstream, the gateway's own cost (token, route, breaker,
+- `Sigil adds`: via Sigil less upstream, the engine's own cost (token, route, breaker,
   stats in Redis, one more HTTP hop);
 - `beyond workerd`: upstream less the same code on bare workerd (the local runtime's
   upstream): what the runtime's path costs here, which on Cloudflare is a different figure.

@@ -3,8 +3,8 @@
     .venv/bin/python bench/workerd_memory.py [--calls 16000] [--versions 50] [--capabilities 20]
 
 It runs all of Sigil as `make run` does (`manage.py runsigil`: the bundled Redis, workerd,
-a Celery worker and the web server with the gateway) in a fresh temporary var directory,
-creates an agent, and over the REST API and the gateway, on 127.0.0.1 only:
+a Celery worker and the web server with the engine) in a fresh temporary var directory,
+creates an agent, and over the REST API and the engine, on 127.0.0.1 only:
 
 1. steady calls: `--calls` calls to one capability over 4 keep-alive connections, with no
    deploy in between, printing workerd's resident memory (RSS) as they go;
@@ -105,7 +105,7 @@ def steady_calls(sigil: Sigil, calls: int) -> tuple[list[tuple[int, float]], flo
     name = "steady"
     connection = sigil.connection()
     sigil.deploy(connection, name, CODE % 0)
-    for _ in range(200):  # warm: the isolate, the gateway's workers, the connections
+    for _ in range(200):  # warm: the isolate, the engine's workers, the connections
         sigil.call(connection, name)
     connection.close()
     samples = [(0, sigil.rss())]

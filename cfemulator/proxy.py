@@ -60,7 +60,7 @@ _HOST_HEADERS = frozenset(
 OWN_HEADERS = frozenset({"content-type", "server", "date"})
 _NOT_PASSED = HOP_BY_HOP | OWN_HEADERS
 # What the emulator's loader host adds to the answer of a plain script it runs (its mark
-# for Sigil's gateway, capabilities/runtimes/host/host.js): on Cloudflare the script's
+# for Sigil's engine, capabilities/runtimes/host/host.js): on Cloudflare the script's
 # answer reaches the caller as the script made it, so the mark is taken off again.
 _LOADER_HOST_MARKS = frozenset({"x-sigil-host"})
 # Cloudflare's answer to a Worker's fetch of another Worker on its account's own workers.dev

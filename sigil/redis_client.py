@@ -1,4 +1,4 @@
-"""The process's Redis connection pool, shared by services, the gateway and the pager."""
+"""The process's Redis connection pool, shared by services, the engine and the pager."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import redis
 from django.conf import settings
 
 # Sigil sends no blocking command, so a Redis that has not answered in this long is hung or
-# cut off: the command fails (the gateway answers 503 unavailable) instead of holding the
+# cut off: the command fails (the engine answers 503 unavailable) instead of holding the
 # caller's thread for as long as the outage lasts.
 SOCKET_TIMEOUT_SECONDS = 5
 

@@ -31,9 +31,23 @@ from capabilities.mcp.endpoint import McpEndpoint  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-MCP_PATH = "/_mcp"
-# Agent names start with a letter and exclude these, so the two never overlap.
-DJANGO_PREFIXES = ("/_", "/admin/", "/admin", "/static/", "/metrics", "/favicon.ico", "/llms.txt")
+# Where a request goes, by its path, read in one place (destination()): Sigil's own paths,
+# each matched whole or by a prefix, the first row that matches winning; every other path is a
+# call, for the engine. Agent names start with a letter and exclude these, so the two never
+# overlap.
+MCP, DJANGO, ENGINE = "mcp", "django", "engine"
+OWN_PATHS: tuple[tuple[frozenset[str], tuple[str, ...], str], ...] = (
+    (frozenset({"/_mcp"}), (), MCP),
+    (frozenset({"/"}), ("/_", "/admin", "/static/", "/metrics", "/favicon.ico", "/llms.txt"), DJANGO),
+)
+
+
+def destination(path: str) -> str:
+    """Which of MCP, DJANGO and ENGINE serves `path` (OWN_PATHS)."""
+    for whole, prefixes, where in OWN_PATHS:
+        if path in whole or path.startswith(prefixes):
+            return where
+    return ENGINE
 
 
 class SigilApplication:
@@ -48,6 +62,12 @@ class SigilApplication:
         self.closing: set[asyncio.Future] = set()
         self.proxies = settings.SIGIL_TRUSTED_PROXY_COUNT
         self.edge_key = handoff_key(settings.SIGIL_INTERNAL_SECRET)
+        # Each destination's handlers: of an HTTP request, of a WebSocket. Only calls open one.
+        self.handlers = {
+            MCP: (self.serve_mcp, refuse_websocket),
+            DJANGO: (self.serve_django, refuse_websocket),
+            ENGINE: (self.serve_call, self.serve_websocket_call),
+        }
 
     async def __call__(self, scope, receive, send) -> None:
         kind = scope["type"]
@@ -56,25 +76,27 @@ class SigilApplication:
         # Every line logged while serving this request names it (sigil/logs.py).
         request_id = new_request_id()
         set_request_id(request_id)
-        path = scope["path"]
-        if kind == "websocket":
-            if path.startswith(DJANGO_PREFIXES) or path == MCP_PATH or path == "/":
-                await receive()
-                return await send({"type": "websocket.close", "code": 1008})
-            engine = self.get_engine()
-            return await serve_websocket(
-                engine, scope, receive, send, request_id=request_id, proxies=self.proxies, edge_key=self.edge_key
-            )
-        if path == MCP_PATH:
-            return await self.mcp(scope, receive, send)
-        if path == "/" or path.startswith(DJANGO_PREFIXES):
-            scope = {**scope, "sigil.request_id": request_id}
-            if _chunked_without_length(scope):
-                scope, receive = await buffer_chunked_body(scope, receive)
-            return await self.django_app(scope, receive, send)
-        return await serve_http(
+        http, websocket = self.handlers[destination(scope["path"])]
+        return await (websocket if kind == "websocket" else http)(scope, receive, send, request_id)
+
+    async def serve_call(self, scope, receive, send, request_id: str) -> None:
+        await serve_http(
             self.get_engine(), scope, receive, send, request_id=request_id, proxies=self.proxies, edge_key=self.edge_key
         )
+
+    async def serve_websocket_call(self, scope, receive, send, request_id: str) -> None:
+        await serve_websocket(
+            self.get_engine(), scope, receive, send, request_id=request_id, proxies=self.proxies, edge_key=self.edge_key
+        )
+
+    async def serve_mcp(self, scope, receive, send, request_id: str) -> None:
+        await self.mcp(scope, receive, send)
+
+    async def serve_django(self, scope, receive, send, request_id: str) -> None:
+        scope = {**scope, "sigil.request_id": request_id}
+        if _chunked_without_length(scope):
+            scope, receive = await buffer_chunked_body(scope, receive)
+        await self.django_app(scope, receive, send)
 
     def get_engine(self) -> Engine:
         if self.engine is None:
@@ -119,6 +141,12 @@ class SigilApplication:
 
 
 RETIRED_ENGINE_GRACE_SECONDS = 30
+
+
+async def refuse_websocket(scope, receive, send, request_id: str) -> None:
+    """A WebSocket to one of Sigil's own paths: none of them speaks it."""
+    await receive()
+    await send({"type": "websocket.close", "code": 1008})
 
 
 def _chunked_without_length(scope) -> bool:

@@ -38,7 +38,7 @@ class AdminContentSecurityPolicy:
 
 class RequestId:
     """Give each request Django serves an id (`request.request_id`), sent back as
-    `X-Request-Id` and quoted by handler500, as the gateway does for calls."""
+    `X-Request-Id` and quoted by handler500, as the engine does for calls."""
 
     def __init__(self, get_response) -> None:
         self.get_response = get_response
@@ -54,7 +54,7 @@ class RequestId:
 # Sigil's own routes that a page of any origin may use (docs/contract.md, "Browsers and CORS"). The
 # credential is a bearer token the page must hold and send itself, never a cookie a browser
 # adds on its own, so allowing every origin lends no one else's authority; the admin is not
-# among them. Calls (the gateway) and /_mcp are served before Django and answer for themselves.
+# among them. Calls (the engine) and /_mcp are served before Django and answer for themselves.
 CROSS_ORIGIN_PATHS = ("/_api/", "/_status/", "/_health", "/llms.txt")
 CROSS_ORIGIN_METHODS = "GET, HEAD, POST, PUT, DELETE"
 CROSS_ORIGIN_REQUEST_HEADERS = "Authorization, Content-Type"

@@ -389,7 +389,7 @@ SIGIL_LOGS_AGENT_BYTES = env_int("SIGIL_LOGS_AGENT_BYTES", 8 * 1024 * 1024)
 SIGIL_LOGS_SPOOL_BATCHES = env_int("SIGIL_LOGS_SPOOL_BATCHES", 100)
 # The longest a live tail of a capability's call records streams before it ends.
 SIGIL_LOGS_TAIL_SECONDS = env_int("SIGIL_LOGS_TAIL_SECONDS", 300)
-# Secret that the gateway sends to workerd hosts; requests without it are refused there.
+# Secret that the engine sends to workerd hosts; requests without it are refused there.
 SIGIL_INTERNAL_SECRET = env_secret("SIGIL_INTERNAL_SECRET")
 if not SIGIL_INTERNAL_SECRET:
     import hashlib
@@ -459,7 +459,7 @@ SIGIL_CLOUDFLARE_PRICES = env_str("SIGIL_CLOUDFLARE_PRICES", "")
 # --- Abuse: failed authentication --------------------------------------------------------
 
 # A client address that sent this many failing tokens within the window is answered 429 on
-# the API and the gateway until the window ends (agents/throttle.py); 0 turns it off.
+# the API and the engine until the window ends (agents/throttle.py); 0 turns it off.
 SIGIL_AUTH_FAILURE_LIMIT = env_int("SIGIL_AUTH_FAILURE_LIMIT", 20)
 SIGIL_AUTH_FAILURE_WINDOW_SECONDS = env_int("SIGIL_AUTH_FAILURE_WINDOW_SECONDS", 300)
 # Proxies in front of Sigil that append the caller's address to X-Forwarded-For; 0 means
@@ -520,7 +520,7 @@ SIGIL_POOL_SAFETY_MARGIN = env_int("SIGIL_POOL_SAFETY_MARGIN", 5)
 SIGIL_POOL_TOTAL_QUOTA = env_int("SIGIL_POOL_TOTAL_QUOTA", 500)
 SIGIL_POOL_SYSTEM_RESERVED = env_int("SIGIL_POOL_SYSTEM_RESERVED", 5)
 SIGIL_POOL_USER_RESERVED = env_int("SIGIL_POOL_USER_RESERVED", 50)
-# true: the gateway answers 302 to the script's workers.dev URL instead of forwarding. The
+# true: the engine answers 302 to the script's workers.dev URL instead of forwarding. The
 # scripts are then uploaded without Sigil's guard, so anyone with the URL can call them.
 SIGIL_POOL_REDIRECT = env_bool("SIGIL_POOL_REDIRECT", False)
 # Longer than the slowest placement (a Cloudflare upload with its retries): a page-in holds

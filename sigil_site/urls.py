@@ -1,5 +1,6 @@
-"""Sigil's URLs: the control API, health, schema and admin. The invoke gateway is not here:
-sigil_site/asgi.py mounts it in front of Django so that calls skip the middleware."""
+"""Sigil's URLs: the control API, health, schema and admin. The engine, which serves the
+capability calls, is not here: sigil_site/asgi.py mounts it in front of Django so that calls
+skip the middleware."""
 
 from django.contrib import admin
 from django.urls import include, path

@@ -101,9 +101,9 @@ class WebhookReceiver:
 
 
 def flush_stats_when_recorded(**expected_calls: int) -> None:
-    """Run the stats flush once the gateway has recorded the calls a test made.
+    """Run the stats flush once the engine has recorded the calls a test made.
 
-    The gateway records a call after its response is sent, so a test that has just read a
+    The engine records a call after its response is sent, so a test that has just read a
     response may get ahead of it. Keyword names are full names with `__` for `--`.
     """
     from capabilities import stats, tasks

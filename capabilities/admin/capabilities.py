@@ -225,7 +225,7 @@ class CapabilityAdmin(ButtonsOnly, VersionsConsole, SplitsConsole, SelectionChec
     @admin.display(description="runtime")
     def runtime(self, capability: Capability) -> str:
         """Which runtime holds it, and a warning when that is not SIGIL_BACKEND's: the
-        gateway serves it there until a switch moves it, if that runtime still answers."""
+        engine serves it there until a switch moves it, if that runtime still answers."""
         configured = settings.SIGIL_BACKEND
         placed = capability.state in (State.LIVE, State.EVICTING)
         backend = (capability.backend or configured) if placed else None

@@ -268,7 +268,7 @@ def call_accepted_body(call_id: str, *, capability: str, status: str) -> dict:
 
 class CallStatusApi(APIView):
     """GET /_api/calls/{id}: an asynchronous call, pending (202) or, once it has run, its own
-    answer: the status, headers and body the capability (or the gateway) gave it."""
+    answer: the status, headers and body the capability (or the engine) gave it."""
 
     @extend_schema(
         operation_id="asyncCallResult",

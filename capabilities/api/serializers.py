@@ -242,7 +242,7 @@ class AcceptedSerializer(serializers.Serializer):
 
 @extend_schema_serializer(component_name="CallAccepted")
 class CallAcceptedSerializer(AcceptedSerializer):
-    """202 for an asynchronous call not yet run: as the gateway answers `Prefer: respond-async`,
+    """202 for an asynchronous call not yet run: as the engine answers `Prefer: respond-async`,
     and as its status URL answers until the call has run."""
 
     status = serializers.ChoiceField(["accepted", "running"])

@@ -1,8 +1,9 @@
 """A call's admission: who calls (the token), what they may see (the route, a split's staged
 version), and a degraded capability's last good answer when its breaker is open.
 
-A warm call is admitted on what one MGET read (call_keys()), with no other I/O; a cache miss,
-a failing token or a route not in Redis is read in the pool (Offload)."""
+A warm call is admitted in one step (Admission.admit) on what one MGET read (call_keys()),
+with no other I/O; a cache miss, a failing token or a route not in Redis is read in the pool
+(Offload)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import redis
 import redis.asyncio as aioredis
 
 from agents import tokens
-from agents.selectors import token_authenticate_hash
+from agents.selectors import parse_bearer, token_authenticate_hash
 from agents.throttle import FailedAuthThrottle
 from agents.tokens import Principal
 from capabilities import breaker, degraded_cache, routes
@@ -32,6 +33,21 @@ def call_keys(token_hash: str, full: str, throttle_key: str) -> tuple[str, str, 
     return tokens.cache_key(token_hash), routes.key(full), breaker.open_key(full), throttle_key
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Admitted:
+    """A call its admission let in, built once (Admission.admit): who calls, the capability
+    they called and its route as they may see it, and what the call's read found of its
+    breaker. The engine serves it from here (Engine.serve) or keeps it for later (AsyncEntry)."""
+
+    request: CallRequest
+    served: Served
+    full: str  # the capability called
+    principal: Principal
+    token_hash: str
+    route: routes.CachedRoute
+    breaker_raw: bytes | None  # None: closed
+
+
 @dataclass(slots=True, eq=False)
 class Admission:
     """Admits the calls of one engine."""
@@ -41,6 +57,23 @@ class Admission:
     offload: Offload
     auth_throttle: FailedAuthThrottle
     degraded_cache: degraded_cache.DegradedCache
+
+    async def admit(self, request: CallRequest, served: Served, full: str) -> Admitted:
+        """The call to `full`, admitted: its caller's principal and the route as the caller may
+        see it. Raises Unauthenticated, RateLimited or NotFound."""
+        if request.accepted_token_hash is not None:
+            token_hash = request.accepted_token_hash
+            principal, route_raw, breaker_raw = await self.accepted(token_hash, full)
+        else:
+            secret = parse_bearer(request.headers.get("authorization"))
+            token_hash = tokens.hash_secret(secret)
+            values = await self.prefetch(request, token_hash, full)
+            route_raw, breaker_raw = values.route, values.breaker
+            if route_raw is not None and route_raw != routes.TOMBSTONE:
+                served.capability = full  # a refusal from here on is counted on the capability
+            principal = await self.authenticate(request, secret, token_hash, values)
+        route = await self.visible_route(served, full, principal.agent_name, route_raw)
+        return Admitted(request, served, full, principal, token_hash, route, breaker_raw)
 
     async def prefetch(self, request: CallRequest, token_hash: str, full: str) -> Prefetched:
         """The call's read (call_keys()) in one MGET, unless its caller already made it."""

@@ -9,10 +9,8 @@ import json
 
 from django.conf import settings
 
-from agents.tokens import Principal
-from capabilities.engine.admission import Admission
+from capabilities.engine.admission import Admitted
 from capabilities.engine.answers import NOSNIFF
-from capabilities.engine.calls import Served
 from capabilities.engine.offload import Offload
 from capabilities.engine.sending import forwarded_headers, limited_body
 from capabilities.engine.values import CallAnswer, CallRequest
@@ -27,16 +25,14 @@ def prefers_async(request: CallRequest) -> bool:
 class AsyncEntry:
     """Accepts the asynchronous calls of one engine."""
 
-    def __init__(self, admission: Admission, offload: Offload) -> None:
-        self.admission, self.offload = admission, offload
+    def __init__(self, offload: Offload) -> None:
+        self.offload = offload
         self.max_body = settings.SIGIL_ASYNC_MAX_BODY_BYTES
 
-    async def accept(
-        self, request: CallRequest, served: Served, full: str, principal: Principal, token_hash: str, route_raw
-    ) -> CallAnswer:
-        """Keep the call and answer 202; refuses now what nobody could serve (NotFound),
-        a body over SIGIL_ASYNC_MAX_BODY_BYTES (TooLarge), a body cut short (InvalidRequest)."""
-        await self.admission.visible_route(served, full, principal.agent_name, route_raw)
+    async def accept(self, admitted: Admitted) -> CallAnswer:
+        """Keep the admitted call and answer 202; refuses now a body over
+        SIGIL_ASYNC_MAX_BODY_BYTES (TooLarge), a body cut short (InvalidRequest)."""
+        request, full = admitted.request, admitted.full
         headers = forwarded_headers(request)
         callback_url = headers.pop("x-callback-url", None)
         headers.pop("prefer", None)  # both were addressed to Sigil
@@ -47,9 +43,9 @@ class AsyncEntry:
             raise InvalidRequest("the request body ended before its Content-Length")
         accepted = await self.offload(
             async_call_accept,
-            caller=principal.agent_name,
+            caller=admitted.principal.agent_name,
             full=full,
-            token_hash=token_hash,
+            token_hash=admitted.token_hash,
             method=request.method,
             rest=request.rest,
             query=request.query,

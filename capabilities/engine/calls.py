@@ -50,8 +50,9 @@ class Served:
     """Where a call stands as it goes through the engine: what the edge needs to count and log
     it however it ends."""
 
-    __slots__ = ("call", "capability")
+    __slots__ = ("call", "capability", "started")
 
-    def __init__(self) -> None:
+    def __init__(self, started: float) -> None:
+        self.started = started  # perf_counter() as the call came in
         self.capability: str | None = None  # set once the path names a registered capability
         self.call: Call | None = None

@@ -33,13 +33,11 @@ from urllib.parse import quote
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from agents import tokens
-from agents.selectors import parse_bearer
 from agents.throttle import FailedAuthThrottle
 from agents.tokens import Principal
 from capabilities import breaker, degraded_cache, names, pager, routes
 from capabilities.engine.access_log import log_access
-from capabilities.engine.admission import Admission
+from capabilities.engine.admission import Admission, Admitted
 from capabilities.engine.answers import NOSNIFF, cache_target, cached_reply, call_headers, error_answer
 from capabilities.engine.async_entry import AsyncEntry, prefers_async
 from capabilities.engine.calls import Call, Served
@@ -100,7 +98,7 @@ class Engine:
             self.redis, self.warm_redis, self.offload, self.shares, self.breaker, self.degraded_cache
         )
         self.sender = Sender(self.runtime, self.upstream, self.offload, self.recorder, self.max_body)
-        self.async_entry = AsyncEntry(self.admission, self.offload)
+        self.async_entry = AsyncEntry(self.offload)
 
     async def aclose(self) -> None:
         await self.recorder.close()
@@ -115,11 +113,11 @@ class Engine:
         """The answer to `request`, in the contract whatever happens: a bug or an unreachable
         Redis still gets the envelope and its access-log line."""
         started = time.perf_counter()
-        served = Served()
+        served = Served(started)
         code = None
         redis_down = False
         try:
-            answer = await self.handle(request, served, started)
+            answer = await self.handle(request, served)
         except SigilError as error:
             code = error.code
             answer = error_answer(error)
@@ -143,7 +141,7 @@ class Engine:
             log_access(request, answer.status, started, capability=served.capability, page_in_ms=None, code=code)
         return answer
 
-    async def handle(self, request: CallRequest, served: Served, started: float) -> CallAnswer:
+    async def handle(self, request: CallRequest, served: Served) -> CallAnswer:
         try:
             names.validate_agent_name(request.agent)
             names.validate_capability_name(request.name, ephemeral=True)
@@ -151,31 +149,18 @@ class Engine:
             raise NotFound(f"no capability at {quote(f'/{request.agent}/{request.name}')}") from exc
         if request.length is not None and request.length < 0:
             raise InvalidRequest("Content-Length is not a number")
-        full = names.full_name(request.agent, request.name)
-        if request.accepted_token_hash is not None:
-            token_hash = request.accepted_token_hash
-            principal, route_raw, breaker_raw = await self.admission.accepted(token_hash, full)
-        else:
-            secret = parse_bearer(request.headers.get("authorization"))
-            token_hash = tokens.hash_secret(secret)
-            values = await self.admission.prefetch(request, token_hash, full)
-            route_raw, breaker_raw = values.route, values.breaker
-            if route_raw is not None and route_raw != routes.TOMBSTONE:
-                served.capability = full  # a refusal from here on is counted on the capability
-            principal = await self.admission.authenticate(request, secret, token_hash, values)
-            if prefers_async(request):
-                return await self.async_entry.accept(request, served, full, principal, token_hash, route_raw)
-        return await self.serve(request, served, started, full, principal, token_hash, route_raw, breaker_raw)
+        admitted = await self.admission.admit(request, served, names.full_name(request.agent, request.name))
+        if request.accepted_token_hash is None and prefers_async(request):
+            return await self.async_entry.accept(admitted)
+        return await self.serve(admitted)
 
-    async def serve(
-        self, request, served: Served, started, full, principal: Principal, token_hash, route_raw, breaker_raw
-    ) -> CallAnswer:
-        """From the route on: the breaker, the shares, the page-in when cold, the call."""
-        admission = self.admission
-        route = await admission.visible_route(served, full, principal.agent_name, route_raw)
-        called = full
+    async def serve(self, admitted: Admitted) -> CallAnswer:
+        """From the route on: a split's staged version, the breaker, the shares, then the call."""
+        request, served, route, principal = admitted.request, admitted.served, admitted.route, admitted.principal
+        full = admitted.full
+        breaker_raw = admitted.breaker_raw
         if route.split is not None:
-            chosen = await admission.split_variant(route.split, request, token_hash)
+            chosen = await self.admission.split_variant(route.split, request, admitted.token_hash)
             if chosen is not None:
                 full, route, breaker_raw = chosen
                 served.capability = full  # a refusal of the staged version is counted on it
@@ -187,13 +172,13 @@ class Engine:
                     breaker_enter, self.breaker, get_redis(), full=full, raw=breaker_raw, now=now
                 )
             except Degraded:
-                cached = await admission.cached_answer(request, route, full, now)
+                cached = await self.admission.cached_answer(request, route, full, now)
                 if cached is None:
                     raise
                 return cached_reply(cached, now)
-        call = served.call = Call(full, route.type, token_hash, started, request.request_id)
+        call = served.call = Call(full, route.type, admitted.token_hash, served.started, request.request_id)
         call.is_trial = is_trial
-        call.shown = called
+        call.shown = admitted.full
         call.caller = principal.agent_name
         call.owner = route.agent
         self.shares.take_call(principal)
@@ -201,53 +186,81 @@ class Engine:
         return await self.forward(request, call, route, principal)
 
     async def forward(self, request: CallRequest, call: Call, route: routes.CachedRoute, principal: Principal):
-        sender = self.sender
-        page_in_ms = None
-        # An accepted asynchronous call has no caller waiting: it waits out a placement under
-        # way as long as the placement may take, not as long as a call may.
-        wait = None if request.accepted_token_hash is not None else self.upstream.read_timeout
+        """The admitted call through its runtime: its capability placed when cold, the call
+        sent (again after a miss), the runtime's answer read and relayed."""
         if route.state not in routes.SERVED_STATES:
-            route, page_in_ms = await self.placer.page_in(call.full, principal, wait_seconds=wait)
+            route, call.page_in_ms = await self.placer.page_in(
+                call.full, principal, wait_seconds=self.placement_wait(request)
+            )
         call.version = route.version
-        target = await sender.target(route)
+        target = await self.sender.target(route)
         if target.redirect:
-            return self.reply_redirect(call, target, request, page_in_ms)
+            return self.reply_redirect(call, target, request)
         if request.length:
-            if request.length > self.max_body:
-                raise TooLarge(f"the request body is over {self.max_body} bytes")
-            self.shares.take_body(call.owner, request.length)
-            call.body_size = request.length
+            self.hold_body(request, call)
         if self.tracks_inflight:
-            # Counted per process: a count of a process that died stops holding up the page-out.
-            pipe = self.redis.pipeline(transaction=False)
-            call.inflight_process = pager.pager_inflight_enter_queue(pipe, call.full)
-            await pipe.execute()
+            await self.count_inflight(call)
         if request.websocket:  # the answer carries the runtime's side for the adapter to relay
-            call.page_in_ms = page_in_ms
-            return await websocket_open(sender, request, call, target, runtime_for(route.backend))
-
+            return await websocket_open(self.sender, request, call, target, runtime_for(route.backend))
         upstream_started = time.perf_counter()
-        upstream = await sender.send_once(request, call, route)
+        upstream = await self.sender.send_once(request, call, route)
         # Every runtime's "script gone" answer is a 404: other calls skip the check.
-        missed = upstream.status == 404 and runtime_for(route.backend).is_missing(upstream)
-        if page_in_ms is None and missed and not request.has_body:
-            # The runtime lost a script Sigil thought live: a miss after all (or the route
-            # was out of date: a switch of runtime moved it). Page it in and retry once
-            # (only bodiless calls: a body cannot be sent twice).
+        if upstream.status == 404 and runtime_for(route.backend).is_missing(upstream) and not request.has_body:
+            route, upstream, upstream_started = await self.send_after_miss(
+                request, call, route, principal, upstream, upstream_started
+            )
+        upstream_ms = (time.perf_counter() - upstream_started) * 1000
+        failure = self.read_answer(call, route, upstream)
+        if failure is not None:
+            await self.sender.runtime_failure(upstream, failure, call)
+        return self.relay(request, call, route, upstream, upstream_ms)
+
+    def placement_wait(self, request: CallRequest) -> float | None:
+        """How long a call waits out a placement under way. An accepted asynchronous call has no
+        caller waiting: it waits as long as the placement may take, not as long as a call may."""
+        return None if request.accepted_token_hash is not None else self.upstream.read_timeout
+
+    def hold_body(self, request: CallRequest, call: Call) -> None:
+        """Count the call's body against its owner's share; TooLarge over the limit."""
+        if request.length > self.max_body:
+            raise TooLarge(f"the request body is over {self.max_body} bytes")
+        self.shares.take_body(call.owner, request.length)
+        call.body_size = request.length
+
+    def count_inflight(self, call: Call):
+        """Count the call as in flight to its capability, which the pager then does not delete;
+        the round trip to await. Counted per process: a count of a process that died stops
+        holding up the page-out."""
+        pipe = self.redis.pipeline(transaction=False)
+        call.inflight_process = pager.pager_inflight_enter_queue(pipe, call.full)
+        return pipe.execute()
+
+    async def send_after_miss(self, request, call: Call, route, principal: Principal, upstream, upstream_started):
+        """A bodiless call the runtime answered "script gone", sent again: on a warm call the
+        runtime lost a script Sigil thought live (a miss after all, or the route was out of
+        date: a switch of runtime moved it), so it is paged in and sent once more; a call that
+        just placed it is sent again while Cloudflare propagates it. (A body cannot be sent
+        twice.) The route, the last answer and when its sending started."""
+        if call.page_in_ms is None:
             await upstream.drain()
             upstream.release()
-            sender.forget(route)
+            self.sender.forget(route)
             await self.offload(capability_mark_missing, full=call.full, slot=route.slot, backend=route.backend)
-            route, page_in_ms = await self.placer.page_in(call.full, principal, wait_seconds=wait)
+            route, call.page_in_ms = await self.placer.page_in(
+                call.full, principal, wait_seconds=self.placement_wait(request)
+            )
             call.version = route.version
             upstream_started = time.perf_counter()
-            upstream = await sender.send_once(request, call, route)
-            missed = upstream.status == 404 and runtime_for(route.backend).is_missing(upstream)
-        if missed and page_in_ms is not None and not request.has_body:
-            upstream = await sender.resend_while_propagating(request, call, route, upstream)
-        upstream_ms = (time.perf_counter() - upstream_started) * 1000
-        call.page_in_ms = page_in_ms
+            upstream = await self.sender.send_once(request, call, route)
+            if not (upstream.status == 404 and runtime_for(route.backend).is_missing(upstream)):
+                return route, upstream, upstream_started
+        upstream = await self.sender.resend_while_propagating(request, call, route, upstream)
+        return route, upstream, upstream_started
 
+    def read_answer(self, call: Call, route: routes.CachedRoute, upstream) -> str | None:
+        """What the runtime's answer says of the call: the version that answered, and the
+        runtime's failure, if it is one (sending's EXCEEDED_LIMITS, INTERNAL_ERROR or the
+        failure Sigil's own code marked), else None."""
         # The placed code names its own version where the runtime replaces code in place
         # (worker-pool, platform): the header is then the truth, not the route's.
         served = upstream.headers.get(SERVED_VERSION_HEADER)
@@ -262,9 +275,12 @@ class Engine:
                 failure = EXCEEDED_LIMITS
             elif runtime.failed_itself(upstream):
                 failure = INTERNAL_ERROR
-        if failure is not None:
-            await sender.runtime_failure(upstream, failure, call)
+        return failure
 
+    def relay(self, request: CallRequest, call: Call, route: routes.CachedRoute, upstream, upstream_ms: float):
+        """The capability's answer as the caller gets it: its headers less the hop-by-hop and
+        Sigil's internal ones, plus Sigil's own, and its body streamed; its close records the
+        call (and keeps a degraded capability's copy of it, when it opted in)."""
         headers = [
             (k, v)
             for k, v in upstream.header_pairs()
@@ -294,9 +310,9 @@ class Engine:
             body_arrived=upstream.arrived,
         )
 
-    def reply_redirect(self, call: Call, target: Route, request: CallRequest, page_in_ms) -> CallAnswer:
+    def reply_redirect(self, call: Call, target: Route, request: CallRequest) -> CallAnswer:
         """SIGIL_POOL_REDIRECT: send the caller to the script's own URL (the seed's 302)."""
-        call.page_in_ms = page_in_ms
+        page_in_ms = call.page_in_ms
         location = target.base_url + request.rest + ("?" + request.query if request.query else "")
         headers = [("Location", location), ("Content-Length", "0"), ("X-Sigil-Capability", call.shown), NOSNIFF]
         if page_in_ms is not None:

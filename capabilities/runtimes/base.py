@@ -158,9 +158,9 @@ def code_sha(code: str) -> str:
 
 @dataclass(frozen=True)
 class Route:
-    """How the gateway reaches placed code: a base URL and the headers to add.
+    """How the engine reaches placed code: a base URL and the headers to add.
 
-    Computed once per placement and cached by the gateway, so it must be cheap and plain.
+    Computed once per placement and cached by the engine, so it must be cheap and plain.
     """
 
     base_url: str
@@ -289,7 +289,7 @@ class Runtime(ABC):
 
     @abstractmethod
     def route(self, *, slot: str, sha: str, tenant: str, cpu_ms: int | None = None) -> Route:
-        """Where the gateway sends requests for `tenant`'s `slot` running code `sha`. No I/O.
+        """Where the engine sends requests for `tenant`'s `slot` running code `sha`. No I/O.
 
         `cpu_ms` is the capability's own CPU limit per call (None: the runtime's default);
         runtimes that cannot enforce one ignore it.

@@ -40,7 +40,7 @@ class LoaderRuntime(FrontedRuntime):
     only with the code.
 
     Workers KV is eventually consistent: right after a placement another location may not
-    see the bundle yet; the host then answers "missing-code", the gateway places the
+    see the bundle yet; the host then answers "missing-code", the engine places the
     capability again and retries once. A read that found nothing is cached where it was made
     (up to 60 s), so a placement whose start check finds no code has the host write the
     bundle through its own binding, which its own reads see at once, and checks again.

@@ -109,7 +109,7 @@ class LocalProcesses:
     Each agent's capabilities run in a workerd of their own (named by the agent, the tenant
     the runtime is given with each slot), so a capability that spins or bloats stalls only
     its own agent's process. Ports are `base_port` + an index the registry allocates on an
-    agent's first placement and keeps, so routes cached by the gateway stay valid across
+    agent's first placement and keeps, so routes cached by the engine stay valid across
     restarts. The supervisor (runworkerd) writes a status file and, before it kills a
     process, a kill record.
 

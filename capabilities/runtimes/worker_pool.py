@@ -104,7 +104,7 @@ class WorkerPoolRuntime(CloudflareRuntime):
     @classmethod
     def bills(cls, usage: Usage, prices: Prices, *, smallest_slots: int | None) -> list[RuntimeBill]:
         """On Workers Free while the traffic fits its limits, and on Workers Paid: one Worker
-        request per call (the gateway runs outside Cloudflare), and Workers KV's operations (the
+        request per call (the engine runs outside Cloudflare), and Workers KV's operations (the
         collection of call records). The Tail Worker that hands the call records over runs once
         a call, billed by its CPU time alone (which Sigil cannot see), and only on Workers Paid."""
         limits = []

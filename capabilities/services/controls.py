@@ -69,7 +69,7 @@ def _owner_update(*, capability: Capability, actor: str, action: str, detail: di
 
 def capability_force_degraded(*, capability: Capability, actor: str) -> None:
     """Open a capability's breaker until the owner resets it (capability_reset_breaker):
-    the gateway answers every call 503 `degraded` without trying the code. Idempotent.
+    the engine answers every call 503 `degraded` without trying the code. Idempotent.
 
     A call already in flight neither closes nor shortens it. Raises NotFound when the
     capability was removed.

@@ -165,7 +165,7 @@ def breaker_enter(rules: breaker.Breaker, redis, *, full: str, raw: bytes, now: 
     """Admit a call past `full`'s breaker (breaker.Breaker.enter: True for the half-open
     breaker's one trial). Raises Degraded when it refuses; a staged version refused counts
     toward its split's guard (stats.split_refusal_count), which is asked to look when due. No
-    SQL: the gateway calls it on the hot path, one more round trip for staged versions only."""
+    SQL: the engine calls it on the hot path, one more round trip for staged versions only."""
     try:
         return rules.enter(redis, full=full, raw=raw, now=now)
     except Degraded:

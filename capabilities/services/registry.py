@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import cached_property
 from typing import Any
 
 from django.conf import settings
@@ -118,9 +119,9 @@ def capability_deploy(
     type, name, ttl = _validate_deploy(
         principal=principal, agent=agent, name=name, code=code, type=type, ttl=ttl, bindings=bindings
     )
-    sha = code_sha(code)
+    runtime = get_runtime()
     resolved = binding_rules.bindings_resolve(
-        bindings, agent_id=principal.agent_id, supported_kinds=get_runtime().binding_kinds
+        bindings, agent_id=principal.agent_id, supported_kinds=runtime.binding_kinds
     )
     owner = Agent.objects.get(pk=principal.agent_id)
 
@@ -143,17 +144,16 @@ def capability_deploy(
         full=full,
         named=name is not None,
         type=type,
-        ttl=ttl,
         code=code,
-        sha=sha,
-        bindings=bindings,
         resolved=resolved,
-        is_public=is_public,
         contract=contract or {},
+        applies=DeployRequest(
+            bindings=bindings, public=is_public, cache_when_degraded=cache_when_degraded, actor=actor_of(principal)
+        ),
         stage=stage,
-        cache_when_degraded=cache_when_degraded,
+        expires_at=now + timedelta(seconds=ttl) if ttl is not None else None,
         now=now,
-        in_background=get_runtime().places_in_background,
+        in_background=runtime.places_in_background,
     )
     # Linearizable per capability: what this deploy compares itself with (the version that
     # serves, or the one still being placed) is read under the lock that orders deploys of
@@ -171,26 +171,30 @@ def capability_deploy(
 
 @dataclass(frozen=True)
 class DeployAsked:
-    """A deploy's input once checked, before it is compared with the capability's state."""
+    """A deploy's input once checked, before it is compared with the capability's state: what
+    it sends, where it goes, and what applies to the capability once its version is placed."""
 
     principal: Principal
     owner: Agent
     full: str
-    named: bool
+    named: bool  # False: a new ephemeral, named by Sigil
     type: str
-    ttl: int | None
     code: str
-    sha: str
-    bindings: list[str]
-    resolved: Any
-    is_public: bool
-    contract: Mapping[str, Any]
+    resolved: Any  # the bindings as the runtime gets them (bindings.bindings_resolve)
+    contract: Mapping[str, Any]  # the contract's fields sent; those omitted keep their value
+    # The bindings and the public flag (omitted ones already kept), the cached answer while
+    # degraded and who deploys: kept as they are on the version when a task places it.
+    applies: DeployRequest
     stage: bool
-    cache_when_degraded: bool | None
+    expires_at: datetime | None  # of the capability, when this deploy creates it
     now: datetime
     # Whether the runtime places in a Celery task (the deploy answers when it is recorded),
     # decided once: how the deploy is ordered and how it is placed both follow it.
     in_background: bool
+
+    @cached_property
+    def sha(self) -> str:
+        return code_sha(self.code)
 
 
 def _deploy_ordered(asked: DeployAsked) -> DeployResult | Queued:
@@ -219,26 +223,26 @@ def _deploy_ordered(asked: DeployAsked) -> DeployResult | Queued:
                 type=asked.type,
                 code=asked.code,
                 sha=asked.sha,
-                bindings=asked.bindings,
+                bindings=asked.applies.bindings,
                 contract=wanted,
                 principal=asked.principal,
             )
         if latest is not None and latest.sha == asked.sha and wanted == Contract.of(latest):
             placing = latest.deploy_request
-            if pending and (placing.bindings, placing.public) == (asked.bindings, asked.is_public):
+            applies = asked.applies
+            if pending and (placing.bindings, placing.public) == (applies.bindings, applies.public):
                 # The same deploy as the one still being placed: it is the one that will serve.
                 # (Its own cache_when_degraded, if it sent one, applies once it is placed.)
                 created = existing.current_version_id is None
                 return DeployResult.not_placed(existing, latest, created=created, pending=True)
-            elif not pending and existing.bindings == asked.bindings:
-                result = _redeploy_unchanged(existing, principal=asked.principal, is_public=asked.is_public)
-                return _set_cache_when_degraded(result, asked.cache_when_degraded, principal=asked.principal)
+            elif not pending and existing.bindings == applies.bindings:
+                result = _redeploy_unchanged(existing, actor=applies.actor, is_public=applies.public)
+                return _set_cache_when_degraded(result, applies.cache_when_degraded, actor=applies.actor)
 
     owner = asked.owner
     cooldown_claim(owner.name)
     now = asked.now
-    ttl = asked.ttl
-    expires_at = existing.expires_at if existing else (now + timedelta(seconds=ttl) if ttl is not None else None)
+    expires_at = existing.expires_at if existing else asked.expires_at
     new = NewVersion(
         owner=owner,
         existing=existing,
@@ -251,13 +255,7 @@ def _deploy_ordered(asked: DeployAsked) -> DeployResult | Queued:
         now=now,
     )
     if asked.in_background:
-        request = DeployRequest(
-            bindings=asked.bindings,
-            public=asked.is_public,
-            cache_when_degraded=asked.cache_when_degraded,
-            actor=actor_of(asked.principal),
-        )
-        return deploy_in_background(new, request)
+        return deploy_in_background(new, asked.applies)
     bundle = CodeBundle.from_code(asked.code, bindings=asked.resolved)
     with placement_room(full=full, capability_type=asked.type, expires_at=expires_at) as room:
         try:
@@ -273,23 +271,23 @@ def _deploy_ordered(asked: DeployAsked) -> DeployResult | Queued:
         cold_start=placement.cold_start,
         evicted=placement.evicted,
     )
-    return _set_cache_when_degraded(result, asked.cache_when_degraded, principal=asked.principal)
+    return _set_cache_when_degraded(result, asked.applies.cache_when_degraded, actor=asked.applies.actor)
 
 
-def _set_cache_when_degraded(result: DeployResult, value: bool | None, *, principal: Principal) -> DeployResult:
+def _set_cache_when_degraded(result: DeployResult, value: bool | None, *, actor: str) -> DeployResult:
     """Turn the cached answer while degraded on or off as the deploy asked; omitted keeps it."""
     capability = result.capability
     if value is not None and capability.cache_when_degraded != value:
-        _update(capability, principal=principal, detail={"cache_when_degraded": value}, cache_when_degraded=value)
+        _update(capability, actor=actor, detail={"cache_when_degraded": value}, cache_when_degraded=value)
     return result
 
 
-def _update(capability: Capability, *, principal: Principal, detail: dict, **fields: Any) -> None:
+def _update(capability: Capability, *, actor: str, detail: dict, **fields: Any) -> None:
     """Change what a redeploy changes without a new version (the public flag, the cached
     answer while degraded), audited as `capability.updated` with `detail`."""
     with capability_written(capability.full_name):
         Capability.objects.filter(pk=capability.pk).update(**fields, updated_at=timezone.now())
-        capability_audit(capability, actor=actor_of(principal), action="capability.updated", detail=detail)
+        capability_audit(capability, actor=actor, action="capability.updated", detail=detail)
     for name, value in fields.items():
         setattr(capability, name, value)
 
@@ -334,13 +332,13 @@ def _record_deploy(
 ) -> tuple[Capability, CapabilityVersion]:
     """A new version placed in the request, made current with the bindings and public flag
     `asked` for."""
-    fields = {"is_public": asked.is_public, "bindings": asked.bindings}
+    fields = {"is_public": asked.applies.public, "bindings": asked.applies.bindings}
     with capability_written(new.full):
         capability = new.capability_locked(state=State.LIVE, **fields)
         version = new.create_version(capability)
         record_live(capability, placement, bundle_sha=bundle_sha, version=version, now=new.now, **fields)
         audit_record(
-            actor=actor_of(asked.principal),
+            actor=asked.applies.actor,
             action="capability.created" if new.existing is None else "capability.deployed",
             agent_name=new.owner.name,
             subject=new.full,
@@ -348,8 +346,8 @@ def _record_deploy(
                 "version": version.number,
                 "sha": new.sha,
                 "type": new.type,
-                "public": asked.is_public,
-                "bindings": asked.bindings,
+                "public": asked.applies.public,
+                "bindings": asked.applies.bindings,
                 "contract": [name for name, value in new.contract.as_fields().items() if value],
             },
         )
@@ -357,8 +355,8 @@ def _record_deploy(
     return capability, version
 
 
-def _redeploy_unchanged(capability: Capability, *, principal: Principal, is_public: bool) -> DeployResult:
+def _redeploy_unchanged(capability: Capability, *, actor: str, is_public: bool) -> DeployResult:
     """Same code and bindings again: keep the version; only the public flag may change."""
     if capability.is_public != is_public:
-        _update(capability, principal=principal, detail={"public": is_public}, is_public=is_public)
+        _update(capability, actor=actor, detail={"public": is_public}, is_public=is_public)
     return DeployResult.not_placed(capability, capability.current_version)

@@ -5,7 +5,7 @@ by hand or by the guard when it fails more than the current one.
 While a split runs, the staged version is placed as a capability of its own, named
 `{full}--v{n}` (`variant_of` the capability): the runtime, the pager, the stats and the
 breaker treat it as any other, so it takes its own slot and pages like any other. The
-gateway picks the version per call from the route (routes.Split), by a hash of the caller's
+engine picks the version per call from the route (routes.Split), by a hash of the caller's
 key: no query.
 """
 
@@ -261,7 +261,7 @@ def guard_trips(figures: GuardFigures, *, margin: float, min_calls: int) -> bool
 
 
 def _guard_figures(capability: Capability, report: dict) -> GuardFigures | None:
-    """The guard's figures: the flushed windows, and what the gateway recorded since the
+    """The guard's figures: the flushed windows, and what the engine recorded since the
     last flush, so a decision is taken on every answer recorded so far."""
     staged, current = report["staged"]["stats"], report["current"]["stats"]
     if staged is None:

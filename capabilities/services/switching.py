@@ -4,7 +4,7 @@ namespace).
 
 The owner changes SIGIL_BACKEND, restarts Sigil, and runs `manage.py switchbackend`,
 which walks `backend_switch`. Each capability is placed on the new runtime and recorded
-there (`capability_switch_backend`); until then the gateway serves it from its previous
+there (`capability_switch_backend`); until then the engine serves it from its previous
 placement, and a grace period later that placement is deleted
 (`runtime_release_previous`). A last sweep (`runtime_sweep_previous`) deletes whatever
 the previous runtime still holds that no capability does, so a switch that was
@@ -63,7 +63,7 @@ def capability_switch_backend(*, full: str, actor: str) -> SwitchStep:
     """Move `full` to the runtime SIGIL_BACKEND names, leaving its previous placement alone.
 
     A served capability is placed on the new runtime first, and only then recorded there,
-    so the gateway serves it from the previous runtime until this returns. On a runtime
+    so the engine serves it from the previous runtime until this returns. On a runtime
     with a slot limit that is full, it is recorded as paged out instead (a switch never
     evicts): its next call pages it in. Idempotent, one audit event per move.
     Raises InvalidRequest (the new runtime cannot give a binding it declared), TooLarge,
@@ -284,7 +284,7 @@ def _release(item: tuple[float, str, str, str], actor: str) -> SwitchEvent:
 class LeftBehind:
     """Capabilities still placed on `backend`, a runtime other than SIGIL_BACKEND's, because
     no switch has moved them yet. `failure` says why that runtime cannot serve them (it is
-    gone, or not configured any more); empty while it answers, and the gateway serves them
+    gone, or not configured any more); empty while it answers, and the engine serves them
     there."""
 
     backend: str
