@@ -2,9 +2,13 @@
 
 Covered: verifying the API token, Worker scripts (upload, delete, list, settings), the
 workers.dev subdomain (account and per script), Workers for Platforms dispatch namespaces and
-their scripts, Workers KV namespaces and values. With Cloudflare's envelope, error codes,
-script quota, size limit and rate limit (a 429 with code 971 locks the token out for the rest
-of the window), plus injected latency and faults. Anything else answers 7003, as an unknown route does.
+their scripts, Workers KV namespaces and values; and the script lifecycle wrangler and the
+official SDK drive (services, versions, deployments, code, secrets, script and account
+settings, the user and its accounts: `api_lifecycle`), compatibility checked at upload
+(`compat`). With Cloudflare's envelope, error codes, script quota, size limit and rate limit
+(a 429 with code 971 locks the token out for the rest of the window), plus injected latency
+and faults. Anything else answers 7003, as an unknown route does (docs/cloudflare.md lists
+what is kept and what is not).
 
 Uploaded bundles are written to `code_dir` as `{sha}.json` (the loader host's format, with
 secret_text values sealed for the emulator's workerd: `cfemulator.hostcode`), so each
@@ -14,7 +18,7 @@ config of their own (`cfemulator.bound`), whose KV reads and writes `kv_binding`
 (`cfemulator.api_kv`) serves from this account's one KV store.
 
 One module per concern: this one holds the account (control, routing, lock-out, logs); the
-endpoints are in `api_scripts`, `api_namespaces` and `api_kv`, what they share in
+endpoints are in `api_scripts`, `api_lifecycle`, `api_namespaces` and `api_kv`, what they share in
 `api_common`, an upload's way into the account in `codestore`, the settings in `config`,
 the rate limit in `ratelimit`, and the account's records (scripts, namespaces, KV values)
 in `state`.
