@@ -56,6 +56,7 @@ from cfemulator.api_namespaces import NamespaceEndpoints
 from cfemulator.api_scripts import ScriptEndpoints
 from cfemulator.bound import needs_own_workerd
 from cfemulator.codestore import CodeStore
+from cfemulator.compat import RuntimeCompat
 
 # Named here too, as callers of the emulator (benchmarks) import them from here.
 from cfemulator.config import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig  # noqa: F401
@@ -109,12 +110,12 @@ class CloudflareApi(ScriptEndpoints, LifecycleEndpoints, NamespaceEndpoints, KvE
         seal_key: str,
         start_check: Callable[[str], str | None] | None = None,
         state_file: Path | None = None,
-        runtime_date: str | None = None,
+        runtime: RuntimeCompat | None = None,
     ) -> None:
         self.account_id = account_id
-        # The newest compatibility date the emulator's workerd runs: later ones are refused
-        # as in the future (cfemulator.compat).
-        self._runtime_date = runtime_date
+        # The dates and flags the emulator's workerd runs, which uploads are checked against
+        # (cfemulator.compat); without it, only the clock's date is.
+        self._runtime = runtime
         # The secret of the loader host that runs the uploaded scripts: secret_text values
         # are sealed for it on disk, as Cloudflare keeps them encrypted at rest.
         self._seal_key = seal_key

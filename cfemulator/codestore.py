@@ -34,7 +34,7 @@ class CodeStore:
     def _checked(self, name: str, upload: ScriptUpload, existing: Script | None) -> ScriptUpload:
         """`upload` with its kept bindings, once it passes Cloudflare's checks against the
         account (compatibility, binding targets, a start). Raises ApiError otherwise."""
-        check_compatibility(upload.compatibility_date, upload.compatibility_flags, newest=self._runtime_date)
+        check_compatibility(upload.compatibility_date, upload.compatibility_flags, self._runtime)
         upload = self._kept_bindings(upload, existing)
         self._check_binding_targets(upload)
         self._check_start(name, upload)

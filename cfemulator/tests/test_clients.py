@@ -145,11 +145,11 @@ def test_compatibility_is_checked_as_cloudflare_checks_it(cf_emulator_fresh, sdk
     assert emulator.api_calls(method="PUT", path_suffix="/compat")  # both reached the emulator
 
 
-def test_today_and_known_flags_upload(cf_emulator_fresh, sdk):
-    # The runtime's own date bounds "today"; yesterday (UTC) is always within it and the clock.
+def test_today_and_known_flags_upload(cf_emulator_fresh, sdk, settings):
+    # The runtime's own release date bounds "today", as it runs no later date.
     yesterday = (datetime.now(UTC) - timedelta(days=1)).date().isoformat()
     runtime = subprocess.run(
-        [str(WRANGLER.parent / "workerd"), "--version"], capture_output=True, text=True, check=True
+        [settings.SIGIL_WORKERD_BIN, "--version"], capture_output=True, text=True, check=True
     ).stdout.split()[-1]
     date = min(yesterday, runtime)
     uploaded = _sdk_upload(
