@@ -48,7 +48,9 @@ class LifecycleEndpoints:
                 "hasPreview": False,
             },
             "annotations": {},
-            "resources": _resources(script, upload),
+            # A version not deployed yet has its bundle written too (its etag is that bundle's
+            # sha, as the script's will be once it is deployed).
+            "resources": _resources(script.sha if deployed else self._write_bundle(upload), upload, source),
         }
         script.versions = (*script.versions, version)
         self._version_uploads[version_id] = upload
@@ -311,12 +313,12 @@ def default_account_settings() -> dict[str, Any]:
     return dict(_DEFAULT_ACCOUNT_SETTINGS)
 
 
-def _resources(script: Script, upload: ScriptUpload) -> dict[str, Any]:
+def _resources(etag: str, upload: ScriptUpload, source: str) -> dict[str, Any]:
     bindings = [
         {k: v for k, v in b.items() if not (b.get("type") in SECRET_TYPES and k == "text")} for b in upload.bindings
     ]
     return {
-        "script": {"etag": script.sha, "handlers": ["fetch"], "last_deployed_from": script.last_deployed_from},
+        "script": {"etag": etag, "handlers": ["fetch"], "last_deployed_from": source},
         "script_runtime": {
             "compatibility_date": upload.compatibility_date,
             "compatibility_flags": upload.compatibility_flags,
