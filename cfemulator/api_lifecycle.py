@@ -99,10 +99,12 @@ class LifecycleEndpoints:
     def _deployment_create(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
         script = self._script(params["script"])
         body = request.json()
-        versions = body.get("versions") if isinstance(body, dict) else None
-        if body.get("strategy", "percentage") != "percentage" or not isinstance(versions, list) or not versions:
+        if not isinstance(body, dict) or body.get("strategy") != "percentage":
             raise ApiError(400, 10021, 'a deployment is {"strategy": "percentage", "versions": [...]}')
-        if len(versions) != 1 or float(versions[0].get("percentage", 0)) != 100:
+        versions = body.get("versions")
+        if not isinstance(versions, list) or not all(isinstance(v, dict) for v in versions) or not versions:
+            raise ApiError(400, 10021, 'a deployment\'s versions are [{"version_id": ..., "percentage": ...}]')
+        if len(versions) != 1 or versions[0].get("percentage") != 100:
             # Cloudflare splits traffic between two versions; the emulator serves one.
             raise ApiError(400, 10021, "the emulator deploys one version at 100%; a split deployment is not kept")
         version_id = str(versions[0].get("version_id", ""))

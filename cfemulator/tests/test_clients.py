@@ -100,6 +100,40 @@ def test_the_sdk_drives_a_script_through_its_lifecycle(cf_emulator_fresh, sdk):
         scripts.settings.get(name, account_id=account)
 
 
+def test_a_version_is_served_once_deployed_and_only_whole(cf_emulator_fresh, sdk):
+    emulator, account, name = cf_emulator_fresh, cf_emulator_fresh.account_id, "versioned"
+    scripts = sdk.workers.scripts
+    _sdk_upload(sdk, account, name)
+    scripts.subdomain.create(name, account_id=account, enabled=True)
+    host = emulator.workers_dev_host(name)
+    # Read raw, as cloudflare 5.9's model of a version's bindings does not build.
+    created = scripts.versions.with_raw_response.create(
+        name,
+        account_id=account,
+        metadata={"main_module": "worker.js", "compatibility_date": DATE},
+        files=[_module(WORKER_V2)],
+    ).http_response.json()["result"]
+    assert created["number"] == 2
+    assert emulator.worker_request(host).text == "v1 -"  # uploaded, not deployed
+
+    first = scripts.deployments.with_raw_response.list(name, account_id=account).http_response.json()
+    first_version = first["result"]["deployments"][0]["versions"][0]["version_id"]
+    with pytest.raises(cloudflare.BadRequestError) as split:
+        scripts.deployments.create(
+            name,
+            account_id=account,
+            strategy="percentage",
+            versions=[{"version_id": first_version, "percentage": 50}, {"version_id": created["id"], "percentage": 50}],
+        )
+    assert split.value.body["errors"][0]["code"] == 10021
+    assert emulator.worker_request(host).text == "v1 -"
+
+    scripts.deployments.create(
+        name, account_id=account, strategy="percentage", versions=[{"version_id": created["id"], "percentage": 100}]
+    )
+    assert emulator.worker_request(host).text == "v2 -"
+
+
 def test_the_sdk_writes_reads_and_deletes_kv_in_bulk(cf_emulator_fresh, sdk):
     account = cf_emulator_fresh.account_id
     namespaces = sdk.kv.namespaces
