@@ -134,6 +134,15 @@ def test_a_version_is_served_once_deployed_and_only_whole(cf_emulator_fresh, sdk
     assert emulator.worker_request(host).text == "v2 -"
 
 
+def test_the_sdk_reads_the_user_its_accounts_and_memberships(cf_emulator_fresh, sdk):
+    account = cf_emulator_fresh.account_id
+    assert sdk.user.get().email  # whom the token belongs to
+    assert [a.id for a in sdk.accounts.list()] == [account]
+    assert sdk.accounts.get(account_id=account).id == account
+    memberships = list(sdk.memberships.list())
+    assert [m.account.id for m in memberships] == [account] and memberships[0].status == "accepted"
+
+
 def test_the_sdk_writes_reads_and_deletes_kv_in_bulk(cf_emulator_fresh, sdk):
     account = cf_emulator_fresh.account_id
     namespaces = sdk.kv.namespaces
