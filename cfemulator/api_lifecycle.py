@@ -74,7 +74,12 @@ class LifecycleEndpoints:
 
     def _version_upload(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
         script = self._script(params["script"])
-        upload = self._checked(script.name, params["upload"], script)
+        # A version inherits the secrets of the one before it (unless it binds their names):
+        # wrangler's deploy names none and leaves them in place (workers-sdk #5296, and its
+        # check of local names against remote secrets before a deploy).
+        upload: ScriptUpload = params["upload"]
+        upload = replace(upload, keep_bindings=tuple(dict.fromkeys((*upload.keep_bindings, *SECRET_TYPES))))
+        upload = self._checked(script.name, upload, script)
         version = self._record_upload(script, upload, deployed=False, source=upload_source(request))
         return _ok({**version, "startup_time_ms": 0})
 

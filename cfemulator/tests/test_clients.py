@@ -215,7 +215,7 @@ def test_unsupported_calls_answer_as_an_unknown_route(cf_emulator_fresh):
 # --- wrangler ---------------------------------------------------------------------------------
 
 
-def _wrangler(emulator, project: Path, *args: str) -> subprocess.CompletedProcess:
+def _wrangler(emulator, project: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     env = {
         "PATH": os.environ["PATH"],
         "HOME": str(project),
@@ -234,7 +234,7 @@ def _wrangler(emulator, project: Path, *args: str) -> subprocess.CompletedProces
         "NO_PROXY": "127.0.0.1,localhost",
     }
     return subprocess.run(
-        [str(WRANGLER), *args], cwd=project, env=env, capture_output=True, text=True, timeout=120, check=False
+        [str(WRANGLER), *args], cwd=project, env=env, input=stdin, capture_output=True, text=True, timeout=120
     )
 
 
@@ -246,25 +246,30 @@ def test_wrangler_deploys_redeploys_lists_and_deletes(cf_emulator_fresh, tmp_pat
     config = {"name": "wrangled", "main": "src/index.js", "compatibility_date": DATE, "workers_dev": True}
     (tmp_path / "wrangler.json").write_text(json.dumps(config))
 
-    def run(*args: str) -> str:
-        done = _wrangler(emulator, tmp_path, *args)
+    def run(*args: str, stdin: str | None = None) -> str:
+        done = _wrangler(emulator, tmp_path, *args, stdin=stdin)
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
 
     whoami = run("whoami")
     assert emulator.account_id in whoami
 
+    host = emulator.workers_dev_host("wrangled")
     run("deploy")  # the first: a script upload
-    assert emulator.worker_request(emulator.workers_dev_host("wrangled")).text == "v1 -"
+    assert emulator.worker_request(host).text == "v1 -"
+    run("secret", "put", "TOKEN", stdin="s3cret\n")
+    assert emulator.worker_request(host).text == "v1 s3cret"
+    assert [s["name"] for s in json.loads(run("secret", "list", "--format", "json"))] == ["TOKEN"]
     (tmp_path / "src" / "index.js").write_text(WORKER_V2)
-    run("deploy")  # the next: a version, then a deployment of it
-    assert emulator.worker_request(emulator.workers_dev_host("wrangled")).text == "v2 -"
+    run("deploy")  # the next: a version, then a deployment of it, the secret kept
+    assert emulator.worker_request(host).text == "v2 s3cret"
     assert emulator.api_calls(method="POST", path_suffix="/wrangled/versions")
 
+    # Three deployments (deploy, secret, deploy), each of its own version.
     deployments = json.loads(run("deployments", "list", "--json"))
-    assert len(deployments) == 2
+    assert len(deployments) == 3
     versions = json.loads(run("versions", "list", "--json"))
-    assert len(versions) == 2
+    assert len(versions) == 3
 
     run("delete", "--force")
     answer = emulator.worker_request(emulator.workers_dev_host("wrangled"))
