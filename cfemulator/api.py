@@ -2,9 +2,13 @@
 
 Covered: verifying the API token, Worker scripts (upload, delete, list, settings), the
 workers.dev subdomain (account and per script), Workers for Platforms dispatch namespaces and
-their scripts, Workers KV namespaces and values. With Cloudflare's envelope, error codes,
-script quota, size limit and rate limit (a 429 with code 971 locks the token out for the rest
-of the window), plus injected latency and faults. Anything else answers 7003, as an unknown route does.
+their scripts, Workers KV namespaces and values; and the script lifecycle wrangler and the
+official SDK drive (services, versions, deployments, code, secrets, script and account
+settings, the user and its accounts: `api_lifecycle`), compatibility checked at upload
+(`compat`). With Cloudflare's envelope, error codes, script quota, size limit and rate limit
+(a 429 with code 971 locks the token out for the rest of the window), plus injected latency
+and faults. Anything else answers 7003, as an unknown route does (docs/cloudflare.md lists
+what is kept and what is not).
 
 Uploaded bundles are written to `code_dir` as `{sha}.json` (the loader host's format, with
 secret_text values sealed for the emulator's workerd: `cfemulator.hostcode`), so each
@@ -14,7 +18,7 @@ config of their own (`cfemulator.bound`), whose KV reads and writes `kv_binding`
 (`cfemulator.api_kv`) serves from this account's one KV store.
 
 One module per concern: this one holds the account (control, routing, lock-out, logs); the
-endpoints are in `api_scripts`, `api_namespaces` and `api_kv`, what they share in
+endpoints are in `api_scripts`, `api_lifecycle`, `api_namespaces` and `api_kv`, what they share in
 `api_common`, an upload's way into the account in `codestore`, the settings in `config`,
 the rate limit in `ratelimit`, and the account's records (scripts, namespaces, KV values)
 in `state`.
@@ -47,10 +51,12 @@ from cfemulator.api_common import (
     _same,
 )
 from cfemulator.api_kv import KvEndpoints
+from cfemulator.api_lifecycle import LifecycleEndpoints, default_account_settings
 from cfemulator.api_namespaces import NamespaceEndpoints
 from cfemulator.api_scripts import ScriptEndpoints
 from cfemulator.bound import needs_own_workerd
 from cfemulator.codestore import CodeStore
+from cfemulator.compat import RuntimeCompat
 
 # Named here too, as callers of the emulator (benchmarks) import them from here.
 from cfemulator.config import DEV_ACCOUNT_ID, DEV_TOKEN, EmulatorConfig  # noqa: F401
@@ -87,7 +93,7 @@ class WorkerTarget:
         return needs_own_workerd(self.upload) or bool(self.tails)
 
 
-class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore):
+class CloudflareApi(ScriptEndpoints, LifecycleEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore):
     """One emulated account: its state, its endpoints, and the emulator's control operations.
 
     Thread-safe: every read and change of the state holds one lock; latency is slept and
@@ -104,8 +110,12 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
         seal_key: str,
         start_check: Callable[[str], str | None] | None = None,
         state_file: Path | None = None,
+        runtime: RuntimeCompat | None = None,
     ) -> None:
         self.account_id = account_id
+        # The dates and flags the emulator's workerd runs, which uploads are checked against
+        # (cfemulator.compat); without it, only the clock's date is.
+        self._runtime = runtime
         # The secret of the loader host that runs the uploaded scripts: secret_text values
         # are sealed for it on disk, as Cloudflare keeps them encrypted at rest.
         self._seal_key = seal_key
@@ -145,6 +155,10 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
         self.scripts: dict[str, Script] = {}
         self.namespaces: dict[str, DispatchNamespace] = {}
         self.kv_namespaces: dict[str, KvNamespace] = {}
+        # version id -> the code of each version uploaded in this run (a deployment picks one)
+        self._version_uploads: dict[str, ScriptUpload] = {}
+        # The account's Workers settings (not kept across a restart).
+        self.account_settings = default_account_settings()
         self._log: deque[dict[str, Any]] = deque(maxlen=_LOG_SIZE)
         self._dispatches: deque[dict[str, Any]] = deque(maxlen=_LOG_SIZE)
         self._limiter = LockoutWindow(self._config.rate_limit, self._config.rate_window)
@@ -177,6 +191,8 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
                 *(s for ns in self.namespaces.values() for s in ns.scripts.values()),
             ]:
                 script.sha = self._write_bundle(script.upload)
+                if script.deployment_id:
+                    self._version_uploads[script.deployment_id] = script.upload
                 self._generation = max(self._generation, script.generation)
 
     def _save_locked(self) -> None:
@@ -397,7 +413,7 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
             # No public source gives Cloudflare's answer here; 403 with 10015 ("not entitled")
             # is the closest documented code, and the client reads both (docs/cloudflare.md, plans).
             raise ApiError(403, 10015, "This account is not entitled to Workers for Platforms (dispatch namespaces).")
-        if request.method == "PUT" and "script" in params and not path.endswith("/tags"):
+        if _carries_upload(request.method, path) and "script" in params:
             # Parsing (and compressing) a large upload must not hold the account lock.
             params["upload"] = parse_upload(
                 request.headers.get("content-type", ""),
@@ -453,6 +469,26 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
             kv_ns + "/bulk": {"PUT": self._kv_bulk_put, "DELETE": self._kv_bulk_delete},
             kv_ns + "/bulk/delete": {"POST": self._kv_bulk_delete},
             kv_ns + "/keys": {"GET": self._kv_keys},
+            kv_ns + "/bulk/get": {"POST": self._kv_bulk_get},
+            # A script's lifecycle as wrangler and the SDK drive it (cfemulator.api_lifecycle).
+            account + r"/workers/services/(?P<script>[^/]+)": {"GET": self._service_get, "DELETE": self._script_delete},
+            script + "/versions": {"GET": self._version_list, "POST": self._version_upload},
+            script + r"/versions/(?P<version>[^/]+)": {"GET": self._version_get},
+            script + "/deployments": {"GET": self._deployment_list, "POST": self._deployment_create},
+            script + r"/deployments/(?P<deployment>[^/]+)": {"GET": self._deployment_get},
+            script + "/content": {"PUT": self._content_put},
+            script + "/content/v2": {"GET": self._content_get},
+            script + "/script-settings": {"GET": self._script_settings_get, "PATCH": self._script_settings_patch},
+            script + "/secrets": {"GET": self._secret_list, "PUT": self._secret_put},
+            script + r"/secrets/(?P<secret>[^/]+)": {"GET": self._secret_get, "DELETE": self._secret_delete},
+            account + "/workers/account-settings": {
+                "GET": self._account_settings_get,
+                "PUT": self._account_settings_put,
+            },
+            r"/user": {"GET": self._user_get},
+            r"/accounts": {"GET": self._account_list},
+            account: {"GET": self._account_get},
+            r"/memberships": {"GET": self._membership_list},
         }
         return [(re.compile(pattern), methods) for pattern, methods in table.items()]
 
@@ -462,3 +498,11 @@ class CloudflareApi(ScriptEndpoints, NamespaceEndpoints, KvEndpoints, CodeStore)
         # Cloudflare's answer for an active token; a bad one is 401/1000 (see _dispatch).
         token_id = hashlib.sha256(self._token.encode()).hexdigest()[:32]
         return _ok({"id": token_id, "status": "active"})
+
+
+def _carries_upload(method: str, path: str) -> bool:
+    """Whether the call's body is a script upload (multipart, parsed outside the lock):
+    a script's upload or its code alone, a namespace script's, or a new version."""
+    if method == "PUT":
+        return not path.endswith(("/tags", "/secrets", "/script-settings", "/account-settings"))
+    return method == "POST" and path.endswith("/versions")

@@ -100,7 +100,7 @@ def _settings(script: Script) -> dict[str, Any]:
         "compatibility_date": script.upload.compatibility_date,
         "compatibility_flags": script.upload.compatibility_flags,
         "limits": script.upload.limits,
-        "logpush": False,
+        "logpush": script.logpush,
         "tags": script.upload.tags,
         "tail_consumers": [dict(consumer) for consumer in script.upload.tail_consumers],
         "usage_model": "standard",

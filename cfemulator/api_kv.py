@@ -53,6 +53,8 @@ from cfemulator.uploads import parse_form
 VALUE_MAX_BYTES = 25 * 1024 * 1024
 METADATA_MAX_BYTES = 1024
 BULK_MAX_PAIRS = 10_000
+# A bulk read takes at most 100 keys (Workers KV limits).
+BULK_GET_MAX_KEYS = 100
 # A binding's writes of one key: at most one a second.
 KEY_WRITE_INTERVAL_SECONDS = 1.0
 
@@ -142,6 +144,32 @@ class KvEndpoints:
         for key in keys:
             namespace.values.pop(key, None)
         return _ok({"successful_key_count": len(keys), "unsuccessful_keys": []})
+
+    def _kv_bulk_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
+        """Read up to 100 keys (`{"keys": [...], "type": "text"|"json", "withMetadata": bool}`):
+        each key's value (parsed when `type` is json), or null when it is not there."""
+        namespace = self._kv_namespace(params["kv"])
+        body = request.json()
+        keys = body.get("keys") if isinstance(body, dict) else None
+        if not isinstance(keys, list) or not keys or not all(isinstance(key, str) for key in keys):
+            raise ApiError(400, 10026, 'The request body could not be parsed: it is {"keys": ["key", ...]}')
+        if len(keys) > BULK_GET_MAX_KEYS:
+            raise ApiError(400, 10021, f"a bulk get reads at most {BULK_GET_MAX_KEYS} keys, not {len(keys)}")
+        kind = body.get("type", "text")
+        if kind not in ("text", "json"):
+            raise ApiError(400, 10021, 'type is "text" or "json"')
+        now = time.time()
+        values: dict[str, Any] = {}
+        for key in keys:
+            item = namespace.values.get(_check_key(key))
+            if item is None or not item.live(now):
+                values[key] = None
+                continue
+            value = _bulk_value(item.value, kind, key)
+            if body.get("withMetadata"):
+                value = {"value": value, "metadata": item.metadata, "expiration": item.expiration}
+            values[key] = value
+        return _ok({"values": values})
 
     def _kv_get(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
         item = self._kv_value(self._kv_namespace(params["kv"]), params["key"])
@@ -281,6 +309,14 @@ def _check_sizes(value: bytes, metadata: Any) -> None:
         length = len(json.dumps(metadata, separators=(",", ":")).encode())
         if length > METADATA_MAX_BYTES:
             raise ApiError(413, 10021, f"Metadata length of {length} exceeds limit of {METADATA_MAX_BYTES}.")
+
+
+def _bulk_value(raw: bytes, kind: str, key: str) -> Any:
+    try:
+        text = raw.decode()
+        return json.loads(text) if kind == "json" else text
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, 10021, f"the value of {key!r} is not {kind} ({exc})") from None
 
 
 def _bulk_items(request: ApiRequest) -> list[Any]:

@@ -17,6 +17,7 @@ from cfemulator.api_common import (
     _tags_match,
     _upload_result,
 )
+from cfemulator.api_lifecycle import upload_source
 from cfemulator.envelope import ApiError
 from cfemulator.state import Script
 
@@ -44,12 +45,14 @@ class ScriptEndpoints:
         script = self._upload_stored(name, params["upload"], existing)
         if existing is None:
             self.scripts[name] = script
+        self._record_upload(script, script.upload, deployed=True, source=upload_source(request))
         return _ok(_upload_result(script))
 
     def _script_delete(self, request: ApiRequest, params: dict[str, Any]) -> ApiResponse:
         script = self.scripts.pop(params["script"], None)
         if script is None:
             raise ApiError(404, 10007)
+        self._forget_versions(script)
         self._release(script.sha)
         return _ok(None)
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from cfemulator.api_common import _now
 from cfemulator.bound import needs_own_workerd
+from cfemulator.compat import check_compatibility
 from cfemulator.envelope import ApiError
 from cfemulator.hostcode import write_bundle
 from cfemulator.state import Script
@@ -27,10 +28,17 @@ class CodeStore:
 
         Raises ApiError with Cloudflare's code for the first check it fails.
         """
+        upload = self._checked(name, upload, existing)
+        return self._store(name, upload, existing, propagates=propagates)
+
+    def _checked(self, name: str, upload: ScriptUpload, existing: Script | None) -> ScriptUpload:
+        """`upload` with its kept bindings, once it passes Cloudflare's checks against the
+        account (compatibility, binding targets, a start). Raises ApiError otherwise."""
+        check_compatibility(upload.compatibility_date, upload.compatibility_flags, self._runtime)
         upload = self._kept_bindings(upload, existing)
         self._check_binding_targets(upload)
         self._check_start(name, upload)
-        return self._store(name, upload, existing, propagates=propagates)
+        return upload
 
     def _check_binding_targets(self, upload: ScriptUpload) -> None:
         """A KV binding must name a KV namespace of the account (10042), a dispatch namespace

@@ -49,6 +49,7 @@ from urllib3 import HTTPHeaderDict
 
 from capabilities.workerd.host import WorkerdHost
 from cfemulator.api import API_PREFIX, CloudflareApi
+from cfemulator.compat import read_runtime
 from cfemulator.config import EmulatorConfig
 from cfemulator.cpumeter import CpuMeter
 from cfemulator.dynamic import DynamicWorkers
@@ -128,6 +129,7 @@ class EmulatorServer:
             start_check=lambda loader_id: server.start_check(loader_id),
             # The account outlives the process, as a Cloudflare account does.
             state_file=state_dir / "account.pickle",
+            runtime=read_runtime(workerd_binary),
         )
         server = cls(api=api, workerd=workerd, token=token, port=port)
         return server

@@ -56,6 +56,15 @@ class Script:
     # Where the last upload stands among all the account's uploads (a later one is higher):
     # a call for a version older than the one served goes to the one served.
     generation: int = 0
+    # Its versions, oldest first, and deployments, newest first (cfemulator.api_lifecycle):
+    # records only; each version's code is kept in memory, the served one on disk.
+    versions: tuple[dict[str, Any], ...] = ()
+    deployments: tuple[dict[str, Any], ...] = ()
+    # "wrangler" or "api": what made its last deployment (wrangler reads it before a deploy).
+    last_deployed_from: str = "api"
+    # Script-level settings that are no part of a version.
+    logpush: bool = False
+    observability: dict[str, Any] | None = None
 
     def serves(self, now: float) -> bool:
         """Whether the Workers runtime runs it at `now` (its workers.dev URL aside)."""
@@ -68,7 +77,7 @@ class Script:
             "created_on": self.created_on,
             "modified_on": self.modified_on,
             "usage_model": "standard",
-            "logpush": False,
+            "logpush": self.logpush,
             "has_modules": True,
             "has_assets": False,
         }
