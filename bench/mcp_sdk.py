@@ -15,12 +15,14 @@ on them under granian (one worker each, as bench/mcp.py runs one):
 
 Both get the same raw HTTP requests, as the official client sends them in the stateless
 revision (2026-07-28), over one keep-alive connection each, interleaved in rounds (the order
-alternating) so that drift and other load hit both alike: a tools/call of a capability with
-an input and an output schema, then the whole tools/list (six pages) of an agent that may call
-500 capabilities with contracts and Sigil's own tools. Prints p50 and p90 of each, the server's
-CPU per request, and each worker's resident memory when idle, after the calls and after the
-listings. Then it sends both the requests capabilities/tests/test_mcp.py sends by hand (errors,
-refusals, a session) and prints where their answers differ.
+turning) so that drift and other load hit both alike: a tools/call of a capability with an
+input and an output schema, then the whole tools/list (six pages) of an agent that may call
+500 capabilities with contracts and Sigil's own tools, and the tools/call again with those
+listed. Prints p50 and p90 of each, the server's CPU per request, and each worker's resident
+memory when idle, after the calls and after the listings. `--sdk-defaults 1` adds a third
+server, the SDK's as it comes (see bench/mcp_sdk_server.py). Then it sends both the requests
+capabilities/tests/test_mcp.py sends by hand (errors, refusals, a session) and prints where
+their answers differ.
 """
 
 from __future__ import annotations
@@ -113,6 +115,14 @@ def main() -> int:
                 for label in order(servers, round_number):
                     server = servers[label]
                     listings[label].timed(server, lambda s=server: [s.list_all(list_headers)[0] for _ in range(5)])
+            # The same call once the agent may call 500 more tools (sdk-defaults lists them all first).
+            calls_listed = {label: Samples() for label in servers}
+            for round_number in range(max(1, args.rounds // 4)):
+                for label in order(servers, round_number):
+                    server = servers[label]
+                    calls_listed[label].timed(
+                        server, lambda s=server: [s.call(tool_call, call_headers) for _ in range(args.batch)]
+                    )
             after_lists = {label: server.worker_mb() for label, server in servers.items()}
             peak = {label: server.worker_peak_mb() for label, server in servers.items()}
             probes = {label: probe(server, token) for label, server in servers.items()}
@@ -130,6 +140,10 @@ def main() -> int:
             f"{label:<12} {c.p50:>11.3f} ms {c.p90:>8.3f} {c.cpu_us:>5.0f} µs   "
             f"{lst.p50:>11.2f} ms {lst.p90:>8.2f} {lst.cpu_us / 1000:>5.1f} ms"
         )
+    print(f"tools/call again, {len(calls_listed['ours'].values)} each, the agent now with {LISTED} more tools:")
+    for label in servers:
+        c = calls_listed[label]
+        print(f"{label:<12} {c.p50:>11.3f} ms {c.p90:>8.3f} {c.cpu_us:>5.0f} µs")
     print(f"{'':<12} {'worker RSS, MB: idle':>21} {'after calls':>12} {'after lists':>12} {'peak':>8}")
     for label in servers:
         memory = (idle[label], after_calls[label], after_lists[label], peak[label])
