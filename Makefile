@@ -83,6 +83,7 @@ bench: install $(WRK)
 	$(PY) bench/pager.py
 	$(PY) bench/runtimes.py
 	$(PY) bench/mcp.py
+	$(PY) bench/mcp_sdk.py
 	$(PY) bench/cost_replay.py
 	$(PY) bench/emulator_limits.py
 	$(PY) bench/workerd_memory.py
