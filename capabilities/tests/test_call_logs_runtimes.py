@@ -253,7 +253,6 @@ def test_a_record_carries_the_calls_wall_time_and_its_cpu_time_where_the_runtime
     assert answer.status_code == 200, answer.text
     record = record_of(alice, "alice--slow", answer.headers["X-Request-Id"])
 
-    print("TIMES", record["wall_ms"], record["cpu_ms"])
     assert record["wall_ms"] >= WAIT_MS
     if on_runtime == "local":
         # Open-source workerd measures no CPU time: the record says it is not given.
