@@ -308,7 +308,8 @@ class WorkerProxy:
                         # Refused: the process was stopped (another call ran past a limit) before
                         # this one reached it. Nothing ran (no body was read), so it goes to the
                         # fresh one.
-                        refused = isinstance(exc, urllib3.exceptions.NewConnectionError) or getattr(exc, "refused", False)
+                        refused = isinstance(exc, urllib3.exceptions.NewConnectionError)
+                        refused = refused or getattr(exc, "refused", False)
                         if not restarted and refused and not body.started:
                             restarted = True
                             continue

@@ -5,8 +5,9 @@ namespace, Workers for Platforms' dispatch Worker) receives the call's TraceItem
 
 workerd produces the events (cfemulator.bound, TAIL_HEADER): a tailed script's process posts
 them here under its process key; the emulator names the producer (`scriptName`, and
-`dispatchNamespace` for a namespace script, which open-source workerd leaves empty) and
-hands them to each consumer's own process. Two differences from Cloudflare, both on the side
+`dispatchNamespace` for a namespace script, which open-source workerd leaves empty), gives
+each its call's wall and CPU time, which open-source workerd leaves at 0 (`cfemulator.timings`),
+and hands them to each consumer's own process. Two differences from Cloudflare, both on the side
 of less: a dispatch Worker's own events and its user Worker's reach the Tail Worker in two
 `tail()` calls rather than one of two items, and events no consumer takes in time are dropped
 with a warning in the emulator's log, as Cloudflare gives no guarantee of delivery either.
