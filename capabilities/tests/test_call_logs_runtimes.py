@@ -247,7 +247,7 @@ WAITS_AND_BURNS = f"""export default {{ async fetch() {{
 }} }}"""
 
 
-def test_a_record_carries_the_calls_wall_time_and_its_cpu_time_where_the_runtime_gives_it(on_runtime, alice):
+def test_a_record_carries_the_calls_wall_time_and_its_cpu_time_where_the_runtime_gives_it(on_runtime, alice, client):
     alice.deploy(name="slow", code=WAITS_AND_BURNS)
     answer = alice.call("/alice/slow")
     assert answer.status_code == 200, answer.text
@@ -257,6 +257,12 @@ def test_a_record_carries_the_calls_wall_time_and_its_cpu_time_where_the_runtime
     if on_runtime == "local":
         # Open-source workerd measures no CPU time: the record says it is not given.
         assert record["cpu_ms"] is None
+        shown = "CPU time not given by this runtime"
     else:
         # Cloudflare's trace gives it; the emulator measures it as its processes spend it.
         assert 0 < record["cpu_ms"] <= record["wall_ms"]
+        shown = f"{record['cpu_ms']:.1f} ms CPU"
+    client.force_login(User.objects.create_superuser("owner", password="x"))
+    capability = Capability.objects.get(full_name="alice--slow")
+    page = client.get(f"/admin/capabilities/capability/{capability.pk}/change/").content.decode()
+    assert f"{record['wall_ms']:.1f} ms, {shown}" in page
