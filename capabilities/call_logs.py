@@ -33,10 +33,11 @@ Keys:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -109,11 +110,14 @@ class RecordRefused(ValueError):
     """A record that is not one the host writes (malformed, or of no capability name)."""
 
 
-def call_record_clean(raw: dict, *, limits: LogLimits) -> tuple[str, dict]:
+def call_record_clean(
+    raw: dict, *, limits: LogLimits, version_of: Callable[[str, str], int | None] | None = None
+) -> tuple[str, dict]:
     """The capability's full name and the record as kept, from one record the tail posted.
 
     The host already applied the per-call bounds; they are applied again here so that the
-    store's bound holds whatever posts. Raises RecordRefused for a malformed record.
+    store's bound holds whatever posts. `version_of(slot, sha)` gives the version (by default
+    read from the slot's route). Raises RecordRefused for a malformed record.
     """
     if not isinstance(raw, dict):
         raise RecordRefused("a record is a JSON object")
@@ -160,7 +164,7 @@ def call_record_clean(raw: dict, *, limits: LogLimits) -> tuple[str, dict]:
         "cpu_ms": _float(raw.get("cpu_ms")),
         "cold": bool(raw.get("cold")),
         "sha": sha[:64],
-        "version": _version_of(slot, sha),
+        "version": (version_of or _version_of)(slot, sha),
         "logs": logs,
         "lines_cut": lines_cut,
         "lines_shortened": max(shortened, _int(raw.get("lines_shortened"))),
@@ -174,30 +178,42 @@ def call_records_keep(*, records: list, limits: LogLimits | None = None) -> int:
     """Keep the records one tail batch posted, each within the bounds; returns how many were
     kept. A record that is malformed or does not fit is counted as lost for its capability
     (or as undelivered, when it names none). Not idempotent: a batch posted twice is kept twice
-    (a pushed batch is claimed first: call_records_batch_claim)."""
+    (a pushed batch is claimed first: call_records_batch_claim).
+
+    The whole batch is kept in one round trip (a pipeline of one script call per record, run
+    in order), and each slot's route read once for it, not once a record: a batch holds the
+    records of every call that ended within a moment, and the sink takes them beside the calls.
+    """
     limits = limits or LogLimits.from_settings()
     client = get_redis()
     keep = client.register_script(KEEP_RECORD)
-    kept = 0
+    version_of = functools.cache(_version_of)
+    pipe = client.pipeline(transaction=False)
+    keeps = []  # for each command in the pipeline: whether it keeps a record
     now = time.time()
     for raw in records:
         try:
-            full, record = call_record_clean(raw, limits=limits)
+            full, record = call_record_clean(raw, limits=limits, version_of=version_of)
         except RecordRefused:
             full = raw.get("capability") if isinstance(raw, dict) else None
             if isinstance(full, str) and len(full) <= 200:
-                client.hincrby(LOST_KEY, full, 1)
+                pipe.hincrby(LOST_KEY, full, 1)
             else:
-                client.incr(UNDELIVERED_KEY)
+                pipe.incr(UNDELIVERED_KEY)
+            keeps.append(False)
             continue
         agent = full.partition(names.SEPARATOR)[0]
         encoded = json.dumps(record, separators=(",", ":"))
-        seq = keep(
+        keep(
             keys=[records_key(full), agent_bytes_key(agent), LOST_KEY, SEQ_KEY],
             args=[full, encoded, limits.records_per_capability, limits.agent_bytes, now, limits.retention_seconds],
+            client=pipe,
         )
-        kept += bool(seq)
-    return kept
+        keeps.append(True)
+    if not keeps:
+        return 0
+    answers = pipe.execute()
+    return sum(1 for keeping, seq in zip(keeps, answers, strict=True) if keeping and seq)
 
 
 # Notes a pushed batch as taken (KEYS[1], for ARGV[1] seconds) unless it was, and counts it as

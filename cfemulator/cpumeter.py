@@ -75,6 +75,20 @@ class _Metered:
         return spent
 
 
+def _charge(metered: _Metered) -> bool:
+    """Charge what `metered` spent since the last look to its calls, in equal shares; False
+    when nothing could be charged (no calls, or the process is gone). Under the meter's lock."""
+    cpu_ms, at = process_cpu_ms(metered.pid), time.monotonic()
+    if cpu_ms is None or metered.last_cpu_ms is None or not metered.tickets:
+        metered.last_cpu_ms, metered.last_at = cpu_ms, at
+        return False
+    share = metered.spent_ms(cpu_ms, at) / len(metered.tickets)
+    metered.last_cpu_ms, metered.last_at = cpu_ms, at
+    for ticket in metered.tickets:
+        ticket.used_ms += share
+    return True
+
+
 class CpuMeter:
     """The watchdog over the calls in flight. Thread-safe; `start()` runs its thread."""
 
@@ -116,6 +130,9 @@ class CpuMeter:
             yield ticket
         finally:
             with self._lock:
+                # What the process spent since the last look is the call's too (its CPU time
+                # in its trace: cfemulator.timings); it is over, so no limit is checked.
+                _charge(metered)
                 metered.tickets.remove(ticket)
                 if not metered.tickets and self._processes.get(pid) is metered:
                     del self._processes[pid]
@@ -130,14 +147,8 @@ class CpuMeter:
         stopping: list[tuple[_Metered, Ticket]] = []
         with self._lock:
             for metered in self._processes.values():
-                cpu_ms, at = process_cpu_ms(metered.pid), time.monotonic()
-                if cpu_ms is None or metered.last_cpu_ms is None or not metered.tickets:
-                    metered.last_cpu_ms, metered.last_at = cpu_ms, at
+                if not _charge(metered):
                     continue
-                share = metered.spent_ms(cpu_ms, at) / len(metered.tickets)
-                metered.last_cpu_ms, metered.last_at = cpu_ms, at
-                for ticket in metered.tickets:
-                    ticket.used_ms += share
                 worst = max(metered.tickets, key=Ticket.over_ms)
                 if worst.over_ms() > grace:
                     # They shared the process that is stopped, as calls sharing an isolate do.

@@ -43,6 +43,7 @@ from cfemulator.errorpages import INTERNAL_ERROR, ErrorAnswer, error_answer
 from cfemulator.hostcode import LOADER_ID_HEADER, SECRET_HEADER
 from cfemulator.limits import WORKER_EXCEEDED, call_cpu_ms, exceeded_answer
 from cfemulator.scripts import ScriptProcess
+from cfemulator.timings import CallTimes, new_ray
 from cfemulator.tunnel import UPGRADE_HEADERS, Handshake, HandshakeFailed, is_websocket_upgrade, relay
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ class WorkerProxy:
             )
             if hop_by_hop or emulators:
                 continue
-            if lower == "cf-connecting-ip" and not host.endswith(DISPATCH_SUFFIX):
+            if lower in ("cf-connecting-ip", "cf-ray") and not host.endswith(DISPATCH_SUFFIX):
                 continue  # Cloudflare writes its own (below)
             if lower == "host" and (original_host or door):
                 value = original_host or host
@@ -141,6 +142,9 @@ class WorkerProxy:
             # Cloudflare names the address its front door was called from on every request to a
             # Worker (a dispatch namespace's script gets its dispatch Worker's request as it is).
             headers["CF-Connecting-IP"] = self.client_address[0]
+        # Every request to a Worker has a ray id; the call's trace names it (cfemulator.timings).
+        ray = headers.get("CF-Ray") or new_ray()
+        headers["CF-Ray"] = ray
         if body.length:  # urllib3 frames an empty one as the method expects
             headers["Content-Length"] = str(body.length)
         if not target.runs_bound:
@@ -173,8 +177,9 @@ class WorkerProxy:
             self._log_dispatch(host, limits, answer.status, target)
             self._send(answer.status, answer.body, answer.content_type, answer.headers + ([mark] if dispatched else []))
 
+        traced = (target.key, ray) if target.tails else None
         try:
-            self._run(acquire, limit_ms, body, send, answered)
+            self._run(acquire, limit_ms, body, send, answered, traced=traced)
         except LimitExceeded as exceeded:
             answer = exceeded_answer(host=original_host or host, accept=self.headers.get("Accept"))
             answer_for_cloudflare(answer, (EXCEEDED_HEADER, exceeded.reason))
@@ -234,8 +239,10 @@ class WorkerProxy:
                 _entrypoint_limits(self.headers.get(DYNAMIC_ENTRYPOINT_HEADER)),
                 default=emulator.api.config.default_cpu_ms,
             )
+            # The request its loader Worker passed on, with that call's ray id, if any.
+            ray = headers.get("CF-Ray")
             with emulator.dynamic.call(key) as acquire:
-                self._run(acquire, limit_ms, body, send, answered)
+                self._run(acquire, limit_ms, body, send, answered, traced=(key, ray) if ray else None)
         except UnknownDynamicWorker:
             self.close_connection = not body.finished
             self._send(404, b"the emulator holds no such Dynamic Worker\n", "text/plain", [(NOT_FOUND_HEADER, "1")])
@@ -263,10 +270,14 @@ class WorkerProxy:
         body: RequestBody,
         send: Callable[[int], Any],
         answered: Callable[[Any], None],
+        *,
+        traced: tuple[str, str] | None = None,
     ) -> None:
         """Run one call in its own workerd (`acquire()` finds it, started): `send(port)` sends
         it there and returns the answer, which is metered against `limit_ms` of CPU until
         `answered` has relayed it (a streamed answer, or a WebSocket session, keeps it running).
+        `traced`: the process key and ray id the call's times are noted under, for its trace
+        (cfemulator.timings).
 
         Raises LimitExceeded when it ran past a limit before answering, RuntimeError when
         workerd cannot start, urllib3's errors or HandshakeFailed when workerd does not answer.
@@ -281,28 +292,36 @@ class WorkerProxy:
                     restarted = True
                     continue
                 raise RuntimeError("its workerd keeps stopping")
-            sent_at = time.time()
-            with emulator.meter.call(
-                pid=pid, stop=running.stop_for_cpu, limit_ms=limit_ms, silent=running.silent
-            ) as ticket:
-                try:
-                    upstream = send(running.port)
-                except (urllib3.exceptions.HTTPError, HandshakeFailed) as exc:
-                    if ticket.exceeded:
-                        raise LimitExceeded("cpu") from None
-                    reason = running.stopped_for(sent_at)
-                    if reason is not None:
-                        raise LimitExceeded(reason) from None
-                    # Refused: the process was stopped (another call ran past a limit) before
-                    # this one reached it. Nothing ran (no body was read), so it goes to the
-                    # fresh one.
-                    refused = isinstance(exc, urllib3.exceptions.NewConnectionError) or getattr(exc, "refused", False)
-                    if not restarted and refused and not body.started:
-                        restarted = True
-                        continue
-                    raise
-                answered(upstream)
-                return
+            sent_at, began, reached = time.time(), time.monotonic(), False
+            try:
+                with emulator.meter.call(
+                    pid=pid, stop=running.stop_for_cpu, limit_ms=limit_ms, silent=running.silent
+                ) as ticket:
+                    try:
+                        upstream = send(running.port)
+                    except (urllib3.exceptions.HTTPError, HandshakeFailed) as exc:
+                        if ticket.exceeded:
+                            raise LimitExceeded("cpu") from None
+                        reason = running.stopped_for(sent_at)
+                        if reason is not None:
+                            raise LimitExceeded(reason) from None
+                        # Refused: the process was stopped (another call ran past a limit) before
+                        # this one reached it. Nothing ran (no body was read), so it goes to the
+                        # fresh one.
+                        refused = isinstance(exc, urllib3.exceptions.NewConnectionError)
+                        refused = refused or getattr(exc, "refused", False)
+                        if not restarted and refused and not body.started:
+                            restarted = True
+                            continue
+                        raise
+                    reached = True
+                    answered(upstream)
+                    return
+            finally:
+                # Noted once the meter has charged the call's last CPU (on leaving it).
+                if reached and traced is not None:
+                    times = CallTimes(wall_ms=(time.monotonic() - began) * 1000, cpu_ms=ticket.used_ms)
+                    emulator.timings.noted(*traced, times)
 
     def _hold_process(self, target: WorkerTarget) -> ScriptProcess:
         """The process that runs `target`, with this call in flight on it until the call's

@@ -58,6 +58,7 @@ from cfemulator.handler import HttpServer
 from cfemulator.hostcode import HostUnanswered, start_problem
 from cfemulator.scripts import ScriptProcesses
 from cfemulator.tails import TailRelay
+from cfemulator.timings import CallTimings
 from cfemulator.tunnel import Handshake, open_upgrade
 
 LISTEN_ADDRESS = "127.0.0.1"
@@ -91,7 +92,8 @@ class EmulatorServer:
         )
         self.meter = CpuMeter(grace_ms=lambda: self.api.config.cpu_grace_ms)
         self.dynamic = DynamicWorkers(scripts=self.scripts, idle_seconds=lambda: self.api.config.dynamic_idle_seconds)
-        self.tails = TailRelay(api=api, scripts=self.scripts, dynamic=self.dynamic)
+        self.timings = CallTimings()
+        self.tails = TailRelay(api=api, scripts=self.scripts, dynamic=self.dynamic, timings=self.timings)
         self._requested_port = port
         self._http: HttpServer | None = None
         self._thread: threading.Thread | None = None

@@ -270,8 +270,13 @@ class CallRecordSerializer(serializers.Serializer):
     request_id = serializers.CharField(help_text="The X-Request-Id the caller saw.")
     outcome = serializers.CharField(help_text="How the call ended, in the runtime's words: ok, exception, …")
     status = serializers.IntegerField(allow_null=True, help_text="The status the capability answered, if it did.")
-    wall_ms = serializers.FloatField(allow_null=True)
-    cpu_ms = serializers.FloatField(allow_null=True, help_text="Where the runtime reports it (0 on workerd).")
+    wall_ms = serializers.FloatField(
+        allow_null=True, help_text="The call's wall time in ms, from its start until it was over."
+    )
+    cpu_ms = serializers.FloatField(
+        allow_null=True,
+        help_text="The CPU time its code used, in ms; null: not given by this runtime (the local runtime's workerd).",
+    )
     cold = serializers.BooleanField(help_text="The first call its isolate served.")
     version = serializers.IntegerField(allow_null=True)
     logs = CallLogLineSerializer(many=True)

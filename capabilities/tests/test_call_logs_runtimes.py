@@ -234,3 +234,35 @@ def test_records_past_the_spools_bound_are_counted_as_lost(on_runtime, sigil, al
         assert 'sigil_call_records_lost_total{why="undelivered"} 1.0' in metrics
     finally:
         origin.close()
+
+
+# Waits WAIT_MS on a timer, then burns CPU for a while (a fixed count of steps: workerd's
+# clock does not move while code runs).
+WAIT_MS = 200
+WAITS_AND_BURNS = f"""export default {{ async fetch() {{
+  await new Promise((resolve) => setTimeout(resolve, {WAIT_MS}));
+  let x = 0;
+  for (let i = 0; i < 20000000; i++) x = (x * 31 + i) | 0;
+  return new Response(String(x));
+}} }}"""
+
+
+def test_a_record_carries_the_calls_wall_time_and_its_cpu_time_where_the_runtime_gives_it(on_runtime, alice, client):
+    alice.deploy(name="slow", code=WAITS_AND_BURNS)
+    answer = alice.call("/alice/slow")
+    assert answer.status_code == 200, answer.text
+    record = record_of(alice, "alice--slow", answer.headers["X-Request-Id"])
+
+    assert record["wall_ms"] >= WAIT_MS
+    if on_runtime == "local":
+        # Open-source workerd measures no CPU time: the record says it is not given.
+        assert record["cpu_ms"] is None
+        shown = "CPU time not given by this runtime"
+    else:
+        # Cloudflare's trace gives it; the emulator measures it as its processes spend it.
+        assert 0 < record["cpu_ms"] <= record["wall_ms"]
+        shown = f"{record['cpu_ms']:.1f} ms CPU"
+    client.force_login(User.objects.create_superuser("owner", password="x"))
+    capability = Capability.objects.get(full_name="alice--slow")
+    page = client.get(f"/admin/capabilities/capability/{capability.pk}/change/").content.decode()
+    assert f"{record['wall_ms']:.1f} ms, {shown}" in page

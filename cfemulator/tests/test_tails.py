@@ -99,3 +99,39 @@ def test_a_dispatch_workers_tail_worker_receives_its_user_workers_events(api, cf
 def test_a_malformed_tail_consumers_list_is_refused(api, consumers):
     response = api.upload("noisy", NOISY, metadata={"tail_consumers": consumers})
     assert response.status_code == 400 and first_error(response) == 10021
+
+
+# Waits on a timer, then spends CPU (a fixed count of steps: workerd's clock stands still while
+# code runs).
+WAIT_MS = 150
+SLOW = f"""export default {{ async fetch() {{
+  await new Promise((resolve) => setTimeout(resolve, {WAIT_MS}));
+  let x = 0;
+  for (let i = 0; i < 20000000; i++) x = (x * 31 + i) | 0;
+  return new Response(String(x));
+}} }}"""
+
+
+def test_each_event_carries_its_calls_wall_and_cpu_time_and_names_its_ray(api, cf_emulator_fresh):
+    seen = api.kv_namespace("seen")
+    api.upload("tail", TAIL, metadata={"bindings": [{**kv_binding(seen), "name": "SEEN"}]})
+    api.upload("slow", SLOW, metadata={"tail_consumers": [{"service": "tail"}]})
+    api.upload("quick", NOISY, metadata={"tail_consumers": [{"service": "tail"}]})
+    api.enable("slow")
+    api.enable("quick")
+    # A caller's own ray id is not the call's: Cloudflare's front door gives each its own.
+    slow = cf_emulator_fresh.worker_request(
+        cf_emulator_fresh.workers_dev_host("slow"), "/", headers={"CF-Ray": "0000000000000000-XXX"}
+    )
+    quick = cf_emulator_fresh.worker_request(cf_emulator_fresh.workers_dev_host("quick"), "/ok")
+    assert (slow.status_code, quick.status_code) == (200, 200)
+
+    events = wait_for(lambda: (found := seen_events(api, seen)) and len(found) >= 2 and found, timeout=20)
+    by_script = {event["scriptName"]: event for event in events}
+    timed, untimed = by_script["slow"], by_script["quick"]
+    assert timed["wallTime"] >= WAIT_MS and timed["cpuTime"] > 0
+    assert timed["cpuTime"] <= timed["wallTime"] + 10  # the meter counts in 10 ms ticks
+    assert untimed["wallTime"] < timed["wallTime"]
+    rays = {event["event"]["request"]["headers"]["cf-ray"] for event in events}
+    assert len(rays) == 2 and "0000000000000000-XXX" not in rays
+    assert all(ray.endswith("-EMU") and len(ray) == 20 for ray in rays)

@@ -326,10 +326,23 @@ function cut(text, maxBytes) {
   return [new TextDecoder().decode(bytes.subarray(0, maxBytes)), true];
 }
 
+// A call's wall and CPU time in ms. Cloudflare's trace gives both (wallTime, cpuTime), and so
+// does its emulator. Open-source workerd gives 0 for both, so where the host runs on it (the
+// local runtime, which has LOG_SINK) `tailedAt` is the time the call's events reached the
+// tail, which workerd hands them once the call is over: the wall time is measured from the
+// call's start (eventTimestamp) to then, and the CPU time, which nothing here can measure, is
+// null, "not given by this runtime", never a 0 that reads as a call that took no time.
+function timesOf(event, tailedAt) {
+  if (tailedAt === undefined) return { wall_ms: event.wallTime ?? null, cpu_ms: event.cpuTime ?? null };
+  const wall = typeof event.eventTimestamp === "number" ? Math.max(0, tailedAt - event.eventTimestamp) : null;
+  return { wall_ms: wall, cpu_ms: null };
+}
+
 // One tail event as a call's record, or null for the host's own calls into the isolate (the
 // start check, a retire), which carry no request id. `props`: the slot, the code's sha, the
 // loader cache id (whose first event is the cold call; none: not known) and the secrets.
-export function callRecord(event, props, limits) {
+// `tailedAt`: where the runtime gives no times, when the event reached the tail (timesOf).
+export function callRecord(event, props, limits, tailedAt) {
   const request = event.event && event.event.request;
   const requestId = request && request.headers && request.headers["x-request-id"];
   if (!requestId) return null;
@@ -365,8 +378,7 @@ export function callRecord(event, props, limits) {
     at: event.eventTimestamp / 1000,
     outcome: event.outcome,
     status: response && typeof response.status === "number" ? response.status : null,
-    wall_ms: event.wallTime ?? null,
-    cpu_ms: event.cpuTime ?? null,
+    ...timesOf(event, tailedAt),
     cold,
     logs,
     lines_cut: linesCut,
@@ -380,9 +392,11 @@ export function callRecord(event, props, limits) {
 // The tail events of calls, as records queued for the channel's next batch (channel.js).
 // `propsOf(event)` gives each event's props (callRecord).
 export async function tailEvents(events, env, propsOf) {
+  // On the local runtime (LOG_SINK) workerd gives no times: the host measures the wall time.
+  const tailedAt = env.LOG_SINK ? Date.now() : undefined;
   const limits = channelLimits(env);
   for (const event of events) {
-    const record = callRecord(event, propsOf(event), limits);
+    const record = callRecord(event, propsOf(event), limits, tailedAt);
     if (record) queueRecord(record);
   }
   await deliver(env, limits);
