@@ -21,6 +21,7 @@ from agents import egress, services, tokens
 from agents.models import Agent, AuditEvent, Token
 from agents.names import validate_agent_name
 from agents.tokens import TokenState
+from sigil import redis_keys
 from sigil.console import (
     ButtonsOnly,
     OptionsFilter,
@@ -281,7 +282,7 @@ def _issued_key(request, token: Token) -> str:
     # Bound to the session that issued it: another owner's session cannot read it.
     if not request.session.session_key:
         request.session.save()
-    return f"sigil:token-issued:{token.pk}:{hashlib.sha256(request.session.session_key.encode()).hexdigest()}"
+    return redis_keys.token_issued(token.pk, hashlib.sha256(request.session.session_key.encode()).hexdigest())
 
 
 def issued_secret_keep(request, token: Token, secret: str) -> None:

@@ -11,6 +11,7 @@ from rest_framework.authentication import BaseAuthentication, SessionAuthenticat
 from agents import tokens
 from agents.selectors import parse_bearer
 from agents.throttle import FailedAuthThrottle
+from sigil import redis_keys
 from sigil.errors import WWW_AUTHENTICATE
 from sigil.redis_client import get_redis
 
@@ -30,7 +31,7 @@ class BearerTokenAuthentication(BaseAuthentication):
         throttle = FailedAuthThrottle.from_settings()
         address = throttle.address(request.META)
         client = get_redis()
-        cached, failures = client.mget(tokens.cache_key(tokens.hash_secret(secret)), throttle.key(address))
+        cached, failures = client.mget(redis_keys.token(tokens.hash_secret(secret)), throttle.key(address))
         principal = throttle.authenticate(client, address, secret, cached=cached, failures=failures)
         return principal, principal.scope
 

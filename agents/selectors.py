@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from agents import tokens
 from agents.models import Agent, Token
 from agents.tokens import Principal
+from sigil import redis_keys
 from sigil.errors import NotFound, Unauthenticated
 from sigil.redis_client import get_redis
 
@@ -27,7 +28,7 @@ def token_authenticate_hash(token_hash: str, *, cached: bytes | None = None) -> 
     secret Sigil did not keep, so that a token revoked since stops it. Raises Unauthenticated."""
     now = time.time()
     if cached is None:
-        cached = get_redis().get(tokens.cache_key(token_hash))
+        cached = get_redis().get(redis_keys.token(token_hash))
     if cached is None:
         cached = _fill_cache(token_hash)
     principal = tokens.decode(token_hash, cached, now)
@@ -42,7 +43,7 @@ def _fill_cache(token_hash: str) -> bytes:
     token = Token.objects.select_related("agent").filter(secret_hash=token_hash).first()
     value = token_copy(token, now_epoch=time.time())
     ttl = tokens.NEGATIVE_TTL_SECONDS if value in tokens.REFUSALS else tokens.POSITIVE_TTL_SECONDS
-    key = tokens.cache_key(token_hash)
+    key = redis_keys.token(token_hash)
     redis = get_redis()
     if not redis.set(key, value, ex=ttl, nx=True):
         value = redis.get(key) or value

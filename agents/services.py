@@ -21,6 +21,7 @@ from django.utils import timezone
 from agents import a2a, egress, jobs, tokens
 from agents.models import Agent, AuditEvent, Scope, Token
 from agents.names import validate_agent_name
+from sigil import redis_keys
 from sigil.edge_state import edge_mark, token_key
 from sigil.errors import Conflict, InvalidRequest, QuotaExceeded
 from sigil.redis_client import get_redis
@@ -249,9 +250,9 @@ def _write_tombstones(hashes: list[str], *, delete: bool = False, value: bytes =
     pipe = get_redis().pipeline(transaction=False)
     for token_hash in hashes:
         if delete:
-            pipe.delete(tokens.cache_key(token_hash))
+            pipe.delete(redis_keys.token(token_hash))
         else:
-            pipe.set(tokens.cache_key(token_hash), value, ex=tokens.POSITIVE_TTL_SECONDS)
+            pipe.set(redis_keys.token(token_hash), value, ex=tokens.POSITIVE_TTL_SECONDS)
     pipe.execute()
 
 

@@ -25,6 +25,7 @@ from django.conf import settings
 
 from agents.selectors import token_authenticate
 from agents.tokens import Principal, stamp_used
+from sigil import redis_keys
 from sigil.configured import FromSettings, setting
 from sigil.errors import RateLimited, Unauthenticated
 
@@ -59,7 +60,7 @@ class FailedAuthThrottle(FromSettings):
 
     @staticmethod
     def key(address: str) -> str:
-        return f"sigil:authfail:{address}"
+        return redis_keys.auth_failures(address)
 
     def check(self, client: redis.Redis, address: str, failures: bytes | None) -> None:
         """Raise RateLimited when `failures` (the value of key(address), read by the caller

@@ -1,6 +1,6 @@
 """The Redis copy of every token's authority, read by the gateway and the API on each call.
 
-`sigil:token:{sha256}` holds `agent_id|agent_name|scope|expires_epoch|calls|placements` for a
+`redis_keys.token(sha256)` holds `agent_id|agent_name|scope|expires_epoch|calls|placements` for a
 usable token (the last two: the agent's own caps on its calls and placements in flight, empty
 for the defaults), a tombstone `-` for a revoked, expired or unknown one, and `-disabled` for a
 live token of an agent the owner disabled (so that its refusal can say so). Writers (issue,
@@ -20,6 +20,8 @@ from datetime import datetime
 import redis
 from django.db.models import Q
 
+from sigil import redis_keys
+
 TOKEN_PREFIX = "sgl_"
 TOMBSTONE = b"-"
 DISABLED = b"-disabled"
@@ -29,10 +31,6 @@ REFUSALS = (TOMBSTONE, DISABLED)
 POSITIVE_TTL_SECONDS = 300
 NEGATIVE_TTL_SECONDS = 30
 
-# Last-use stamps: token hash → epoch seconds (as text) of its latest use, moved into
-# Token.last_used_at by the stats flush. The gateway's record script stamps every call it
-# records; the API and MCP stamp through stamp_used().
-USED_KEY = "sigil:tokens:used"
 # A process stamps a token at most this often: "last used" is for an owner pruning unused
 # tokens, to the minute; a stamp per request would cost the API one more Redis round trip.
 STAMP_INTERVAL_SECONDS = 60
@@ -87,10 +85,6 @@ def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def cache_key(token_hash: str) -> str:
-    return f"sigil:token:{token_hash}"
-
-
 def encode(
     agent_id: int,
     agent_name: str,
@@ -125,7 +119,7 @@ _stamped_at: dict[str, float] = {}
 def stamp_due(token_hash: str) -> bool:
     """Whether this process should stamp the token now (and, if so, counts it as stamped):
     false within STAMP_INTERVAL_SECONDS of its last stamp here. No I/O, so an async caller
-    can decide before it writes `USED_KEY` with its own client."""
+    can decide before it writes `redis_keys.TOKENS_USED` with its own client."""
     now = time.monotonic()
     last = _stamped_at.get(token_hash)
     if last is not None and now - last < STAMP_INTERVAL_SECONDS:
@@ -135,7 +129,8 @@ def stamp_due(token_hash: str) -> bool:
 
 
 def stamp_now() -> str:
-    """The value of a stamp in USED_KEY: epoch seconds, as the gateway's record script writes."""
+    """The value of a stamp in redis_keys.TOKENS_USED: epoch seconds, as the gateway's record
+    script writes."""
     return f"{time.time():.6f}"
 
 
@@ -144,5 +139,5 @@ def stamp_used(client: redis.Redis, token_hash: str) -> bool:
     STAMP_INTERVAL_SECONDS (then no Redis round trip at all). Returns whether it wrote."""
     if not stamp_due(token_hash):
         return False
-    client.hset(USED_KEY, token_hash, stamp_now())
+    client.hset(redis_keys.TOKENS_USED, token_hash, stamp_now())
     return True

@@ -42,6 +42,7 @@ import time
 
 import harness
 
+from sigil import redis_keys
 from sigil.ports import free_port
 
 AGENT = "bench"
@@ -184,7 +185,6 @@ def on_the_emulator(args: argparse.Namespace) -> int:
 
     from agents import services as agent_services
     from capabilities import call_logs
-    from capabilities.runtimes.cloudflare import API_CALLS_KEY
     from sigil.redis_client import get_redis
     from testsupport.servers import server_command
 
@@ -226,14 +226,14 @@ def on_the_emulator(args: argparse.Namespace) -> int:
             path, full = f"/{AGENT}/{name}/call", f"{AGENT}--{name}"
             delays = readable_after(port, harness.bearer(invoke), path, full, args.calls)
             pushes, api_logged = call_logs.call_records_pushes()[0], len(emulator.api.request_log())
-            api_counted = int(get_redis().get(API_CALLS_KEY) or 0)
+            api_counted = int(get_redis().get(redis_keys.CF_CALLS) or 0)
             calls = steady_calls(port, harness.bearer(invoke), path, full, rate=args.rate, seconds=args.seconds)
             results[backend] = {
                 "delays": delays,
                 "calls": calls,
                 "pushes": call_logs.call_records_pushes()[0] - pushes,
                 "api_logged": len(emulator.api.request_log()) - api_logged,
-                "api_counted": int(get_redis().get(API_CALLS_KEY) or 0) - api_counted,
+                "api_counted": int(get_redis().get(redis_keys.CF_CALLS) or 0) - api_counted,
             }
     finally:
         for process in servers:

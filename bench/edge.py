@@ -52,6 +52,7 @@ from urllib.parse import urlsplit
 import harness
 
 from capabilities.engine.upstream import UpstreamClient, UpstreamTimeout, UpstreamUnreachable
+from sigil import redis_keys
 from sigil.ports import free_port_block
 
 AGENT = "bench"
@@ -59,7 +60,6 @@ NAME = "hello"
 REPLY = "hello from a capability"
 CODE = f"export default {{ async fetch() {{ return new Response({json.dumps(REPLY)}) }} }}"
 RUNNING = "Sigil is running at"
-APPLIED = "sigil:edge:reports"  # capabilities/stats.py:EDGE_REPORTS_KEY
 NAMESPACE = "sigil"  # SIGIL_PLATFORM_NAMESPACE's default
 
 # The targets of issue 29: the edge adds at most this much p50 over the straight dispatch, and
@@ -329,7 +329,7 @@ class EdgeSigil:
         return targets
 
     def applied(self) -> int:
-        return int(self.redis.hget(APPLIED, "applied") or 0)
+        return int(self.redis.hget(redis_keys.EDGE_REPORTS, "applied") or 0)
 
     def wait_for_the_edge(self, edge_url: str = "", *, patience: float = 90.0) -> None:
         """Call `edge_url` (the capability `hello`'s) until a call is reported by the edge

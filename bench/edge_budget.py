@@ -31,10 +31,9 @@ from urllib.parse import urlsplit
 import harness
 from edge import AGENT, EdgeSigil
 
+from sigil import redis_keys
 from sigil.ports import free_port_block
 
-API_CALLS = "sigil:cf:calls"  # capabilities/runtimes/cloudflare/client.py:API_CALLS_KEY
-RATE_LIMITED = "sigil:cf:rate_limited"  # API_RATE_LIMITED_KEY
 TRAFFIC = ("hello", "other")
 ANSWERS = "export default {{ async fetch() {{ return new Response('{}') }} }}"
 EVICT = """
@@ -132,14 +131,14 @@ def main() -> int:
         sigil.wait_for_the_edge(other)
         before = timed_control_plane(sigil, runs=args.runs, tag="before")
 
-        api_calls = int(sigil.redis.get(API_CALLS) or 0)
-        rate_limited = int(sigil.redis.get(RATE_LIMITED) or 0)
+        api_calls = int(sigil.redis.get(redis_keys.CF_CALLS) or 0)
+        rate_limited = int(sigil.redis.get(redis_keys.CF_RATE_LIMITED) or 0)
         started = time.time()
         with Caller([sigil.edge_url, other], sigil.invoke, rate=args.rate) as caller:
             time.sleep(args.minutes * 60)
         ended = time.time()
-        spent = int(sigil.redis.get(API_CALLS) or 0) - api_calls
-        refused = int(sigil.redis.get(RATE_LIMITED) or 0) - rate_limited
+        spent = int(sigil.redis.get(redis_keys.CF_CALLS) or 0) - api_calls
+        refused = int(sigil.redis.get(redis_keys.CF_RATE_LIMITED) or 0) - rate_limited
         emulator = http.client.HTTPConnection(urlsplit(sigil.emulator).hostname, urlsplit(sigil.emulator).port)
         _, body = harness.request(emulator, "GET", "/__emulator/requests")
         emulator.close()

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 import harness
 
+from sigil import redis_keys
 from sigil.ports import free_port, free_port_block
 
 AGENT = "bench"
@@ -42,7 +43,6 @@ FLAKY = """export default { async fetch(request) {
   return new Response('ok');
 } }"""
 THROWS = "export default { async fetch() { throw new Error('kaput') } }"
-APPLIED = "sigil:edge:reports"  # capabilities/stats.py:EDGE_REPORTS_KEY
 
 
 class EdgeSigil:
@@ -106,7 +106,7 @@ class EdgeSigil:
         return response.status, error
 
     def applied(self) -> int:
-        return int(self.redis.hget(APPLIED, "applied") or 0)
+        return int(self.redis.hget(redis_keys.EDGE_REPORTS, "applied") or 0)
 
     def served_at_edge(self, path: str, *, patience: float = 60.0) -> None:
         """Call `path` until a call of it is reported by the edge (not served by the origin)."""
@@ -142,7 +142,7 @@ class EdgeSigil:
         tripped = time.perf_counter()
         opened = None
         while True:
-            if opened is None and self.redis.exists(f"sigil:breaker:open:{full}"):
+            if opened is None and self.redis.exists(redis_keys.breaker_open(full)):
                 opened = (time.perf_counter() - tripped) * 1000
             status, error = self.call(f"/{AGENT}/{name}")
             if status == 503 and error.get("code") == "degraded":

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from harness import options
 
+from sigil import redis_keys
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -89,13 +91,13 @@ def fill(redis, pager, size: int) -> None:
     for i in range(size):
         kind = ("ephemeral", "normal", "persistent")[i % 3]
         full = f"a{i % 8}--{kind[0]}{i}"
-        pipe.zadd(pager.lru_key(kind), {full: now - rng.random() * 86400})
+        pipe.zadd(redis_keys.lru(kind), {full: now - rng.random() * 86400})
         if kind == "ephemeral":
             # A few have expired: they go first whatever their last access.
-            pipe.zadd(pager.EXPIRY_KEY, {full: now - 60 if i % 300 == 0 else now + 3600})
+            pipe.zadd(redis_keys.LRU_EXPIRY, {full: now - 60 if i % 300 == 0 else now + 3600})
         if i % 5000 == 4999:
             pipe.execute()
-    pipe.set(pager.BUILT_KEY, 1)
+    pipe.set(redis_keys.LRU_BUILT, 1)
     pipe.execute()
 
 

@@ -7,7 +7,7 @@ This sends that pair `--calls` times, `--concurrency` calls at a time, on one ev
 through redis-py's asyncio client (with hiredis) and through the engine's pipelined
 connection (sigil/pipelined_redis.py), and prints the client process's CPU time per pair and
 the pairs per second. It uses the Redis at REDIS_URL, or starts the bundled one, and touches
-only keys under `sigil:bench:`.
+only its own keys (redis_keys.bench).
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import redis.asyncio as aioredis
 import uvloop
 from harness import client_cost, fresh_var_dir, options
 
+from sigil import redis_keys
 from sigil.embedded_redis import EmbeddedRedis
 from sigil.pipelined_redis import PipelinedRedis
 
-KEYS = [f"sigil:bench:{name}" for name in ("token", "route", "breaker", "failures")]
+KEYS = [redis_keys.bench(name) for name in ("token", "route", "breaker", "failures")]
 SCRIPT = "redis.call('HINCRBY', KEYS[1], 'calls', 1) return 0"
-COUNTER = "sigil:bench:counter"
+COUNTER = redis_keys.bench("counter")
 
 
 async def with_redis_py(url: str, calls: int, concurrency: int) -> None:

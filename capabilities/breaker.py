@@ -25,23 +25,14 @@ from dataclasses import dataclass, field
 
 from capabilities import failures
 from capabilities.models import BreakerState
+from sigil import redis_keys
 from sigil.configured import FromSettings, setting
 from sigil.errors import Degraded
-from sigil.redis_client import get_redis, key_family
+from sigil.redis_client import get_redis
 
 # The open key's value when the owner forced the breaker; otherwise it holds the epoch
 # (seconds) the cool-down ends at.
 FORCED = b"forced"
-
-
-# A capability's breaker keys, by its full name. `open`: absent while closed, FORCED while
-# forced, else the epoch its cool-down ends at (half-open after). `failures`: failures in a row
-# since the last success. `trial`: held by a half-open breaker's one trial call (expiring after
-# a cool-down). `forced-by`: who forced it open and when (JSON), while it is forced.
-open_key = key_family("sigil:breaker:open")
-failures_key = key_family("sigil:breaker:failures")
-trial_key = key_family("sigil:breaker:trial")
-forced_by_key = key_family("sigil:breaker:forced-by")
 
 
 class Status(enum.StrEnum):
@@ -121,14 +112,19 @@ class Breaker(FromSettings):
         if status == Status.OPEN:
             raise Degraded(f"{full} is degraded after repeated failures", retry_after=float(raw) - now)
         ttl_ms = int(self.cooldown_seconds * 1000) or 1000
-        if not redis.set(trial_key(full), 1, nx=True, px=ttl_ms):
+        if not redis.set(redis_keys.breaker_trial(full), 1, nx=True, px=ttl_ms):
             raise Degraded(f"{full} is degraded; a trial call is in progress", retry_after=1)
         return True
 
 
 def breaker_reset(*, full: str) -> None:
     """Close `full`'s breaker now, forced or not, forgetting its failures. Idempotent."""
-    get_redis().delete(open_key(full), failures_key(full), trial_key(full), forced_by_key(full))
+    get_redis().delete(
+        redis_keys.breaker_open(full),
+        redis_keys.breaker_failures(full),
+        redis_keys.breaker_trial(full),
+        redis_keys.breaker_forced_by(full),
+    )
 
 
 def breaker_force(*, full: str, actor: str = "", now: float | None = None) -> None:
@@ -136,9 +132,9 @@ def breaker_force(*, full: str, actor: str = "", now: float | None = None) -> No
     in progress ends. Idempotent (forcing again keeps the first actor and time)."""
     now = time.time() if now is None else now
     pipe = get_redis().pipeline(transaction=True)
-    pipe.set(open_key(full), FORCED)
-    pipe.set(forced_by_key(full), json.dumps({"by": actor, "at": round(now, 3)}), nx=True)
-    pipe.delete(trial_key(full))
+    pipe.set(redis_keys.breaker_open(full), FORCED)
+    pipe.set(redis_keys.breaker_forced_by(full), json.dumps({"by": actor, "at": round(now, 3)}), nx=True)
+    pipe.delete(redis_keys.breaker_trial(full))
     pipe.execute()
 
 
@@ -169,7 +165,9 @@ class BreakerReport:
 def breaker_describe(*, full: str, now: float | None = None) -> BreakerReport:
     """The breaker of `full` now, with the reason it is open. Reads Redis only."""
     now = time.time() if now is None else now
-    raw, count, forced_raw = get_redis().mget(open_key(full), failures_key(full), forced_by_key(full))
+    raw, count, forced_raw = get_redis().mget(
+        redis_keys.breaker_open(full), redis_keys.breaker_failures(full), redis_keys.breaker_forced_by(full)
+    )
     status = status_of(raw, now=now)
     in_a_row = int(count or 0)
     if status == Status.CLOSED:

@@ -9,25 +9,25 @@ log sink (capabilities/log_sink.py); on Cloudflare the tails push them to the or
 way capabilities.services.call_records keeps each batch, with call_records_keep(). Nothing on
 the call's path waits for them or touches these keys.
 
-Keys:
+Keys (named in sigil/redis_keys.py):
 
-- `sigil:logs:{full}`: the capability's records, a list of JSON documents, newest first, at
+- `logs(full)`: the capability's records, a list of JSON documents, newest first, at
   most SIGIL_LOGS_RECORDS_PER_CAPABILITY, none older than SIGIL_LOGS_RETENTION_SECONDS (pruned
   when a record is kept and when they are read).
-- `sigil:logs:bytes:{agent}`: a hash, full name → bytes its records hold; their sum is held
+- `logs_bytes(agent)`: a hash, full name → bytes its records hold; their sum is held
   under SIGIL_LOGS_AGENT_BYTES. A capability makes room by dropping its own oldest records,
   never another's, so one capability's burst cannot crowd out its siblings' records.
-- `sigil:logs:lost`: a hash, full name → records that could not be kept (over the agent's
-  bytes, or refused by the sink); `sigil:logs:lost:undelivered` counts records the runtime
+- `LOGS_LOST`: a hash, full name → records that could not be kept (over the agent's
+  bytes, or refused by the sink); `LOGS_UNDELIVERED` counts records the runtime
   lost before they reached Sigil (a tail's queue full, a batch refused or neither pushed nor
-  spooled) and batches the sink could not read at all; `sigil:logs:lost:undelivered:by` is
+  spooled) and batches the sink could not read at all; `LOGS_UNDELIVERED_BY` is
   the part of those counted for a capability (full name → records), which its owner sees.
   A capability's `lost` is the sum of its two; /metrics shows both totals.
-- `sigil:logs:seq`: the sequence number every kept record takes (the tail's and the pages'
+- `LOGS_SEQ`: the sequence number every kept record takes (the tail's and the pages'
   cursor).
-- `sigil:logs:taken:{batch id}`: a batch pushed from Cloudflare that was taken, kept for the
+- `logs_taken(batch id)`: a batch pushed from Cloudflare that was taken, kept for the
   records' retention, so that the same batch pushed again is kept once;
-  `sigil:logs:pushes` counts the pushed batches taken and `sigil:logs:pushes:again` those
+  `LOGS_PUSHES` counts the pushed batches taken and `LOGS_PUSHES_AGAIN` those
   pushed again, and ignored (on /metrics).
 """
 
@@ -44,27 +44,13 @@ from django.conf import settings
 
 from capabilities import names, routes
 from capabilities.log_limits import LogLimits
+from sigil import redis_keys
 from sigil.errors import InvalidRequest
-from sigil.redis_client import get_redis, key_family
+from sigil.redis_client import get_redis
 
-SEQ_KEY = "sigil:logs:seq"
-LOST_KEY = "sigil:logs:lost"
-UNDELIVERED_KEY = "sigil:logs:lost:undelivered"
-UNDELIVERED_BY_KEY = "sigil:logs:lost:undelivered:by"
-taken_key = key_family("sigil:logs:taken")
-PUSHES_KEY = "sigil:logs:pushes"
-PUSHES_AGAIN_KEY = "sigil:logs:pushes:again"
 LEVELS = ("debug", "info", "log", "warn", "error")
 OUTCOMES_FAILED = frozenset({"exception", "exceededCpu", "exceededMemory", "canceled", "scriptNotFound", "unknown"})
 VARIANT = re.compile(r"--v[0-9]+$")
-
-
-def records_key(full: str) -> str:
-    return f"sigil:logs:{full}"
-
-
-def agent_bytes_key(agent: str) -> str:
-    return f"sigil:logs:bytes:{agent}"
 
 
 # Keeps one record (ARGV[2], a JSON object without its sequence number) of ARGV[1], within the
@@ -197,15 +183,15 @@ def call_records_keep(*, records: list, limits: LogLimits | None = None) -> int:
         except RecordRefused:
             full = raw.get("capability") if isinstance(raw, dict) else None
             if isinstance(full, str) and len(full) <= 200:
-                pipe.hincrby(LOST_KEY, full, 1)
+                pipe.hincrby(redis_keys.LOGS_LOST, full, 1)
             else:
-                pipe.incr(UNDELIVERED_KEY)
+                pipe.incr(redis_keys.LOGS_UNDELIVERED)
             keeps.append(False)
             continue
         agent = full.partition(names.SEPARATOR)[0]
         encoded = json.dumps(record, separators=(",", ":"))
         keep(
-            keys=[records_key(full), agent_bytes_key(agent), LOST_KEY, SEQ_KEY],
+            keys=[redis_keys.logs(full), redis_keys.logs_bytes(agent), redis_keys.LOGS_LOST, redis_keys.LOGS_SEQ],
             args=[full, encoded, limits.records_per_capability, limits.agent_bytes, now, limits.retention_seconds],
             client=pipe,
         )
@@ -232,21 +218,21 @@ def call_records_batch_claim(*, batch_id: str, retention_seconds: int) -> bool:
     """Note the pushed batch `batch_id` as taken, for `retention_seconds` (past it, its records
     would be dropped for their age anyway); False when it was taken before. One round trip."""
     client = get_redis()
-    keys = [taken_key(batch_id), PUSHES_KEY, PUSHES_AGAIN_KEY]
+    keys = [redis_keys.logs_taken(batch_id), redis_keys.LOGS_PUSHES, redis_keys.LOGS_PUSHES_AGAIN]
     return bool(client.register_script(CLAIM_BATCH)(keys=keys, args=[max(1, retention_seconds)]))
 
 
 def call_records_batch_unclaim(*, batch_id: str) -> None:
     """Forget that `batch_id` was taken (it could not be kept after all: a push again keeps it)."""
     pipe = get_redis().pipeline(transaction=True)
-    pipe.delete(taken_key(batch_id))
-    pipe.decr(PUSHES_KEY)
+    pipe.delete(redis_keys.logs_taken(batch_id))
+    pipe.decr(redis_keys.LOGS_PUSHES)
     pipe.execute()
 
 
 def call_records_pushes() -> tuple[int, int]:
     """Pushed batches taken the first time, and those pushed again (ignored)."""
-    first, again = get_redis().mget(PUSHES_KEY, PUSHES_AGAIN_KEY)
+    first, again = get_redis().mget(redis_keys.LOGS_PUSHES, redis_keys.LOGS_PUSHES_AGAIN)
     return int(first or 0), int(again or 0)
 
 
@@ -256,9 +242,9 @@ def call_records_undelivered(*, count: int = 1, by: dict[str, int] | None = None
     says how many were whose (full name → records), so that each capability's owner sees
     its own. One round trip."""
     pipe = get_redis().pipeline(transaction=False)
-    pipe.incr(UNDELIVERED_KEY, count)
+    pipe.incr(redis_keys.LOGS_UNDELIVERED, count)
     for full, lost in (by or {}).items():
-        pipe.hincrby(UNDELIVERED_BY_KEY, full, lost)
+        pipe.hincrby(redis_keys.LOGS_UNDELIVERED_BY, full, lost)
     pipe.execute()
 
 
@@ -295,7 +281,7 @@ def call_records_list(
     floor = LEVELS.index(query.level) if query.level in LEVELS else None
     matched = []
     more = False
-    for raw in get_redis().lrange(records_key(full), 0, -1):
+    for raw in get_redis().lrange(redis_keys.logs(full), 0, -1):
         record = json.loads(raw)
         if record["at"] < oldest:
             break  # newest first: every later one is older still
@@ -316,7 +302,7 @@ def call_records_list(
 
 def call_records_newest_seq(*, full: str) -> int:
     """The sequence number of the newest record of `full`; 0 when it has none."""
-    newest = get_redis().lindex(records_key(full), 0)
+    newest = get_redis().lindex(redis_keys.logs(full), 0)
     return json.loads(newest)["seq"] if newest else 0
 
 
@@ -367,19 +353,19 @@ def call_records_lost(*, full: str) -> int:
     """Records of `full` lost: that reached Sigil and could not be kept, or that the runtime
     lost on their way (counted by its tail)."""
     pipe = get_redis().pipeline(transaction=False)
-    pipe.hget(LOST_KEY, full)
-    pipe.hget(UNDELIVERED_BY_KEY, full)
+    pipe.hget(redis_keys.LOGS_LOST, full)
+    pipe.hget(redis_keys.LOGS_UNDELIVERED_BY, full)
     return sum(int(value or 0) for value in pipe.execute())
 
 
 def call_records_lost_kept() -> int:
     """Records of every capability that reached Sigil and could not be kept."""
-    return sum(int(v) for v in get_redis().hvals(LOST_KEY))
+    return sum(int(v) for v in get_redis().hvals(redis_keys.LOGS_LOST))
 
 
 def call_records_undelivered_count() -> int:
     """Batches (or records naming no capability) that reached the sink and could not be read."""
-    return int(get_redis().get(UNDELIVERED_KEY) or 0)
+    return int(get_redis().get(redis_keys.LOGS_UNDELIVERED) or 0)
 
 
 def call_records_forget(*, full: str) -> None:
@@ -387,10 +373,10 @@ def call_records_forget(*, full: str) -> None:
     agent = full.partition(names.SEPARATOR)[0]
     client = get_redis()
     pipe = client.pipeline(transaction=True)
-    pipe.delete(records_key(full))
-    pipe.hdel(agent_bytes_key(agent), full)
-    pipe.hdel(LOST_KEY, full)
-    pipe.hdel(UNDELIVERED_BY_KEY, full)
+    pipe.delete(redis_keys.logs(full))
+    pipe.hdel(redis_keys.logs_bytes(agent), full)
+    pipe.hdel(redis_keys.LOGS_LOST, full)
+    pipe.hdel(redis_keys.LOGS_UNDELIVERED_BY, full)
     pipe.execute()
 
 
@@ -409,7 +395,7 @@ def _reaches(record: dict, floor: int) -> bool:
 def _version_of(full: str, sha: str) -> int | None:
     """The version number whose code is `sha`, as the capability's route says now (a record
     that arrives after a later deploy has none)."""
-    raw = get_redis().get(routes.key(full))
+    raw = get_redis().get(redis_keys.route(full))
     if not raw or raw == routes.TOMBSTONE:
         return None
     try:

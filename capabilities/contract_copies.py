@@ -1,6 +1,6 @@
 """The Redis copy of each capability's current contract, read by MCP on every tool call.
 
-`sigil:contract:{full}` holds the schemas of the capability's current version as a small
+`redis_keys.contract(full)` holds the schemas of the capability's current version as a small
 JSON document, or a tombstone `-`. The one publisher of the copies, `copies.copies_publish`,
 writes it after each write of the capability's row commits; a reader fills a missing entry
 from the database with SET NX, so a fill that raced a deploy can never hide the new contract
@@ -15,14 +15,11 @@ import json
 from capabilities import routes
 from capabilities.contracts import Contract
 from capabilities.models import CapabilityVersion
+from sigil import redis_keys
 
 TOMBSTONE = b"-"
 TTL_SECONDS = 3600
 NEGATIVE_TTL_SECONDS = 30
-
-
-def key(full: str) -> str:
-    return f"sigil:contract:{full}"
 
 
 def encode(version: CapabilityVersion | None) -> bytes:
@@ -51,5 +48,5 @@ def contract_load(full: str) -> bytes:
     """Read the contract from the database and cache it unless a writer got there first."""
     capability = routes.route_row(full)
     if capability is None:
-        return routes.fill(key(full), TOMBSTONE, ttl=NEGATIVE_TTL_SECONDS)
-    return routes.fill(key(full), encode(capability.current_version), ttl=TTL_SECONDS)
+        return routes.fill(redis_keys.contract(full), TOMBSTONE, ttl=NEGATIVE_TTL_SECONDS)
+    return routes.fill(redis_keys.contract(full), encode(capability.current_version), ttl=TTL_SECONDS)

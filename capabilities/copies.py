@@ -14,6 +14,7 @@ import copy
 
 from capabilities import contract_copies, routes
 from capabilities.models import Capability, State
+from sigil import redis_keys
 from sigil.edge_state import edge_mark, route_key
 from sigil.redis_client import get_redis
 
@@ -34,16 +35,16 @@ def copies_publish(full: str) -> Capability | None:
     capability = routes.route_row(full)
     pipe = get_redis().pipeline(transaction=False)
     if capability is None:
-        pipe.set(routes.key(full), routes.TOMBSTONE, ex=routes.NEGATIVE_TTL_SECONDS)
-        pipe.set(contract_copies.key(full), contract_copies.TOMBSTONE, ex=contract_copies.NEGATIVE_TTL_SECONDS)
+        pipe.set(redis_keys.route(full), routes.TOMBSTONE, ex=routes.NEGATIVE_TTL_SECONDS)
+        pipe.set(redis_keys.contract(full), contract_copies.TOMBSTONE, ex=contract_copies.NEGATIVE_TTL_SECONDS)
     else:
         if capability.state == State.EVICTING:
             route, away = routes.encode(capability), _turned_away(capability)
-            pipe.eval(PUBLISH_EVICTING, 1, routes.key(full), route, away, routes.TTL_SECONDS)
+            pipe.eval(PUBLISH_EVICTING, 1, redis_keys.route(full), route, away, routes.TTL_SECONDS)
         else:
-            pipe.set(routes.key(full), routes.encode(capability), ex=routes.TTL_SECONDS)
+            pipe.set(redis_keys.route(full), routes.encode(capability), ex=routes.TTL_SECONDS)
         pipe.set(
-            contract_copies.key(full),
+            redis_keys.contract(full),
             contract_copies.encode(capability.current_version),
             ex=contract_copies.TTL_SECONDS,
         )
@@ -56,7 +57,7 @@ def route_turn_away(capability: Capability) -> None:
     """Publish `capability`'s route as paged out before its row says so: new calls go to page
     it in (and wait for its placement lock) while its page-out waits for the calls in flight.
     The row's own write republishes the route from the database after."""
-    get_redis().set(routes.key(capability.full_name), _turned_away(capability), ex=routes.TTL_SECONDS)
+    get_redis().set(redis_keys.route(capability.full_name), _turned_away(capability), ex=routes.TTL_SECONDS)
 
 
 def _turned_away(capability: Capability) -> bytes:

@@ -5,7 +5,7 @@ Sources, all recorded by Sigil: the per-minute windows the stats flush writes (c
 duration, cold calls, which capabilities were called each day), the audit trail's page-ins,
 the Cloudflare API calls counted per hour, in all, by class of work and by operation
 (capabilities.runtimes.cloudflare: the KV operations among them are billed), and the access log of
-the last calls (stats.ACCESS_LOG_KEY), which is replayed through the pager's own eviction
+the last calls (redis_keys.ACCESS_LOG), which is replayed through the pager's own eviction
 policy to find the smallest slot count that would have kept cold calls under 1 %.
 
 Sigil cannot see the CPU time Cloudflare bills: it bills each call's recorded duration
@@ -29,11 +29,7 @@ from capabilities import pager, stats
 from capabilities.models import Capability, CapabilityStatsWindow, State
 from capabilities.runtimes import runtime_classes
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage, prices_with
-from capabilities.runtimes.cloudflare import (
-    api_calls_hour_by_class_key,
-    api_calls_hour_by_operation_key,
-    api_calls_hour_key,
-)
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 
 DAYS_PER_MONTH = 30
@@ -147,9 +143,9 @@ def smallest_slots(accesses: Sequence[Access], *, target: float = COLD_TARGET) -
 
 
 def access_log_read() -> list[Access]:
-    """The recorded access pattern, oldest first (stats.ACCESS_LOG_KEY)."""
+    """The recorded access pattern, oldest first (redis_keys.ACCESS_LOG)."""
     accesses = []
-    for entry in get_redis().lrange(stats.ACCESS_LOG_KEY, 0, -1):
+    for entry in get_redis().lrange(redis_keys.ACCESS_LOG, 0, -1):
         at, full, capability_type = entry.decode().split("|")
         accesses.append(Access(at=float(at), full=full, type=capability_type))
     return accesses
@@ -230,7 +226,7 @@ SLOTS_KEPT_SECONDS = 300
 
 
 def _smallest_slots_kept(accesses: list[Access], *, days: float) -> int | None:
-    key = f"sigil:cost:slots:{days:g}"
+    key = redis_keys.cost_slots(days)
     redis = get_redis()
     kept = redis.get(key)
     if kept is not None:
@@ -266,8 +262,8 @@ def _pool_report(
         cloudflare_api_calls_per_hour=round(api_calls / hours, 3),
         peak_cloudflare_api_calls_per_hour=max(hour_counts, default=0),
         cloudflare_api_budget_per_hour=budget_per_hour,
-        cloudflare_api_calls_by_class=_hourly_api_calls_by(api_calls_hour_by_class_key, span),
-        cloudflare_api_calls_by_operation=_hourly_api_calls_by(api_calls_hour_by_operation_key, span),
+        cloudflare_api_calls_by_class=_hourly_api_calls_by(redis_keys.cf_calls_hour_by_class, span),
+        cloudflare_api_calls_by_operation=_hourly_api_calls_by(redis_keys.cf_calls_hour_by_operation, span),
         calls=calls,
         cold_calls=cold,
         cold_share=cold / calls if calls else None,
@@ -278,7 +274,7 @@ def _pool_report(
 
 
 def _hourly_api_calls(hours: Iterable[int]) -> list[int]:
-    keys = [api_calls_hour_key(hour) for hour in hours]
+    keys = [redis_keys.cf_calls_hour(hour) for hour in hours]
     return [int(value or 0) for value in get_redis().mget(keys)] if keys else []
 
 

@@ -1,8 +1,8 @@
 """The last good answers of a capability that opted in (`"cache_when_degraded": true` at
 deploy), served while its breaker is open: the registry's "answer from cache or 503".
 
-Per capability, `sigil:degraded-cache:{full}` maps a GET's path and query to its last good
-answer (status, headers, body, when), and `sigil:degraded-cache-index:{full}` orders those
+Per capability, `redis_keys.degraded_cache(full)` maps a GET's path and query to its last good
+answer (status, headers, body, when), and `redis_keys.degraded_cache_index(full)` orders those
 paths by when they were stored, so that only the newest SIGIL_DEGRADED_CACHE_MAX_ENTRIES are
 kept. Both keys expire SIGIL_DEGRADED_CACHE_MAX_AGE_SECONDS after the last store, and an
 entry older than that is never served. Capabilities without the option cost nothing: the
@@ -14,15 +14,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from sigil import redis_keys
 from sigil.configured import FromSettings, setting
-from sigil.redis_client import key_family
 
 # Marks an answer served from this cache; its value says why.
 CACHE_HEADER = ("X-Sigil-Cache", "degraded")
-
-
-entries_key = key_family("sigil:degraded-cache")
-index_key = key_family("sigil:degraded-cache-index")
 
 
 @dataclass(frozen=True)
@@ -76,8 +72,8 @@ class DegradedCache(FromSettings):
         redis.eval(
             _STORE,
             2,
-            entries_key(full),
-            index_key(full),
+            redis_keys.degraded_cache(full),
+            redis_keys.degraded_cache_index(full),
             target,
             encoded,
             f"{answer.stored_epoch:.6f}",
@@ -87,7 +83,7 @@ class DegradedCache(FromSettings):
 
     def lookup(self, redis, *, full: str, target: str, now: float) -> CachedAnswer | None:
         """The last good answer for `target`, unless none or older than the maximum age."""
-        raw = redis.hget(entries_key(full), target)
+        raw = redis.hget(redis_keys.degraded_cache(full), target)
         if raw is None:
             return None
         data = json.loads(raw)

@@ -22,6 +22,7 @@ from agents import tokens
 from agents.selectors import token_copies
 from capabilities import breaker, routes
 from capabilities.models import Capability
+from sigil import redis_keys
 from sigil.edge_state import ROUTE_PREFIX, TOKEN_PREFIX, route_key, token_key
 from sigil.redis_client import get_redis
 
@@ -57,7 +58,7 @@ def edge_values_all(*, now_epoch: float) -> dict[str, bytes]:
 
 
 def _routes(fulls: list[str], rows: dict[str, Capability]) -> dict[str, bytes]:
-    opens = get_redis().mget([breaker.open_key(full) for full in fulls]) if fulls else []
+    opens = get_redis().mget([redis_keys.breaker_open(full) for full in fulls]) if fulls else []
     return {route_key(full): route_value(rows.get(full), raw) for full, raw in zip(fulls, opens, strict=True)}
 
 

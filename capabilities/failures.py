@@ -1,6 +1,6 @@
 """Each capability's recent failures, kept in Redis for its owner to read.
 
-`sigil:failures:{full}` is a list of JSON records, newest first, capped at
+`redis_keys.failures(full)` is a list of JSON records, newest first, capped at
 SIGIL_FAILURES_KEPT: when, the status the caller got, Sigil's error code, the capability's
 own message or exception line, how long the call took, the request id the caller saw
 (`X-Request-Id`) and the version number that answered. The gateway writes one for every
@@ -14,14 +14,11 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 
 # The longest message kept: a first line of an exception, or the start of a 5xx body.
 MESSAGE_MAX_CHARS = 500
-
-
-def failures_key(full: str) -> str:
-    return f"sigil:failures:{full}"
 
 
 @dataclass(frozen=True)
@@ -66,12 +63,12 @@ def failure_encode(
 def failures_list(*, full: str, limit: int | None = None) -> list[Failure]:
     """The recent failures of `full`, newest first (at most `limit`)."""
     end = -1 if limit is None else limit - 1
-    return [_decode(raw) for raw in get_redis().lrange(failures_key(full), 0, end)]
+    return [_decode(raw) for raw in get_redis().lrange(redis_keys.failures(full), 0, end)]
 
 
 def failures_forget(*, full: str) -> None:
     """Drop every record of `full` (it was removed). Idempotent."""
-    get_redis().delete(failures_key(full))
+    get_redis().delete(redis_keys.failures(full))
 
 
 def _decode(raw: bytes) -> Failure:

@@ -29,12 +29,9 @@ from capabilities.models import BreakerState, Capability, State
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.api_work import ApiClass
 from capabilities.runtimes.cloudflare import (
-    API_CALLS_BY_CLASS_KEY,
-    API_CALLS_BY_OPERATION_KEY,
-    API_CALLS_KEY,
-    API_RATE_LIMITED_KEY,
     OPERATIONS,
 )
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 
 CAPABILITY_LABELS = ["capability", "agent"]
@@ -179,13 +176,13 @@ class SigilCollector(Collector):
 
     def _cloudflare(self) -> Iterator[Metric]:
         redis = get_redis()
-        api_calls, rate_limited = redis.mget(API_CALLS_KEY, API_RATE_LIMITED_KEY)
+        api_calls, rate_limited = redis.mget(redis_keys.CF_CALLS, redis_keys.CF_RATE_LIMITED)
         yield CounterMetricFamily(
             "sigil_cloudflare_api_calls", "Cloudflare API calls, retries included.", value=int(api_calls or 0)
         )
         # What spends the budget: by the class of the work the calls were made for (the order the
         # budget serves them in) and by operation, each a fixed set of labels.
-        by_class = {key.decode(): int(value) for key, value in redis.hgetall(API_CALLS_BY_CLASS_KEY).items()}
+        by_class = {key.decode(): int(value) for key, value in redis.hgetall(redis_keys.CF_CALLS_BY_CLASS).items()}
         family = CounterMetricFamily(
             "sigil_cloudflare_api_calls_by_class",
             "Cloudflare API calls by the class of work they were made for (page-in, deploy, page-out, housekeeping).",
@@ -194,7 +191,9 @@ class SigilCollector(Collector):
         for api_class in ApiClass:
             family.add_metric([api_class.value], by_class.get(api_class.value, 0))
         yield family
-        by_operation = {key.decode(): int(value) for key, value in redis.hgetall(API_CALLS_BY_OPERATION_KEY).items()}
+        by_operation = {
+            key.decode(): int(value) for key, value in redis.hgetall(redis_keys.CF_CALLS_BY_OPERATION).items()
+        }
         family = CounterMetricFamily(
             "sigil_cloudflare_api_calls_by_operation",
             "Cloudflare API calls by operation (upload, delete, subdomain-toggle, list, kv-read, kv-write, ...).",

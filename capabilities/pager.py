@@ -5,13 +5,13 @@ The policy is plain Python (`eviction_order`, `victims_needed`, and prewarm's
 `prewarm_plan`): pure functions over candidates, slot counts and `now`. The Lua below runs
 the same policy atomically on the pager's Redis state, and is tested against those
 functions; it touches only keys passed in KEYS. The state, one sorted set per place a
-capability can be in:
+capability can be in (keys named in sigil/redis_keys.py):
 
-- `sigil:lru:{type}` (ephemeral, normal, persistent): placed and served, by last access;
-  `sigil:lru:expiry` indexes the ephemerals among them by expiry time;
-- `sigil:lru:placing`: being placed (a page-in, a deploy) by the holder of its placement
+- `lru(type)` (ephemeral, normal, persistent): placed and served, by last access;
+  `LRU_EXPIRY` indexes the ephemerals among them by expiry time;
+- `LRU_PLACING`: being placed (a page-in, a deploy) by the holder of its placement
   lock: it holds a slot, and is never chosen as a victim;
-- `sigil:lru:evicting`: victims and removed capabilities whose script is still on the
+- `LRU_EVICTING`: victims and removed capabilities whose script is still on the
   runtime until their delete is done (they count against the safety margin).
 
 Invariant: a capability is in at most one of these places (the expiry index aside), and
@@ -28,30 +28,22 @@ from datetime import datetime
 from typing import NamedTuple
 
 from capabilities.models import CapabilityType, State
-from sigil import leases
+from sigil import leases, redis_keys
 from sigil.redis_client import get_redis
 
 # Eviction order of the seed: expired ephemerals, then ephemerals, normals, persistents.
 CLASS_ORDER = (CapabilityType.EPHEMERAL, CapabilityType.NORMAL, CapabilityType.PERSISTENT)
-EXPIRY_KEY = "sigil:lru:expiry"
-PLACING_KEY = "sigil:lru:placing"
-EVICTING_KEY = "sigil:lru:evicting"
-BUILT_KEY = "sigil:lru:built"
-EVICTIONS_KEY = "sigil:lru:evictions"
 
 
-def lru_key(capability_type: str) -> str:
-    return f"sigil:lru:{capability_type}"
-
-
-def inflight_by_process_key(full: str) -> str:
-    """The calls in flight to `full`, per process (a hash: process id -> count)."""
-    return f"sigil:inflight-by-process:{full}"
-
-
-LRU_KEYS = [lru_key(t) for t in CLASS_ORDER]
+LRU_KEYS = [redis_keys.lru(t) for t in CLASS_ORDER]
 # Every key the scripts below touch, in this order.
-PAGER_KEYS = [*LRU_KEYS, EXPIRY_KEY, PLACING_KEY, EVICTING_KEY, EVICTIONS_KEY]
+PAGER_KEYS = [
+    *LRU_KEYS,
+    redis_keys.LRU_EXPIRY,
+    redis_keys.LRU_PLACING,
+    redis_keys.LRU_EVICTING,
+    redis_keys.LRU_EVICTIONS,
+]
 
 
 # --- the policy, as plain Python ---------------------------------------------------------
@@ -313,9 +305,9 @@ def pager_release(*, full: str, claim: Claim, capability_type: str, expires_epoc
         pager_settle(full=full, capability_type=capability_type, now=claim.previous_score, expires_epoch=expires_epoch)
         return
     pipe = get_redis().pipeline(transaction=True)
-    pipe.zrem(PLACING_KEY, full)
+    pipe.zrem(redis_keys.LRU_PLACING, full)
     if claim.outcome == "rescued":
-        pipe.zadd(EVICTING_KEY, {full: claim.previous_score})
+        pipe.zadd(redis_keys.LRU_EVICTING, {full: claim.previous_score})
     pipe.execute()
 
 
@@ -335,7 +327,7 @@ def pager_forget(full: str) -> None:
     """Drop `full` from the served and evicting sets: its script is gone (paged out, lost).
     A claim under way (`placing`) is left to its placer, who holds the lock."""
     pipe = get_redis().pipeline(transaction=True)
-    for key in (*LRU_KEYS, EXPIRY_KEY, EVICTING_KEY):
+    for key in (*LRU_KEYS, redis_keys.LRU_EXPIRY, redis_keys.LRU_EVICTING):
         pipe.zrem(key, full)
     pipe.execute()
 
@@ -344,15 +336,15 @@ def pager_mark_leaving(full: str, *, now: float) -> None:
     """`full` was removed or evicted but its script is still on the runtime: it stops
     counting as placed and counts against the safety margin until its delete is done."""
     pipe = get_redis().pipeline(transaction=True)
-    for key in (*LRU_KEYS, EXPIRY_KEY, PLACING_KEY):
+    for key in (*LRU_KEYS, redis_keys.LRU_EXPIRY, redis_keys.LRU_PLACING):
         pipe.zrem(key, full)
-    pipe.zadd(EVICTING_KEY, {full: now})
+    pipe.zadd(redis_keys.LRU_EVICTING, {full: now})
     pipe.execute()
 
 
 def pager_drop_evicting(full: str) -> None:
     """`full`'s script is deleted: it no longer holds margin."""
-    get_redis().zrem(EVICTING_KEY, full)
+    get_redis().zrem(redis_keys.LRU_EVICTING, full)
 
 
 @dataclass(frozen=True)
@@ -369,7 +361,7 @@ class Usage:
 def pager_usage() -> Usage:
     """How the pager counts the runtime's scripts now."""
     pipe = get_redis().pipeline(transaction=False)
-    for key in (*LRU_KEYS, PLACING_KEY, EVICTING_KEY):
+    for key in (*LRU_KEYS, redis_keys.LRU_PLACING, redis_keys.LRU_EVICTING):
         pipe.zcard(key)
     *live, placing, evicting = pipe.execute()
     return Usage(sum(live), placing, evicting)
@@ -390,14 +382,14 @@ def pager_inflight_enter_queue(pipe, full: str) -> str:
     """Queue pager_inflight_enter()'s commands on `pipe`, a pipeline of either Redis client
     (the engine's is asyncio's), and return the process's id; the caller executes it."""
     process = leases.mark_live(pipe)
-    pipe.hincrby(inflight_by_process_key(full), process, 1)
+    pipe.hincrby(redis_keys.inflight_by_process(full), process, 1)
     return process
 
 
 def pager_inflight_leave(full: str, *, process: str, pipe=None) -> None:
     """The call counted by `pager_inflight_enter` (which returned `process`) has ended;
     queued on `pipe` when given."""
-    (pipe or get_redis()).hincrby(inflight_by_process_key(full), process, -1)
+    (pipe or get_redis()).hincrby(redis_keys.inflight_by_process(full), process, -1)
 
 
 def pager_candidates() -> list[Candidate]:
@@ -405,7 +397,7 @@ def pager_candidates() -> list[Candidate]:
     pipe = get_redis().pipeline(transaction=False)
     for key in LRU_KEYS:
         pipe.zrange(key, 0, -1, withscores=True)
-    pipe.zrange(EXPIRY_KEY, 0, -1, withscores=True)
+    pipe.zrange(redis_keys.LRU_EXPIRY, 0, -1, withscores=True)
     *served, expiring = pipe.execute()
     expires = {member.decode(): score for member, score in expiring}
     return [
@@ -419,12 +411,12 @@ def pager_inflight(full: str) -> int:
     """The calls in flight to `full` in live processes. The counts of processes no longer
     live are dropped: their calls died with them."""
     redis = get_redis()
-    by_process = redis.hgetall(inflight_by_process_key(full))
+    by_process = redis.hgetall(redis_keys.inflight_by_process(full))
     counts = {process.decode(): int(count) for process, count in by_process.items()}
     live = leases.processes_live(sorted(counts))
     dead = [process for process, is_live in live.items() if not is_live]
     if dead:
-        redis.hdel(inflight_by_process_key(full), *dead)
+        redis.hdel(redis_keys.inflight_by_process(full), *dead)
     return sum(max(0, counts[process]) for process, is_live in live.items() if is_live)
 
 
@@ -437,17 +429,13 @@ return redis.call('ZREM', KEYS[1], ARGV[1])
 
 
 def pager_placing() -> list[str]:
-    return [member.decode() for member in get_redis().zrange(PLACING_KEY, 0, -1)]
+    return [member.decode() for member in get_redis().zrange(redis_keys.LRU_PLACING, 0, -1)]
 
 
 def pager_drop_unheld_placing(full: str, *, lock_key: str) -> bool:
     """Drop `full` from `placing` unless `lock_key` (its placement lock) is held: its placer
     died mid-placement. Atomic. Returns whether it was dropped."""
-    return bool(get_redis().eval(DROP_UNHELD_PLACING, 2, PLACING_KEY, lock_key, full))
-
-
-def chosen_key(full: str) -> str:
-    return f"sigil:lru:chosen:{full}"
+    return bool(get_redis().eval(DROP_UNHELD_PLACING, 2, redis_keys.LRU_PLACING, lock_key, full))
 
 
 def pager_note_chosen(full: str, victims: Iterable[str]) -> None:
@@ -455,16 +443,16 @@ def pager_note_chosen(full: str, victims: Iterable[str]) -> None:
     victims = list(victims)
     if victims:
         pipe = get_redis().pipeline(transaction=True)
-        pipe.sadd(chosen_key(full), *victims)
-        pipe.expire(chosen_key(full), 86400)
+        pipe.sadd(redis_keys.lru_chosen(full), *victims)
+        pipe.expire(redis_keys.lru_chosen(full), 86400)
         pipe.execute()
 
 
 def pager_take_chosen(full: str) -> list[str]:
     """The victims a placement of `full` chose, forgotten: it has ended (or died)."""
     pipe = get_redis().pipeline(transaction=True)
-    pipe.smembers(chosen_key(full))
-    pipe.delete(chosen_key(full))
+    pipe.smembers(redis_keys.lru_chosen(full))
+    pipe.delete(redis_keys.lru_chosen(full))
     return sorted(member.decode() for member in pipe.execute()[0])
 
 
@@ -483,21 +471,21 @@ def pager_ensure_built(*, rows: Callable[[], Mapping[str, RegistryRow]]) -> None
     """Rebuild the sets from `rows()` (the registry's live and evicting rows, called only
     then) if Redis has lost them (restart, flush)."""
     redis = get_redis()
-    if redis.exists(BUILT_KEY):
+    if redis.exists(redis_keys.LRU_BUILT):
         return
     # A lease: a process that dies mid-rebuild holds up the others for a lease, not a minute.
-    with leases.Lease("sigil:lock:lru-rebuild", hold_seconds=60, blocking_timeout=60):
-        if not redis.exists(BUILT_KEY):
+    with leases.Lease(redis_keys.LRU_REBUILD_LOCK, hold_seconds=60, blocking_timeout=60):
+        if not redis.exists(redis_keys.LRU_BUILT):
             pager_rebuild(rows())
 
 
 def pager_rebuild(rows: Mapping[str, RegistryRow]) -> None:
     """Make the sets again from the registry's `rows`: live rows by last access, evicting rows apart."""
     pipe = get_redis().pipeline(transaction=True)
-    pipe.delete(*LRU_KEYS, EXPIRY_KEY, PLACING_KEY, EVICTING_KEY)
+    pipe.delete(*LRU_KEYS, redis_keys.LRU_EXPIRY, redis_keys.LRU_PLACING, redis_keys.LRU_EVICTING)
     for full, row in rows.items():
         _place_as_recorded(pipe, full, row)
-    pipe.set(BUILT_KEY, 1)
+    pipe.set(redis_keys.LRU_BUILT, 1)
     pipe.execute()
 
 
@@ -505,7 +493,7 @@ def pager_locations() -> dict[str, set[str]]:
     """Every name in the pager's sets, with the places it is in (an LRU key, `placing` or
     `evicting`; the expiry index aside). For reconcile, and for tests of the invariant."""
     pipe = get_redis().pipeline(transaction=False)
-    places = (*LRU_KEYS, PLACING_KEY, EVICTING_KEY)
+    places = (*LRU_KEYS, redis_keys.LRU_PLACING, redis_keys.LRU_EVICTING)
     for key in places:
         pipe.zrange(key, 0, -1)
     found: dict[str, set[str]] = {}
@@ -518,9 +506,9 @@ def pager_locations() -> dict[str, set[str]]:
 def expected_place(capability_type: str, state: str) -> str | None:
     """Where the registry says a capability belongs in the pager's sets."""
     if state == State.LIVE:
-        return lru_key(capability_type)
+        return redis_keys.lru(capability_type)
     if state == State.EVICTING:
-        return EVICTING_KEY
+        return redis_keys.LRU_EVICTING
     return None
 
 
@@ -540,7 +528,7 @@ def pager_sync(*, rows: Mapping[str, RegistryRow], is_placing: Callable[[str], b
         if found.get(full, set()) == ({want} if want else set()) or is_placing(full):
             continue
         pipe = get_redis().pipeline(transaction=True)
-        for key in (*LRU_KEYS, EXPIRY_KEY, PLACING_KEY, EVICTING_KEY):
+        for key in (*LRU_KEYS, redis_keys.LRU_EXPIRY, redis_keys.LRU_PLACING, redis_keys.LRU_EVICTING):
             if key != want:
                 pipe.zrem(key, full)
         if want:
@@ -554,9 +542,9 @@ def _place_as_recorded(pipe, full: str, row: RegistryRow) -> None:
     capability_type, state, last_access_at, updated_at, expires_at = row
     stamp = (last_access_at or updated_at).timestamp()
     if state == State.EVICTING:
-        pipe.zadd(EVICTING_KEY, {full: stamp})
+        pipe.zadd(redis_keys.LRU_EVICTING, {full: stamp})
         return
     # NX: a score already there (a later access the stats have not flushed) is kept.
-    pipe.zadd(lru_key(capability_type), {full: stamp}, nx=True)
+    pipe.zadd(redis_keys.lru(capability_type), {full: stamp}, nx=True)
     if expires_at is not None:
-        pipe.zadd(EXPIRY_KEY, {full: expires_at.timestamp()})
+        pipe.zadd(redis_keys.LRU_EXPIRY, {full: expires_at.timestamp()})

@@ -1,6 +1,6 @@
 """The Redis copy of each capability's route, read by the gateway on every call.
 
-`sigil:route:{full}` holds a small JSON document (owner, visibility, expiry, state, slot,
+`redis_keys.route(full)` holds a small JSON document (owner, visibility, expiry, state, slot,
 code sha, the runtime the slot is on, CPU limit, the version number, and while a traffic
 split runs, where it sends a share of the callers) or a tombstone `-`. Services write it
 after their transaction commits (write-through, never just delete), and the gateway fills
@@ -18,6 +18,7 @@ from django.db.models import QuerySet
 
 from capabilities.models import Capability, State
 from capabilities.visibility import may_see
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 
 TOMBSTONE = b"-"
@@ -57,10 +58,6 @@ class Split:
     variant: str
     weight: int
     caller_header: str
-
-
-def key(full: str) -> str:
-    return f"sigil:route:{full}"
 
 
 def encode(capability: Capability) -> bytes:
@@ -186,5 +183,5 @@ def route_load(full: str) -> bytes:
     """Read the route from the database and cache it unless a writer got there first."""
     capability = route_row(full)
     if capability is None:
-        return fill(key(full), TOMBSTONE, ttl=NEGATIVE_TTL_SECONDS)
-    return fill(key(full), encode(capability), ttl=TTL_SECONDS)
+        return fill(redis_keys.route(full), TOMBSTONE, ttl=NEGATIVE_TTL_SECONDS)
+    return fill(redis_keys.route(full), encode(capability), ttl=TTL_SECONDS)

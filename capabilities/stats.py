@@ -10,30 +10,20 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from agents import tokens
-from capabilities import breaker, failures, pager
-from sigil.redis_client import get_redis, key_family
+from capabilities import breaker
+from sigil import redis_keys
+from sigil.redis_client import get_redis
 
 # Upper bounds (ms) of the latency histogram's buckets; one more bucket holds the rest.
 LATENCY_BUCKETS_MS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 
-DIRTY_KEY = "sigil:stats:dirty"
-TOKENS_USED_KEY = tokens.USED_KEY  # "last used", stamped by every authenticated request
 # Answers that named no registered capability (a path that is no capability, one that does
 # not exist, a 401 before the route was known) are counted under this name: no agent or
 # capability can have it, and the totals still add up to every answer.
 UNROUTED = "-"
-# The same answers' running totals by status class and code, for /metrics (the per-minute
-# windows are pruned, so they cannot give a counter); kept in Redis only.
-UNROUTED_TOTALS_KEY = "sigil:stats:unrouted-totals"
-
-# The last calls in the order they ended, `epoch|full|type` each, at most
-# SIGIL_ACCESS_PATTERN_MAX_CALLS of them: the access pattern the cost estimate replays
-# through the pager's eviction policy (capabilities/cost.py).
-ACCESS_LOG_KEY = "sigil:access:log"
-
-
-stats_key = key_family("sigil:stats")
+# The same answers' running totals by status class and code are kept for /metrics (the
+# per-minute windows are pruned, so they cannot give a counter), in Redis only
+# (redis_keys.STATS_UNROUTED_TOTALS).
 
 
 def bucket_field(latency_ms: float) -> str:
@@ -56,12 +46,6 @@ def code_field(code: str | None) -> str:
     return f"e:{code}" if code else ""
 
 
-# By a split's staged version: the calls its breaker refused, and whether a guard run was
-# asked for lately.
-split_refused_key = key_family("sigil:split:refused")
-split_guard_due_key = key_family("sigil:split:guard-due")
-
-
 # At most one guard run is asked for per staged version in this long, however many of its
 # answers are refusals.
 SPLIT_GUARD_DEBOUNCE_MS = 500
@@ -73,42 +57,37 @@ def split_refusal_count(redis, *, variant: str) -> bool:
     answer of the current one either). Returns whether a guard run should be asked for now
     (at most once per SPLIT_GUARD_DEBOUNCE_MS). One round trip."""
     pipe = redis.pipeline(transaction=False)
-    pipe.incr(split_refused_key(variant))
-    pipe.set(split_guard_due_key(variant), 1, nx=True, px=SPLIT_GUARD_DEBOUNCE_MS)
+    pipe.incr(redis_keys.split_refused(variant))
+    pipe.set(redis_keys.split_guard_due(variant), 1, nx=True, px=SPLIT_GUARD_DEBOUNCE_MS)
     return bool(pipe.execute()[1])
 
 
 def split_refusals(variant: str) -> int:
     """How many calls to the staged version `variant` its breaker refused."""
-    return int(get_redis().get(split_refused_key(variant)) or 0)
+    return int(get_redis().get(redis_keys.split_refused(variant)) or 0)
 
 
 def split_forget(variant: str) -> None:
-    get_redis().delete(split_refused_key(variant), split_guard_due_key(variant))
-
-
-# The edge's reports its Workers pushed and the origin applied, and those they could not
-# deliver (capabilities/services/edge_reports.py): a hash of two counters, for /metrics.
-EDGE_REPORTS_KEY = "sigil:edge:reports"
+    get_redis().delete(redis_keys.split_refused(variant), redis_keys.split_guard_due(variant))
 
 
 def edge_reports_count_queue(pipe, *, applied: int, lost: int) -> None:
     """Queue the count of a batch's reports on `pipe` (the transaction that applies them)."""
     if applied:
-        pipe.hincrby(EDGE_REPORTS_KEY, "applied", applied)
+        pipe.hincrby(redis_keys.EDGE_REPORTS, "applied", applied)
     if lost:
-        pipe.hincrby(EDGE_REPORTS_KEY, "lost", lost)
+        pipe.hincrby(redis_keys.EDGE_REPORTS, "lost", lost)
 
 
 def edge_reports_counts() -> tuple[int, int]:
     """The edge's reports applied, and those lost on the way (counted by the edge, as dropped)."""
-    applied, lost = get_redis().hmget(EDGE_REPORTS_KEY, "applied", "lost")
+    applied, lost = get_redis().hmget(redis_keys.EDGE_REPORTS, "applied", "lost")
     return int(applied or 0), int(lost or 0)
 
 
 def live_counts(full: str) -> tuple[int, int]:
     """The calls and errors of `full` the gateway recorded that no flush has claimed yet."""
-    calls, errors = get_redis().hmget(stats_key(full), "calls", "errors")
+    calls, errors = get_redis().hmget(redis_keys.stats(full), "calls", "errors")
     return int(calls or 0), int(errors or 0)
 
 
@@ -135,7 +114,7 @@ def answer_count_call(*, full: str | None, status: int, code: str | None) -> tup
     named no registered capability). A 202 (paging in behind `respond-async`) is answered,
     not refused."""
     member = full or UNROUTED
-    keys = [stats_key(member), DIRTY_KEY, UNROUTED_TOTALS_KEY]
+    keys = [redis_keys.stats(member), redis_keys.STATS_DIRTY, redis_keys.STATS_UNROUTED_TOTALS]
     return keys, [status_field(status), code_field(code), member, int(status >= 400), int(not full)]
 
 
@@ -157,7 +136,7 @@ def answer_count_queue(pipe, *, full: str | None, status: int, code: str | None)
 
 def unrouted_totals() -> tuple[dict[str, int], dict[str, int]]:
     """Answers that named no capability since Redis started keeping them: (by status class, by code)."""
-    raw = {k.decode(): int(v) for k, v in get_redis().hgetall(UNROUTED_TOTALS_KEY).items()}
+    raw = {k.decode(): int(v) for k, v in get_redis().hgetall(redis_keys.STATS_UNROUTED_TOTALS).items()}
     return _split_answers(raw)
 
 
@@ -179,7 +158,7 @@ def add_counts(a: dict[str, int] | None, b: dict[str, int] | None) -> dict[str, 
 # (CallRecord.keys() and .args(), concatenated):
 # keys: stats, the breaker's failures, open and trial keys, dirty set, tokens-used hash, the
 #       pager's LRU set for the capability's type, its in-flight counts
-#       (pager.inflight_by_process_key), its failure records,
+#       (redis_keys.inflight_by_process), its failure records,
 #       the access log
 # args: full name, token hash, now (epoch s), latency ms, ok (1/0), is trial (1/0),
 #       threshold, cool-down seconds, the in-flight count held (0: none, else the process id
@@ -274,16 +253,16 @@ class CallRecord:
     def keys(self) -> list[str]:
         full = self.call.full
         return [
-            stats_key(full),
-            breaker.failures_key(full),
-            breaker.open_key(full),
-            breaker.trial_key(full),
-            DIRTY_KEY,
-            TOKENS_USED_KEY,
-            pager.lru_key(self.call.capability_type),
-            pager.inflight_by_process_key(full),
-            failures.failures_key(full),
-            ACCESS_LOG_KEY,
+            redis_keys.stats(full),
+            redis_keys.breaker_failures(full),
+            redis_keys.breaker_open(full),
+            redis_keys.breaker_trial(full),
+            redis_keys.STATS_DIRTY,
+            redis_keys.TOKENS_USED,
+            redis_keys.lru(self.call.capability_type),
+            redis_keys.inflight_by_process(full),
+            redis_keys.failures(full),
+            redis_keys.ACCESS_LOG,
         ]
 
     def args(self, *, rules: breaker.Breaker, failures_kept: int, access_log_length: int) -> list:
@@ -311,18 +290,11 @@ class CallRecord:
 
 # The flush moves counters to the database in three steps, each safe to die after: claim a
 # batch (this script: the counters move, atomically, into a batch hash named by a fresh
-# flush id, listed in PENDING_KEY), apply it in one database transaction that records the
-# flush id (so a batch is applied at most once), then release it (delete the batch). A
-# flush that died leaves its batch pending, and the next flush applies it (unless its
-# transaction had committed) and releases it: every call counted reaches the database once.
-PENDING_KEY = "sigil:stats:pending"
-
-
-def batch_key(flush_id: str) -> str:
-    """A claimed batch: full name → the capability's counters (a JSON list of field, value)."""
-    return f"sigil:stats:batch:{flush_id}"
-
-
+# flush id, listed in redis_keys.STATS_PENDING), apply it in one database transaction that
+# records the flush id (so a batch is applied at most once), then release it (delete the
+# batch). A flush that died leaves its batch pending, and the next flush applies it (unless
+# its transaction had committed) and releases it: every call counted reaches the database once.
+#
 # KEYS: dirty set, pending index, the new batch, then the stats hash of each candidate
 # ARGV: flush id, claim time (epoch s), then each candidate's full name, in KEYS' order
 # Returns how many capabilities the batch holds (0: nothing claimed, nothing pending).
@@ -388,11 +360,16 @@ def stats_claim(*, now_epoch: float, batch_size: int) -> StatsBatch | None:
     """Move the counters of up to `batch_size` dirty capabilities into a new pending batch;
     None when no capability has counted a call since the last claim."""
     redis = get_redis()
-    candidates = [m.decode() for m in redis.srandmember(DIRTY_KEY, batch_size) or []]
+    candidates = [m.decode() for m in redis.srandmember(redis_keys.STATS_DIRTY, batch_size) or []]
     if not candidates:
         return None
     flush_id = uuid.uuid4().hex
-    keys = [DIRTY_KEY, PENDING_KEY, batch_key(flush_id), *(stats_key(full) for full in candidates)]
+    keys = [
+        redis_keys.STATS_DIRTY,
+        redis_keys.STATS_PENDING,
+        redis_keys.stats_batch(flush_id),
+        *(redis_keys.stats(full) for full in candidates),
+    ]
     if not redis.eval(CLAIM_STATS, len(keys), *keys, flush_id, f"{now_epoch:.6f}", *candidates):
         return None
     return _batch_read(redis, flush_id, now_epoch)
@@ -402,7 +379,7 @@ def stats_pending(*, limit: int) -> list[StatsBatch]:
     """Batches claimed by flushes that did not release them (they died, or are running), oldest first."""
     redis = get_redis()
     batches = []
-    for flush_id, claimed in redis.zrange(PENDING_KEY, 0, limit - 1, withscores=True):
+    for flush_id, claimed in redis.zrange(redis_keys.STATS_PENDING, 0, limit - 1, withscores=True):
         batches.append(_batch_read(redis, flush_id.decode(), claimed))
     return batches
 
@@ -410,8 +387,8 @@ def stats_pending(*, limit: int) -> list[StatsBatch]:
 def stats_release(flush_id: str) -> None:
     """Forget a batch once the database holds it. Idempotent."""
     pipe = get_redis().pipeline(transaction=True)
-    pipe.delete(batch_key(flush_id))
-    pipe.zrem(PENDING_KEY, flush_id)
+    pipe.delete(redis_keys.stats_batch(flush_id))
+    pipe.zrem(redis_keys.STATS_PENDING, flush_id)
     pipe.execute()
 
 
@@ -427,19 +404,19 @@ return 0
 
 def tokens_used_read() -> dict[str, str]:
     """The last-use stamp (epoch s, as text) of each token used since its stamp was flushed."""
-    return {k.decode(): v.decode() for k, v in get_redis().hgetall(TOKENS_USED_KEY).items()}
+    return {k.decode(): v.decode() for k, v in get_redis().hgetall(redis_keys.TOKENS_USED).items()}
 
 
 def tokens_used_forget(stamps: dict[str, str]) -> None:
     """Drop the stamps the database now holds; a token used again since keeps its new one."""
     if stamps:
         args = [item for pair in stamps.items() for item in pair]
-        get_redis().eval(FORGET_STAMPS, 1, TOKENS_USED_KEY, *args)
+        get_redis().eval(FORGET_STAMPS, 1, redis_keys.TOKENS_USED, *args)
 
 
 def _batch_read(redis, flush_id: str, claimed_epoch: float) -> StatsBatch:
     calls = {}
-    for full, encoded in redis.hgetall(batch_key(flush_id)).items():
+    for full, encoded in redis.hgetall(redis_keys.stats_batch(flush_id)).items():
         flat = json.loads(encoded)
         calls[full.decode()] = CallStats.from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
     return StatsBatch(flush_id=flush_id, claimed_epoch=claimed_epoch, calls=calls)

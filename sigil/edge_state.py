@@ -14,12 +14,11 @@ import functools
 from django.conf import settings
 from django.db import transaction
 
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 
 TOKEN_PREFIX = "tok:"
 ROUTE_PREFIX = "route:"
-# The set of keys (as named in KV) whose value may have changed since it was last published.
-DIRTY_KEY = "sigil:edge:dirty"
 
 
 def token_key(token_hash: str) -> str:
@@ -41,4 +40,4 @@ def edge_mark(*keys: str) -> None:
 
 
 def _mark(keys: tuple[str, ...]) -> None:
-    get_redis().sadd(DIRTY_KEY, *keys)
+    get_redis().sadd(redis_keys.EDGE_DIRTY, *keys)

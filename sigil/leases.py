@@ -7,7 +7,7 @@ minutes). A lease is short (SIGIL_LEASE_SECONDS) and renewed every third of that
 thread per process, for as long as its holder keeps it, up to the longest hold it may need;
 a process that dies stops renewing, so whatever it held is free within one lease, and the
 next process takes it over. The same thread keeps the process's liveness key
-(`process_key`), which marks held per process (the pager's in-flight counts) are judged by.
+(`redis_keys.process`), which marks held per process (the pager's in-flight counts) are judged by.
 
 Cost: one thread per process, one Redis call per lease held and one for the liveness key
 every third of a lease.
@@ -26,6 +26,7 @@ from django.conf import settings
 from redis.exceptions import LockError, RedisError
 from redis.lock import Lock
 
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,6 @@ logger = logging.getLogger(__name__)
 def lease_seconds() -> float:
     """How long a mark outlives the process that stopped renewing it."""
     return float(settings.SIGIL_LEASE_SECONDS)
-
-
-def process_key(process: str) -> str:
-    return f"sigil:process:{process}"
 
 
 class Lease(Lock):
@@ -126,7 +123,7 @@ class _Renewer:
 
     def _beat(self) -> None:
         try:
-            get_redis().set(process_key(self._process), 1, px=int(lease_seconds() * 1000))
+            get_redis().set(redis_keys.process(self._process), 1, px=int(lease_seconds() * 1000))
         except RedisError as exc:
             logger.warning("could not mark this process live: %s", exc)
 
@@ -154,7 +151,7 @@ os.register_at_fork(after_in_child=_RENEWER.forked)
 
 def this_process() -> str:
     """This process's id among the hosts' processes; it is live while its key is
-    (`process_key`), renewed every third of a lease."""
+    (`redis_keys.process`), renewed every third of a lease."""
     return _RENEWER.process()
 
 
@@ -162,7 +159,7 @@ def mark_live(pipe) -> str:
     """Queue on `pipe` the renewal of this process's liveness key (so a count taken with it
     counts at once, even just after Redis lost the key); return the process's id."""
     process = this_process()
-    pipe.set(process_key(process), 1, px=int(lease_seconds() * 1000))
+    pipe.set(redis_keys.process(process), 1, px=int(lease_seconds() * 1000))
     return process
 
 
@@ -172,5 +169,5 @@ def processes_live(processes: list[str]) -> dict[str, bool]:
         return {}
     pipe = get_redis().pipeline(transaction=False)
     for process in processes:
-        pipe.exists(process_key(process))
+        pipe.exists(redis_keys.process(process))
     return {process: bool(live) for process, live in zip(processes, pipe.execute(), strict=True)}

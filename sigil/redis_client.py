@@ -1,9 +1,9 @@
-"""The process's Redis connection pool, shared by services, the engine and the pager."""
+"""The process's Redis connection pool, shared by services, the engine and the pager (the keys
+they name are sigil/redis_keys.py's)."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import redis
 from django.conf import settings
@@ -23,9 +23,3 @@ def get_redis() -> redis.Redis:
         socket_timeout=SOCKET_TIMEOUT_SECONDS,
         socket_connect_timeout=SOCKET_TIMEOUT_SECONDS,
     )
-
-
-def key_family(prefix: str) -> Callable[[str], str]:
-    """The names of one family of Redis keys, one key per thing named:
-    key_family("sigil:breaker:open")("alice--x") is "sigil:breaker:open:alice--x"."""
-    return f"{prefix}:{{}}".format

@@ -10,9 +10,8 @@ from datetime import UTC, datetime, timedelta
 from celery.schedules import schedule as celery_schedule
 from django.conf import settings
 
+from sigil import redis_keys
 from sigil.redis_client import get_redis
-
-LAST_RUN_KEY = "sigil:beat:last-run"
 
 
 @dataclass(frozen=True)
@@ -42,12 +41,12 @@ def beat_record_run(*, task: str, ok: bool, at_epoch: float, error: str = "") ->
     if task not in scheduled_task_names():
         return
     value = json.dumps({"at": at_epoch, "ok": ok, "error": error[:200]})
-    get_redis().hset(LAST_RUN_KEY, task, value)
+    get_redis().hset(redis_keys.BEAT_LAST_RUN, task, value)
 
 
 def beat_schedule_list() -> list[BeatEntry]:
     """Every entry of CELERY_BEAT_SCHEDULE with its interval and last recorded run."""
-    raw = get_redis().hgetall(LAST_RUN_KEY)
+    raw = get_redis().hgetall(redis_keys.BEAT_LAST_RUN)
     runs = {task.decode(): json.loads(value) for task, value in raw.items()}
     entries = []
     for name, entry in sorted(settings.CELERY_BEAT_SCHEDULE.items()):

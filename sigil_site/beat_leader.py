@@ -18,11 +18,10 @@ import logging
 from celery.beat import PersistentScheduler
 from redis.exceptions import LockError, RedisError
 
+from sigil import redis_keys
 from sigil.leases import Lease, lease_seconds
 
 logger = logging.getLogger(__name__)
-
-LEASE_KEY = "sigil:beat:leader"
 
 
 class LeasedScheduler(PersistentScheduler):
@@ -31,7 +30,7 @@ class LeasedScheduler(PersistentScheduler):
     def __init__(self, *args, **kwargs) -> None:
         # Held for as long as this beat runs; a beat that hangs stops its process's renewals
         # no more than a dead one does, so the schedule moves on either way.
-        self.lease = Lease(LEASE_KEY, hold_seconds=float("inf"), blocking=False)
+        self.lease = Lease(redis_keys.BEAT_LEADER, hold_seconds=float("inf"), blocking=False)
         self.leading = False
         super().__init__(*args, **kwargs)
 

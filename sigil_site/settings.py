@@ -10,7 +10,7 @@ from django.core.exceptions import ImproperlyConfigured
 from kombu import Queue
 
 from sigil import ports as sigil_ports
-from sigil import var_dir
+from sigil import redis_keys, var_dir
 from sigil.logs import logging_config, process_name
 from sigil_site.schema import TAGS as SCHEMA_TAGS
 
@@ -219,7 +219,7 @@ CACHES = {
     "default": {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
         "LOCATION": REDIS_URL,
-        "KEY_PREFIX": "sigil:django",
+        "KEY_PREFIX": redis_keys.DJANGO_CACHE_PREFIX,
     }
 }
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import requests
 
 from agents import services
+from sigil import redis_keys
 
 
 @dataclass
@@ -106,14 +107,14 @@ def flush_stats_when_recorded(**expected_calls: int) -> None:
     The engine records a call after its response is sent, so a test that has just read a
     response may get ahead of it. Keyword names are full names with `__` for `--`.
     """
-    from capabilities import stats, tasks
+    from capabilities import tasks
     from sigil.redis_client import get_redis
 
     redis = get_redis()
     for key, calls in expected_calls.items():
         full = key.replace("__", "--")
         wait_for(
-            lambda full=full, calls=calls: int(redis.hget(stats.stats_key(full), "calls") or 0) >= calls,
+            lambda full=full, calls=calls: int(redis.hget(redis_keys.stats(full), "calls") or 0) >= calls,
             message=f"{calls} calls of {full}",
         )
     tasks.capability_flush_stats()

@@ -5,6 +5,7 @@ from agents import tokens
 from agents.models import Token
 from capabilities import tasks
 from capabilities.tests.test_mcp import all_tools, run
+from sigil import redis_keys
 from testsupport.capability_code import PONG
 
 
@@ -26,14 +27,14 @@ def test_a_token_used_only_on_the_api_or_over_mcp_shows_when(sigil, alice, bob):
 def test_a_token_is_stamped_at_most_once_a_minute(sigil, alice, redis_client):
     token_hash = tokens.hash_secret(alice.deploy_token)
     assert alice.call("/_api/capabilities", token="deploy").status_code == 200
-    first = redis_client.hget(tokens.USED_KEY, token_hash)
+    first = redis_client.hget(redis_keys.TOKENS_USED, token_hash)
     assert first is not None
 
-    redis_client.delete(tokens.USED_KEY)  # as a flush would
+    redis_client.delete(redis_keys.TOKENS_USED)  # as a flush would
     for _ in range(3):
         assert alice.call("/_api/capabilities", token="deploy").status_code == 200
-    assert redis_client.hget(tokens.USED_KEY, token_hash) is None  # no Redis write within the minute
+    assert redis_client.hget(redis_keys.TOKENS_USED, token_hash) is None  # no Redis write within the minute
 
     tokens._stamped_at[token_hash] -= tokens.STAMP_INTERVAL_SECONDS  # a minute later
     assert alice.call("/_api/capabilities", token="deploy").status_code == 200
-    assert float(redis_client.hget(tokens.USED_KEY, token_hash)) > float(first)
+    assert float(redis_client.hget(redis_keys.TOKENS_USED, token_hash)) > float(first)

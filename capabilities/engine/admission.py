@@ -18,11 +18,12 @@ from agents import tokens
 from agents.selectors import parse_bearer, token_authenticate_hash
 from agents.throttle import FailedAuthThrottle
 from agents.tokens import Principal
-from capabilities import breaker, degraded_cache, routes
+from capabilities import degraded_cache, routes
 from capabilities.engine.answers import cache_target
 from capabilities.engine.calls import Served
 from capabilities.engine.offload import Offload
 from capabilities.engine.values import CallRequest, Prefetched
+from sigil import redis_keys
 from sigil.errors import NotFound
 from sigil.pipelined_redis import PipelinedRedis
 from sigil.redis_client import get_redis
@@ -30,7 +31,7 @@ from sigil.redis_client import get_redis
 
 def call_keys(token_hash: str, full: str, throttle_key: str) -> tuple[str, str, str, str]:
     """What a call reads from Redis before it is forwarded, in one MGET (Prefetched's fields)."""
-    return tokens.cache_key(token_hash), routes.key(full), breaker.open_key(full), throttle_key
+    return redis_keys.token(token_hash), redis_keys.route(full), redis_keys.breaker_open(full), throttle_key
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -108,7 +109,7 @@ class Admission:
         """An accepted asynchronous call runs as the caller who sent it, if its token still
         stands (it may have been revoked since): the principal, the route and breaker read.
         Raises Unauthenticated."""
-        keys = (tokens.cache_key(token_hash), routes.key(full), breaker.open_key(full))
+        keys = (redis_keys.token(token_hash), redis_keys.route(full), redis_keys.breaker_open(full))
         token_raw, route_raw, breaker_raw = await self.redis.mget(keys)
         principal = tokens.decode(token_hash, token_raw, time.time()) if token_raw is not None else None
         if principal is None:
@@ -140,7 +141,9 @@ class Admission:
         caller = caller or token_hash
         if zlib.crc32(f"{split.variant}|{caller}".encode()) % 100 >= split.weight:
             return None
-        route_raw, breaker_raw = await self.redis.mget((routes.key(split.variant), breaker.open_key(split.variant)))
+        route_raw, breaker_raw = await self.redis.mget(
+            (redis_keys.route(split.variant), redis_keys.breaker_open(split.variant))
+        )
         if route_raw is None:
             route_raw = await self.offload(routes.route_load, split.variant)
         route = routes.decode(route_raw)

@@ -19,7 +19,8 @@ from capabilities import routes
 from capabilities.engine.offload import Offload
 from capabilities.engine.shares import FairShares
 from capabilities.runtimes.api_work import ApiClass, api_work
-from capabilities.services.placement import PlacementUnderWay, capability_page_in, placement_lock_key
+from capabilities.services.placement import PlacementUnderWay, capability_page_in
+from sigil import redis_keys
 from sigil.errors import NotFound, Timeout
 
 # How a call watches another call's (or process's) placement of its capability.
@@ -53,7 +54,7 @@ class Placer:
         while True:
             try:
                 placing = self.placing.get(full)
-                locked = placing is None and await self.redis.exists(placement_lock_key(full))
+                locked = placing is None and await self.redis.exists(redis_keys.place_lock(full))
                 # Calls that arrive together all ask Redis before any starts the placement: the
                 # first answered starts it, the others await it (and take no placement share).
                 placing = self.placing.get(full)
@@ -78,7 +79,7 @@ class Placer:
                     raise Timeout(f"{full} is still being placed after {waited:g} s; try again shortly")
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, PLACEMENT_POLL_MAX_SECONDS)
-                raw, locked = await self.redis.mget((routes.key(full), placement_lock_key(full)))
+                raw, locked = await self.redis.mget((redis_keys.route(full), redis_keys.place_lock(full)))
                 route = routes.decode(raw) if raw is not None else None
                 if route is not None and route.state in routes.SERVED_STATES:
                     return route, (time.perf_counter() - started) * 1000

@@ -28,6 +28,7 @@ from capabilities.engine.upstream import UpstreamResponse, UpstreamTimeout, Upst
 from capabilities.engine.values import CallRequest
 from capabilities.runtimes import runtime_for
 from capabilities.services.observability import breaker_changed
+from sigil import redis_keys
 from sigil.errors import REDIS_UNREACHABLE
 from sigil.pipelined_redis import PipelinedRedis
 from sigil.redis_client import get_redis
@@ -162,7 +163,7 @@ class Recorder:
             return
         pipe = self.redis.pipeline(transaction=False)
         if call.is_trial:
-            pipe.delete(breaker.trial_key(call.full))
+            pipe.delete(redis_keys.breaker_trial(call.full))
         if call.inflight_process:
             pager.pager_inflight_leave(call.full, process=call.inflight_process, pipe=pipe)
         try:

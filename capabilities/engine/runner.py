@@ -37,7 +37,7 @@ from capabilities.engine.engine import Engine
 from capabilities.engine.upstream import HOP_BY_HOP
 from capabilities.engine.values import CallRequest
 from capabilities.services import async_calls
-from sigil import leases
+from sigil import leases, redis_keys
 from sigil.errors import InternalError, SigilError, Timeout
 from sigil.redis_client import SOCKET_TIMEOUT_SECONDS
 from sigil.request_id import new_request_id, set_request_id
@@ -86,7 +86,7 @@ class AsyncCallRunner:
             for task in list(self.tasks):
                 task.cancel()
             with contextlib.suppress(Exception):
-                await self.redis.delete(async_calls.runner_lease_key(self.runner_id))
+                await self.redis.delete(redis_keys.async_runner(self.runner_id))
             await self.redis.aclose()
 
     async def take_one(self) -> None:
@@ -99,17 +99,17 @@ class AsyncCallRunner:
         if self.start_deferred():
             return
         redis = self.redis
-        taken = await redis.blmove(async_calls.QUEUE_KEY, async_calls.runner_key(self.runner_id), 1, "RIGHT", "LEFT")
+        taken = await redis.blmove(redis_keys.ASYNC_QUEUE, redis_keys.async_taken(self.runner_id), 1, "RIGHT", "LEFT")
         if taken is None:
             return
         call_id = taken.decode()
         if len(self.tasks) >= settings.SIGIL_ASYNC_RUNNERS:  # the room went while this one waited
-            await redis.lrem(async_calls.runner_key(self.runner_id), 1, call_id)
-            await redis.rpush(async_calls.QUEUE_KEY, call_id)  # back where the oldest wait
+            await redis.lrem(redis_keys.async_taken(self.runner_id), 1, call_id)
+            await redis.rpush(redis_keys.ASYNC_QUEUE, call_id)  # back where the oldest wait
             return
-        agent = await redis.hget(async_calls.record_key(call_id), "agent")
+        agent = await redis.hget(redis_keys.async_call(call_id), "agent")
         if agent is None:  # expired while it waited
-            await redis.lrem(async_calls.runner_key(self.runner_id), 1, call_id)
+            await redis.lrem(redis_keys.async_taken(self.runner_id), 1, call_id)
             return
         agent = agent.decode()
         if self.running[agent] >= settings.SIGIL_ASYNC_RUNNERS_PER_AGENT:
@@ -144,12 +144,12 @@ class AsyncCallRunner:
                 logger.exception("asynchronous call %s failed in its runner; it goes back to the queue", call_id)
                 await self.until_redis_answers(
                     lambda: self.redis.eval(
-                        async_calls.PUT_BACK, 2, async_calls.runner_key(self.runner_id), async_calls.QUEUE_KEY, call_id
+                        async_calls.PUT_BACK, 2, redis_keys.async_taken(self.runner_id), redis_keys.ASYNC_QUEUE, call_id
                     )
                 )
             else:
                 await self.until_redis_answers(
-                    lambda: self.redis.lrem(async_calls.runner_key(self.runner_id), 1, call_id)
+                    lambda: self.redis.lrem(redis_keys.async_taken(self.runner_id), 1, call_id)
                 )
         finally:
             self.running[agent] -= 1
@@ -176,7 +176,7 @@ class AsyncCallRunner:
             # A lease as long as every shared mark's (sigil/leases.py), renewed every third of it.
             seconds = leases.lease_seconds()
             try:
-                await self.redis.set(async_calls.runner_lease_key(self.runner_id), 1, ex=max(1, round(seconds)))
+                await self.redis.set(redis_keys.async_runner(self.runner_id), 1, ex=max(1, round(seconds)))
                 await reclaim(self.redis, self.runner_id)
             except asyncio.CancelledError:
                 raise
@@ -188,13 +188,13 @@ class AsyncCallRunner:
 async def reclaim(redis, own_id: str) -> int:
     """Put back in the queue the calls of runners whose lease has lapsed; how many."""
     moved = 0
-    prefix = async_calls.runner_key("")
+    prefix = redis_keys.async_taken("")
     async for key in redis.scan_iter(match=prefix + "*", count=200):
         other = key.decode()[len(prefix) :]
-        if other == own_id or await redis.exists(async_calls.runner_lease_key(other)):
+        if other == own_id or await redis.exists(redis_keys.async_runner(other)):
             continue
         # Back at the queue's far end, where the oldest calls wait: they were taken first.
-        while await redis.lmove(key, async_calls.QUEUE_KEY, "RIGHT", "RIGHT") is not None:
+        while await redis.lmove(key, redis_keys.ASYNC_QUEUE, "RIGHT", "RIGHT") is not None:
             moved += 1
     if moved:
         logger.warning("put back %d asynchronous calls whose runner stopped", moved)
@@ -205,7 +205,7 @@ async def execute(engine: Engine, call_id: str) -> None:
     """Run one accepted call and record its result, then what follows it (its callback).
     Idempotent: a call already done is not run again. A record that has expired is dropped."""
     redis = engine.redis
-    key = async_calls.record_key(call_id)
+    key = redis_keys.async_call(call_id)
     record = {k.decode(): v for k, v in (await redis.hgetall(key)).items()}
     if not record:
         return
@@ -314,7 +314,7 @@ def run_now(*, call_id: str) -> None:
         engine = Engine()
         try:
             await execute(engine, call_id)
-            await engine.redis.lrem(async_calls.QUEUE_KEY, 0, call_id)
+            await engine.redis.lrem(redis_keys.ASYNC_QUEUE, 0, call_id)
         finally:
             await engine.aclose()
 

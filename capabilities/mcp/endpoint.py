@@ -41,6 +41,7 @@ from agents.selectors import parse_bearer
 from agents.tokens import Principal
 from capabilities.mcp.tools import InvalidParams, Prefetched, Toolbox, tools_list
 from capabilities.parsers import json_depth_over
+from sigil import redis_keys
 from sigil.errors import (
     InternalError,
     InvalidRequest,
@@ -106,10 +107,6 @@ class RpcError(Exception):
         self.code, self.message, self.data, self.status, self.request_id = code, message, data, status, request_id
 
 
-def session_key(session_id: str) -> str:
-    return f"sigil:mcp:session:{session_id}"
-
-
 @dataclass(frozen=True)
 class Exchange:
     """One HTTP request to /_mcp, authenticated. `meta` holds its headers as a WSGI environ
@@ -169,7 +166,7 @@ class McpEndpoint:
         if method == "DELETE" and exchange.session_id is not None:
             if exchange.session is None:
                 return session_not_found()
-            await self.engine().redis.delete(session_key(exchange.session_id))
+            await self.engine().redis.delete(redis_keys.mcp_session(exchange.session_id))
             return 204, [], b""
         if method != "POST":
             # No stream of server-sent messages (GET): this server sends none.
@@ -192,12 +189,12 @@ class McpEndpoint:
         address = throttle.address(meta)
         session_id = meta.get("HTTP_MCP_SESSION_ID")
         token_hash = tokens.hash_secret(secret)
-        keys = [tokens.cache_key(token_hash), throttle.key(address), session_key(session_id or "")]
+        keys = [redis_keys.token(token_hash), throttle.key(address), redis_keys.mcp_session(session_id or "")]
         tool_keys = Toolbox.prefetch_keys(message)
         cached, failures, session, *tool_values = await engine.redis.mget(keys + tool_keys)
         principal = tokens.decode(token_hash, cached, time.time()) if cached is not None else None
         if principal is not None and tokens.stamp_due(token_hash):  # "last used", at most once a minute
-            await engine.redis.hset(tokens.USED_KEY, token_hash, tokens.stamp_now())
+            await engine.redis.hset(redis_keys.TOKENS_USED, token_hash, tokens.stamp_now())
         if principal is None:
             principal = await engine.offload(
                 throttle.authenticate, get_redis(), address, secret, cached=cached, failures=failures
@@ -246,7 +243,7 @@ class McpEndpoint:
             header = exchange.meta.get("HTTP_MCP_PROTOCOL_VERSION")
             if header is not None and header != version:
                 raise RpcError(INVALID_REQUEST, f"this session speaks MCP {version}, not {header}", status=400)
-            await self.engine().redis.expire(session_key(session_id), SESSION_IDLE_SECONDS)
+            await self.engine().redis.expire(redis_keys.mcp_session(session_id), SESSION_IDLE_SECONDS)
             if kind != "request":
                 return 202, [], b""
             result = {} if method == "ping" else await self.answer(exchange, method, params, legacy=True)
@@ -413,7 +410,7 @@ async def open_session(redis, principal: Principal, params: dict) -> tuple[str, 
     # The spec's negotiation: the version asked for when spoken here, else the latest one.
     version = requested if requested in SESSION_VERSIONS else SESSION_VERSIONS[-1]
     session_id = secrets.token_hex(16)
-    await redis.set(session_key(session_id), f"{principal.token_hash}|{version}", ex=SESSION_IDLE_SECONDS)
+    await redis.set(redis_keys.mcp_session(session_id), f"{principal.token_hash}|{version}", ex=SESSION_IDLE_SECONDS)
     return version, session_id
 
 

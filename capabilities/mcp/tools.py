@@ -22,10 +22,11 @@ from typing import Any
 from django.core.serializers.json import DjangoJSONEncoder
 
 from agents.tokens import Principal
-from capabilities import breaker, call_logs, contract_copies, contracts, names, routes, selectors, services
+from capabilities import call_logs, contract_copies, contracts, names, routes, selectors, services
 from capabilities.contracts import Contract
 from capabilities.engine.values import CallRequest
 from capabilities.engine.values import Prefetched as CallPrefetched
+from sigil import redis_keys
 from sigil.errors import InvalidRequest, SigilError
 
 PAGE_SIZE = 100
@@ -253,7 +254,7 @@ class Toolbox:
         name = params.get("name") if isinstance(params, dict) else None
         if not isinstance(name, str) or name in OWN_TOOLS:
             return []
-        return [routes.key(name), contract_copies.key(name), breaker.open_key(name)]
+        return [redis_keys.route(name), redis_keys.contract(name), redis_keys.breaker_open(name)]
 
     async def call(
         self, *, principal: Principal, name: Any, arguments: Any, meta: dict, prefetched: Prefetched | None = None
@@ -277,7 +278,7 @@ class Toolbox:
             raise InvalidParams(f"no tool {name}") from None
         if prefetched is None:
             route_raw, contract_raw, breaker_raw = await engine.redis.mget(
-                routes.key(name), contract_copies.key(name), breaker.open_key(name)
+                redis_keys.route(name), redis_keys.contract(name), redis_keys.breaker_open(name)
             )
         else:
             route_raw, contract_raw, breaker_raw = prefetched.route, prefetched.contract, prefetched.breaker

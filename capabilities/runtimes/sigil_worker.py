@@ -18,6 +18,7 @@ from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareNotFoun
 from capabilities.runtimes.cloudflare.account import CloudflareRuntime, Finding, PlanProbe, scripts_in_use
 from capabilities.runtimes.cloudflare.facts import SUBDOMAIN, AccountFacts
 from capabilities.runtimes.errors import RuntimeUnavailable, network_failure
+from sigil import redis_keys
 from sigil.leases import Lease
 
 # The plain-text binding that carries the deployed source's version, and the header the
@@ -98,7 +99,7 @@ class SigilWorker:
         uploading. Raises the client's errors, RuntimeUnavailable when that one takes too long.
         """
         lock = Lease(
-            f"sigil:lock:sigil-worker:{self.client.account_id}:{self.name}",
+            redis_keys.sigil_worker_lock(self.client.account_id, self.name),
             hold_seconds=DEPLOY_LOCK_SECONDS,
             blocking_timeout=DEPLOY_LOCK_SECONDS,
         )

@@ -2,12 +2,12 @@
 runners (capabilities/engine/runner.py) in the web processes, their result kept for the caller
 and sent to its callback URL.
 
-One Redis hash per call, `sigil:async:{id}`, is its execution record: the request as the engine
-received it (less the caller's credentials), then `running` with a count of attempts, then
-`done` with the result. An accepted call waits in QUEUE_KEY until a runner takes it into its
-own list (runner_key); a runner that dies leaves its calls there, and another runner puts them
-back once the dead one's lease has run out: a call cut that way may reach the capability
-twice, and the first result recorded is the one kept and delivered.
+One Redis hash per call, `redis_keys.async_call(id)`, is its execution record: the request as
+the engine received it (less the caller's credentials), then `running` with a count of
+attempts, then `done` with the result. An accepted call waits in `ASYNC_QUEUE` until a runner
+takes it into its own list (`async_taken`); a runner that dies leaves its calls there, and
+another runner puts them back once the dead one's lease has run out: a call cut that way may
+reach the capability twice, and the first result recorded is the one kept and delivered.
 """
 
 from __future__ import annotations
@@ -24,25 +24,14 @@ from django.utils import timezone
 from agents import egress, jobs
 from agents.models import Agent
 from agents.tokens import Principal
+from sigil import redis_keys
 from sigil.errors import InvalidRequest, NotFound, RateLimited
-from sigil.redis_client import get_redis, key_family
+from sigil.redis_client import get_redis
 
 ACCEPTED, RUNNING, DONE = "accepted", "running", "done"
 CALLBACK_EVENT = "call.completed"
-# Calls accepted and not yet taken by a runner, oldest at the right.
-QUEUE_KEY = "sigil:async:queue"
 # What the 202 tells the caller to expect: a runner takes a call within about this long.
 ETA_SECONDS = 1
-
-
-# By runner id: `taken`, the calls one runner has taken and not yet finished; `runner`,
-# present while the runner lives (it renews it; once it lapses, its calls are put back).
-runner_key = key_family("sigil:async:taken")
-runner_lease_key = key_family("sigil:async:runner")
-# By call id: the call's execution record.
-record_key = key_family("sigil:async")
-# By agent name: the agent's calls accepted and not yet run (call id → when it was accepted).
-pending_key = key_family("sigil:async:pending")
 
 
 def status_url(call_id: str) -> str:
@@ -118,12 +107,14 @@ def async_call_accept(
     if callback_url is not None and (refusal := egress.callback_refusal(callback_url, resolve=False)):
         raise InvalidRequest(refusal)
     call_id = uuid.uuid4().hex
-    key = record_key(call_id)
+    key = redis_keys.async_call(call_id)
     redis = get_redis()
     # One agent's burst of accepted calls must not fill the runners every agent shares.
     now, life = time.time(), settings.SIGIL_ASYNC_RESULT_TTL_SECONDS
     limit = settings.SIGIL_ASYNC_MAX_PENDING_PER_AGENT
-    if not redis.eval(_ADMIT, 1, pending_key(caller), call_id, f"{now:.6f}", f"{now - life:.6f}", limit, life):
+    if not redis.eval(
+        _ADMIT, 1, redis_keys.async_pending(caller), call_id, f"{now:.6f}", f"{now - life:.6f}", limit, life
+    ):
         raise RateLimited(
             f"{caller} has {limit} asynchronous calls not yet run; fetch their results or wait", retry_after=1
         )
@@ -149,7 +140,7 @@ def async_call_accept(
     )
     # A call still queued when this runs out is dropped: nobody could fetch its result anyway.
     pipe.expire(key, life)
-    pipe.lpush(QUEUE_KEY, call_id)
+    pipe.lpush(redis_keys.ASYNC_QUEUE, call_id)
     pipe.execute()
     return AcceptedCall(call_id=call_id, status_url=status_url(call_id))
 
@@ -183,7 +174,7 @@ return 1
 def async_call_get(*, principal: Principal, call_id: str) -> AsyncCall:
     """The call as its caller sees it. Raises NotFound for an unknown or expired call, and
     for another agent's (whose calls are not revealed to exist)."""
-    record = {k.decode(): v for k, v in get_redis().hgetall(record_key(call_id)).items()} if call_id else {}
+    record = {k.decode(): v for k, v in get_redis().hgetall(redis_keys.async_call(call_id)).items()} if call_id else {}
     if not record or record["agent"].decode() != principal.agent_name:
         raise NotFound(f"no call {call_id}")
     return _call_from_record(call_id, record)
@@ -211,14 +202,14 @@ def _call_from_record(call_id: str, record: dict[str, bytes]) -> AsyncCall:
 def async_call_done(*, call_id: str, agent: str) -> None:
     """What follows a call's recorded result: it no longer counts as waiting, and its callback
     is queued. Idempotent."""
-    get_redis().zrem(pending_key(agent), call_id)
+    get_redis().zrem(redis_keys.async_pending(agent), call_id)
     _queue_callback(call_id)
 
 
 def _queue_callback(call_id: str) -> None:
     """Queue the signed POST of the result to the caller's callback URL, once per call."""
     redis = get_redis()
-    key = record_key(call_id)
+    key = redis_keys.async_call(call_id)
     record = {k.decode(): v for k, v in redis.hgetall(key).items()}
     callback = record.get("callback", b"").decode()
     if not callback or record.get("callback_queued"):

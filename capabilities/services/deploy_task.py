@@ -23,11 +23,11 @@ from capabilities.models import Capability, CapabilityVersion, DeployRequest, St
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.base import CodeBundle
 from capabilities.runtimes.errors import RuntimeUnavailable
-from capabilities.services.placement_lock import placement_lock_key, placement_lock_within
+from capabilities.services.placement_lock import placement_lock_within
 from capabilities.services.records import Placement, capability_audit, capability_written, record_live
 from capabilities.services.room import room_for
 from capabilities.services.versions import DeployResult, NewVersion, cooldown_give_back
-from sigil import leases
+from sigil import leases, redis_keys
 from sigil.errors import (
     InvalidRequest,
     SigilError,
@@ -48,21 +48,6 @@ OUTCOME_KEEP_SECONDS = 120
 DEPLOY_RESENDS = 3
 # Failures that may pass: the runtime unreachable, no room yet, the lock held too long.
 TRANSIENT_DEPLOY_FAILURES = (UpstreamError, Timeout)
-
-
-def _outcome_key(version_id: int) -> str:
-    return f"sigil:deploy:outcome:{version_id}"
-
-
-def deploy_owner_key(version_id: int) -> str:
-    """The lease of the task placing a version, held while it works on it: a version nobody
-    owns (nor `deploy_retry_key`) was stranded by a dead worker (services/reaper.py)."""
-    return f"sigil:deploy:owner:{version_id}"
-
-
-def deploy_retry_key(version_id: int) -> str:
-    """Set, for its countdown and a lease, while a retry of the version's task is due."""
-    return f"sigil:deploy:retry:{version_id}"
 
 
 @dataclass(frozen=True)
@@ -125,7 +110,7 @@ def _await_outcome(version_id: int, *, seconds: float) -> dict | None:
     redis = get_redis()
     deadline = time.monotonic() + seconds
     while (left := deadline - time.monotonic()) > 0:
-        popped = redis.blpop([_outcome_key(version_id)], timeout=min(1.0, max(left, 0.01)))
+        popped = redis.blpop([redis_keys.deploy_outcome(version_id)], timeout=min(1.0, max(left, 0.01)))
         if popped is not None:
             return json.loads(popped[1])
     return None
@@ -162,11 +147,11 @@ def capability_place_version(*, version_id: int, retries: int = 0, max_retries: 
         logger.info("version %s is gone (its capability was redeployed or removed): nothing to place", version_id)
         return _gone()
     owner = leases.Lease(
-        deploy_owner_key(version_id), hold_seconds=2 * settings.SIGIL_PLACEMENT_LOCK_SECONDS, blocking=False
+        redis_keys.deploy_owner(version_id), hold_seconds=2 * settings.SIGIL_PLACEMENT_LOCK_SECONDS, blocking=False
     )
     owner.acquire()  # not acquired: a duplicate delivery is at work, the placement lock orders them
     redis = get_redis()
-    redis.delete(deploy_retry_key(version_id))
+    redis.delete(redis_keys.deploy_retry(version_id))
     last_try = retries >= max_retries
     try:
         with placement_lock_within(full, wait_seconds=None):
@@ -175,7 +160,7 @@ def capability_place_version(*, version_id: int, retries: int = 0, max_retries: 
         if not last_try:
             countdown = retry_countdown(retries=retries)
             # The worker holds the retry, unacknowledged, for its countdown.
-            redis.set(deploy_retry_key(version_id), 1, px=int((countdown + leases.lease_seconds()) * 1000))
+            redis.set(redis_keys.deploy_retry(version_id), 1, px=int((countdown + leases.lease_seconds()) * 1000))
             logger.warning(
                 "placing version %s of %s failed, trying again in %.0f s: %s", version_id, full, countdown, exc
             )
@@ -197,7 +182,7 @@ def capability_place_version(*, version_id: int, retries: int = 0, max_retries: 
 def capability_reap_deploys() -> dict[str, int]:
     """Deploys and rollbacks placed by a task that nobody owns any more (the worker placing
     them died, its message not yet given back by the broker): a version still `placing` a
-    lease after it was recorded, with no task's lease on it (`deploy_owner_key`), no retry
+    lease after it was recorded, with no task's lease on it (`redis_keys.deploy_owner`), no retry
     due and its capability's placement lock free, is sent to the deploy queue again, up to
     DEPLOY_RESENDS times; then it is recorded as failed (502 upstream_error). Each step is
     audited. Idempotent (a resent task finds the version placed, and does nothing); returns
@@ -211,9 +196,11 @@ def capability_reap_deploys() -> dict[str, int]:
     resent = failed = 0
     for version in stranded:
         full = version.capability.full_name
-        if redis.exists(deploy_owner_key(version.pk), deploy_retry_key(version.pk), placement_lock_key(full)):
+        if redis.exists(
+            redis_keys.deploy_owner(version.pk), redis_keys.deploy_retry(version.pk), redis_keys.place_lock(full)
+        ):
             continue
-        sends_key = f"sigil:deploy:resent:{version.pk}"
+        sends_key = redis_keys.deploy_resent(version.pk)
         sends = redis.incr(sends_key)
         redis.expire(sends_key, 86400)
         if sends > DEPLOY_RESENDS:
@@ -238,8 +225,8 @@ def capability_reap_deploys() -> dict[str, int]:
 def _announce(version_id: int, outcome: dict) -> None:
     """Hand the outcome to the request waiting on it, if it still is."""
     redis = get_redis()
-    redis.rpush(_outcome_key(version_id), json.dumps(outcome))
-    redis.expire(_outcome_key(version_id), OUTCOME_KEEP_SECONDS)
+    redis.rpush(redis_keys.deploy_outcome(version_id), json.dumps(outcome))
+    redis.expire(redis_keys.deploy_outcome(version_id), OUTCOME_KEEP_SECONDS)
 
 
 def _gone() -> dict:

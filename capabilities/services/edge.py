@@ -18,19 +18,16 @@ from capabilities import edge
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.cloudflare import KvPair, NamedKv
 from capabilities.runtimes.errors import RuntimeFailure
-from sigil.edge_state import DIRTY_KEY, ROUTE_PREFIX, TOKEN_PREFIX
+from sigil import redis_keys
+from sigil.edge_state import ROUTE_PREFIX, TOKEN_PREFIX
 from sigil.leases import Lease
 from sigil.redis_client import get_redis
 
 logger = logging.getLogger(__name__)
 
-# The keys a publisher took and has not written yet: taken from DIRTY_KEY in one step, they
-# are written, or given back to it when the write fails; a publisher that died meanwhile
-# leaves them for the next (one publisher at a time, PUBLISHER_LEASE).
-PUBLISHING_KEY = "sigil:edge:publishing"
-PUBLISHER_LEASE = "sigil:edge:publisher"
-# The publisher's standing (a hash): its last publish, its last failure, failures in a row.
-STANDING_KEY = "sigil:edge:standing"
+# The keys a publisher took (redis_keys.EDGE_PUBLISHING) are taken from EDGE_DIRTY in one step;
+# they are written, or given back to it when the write fails; a publisher that died meanwhile
+# leaves them for the next (one publisher at a time, EDGE_PUBLISHER_LEASE).
 # /_health warns of the publisher once this many runs in a row failed.
 FAILURES_WARNED = 3
 
@@ -75,9 +72,9 @@ def edge_publish() -> Published | None:
     """
     kv = edge_kv()
     redis = get_redis()
-    if kv is None or not redis.exists(DIRTY_KEY, PUBLISHING_KEY):
+    if kv is None or not redis.exists(redis_keys.EDGE_DIRTY, redis_keys.EDGE_PUBLISHING):
         return None
-    lease = Lease(PUBLISHER_LEASE, hold_seconds=settings.CELERY_TASK_SOFT_TIME_LIMIT, blocking=False)
+    lease = Lease(redis_keys.EDGE_PUBLISHER_LEASE, hold_seconds=settings.CELERY_TASK_SOFT_TIME_LIMIT, blocking=False)
     if not lease.acquire():
         return None
     try:
@@ -90,9 +87,9 @@ def edge_publish() -> Published | None:
 def _publish(kv: NamedKv) -> Published:
     redis = get_redis()
     pipe = redis.pipeline(transaction=True)
-    pipe.sunionstore(PUBLISHING_KEY, [PUBLISHING_KEY, DIRTY_KEY])
-    pipe.delete(DIRTY_KEY)
-    pipe.smembers(PUBLISHING_KEY)
+    pipe.sunionstore(redis_keys.EDGE_PUBLISHING, [redis_keys.EDGE_PUBLISHING, redis_keys.EDGE_DIRTY])
+    pipe.delete(redis_keys.EDGE_DIRTY)
+    pipe.smembers(redis_keys.EDGE_PUBLISHING)
     taken = sorted(key.decode() for key in pipe.execute()[-1])
     values = edge.edge_values(taken, now_epoch=time.time())
     pairs = [
@@ -108,19 +105,19 @@ def _publish(kv: NamedKv) -> Published:
         unwritten = kv.bulk_put(pairs) if pairs else []
     except RuntimeFailure as exc:
         pipe = redis.pipeline(transaction=True)
-        pipe.sunionstore(DIRTY_KEY, [DIRTY_KEY, PUBLISHING_KEY])
-        pipe.delete(PUBLISHING_KEY)
-        pipe.hset(STANDING_KEY, mapping={"failed_at": time.time(), "error": str(exc)})
-        pipe.hincrby(STANDING_KEY, "failures", 1)
+        pipe.sunionstore(redis_keys.EDGE_DIRTY, [redis_keys.EDGE_DIRTY, redis_keys.EDGE_PUBLISHING])
+        pipe.delete(redis_keys.EDGE_PUBLISHING)
+        pipe.hset(redis_keys.EDGE_STANDING, mapping={"failed_at": time.time(), "error": str(exc)})
+        pipe.hincrby(redis_keys.EDGE_STANDING, "failures", 1)
         pipe.execute()
         logger.warning("publishing %d keys to the edge failed; they are published again next time: %s", len(pairs), exc)
         return Published(written=0, failed=str(exc))
     pipe = redis.pipeline(transaction=True)
-    pipe.delete(PUBLISHING_KEY)
+    pipe.delete(redis_keys.EDGE_PUBLISHING)
     if unwritten:  # Cloudflare's word: "they should be retried"
-        pipe.sadd(DIRTY_KEY, *unwritten)
+        pipe.sadd(redis_keys.EDGE_DIRTY, *unwritten)
     written = len(pairs) - len(unwritten)
-    pipe.hset(STANDING_KEY, mapping={"published_at": time.time(), "published": written, "failures": 0})
+    pipe.hset(redis_keys.EDGE_STANDING, mapping={"published_at": time.time(), "published": written, "failures": 0})
     pipe.execute()
     return Published(written=written)
 
@@ -147,7 +144,7 @@ def edge_reconcile() -> int | None:
     differ = [key for key, sha in listed.items() if sha != edge.digest(expected.get(key, edge.TOMBSTONE))]
     differ += [key for key, value in expected.items() if key not in listed and not edge.is_tombstone(value)]
     if differ:
-        get_redis().sadd(DIRTY_KEY, *differ)
+        get_redis().sadd(redis_keys.EDGE_DIRTY, *differ)
         logger.info("the edge's KV differs from the database in %d keys; marked to publish them again", len(differ))
     return len(differ)
 
@@ -171,9 +168,9 @@ def edge_standing() -> EdgeStanding:
     """The publisher's standing. Reads Redis only."""
     redis = get_redis()
     pipe = redis.pipeline(transaction=False)
-    pipe.scard(DIRTY_KEY)
-    pipe.scard(PUBLISHING_KEY)
-    pipe.hgetall(STANDING_KEY)
+    pipe.scard(redis_keys.EDGE_DIRTY)
+    pipe.scard(redis_keys.EDGE_PUBLISHING)
+    pipe.hgetall(redis_keys.EDGE_STANDING)
     dirty, publishing, raw = pipe.execute()
     standing = {name.decode(): value.decode() for name, value in raw.items()}
     return EdgeStanding(

@@ -30,16 +30,14 @@ from redis.exceptions import WatchError
 from capabilities import breaker, failures, names, stats
 from capabilities.models import CapabilityType
 from capabilities.services.observability import breaker_changed, breaker_refused
+from sigil import redis_keys
 from sigil.access_log import access_line, access_logged
 from sigil.errors import Degraded, InvalidRequest
-from sigil.redis_client import get_redis, key_family
+from sigil.redis_client import get_redis
 from sigil.request_id import request_id_as
 
 # Reports one batch holds at most (channel.js BATCH_REPORTS): one Redis transaction applies them.
 REPORTS_PER_BATCH = 512
-# A pushed batch whose reports were applied, by its id, kept as long as the Worker may push it
-# again (it spools a batch for the records' retention): `call_records_push` gives how long.
-taken_key = key_family("sigil:edge:reports:taken")
 _TOKEN_HASH_CHARS = 64
 _PATH_CHARS = 2048
 
@@ -179,7 +177,7 @@ def edge_reports_apply(
         )
     redis = get_redis()
     record_calls = redis.register_script(stats.RECORD_CALLS)
-    taken = taken_key(batch_id)
+    taken = redis_keys.edge_reports_taken(batch_id)
     with redis.pipeline(transaction=True) as pipe:
         while True:
             try:

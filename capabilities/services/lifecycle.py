@@ -19,12 +19,9 @@ from capabilities.runtimes import get_runtime
 from capabilities.services.page_outs import PAGE_OUT_GRACE_SECONDS, capability_page_out_chosen, pager_built
 from capabilities.services.placement import capability_page_in
 from capabilities.services.records import capability_audit
+from sigil import redis_keys
 from sigil.errors import NotFound, Unavailable
 from sigil.leases import Lease
-
-# Two prewarm runs at once (the beat's and an owner's) would each judge the pager's state
-# before the other's page-ins and page out what the other just placed: one run at a time.
-PREWARM_LEASE = "sigil:prewarm:run"
 
 
 def capability_mark_inactive(*, now: datetime | None = None, batch_size: int = 500) -> int:
@@ -73,7 +70,9 @@ def capability_prewarm(*, now: datetime | None = None) -> list[str]:
     runtime = get_runtime()
     if runtime.total_slots is None:
         return []
-    lease = Lease(PREWARM_LEASE, hold_seconds=settings.CELERY_TASK_SOFT_TIME_LIMIT, blocking=False)
+    # Two prewarm runs at once (the beat's and an owner's) would each judge the pager's state
+    # before the other's page-ins and page out what the other just placed: one run at a time.
+    lease = Lease(redis_keys.PREWARM_LEASE, hold_seconds=settings.CELERY_TASK_SOFT_TIME_LIMIT, blocking=False)
     if not lease.acquire():
         return []
     try:

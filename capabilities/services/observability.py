@@ -15,6 +15,7 @@ from agents.services import agent_notify, audit_record
 from capabilities import breaker, call_logs, jobs, names, stats
 from capabilities.models import BreakerState, Capability, CapabilityStatsWindow, State, StatsFlush
 from capabilities.services.records import capability_audit
+from sigil import redis_keys
 from sigil.edge_state import edge_mark, route_key
 from sigil.errors import Degraded
 from sigil.redis_client import get_redis
@@ -29,7 +30,7 @@ def capability_flush_stats(*, batch_size: int = 500, now: datetime | None = None
     capabilities' counters it applied.
 
     Each capability's totals grow, and the calls land in the stats window of the minute
-    they were claimed in. Crash-safe and exactly once (see stats.PENDING_KEY): batches left
+    they were claimed in. Crash-safe and exactly once (see redis_keys.STATS_PENDING): batches left
     pending by a flush that died are applied first, unless the database already holds
     them. Then the traffic splits' guards look at the new figures. Safe to overlap with
     itself. Raises the database's errors, leaving the batch pending for the next run.
@@ -125,7 +126,7 @@ def _alert_on_error_rate(window: CapabilityStatsWindow) -> None:
     if rate < settings.SIGIL_ALERT_ERROR_RATE:
         return
     if not get_redis().set(
-        f"sigil:alert:error-rate:{window.full_name}", 1, nx=True, ex=settings.SIGIL_ALERT_COOLDOWN_SECONDS
+        redis_keys.error_rate_alert(window.full_name), 1, nx=True, ex=settings.SIGIL_ALERT_COOLDOWN_SECONDS
     ):
         return
     detail = {

@@ -20,15 +20,13 @@ from capabilities.runtimes.base import Runtime
 from capabilities.runtimes.errors import RuntimeUnavailable
 from capabilities.services.placement_lock import placement_lock
 from capabilities.services.records import capability_audit, capability_written
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 from sigil.work import MAX_COUNTDOWN_SECONDS
 
 # A victim's delete waits for its calls in flight up to the invoke timeout after new calls
 # were turned away from it, plus this: no call still within its timeout is cut.
 PAGE_OUT_GRACE_SECONDS = 2.0
-# Page-outs sent or waiting on calls in flight, by when their task should next run (epoch s):
-# one past that by a lease was lost with its worker, and is sent again (services/reaper.py).
-PAGE_OUTS_DUE_KEY = "sigil:pageout:due"
 # How long restoring a victim waits for its placement lock before leaving it evicted.
 RESTORE_LOCK_WAIT_SECONDS = 10
 
@@ -60,7 +58,7 @@ def page_out_later(full: str) -> None:
 
 
 def _page_out_due(full: str, *, within: float) -> None:
-    get_redis().zadd(PAGE_OUTS_DUE_KEY, {full: time.time() + within})
+    get_redis().zadd(redis_keys.PAGE_OUTS_DUE, {full: time.time() + within})
 
 
 def mark_evicting(victim: str) -> bool:
@@ -212,7 +210,7 @@ def page_out_locked(*, full: str, wait_until: float | None, reason: str | None =
     who chose it, when not the pager for a page-in (its audit event's detail)."""
     capability = Capability.objects.select_related("agent").filter(full_name=full, state=State.EVICTING).first()
     if capability is None:
-        get_redis().zrem(PAGE_OUTS_DUE_KEY, full)
+        get_redis().zrem(redis_keys.PAGE_OUTS_DUE, full)
         return False
     # The route first: a call that still found it served holds an in-flight count by the
     # time this checks; one that did not goes to page it in, and waits for this lock.
@@ -236,7 +234,7 @@ def page_out_locked(*, full: str, wait_until: float | None, reason: str | None =
                 capability, actor="system", action="capability.evicted", detail={"reason": reason} if reason else None
             )
     pager.pager_forget(full)
-    get_redis().zrem(PAGE_OUTS_DUE_KEY, full)
+    get_redis().zrem(redis_keys.PAGE_OUTS_DUE, full)
     return bool(changed)
 
 

@@ -15,11 +15,10 @@ from capabilities import copies, pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.errors import RuntimeThrottled, RuntimeUnavailable
-from capabilities.services.page_outs import PAGE_OUTS_DUE_KEY, same_runtime
+from capabilities.services.page_outs import same_runtime
 from capabilities.services.placement_lock import (
     PlacementUnderWay,
     placement_lock,
-    placement_lock_key,
     placement_lock_within,
 )
 from capabilities.services.records import capability_audit, capability_current, capability_written, record_live
@@ -28,14 +27,12 @@ from sigil.errors import NotFound, Unavailable, UpstreamError
 
 # Imported from here by the engine and the tests.
 __all__ = [
-    "PAGE_OUTS_DUE_KEY",
     "PlacementUnderWay",
     "capability_clear_slot",
     "capability_page_in",
     "capability_refresh_bindings",
     "capability_release_slot",
     "placement_lock",
-    "placement_lock_key",
     "runtime_throttled",
 ]
 

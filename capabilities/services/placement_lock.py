@@ -8,7 +8,7 @@ from typing import Protocol
 
 from django.conf import settings
 
-from sigil import leases
+from sigil import leases, redis_keys
 from sigil.errors import Timeout
 from sigil.redis_client import get_redis
 
@@ -44,19 +44,15 @@ def placement_lock(full: str, *, blocking: bool, wait_seconds: float | None = No
     """
     seconds = settings.SIGIL_PLACEMENT_LOCK_SECONDS
     return leases.Lease(
-        placement_lock_key(full),
+        redis_keys.place_lock(full),
         hold_seconds=seconds,
         blocking=blocking,
         blocking_timeout=seconds if wait_seconds is None else wait_seconds,
     )
 
 
-def placement_lock_key(full: str) -> str:
-    return f"sigil:lock:place:{full}"
-
-
 def placement_in_progress(full: str) -> bool:
-    return bool(get_redis().exists(placement_lock_key(full)))
+    return bool(get_redis().exists(redis_keys.place_lock(full)))
 
 
 def placement_lock_within(full: str, *, wait_seconds: float | None):

@@ -18,9 +18,9 @@ from agents.services import audit_record
 from capabilities import pager
 from capabilities.models import Capability, State
 from capabilities.services.deploy_task import capability_reap_deploys
-from capabilities.services.page_outs import PAGE_OUTS_DUE_KEY, page_out_later
-from capabilities.services.placement_lock import placement_in_progress, placement_lock_key
-from sigil import leases
+from capabilities.services.page_outs import page_out_later
+from capabilities.services.placement_lock import placement_in_progress
+from sigil import leases, redis_keys
 from sigil.redis_client import get_redis
 
 
@@ -39,7 +39,7 @@ def capability_reap_placements(*, now: float | None = None) -> dict[str, int]:
     now = time.time() if now is None else now
     freed = 0
     for full in pager.pager_placing():
-        if not pager.pager_drop_unheld_placing(full, lock_key=placement_lock_key(full)):
+        if not pager.pager_drop_unheld_placing(full, lock_key=redis_keys.place_lock(full)):
             continue
         victims = pager.pager_take_chosen(full)
         audit_record(
@@ -53,13 +53,13 @@ def capability_reap_placements(*, now: float | None = None) -> dict[str, int]:
         freed += 1
     resent = 0
     redis = get_redis()
-    overdue = [m.decode() for m in redis.zrangebyscore(PAGE_OUTS_DUE_KEY, "-inf", now - leases.lease_seconds())]
+    overdue = [m.decode() for m in redis.zrangebyscore(redis_keys.PAGE_OUTS_DUE, "-inf", now - leases.lease_seconds())]
     evicting = set(
         Capability.objects.filter(full_name__in=overdue, state=State.EVICTING).values_list("full_name", flat=True)
     )
     for full in overdue:
         if full not in evicting:
-            redis.zrem(PAGE_OUTS_DUE_KEY, full)
+            redis.zrem(redis_keys.PAGE_OUTS_DUE, full)
         elif not placement_in_progress(full):
             audit_record(
                 actor="system",

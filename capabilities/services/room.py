@@ -31,6 +31,7 @@ from capabilities.services.page_outs import (
     same_runtime,
 )
 from capabilities.services.records import Placement
+from sigil import redis_keys
 from sigil.errors import Conflict, InvalidRequest, TooLarge, Unavailable, UpstreamError
 from sigil.redis_client import get_redis
 
@@ -42,7 +43,6 @@ ROOM_WAIT_SECONDS = 30
 ACCOUNT_FULL_RETRY_SECONDS = 30
 # How long /_health reports the account full after the last refusal.
 ACCOUNT_FULL_REPORTED_SECONDS = 3600
-ACCOUNT_FULL_KEY = "sigil:runtime:account_full"
 
 
 def bundle_for(code: str, capability: Capability, runtime: Runtime, *, version: int | None = None) -> CodeBundle:
@@ -228,12 +228,12 @@ def runtime_account_full(*, runtime: Runtime, full: str, paged_out: str | None, 
         "owner's own Workers included; free some, or lower SIGIL_POOL_TOTAL_QUOTA (python manage.py cfcheck "
         "tells how many slots Sigil can use)"
     )
-    get_redis().set(ACCOUNT_FULL_KEY, message, ex=ACCOUNT_FULL_REPORTED_SECONDS)
+    get_redis().set(redis_keys.ACCOUNT_FULL, message, ex=ACCOUNT_FULL_REPORTED_SECONDS)
 
 
 def runtime_account_warning() -> str | None:
     """What /_health warns of when the runtime's account refused a script lately, else None."""
-    value = get_redis().get(ACCOUNT_FULL_KEY)
+    value = get_redis().get(redis_keys.ACCOUNT_FULL)
     return value.decode() if value is not None else None
 
 

@@ -20,6 +20,7 @@ from capabilities.contracts import Contract
 from capabilities.models import Capability, CapabilityType, CapabilityVersion, State, VersionPlacement
 from capabilities.services.placement_lock import held
 from capabilities.services.records import capability_written
+from sigil import redis_keys
 from sigil.errors import Conflict, Cooldown, InvalidRequest, NotFound
 from sigil.leases import Lease
 from sigil.redis_client import get_redis
@@ -134,17 +135,13 @@ def latest_accepted(capability: Capability) -> tuple[CapabilityVersion | None, b
     return (pending, True) if pending is not None else (current, False)
 
 
-def cooldown_key(agent_name: str) -> str:
-    return f"sigil:cooldown:{agent_name}"
-
-
 def cooldown_claim(agent_name: str) -> None:
     """One real deploy per agent per cool-down. Raises Cooldown with the time left."""
     window_ms = int(settings.SIGIL_DEPLOY_COOLDOWN_SECONDS * 1000)
     if window_ms <= 0:
         return
     redis = get_redis()
-    key = cooldown_key(agent_name)
+    key = redis_keys.cooldown(agent_name)
     if not redis.set(key, 1, nx=True, px=window_ms):
         left_ms = max(redis.pttl(key), 1)
         raise Cooldown(
@@ -156,7 +153,7 @@ def cooldown_claim(agent_name: str) -> None:
 def cooldown_give_back(agent_name: str) -> None:
     """The runtime refused the code (it does not start, or is too large): nothing was
     deployed, so the fixed code need not wait out a cool-down."""
-    get_redis().delete(cooldown_key(agent_name))
+    get_redis().delete(redis_keys.cooldown(agent_name))
 
 
 # How long a deploy waits for a concurrent deploy of the same capability to be recorded
@@ -170,7 +167,7 @@ def deploy_lock(full: str):
     """Hold the lock that orders the recording of deploys of `full` (a context manager).
     Raises Conflict when a concurrent deploy holds it for longer than DEPLOY_RECORD_WAIT_SECONDS."""
     lock = Lease(
-        f"sigil:lock:deploy:{full}",
+        redis_keys.deploy_lock(full),
         hold_seconds=DEPLOY_RECORD_LOCK_SECONDS,
         blocking_timeout=DEPLOY_RECORD_WAIT_SECONDS,
     )

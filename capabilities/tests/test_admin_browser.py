@@ -3,8 +3,8 @@ workerd: degrade and reset, roll back, and the dashboard."""
 
 from capabilities import tasks
 from capabilities.models import Capability
+from sigil import redis_keys
 from sigil.redis_client import get_redis
-from sigil_site.beat import LAST_RUN_KEY
 from testsupport.browser import DESKTOP, PHONE, screenshot
 from testsupport.capability_code import answering as code
 from testsupport.cast import flush_stats_when_recorded, wait_for
@@ -86,7 +86,9 @@ def test_dashboard_shows_the_calls_just_made(sigil, owner, alice, celery_worker)
 
     # The flush that beat sends, run by a worker, appears on the schedule page.
     tasks.capability_flush_stats.delay()
-    wait_for(lambda: get_redis().hexists(LAST_RUN_KEY, "capabilities.capability_flush_stats"), message="a flush")
+    wait_for(
+        lambda: get_redis().hexists(redis_keys.BEAT_LAST_RUN, "capabilities.capability_flush_stats"), message="a flush"
+    )
     page.click("nav.sigil-nav >> text=Beat schedule")
     row = page.locator("#beat-schedule tr", has_text="capability-flush-stats")
     row.get_by_text("succeeded").wait_for()

@@ -16,7 +16,7 @@ import pytest
 from agents.models import Agent, AuditEvent
 from capabilities.engine import runner
 from capabilities.models import Capability
-from capabilities.services import async_calls
+from sigil import redis_keys
 from sigil.encryption import secret_encrypt
 from sigil.redis_client import get_redis
 from testsupport.capability_code import ECHO
@@ -95,15 +95,13 @@ def test_another_agent_gets_404_for_the_status_url(alice, bob, celery_worker):
 
 
 def test_an_async_call_counts_in_the_capabilitys_stats_and_goes_through_its_breaker(alice, settings, celery_worker):
-    from capabilities import breaker, stats
-
     settings.SIGIL_BREAKER_THRESHOLD = 1
     alice.deploy(name="boom", code="export default { async fetch() { throw new Error('kaput') } }")
     result = result_of(alice, accepted(alice.call("/alice/boom", headers=ASYNC)))
     assert result.status_code == 502 and result.json()["error"]["code"] == "capability_error"
     redis = get_redis()
-    assert int(redis.hget(stats.stats_key("alice--boom"), "errors")) == 1
-    assert redis.get(breaker.open_key("alice--boom")) is not None
+    assert int(redis.hget(redis_keys.stats("alice--boom"), "errors")) == 1
+    assert redis.get(redis_keys.breaker_open("alice--boom")) is not None
     again = result_of(alice, accepted(alice.call("/alice/boom", headers=ASYNC)))
     assert again.status_code == 503 and again.json()["error"]["code"] == "degraded"
 
@@ -227,7 +225,7 @@ def test_a_callback_to_a_private_address_is_refused_at_once(alice, settings, url
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "invalid_request" and "private or reserved address" in error["message"]
-    assert not get_redis().exists(async_calls.pending_key("alice"))  # nothing was accepted
+    assert not get_redis().exists(redis_keys.async_pending("alice"))  # nothing was accepted
 
 
 def test_a_callback_is_checked_again_when_it_is_delivered(alice, settings, webhook_receiver, celery_worker):
@@ -265,15 +263,13 @@ def test_running_a_call_again_after_it_is_done_changes_nothing(alice, webhook_re
     wait_for(lambda: webhook_receiver.received, message="the callback")
     call_id = status_url.rsplit("/", 1)[1]
     runner.run_now(call_id=call_id)  # run again, as after a runner's loss
-    assert int(get_redis().hget(async_calls.record_key(call_id), "attempts")) == 1
+    assert int(get_redis().hget(redis_keys.async_call(call_id), "attempts")) == 1
     assert len(webhook_receiver.received) == 1
 
 
 @pytest.mark.slow
 def test_a_call_survives_its_runner_being_killed_mid_call(alice, settings, webhook_receiver, tmp_path, celery_worker):
     from django.db import connection
-
-    from capabilities import stats
 
     settings.SIGIL_ASYNC_RUNNERS = 0  # only the runner process below takes it, at first
     subscribe("alice")
@@ -303,11 +299,11 @@ def test_a_call_survives_its_runner_being_killed_mid_call(alice, settings, webho
         result = result_of(alice, status_url, timeout=60)
         assert result.status_code == 200 and result.text == "slow ?n=1"
         wait_for(lambda: webhook_receiver.received, timeout=30, message="the callback")
-        assert int(get_redis().hget(async_calls.record_key(call_id), "attempts")) == 2
+        assert int(get_redis().hget(redis_keys.async_call(call_id), "attempts")) == 2
         # Completed once: one result, one callback, one call recorded as answered.
         assert len(webhook_receiver.received) == 1
         assert json.loads(webhook_receiver.received[0][1])["result"]["body"] == "slow ?n=1"
-        wait_for(lambda: get_redis().hget(stats.stats_key("alice--slow"), "calls") == b"1", message="one call counted")
+        wait_for(lambda: get_redis().hget(redis_keys.stats("alice--slow"), "calls") == b"1", message="one call counted")
     finally:
         if runner.poll() is None:
             runner.kill()
@@ -350,10 +346,10 @@ def test_calls_in_flight_when_redis_is_killed_all_end_once_it_is_back(alice, set
             assert (result.status_code, result.text) == (200, f"slow ?n={i}"), url
         # The runner recorded nothing in Redis's absence: each call was run again.
         attempts = [
-            int(get_redis().hget(async_calls.record_key(url.rsplit("/", 1)[1]), "attempts")) for url in status_urls
+            int(get_redis().hget(redis_keys.async_call(url.rsplit("/", 1)[1]), "attempts")) for url in status_urls
         ]
         assert all(a >= 2 for a in attempts), attempts
-        assert not get_redis().llen(async_calls.QUEUE_KEY)
+        assert not get_redis().llen(redis_keys.ASYNC_QUEUE)
     finally:
         runner_process.kill()
         runner_process.wait(timeout=30)

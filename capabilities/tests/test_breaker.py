@@ -8,6 +8,7 @@ import pytest
 
 from capabilities import breaker, stats
 from capabilities.models import BreakerState
+from sigil import redis_keys
 from sigil.errors import Degraded
 
 NOW = 1_800_000_000.0
@@ -28,7 +29,7 @@ def test_the_open_key_reads_as_one_state(raw, status):
 
 
 def read(redis_client, full="alice--x"):
-    return breaker.status_of(redis_client.get(breaker.open_key(full)), now=time.time())
+    return breaker.status_of(redis_client.get(redis_keys.breaker_open(full)), now=time.time())
 
 
 def record(redis_client, rules, *, ok=False, full="alice--x", now=None) -> bool:
@@ -64,8 +65,8 @@ def test_records_applied_together_count_in_the_order_their_calls_ended(redis_cli
     assert read(redis_client) == breaker.Status.CLOSED
     # ... and the failure after them is the second in a row.
     assert record_together(redis_client, rules, [False, True]) == [b"opened", b"closed"]
-    assert int(redis_client.hget(stats.stats_key("alice--x"), "calls")) == 5
-    assert int(redis_client.hget(stats.stats_key("alice--x"), "errors")) == 3
+    assert int(redis_client.hget(redis_keys.stats("alice--x"), "calls")) == 5
+    assert int(redis_client.hget(redis_keys.stats("alice--x"), "errors")) == 3
 
 
 def test_failures_in_a_row_open_it_and_a_success_between_them_starts_again(redis_client):
@@ -80,14 +81,16 @@ def test_failures_in_a_row_open_it_and_a_success_between_them_starts_again(redis
     assert read(redis_client) == breaker.Status.OPEN
     assert not record(redis_client, rules)  # already open: no new transition
     with pytest.raises(Degraded) as refused:
-        rules.enter(redis_client, full="alice--x", raw=redis_client.get(breaker.open_key("alice--x")), now=time.time())
+        rules.enter(
+            redis_client, full="alice--x", raw=redis_client.get(redis_keys.breaker_open("alice--x")), now=time.time()
+        )
     assert 29 < refused.value.retry_after <= 30
 
 
 def test_half_open_lets_exactly_one_trial_through(redis_client):
     rules = breaker.Breaker(threshold=1, cooldown_seconds=30)
     record(redis_client, rules, now=time.time() - 31)  # opened a cool-down ago
-    raw = redis_client.get(breaker.open_key("alice--x"))
+    raw = redis_client.get(redis_keys.breaker_open("alice--x"))
     assert read(redis_client) == breaker.Status.HALF_OPEN
     assert rules.enter(redis_client, full="alice--x", raw=raw, now=time.time()) is True
     with pytest.raises(Degraded, match="trial call is in progress"):
@@ -97,7 +100,7 @@ def test_half_open_lets_exactly_one_trial_through(redis_client):
 def test_forced_is_a_flag_that_failures_do_not_move_and_only_reset_clears(redis_client):
     rules = breaker.Breaker(threshold=1, cooldown_seconds=30)
     breaker.breaker_force(full="alice--x")
-    assert redis_client.get(breaker.open_key("alice--x")) == breaker.FORCED
+    assert redis_client.get(redis_keys.breaker_open("alice--x")) == breaker.FORCED
     assert not record(redis_client, rules)
     assert read(redis_client) == breaker.Status.FORCED
     with pytest.raises(Degraded, match="owner") as refused:
@@ -106,4 +109,4 @@ def test_forced_is_a_flag_that_failures_do_not_move_and_only_reset_clears(redis_
 
     breaker.breaker_reset(full="alice--x")
     assert read(redis_client) == breaker.Status.CLOSED
-    assert redis_client.get(breaker.failures_key("alice--x")) is None
+    assert redis_client.get(redis_keys.breaker_failures("alice--x")) is None

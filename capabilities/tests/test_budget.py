@@ -12,6 +12,7 @@ import pytest
 from capabilities.runtimes.api_work import ApiClass, api_work
 from capabilities.runtimes.cloudflare.budget import RateBudget
 from capabilities.runtimes.cloudflare.errors import CloudflareRateLimited
+from sigil import redis_keys
 
 PAGE_IN, DEPLOY, PAGE_OUT, HOUSEKEEPING = ApiClass.PAGE_IN, ApiClass.DEPLOY, ApiClass.PAGE_OUT, ApiClass.HOUSEKEEPING
 # 20 requests per 100 s: a page-in may fill all 20, a deploy 19, a page-out 17, housekeeping 12,
@@ -21,7 +22,11 @@ LIMIT, WINDOW = 20, 100.0
 
 def budget_on(redis_client, *, max_wait: float = 0.0) -> RateBudget:
     return RateBudget(
-        redis=redis_client, key="test-budget", limit=LIMIT, window_seconds=WINDOW, max_wait_seconds=max_wait
+        redis=redis_client,
+        keys=redis_keys.budget("test-budget"),
+        limit=LIMIT,
+        window_seconds=WINDOW,
+        max_wait_seconds=max_wait,
     )
 
 

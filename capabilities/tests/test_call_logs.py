@@ -8,6 +8,7 @@ import pytest
 from capabilities import call_logs
 from capabilities.log_limits import LogLimits
 from capabilities.models import Binding
+from sigil import redis_keys
 from sigil.encryption import secret_encrypt
 from testsupport.cast import grant, wait_for
 
@@ -102,7 +103,7 @@ def test_a_bound_secret_logged_or_thrown_by_the_code_is_kept_as_its_name(alice, 
 
     assert record["logs"][0]["text"] == "the token is [secret TOKEN] and again:[secret TOKEN]"
     assert record["exception"]["message"] == "failed with [secret TOKEN]"
-    stored = b"".join(redis_client.lrange(call_logs.records_key("alice--leaky"), 0, -1))
+    stored = b"".join(redis_client.lrange(redis_keys.logs("alice--leaky"), 0, -1))
     assert b"[secret TOKEN]" in stored and b"hunter2-xyz" not in stored
 
 
@@ -157,7 +158,7 @@ def test_one_capability_filling_its_agents_bytes_drops_its_own_records_never_a_s
         call_logs.call_records_keep(records=[raw_record("alice--loud", f"l{i}", lines=3, text="y" * 10)], limits=small)
     quiet = call_logs.call_records_list(full="alice--quiet", retention_seconds=10**11)
     assert [r["request_id"] for r in quiet.records] == ["q1"]
-    held = sum(int(v) for v in redis_client.hvals(call_logs.agent_bytes_key("alice")))
+    held = sum(int(v) for v in redis_client.hvals(redis_keys.logs_bytes("alice")))
     assert held <= small.agent_bytes
 
     # A record that cannot fit at all is lost, and counted.
@@ -186,7 +187,7 @@ def test_a_forged_batch_without_the_internal_secret_is_refused(workerd_group, re
     body = json.dumps({"records": [raw_record("alice--a", "forged")]})
     answer = requests.post(f"http://127.0.0.1:{sink.port}/records", data=body, headers={"X-Sigil-Secret": "guess"})
     assert answer.status_code == 403
-    assert redis_client.exists(call_logs.records_key("alice--a")) == 0
+    assert redis_client.exists(redis_keys.logs("alice--a")) == 0
 
 
 def test_records_the_sink_refuses_are_counted_as_lost_for_their_capability(alice, workerd_group, redis_client):

@@ -16,8 +16,8 @@ from django.core.management import call_command
 from capabilities import call_logs
 from capabilities.models import Binding, Capability
 from capabilities.runtimes import get_runtime
-from capabilities.runtimes.cloudflare import API_CALLS_KEY
 from capabilities.tests.test_call_logs import CHATTY, CHATTY_LINES, LEAKS, logs
+from sigil import redis_keys
 from sigil.encryption import secret_encrypt
 from testsupport.cast import grant, wait_for
 from testsupport.relay import Relay
@@ -111,7 +111,7 @@ def test_a_bound_secret_logged_or_thrown_is_kept_as_its_name_on_every_runtime(on
 
     assert record["logs"][0]["text"] == "the token is [secret TOKEN] and again:[secret TOKEN]"
     assert record["exception"]["message"] == "failed with [secret TOKEN]"
-    stored = b"".join(redis_client.lrange(call_logs.records_key("alice--leaky"), 0, -1))
+    stored = b"".join(redis_client.lrange(redis_keys.logs("alice--leaky"), 0, -1))
     assert b"[secret TOKEN]" in stored and SECRET.encode() not in stored
 
 
@@ -151,13 +151,13 @@ def test_records_reach_the_origin_with_no_api_request_on_the_cloudflare_runtimes
     alice.deploy(name="chatty", code=CHATTY)
     # The first call may still ask the API (the account's workers.dev subdomain, once a process).
     record_of(alice, "alice--chatty", alice.call("/alice/chatty/ok").headers["X-Request-Id"])
-    api_calls, logged = int(redis_client.get(API_CALLS_KEY) or 0), len(cf_emulator_fresh.api_calls())
+    api_calls, logged = int(redis_client.get(redis_keys.CF_CALLS) or 0), len(cf_emulator_fresh.api_calls())
 
     burst = [alice.call("/alice/chatty/ok").headers["X-Request-Id"] for _ in range(20)]
     for request_id in burst:
         record_of(alice, "alice--chatty", request_id)
 
-    assert int(redis_client.get(API_CALLS_KEY) or 0) == api_calls
+    assert int(redis_client.get(redis_keys.CF_CALLS) or 0) == api_calls
     assert len(cf_emulator_fresh.api_calls()) == logged
     taken, again = call_logs.call_records_pushes()
     assert taken >= 1 and again == 0

@@ -19,6 +19,7 @@ from capabilities.record_pushes import (
     push_key,
     push_signature,
 )
+from sigil import redis_keys
 
 
 def a_record(request_id: str) -> dict:
@@ -50,7 +51,7 @@ def push(sigil, body: bytes, *, headers: dict[str, str] | None = None, **signing
 
 
 def kept(redis_client) -> list[str]:
-    return [json.loads(raw)["request_id"] for raw in redis_client.lrange(call_logs.records_key("alice--chatty"), 0, -1)]
+    return [json.loads(raw)["request_id"] for raw in redis_client.lrange(redis_keys.logs("alice--chatty"), 0, -1)]
 
 
 def test_a_batch_pushed_twice_is_kept_once(sigil, settings, redis_client):

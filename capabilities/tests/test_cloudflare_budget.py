@@ -17,8 +17,9 @@ from capabilities import services, tasks
 from capabilities.models import Capability
 from capabilities.runtimes import runtimes_forget
 from capabilities.runtimes.api_work import ApiClass, api_work
-from capabilities.runtimes.cloudflare import API_CALLS_BY_CLASS_KEY, CloudflareClient, CloudflareRateLimited
+from capabilities.runtimes.cloudflare import CloudflareClient, CloudflareRateLimited
 from capabilities.runtimes.errors import RuntimeUnavailable
+from sigil import redis_keys
 from testsupport.cast import deploy_answering as deploy
 from testsupport.cast import wait_for
 
@@ -149,7 +150,7 @@ def test_a_deploy_and_a_page_in_get_their_requests_while_reconcile_runs_in_a_loo
         stop.set()
         for loop in loops:
             loop.join(30)
-    spent = {key.decode(): int(count) for key, count in redis_client.hgetall(API_CALLS_BY_CLASS_KEY).items()}
+    spent = {key.decode(): int(count) for key, count in redis_client.hgetall(redis_keys.CF_CALLS_BY_CLASS).items()}
     # Housekeeping took its share of the window (0.2 of 60), and no more.
     assert 1 <= spent["housekeeping"] <= 12
     assert spent["deploy"] >= 2 and spent["page-in"] >= 1

@@ -8,7 +8,7 @@ import time
 import pytest
 import requests
 
-from capabilities import breaker
+from sigil import redis_keys
 from testsupport.capability_code import COUNTS_BODY, PONG
 from testsupport.steady import SteadyCalls
 
@@ -78,10 +78,10 @@ def assert_contained(
     assert len(others) > 6
     assert set(others) == {(200, "pong")}
     # Only the runaway's breaker moved.
-    assert int(redis_client.get(breaker.failures_key("alice--spin"))) == len(stopped)
+    assert int(redis_client.get(redis_keys.breaker_failures("alice--spin"))) == len(stopped)
     for innocent in ("bob--ping", "bob--pong"):
-        assert redis_client.get(breaker.failures_key(innocent)) in (None, b"0")
-        assert redis_client.get(breaker.open_key(innocent)) is None
+        assert redis_client.get(redis_keys.breaker_failures(innocent)) in (None, b"0")
+        assert redis_client.get(redis_keys.breaker_open(innocent)) is None
 
 
 def spin_stopped_at_its_cpu_limit(alice, bob, settings, redis_client) -> None:
@@ -164,9 +164,9 @@ def test_a_runaway_dynamic_worker_on_the_loader_runtime_holds_up_no_other_agents
     )
     assert len(during) > 10
     assert max(took for _, took in timings) < UNDELAYED_SECONDS
-    assert int(redis_client.get(breaker.failures_key("alice--spin"))) == 1
+    assert int(redis_client.get(redis_keys.breaker_failures("alice--spin"))) == 1
     for innocent in ("bob--ping", "bob--count"):
-        assert redis_client.get(breaker.failures_key(innocent)) in (None, b"0")
+        assert redis_client.get(redis_keys.breaker_failures(innocent)) in (None, b"0")
 
 
 @pytest.mark.slow

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from capabilities import breaker, failures
+from capabilities import failures
 from capabilities.runtimes import get_runtime
 from capabilities.tests.test_cloudflare_redeploy import script_running
 from cfemulator.tests.test_own_failures import said_runs
+from sigil import redis_keys
 from testsupport.emulator import killed_under_a_call
 from testsupport.processes import wait_until
 
@@ -59,7 +60,7 @@ def test_a_failure_of_cloudflares_own_side_is_the_runtimes_not_the_capabilitys(
     assert (answer.status_code, answer.json()["error"]["code"]) == (status, code)
     assert answer.json()["error"]["message"].startswith(f"the runtime failed to run {FULL} on its own side")
     assert answer.headers.get("Retry-After") == retry_after
-    assert redis_client.get(breaker.failures_key(FULL)) in (None, b"0")
-    assert redis_client.get(breaker.open_key(FULL)) is None
+    assert redis_client.get(redis_keys.breaker_failures(FULL)) in (None, b"0")
+    assert redis_client.get(redis_keys.breaker_open(FULL)) is None
     assert failures.failures_list(full=FULL) == []
     wait_until(lambda: alice.call("/alice/sleepy").text == "slept", timeout=20, what="the capability again")

@@ -8,8 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from capabilities import breaker, failures
+from capabilities import failures
 from capabilities.runtimes import get_runtime
+from sigil import redis_keys
 from testsupport.processes import wait_until
 
 # Answers which version it is, once it has slept: calls stay in flight across the redeploy
@@ -70,8 +71,8 @@ def test_a_redeploy_lets_the_calls_in_flight_finish_on_the_old_version(emulator,
     # Each was answered by the version that had it in flight.
     assert [(answer.status_code, answer.text) for answer in answers] == [(200, "old")] * 3
     assert (after.result().status_code, after.result().text) == (200, "new")
-    assert redis_client.get(breaker.failures_key(FULL)) in (None, b"0")
-    assert redis_client.get(breaker.open_key(FULL)) is None
+    assert redis_client.get(redis_keys.breaker_failures(FULL)) in (None, b"0")
+    assert redis_client.get(redis_keys.breaker_open(FULL)) is None
     assert failures.failures_list(full=FULL) == []
     # The old version's process, if it had one of its own, stopped once its calls had ended.
     wait_until(

@@ -25,8 +25,8 @@ from django.conf import settings as django_settings
 from capabilities import call_logs, services
 from capabilities.models import Capability
 from capabilities.runtimes import runtimes_forget
-from capabilities.runtimes.cloudflare import API_CALLS_BY_CLASS_KEY
 from capabilities.runtimes.errors import RuntimeFailure
+from sigil import redis_keys
 from sigil_site.celery import app as celery_app
 from testsupport.cast import deploy_answering, wait_for
 from testsupport.steady import SteadyCalls
@@ -114,7 +114,9 @@ class CompressedBeat:
 
 def spent_by_class(redis_client) -> Counter:
     """Sigil's own count of its API requests so far, by the class of work they were made for."""
-    return Counter({key.decode(): int(count) for key, count in redis_client.hgetall(API_CALLS_BY_CLASS_KEY).items()})
+    return Counter(
+        {key.decode(): int(count) for key, count in redis_client.hgetall(redis_keys.CF_CALLS_BY_CLASS).items()}
+    )
 
 
 @contextlib.contextmanager
@@ -186,7 +188,7 @@ def test_ten_calls_a_second_leave_the_budget_to_a_deploy_and_a_page_in(traffic, 
     calls = len(steady.answers) + 1  # and the one before the traffic
 
     def records_kept() -> bool:
-        return redis_client.llen(call_logs.records_key("alice--steady")) >= calls
+        return redis_client.llen(redis_keys.logs("alice--steady")) >= calls
 
     wait_for(records_kept, timeout=30, interval=0.2, message=f"the records of {calls} calls")
     assert call_logs.call_records_pushes()[0] >= 2

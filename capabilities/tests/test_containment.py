@@ -9,8 +9,8 @@ import pytest
 import requests
 from django.conf import settings
 
-from capabilities import breaker, stats
 from capabilities.runtimes.local import STALL_MARGIN_MS
+from sigil import redis_keys
 from testsupport.capability_code import PONG
 from testsupport.cast import wait_for
 
@@ -108,9 +108,9 @@ def test_a_runaway_capability_stops_only_its_own_agent_and_only_until_sigil_stop
         interrupted
     )
     # Only the runaway's breaker moved.
-    assert redis_client.get(breaker.failures_key("alice--runaway")) == b"1"
-    assert redis_client.get(breaker.failures_key("alice--neighbour")) is None
-    assert redis_client.get(breaker.failures_key("bob--pong")) is None
+    assert redis_client.get(redis_keys.breaker_failures("alice--runaway")) == b"1"
+    assert redis_client.get(redis_keys.breaker_failures("alice--neighbour")) is None
+    assert redis_client.get(redis_keys.breaker_failures("bob--pong")) is None
 
 
 def timed_call(agent, path: str) -> tuple[requests.Response, float]:
@@ -169,6 +169,6 @@ def test_a_response_cut_short_by_a_neighbours_runaway_is_not_counted_against_its
             received += 1
     assert received < 50  # the stream was cut when alice's workerd was stopped
 
-    wait_for(lambda: redis_client.hget(stats.stats_key("alice--runaway"), "calls") == b"1", message="calls recorded")
-    assert redis_client.get(breaker.failures_key("alice--runaway")) == b"1"
-    assert redis_client.get(breaker.failures_key("alice--trickle")) is None
+    wait_for(lambda: redis_client.hget(redis_keys.stats("alice--runaway"), "calls") == b"1", message="calls recorded")
+    assert redis_client.get(redis_keys.breaker_failures("alice--runaway")) == b"1"
+    assert redis_client.get(redis_keys.breaker_failures("alice--trickle")) is None

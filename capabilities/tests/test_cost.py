@@ -13,11 +13,7 @@ from agents.models import AuditEvent
 from capabilities import cost, stats
 from capabilities.cost import Access, replay_cold_calls, smallest_slots
 from capabilities.models import CapabilityStatsWindow
-from capabilities.runtimes.cloudflare import (
-    api_calls_hour_by_class_key,
-    api_calls_hour_by_operation_key,
-    api_calls_hour_key,
-)
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 from testsupport.cast import deploy_answering, wait_for
 
@@ -53,8 +49,8 @@ def recorded(alice, redis_client):
     window("alice--b", NOW - timedelta(days=31), calls=9_999_999, duration_ms=1, bucket=0)  # outside the window
     for at in (day(3), day(3), day(3) + timedelta(minutes=5), day(1)):
         AuditEvent.objects.create(actor="system", action="capability.paged_in", subject="alice--a", created_at=at)
-    redis_client.set(api_calls_hour_key(int(day(3).timestamp() // 3600)), 7)
-    redis_client.set(api_calls_hour_key(int(day(1).timestamp() // 3600)), 5)
+    redis_client.set(redis_keys.cf_calls_hour(int(day(3).timestamp() // 3600)), 7)
+    redis_client.set(redis_keys.cf_calls_hour(int(day(1).timestamp() // 3600)), 5)
 
 
 def bills(estimate) -> dict[str, float]:
@@ -97,12 +93,12 @@ def test_what_spent_the_api_budget_is_shown_and_its_kv_operations_billed(recorde
     # Two hours of API calls by class and operation, as the client counts them: keys listed
     # 1.5 M times, 400,000 values read and deleted, 600,000 written (a loader's placements).
     hour = int((NOW - timedelta(days=2)).timestamp() // 3600)
-    redis_client.hset(api_calls_hour_by_class_key(hour), mapping={"housekeeping": 2_300_000, "page-in": 600_000})
+    redis_client.hset(redis_keys.cf_calls_hour_by_class(hour), mapping={"housekeeping": 2_300_000, "page-in": 600_000})
     redis_client.hset(
-        api_calls_hour_by_operation_key(hour),
+        redis_keys.cf_calls_hour_by_operation(hour),
         mapping={"kv-list": 1_000_000, "kv-read": 400_000, "kv-delete": 400_000, "kv-write": 600_000},
     )
-    redis_client.hset(api_calls_hour_by_operation_key(hour + 1), mapping={"kv-list": 500_000, "upload": 2})
+    redis_client.hset(redis_keys.cf_calls_hour_by_operation(hour + 1), mapping={"kv-list": 500_000, "upload": 2})
     settings.SIGIL_LOGS_ENABLED = True
     estimate = cost.cost_estimate(now=NOW, days=30)
 
@@ -177,7 +173,7 @@ def test_calls_through_the_gateway_are_logged_as_the_access_pattern(alice, setti
         assert alice.call("/alice/a").status_code == 200
     logged = wait_for(lambda: len(cost.access_log_read()) == 3 and cost.access_log_read(), message="the log")
     assert {(access.full, access.type) for access in logged} == {("alice--a", "normal")}
-    assert get_redis().llen(stats.ACCESS_LOG_KEY) == 3  # bounded: the oldest call is gone
+    assert get_redis().llen(redis_keys.ACCESS_LOG) == 3  # bounded: the oldest call is gone
     pool = cost.cost_estimate(now=datetime.now(UTC) + timedelta(seconds=1), days=1).pool
     assert pool.replayed_calls == 3 and pool.smallest_slots_under_1pct == 1
 

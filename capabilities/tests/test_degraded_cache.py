@@ -3,7 +3,7 @@ from its last good response while its breaker is open; anything else is `503 deg
 
 import time
 
-from capabilities import degraded_cache
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 from testsupport.inflight import SERVER_REQUESTS
 
@@ -59,7 +59,7 @@ def test_a_degraded_capability_with_the_cache_answers_a_repeated_get_from_it(ali
 def test_without_the_option_a_degraded_capability_keeps_nothing_and_answers_503(alice, settings):
     deploy_and_break(alice, settings, cache=None)
     assert alice.call("/alice/stamp/a").status_code == 200
-    assert not get_redis().exists(degraded_cache.entries_key("alice--stamp"))
+    assert not get_redis().exists(redis_keys.degraded_cache("alice--stamp"))
     open_breaker(alice)
     assert alice.call("/alice/stamp/a").status_code == 503
 

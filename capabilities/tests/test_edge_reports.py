@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from agents import tokens
-from capabilities import breaker, failures, pager, stats
+from capabilities import breaker, failures, stats
 from capabilities.models import BreakerState, Capability
 from capabilities.record_pushes import PUSH_PATH, SIGNATURE_HEADER, SIGNED_AT_HEADER, push_key, push_signature
 from capabilities.tests.test_edge import (
@@ -26,6 +26,7 @@ from capabilities.tests.test_edge import (
     edge_url,
     publish,
 )
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 from testsupport.capability_code import PONG, answering
 from testsupport.cast import wait_for
@@ -36,7 +37,7 @@ FAILS = "export default { async fetch() { return new Response('out of coffee\\ns
 
 def counters(full: str) -> stats.CallStats:
     """What the origin has counted of `full` in Redis (no flush runs in these tests)."""
-    raw = get_redis().hgetall(stats.stats_key(full))
+    raw = get_redis().hgetall(redis_keys.stats(full))
     return stats.CallStats.from_fields({k.decode(): v.decode() for k, v in raw.items()})
 
 
@@ -135,7 +136,7 @@ def test_failures_at_the_edge_open_the_breaker_at_the_origin_which_the_edge_then
 
     # Counted at the origin: its breaker opens, and its database copy says so (Celery).
     wait_for(
-        lambda: breaker.status_of(get_redis().get(breaker.open_key("alice--boom")), now=time.time())
+        lambda: breaker.status_of(get_redis().get(redis_keys.breaker_open("alice--boom")), now=time.time())
         == breaker.Status.OPEN,
         timeout=30,
         message="the origin's breaker of alice--boom to open",
@@ -179,7 +180,7 @@ def test_a_capability_served_only_at_the_edge_stays_hot_in_the_pagers_books(
     auth = alice.headers(alice.invoke_token)
     # The edge learns what was published by serving c (through the origin, until it serves it itself).
     at_edge(access_log, lambda: requests.get(edge_url(edge, "/alice/c"), headers=auth, timeout=30), what="c")
-    lru = pager.lru_key("normal")
+    lru = redis_keys.lru("normal")
 
     def stamp(full: str) -> float:
         return get_redis().zscore(lru, full)

@@ -22,7 +22,7 @@ from agents.models import Agent, Token
 from capabilities import services, tasks
 from capabilities.models import Capability
 from capabilities.runtimes.cloudflare import CloudflareNotFound
-from sigil.edge_state import DIRTY_KEY
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 from testsupport.capability_code import PONG, PONG2
 from testsupport.cast import fail_flaky, wait_for
@@ -129,11 +129,11 @@ def test_tokens_issued_revoked_and_of_a_disabled_agent_reach_the_edge_as_the_sch
 
 def test_nothing_is_marked_with_the_edge_off(settings, worker_pool, cf_client, alice):
     settings.SIGIL_EDGE = False
-    get_redis().delete(DIRTY_KEY)  # what alice's tokens marked, had the edge been on until now
+    get_redis().delete(redis_keys.EDGE_DIRTY)  # what alice's tokens marked, had the edge been on until now
     agent = Agent.objects.get(name="alice")
     agent_services.token_issue(agent=agent, scope="invoke", actor="owner:test")
     assert alice.deploy(name="ping", code=PONG).status_code == 201
-    assert get_redis().scard(DIRTY_KEY) == 0
+    assert get_redis().scard(redis_keys.EDGE_DIRTY) == 0
     assert services.edge_publish() is None
     assert [ns["title"] for ns in cf_client.kv_namespace_list()] == []
 
@@ -201,7 +201,9 @@ def test_a_forced_breaker_its_reset_and_a_breaker_tripped_by_failures_reach_the_
     fail_flaky(alice, settings, threshold=2)  # a cool-down of 1 s
     opened_by = time.time()
     # The transition is recorded by a Celery task, which marks the route.
-    wait_for(lambda: get_redis().sismember(DIRTY_KEY, "route:alice--flaky"), message="the tripped breaker's mark")
+    wait_for(
+        lambda: get_redis().sismember(redis_keys.EDGE_DIRTY, "route:alice--flaky"), message="the tripped breaker's mark"
+    )
     publish()
     until = edge.route("alice--flaky")["brk"]
     assert isinstance(until, float)
@@ -220,7 +222,7 @@ def test_many_changes_are_one_bulk_write_and_nothing_to_publish_is_no_request(ed
     for secret in issued[:20]:
         agent_services.token_revoke(token=Token.objects.get(secret_hash=token_hash(secret)), actor="owner:test")
     services.capability_force_degraded(capability=Capability.objects.get(full_name="alice--ping"), actor="owner:test")
-    assert get_redis().scard(DIRTY_KEY) == 21
+    assert get_redis().scard(redis_keys.EDGE_DIRTY) == 21
     published = services.edge_publish()
     assert published.written == 21
     assert edge.bulk_writes() == writes + 1
@@ -244,7 +246,7 @@ def test_a_failed_publish_loses_nothing_and_is_told_on_health(edge, alice, setti
     edge.emulator.configure(fail_next=3)
     for _ in range(3):
         assert services.edge_publish().failed
-    assert get_redis().scard(DIRTY_KEY) == 2
+    assert get_redis().scard(redis_keys.EDGE_DIRTY) == 2
     assert edge.route("alice--ping")["brk"] is None
     health = requests.get(f"{sigil.url}/_health", timeout=10).json()
     assert any("has not been published for 3 runs" in warning for warning in health.get("warnings", [])), health
@@ -262,17 +264,15 @@ def test_a_failed_publish_loses_nothing_and_is_told_on_health(edge, alice, setti
 
 
 def test_a_publisher_that_died_mid_write_leaves_its_keys_to_the_next(edge, alice):
-    from capabilities.services.edge import PUBLISHING_KEY
-
     agent = Agent.objects.get(name="alice")
     token, secret = agent_services.token_issue(agent=agent, scope="invoke", actor="owner:test")
     redis = get_redis()
     # What a publisher killed between taking its keys and writing them leaves.
-    redis.sunionstore(PUBLISHING_KEY, [DIRTY_KEY])
-    redis.delete(DIRTY_KEY)
+    redis.sunionstore(redis_keys.EDGE_PUBLISHING, [redis_keys.EDGE_DIRTY])
+    redis.delete(redis_keys.EDGE_DIRTY)
     assert services.edge_publish().written == 3  # alice's own two tokens as well
     assert edge.get(f"tok:{token_hash(secret)}") == schema_token(token)
-    assert redis.scard(PUBLISHING_KEY) == 0
+    assert redis.scard(redis_keys.EDGE_PUBLISHING) == 0
 
 
 # --- the namespace and reconcile ---------------------------------------------------------------

@@ -13,7 +13,6 @@ import pytest
 import requests
 
 from capabilities.models import Capability
-from capabilities.runtimes.cloudflare.client import API_CALLS_KEY
 from capabilities.tests.test_call_logs_runtimes import record_of
 from capabilities.tests.test_edge import (
     at_edge,
@@ -22,6 +21,7 @@ from capabilities.tests.test_edge import (
     edge_url,
     publish,
 )
+from sigil import redis_keys
 from testsupport.capability_code import answering
 from testsupport.inflight import SERVER_REQUESTS
 
@@ -62,7 +62,7 @@ def served_once(access_log, url: str, auth: dict[str, str]) -> None:
 
 def api_requests(emulator, redis_client) -> tuple[int, int]:
     """The Cloudflare API requests so far: as Sigil counts its own, and as the emulator logged them."""
-    return int(redis_client.get(API_CALLS_KEY) or 0), len(emulator.api_calls())
+    return int(redis_client.get(redis_keys.CF_CALLS) or 0), len(emulator.api_calls())
 
 
 def served_at_the_edge(access_log, answers: list[Answer]) -> None:

@@ -19,9 +19,8 @@ from websockets.sync.client import connect
 
 from agents import services as agent_services
 from agents.models import Agent
-from capabilities import stats
 from capabilities.models import Capability
-from capabilities.services import async_calls
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 from testsupport.capability_code import COUNTS_BODY
 from testsupport.cast import deploy_answering, wait_for
@@ -118,7 +117,7 @@ def test_an_agent_over_its_share_gets_429_and_another_agent_does_not(sigil, alic
     # Counted as refusals of the capability called, not as its calls (a success's record is
     # applied up to a batch's wait after its answer).
     wait_for(
-        lambda: get_redis().hmget(stats.stats_key("alice--slow"), "refused", "calls") == [b"20", b"10"],
+        lambda: get_redis().hmget(redis_keys.stats("alice--slow"), "refused", "calls") == [b"20", b"10"],
         message="20 refusals and 10 calls counted",
     )
 
@@ -250,7 +249,7 @@ def test_a_websocket_session_passes_through_sigil(runtime, request, alice, bob):
         session.send(b"\x00\x01binary")
         assert session.recv(timeout=10) == b"\x00\x01binary"
     # One call, with its duration, in the capability's stats.
-    wait_for(lambda: get_redis().hget(stats.stats_key("alice--ws"), "calls") == b"1", message="the session counted")
+    wait_for(lambda: get_redis().hget(redis_keys.stats("alice--ws"), "calls") == b"1", message="the session counted")
 
     with pytest.raises(InvalidStatus) as refused:  # the token rules hold for a session
         connect(url, proxy=None).close()
@@ -299,7 +298,7 @@ def test_never_ending_async_calls_end_and_hold_no_other_agents_calls(alice, bob,
         (answer,) = wait_for(lambda url=url: result(alice, url), timeout=60, message="alice's call to end")
         assert answer.status_code == 504 and answer.json()["error"]["code"] == "timeout"
         assert "the longest an asynchronous call runs" in answer.json()["error"]["message"]
-    assert not get_redis().zcard(async_calls.pending_key("alice"))
+    assert not get_redis().zcard(redis_keys.async_pending("alice"))
 
 
 def test_an_async_call_gives_the_capability_the_request_id_of_its_202(alice, celery_worker):

@@ -8,6 +8,7 @@ import pytest
 from capabilities import failures, stats
 from capabilities.models import Capability, CapabilityStatsWindow
 from capabilities.services import capability_force_degraded
+from sigil import redis_keys
 from testsupport.capability_code import PONG
 from testsupport.cast import flush_stats_when_recorded, wait_for
 
@@ -130,7 +131,7 @@ def test_refusals_are_counted_per_capability_and_in_total(alice, access_log):
 def get_field(full, field):
     from sigil.redis_client import get_redis
 
-    return get_redis().hget(stats.stats_key(full), field) or 0
+    return get_redis().hget(redis_keys.stats(full), field) or 0
 
 
 def test_removing_a_capability_forgets_its_failures(alice):

@@ -9,8 +9,8 @@ import pytest
 import requests
 
 from agents.models import AuditEvent
-from capabilities import breaker
 from capabilities.models import Capability
+from sigil import redis_keys
 from testsupport.capability_code import FLAKY, PONG
 from testsupport.cast import fail_flaky, wait_for
 
@@ -30,7 +30,7 @@ def test_a_hung_capability_answers_504_and_counts_as_a_failure(alice, settings, 
     response = alice.call("/alice/hangs")
     assert_error(response, 504, "timeout")
     assert time.monotonic() - started < 5
-    assert redis_client.get(breaker.failures_key("alice--hangs")) == b"1"
+    assert redis_client.get(redis_keys.breaker_failures("alice--hangs")) == b"1"
 
 
 def test_breaker_opens_after_consecutive_failures_then_half_opens_and_closes(alice, settings, celery_worker):
@@ -109,7 +109,6 @@ def test_a_warm_call_runs_no_sql(alice):
 
 
 def test_the_records_waiting_for_their_batch_are_applied_when_the_engine_stops(alice):
-    from capabilities import stats
     from sigil.redis_client import get_redis
     from testsupport.engine_calls import answers, call_request
 
@@ -117,7 +116,7 @@ def test_the_records_waiting_for_their_batch_are_applied_when_the_engine_stops(a
     [results] = answers([call_request(alice, "/alice/ping") for _ in range(5)])
     assert [status for status, _, _ in results] == [200] * 5
     # The engine stopped at once after the last answer, before its batch was due.
-    assert int(get_redis().hget(stats.stats_key("alice--ping"), "calls")) == 5
+    assert int(get_redis().hget(redis_keys.stats("alice--ping"), "calls")) == 5
 
 
 @pytest.mark.slow
@@ -188,7 +187,7 @@ def test_a_call_whose_workerd_dies_on_its_own_is_a_503_to_retry_and_not_the_capa
     assert_error(answer, 503, "unavailable")
     assert answer.headers["Retry-After"] == "1"
     assert "its runtime process exited" in answer.json()["error"]["message"]
-    assert redis_client.get(breaker.failures_key("alice--slow")) is None  # the breaker is not charged
+    assert redis_client.get(redis_keys.breaker_failures("alice--slow")) is None  # the breaker is not charged
     wait_for(lambda: alice.call("/alice/slow").status_code == 200, timeout=30, message="a fresh workerd to serve")
 
 
@@ -202,4 +201,4 @@ def test_an_unreachable_runtime_is_a_502_and_not_the_capabilitys_failure(alice, 
     sigil.app.gateway = None
     response = alice.call("/alice/ping")
     assert_error(response, 502, "upstream_error")
-    assert redis_client.get(breaker.failures_key("alice--ping")) is None  # the breaker is not charged
+    assert redis_client.get(redis_keys.breaker_failures("alice--ping")) is None  # the breaker is not charged

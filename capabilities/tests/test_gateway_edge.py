@@ -11,10 +11,11 @@ import pytest
 import redis
 
 from agents import tokens
-from capabilities import copies, routes
+from capabilities import copies
 from capabilities.models import Capability, State
 from capabilities.runtimes.worker_pool import pool_script_name
 from capabilities.services.placement import placement_lock
+from sigil import redis_keys
 from sigil.embedded_redis import EmbeddedRedis
 from sigil.redis_client import SOCKET_TIMEOUT_SECONDS, get_redis
 from testsupport.capability_code import PONG
@@ -31,7 +32,7 @@ def assert_error(response, status, code):
 def test_an_unexpected_error_is_a_500_internal_error_logged_with_its_request_id(alice, caplog, access_log):
     alice.deploy(name="ping", code=PONG)
     # A route entry Sigil cannot read (written by an incompatible version, or by hand).
-    get_redis().set(routes.key("alice--ping"), b'{"id": 1}')
+    get_redis().set(redis_keys.route("alice--ping"), b'{"id": 1}')
 
     answer = alice.call("/alice/ping")
     message = assert_error(answer, 500, "internal_error")
@@ -49,7 +50,7 @@ def test_an_unexpected_error_is_a_500_internal_error_logged_with_its_request_id(
 
 def test_an_unexpected_error_in_the_control_api_is_a_500_internal_error_with_a_request_id(alice, caplog):
     # A token cache entry Sigil cannot read: authentication itself fails unexpectedly.
-    get_redis().set(tokens.cache_key(tokens.hash_secret(alice.invoke_token)), b"not a cached token")
+    get_redis().set(redis_keys.token(tokens.hash_secret(alice.invoke_token)), b"not a cached token")
 
     listed = alice.session.get(f"{alice.base_url}/_api/capabilities", headers=alice.headers(alice.invoke_token))
 

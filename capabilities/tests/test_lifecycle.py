@@ -12,7 +12,7 @@ from django.utils import timezone
 from agents.models import Agent, AuditEvent
 from capabilities import services
 from capabilities.models import Capability
-from capabilities.services.lifecycle import PREWARM_LEASE
+from sigil import redis_keys
 from sigil.encryption import secret_encrypt
 from sigil.leases import Lease
 from testsupport.capability_code import FLAKY
@@ -42,7 +42,7 @@ def test_prewarm_pages_in_the_most_called_capability(worker_pool, alice, celery_
     assert Capability.objects.get(full_name="alice--hot").state == "paged_out"
 
     # One run at a time: while another holds the run, this one places nothing.
-    other_run = Lease(PREWARM_LEASE, hold_seconds=60, blocking=False)
+    other_run = Lease(redis_keys.PREWARM_LEASE, hold_seconds=60, blocking=False)
     assert other_run.acquire()
     assert services.capability_prewarm() == []
     assert Capability.objects.get(full_name="alice--hot").state == "paged_out"

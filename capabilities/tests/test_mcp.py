@@ -16,6 +16,7 @@ from mcp.shared.exceptions import MCPError
 
 from agents.models import AuditEvent
 from capabilities.tests.test_contracts import ADD_CONTRACT, ADD_INPUT, ADD_OUTPUT
+from sigil import redis_keys
 from testsupport.capability_code import PONG
 from testsupport.cast import wait_for
 
@@ -105,7 +106,8 @@ def test_a_tool_call_reaches_the_capability_through_the_gateway(sigil, alice, re
     # Counted as calls of the capabilities, as a direct call is (the gateway recorded them,
     # a success up to a batch's wait after its answer).
     wait_for(
-        lambda: [redis_client.hget(f"sigil:stats:alice--{name}", "calls") for name in ("add", "ping")] == [b"1", b"1"],
+        lambda: [redis_client.hget(redis_keys.stats(f"alice--{name}"), "calls") for name in ("add", "ping")]
+        == [b"1", b"1"],
         message="both calls counted once",
     )
 
@@ -122,7 +124,7 @@ def test_arguments_that_break_the_input_schema_are_refused_before_the_call(sigil
     assert result.is_error
     assert "do not match alice--add's input schema" in result.content[0].text
     assert "'b' is a required property" in result.content[0].text
-    assert redis_client.hget("sigil:stats:alice--add", "calls") is None  # the capability never ran
+    assert redis_client.hget(redis_keys.stats("alice--add"), "calls") is None  # the capability never ran
     # Over HTTP the body reaches the code as sent (docs/contract.md, where the schemas are enforced).
     direct = alice.call("/alice/add", method="POST", json={"a": 2})
     assert (direct.status_code, direct.json()) == (200, {"sum": None})  # 2 + undefined is NaN, written as null

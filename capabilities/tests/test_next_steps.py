@@ -18,6 +18,7 @@ from agents.models import Agent, Token
 from capabilities.models import Capability
 from capabilities.services import capability_mark_inactive
 from capabilities.tests.test_async_calls import SLOW, result_of
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 from testsupport.capability_code import PONG
 
@@ -78,7 +79,7 @@ def test_a_disabled_agents_tokens_are_told_the_owner_disabled_the_agent(alice):
     for message in refusals(alice.deploy_token):
         assert disabled in message, message
     # Read again from the database once the cached refusal is gone: still said so.
-    get_redis().delete(tokens.cache_key(tokens.hash_secret(alice.invoke_token)))
+    get_redis().delete(redis_keys.token(tokens.hash_secret(alice.invoke_token)))
     for message in refusals(alice.invoke_token):
         assert disabled in message, message
     # A token revoked before stays plainly revoked.

@@ -3,8 +3,9 @@
 import pytest
 
 from agents.models import AuditEvent
-from capabilities import breaker, services
+from capabilities import services
 from capabilities.models import Capability
+from sigil import redis_keys
 from sigil.errors import NotFound
 from sigil.redis_client import get_redis
 from testsupport.capability_code import answering as code
@@ -92,7 +93,7 @@ def test_forced_degraded_answers_503_with_a_finite_retry_after_until_the_owner_r
 
     services.capability_reset_breaker(capability=capability, actor="owner:test")
     assert alice.call("/alice/ping").text == "pong"
-    assert get_redis().get(breaker.open_key("alice--ping")) is None
+    assert get_redis().get(redis_keys.breaker_open("alice--ping")) is None
     capability.refresh_from_db()
     assert capability.breaker_state == "closed"
 

@@ -10,6 +10,7 @@ from agents.models import AuditEvent
 from capabilities import pager, routes, services
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
@@ -94,7 +95,7 @@ def test_a_victim_is_routed_away_before_its_script_is_deleted(capped, alice, cel
 
 
 def route_state(full):
-    return routes.decode(get_redis().get(routes.key(full))).state
+    return routes.decode(get_redis().get(redis_keys.route(full))).state
 
 
 def evict_a_with_a_call_in_flight(alice) -> str:
@@ -116,7 +117,7 @@ def test_a_write_of_a_victim_waiting_for_its_calls_keeps_new_calls_away_from_it(
     # again from its row (still evicting), and its route stays turned away.
     victim = Capability.objects.get(full_name="alice--a")
     assert services.capability_set_public(capability=victim, is_public=True, actor="owner:test")
-    route = routes.decode(get_redis().get(routes.key("alice--a")))
+    route = routes.decode(get_redis().get(redis_keys.route("alice--a")))
     assert (state("alice--a"), route.state, route.is_public) == ("evicting", "paged_out", True)
 
     pager.pager_inflight_leave("alice--a", process=in_flight)  # the call in flight ends
@@ -193,18 +194,18 @@ def test_reconcile_repairs_the_pagers_books(capped, alice, celery_worker, settin
         deploy(alice, name, name, type="normal")
     redis = get_redis()
     # What concurrent page-ins used to leave: a live capability counted as evicting...
-    redis.zrem(pager.lru_key("normal"), "alice--a")
-    redis.zadd(pager.EVICTING_KEY, {"alice--a": 1})
+    redis.zrem(redis_keys.lru("normal"), "alice--a")
+    redis.zadd(redis_keys.LRU_EVICTING, {"alice--a": 1})
     # ... a dead placer's claim, and a name the registry does not have.
-    redis.zadd(pager.PLACING_KEY, {"alice--gone": 1})
-    redis.zadd(pager.lru_key("persistent"), {"alice--ghost": 1})
+    redis.zadd(redis_keys.LRU_PLACING, {"alice--gone": 1})
+    redis.zadd(redis_keys.lru("persistent"), {"alice--ghost": 1})
     # And a victim whose page-out was never sent (its placement died after placing the newcomer).
     settings.SIGIL_PLACEMENT_LOCK_SECONDS = 1
     Capability.objects.filter(full_name="alice--b").update(
         state="evicting", updated_at=timezone.now() - timedelta(seconds=5)
     )
-    redis.zrem(pager.lru_key("normal"), "alice--b")
-    redis.zadd(pager.EVICTING_KEY, {"alice--b": 1})
+    redis.zrem(redis_keys.lru("normal"), "alice--b")
+    redis.zadd(redis_keys.LRU_EVICTING, {"alice--b": 1})
 
     result = services.capability_reconcile()
     assert result == {"orphans_removed": 0, "repaired": 0, "pager_corrected": 3, "shed": 0, **NOTHING_REAPED}
@@ -215,7 +216,7 @@ def test_reconcile_repairs_the_pagers_books(capped, alice, celery_worker, settin
         lambda: state("alice--b") == "paged_out" and "alice--b" not in pager.pager_locations(),
         message="the lost page-out, sent again",
     )
-    assert pager.pager_locations() == {"alice--a": {pager.lru_key("normal")}, "alice--c": {pager.lru_key("normal")}}
+    assert pager.pager_locations() == {"alice--a": {redis_keys.lru("normal")}, "alice--c": {redis_keys.lru("normal")}}
     assert services.capability_reconcile() == {
         "orphans_removed": 0,
         "repaired": 0,

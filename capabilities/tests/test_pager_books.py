@@ -19,13 +19,13 @@ import requests
 from django.utils import timezone
 
 from agents.models import AuditEvent
-from capabilities import pager, services, stats
+from capabilities import pager, services
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime, runtimes_forget
 from capabilities.runtimes.cloudflare import CloudflareNotFound, CloudflareSlotsExhausted, CloudflareUnavailable
 from capabilities.runtimes.worker_pool import pool_script_name
-from capabilities.services.placement import PAGE_OUTS_DUE_KEY
 from capabilities.tasks import PAGE_OUT_RECHECK_SECONDS, RuntimeTask
+from sigil import redis_keys
 from sigil.errors import Conflict, Unavailable, UpstreamError
 from sigil.redis_client import get_redis
 from testsupport.capability_code import answering as code
@@ -62,7 +62,7 @@ def book_problems(scripts_on_cloudflare) -> list[str]:
     found = pager.pager_locations()
     for full in sorted(set(rows) | set(found)):
         kind, row_state, _ = rows.get(full, (None, None, None))
-        want = {"live": {pager.lru_key(kind or "")}, "evicting": {pager.EVICTING_KEY}}.get(row_state, set())
+        want = {"live": {redis_keys.lru(kind or "")}, "evicting": {redis_keys.LRU_EVICTING}}.get(row_state, set())
         if found.get(full, set()) != want:
             problems.append(
                 f"{full} is {row_state or 'not placed'} but the pager has it in {sorted(found.get(full, []))}"
@@ -103,7 +103,7 @@ def wait_settled(*, timeout, message):
         wait_for(settled, timeout=timeout, message=message)
     except AssertionError as exc:
         evicting = list(Capability.objects.filter(state="evicting").values_list("full_name", flat=True))
-        due = get_redis().zrange(PAGE_OUTS_DUE_KEY, 0, -1, withscores=True)
+        due = get_redis().zrange(redis_keys.PAGE_OUTS_DUE, 0, -1, withscores=True)
         raise AssertionError(
             f"{exc}: {pager.pager_usage()}, evicting in the database {evicting}, "
             f"the pager's {pager.pager_locations()}, page-outs due {due}"
@@ -214,7 +214,7 @@ def test_what_a_failed_placement_left_is_deleted_later_if_cloudflare_fails_again
     failed = alice.deploy(name="a", code=code("a"), type="normal")
     assert failed.status_code == 502
     # Until its delete is done, the failed placement holds margin rather than a slot.
-    assert pager.pager_locations().get("alice--a") == {pager.EVICTING_KEY}
+    assert pager.pager_locations().get("alice--a") == {redis_keys.LRU_EVICTING}
     wait_for(lambda: "alice--a" not in pager.pager_locations(), message="the background delete")
     deletes = worker_pool.api_calls(method="DELETE", path_suffix=script("alice--a"))
     assert [c["status"] >= 500 for c in deletes] == [True, False]
@@ -222,7 +222,7 @@ def test_what_a_failed_placement_left_is_deleted_later_if_cloudflare_fails_again
 
 
 def get_redis_score(full):
-    return get_redis().zscore(pager.lru_key("normal"), full)
+    return get_redis().zscore(redis_keys.lru("normal"), full)
 
 
 def test_lowered_slots_are_shed_in_eviction_order(worker_pool, alice, celery_worker, sigil, scripts_on_cloudflare):
@@ -288,7 +288,7 @@ def test_a_call_in_flight_to_a_victim_is_answered_whole(worker_pool, alice, cele
 
 def time_of_last_access(full):
     # The call's end, as the gateway stamped it for the stats flush.
-    return float(get_redis().hget(stats.stats_key(full), "last_access"))
+    return float(get_redis().hget(redis_keys.stats(full), "last_access"))
 
 
 def test_the_page_out_waits_the_invoke_timeout_and_still_has_its_failure_retries(

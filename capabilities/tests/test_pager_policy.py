@@ -7,6 +7,7 @@ import pytest
 
 from capabilities import pager
 from capabilities.pager import Candidate, eviction_order, excess, victims_needed
+from sigil import redis_keys
 
 NOW = 1_800_000_000.0
 
@@ -159,14 +160,14 @@ def load(redis, candidates, *, placing=(), evicting=()):
     """The pager's Redis state holding `candidates` served, and the names given placing/evicting."""
     pipe = redis.pipeline()
     for x in candidates:
-        pipe.zadd(pager.lru_key(x.type), {x.full: x.last_access})
+        pipe.zadd(redis_keys.lru(x.type), {x.full: x.last_access})
         if x.expires is not None:
-            pipe.zadd(pager.EXPIRY_KEY, {x.full: x.expires})
+            pipe.zadd(redis_keys.LRU_EXPIRY, {x.full: x.expires})
     for name in placing:
-        pipe.zadd(pager.PLACING_KEY, {name: NOW})
+        pipe.zadd(redis_keys.LRU_PLACING, {name: NOW})
     for name in evicting:
-        pipe.zadd(pager.EVICTING_KEY, {name: NOW})
-    pipe.set(pager.BUILT_KEY, 1)  # built: no registry to read
+        pipe.zadd(redis_keys.LRU_EVICTING, {name: NOW})
+    pipe.set(redis_keys.LRU_BUILT, 1)  # built: no registry to read
     pipe.execute()
 
 
@@ -277,10 +278,10 @@ def check_claim(redis, candidates, *, placing, evicting, newcomer, slots, margin
     if outcome == "full":
         assert pager_state(redis) == before  # nothing changed
         return
-    assert after[newcomer] == {pager.PLACING_KEY}
+    assert after[newcomer] == {redis_keys.LRU_PLACING}
     for name in victims:
-        assert after[name] == {pager.EVICTING_KEY}
-        assert redis.zscore(pager.EXPIRY_KEY, name) is None
+        assert after[name] == {redis_keys.LRU_EVICTING}
+        assert redis.zscore(redis_keys.LRU_EXPIRY, name) is None
     # A placement that fails gives everything back exactly as it was.
     pager.pager_release(full=newcomer, claim=claim, capability_type="normal", expires_epoch=None)
     for victim in claim.victims:
@@ -306,14 +307,14 @@ def test_a_claim_that_may_evict_nothing_takes_a_free_slot_or_changes_nothing(
     claim = pager.pager_claim_slot(full="new", now=NOW, slots=3, safety_margin=2, max_victims=0)
     assert (claim.outcome, claim.victims) == (outcome, ())
     if outcome == "claimed":
-        assert pager.pager_locations()["new"] == {pager.PLACING_KEY}
+        assert pager.pager_locations()["new"] == {redis_keys.LRU_PLACING}
     else:
         assert pager_state(redis_client) == before
 
 
 def pager_state(redis):
     """Every member and score of the pager's sets."""
-    keys = [*pager.LRU_KEYS, pager.EXPIRY_KEY, pager.PLACING_KEY, pager.EVICTING_KEY]
+    keys = [*pager.LRU_KEYS, redis_keys.LRU_EXPIRY, redis_keys.LRU_PLACING, redis_keys.LRU_EVICTING]
     return {key: redis.zrange(key, 0, -1, withscores=True) for key in keys}
 
 
@@ -324,7 +325,7 @@ def test_a_served_capability_placed_again_keeps_its_slot_and_is_out_of_reach(red
     other = pager.pager_claim_slot(full="d", now=NOW, slots=3, safety_margin=2)
     assert [v.full for v in other.victims] == ["b"]  # not "a", older but being placed
     pager.pager_release(full="a", claim=claim, capability_type="normal", expires_epoch=None)
-    assert redis_client.zscore(pager.lru_key("normal"), "a") == NOW - 5
+    assert redis_client.zscore(redis_keys.lru("normal"), "a") == NOW - 5
 
 
 @pytest.mark.parametrize("slots", [5, 3, 1, 0])
@@ -340,7 +341,7 @@ def test_the_shed_script_follows_the_policy(redis_client, slots):
     shed = pager.pager_shed_excess(now=NOW, slots=slots)
     count = min(len(candidates), excess(used=len(candidates) + 1, slots=slots))
     assert [v.full for v in shed] == [x.full for x in eviction_order(candidates, now=NOW)[:count]]
-    assert pager.pager_locations()["new"] == {pager.PLACING_KEY}  # never shed while placed
+    assert pager.pager_locations()["new"] == {redis_keys.LRU_PLACING}  # never shed while placed
 
 
 def test_the_claim_script_agrees_with_the_policy_on_random_states(redis_client):
@@ -368,8 +369,8 @@ def test_the_claim_script_agrees_with_the_policy_on_random_states(redis_client):
 def test_the_scripts_write_only_the_keys_they_are_given(redis_client):
     keys = [f"elsewhere:{i}" for i in range(len(pager.PAGER_KEYS))]
     lru = dict(zip(pager.LRU_KEYS, keys[:3], strict=True))
-    redis_client.zadd(lru["sigil:lru:normal"], {"a": NOW - 9, "b": NOW - 5})
-    redis_client.zadd(lru["sigil:lru:ephemeral"], {"e": NOW - 1})
+    redis_client.zadd(lru[redis_keys.lru("normal")], {"a": NOW - 9, "b": NOW - 5})
+    redis_client.zadd(lru[redis_keys.lru("ephemeral")], {"e": NOW - 1})
     redis_client.zadd(keys[3], {"e": NOW - 1})  # expired
 
     def run(script, *args):

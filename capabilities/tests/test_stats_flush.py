@@ -13,6 +13,7 @@ from django.db import DatabaseError
 
 from capabilities import services, stats, tasks
 from capabilities.models import Capability, CapabilityStatsWindow, StatsFlush
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 from testsupport.capability_code import PONG
 from testsupport.cast import wait_for
@@ -21,11 +22,11 @@ from testsupport.cast import wait_for
 def call_and_wait_until_recorded(alice, times: int) -> None:
     """Call alice's ping `times` times; return once the gateway has counted them all."""
     redis = get_redis()
-    before = int(redis.hget(stats.stats_key("alice--ping"), "calls") or 0)
+    before = int(redis.hget(redis_keys.stats("alice--ping"), "calls") or 0)
     for _ in range(times):
         assert alice.call("/alice/ping").text == "pong"
     wait_for(
-        lambda: int(redis.hget(stats.stats_key("alice--ping"), "calls") or 0) >= before + times,
+        lambda: int(redis.hget(redis_keys.stats("alice--ping"), "calls") or 0) >= before + times,
         message=f"{times} calls counted",
     )
 
@@ -39,7 +40,7 @@ def totals() -> tuple[int, int]:
 
 def nothing_pending() -> bool:
     redis = get_redis()
-    return redis.zcard(stats.PENDING_KEY) == 0 and not redis.keys(stats.batch_key("*"))
+    return redis.zcard(redis_keys.STATS_PENDING) == 0 and not redis.keys(redis_keys.stats_batch("*"))
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def test_a_flush_that_died_after_claiming_its_batch_is_completed_by_the_next(pin
     call_and_wait_until_recorded(ping, 3)
     claimed = stats.stats_claim(now_epoch=time.time(), batch_size=500)  # ... and the flush dies here
     assert claimed.calls["alice--ping"].calls == 3
-    assert get_redis().hget(stats.stats_key("alice--ping"), "calls") is None  # moved, not copied
+    assert get_redis().hget(redis_keys.stats("alice--ping"), "calls") is None  # moved, not copied
     assert totals() == (0, 0)
 
     call_and_wait_until_recorded(ping, 2)  # counted meanwhile, in a fresh hash
@@ -83,7 +84,7 @@ def test_a_database_error_mid_flush_keeps_the_batch_for_the_next_flush(ping):
 
     with pytest.raises((OverflowError, DatabaseError)):
         tasks.capability_flush_stats()
-    assert get_redis().zcard(stats.PENDING_KEY) == 1  # the claimed calls wait in Redis
+    assert get_redis().zcard(redis_keys.STATS_PENDING) == 1  # the claimed calls wait in Redis
     assert not StatsFlush.objects.exists()  # rolled back with the rest
     assert not CapabilityStatsWindow.objects.exists()
 
@@ -101,7 +102,7 @@ def test_flushing_several_capabilities_in_small_batches_counts_each_call_once(al
         for _ in range(times):
             assert alice.call("/" + full.replace("--", "/")).text == "pong"
     redis = get_redis()
-    wait_for(lambda: all(redis.hget(stats.stats_key(f), "calls") for f in expected), message="calls counted")
+    wait_for(lambda: all(redis.hget(redis_keys.stats(f), "calls") for f in expected), message="calls counted")
 
     while services.capability_flush_stats(batch_size=1):
         pass
@@ -110,17 +111,19 @@ def test_flushing_several_capabilities_in_small_batches_counts_each_call_once(al
 
 
 def test_a_flush_failing_in_the_worker_is_reported_as_internal_error_and_keeps_its_batch(ping, celery_worker):
-    from sigil_site.beat import LAST_RUN_KEY, beat_schedule_list
+    from sigil_site.beat import beat_schedule_list
 
     call_and_wait_until_recorded(ping, 2)
     Capability.objects.filter(full_name="alice--ping").update(calls_total=2**63 - 1)
 
     failed = tasks.capability_flush_stats.delay()
-    wait_for(lambda: get_redis().hexists(LAST_RUN_KEY, "capabilities.capability_flush_stats"), message="a run")
+    wait_for(
+        lambda: get_redis().hexists(redis_keys.BEAT_LAST_RUN, "capabilities.capability_flush_stats"), message="a run"
+    )
     (run,) = [e for e in beat_schedule_list() if e.task == "capabilities.capability_flush_stats"]
     assert run.last_ok is False
     assert run.last_error.startswith("internal_error: ") and failed.id in run.last_error
-    assert get_redis().zcard(stats.PENDING_KEY) == 1
+    assert get_redis().zcard(redis_keys.STATS_PENDING) == 1
 
     Capability.objects.filter(full_name="alice--ping").update(calls_total=0)
     tasks.capability_flush_stats.delay()
@@ -139,14 +142,14 @@ def test_a_token_used_while_its_stamp_is_flushed_keeps_the_newer_stamp(ping):
     read = stats.tokens_used_read()  # what a flush wrote to the database...
     token_hash = hash_secret(ping.invoke_token)  # (the deploy token is stamped too, by the deploy)
     call_and_wait_until_recorded(ping, 1)  # ... while the token was used again
-    newer = redis.hget(stats.TOKENS_USED_KEY, token_hash).decode()
+    newer = redis.hget(redis_keys.TOKENS_USED, token_hash).decode()
     assert newer != read[token_hash]
 
     stats.tokens_used_forget(read)
-    assert redis.hget(stats.TOKENS_USED_KEY, token_hash).decode() == newer  # not forgotten
+    assert redis.hget(redis_keys.TOKENS_USED, token_hash).decode() == newer  # not forgotten
     tasks.capability_flush_stats()
     assert Token.objects.get(secret_hash=token_hash).last_used_at == datetime.fromtimestamp(float(newer), tz=UTC)
-    assert not redis.exists(stats.TOKENS_USED_KEY)
+    assert not redis.exists(redis_keys.TOKENS_USED)
 
 
 # --- a flush process killed between its steps -----------------------------------------------
@@ -198,7 +201,7 @@ def test_a_flush_process_killed_after_claiming_loses_no_call(ping, database_writ
     flush = start_flush_process()
     try:
         # It claims its batch, then waits for the database: kill it there.
-        wait_for(lambda: get_redis().zcard(stats.PENDING_KEY) == 1, timeout=30, message="the batch claimed")
+        wait_for(lambda: get_redis().zcard(redis_keys.STATS_PENDING) == 1, timeout=30, message="the batch claimed")
     finally:
         kill(flush)
     database_writes_held()
@@ -215,7 +218,7 @@ def test_a_flush_process_killed_after_committing_counts_nothing_twice(ping, data
     redis = get_redis()
     flush = start_flush_process()
     try:
-        wait_for(lambda: redis.zcard(stats.PENDING_KEY) == 1, timeout=30, message="the batch claimed")
+        wait_for(lambda: redis.zcard(redis_keys.STATS_PENDING) == 1, timeout=30, message="the batch claimed")
         # Writes to Redis wait from here, so the flush commits and then stops before releasing.
         redis.execute_command("CLIENT", "PAUSE", 20_000, "WRITE")
         try:
@@ -228,7 +231,7 @@ def test_a_flush_process_killed_after_committing_counts_nothing_twice(ping, data
         if flush.poll() is None:
             kill(flush)
     assert totals() == (3, 3)
-    assert redis.zcard(stats.PENDING_KEY) == 1  # never released
+    assert redis.zcard(redis_keys.STATS_PENDING) == 1  # never released
 
     tasks.capability_flush_stats()
     assert totals() == (3, 3)

@@ -16,9 +16,8 @@ import requests
 from agents.models import AuditEvent
 from capabilities import pager
 from capabilities.models import Capability
-from capabilities.services import async_calls
-from capabilities.services.placement import placement_lock_key
 from capabilities.tests.test_work_ends import BOUND, LEASE, deploy_until_uploaded, reap_the_stranded_deploy
+from sigil import redis_keys
 from sigil.redis_client import get_redis
 from testsupport.capability_code import answering
 from testsupport.cast import AgentClient, make_agent, wait_for
@@ -61,7 +60,7 @@ def books_are_right(full: str) -> bool:
     """The pager holds `full` once, served, nothing placing it, no call of it counted."""
     kind = Capability.objects.get(full_name=full).type
     return (
-        pager.pager_locations().get(full) == {pager.lru_key(kind)}
+        pager.pager_locations().get(full) == {redis_keys.lru(kind)}
         and full not in pager.pager_placing()
         and pager.pager_inflight(full) == 0
     )
@@ -76,7 +75,7 @@ def test_a_host_killed_mid_page_in_leaves_the_survivor_serving_within_the_bound(
     worker_pool.configure(latency=1.5)  # each API call takes 1.5 s: the page-in is in flight
     cold = threading.Thread(target=call_dying_host, args=(alice, "/alice/a"))
     cold.start()
-    wait_for(lambda: get_redis().exists(placement_lock_key("alice--a")), message="host a to hold the placement")
+    wait_for(lambda: get_redis().exists(redis_keys.place_lock("alice--a")), message="host a to hold the placement")
     a.kill()
     killed_at = time.monotonic()
     worker_pool.configure(latency=0)
@@ -106,9 +105,9 @@ def test_a_host_killed_mid_deploy_has_its_deploy_placed_by_the_survivor(hosts, w
 def runner_holding(call_id: str) -> str | None:
     """The id of the runner whose taken list holds `call_id` (host:pid:tag)."""
     redis = get_redis()
-    for key in redis.scan_iter(async_calls.runner_key("*")):
+    for key in redis.scan_iter(redis_keys.async_taken("*")):
         if call_id.encode() in redis.lrange(key, 0, -1):
-            return key.decode().removeprefix(async_calls.runner_key(""))
+            return key.decode().removeprefix(redis_keys.async_taken(""))
     return None
 
 
@@ -136,4 +135,4 @@ def test_a_host_killed_mid_async_call_has_the_call_run_by_the_survivor(hosts, wo
     )
     assert (result.status_code, result.text) == (200, "late")
     assert time.monotonic() - killed_at < BOUND + 15
-    assert not get_redis().zcard(async_calls.pending_key("alice"))
+    assert not get_redis().zcard(redis_keys.async_pending("alice"))

@@ -32,6 +32,7 @@ import redis as redis_lib
 from django.test import override_settings
 from django.utils import timezone
 
+from sigil import redis_keys
 from testsupport.capability_code import ECHO, FLAKY, PONG, STREAMS, answering
 from testsupport.cast import wait_for
 
@@ -400,7 +401,7 @@ def planes(request, django_db_blocker, _sigil_server_thread, cf_emulator, _celer
                         assert failed.status == 500, failed
                     assert breaker.breaker_describe(full=f"alice--{name}").status == breaker.Status.OPEN
                 # The half-open one's cool-down has passed: its open key holds a time gone by.
-                get_redis().set(breaker.open_key("alice--halfopen"), str(time.time() - 1))
+                get_redis().set(redis_keys.breaker_open("alice--halfopen"), str(time.time() - 1))
                 edge_mark(route_key("alice--halfopen"))
 
                 planes = Planes(

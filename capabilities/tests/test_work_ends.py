@@ -20,8 +20,8 @@ from capabilities import pager, services
 from capabilities.models import Capability, CapabilityVersion
 from capabilities.runtimes.worker_pool import pool_script_name
 from capabilities.services.deploy_task import DEPLOY_RESENDS
-from capabilities.services.placement import placement_lock, placement_lock_key
-from sigil import leases
+from capabilities.services.placement import placement_lock
+from sigil import leases, redis_keys
 from sigil.redis_client import get_redis
 from testsupport.capability_code import answering as code
 from testsupport.cast import deploy_answering as deploy
@@ -122,7 +122,7 @@ def test_a_deploy_whose_workers_main_process_is_killed_is_placed_within_the_boun
     assert "capability.deploy_resent" in trail and "capability.created" in trail
     assert alice.call("/alice/slow").text == "placed after all"
     # Its dead placer's claim was given back: the books hold it once, served.
-    assert pager.pager_locations()["alice--slow"] == {pager.lru_key("persistent")}
+    assert pager.pager_locations()["alice--slow"] == {redis_keys.lru("persistent")}
 
 
 @pytest.mark.slow
@@ -159,14 +159,14 @@ def test_a_page_in_whose_worker_died_is_taken_over_by_the_next_call_within_a_lea
     worker = start_service_process(settings, PAGE_IN_A)
     try:
         wait_for(
-            lambda: get_redis().exists(placement_lock_key("alice--a")),
+            lambda: get_redis().exists(redis_keys.place_lock("alice--a")),
             timeout=30,
             message="the page-in to take its lock",
         )
         held_since = time.monotonic()
         # Renewed while its holder works: still held well past one lease.
         wait_for(lambda: time.monotonic() - held_since > 2 * LEASE, timeout=10, message="two leases")
-        assert get_redis().exists(placement_lock_key("alice--a"))
+        assert get_redis().exists(redis_keys.place_lock("alice--a"))
         assert "alice--a" in pager.pager_placing()
     finally:
         killed_at = kill(worker)
@@ -175,7 +175,7 @@ def test_a_page_in_whose_worker_died_is_taken_over_by_the_next_call_within_a_lea
     response = alice.call("/alice/a")  # the survivor pages it in as soon as the lease is over
     assert response.status_code == 200 and response.text == "a"
     assert time.monotonic() - killed_at < LEASE + 10
-    assert pager.pager_locations()["alice--a"] == {pager.lru_key("normal")}
+    assert pager.pager_locations()["alice--a"] == {redis_keys.lru("normal")}
 
 
 def test_a_placement_lock_is_renewed_while_held_and_freed_a_lease_after_its_holders_death(short_leases):
@@ -254,16 +254,16 @@ def test_the_stats_script_gives_back_a_count_kept_per_process():
     record_call = redis.register_script(stats.RECORD_CALLS)
 
     def record(inflight_key: str, held: str) -> None:
-        keys = ["stats", "failures", "open", "trial", "dirty", "used", pager.lru_key("normal"), inflight_key]
+        keys = ["stats", "failures", "open", "trial", "dirty", "used", redis_keys.lru("normal"), inflight_key]
         args = ["alice--a", "token", f"{time.time():.6f}", "1.0", 1, 0, 5, 30, held, "b:1", "", "s:2xx", "", ""]
         record_call(keys=[*keys, "failure-records", "access-log"], args=[*args, 10, "normal", 0])
 
     process = pager.pager_inflight_enter("alice--a")
     pager.pager_inflight_enter("alice--a")
     assert pager.pager_inflight("alice--a") == 2
-    record(pager.inflight_by_process_key("alice--a"), process)
+    record(redis_keys.inflight_by_process("alice--a"), process)
     assert pager.pager_inflight("alice--a") == 1
-    record(pager.inflight_by_process_key("alice--a"), "0")  # a call that held no count
+    record(redis_keys.inflight_by_process("alice--a"), "0")  # a call that held no count
     assert pager.pager_inflight("alice--a") == 1
-    record(pager.inflight_by_process_key("alice--a"), process)
+    record(redis_keys.inflight_by_process("alice--a"), process)
     assert pager.pager_inflight("alice--a") == 0

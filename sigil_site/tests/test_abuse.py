@@ -9,7 +9,7 @@ import re
 import pytest
 import requests
 
-from capabilities import routes
+from sigil import redis_keys
 from sigil.ports import free_port
 from testsupport.capability_code import PONG
 from testsupport.cast import wait_for
@@ -69,18 +69,17 @@ def test_addresses_behind_a_trusted_proxy_are_counted_apart(alice, ping, setting
 
 
 # What a call's commands name: the capability, the token or the throttle's count.
-CALL_KEYS = ("alice--ping", "sigil:token:", "sigil:authfail:")
-SINK_ROUTE_READ = f"GET {routes.key('alice--ping')}"  # call_logs._version_of
+CALL_KEYS = ("alice--ping", redis_keys.token(""), redis_keys.auth_failures(""))
+SINK_ROUTE_READ = f"GET {redis_keys.route('alice--ping')}"  # call_logs._version_of
+LOG_KEYS = redis_keys.logs("")  # the prefix of every key of call records
 
 
 def test_a_valid_warm_call_makes_no_more_redis_round_trips(alice, ping, redis_client):
     """One MGET before the call and one script call after it, as before the throttle."""
     import threading
 
-    from capabilities import stats
-
     def recorded(calls: int) -> bool:
-        return int(redis_client.hget(stats.stats_key("alice--ping"), "calls") or 0) == calls
+        return int(redis_client.hget(redis_keys.stats("alice--ping"), "calls") or 0) == calls
 
     assert alice.call("/alice/ping").status_code == 200  # fills the caches
     wait_for(lambda: recorded(1), message="the first call to be recorded")
@@ -103,9 +102,9 @@ def test_a_valid_warm_call_makes_no_more_redis_round_trips(alice, ping, redis_cl
                     continue  # the test's own polling
                 # Commands a script runs are no round trips; a Celery worker of the session
                 # may be polling its queue meanwhile, and the log sink storing a call's record
-                # (sigil:logs:…, and the route it reads the version from) is workerd's tail
+                # (LOG_KEYS, and the route it reads the version from) is workerd's tail
                 # delivering it, not the call: the call reads the route in its MGET.
-                if command["client_type"] == "lua" or "sigil:logs:" in text or text == SINK_ROUTE_READ:
+                if command["client_type"] == "lua" or LOG_KEYS in text or text == SINK_ROUTE_READ:
                     continue
                 if any(mark in text for mark in CALL_KEYS):
                     seen.append(text.split()[0].upper())
@@ -116,7 +115,7 @@ def test_a_valid_warm_call_makes_no_more_redis_round_trips(alice, ping, redis_cl
     assert alice.call("/alice/ping").status_code == 200
     wait_for(lambda: recorded(2), message="the second call to be recorded")
     done.set()
-    redis_client.hget(stats.stats_key("alice--ping"), "calls")
+    redis_client.hget(redis_keys.stats("alice--ping"), "calls")
     watcher.join(10)
     assert seen == ["MGET", "EVALSHA"]
 

@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from sigil import redis_keys
 from sigil.leases import lease_seconds
 from sigil.redis_client import get_redis
 from sigil_site import beat_leader
@@ -14,7 +15,7 @@ QUEUE = "beat-leader-test"  # no worker consumes it
 
 @pytest.fixture
 def beats(tmp_path):
-    get_redis().delete(beat_leader.LEASE_KEY, QUEUE)
+    get_redis().delete(redis_keys.BEAT_LEADER, QUEUE)
     schedule = {"probe": {"task": "sigil.test.beat_probe", "schedule": 0.01, "options": {"queue": QUEUE}}}
     made = []
 
@@ -29,7 +30,7 @@ def beats(tmp_path):
     yield make
     for scheduler in made:
         scheduler.close()
-    get_redis().delete(beat_leader.LEASE_KEY, QUEUE)
+    get_redis().delete(redis_keys.BEAT_LEADER, QUEUE)
 
 
 def sent(scheduler: beat_leader.LeasedScheduler) -> int:
@@ -44,7 +45,7 @@ def test_only_the_beat_holding_the_lease_sends_and_the_other_takes_over_when_it_
         time.sleep(0.02)
     assert first.leading and not second.leading
     assert sent(first) >= 1 and sent(second) == 0
-    assert get_redis().pttl(beat_leader.LEASE_KEY) > (lease_seconds() - 5) * 1000
+    assert get_redis().pttl(redis_keys.BEAT_LEADER) > (lease_seconds() - 5) * 1000
 
     first.close()  # a clean stop hands the lease back at once
     second.tick()
@@ -52,7 +53,7 @@ def test_only_the_beat_holding_the_lease_sends_and_the_other_takes_over_when_it_
 
 
 def test_a_lease_whose_beat_died_runs_out_and_another_beat_takes_it(beats):
-    get_redis().set(beat_leader.LEASE_KEY, "a-dead-hosts-token", px=300)  # as a killed beat leaves it
+    get_redis().set(redis_keys.BEAT_LEADER, "a-dead-hosts-token", px=300)  # as a killed beat leaves it
     beat = beats("survivor")
     beat.tick()
     assert not beat.leading and sent(beat) == 0
@@ -66,7 +67,7 @@ def test_a_beat_whose_lease_was_taken_over_stops_sending(beats):
     beat.tick()
     assert beat.leading
     # As after a pause longer than a lease: the lease ran out and another beat took it.
-    get_redis().set(beat_leader.LEASE_KEY, "another-beats-token", px=60_000)
+    get_redis().set(redis_keys.BEAT_LEADER, "another-beats-token", px=60_000)
     count = sent(beat)
     beat.tick()
     assert not beat.leading and sent(beat) == count

@@ -4,9 +4,9 @@ import pytest
 from django.contrib.auth import get_user_model
 
 from capabilities import tasks
-from sigil import charts
+from sigil import charts, redis_keys
 from sigil.redis_client import get_redis
-from sigil_site.beat import LAST_RUN_KEY, beat_record_run, beat_schedule_list
+from sigil_site.beat import beat_record_run, beat_schedule_list
 from testsupport.cast import flush_stats_when_recorded, wait_for
 
 PAGES = ["/admin/dashboard/", "/admin/beat-schedule/"]
@@ -60,9 +60,11 @@ def test_dashboard_counts_flushed_calls_errors_and_cold_share(sigil, alice, clie
 
 
 def test_beat_page_lists_every_scheduled_task_and_when_a_worker_last_ran_it(owner_client, settings, celery_worker):
-    get_redis().delete(LAST_RUN_KEY)
+    get_redis().delete(redis_keys.BEAT_LAST_RUN)
     tasks.capability_flush_stats.delay()
-    wait_for(lambda: get_redis().hexists(LAST_RUN_KEY, "capabilities.capability_flush_stats"), message="a run")
+    wait_for(
+        lambda: get_redis().hexists(redis_keys.BEAT_LAST_RUN, "capabilities.capability_flush_stats"), message="a run"
+    )
 
     entries = {e.name: e for e in beat_schedule_list()}
     assert set(entries) == set(settings.CELERY_BEAT_SCHEDULE)
@@ -75,10 +77,10 @@ def test_beat_page_lists_every_scheduled_task_and_when_a_worker_last_ran_it(owne
 
 @pytest.mark.django_db
 def test_only_scheduled_tasks_are_recorded_and_a_failure_is_kept():
-    get_redis().delete(LAST_RUN_KEY)
+    get_redis().delete(redis_keys.BEAT_LAST_RUN)
     beat_record_run(task="capabilities.capability_page_in", ok=True, at_epoch=1.0)
     beat_record_run(task="capabilities.capability_reconcile", ok=False, at_epoch=2.0, error="RuntimeUnavailable()")
-    assert get_redis().hkeys(LAST_RUN_KEY) == [b"capabilities.capability_reconcile"]
+    assert get_redis().hkeys(redis_keys.BEAT_LAST_RUN) == [b"capabilities.capability_reconcile"]
     reconcile = next(e for e in beat_schedule_list() if e.task == "capabilities.capability_reconcile")
     assert reconcile.last_ok is False and reconcile.last_error == "RuntimeUnavailable()"
     assert reconcile.schedule == "every 5 minutes"

@@ -19,17 +19,10 @@ import from here.
 
 from capabilities.runtimes.cloudflare.budget import RateBudget
 from capabilities.runtimes.cloudflare.client import (
-    API_CALLS_BY_CLASS_KEY,
-    API_CALLS_BY_OPERATION_KEY,
-    API_CALLS_KEY,
-    API_RATE_LIMITED_KEY,
     OPERATIONS,
     CloudflareClient,
     KvPair,
     ScriptInfo,
-    api_calls_hour_by_class_key,
-    api_calls_hour_by_operation_key,
-    api_calls_hour_key,
 )
 from capabilities.runtimes.cloudflare.errors import (
     CloudflareAuthFailure,
@@ -46,10 +39,6 @@ from capabilities.runtimes.cloudflare.kv import NamedKv
 from capabilities.runtimes.cloudflare.uploads import metadata_binding, module_content_type, upload_parts
 
 __all__ = [
-    "API_CALLS_BY_CLASS_KEY",
-    "API_CALLS_BY_OPERATION_KEY",
-    "API_CALLS_KEY",
-    "API_RATE_LIMITED_KEY",
     "OPERATIONS",
     "CloudflareAuthFailure",
     "CloudflareClient",
@@ -65,9 +54,6 @@ __all__ = [
     "NamedKv",
     "RateBudget",
     "ScriptInfo",
-    "api_calls_hour_by_class_key",
-    "api_calls_hour_by_operation_key",
-    "api_calls_hour_key",
     "metadata_binding",
     "module_content_type",
     "upload_parts",

@@ -13,6 +13,7 @@ import redis
 
 from capabilities.runtimes.api_work import ApiClass, current_api_class, wait_allowance
 from capabilities.runtimes.cloudflare.errors import CloudflareRateLimited, CloudflareUnavailable
+from sigil import redis_keys
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class RateBudget:
         self,
         *,
         redis: redis.Redis,
-        key: str,
+        keys: redis_keys.BudgetKeys,
         limit: int,
         window_seconds: float,
         max_wait_seconds: float,
@@ -107,10 +108,7 @@ class RateBudget:
             raise ValueError(
                 f"housekeeping's share of the rate budget must be over 0 and at most {CEILINGS[ApiClass.HOUSEKEEPING]}"
             )
-        # One hash tag for every key keeps them in one slot on Redis Cluster.
-        self.key = f"{{{key}}}:window"
-        self.pause_key = f"{{{key}}}:pause"
-        self.housekeeping_key = f"{{{key}}}:housekeeping"
+        self.key, self.pause_key, self.housekeeping_key = keys
         self.limit = limit
         self.window_ms = int(window_seconds * 1000)
         self.max_wait_seconds = max_wait_seconds

@@ -30,21 +30,18 @@ from capabilities.runtimes.cloudflare.errors import (
 )
 from capabilities.runtimes.cloudflare.uploads import upload_parts
 from capabilities.runtimes.errors import network_failure
+from sigil import redis_keys
 
 logger = logging.getLogger(__name__)
 
 # Wrangler sends this header on the per-script subdomain toggle (reference §3.2).
 _SCRIPT_API_DATE = ("Cloudflare-Workers-Script-Api-Date", "2025-08-01")
-# Counters of every API call and every 429 answer, read by GET /metrics; and of the calls by
-# the class of the work they were made for (api_work.ApiClass) and by operation (OPERATIONS),
-# two hashes, so that the owner sees what spends the budget.
-API_CALLS_KEY = "sigil:cf:calls"
-API_RATE_LIMITED_KEY = "sigil:cf:rate_limited"
-API_CALLS_BY_CLASS_KEY = "sigil:cf:calls:by_class"
-API_CALLS_BY_OPERATION_KEY = "sigil:cf:calls:by_operation"
-# API calls per hour, for the cost estimate's Cloudflare budget (capabilities/cost.py): one
-# counter per hour since the epoch (and a hash of them by class, one by operation), kept a
-# little longer than the statistics' 30 days.
+# The client counts every API call and every 429 answer (redis_keys.CF_CALLS, CF_RATE_LIMITED),
+# read by GET /metrics, and the calls by the class of the work they were made for
+# (api_work.ApiClass) and by operation (OPERATIONS), so that the owner sees what spends the
+# budget. It counts them per hour too, for the cost estimate's Cloudflare budget
+# (capabilities/cost.py): one counter per hour since the epoch (redis_keys.cf_calls_hour, and
+# a hash of them by class, one by operation), kept a little longer than the statistics' 30 days.
 API_CALLS_HOURS_KEPT = 32 * 24
 # What the client's calls are counted as: each method names its operation.
 OPERATIONS = (
@@ -80,18 +77,6 @@ TUNING_SETTINGS = {
     "max_retries": "SIGIL_CF_MAX_RETRIES",
     "timeout_seconds": "SIGIL_CF_TIMEOUT_SECONDS",
 }
-
-
-def api_calls_hour_key(hour: int) -> str:
-    return f"sigil:cf:calls:hour:{hour}"
-
-
-def api_calls_hour_by_class_key(hour: int) -> str:
-    return f"sigil:cf:calls:hour:{hour}:by_class"
-
-
-def api_calls_hour_by_operation_key(hour: int) -> str:
-    return f"sigil:cf:calls:hour:{hour}:by_operation"
 
 
 # --- results ----------------------------------------------------------------------------
@@ -193,7 +178,7 @@ class CloudflareClient:
         self.redis = redis
         self.budget = RateBudget(
             redis=redis,
-            key=f"sigil:cf:budget:{account_id}",
+            keys=redis_keys.cf_budget(account_id),
             limit=rate_limit,
             window_seconds=rate_window_seconds,
             max_wait_seconds=max_rate_wait_seconds,
@@ -552,17 +537,17 @@ class CloudflareClient:
         hour = int(time.time() // 3600)
         kept = API_CALLS_HOURS_KEPT * 3600
         pipe = self.redis.pipeline(transaction=False)
-        pipe.incr(API_CALLS_KEY)
-        pipe.hincrby(API_CALLS_BY_CLASS_KEY, api_class.value, 1)
-        pipe.hincrby(API_CALLS_BY_OPERATION_KEY, op, 1)
-        pipe.incr(api_calls_hour_key(hour))
-        pipe.expire(api_calls_hour_key(hour), kept)
-        pipe.hincrby(api_calls_hour_by_class_key(hour), api_class.value, 1)
-        pipe.expire(api_calls_hour_by_class_key(hour), kept)
-        pipe.hincrby(api_calls_hour_by_operation_key(hour), op, 1)
-        pipe.expire(api_calls_hour_by_operation_key(hour), kept)
+        pipe.incr(redis_keys.CF_CALLS)
+        pipe.hincrby(redis_keys.CF_CALLS_BY_CLASS, api_class.value, 1)
+        pipe.hincrby(redis_keys.CF_CALLS_BY_OPERATION, op, 1)
+        pipe.incr(redis_keys.cf_calls_hour(hour))
+        pipe.expire(redis_keys.cf_calls_hour(hour), kept)
+        pipe.hincrby(redis_keys.cf_calls_hour_by_class(hour), api_class.value, 1)
+        pipe.expire(redis_keys.cf_calls_hour_by_class(hour), kept)
+        pipe.hincrby(redis_keys.cf_calls_hour_by_operation(hour), op, 1)
+        pipe.expire(redis_keys.cf_calls_hour_by_operation(hour), kept)
         if status == 429:
-            pipe.incr(API_RATE_LIMITED_KEY)
+            pipe.incr(redis_keys.CF_RATE_LIMITED)
         try:
             pipe.execute()
         except redis.RedisError as exc:

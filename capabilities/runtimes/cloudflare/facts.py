@@ -16,15 +16,11 @@ from collections.abc import Callable
 import redis
 
 from capabilities.runtimes.cloudflare.client import CloudflareClient
-from sigil.redis_client import key_family
+from sigil import redis_keys
 
 logger = logging.getLogger(__name__)
 
 SUBDOMAIN = "subdomain"
-
-
-# The Redis hash of one account's facts, by its id: `subdomain`, `kv:{title}` (a KV namespace's id).
-facts_key = key_family("sigil:cf:facts")
 
 
 def kv_namespace_fact(title: str) -> str:
@@ -38,7 +34,7 @@ class AccountFacts:
 
     def __init__(self, client: CloudflareClient) -> None:
         self.client = client
-        self.key = facts_key(client.account_id)
+        self.key = redis_keys.cf_facts(client.account_id)
         self._known: dict[str, str] = {}
         self._lock = threading.Lock()
 
