@@ -184,7 +184,7 @@ def on_the_emulator(args: argparse.Namespace) -> int:
     from runtimes import place_queued
 
     from agents import services as agent_services
-    from capabilities import call_logs
+    from capabilities.books import call_logs
     from sigil.redis_client import get_redis
     from testsupport.servers import server_command
 

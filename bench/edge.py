@@ -70,7 +70,7 @@ MIN_THROUGHPUT_RATIO = 0.6
 # The runtime's route, as the origin's engine builds it (the headers its Worker's secret path needs).
 ROUTE = f"""
 import json
-from capabilities import routes
+from capabilities.books import routes
 from capabilities.runtimes import get_runtime
 cached = routes.decode(routes.route_load("{AGENT}--{NAME}"))
 route = get_runtime().route(slot=cached.slot, sha=cached.sha, tenant=cached.agent, cpu_ms=cached.cpu_ms)

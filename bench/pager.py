@@ -48,7 +48,7 @@ def main() -> int:
     import django
 
     django.setup()
-    from capabilities import pager
+    from capabilities.books import pager
     from sigil.redis_client import get_redis
 
     redis = get_redis()

@@ -25,7 +25,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 
 from agents.models import AuditEvent
-from capabilities import pager, stats
+from capabilities.books import pager, stats
 from capabilities.models import Capability, CapabilityStatsWindow, State
 from capabilities.runtimes import runtime_classes
 from capabilities.runtimes.billing import Prices, RuntimeBill, Usage, prices_with

@@ -11,7 +11,8 @@ from django.utils import timezone
 from django.utils.safestring import SafeString
 
 from agents.models import AuditEvent
-from capabilities import selectors, stats
+from capabilities import selectors
+from capabilities.books import stats
 from capabilities.models import Capability, CapabilityStatsWindow
 from sigil import charts
 

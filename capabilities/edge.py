@@ -4,8 +4,8 @@ copies' own, so there is one of each:
 
 - `tok:{hash}`: agents.selectors.token_copy (`agents/tokens.py:encode`, `-` for a revoked,
   expired or unknown token, `-disabled` for one of a disabled agent);
-- `route:{full}`: `capabilities/routes.py:encode` with one more field, `"brk"`, the breaker
-  as `capabilities/breaker.py:published` gives it; `-` when no capability of that name is
+- `route:{full}`: `capabilities/books/routes.py:encode` with one more field, `"brk"`, the breaker
+  as `capabilities/books/breaker.py:published` gives it; `-` when no capability of that name is
   left.
 
 Each value goes with its digest in the key's metadata, so that a listing of the namespace
@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from agents import tokens
 from agents.selectors import token_copies
-from capabilities import breaker, routes
+from capabilities.books import breaker, routes
 from capabilities.models import Capability
 from sigil import redis_keys
 from sigil.edge_state import ROUTE_PREFIX, TOKEN_PREFIX, route_key, token_key

@@ -1,6 +1,6 @@
 """The bounds on what a call's record keeps (lines per call, bytes per line, records per
 capability, how long, bytes per agent), and on what travels at once (a batch): applied by the
-runtime's tail as it shapes them and again by the store (capabilities/call_logs.py)."""
+runtime's tail as it shapes them and again by the store (capabilities/books/call_logs.py)."""
 
 from __future__ import annotations
 

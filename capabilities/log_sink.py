@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import redis
 
-from capabilities.call_logs import call_records_undelivered
+from capabilities.books.call_logs import call_records_undelivered
 from capabilities.log_limits import LogLimits
 from capabilities.runtimes.local import LocalRuntime, local_limits, local_processes
 from capabilities.services.call_records import call_records_batch_keep

@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from agents.models import Agent, AuditEvent
-from capabilities import call_logs, stats
+from capabilities.books import call_logs, stats
 from capabilities.models import BreakerState, Capability, State
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.api_work import ApiClass

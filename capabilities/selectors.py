@@ -13,7 +13,8 @@ from django.utils import timezone
 
 from agents.models import Agent, AuditEvent
 from agents.tokens import Principal
-from capabilities import call_logs, names, stats
+from capabilities import names
+from capabilities.books import call_logs, stats
 from capabilities.contracts import Contract
 from capabilities.models import (
     BreakerState,
@@ -359,7 +360,7 @@ def capability_split_report(*, capability: Capability) -> dict | None:
     None when no split runs."""
     if not capability.has_split:
         return None
-    from capabilities import routes
+    from capabilities.books import routes
 
     since = capability.split_started_at.replace(second=0, microsecond=0)
     variant = Capability.objects.exclude(state=State.REMOVED).filter(full_name=routes.variant_name(capability)).first()

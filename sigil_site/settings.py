@@ -374,9 +374,9 @@ SIGIL_INVOKE_MAX_BODY_BYTES = env_int("SIGIL_INVOKE_MAX_BODY_BYTES", 100 * 1024 
 SIGIL_INVOKE_TIMEOUT_SECONDS = env_float("SIGIL_INVOKE_TIMEOUT_SECONDS", 30.0)
 SIGIL_BREAKER_THRESHOLD = env_int("SIGIL_BREAKER_THRESHOLD", 5)
 SIGIL_BREAKER_COOLDOWN_SECONDS = env_float("SIGIL_BREAKER_COOLDOWN_SECONDS", 30.0)
-# Recent failures kept per capability in Redis, for its owner (capabilities/failures.py).
+# Recent failures kept per capability in Redis, for its owner (capabilities/books/failures.py).
 SIGIL_FAILURES_KEPT = env_int("SIGIL_FAILURES_KEPT", 50)
-# Each call's record (console lines, exception, outcome) kept for its owner (capabilities/call_logs.py).
+# Each call's record (console lines, exception, outcome) kept for its owner (capabilities/books/call_logs.py).
 # Off: no capability is given a tail, and nothing is kept (for measuring what it costs).
 SIGIL_LOGS_ENABLED = env_bool("SIGIL_LOGS_ENABLED", True)
 SIGIL_LOGS_LINES_PER_CALL = env_int("SIGIL_LOGS_LINES_PER_CALL", 200)

@@ -15,12 +15,13 @@ from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllow
 from django.urls import path, reverse
 from django.utils import timezone
 
-from capabilities import breaker, call_logs, failures, services
+from capabilities import services
 from capabilities.admin.bindings import declared_bindings
 from capabilities.admin.console import ACTION_ERRORS, capability_for, say_refused
 from capabilities.admin.splits import SplitsConsole
 from capabilities.admin.versions import VersionsConsole, contract_text
 from capabilities.api import capability_url
+from capabilities.books import breaker, call_logs, failures
 from capabilities.dashboard import dashboard_chart, dashboard_get
 from capabilities.models import BreakerState, Capability, State
 from sigil.console import ButtonsOnly, OptionsFilter, SelectionChecked, confirm_page, confirmed, fragment, owner_actor

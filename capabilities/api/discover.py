@@ -22,7 +22,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agents.permissions import HasDeployScope
-from capabilities import call_logs, selectors, services
+from capabilities import selectors, services
 from capabilities.api.pages import PAGE_PARAMETERS, PagedApi
 from capabilities.api.schema import AUTHENTICATED, NOT_FOUND, error_responses, operation
 from capabilities.api.serializers import (
@@ -32,6 +32,7 @@ from capabilities.api.serializers import (
     CapabilityDetailSerializer,
     CapabilitySerializer,
 )
+from capabilities.books import call_logs
 from capabilities.models import State
 from capabilities.services import async_calls
 from capabilities.visibility import capability_own

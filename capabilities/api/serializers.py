@@ -10,7 +10,8 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer, inline_serializer
 from rest_framework import serializers
 
-from capabilities import breaker, call_logs, contracts, failures, selectors
+from capabilities import contracts, selectors
+from capabilities.books import breaker, call_logs, failures
 from capabilities.models import Capability
 from capabilities.visibility import capability_own
 

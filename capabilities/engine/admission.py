@@ -18,7 +18,7 @@ from agents import tokens
 from agents.selectors import parse_bearer, token_authenticate_hash
 from agents.throttle import FailedAuthThrottle
 from agents.tokens import Principal
-from capabilities import degraded_cache, routes
+from capabilities.books import degraded_cache, routes
 from capabilities.engine.answers import cache_target
 from capabilities.engine.calls import Served
 from capabilities.engine.offload import Offload

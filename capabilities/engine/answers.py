@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from capabilities import degraded_cache
+from capabilities.books import degraded_cache
 from capabilities.engine.calls import Call
 from capabilities.engine.values import CallAnswer
 from sigil.errors import SigilError, error_body, error_headers

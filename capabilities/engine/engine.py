@@ -35,7 +35,8 @@ from django.conf import settings
 
 from agents.throttle import FailedAuthThrottle
 from agents.tokens import Principal
-from capabilities import breaker, degraded_cache, names, pager, routes
+from capabilities import names
+from capabilities.books import breaker, degraded_cache, pager, routes
 from capabilities.engine.access_log import log_access
 from capabilities.engine.admission import Admission, Admitted
 from capabilities.engine.answers import NOSNIFF, cache_target, cached_reply, call_headers, error_answer

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from agents.tokens import Principal
-from capabilities import routes
+from capabilities.books import routes
 from capabilities.engine.offload import Offload
 from capabilities.engine.shares import FairShares
 from capabilities.runtimes.api_work import ApiClass, api_work

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from capabilities import breaker, degraded_cache, failures, pager, stats
+from capabilities.books import breaker, degraded_cache, failures, pager, stats
 from capabilities.engine.access_log import log_access
 from capabilities.engine.calls import Call
 from capabilities.engine.offload import Offload

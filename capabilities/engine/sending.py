@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from urllib3.util import parse_url
 
-from capabilities import routes
+from capabilities.books import routes
 from capabilities.engine.calls import Call
 from capabilities.engine.offload import Offload
 from capabilities.engine.recording import Recorder, stop_under

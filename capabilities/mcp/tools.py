@@ -22,7 +22,8 @@ from typing import Any
 from django.core.serializers.json import DjangoJSONEncoder
 
 from agents.tokens import Principal
-from capabilities import call_logs, contract_copies, contracts, names, routes, selectors, services
+from capabilities import contracts, names, selectors, services
+from capabilities.books import call_logs, contract_copies, routes
 from capabilities.contracts import Contract
 from capabilities.engine.values import CallRequest
 from capabilities.engine.values import Prefetched as CallPrefetched

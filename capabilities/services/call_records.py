@@ -2,7 +2,7 @@
 come: the local runtime's log sink (capabilities/log_sink.py) hands over what its workerd
 processes post, and the origin's endpoint what Sigil's Workers on Cloudflare push
 (`call_records_push`, whose batches carry the edge's reports too: edge_reports.py). Both keep
-a batch with `call_records_batch_keep`, kept by capabilities.call_logs.
+a batch with `call_records_batch_keep`, kept by capabilities.books.call_logs.
 
 The loader host's tail names each record's capability and masks its secrets itself, in the
 Worker that holds them. Sigil's Tail Worker (worker-pool, platform) sees only TraceItems: a
@@ -21,8 +21,9 @@ import time
 from django.db import DatabaseError
 from redis import RedisError
 
-from capabilities import call_logs, names
+from capabilities import names
 from capabilities.bindings import bindings_resolve
+from capabilities.books import call_logs
 from capabilities.log_limits import LogLimits
 from capabilities.models import BindingKind, Capability, State
 from capabilities.record_pushes import push_key, push_verify

@@ -9,7 +9,7 @@ import time
 from django.db import transaction
 from django.utils import timezone
 
-from capabilities import breaker
+from capabilities.books import breaker
 from capabilities.models import BreakerState, Capability, State
 from capabilities.services.observability import capability_record_breaker
 from capabilities.services.records import capability_audit, capability_written

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from django.conf import settings
 from redis.exceptions import WatchError
 
-from capabilities import breaker, failures, names, stats
+from capabilities import names
+from capabilities.books import breaker, failures, stats
 from capabilities.models import CapabilityType
 from capabilities.services.observability import breaker_changed, breaker_refused
 from sigil import redis_keys

@@ -13,7 +13,7 @@ from django.db.models import Q, Sum
 from django.utils import timezone
 
 from agents.services import agent_notify
-from capabilities import pager
+from capabilities.books import pager
 from capabilities.models import Capability, CapabilityStatsWindow, CapabilityType, State
 from capabilities.runtimes import get_runtime
 from capabilities.services.page_outs import PAGE_OUT_GRACE_SECONDS, capability_page_out_chosen, pager_built

@@ -12,7 +12,8 @@ from django.utils import timezone
 
 from agents.models import Token
 from agents.services import agent_notify, audit_record
-from capabilities import breaker, call_logs, jobs, names, stats
+from capabilities import jobs, names
+from capabilities.books import breaker, call_logs, stats
 from capabilities.models import BreakerState, Capability, CapabilityStatsWindow, State, StatsFlush
 from capabilities.services.records import capability_audit
 from sigil import redis_keys

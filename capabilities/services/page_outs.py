@@ -11,7 +11,7 @@ import time
 from django.conf import settings
 from django.utils import timezone
 
-from capabilities import copies, pager, routes
+from capabilities.books import copies, pager, routes
 from capabilities.jobs import PAGE_OUT_RECHECK_SECONDS
 from capabilities.jobs import capability_page_out as capability_page_out_task
 from capabilities.models import Capability, State

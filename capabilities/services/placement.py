@@ -11,7 +11,7 @@ import time
 
 from django.utils import timezone
 
-from capabilities import copies, pager, routes
+from capabilities.books import copies, pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime, runtime_for
 from capabilities.runtimes.errors import RuntimeThrottled, RuntimeUnavailable

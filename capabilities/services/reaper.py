@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from agents.services import audit_record
-from capabilities import pager
+from capabilities.books import pager
 from capabilities.models import Capability, State
 from capabilities.services.deploy_task import capability_reap_deploys
 from capabilities.services.page_outs import page_out_later

@@ -12,7 +12,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from agents.services import audit_record
-from capabilities import pager, routes
+from capabilities.books import pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime
 from capabilities.runtimes.api_work import ApiClass, api_work

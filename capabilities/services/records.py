@@ -14,7 +14,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from agents.services import audit_record
-from capabilities import copies
+from capabilities.books import copies
 from capabilities.models import Capability, CapabilityVersion, State
 
 

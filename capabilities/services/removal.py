@@ -7,7 +7,8 @@ from datetime import datetime
 from django.utils import timezone
 
 from agents.tokens import Principal
-from capabilities import call_logs, failures, names, pager
+from capabilities import names
+from capabilities.books import call_logs, failures, pager
 from capabilities.jobs import capability_release_slot as capability_release_slot_task
 from capabilities.models import Capability, CapabilityType, State
 from capabilities.runtimes import get_runtime

@@ -15,7 +15,8 @@ from django.utils import timezone
 
 from agents.services import audit_record
 from capabilities import bindings as binding_rules
-from capabilities import names, pager, routes
+from capabilities import names
+from capabilities.books import pager, routes
 from capabilities.jobs import capability_clear_slot as capability_clear_slot_task
 from capabilities.models import Capability, State
 from capabilities.runtimes import errors as runtime_errors

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from django.utils import timezone
 
 from agents.services import agent_notify
-from capabilities import routes, selectors, stats
+from capabilities import selectors
+from capabilities.books import routes, stats
 from capabilities.models import Capability, State
 from capabilities.runtimes import get_runtime
 from capabilities.services.placement import capability_page_in

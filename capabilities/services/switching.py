@@ -25,7 +25,7 @@ from django.db.models import Count, F, Q, QuerySet
 from django.utils import timezone
 
 from agents.services import audit_record
-from capabilities import pager, routes
+from capabilities.books import pager, routes
 from capabilities.models import Capability, State
 from capabilities.runtimes import RUNTIMES, get_runtime, runtime_for
 from capabilities.runtimes.errors import RuntimeFailure

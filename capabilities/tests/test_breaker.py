@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from capabilities import breaker, stats
+from capabilities.books import breaker, stats
 from capabilities.models import BreakerState
 from sigil import redis_keys
 from sigil.errors import Degraded

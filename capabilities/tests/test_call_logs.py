@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from capabilities import call_logs
+from capabilities.books import call_logs
 from capabilities.log_limits import LogLimits
 from capabilities.models import Binding
 from sigil import redis_keys

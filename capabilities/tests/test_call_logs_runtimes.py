@@ -13,7 +13,7 @@ import requests
 from django.contrib.auth.models import User
 from django.core.management import call_command
 
-from capabilities import call_logs
+from capabilities.books import call_logs
 from capabilities.models import Binding, Capability
 from capabilities.runtimes import get_runtime
 from capabilities.tests.test_call_logs import CHATTY, CHATTY_LINES, LEAKS, logs

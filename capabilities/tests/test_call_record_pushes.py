@@ -9,7 +9,7 @@ import uuid
 import pytest
 import requests
 
-from capabilities import call_logs
+from capabilities.books import call_logs
 from capabilities.log_limits import LogLimits
 from capabilities.record_pushes import (
     MAX_AGE_SECONDS,

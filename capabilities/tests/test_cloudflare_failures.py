@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from capabilities import failures
+from capabilities.books import failures
 from capabilities.runtimes import get_runtime
 from capabilities.tests.test_cloudflare_redeploy import script_running
 from cfemulator.tests.test_own_failures import said_runs

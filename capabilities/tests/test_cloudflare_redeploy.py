@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from capabilities import failures
+from capabilities.books import failures
 from capabilities.runtimes import get_runtime
 from sigil import redis_keys
 from testsupport.processes import wait_until

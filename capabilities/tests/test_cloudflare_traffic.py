@@ -22,7 +22,8 @@ from collections import Counter
 import pytest
 from django.conf import settings as django_settings
 
-from capabilities import call_logs, services
+from capabilities import services
+from capabilities.books import call_logs
 from capabilities.models import Capability
 from capabilities.runtimes import runtimes_forget
 from capabilities.runtimes.errors import RuntimeFailure

@@ -5,7 +5,8 @@ under test-artifacts/ in the light and dark themes, at 1400 and 390 px wide."""
 
 import pytest
 
-from capabilities import failures, services
+from capabilities import services
+from capabilities.books import failures
 from capabilities.models import Binding, BreakerState, Capability
 from testsupport.browser import screenshot
 from testsupport.capability_code import answering

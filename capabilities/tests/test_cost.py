@@ -10,7 +10,8 @@ import requests
 from django.core.management import call_command
 
 from agents.models import AuditEvent
-from capabilities import cost, stats
+from capabilities import cost
+from capabilities.books import stats
 from capabilities.cost import Access, replay_cold_calls, smallest_slots
 from capabilities.models import CapabilityStatsWindow
 from sigil import redis_keys

@@ -12,7 +12,8 @@ import requests
 
 from agents import tokens
 from agents.models import Token
-from capabilities import routes, services, tasks
+from capabilities import services, tasks
+from capabilities.books import routes
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
 from testsupport.capability_code import COUNTS_BODY, ECHO, PONG, STREAMS, answering

@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from agents import tokens
-from capabilities import breaker, failures, stats
+from capabilities.books import breaker, failures, stats
 from capabilities.models import BreakerState, Capability
 from capabilities.record_pushes import PUSH_PATH, SIGNATURE_HEADER, SIGNED_AT_HEADER, push_key, push_signature
 from capabilities.tests.test_edge import (

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from capabilities import failures, stats
+from capabilities.books import failures, stats
 from capabilities.models import Capability, CapabilityStatsWindow
 from capabilities.services import capability_force_degraded
 from sigil import redis_keys

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from agents import tokens
-from capabilities import copies
+from capabilities.books import copies
 from capabilities.models import Capability, State
 from capabilities.runtimes.worker_pool import pool_script_name
 from capabilities.services.placement import placement_lock

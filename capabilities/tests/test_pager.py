@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from agents.models import AuditEvent
-from capabilities import pager, routes, services
+from capabilities import services
+from capabilities.books import pager, routes
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime
 from sigil import redis_keys

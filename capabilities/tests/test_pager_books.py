@@ -19,7 +19,8 @@ import requests
 from django.utils import timezone
 
 from agents.models import AuditEvent
-from capabilities import pager, services
+from capabilities import services
+from capabilities.books import pager
 from capabilities.models import Capability
 from capabilities.runtimes import get_runtime, runtimes_forget
 from capabilities.runtimes.cloudflare import CloudflareNotFound, CloudflareSlotsExhausted, CloudflareUnavailable

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from capabilities import pager
-from capabilities.pager import Candidate, eviction_order, excess, victims_needed
+from capabilities.books import pager
+from capabilities.books.pager import Candidate, eviction_order, excess, victims_needed
 from sigil import redis_keys
 
 NOW = 1_800_000_000.0

@@ -9,7 +9,7 @@ import pytest
 
 from agents import services as agent_services
 from agents.models import Agent, AuditEvent
-from capabilities import pager
+from capabilities.books import pager
 from capabilities.models import Capability
 from capabilities.runtimes.worker_pool import pool_script_name
 from capabilities.tests.test_lifecycle import subscribe, verify

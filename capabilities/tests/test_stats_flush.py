@@ -11,7 +11,8 @@ import time
 import pytest
 from django.db import DatabaseError
 
-from capabilities import services, stats, tasks
+from capabilities import services, tasks
+from capabilities.books import stats
 from capabilities.models import Capability, CapabilityStatsWindow, StatsFlush
 from sigil import redis_keys
 from sigil.redis_client import get_redis

@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from agents.models import AuditEvent
-from capabilities import pager
+from capabilities.books import pager
 from capabilities.models import Capability
 from capabilities.tests.test_work_ends import BOUND, LEASE, deploy_until_uploaded, reap_the_stranded_deploy
 from sigil import redis_keys

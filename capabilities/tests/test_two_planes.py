@@ -310,7 +310,8 @@ def planes(request, django_db_blocker, _sigil_server_thread, cf_emulator, _celer
     from agents import services as agent_services
     from agents import tokens as token_rules
     from agents.models import Agent, Token
-    from capabilities import breaker, routes, services
+    from capabilities import services
+    from capabilities.books import breaker, routes
     from capabilities.models import Capability
     from capabilities.runtimes import runtimes_forget
     from conftest import _left_idle

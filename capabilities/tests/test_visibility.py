@@ -5,7 +5,8 @@ import pytest
 
 from agents.models import Agent
 from agents.tokens import Principal
-from capabilities import routes, selectors, visibility
+from capabilities import selectors, visibility
+from capabilities.books import routes
 from capabilities.models import Capability
 
 

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from agents.models import AuditEvent
-from capabilities import pager, services
+from capabilities import services
+from capabilities.books import pager
 from capabilities.models import Capability, CapabilityVersion
 from capabilities.runtimes.worker_pool import pool_script_name
 from capabilities.services.deploy_task import DEPLOY_RESENDS
@@ -225,7 +226,7 @@ def test_in_flight_counts_of_a_dead_process_stop_counting_a_lease_after_its_deat
 COUNT_A_CALL = """
 import django, time
 django.setup()
-from capabilities import pager
+from capabilities.books import pager
 pager.pager_inflight_enter("alice--a")
 print("counted", flush=True)
 time.sleep(600)
@@ -248,7 +249,7 @@ def test_a_deploy_that_fails_transiently_is_retried_before_its_outcome_is_kept(w
 def test_the_stats_script_gives_back_a_count_kept_per_process():
     """The gateway's record of a call takes back the in-flight count its process held, and
     only that one."""
-    from capabilities import stats
+    from capabilities.books import stats
 
     redis = get_redis()
     record_call = redis.register_script(stats.RECORD_CALLS)

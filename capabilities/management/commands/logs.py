@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 from django.conf import settings
 
-from capabilities import call_logs
+from capabilities.books import call_logs
 from capabilities.selectors import capability_get
 from sigil.owner_commands import OwnerCommand, argument
 

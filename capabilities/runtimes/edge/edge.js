@@ -11,7 +11,7 @@
 // It makes the engine's decisions in the engine's order (capabilities/engine/engine.py
 // handle/serve/forward, admission.py), in the contract's envelope and words (sigil/errors.py):
 // the names; the token (`tok:{sha256}` = agents/tokens.py:encode, `-` revoked or expired,
-// `-disabled`); Prefer: respond-async; the route (`route:{full}` = capabilities/routes.py:encode
+// `-disabled`); Prefer: respond-async; the route (`route:{full}` = capabilities/books/routes.py:encode
 // plus `brk`, the breaker: null closed, "forced", or the epoch its cool-down ends at); a split's
 // share (the engine's bucket: crc32 of "{variant}|{caller}" mod 100); the breaker; the state;
 // the body limit; then the capability, whose answer passes on as it arrives with the headers the
@@ -68,7 +68,7 @@ const SEPARATOR = "--";
 // what Python's quote() keeps of a name in a refusal.
 const PATH_SAFE = /[A-Za-z0-9/:@!$&'()*+,;=\-._~]/;
 const NAME_SAFE = /[A-Za-z0-9/_.\-~]/;
-// agents/tokens.py and capabilities/routes.py.
+// agents/tokens.py and capabilities/books/routes.py.
 const TOMBSTONE = "-";
 const DISABLED = "-disabled";
 const SERVED_STATES = new Set(["live", "evicting"]);
@@ -155,7 +155,7 @@ export async function serveEdge(request, env, ctx, runner) {
 // breaker (capabilities/engine/sending.py: what Recorder.finish records, CapabilityError and
 // Timeout); any other refusal is counted as an answer Sigil gave (stats.answer_count).
 const CALL_FAILURES = new Set(["capability_error", "timeout"]);
-// capabilities/failures.py: MESSAGE_MAX_CHARS.
+// capabilities/books/failures.py: MESSAGE_MAX_CHARS.
 const FAILURE_MESSAGE_CHARS = 500;
 
 /**
@@ -530,7 +530,7 @@ function decodeToken(raw) {
 
 const decodedRoutes = new Map();
 
-/** capabilities/routes.py:decode with `brk`; null when it is not a route document. */
+/** capabilities/books/routes.py:decode with `brk`; null when it is not a route document. */
 function decodeRoute(raw) {
   let route = decodedRoutes.get(raw);
   if (route === undefined) {

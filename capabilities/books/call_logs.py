@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
-from capabilities import names, routes
+from capabilities import names
+from capabilities.books import routes
 from capabilities.log_limits import LogLimits
 from sigil import redis_keys
 from sigil.errors import InvalidRequest
@@ -340,7 +341,7 @@ def call_records_follow(
 def call_records_alert_fields(*, full: str, failures: int = 5) -> dict:
     """What an alert about `full` carries to point at its calls: the request ids of its latest
     failures (newest first), and where the owning agent reads their records."""
-    from capabilities.failures import failures_list
+    from capabilities.books.failures import failures_list
 
     base = settings.SIGIL_PUBLIC_URL.rstrip("/")
     return {

@@ -23,7 +23,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from capabilities import failures
+from capabilities.books import failures
 from capabilities.models import BreakerState
 from sigil import redis_keys
 from sigil.configured import FromSettings, setting

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from capabilities import breaker
+from capabilities.books import breaker
 from sigil import redis_keys
 from sigil.redis_client import get_redis
 

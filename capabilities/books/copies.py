@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 
-from capabilities import contract_copies, routes
+from capabilities.books import contract_copies, routes
 from capabilities.models import Capability, State
 from sigil import redis_keys
 from sigil.edge_state import edge_mark, route_key

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from capabilities import routes
+from capabilities.books import routes
 from capabilities.contracts import Contract
 from capabilities.models import CapabilityVersion
 from sigil import redis_keys
