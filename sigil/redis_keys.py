@@ -404,13 +404,15 @@ class BudgetKeys(NamedTuple):
 
 
 def budget(name: str) -> BudgetKeys:
-    """The keys of the rate budget `name`. Written by RateBudget's scripts."""
+    """The keys of the rate budget `name`. Written by RateBudget's scripts; each expires as
+    BudgetKeys says."""
     tag = f"{{{name}}}"
     return BudgetKeys(f"{tag}:window", f"{tag}:pause", f"{tag}:housekeeping")
 
 
 def cf_budget(account_id: str) -> BudgetKeys:
-    """The Cloudflare API's rate budget of one account (the client's RateBudget)."""
+    """The Cloudflare API's rate budget of one account. Written by the client's RateBudget;
+    each key expires as BudgetKeys says."""
     return budget(f"sigil:cf:budget:{account_id}")
 
 
@@ -421,8 +423,8 @@ cf_facts = key_family("sigil:cf:facts")
 
 
 def sigil_worker_lock(account_id: str, name: str) -> str:
-    """The lease of the process uploading one of Sigil's own Workers (runtimes/sigil_worker.py).
-    A lease (held at most DEPLOY_LOCK_SECONDS)."""
+    """The lease of the process uploading one of Sigil's own Workers. Written by
+    runtimes/sigil_worker.py (SigilWorker.deploy). A lease (held at most DEPLOY_LOCK_SECONDS)."""
     return f"sigil:lock:sigil-worker:{account_id}:{name}"
 
 
@@ -449,5 +451,5 @@ mcp_session = key_family("sigil:mcp:session")
 #: too (settings.CACHES). Written by Django's cache, expiring as each entry's timeout says.
 DJANGO_CACHE_PREFIX = "sigil:django"
 
-#: Scratch keys of a benchmark (bench/), written and deleted by the benchmark itself.
+#: Scratch keys of a benchmark. Written and deleted by the benchmark itself (bench/); no expiry.
 bench = key_family("sigil:bench")
