@@ -54,42 +54,55 @@ OUTCOMES_FAILED = frozenset({"exception", "exceededCpu", "exceededMemory", "canc
 VARIANT = re.compile(r"--v[0-9]+$")
 
 
-# Keeps one record (ARGV[2], a JSON object without its sequence number) of ARGV[1], within the
-# bounds; returns its sequence number, or 0 when it could not be kept (counted as lost).
-KEEP_RECORD = """
-local list, bytes, lost, seqkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local full, rec = ARGV[1], ARGV[2]
-local max_records, max_bytes = tonumber(ARGV[3]), tonumber(ARGV[4])
-local oldest_kept, now = tonumber(ARGV[5]) - tonumber(ARGV[6]), tonumber(ARGV[5])
-if redis.call('EXISTS', list) == 0 then redis.call('HDEL', bytes, full) end
-local function drop_oldest()
-  local old = redis.call('RPOP', list)
-  if old then redis.call('HINCRBY', bytes, full, -#old) end
-  return old
+# Keeps the records of one batch, in order, each within the bounds. KEYS[1] and KEYS[2] are
+# the lost counts and the sequence; then, for each capability of the batch, its records'
+# list and its agent's bytes. ARGV: the bounds and the time (ARGV[1] to ARGV[4]), then three
+# per record: its capability's place among the KEYS pairs (1, 2, ...), its full name, and the
+# record (a JSON object without its sequence number). Returns each record's sequence number,
+# or 0 for one that could not be kept (counted as lost). One script call per batch: a record
+# costs Redis a few list and hash commands, not a script call of its own.
+KEEP_RECORDS = """
+local lost, seqkey = KEYS[1], KEYS[2]
+local max_records, max_bytes = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now = tonumber(ARGV[3])
+local oldest_kept = now - tonumber(ARGV[4])
+local seqs = {}
+for i = 5, #ARGV, 3 do
+  local place = tonumber(ARGV[i])
+  local list, bytes = KEYS[1 + 2 * place], KEYS[2 + 2 * place]
+  local full, rec = ARGV[i + 1], ARGV[i + 2]
+  if redis.call('EXISTS', list) == 0 then redis.call('HDEL', bytes, full) end
+  local function drop_oldest()
+    local old = redis.call('RPOP', list)
+    if old then redis.call('HINCRBY', bytes, full, -#old) end
+    return old
+  end
+  while true do
+    local old = redis.call('LINDEX', list, -1)
+    if not old or (tonumber(cjson.decode(old)['at']) or 0) >= oldest_kept then break end
+    drop_oldest()
+  end
+  local seq = redis.call('INCR', seqkey)
+  local item = '{"seq":' .. seq .. ',' .. string.sub(rec, 2)
+  local size = #item
+  local total = 0
+  for _, v in ipairs(redis.call('HVALS', bytes)) do total = total + tonumber(v) end
+  while total + size > max_bytes do
+    local old = drop_oldest()
+    if not old then break end
+    total = total - #old
+  end
+  if total + size > max_bytes then
+    redis.call('HINCRBY', lost, full, 1)
+    seqs[#seqs + 1] = 0
+  else
+    redis.call('LPUSH', list, item)
+    redis.call('HINCRBY', bytes, full, size)
+    while redis.call('LLEN', list) > max_records do drop_oldest() end
+    seqs[#seqs + 1] = seq
+  end
 end
-while true do
-  local old = redis.call('LINDEX', list, -1)
-  if not old or (tonumber(cjson.decode(old)['at']) or 0) >= oldest_kept then break end
-  drop_oldest()
-end
-local seq = redis.call('INCR', seqkey)
-local item = '{"seq":' .. seq .. ',' .. string.sub(rec, 2)
-local size = #item
-local total = 0
-for _, v in ipairs(redis.call('HVALS', bytes)) do total = total + tonumber(v) end
-while total + size > max_bytes do
-  local old = drop_oldest()
-  if not old then break end
-  total = total - #old
-end
-if total + size > max_bytes then
-  redis.call('HINCRBY', lost, full, 1)
-  return 0
-end
-redis.call('LPUSH', list, item)
-redis.call('HINCRBY', bytes, full, size)
-while redis.call('LLEN', list) > max_records do drop_oldest() end
-return seq
+return seqs
 """
 
 
@@ -167,40 +180,47 @@ def call_records_keep(*, records: list, limits: LogLimits | None = None) -> int:
     (or as undelivered, when it names none). Not idempotent: a batch posted twice is kept twice
     (a pushed batch is claimed first: call_records_batch_claim).
 
-    The whole batch is kept in one round trip (a pipeline of one script call per record, run
-    in order), and each slot's route read once for it, not once a record: a batch holds the
+    The whole batch is kept in one round trip (one script call for all its records, kept in
+    order), and each slot's route read once for it, not once a record: a batch holds the
     records of every call that ended within a moment, and the sink takes them beside the calls.
     """
     limits = limits or LogLimits.from_settings()
     client = get_redis()
-    keep = client.register_script(KEEP_RECORD)
     version_of = functools.cache(_version_of)
-    pipe = client.pipeline(transaction=False)
-    keeps = []  # for each command in the pipeline: whether it keeps a record
-    now = time.time()
+    keys = [redis_keys.LOGS_LOST, redis_keys.LOGS_SEQ]
+    places: dict[str, int] = {}  # full name → its place among the KEYS pairs
+    args: list = [limits.records_per_capability, limits.agent_bytes, time.time(), limits.retention_seconds]
+    refused_by: dict[str, int] = {}
+    refused_unnamed = 0
     for raw in records:
         try:
             full, record = call_record_clean(raw, limits=limits, version_of=version_of)
         except RecordRefused:
             full = raw.get("capability") if isinstance(raw, dict) else None
             if isinstance(full, str) and len(full) <= 200:
-                pipe.hincrby(redis_keys.LOGS_LOST, full, 1)
+                refused_by[full] = refused_by.get(full, 0) + 1
             else:
-                pipe.incr(redis_keys.LOGS_UNDELIVERED)
-            keeps.append(False)
+                refused_unnamed += 1
             continue
-        agent = full.partition(names.SEPARATOR)[0]
-        encoded = json.dumps(record, separators=(",", ":"))
-        keep(
-            keys=[redis_keys.logs(full), redis_keys.logs_bytes(agent), redis_keys.LOGS_LOST, redis_keys.LOGS_SEQ],
-            args=[full, encoded, limits.records_per_capability, limits.agent_bytes, now, limits.retention_seconds],
-            client=pipe,
-        )
-        keeps.append(True)
-    if not keeps:
+        place = places.get(full)
+        if place is None:
+            place = places[full] = len(places) + 1
+            keys += [redis_keys.logs(full), redis_keys.logs_bytes(full.partition(names.SEPARATOR)[0])]
+        args += [place, full, json.dumps(record, separators=(",", ":"))]
+    pipe = client.pipeline(transaction=False)
+    for full, count in refused_by.items():
+        pipe.hincrby(redis_keys.LOGS_LOST, full, count)
+    if refused_unnamed:
+        pipe.incr(redis_keys.LOGS_UNDELIVERED, refused_unnamed)
+    if not places:
+        if refused_by or refused_unnamed:
+            pipe.execute()
         return 0
-    answers = pipe.execute()
-    return sum(1 for keeping, seq in zip(keeps, answers, strict=True) if keeping and seq)
+    keep = client.register_script(KEEP_RECORDS)
+    if not len(pipe):  # nothing refused (as a rule): the script alone, no pipeline
+        return sum(1 for seq in keep(keys=keys, args=args) if seq)
+    keep(keys=keys, args=args, client=pipe)
+    return sum(1 for seq in pipe.execute()[-1] if seq)
 
 
 # Notes a pushed batch as taken (KEYS[1], for ARGV[1] seconds) unless it was, and counts it as

@@ -357,7 +357,14 @@ async function pause(ms) {
 }
 
 async function deliverToSink(env) {
+  let sentAt = 0;
   while (pending.length || dropped) {
+    // What queued while a batch was sent waits for the rest of its moment, unless a whole
+    // batch is there: under a steady load the loop would otherwise send, one after the other,
+    // the few records that end during each send (a sink request per one to three calls).
+    const wait = sentAt + FLUSH_MS - Date.now();
+    if (sentAt && wait > 0 && pending.length < BATCH_RECORDS) await pause(wait);
+    sentAt = Date.now();
     const [records] = nextBatch(0);
     const [lost, lostBy] = takeLost();
     try {
