@@ -68,12 +68,13 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The figures in docs/benchmarks.md: warm-call overhead and throughput against bare workerd (with
-# wrk), the engine's HTTP and Redis clients, one agent's storm beside another, paging costs, the
-# runtimes side by side, workerd's memory, what each process's death costs, what a switch
-# of runtimes costs the callers, what ordinary traffic costs of Cloudflare's API budget (10
-# minutes of it on each Cloudflare runtime, side by side), and the edge against the straight
-# dispatch and the origin, with ten minutes of its traffic before a deploy and a page-in.
+# The figures in docs/benchmarks.md: warm-call overhead and throughput over plain workerd and
+# the loader host (with wrk), the engine's HTTP and Redis clients, one agent's storm beside
+# another, paging costs, the runtimes side by side, workerd's memory, what each process's death
+# costs, what a switch of runtimes costs the callers, what ordinary traffic costs of
+# Cloudflare's API budget (10 minutes of it on each Cloudflare runtime, side by side), and the
+# edge against the straight dispatch and the origin, with ten minutes of its traffic before a
+# deploy and a page-in.
 bench: install $(WRK)
 	$(PY) bench/invoke.py
 	$(PY) bench/upstream_clients.py

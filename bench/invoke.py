@@ -1,23 +1,31 @@
-"""Invoke benchmark: what Sigil adds to a warm call, and how long the first call after a deploy takes.
+"""Invoke benchmark: what Sigil adds to a warm call, over two floors, and how long the first call after a deploy takes.
 
-    .venv/bin/python bench/invoke.py [--rounds 3] [--seconds 5] [--servers granian,uvicorn]
+    .venv/bin/python bench/invoke.py [--rounds 3] [--seconds 5] [--servers granian,uvicorn] [--records on|off]
 
 It starts everything it measures on 127.0.0.1, in a fresh temporary var directory: the
 bundled Redis (or the one at REDIS_URL, which it writes to but never flushes), a migrated
 SQLite database, workerd with the loader host, and Sigil under each ASGI server as it would
-run (several worker processes, keep-alive). It creates an agent with
-`manage.py createagent`, deploys a small capability over the REST API, then with wrk
-measures, for workerd called directly (the loader host with Sigil's internal headers, the
-same code) and for Sigil under each server:
+run (several worker processes, keep-alive), with call records on (Sigil's default) unless
+`--records off` (or SIGIL_LOGS_ENABLED=false) turns them off. It creates an agent with
+`manage.py createagent`, deploys a small capability over the REST API, and starts the same
+code bundle on plain workerd: the binary Sigil runs, serving the capability as a Worker
+service of its own (no loader host, no tail, so the same with records on or off). Then with
+wrk it measures two floors and Sigil under each server: plain workerd, the capability called
+directly; the loader host, called directly with Sigil's internal headers (the workerd process
+Sigil calls, running the capability through its Worker Loader, with the capability's tail when
+records are on), the floor Sigil's targets are set against; and for each of them
 
 - warm latency, p50 and p99 of every call, over one keep-alive connection;
 - warm throughput over 16 concurrent connections, in one-second turns across the targets
   so that other work on the machine slows them alike, and the CPU time each part (server,
   workerd, Redis, wrk) spent per request (Linux: read from /proc);
 
-then the time of the first call after a deploy of a fresh capability. It prints what Sigil
-adds (p50 and p99 over bare workerd, throughput ratio, workerd's CPU per call behind Sigil
-against alone) against the targets, and stops everything it started, by pid.
+then the time of the first call after a deploy of a fresh capability. It prints what each
+adds over a floor (p50 and p99 added, throughput ratio): Sigil over plain workerd, Sigil
+over the loader host, and the loader host over plain workerd; then the targets, which are
+over the loader host (and workerd's CPU per call behind Sigil against the loader host
+alone); and stops everything it started, by pid. Records on and off take a run each:
+alternate them to compare.
 
 Needs wrk (Debian and Ubuntu: `apt-get install wrk`) and workerd (`npm ci`).
 """
@@ -49,11 +57,13 @@ from harness import (
     request,
     sigil_environment,
     wait_for_health,
+    wait_until,
 )
 
 from capabilities.runtimes.base import CodeBundle
+from capabilities.workerd.config import V8_FLAGS, capnp_string
 from capabilities.workerd.group import read_status
-from sigil.ports import free_port, free_port_block
+from sigil.ports import free_port, free_port_block, port_is_open
 from testsupport.servers import server_command
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -78,6 +88,9 @@ MAX_COLD_P50_MS = 20.0
 
 
 SERVER_LABELS = {"uvicorn": "uvicorn", "granian": "granian asgi"}
+# The two floors a warm call through Sigil is measured over, by their names in --json.
+FLOORS = {"plain": "plain workerd", "loader": "loader host"}
+OVER_FLOORS = {"plain": "plain workerd", "loader": "the loader host"}
 
 
 @dataclass(frozen=True)
@@ -179,6 +192,57 @@ def interleaved_throughput(targets: dict[str, Target], *, seconds: float) -> dic
     return totals
 
 
+def plain_workerd_config(bundle: CodeBundle, *, port: int) -> str:
+    """The config of a workerd serving `bundle`'s modules as one Worker of its own on
+    127.0.0.1:`port`, as anyone would run the code on workerd: no loader host, no tail. The
+    modules are embedded from beside the config; the V8 flags are the loader host's
+    (config.V8_FLAGS), so that the two floors differ by the host alone."""
+    if bundle.bindings:
+        raise ValueError("the plain floor runs code without bindings")
+    modules = [bundle.main_module, *(name for name in bundle.modules if name != bundle.main_module)]
+    return f"""using Workerd = import "/workerd/workerd.capnp";
+
+const config :Workerd.Config = (
+  v8Flags = [{", ".join(capnp_string(flag) for flag in V8_FLAGS)}],
+  services = [(name = "capability", worker = .capability)],
+  sockets = [(name = "http", address = "127.0.0.1:{port}", http = (), service = "capability")],
+);
+
+const capability :Workerd.Worker = (
+  modules = [{", ".join(f"(name = {capnp_string(name)}, esModule = embed {capnp_string(name)})" for name in modules)}],
+  compatibilityDate = {capnp_string(bundle.compatibility_date)},
+);
+"""
+
+
+def start_plain_workerd(
+    processes: Processes, bundle: CodeBundle, *, binary: str, directory: Path, env: dict[str, str]
+) -> tuple[int, int]:
+    """`bundle` on plain workerd (`binary`) on a free loopback port, once it listens: (port, pid)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, source in bundle.modules.items():
+        (directory / name).write_text(source)
+    port = free_port()
+    config = directory / "plain.capnp"
+    config.write_text(plain_workerd_config(bundle, port=port))
+    log = directory / "workerd.log"
+    process = processes.start([binary, "serve", str(config)], env=env, log=log)
+    wait_until(lambda: process.poll() is not None or port_is_open(port), f"plain workerd did not listen; see {log}")
+    if process.poll() is not None:
+        raise RuntimeError(f"plain workerd exited with {process.returncode}; see {log}")
+    return port, process.pid
+
+
+def sigil_settings(env: dict[str, str]) -> dict:
+    """What the bench reads of the settings its Sigil runs with: the workerd binary, and
+    whether call records are on."""
+    script = (
+        "import json; from django.conf import settings; "
+        "print(json.dumps({'workerd': settings.SIGIL_WORKERD_BIN, 'records': settings.SIGIL_LOGS_ENABLED}))"
+    )
+    return json.loads(manage("shell", "-c", script, env=env).strip().splitlines()[-1])
+
+
 def check_reply(target: Target, port: int, path: str) -> None:
     """One call before the load, so a wrong setup fails loudly instead of benchmarking errors."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -233,6 +297,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="repeat the warm runs to see the spread")
     parser.add_argument("--cold-runs", type=int, default=20, help="fresh deploys timed per server")
     parser.add_argument("--json", type=Path, help="also write the raw figures to this file")
+    parser.add_argument(
+        "--records",
+        choices=("on", "off"),
+        help="call records (SIGIL_LOGS_ENABLED); by default as the environment says, on if it says nothing",
+    )
     args = parser.parse_args()
     servers = [s for s in args.servers.split(",") if s]
 
@@ -247,7 +316,11 @@ def main() -> int:
     var_dir = fresh_var_dir("invoke")
     internal_secret = secrets.token_hex(32)
     env = sigil_environment(var_dir, SIGIL_INTERNAL_SECRET=internal_secret, SIGIL_WORKERD_PORT=str(free_port_block()))
-    print(f"var dir {var_dir}; load average {load_average()}")
+    if args.records:
+        env["SIGIL_LOGS_ENABLED"] = "true" if args.records == "on" else "false"
+    configured = sigil_settings(env)
+    records = "on" if configured["records"] else "off"
+    print(f"var dir {var_dir}; call records {records}; load average {load_average()}")
 
     with Processes() as processes:
         backing = {}  # the processes behind every target, by part, for the CPU figures
@@ -275,17 +348,22 @@ def main() -> int:
         connection.close()
 
         full = f"{AGENT}--{CAPABILITY}"
+        bundle = CodeBundle.from_code(code)
         # The agent's workerd, started by the first deploy.
         agent_workerd = read_status(var_dir / "workerd" / "supervisor.json")["processes"][AGENT]
         backing["workerd"] = agent_workerd["pid"]
         workerd_port = agent_workerd["port"]
+        plain_port, plain_pid = start_plain_workerd(
+            processes, bundle, binary=configured["workerd"], directory=var_dir / "plain", env=env
+        )
         targets = {
-            "workerd": Target(
-                "workerd",
+            "plain": Target(FLOORS["plain"], f"http://127.0.0.1:{plain_port}/", {}, {"workerd": plain_pid}),
+            "loader": Target(
+                FLOORS["loader"],
                 f"http://127.0.0.1:{workerd_port}/",
-                {"X-Sigil-Secret": internal_secret, "X-Sigil-Loader-Id": f"{full}@{CodeBundle.from_code(code).sha}"},
+                {"X-Sigil-Secret": internal_secret, "X-Sigil-Loader-Id": f"{full}@{bundle.sha}"},
                 {"workerd": backing["workerd"]},
-            )
+            ),
         }
         for server, port in ports.items():
             targets[server] = Target(
@@ -294,7 +372,8 @@ def main() -> int:
                 {"Authorization": f"Bearer {tokens['invoke_token']}"},
                 {"server": server_pids[server], **backing},
             )
-        check_reply(targets["workerd"], workerd_port, "/")
+        check_reply(targets["plain"], plain_port, "/")
+        check_reply(targets["loader"], workerd_port, "/")
         for server, port in ports.items():
             check_reply(targets[server], port, f"/{AGENT}/{CAPABILITY}")
 
@@ -311,8 +390,8 @@ def main() -> int:
                 throughput[name].append(load)
 
         # workerd's CPU per call depends on its rate (fewer calls per wakeup cost more each):
-        # bare workerd again over fewer connections, at rates like those it serves behind Sigil.
-        paced = {n: wrk(targets["workerd"], connections=n, seconds=args.seconds) for n in PACED_CONNECTIONS}
+        # the loader host again over fewer connections, at rates like those it serves behind Sigil.
+        paced = {n: wrk(targets["loader"], connections=n, seconds=args.seconds) for n in PACED_CONNECTIONS}
 
         cold = {}
         for server, port in ports.items():
@@ -320,13 +399,21 @@ def main() -> int:
             cold[server] = measure_cold(port, tokens, server=server, runs=args.cold_runs)
 
     print(f"load average {load_average()} (other work on the machine shows up in the figures)")
-    report(servers, targets, latency, throughput, cold, args)
+    layers = [(server, floor) for server in servers for floor in FLOORS] + [("loader", "plain")]
+    over = {(upper, floor): added(latency, throughput, upper, floor) for upper, floor in layers}
+    report(servers, targets, latency, throughput, over, cold, args, records)
     report_paced(servers, throughput, paced)
     if args.json:
         raw = {
+            "records": records == "on",
             "latency": {name: [vars(load) for load in loads] for name, loads in latency.items()},
             "throughput": {
                 name: [vars(load) | {"rps": load.rps} for load in loads] for name, loads in throughput.items()
+            },
+            # What each adds over a floor, per round: {"granian": {"plain": {...}, "loader": {...}}, "loader": ...}
+            "over": {
+                upper: {floor: figures for (u, floor), figures in over.items() if u == upper}
+                for upper in dict.fromkeys(upper for upper, _ in layers)
             },
             "cold_ms": {server: [vars(call) for call in calls] for server, calls in cold.items()},
             "workers": args.workers,
@@ -336,46 +423,59 @@ def main() -> int:
     return 0
 
 
-def report(servers, targets, latency, throughput, cold, args) -> None:
-    rounds = range(args.rounds)
-    bare_lat, bare_tput = latency["workerd"], throughput["workerd"]
+def added(latency, throughput, upper: str, floor: str) -> dict[str, list[float]]:
+    """What target `upper` adds over target `floor` in each round: p50 and p99 in ms, and
+    its throughput as a fraction of the floor's."""
+    pairs = list(zip(latency[upper], latency[floor], strict=True))
+    rates = list(zip(throughput[upper], throughput[floor], strict=True))
+    return {
+        "added_p50_ms": [mine.p50_ms - theirs.p50_ms for mine, theirs in pairs],
+        "added_p99_ms": [mine.p99_ms - theirs.p99_ms for mine, theirs in pairs],
+        "throughput_ratio": [mine.rps / theirs.rps for mine, theirs in rates],
+    }
+
+
+def report(servers, targets, latency, throughput, over, cold, args, records) -> None:
     print()
     print(
-        f"warm calls: p50/p99 over 1 connection, throughput over {THROUGHPUT_CONNECTIONS} connections, "
-        f"{args.seconds:g} s each; {args.workers} worker processes; "
+        f"warm calls, call records {records}: p50/p99 over 1 connection, throughput over "
+        f"{THROUGHPUT_CONNECTIONS} connections, {args.seconds:g} s each; {args.workers} worker processes; "
         + ("median (min-max) of " + str(args.rounds) + " rounds" if args.rounds > 1 else "one round")
     )
-    header = f"{'':18} {'p50 ms':>18} {'p99 ms':>18} {'req/s':>22} {'+p50 ms':>18} {'+p99 ms':>18} {'ratio':>18}"
-    print(header)
+    print(f"{'':34} {'p50 ms':>18} {'p99 ms':>18} {'req/s':>22}")
     for name, target in targets.items():
         lat, tput = latency[name], throughput[name]
         row = (
-            f"{target.label:18} {spread([x.p50_ms for x in lat], 3):>18} {spread([x.p99_ms for x in lat], 3):>18} "
+            f"{target.label:34} {spread([x.p50_ms for x in lat], 3):>18} {spread([x.p99_ms for x in lat], 3):>18} "
             f"{spread([x.rps for x in tput], 0):>22}"
         )
-        if name != "workerd":
-            added_p50 = [lat[i].p50_ms - bare_lat[i].p50_ms for i in rounds]
-            added_p99 = [lat[i].p99_ms - bare_lat[i].p99_ms for i in rounds]
-            ratio = [tput[i].rps / bare_tput[i].rps for i in rounds]
-            row += f" {spread(added_p50, 3):>18} {spread(added_p99, 3):>18} {spread(ratio, 2):>18}"
         failures = sum(x.failures for x in lat + tput)
         if failures:
             row += f"  ({failures} failed requests)"
         print(row)
+    print()
+    print(f"{'what each adds over a floor':42} {'+p50 ms':>18} {'+p99 ms':>18} {'throughput ratio':>22}")
+    for (upper, floor), figures in over.items():
+        upper_label = FLOORS[upper] if upper in FLOORS else f"Sigil ({SERVER_LABELS[upper]})"
+        label = f"{upper_label} over {OVER_FLOORS[floor]}"
+        print(
+            f"{label:42} {spread(figures['added_p50_ms'], 3):>18} {spread(figures['added_p99_ms'], 3):>18} "
+            f"{spread(figures['throughput_ratio'], 2):>22}"
+        )
     print()
     parts = ["server", "workerd", "redis", "wrk"]
     print(
         f"CPU per request over {THROUGHPUT_CONNECTIONS} connections, µs (median);"
         f" the machine has {os.cpu_count()} cores:"
     )
-    print(f"{'':18} " + " ".join(f"{part:>9}" for part in [*parts, "total"]))
+    print(f"{'':34} " + " ".join(f"{part:>9}" for part in [*parts, "total"]))
     for name, target in targets.items():
         cells = []
         for part in parts:
             values = [load.cpu_us[part] for load in throughput[name] if part in load.cpu_us]
             cells.append(f"{statistics.median(values):9.0f}" if values else f"{'-':>9}")
         total = statistics.median(sum(load.cpu_us.values()) for load in throughput[name])
-        print(f"{target.label:18} " + " ".join(cells) + f" {total:9.0f}")
+        print(f"{target.label:34} " + " ".join(cells) + f" {total:9.0f}")
     print()
     print(f"first call after a deploy of a fresh capability, {args.cold_runs} deploys per server:")
     for server in servers:
@@ -389,28 +489,28 @@ def report(servers, targets, latency, throughput, cold, args) -> None:
         )
     print()
     print(
-        f"targets: +p50 <= {MAX_ADDED_P50_MS} ms, +p99 <= {MAX_ADDED_P99_MS} ms, "
+        f"targets, over the loader host: +p50 <= {MAX_ADDED_P50_MS} ms, +p99 <= {MAX_ADDED_P99_MS} ms, "
         f"ratio >= {MIN_THROUGHPUT_RATIO}, workerd CPU behind Sigil <= {MAX_WORKERD_CPU_RATIO}x alone, "
         f"first call p50 < {MAX_COLD_P50_MS:g} ms"
     )
-    bare_workerd_cpu = statistics.median(load.cpu_us["workerd"] for load in bare_tput)
+    loader_cpu = statistics.median(load.cpu_us["workerd"] for load in throughput["loader"])
     for server in servers:
-        lat, tput = latency[server], throughput[server]
+        figures = over[(server, "loader")]
         checks = {
-            "+p50": statistics.median(lat[i].p50_ms - bare_lat[i].p50_ms for i in rounds) <= MAX_ADDED_P50_MS,
-            "+p99": statistics.median(lat[i].p99_ms - bare_lat[i].p99_ms for i in rounds) <= MAX_ADDED_P99_MS,
-            "ratio": statistics.median(tput[i].rps / bare_tput[i].rps for i in rounds) >= MIN_THROUGHPUT_RATIO,
-            "workerd cpu": statistics.median(load.cpu_us["workerd"] for load in tput)
-            <= MAX_WORKERD_CPU_RATIO * bare_workerd_cpu,
+            "+p50": statistics.median(figures["added_p50_ms"]) <= MAX_ADDED_P50_MS,
+            "+p99": statistics.median(figures["added_p99_ms"]) <= MAX_ADDED_P99_MS,
+            "ratio": statistics.median(figures["throughput_ratio"]) >= MIN_THROUGHPUT_RATIO,
+            "workerd cpu": statistics.median(load.cpu_us["workerd"] for load in throughput[server])
+            <= MAX_WORKERD_CPU_RATIO * loader_cpu,
             "cold": statistics.median(call.total_ms for call in cold[server]) < MAX_COLD_P50_MS,
         }
         verdict = ", ".join(f"{name} {'ok' if passed else 'MISSED'}" for name, passed in checks.items())
-        print(f"{SERVER_LABELS[server]:18} {verdict}")
+        print(f"{SERVER_LABELS[server]:34} {verdict}")
 
 
 def report_paced(servers, throughput, paced) -> None:
     print()
-    print("workerd alone over fewer connections (its CPU per call at a lower rate), against behind Sigil:")
+    print("the loader host alone over fewer connections (its CPU per call at a lower rate), against behind Sigil:")
     for connections, load in paced.items():
         print(
             f"  alone, {connections} connection(s): {load.rps:6.0f} req/s, "
