@@ -20,8 +20,12 @@ Then the burst, where the storm's arrival itself is measured: a separate client 
 most are `429`), while quiet calls on a fixed schedule (one every `--quiet-interval-ms`), each
 call's time counted from when it was due, so that calls held up behind the burst count in full
 (no coordinated omission). Quiet's p99 over `--burst-window` seconds from the burst's send,
-against the same schedule alone just before; the burst client's own CPU time is printed, since
-it shares the machine's cores with Sigil.
+against the same schedule alone just before; the CPU time of each process meanwhile is printed,
+the load's own (the burst client, quiet's caller) with the servers', since they share the
+machine's cores. The same burst and schedule are also sent to a bare ASGI app that does no
+work (bench/bare_asgi.py) under the same granian command: what the burst adds to its quiet p99
+is the server's own floor, and Sigil's own share is what it adds to Sigil's less that floor.
+`--bursts` rounds, each the bare app's burst then Sigil's.
 
 It prints quiet's p50/p99/max and failures in each phase, the storm's outcomes by status, and
 the web worker's resident memory idle and with the storm in flight, per call in flight. It
@@ -33,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import os
 import selectors
 import socket
 import statistics
@@ -45,6 +48,7 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
+from bare_asgi import BARE_APPLICATION
 from harness import Processes, deploy, fresh_var_dir, load_average, manage, options, sigil_environment, wait_for_health
 
 from capabilities.workerd.supervision import process_cpu_ms
@@ -121,15 +125,16 @@ async def storm(port: int, token: str, count: int) -> Counter:
 
 def burst_connections(port: int, token: str, count: int) -> dict:
     """The burst client's work: `count` connections opened first, then the slow call sent on
-    every one at once (after "go" on stdin); the answers by status and the time to the last.
-    Plain sockets and one selector, so that the client itself takes little of the CPU."""
+    every one at once (after "go" on stdin); the answers by status, the time to the last and the
+    client's CPU time from the send. Plain sockets and one selector, so that the client itself
+    takes little of the CPU."""
     request = (
         f"GET /storm/slow HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n"
     ).encode()
     connections = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
     print("connected", flush=True)
     sys.stdin.readline()
-    sent = time.perf_counter()
+    sent, cpu_at_send = time.perf_counter(), time.process_time()
     for connection in connections:
         connection.sendall(request)
     answers: dict[socket.socket, bytearray] = {}
@@ -151,7 +156,7 @@ def burst_connections(port: int, token: str, count: int) -> dict:
                     key.fileobj.close()
     last = time.perf_counter() - sent
     statuses = Counter(bytes(answer).split(b" ", 2)[1].decode() if answer else "closed" for answer in answers.values())
-    return {"statuses": dict(statuses), "last_answer_s": last}
+    return {"statuses": dict(statuses), "last_answer_s": last, "cpu_s": time.process_time() - cpu_at_send}
 
 
 def burst_client_main(port: int, token: str, count: int) -> None:
@@ -193,10 +198,13 @@ def summary(times: list[float], failed: int) -> dict:
 
 def burst_phase(port: int, tokens: dict, args, *, servers: dict[str, int]) -> dict:
     """Quiet on its schedule alone, then on the same schedule from the moment a burst of
-    `args.storm` connections sends at once; the CPU each of `servers` used meanwhile."""
+    `args.storm` connections sends at once; the CPU each of `servers` used in each window, and
+    the load's own beside the burst (the burst client's from its send, quiet's caller's)."""
+    cpu_before = cpu_seconds(servers)
     alone = summary(
         *scheduled_quiet_calls(port, tokens["quiet"], interval_ms=args.quiet_interval_ms, seconds=args.burst_window)
     )
+    cpu_alone = {name: used - cpu_before[name] for name, used in cpu_seconds(servers).items()}
     client = subprocess.Popen(
         [sys.executable, __file__, "--burst-client", str(port), tokens["storm"], str(args.storm)],
         stdin=subprocess.PIPE,
@@ -208,13 +216,10 @@ def burst_phase(port: int, tokens: dict, args, *, servers: dict[str, int]) -> di
     beside: dict = {}
 
     def quiet() -> None:
-        beside.update(
-            summary(
-                *scheduled_quiet_calls(
-                    port, tokens["quiet"], interval_ms=args.quiet_interval_ms, seconds=args.burst_window
-                )
-            )
+        times, failed = scheduled_quiet_calls(
+            port, tokens["quiet"], interval_ms=args.quiet_interval_ms, seconds=args.burst_window
         )
+        beside.update(summary(times, failed), cpu_s=time.thread_time())  # the thread did only this
 
     quiet_thread = threading.Thread(target=quiet)
     cpu_before = cpu_seconds(servers)
@@ -222,12 +227,12 @@ def burst_phase(port: int, tokens: dict, args, *, servers: dict[str, int]) -> di
     client.stdin.write("go\n")
     client.stdin.flush()
     outcome = json.loads(client.stdout.readline())
-    _, _, usage = os.wait4(client.pid, 0)
-    client.returncode = 0
+    client.wait()
     quiet_thread.join()
     cpu = {name: used - cpu_before[name] for name, used in cpu_seconds(servers).items()}
-    cpu["burst client"] = usage.ru_utime + usage.ru_stime
-    return {"alone": alone, "beside": beside, "burst": outcome, "cpu": cpu}
+    cpu["burst client"] = outcome.pop("cpu_s")
+    cpu["quiet's caller"] = beside.pop("cpu_s")
+    return {"alone": alone, "beside": beside, "burst": outcome, "cpu": cpu, "cpu_alone": cpu_alone}
 
 
 def phase(port, tokens, args, *, storm_size: int, web_pid: int) -> dict:
@@ -299,24 +304,47 @@ def print_storm_phases(args, rss_idle: int, alone: dict, raised: dict, capped: d
     print(f"quiet's p99 beside the raised storm minus alone: {raised['p99'] - alone['p99']:.2f} ms (target <= 10)")
 
 
-def print_burst(args, burst: dict) -> None:
+def added_p99(burst: dict) -> float:
+    """What the burst added to quiet's p99: from the burst's send, less alone just before."""
+    return burst["beside"]["p99"] - burst["alone"]["p99"]
+
+
+def burst_web_cpu(burst: dict) -> float:
+    """The web process's CPU time beside the burst less its time in the window alone (the same
+    quiet calls): what the burst itself cost it."""
+    return burst["cpu"]["web"] - burst["cpu_alone"]["web"]
+
+
+def print_burst(args, rounds: list[dict]) -> None:
     print()
     print(
-        f"the burst: {args.storm} connections sending at once (default caps), quiet due every "
-        f"{args.quiet_interval_ms:g} ms for {args.burst_window:g} s, ms from when each call was due:"
+        f"the burst: {args.storm} connections sending at once (Sigil: default caps; the bare app answers every "
+        f"one 200), quiet due every {args.quiet_interval_ms:g} ms for {args.burst_window:g} s, ms from when each "
+        "call was due:"
     )
-    for label, result in (("alone", burst["alone"]), ("from the burst's send", burst["beside"])):
-        print(f"{label:44} {result['p50']:7.2f} {result['p99']:7.2f} {result['max']:8.2f} {result['failed']:7d}")
-    print(
-        f"burst's answers: {dict(sorted(burst['burst']['statuses'].items()))}, the last after "
-        f"{burst['burst']['last_answer_s']:.2f} s"
-    )
-    print(
-        "CPU used while quiet called beside the burst: "
-        + ", ".join(f"{name} {used:.2f} s" for name, used in burst["cpu"].items())
-    )
-    added = burst["beside"]["p99"] - burst["alone"]["p99"]
-    print(f"quiet's p99 from the burst minus alone: {added:.2f} ms (target <= 10)")
+    print(f"{'':44} {'p50':>7} {'p99':>7} {'max':>8} {'failed':>7}")
+    for number, bursts in enumerate(rounds, 1):
+        for server, burst in (("the bare app", bursts["bare"]), ("Sigil", bursts["sigil"])):
+            for label, result in (("alone", burst["alone"]), ("from the burst's send", burst["beside"])):
+                label = f"{number}. {server}, {label}"
+                print(
+                    f"{label:44} {result['p50']:7.2f} {result['p99']:7.2f} {result['max']:8.2f} {result['failed']:7d}"
+                )
+            print(
+                f"   burst's answers: {dict(sorted(burst['burst']['statuses'].items()))}, the last after "
+                f"{burst['burst']['last_answer_s']:.2f} s; CPU beside the burst: "
+                + ", ".join(f"{name} {used:.2f} s" for name, used in burst["cpu"].items())
+                + f"; the web process's alone: {burst['cpu_alone']['web']:.2f} s"
+            )
+    print()
+    for number, bursts in enumerate(rounds, 1):
+        sigil, floor = added_p99(bursts["sigil"]), added_p99(bursts["bare"])
+        print(
+            f"{number}. the server's own floor: quiet p99 {floor:+.2f} ms beside the burst; through Sigil "
+            f"{sigil:+.2f} ms; Sigil's own share {sigil - floor:+.2f} ms (target <= 10); the burst's own CPU in "
+            f"the web process (beside minus alone): the bare app's {burst_web_cpu(bursts['bare']) * 1000:.0f} ms, "
+            f"Sigil's {burst_web_cpu(bursts['sigil']) * 1000:.0f} ms"
+        )
 
 
 def main() -> int:
@@ -325,7 +353,14 @@ def main() -> int:
         burst_client_main(int(port), token, int(count))
         return 0
     args = options(
-        __doc__, storm=1000, wait_seconds=5.0, quiet_calls=2000, quiet_interval_ms=4.0, burst_window=3.0, only_burst=0
+        __doc__,
+        storm=1000,
+        wait_seconds=5.0,
+        quiet_calls=2000,
+        quiet_interval_ms=4.0,
+        burst_window=3.0,
+        only_burst=0,
+        bursts=(1, "rounds of the burst, each the bare app's then Sigil's"),
     )
 
     var_dir = fresh_var_dir("storm")
@@ -339,7 +374,14 @@ def main() -> int:
         tokens = {name: agent["invoke_token"] for name, agent in agents.items()}
         port = free_port()
         web = processes.start(server_command("granian", port=port, workers=1), env=env, log=var_dir / "granian.log")
+        bare_port = free_port()
+        bare = processes.start(
+            server_command("granian", port=bare_port, workers=1, application=BARE_APPLICATION),
+            env=env,
+            log=var_dir / "granian-bare.log",
+        )
         wait_for_health(port, web)
+        wait_for_health(bare_port, bare)
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         deploy(connection, agents["storm"]["deploy_token"], "slow", SLOW % int(args.wait_seconds * 1000))
         deploy(connection, agents["quiet"]["deploy_token"], "ping", PING)
@@ -354,11 +396,18 @@ def main() -> int:
         time.sleep(args.wait_seconds + 1)  # the last storm's calls all ended
         warm_storm.join()
         servers = {"web": web.pid, "workerd": workerd.pid, **({"redis": redis_pid} if redis_pid else {})}
-        burst = burst_phase(port, tokens, args, servers=servers)
+        rounds = [
+            {
+                "bare": burst_phase(bare_port, tokens, args, servers={"web": bare.pid}),
+                "sigil": burst_phase(port, tokens, args, servers=servers),
+            }
+            for _ in range(args.bursts)
+        ]
 
     if not args.only_burst:
         print_storm_phases(args, *storms)
-    print_burst(args, burst)
+    print_burst(args, rounds)
+    print(f"load average {load_average()}")
     return 0
 
 

@@ -17,16 +17,19 @@ from testsupport.processes import stop_session, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS = ("granian", "uvicorn")
+SIGIL_APPLICATION = "sigil_site.asgi:application"
 
 
-def server_command(server: str, *, port: int, workers: int) -> list[str]:
-    """How each ASGI server docs/operations.md names runs Sigil's application (the engine in front of Django)."""
+def server_command(server: str, *, port: int, workers: int, application: str = SIGIL_APPLICATION) -> list[str]:
+    """How each ASGI server docs/operations.md names runs Sigil's application (the engine in front
+    of Django), or with the same settings another `application` (module:attribute, imported from
+    the checkout's root): a benchmark's floor."""
     bin_dir = Path(sys.executable).parent
     bind = ["--workers", str(workers), "--host", "127.0.0.1", "--port", str(port)]
     if server == "uvicorn":
         return [
             str(bin_dir / "uvicorn"),
-            "sigil_site.asgi:application",
+            application,
             *bind,
             "--timeout-keep-alive",
             "75",
@@ -48,7 +51,7 @@ def server_command(server: str, *, port: int, workers: int) -> list[str]:
             "8192",
             "--log-level",
             "warning",
-            "sigil_site.asgi:application",
+            application,
         ]
     raise ValueError(f"unknown server {server!r}")
 
